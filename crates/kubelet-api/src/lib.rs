@@ -1,0 +1,39 @@
+//! Wire contracts of the kubelet plugin system, as Rust types.
+//!
+//! This crate holds no logic. It has three parts:
+//! - generated gRPC clients and servers (tonic + prost), grouped by API and
+//!   version: [`pluginregistration`], [`deviceplugin::v1beta1`], [`csi::v1`];
+//! - wire constants shared by both sides ([`constants`]);
+//! - Unix-socket dial and serve helpers ([`uds`]), because every plugin API
+//!   runs over a Unix socket rather than TCP.
+//!
+//! Generated types stay at the edge: the `kubelet` crate converts them into its
+//! own types in one place per API.
+
+pub mod constants;
+pub mod uds;
+
+/// Plugin registration (`pluginregistration` package): the plugin serves
+/// `Registration` on a socket in `plugins_registry/`, the node is the client.
+#[allow(missing_docs, clippy::all)]
+pub mod pluginregistration {
+    tonic::include_proto!("pluginregistration");
+}
+
+/// Device plugins.
+pub mod deviceplugin {
+    /// Device plugin API `v1beta1`.
+    #[allow(missing_docs, clippy::all)]
+    pub mod v1beta1 {
+        tonic::include_proto!("v1beta1");
+    }
+}
+
+/// Container Storage Interface.
+pub mod csi {
+    /// CSI v1: the Identity and Node services, the parts a node calls.
+    #[allow(missing_docs, clippy::all)]
+    pub mod v1 {
+        tonic::include_proto!("csi.v1");
+    }
+}

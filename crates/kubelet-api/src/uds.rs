@@ -1,0 +1,146 @@
+//! gRPC over Unix sockets: dial a plugin, serve on a socket path.
+//!
+//! tonic speaks HTTP/2 over TCP by default; plugins use Unix sockets. The
+//! client side passes a connector that opens a `UnixStream` (the URI handed to
+//! the endpoint is a placeholder and never resolved). The server side feeds a
+//! `UnixListener` as the incoming connection stream.
+
+use std::future::Future;
+use std::io;
+use std::os::unix::fs::FileTypeExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use hyper_util::rt::TokioIo;
+use tokio::net::{UnixListener, UnixStream};
+use tokio_stream::wrappers::UnixListenerStream;
+use tonic::transport::{Channel, Endpoint, Uri};
+
+/// Errors of dialing or serving on a Unix socket.
+#[derive(Debug, thiserror::Error)]
+pub enum UdsError {
+    /// The connection was not established within the deadline.
+    #[error("dial {path}: no connection within {timeout:?}")]
+    DialTimeout {
+        /// Socket path dialed.
+        path: PathBuf,
+        /// The deadline that passed.
+        timeout: Duration,
+    },
+    /// The socket refused or failed the connection.
+    #[error("dial {path}: {source}")]
+    Dial {
+        /// Socket path dialed.
+        path: PathBuf,
+        /// What the transport reported.
+        #[source]
+        source: tonic::transport::Error,
+    },
+    /// The socket could not be bound.
+    #[error("bind {path}: {source}")]
+    Bind {
+        /// Socket path.
+        path: PathBuf,
+        /// The system error.
+        #[source]
+        source: io::Error,
+    },
+    /// Something other than a socket already sits at the path.
+    #[error("bind {path}: a non-socket file is in the way")]
+    NotASocket {
+        /// Socket path.
+        path: PathBuf,
+    },
+}
+
+/// Strips a `unix://` scheme if present: CSI endpoints are written either as
+/// `unix:///path/csi.sock` or as a plain path.
+pub fn socket_path_of(endpoint: &str) -> &Path {
+    Path::new(endpoint.strip_prefix("unix://").unwrap_or(endpoint))
+}
+
+/// Opens a gRPC channel to the Unix socket at `path`, failing if no connection
+/// is made within `timeout`.
+pub async fn dial(path: impl AsRef<Path>, timeout: Duration) -> Result<Channel, UdsError> {
+    let path = path.as_ref().to_path_buf();
+    let target = path.clone();
+    // The authority is a placeholder; the connector ignores the URI.
+    let endpoint = Endpoint::from_static("http://localhost").connect_timeout(timeout);
+    let connect = endpoint.connect_with_connector(tower::service_fn(move |_: Uri| {
+        let target = target.clone();
+        async move { UnixStream::connect(target).await.map(TokioIo::new) }
+    }));
+    match tokio::time::timeout(timeout, connect).await {
+        Ok(Ok(channel)) => Ok(channel),
+        Ok(Err(source)) => Err(UdsError::Dial { path, source }),
+        Err(_) => Err(UdsError::DialTimeout { path, timeout }),
+    }
+}
+
+/// Binds a listening Unix socket at `path`, creating the parent directory and
+/// replacing a stale socket left by an earlier run. Refuses to replace any
+/// other kind of file.
+pub fn bind(path: impl AsRef<Path>) -> Result<UnixListener, UdsError> {
+    let path = path.as_ref();
+    let bind_err = |source| UdsError::Bind {
+        path: path.to_path_buf(),
+        source,
+    };
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent).map_err(bind_err)?;
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_socket() => std::fs::remove_file(path).map_err(bind_err)?,
+        Ok(_) => {
+            return Err(UdsError::NotASocket {
+                path: path.to_path_buf(),
+            });
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(bind_err(e)),
+    }
+    UnixListener::bind(path).map_err(bind_err)
+}
+
+/// Serves `router` on `listener` until `shutdown` completes.
+pub async fn serve(
+    router: tonic::transport::server::Router,
+    listener: UnixListener,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), tonic::transport::Error> {
+    router
+        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown)
+        .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unix_scheme_is_stripped_from_endpoints() {
+        assert_eq!(socket_path_of("unix:///csi/csi.sock"), Path::new("/csi/csi.sock"));
+        assert_eq!(socket_path_of("/csi/csi.sock"), Path::new("/csi/csi.sock"));
+    }
+
+    #[tokio::test]
+    async fn dialing_a_missing_socket_names_the_path() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("absent.sock");
+        let err = dial(&path, Duration::from_secs(1)).await.expect_err("must fail");
+        assert!(err.to_string().contains("absent.sock"), "{err}");
+    }
+
+    #[test]
+    fn bind_refuses_to_replace_a_regular_file() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("plugin.sock");
+        std::fs::write(&path, b"not a socket").expect("write");
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let err = rt.block_on(async { bind(&path).map(|_| ()) }).expect_err("must refuse");
+        assert!(err.to_string().contains("non-socket"), "{err}");
+    }
+}
