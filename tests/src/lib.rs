@@ -1,1 +1,15 @@
+//! Test plugins for Rustlet, written once and used by the tests, the
+//! benchmarks and the demo: real gRPC servers on real Unix sockets.
+//!
+//! - [`registration`]: a plugin-registration server with any type, name,
+//!   endpoint and versions, and misbehaviours on demand (hang, fail, exit).
+//! - [`csi_driver`]: a CSI driver serving Identity and Node with a
+//!   configurable `NodeGetInfo`.
+//! - [`report`]: the JSON lines the plugin binaries print, so a test can wait
+//!   for "the plugin was told it is registered" as an event with a deadline.
+//! - [`process`]: spawning the plugin binaries and reading those events.
 
+pub mod csi_driver;
+pub mod process;
+pub mod registration;
+pub mod report;

@@ -28,13 +28,12 @@ pub enum UdsError {
         timeout: Duration,
     },
     /// The socket refused or failed the connection.
-    #[error("dial {path}: {source}")]
+    #[error("dial {path}: {reason}")]
     Dial {
         /// Socket path dialed.
         path: PathBuf,
-        /// What the transport reported.
-        #[source]
-        source: tonic::transport::Error,
+        /// What the transport reported, with its causes.
+        reason: String,
     },
     /// The socket could not be bound.
     #[error("bind {path}: {source}")]
@@ -59,22 +58,59 @@ pub fn socket_path_of(endpoint: &str) -> &Path {
     Path::new(endpoint.strip_prefix("unix://").unwrap_or(endpoint))
 }
 
+/// How long a refused connection is retried before it counts as a failure.
+///
+/// A server creates its socket file with `bind()` and accepts connections
+/// only after `listen()`; a watcher that reacts to the file's creation can
+/// connect in between and be refused. Retrying briefly (1, 2, 4 … ms) bridges
+/// that gap; a stale socket that nobody serves costs this much per attempt.
+pub const REFUSED_GRACE: Duration = Duration::from_millis(100);
+
 /// Opens a gRPC channel to the Unix socket at `path`, failing if no connection
-/// is made within `timeout`.
+/// is made within `timeout`. Refused connections are retried for
+/// [`REFUSED_GRACE`] (bounded by `timeout`).
 pub async fn dial(path: impl AsRef<Path>, timeout: Duration) -> Result<Channel, UdsError> {
     let path = path.as_ref().to_path_buf();
     let target = path.clone();
     // The authority is a placeholder; the connector ignores the URI.
     let endpoint = Endpoint::from_static("http://localhost").connect_timeout(timeout);
+    let grace = REFUSED_GRACE.min(timeout);
     let connect = endpoint.connect_with_connector(tower::service_fn(move |_: Uri| {
         let target = target.clone();
-        async move { UnixStream::connect(target).await.map(TokioIo::new) }
+        async move { connect_unix(&target, grace).await.map(TokioIo::new) }
     }));
     match tokio::time::timeout(timeout, connect).await {
         Ok(Ok(channel)) => Ok(channel),
-        Ok(Err(source)) => Err(UdsError::Dial { path, source }),
+        Ok(Err(source)) => Err(UdsError::Dial { path, reason: error_chain(&source) }),
         Err(_) => Err(UdsError::DialTimeout { path, timeout }),
     }
+}
+
+async fn connect_unix(path: &Path, grace: Duration) -> io::Result<UnixStream> {
+    let started = tokio::time::Instant::now();
+    let mut pause = Duration::from_millis(1);
+    loop {
+        match UnixStream::connect(path).await {
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused && started.elapsed() + pause <= grace => {
+                tokio::time::sleep(pause).await;
+                pause *= 2;
+            }
+            other => return other,
+        }
+    }
+}
+
+/// An error and its causes, joined by `: ` (tonic's transport error alone
+/// says only "transport error").
+pub fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
 }
 
 /// Binds a listening Unix socket at `path`, creating the parent directory and
@@ -82,19 +118,14 @@ pub async fn dial(path: impl AsRef<Path>, timeout: Duration) -> Result<Channel, 
 /// other kind of file.
 pub fn bind(path: impl AsRef<Path>) -> Result<UnixListener, UdsError> {
     let path = path.as_ref();
-    let bind_err = |source| UdsError::Bind {
-        path: path.to_path_buf(),
-        source,
-    };
+    let bind_err = |source| UdsError::Bind { path: path.to_path_buf(), source };
     if let Some(parent) = path.parent() {
         std::fs::create_dir_all(parent).map_err(bind_err)?;
     }
     match std::fs::symlink_metadata(path) {
         Ok(meta) if meta.file_type().is_socket() => std::fs::remove_file(path).map_err(bind_err)?,
         Ok(_) => {
-            return Err(UdsError::NotASocket {
-                path: path.to_path_buf(),
-            });
+            return Err(UdsError::NotASocket { path: path.to_path_buf() });
         }
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => return Err(bind_err(e)),
@@ -108,9 +139,7 @@ pub async fn serve(
     listener: UnixListener,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), tonic::transport::Error> {
-    router
-        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown)
-        .await
+    router.serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown).await
 }
 
 #[cfg(test)]
@@ -129,6 +158,18 @@ mod tests {
         let path = dir.path().join("absent.sock");
         let err = dial(&path, Duration::from_secs(1)).await.expect_err("must fail");
         assert!(err.to_string().contains("absent.sock"), "{err}");
+        assert!(err.to_string().contains("No such file or directory"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn a_stale_socket_is_refused_after_the_grace() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("stale.sock");
+        drop(std::os::unix::net::UnixListener::bind(&path).expect("bind"));
+        let started = std::time::Instant::now();
+        let err = dial(&path, Duration::from_secs(5)).await.expect_err("nobody listens");
+        assert!(err.to_string().contains("Connection refused"), "{err}");
+        assert!(started.elapsed() >= REFUSED_GRACE / 2, "refusals are retried for a while first");
     }
 
     #[test]
@@ -136,10 +177,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("plugin.sock");
         std::fs::write(&path, b"not a socket").expect("write");
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime");
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
         let err = rt.block_on(async { bind(&path).map(|_| ()) }).expect_err("must refuse");
         assert!(err.to_string().contains("non-socket"), "{err}");
     }

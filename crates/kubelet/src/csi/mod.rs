@@ -1,0 +1,23 @@
+//! CSI drivers on this node: the `CSIPlugin` registration handler and the
+//! driver registry the volume stages resolve drivers from.
+//!
+//! A CSI driver registers through the plugin registration service (usually
+//! via the node-driver-registrar sidecar). [`CsiPluginHandler`] checks its
+//! versions, records it in the [`CsiDriverRegistry`], asks the driver
+//! `NodeGetInfo`, and publishes the node's CSI facts through a
+//! [`NodeInfoPublisher`] (in memory when standalone; Node and CSINode objects
+//! in cluster mode).
+
+mod client;
+mod error;
+mod handler;
+mod node_info;
+mod registry;
+mod version;
+
+pub use client::{CsiNodeInfo, node_get_info};
+pub use error::{CsiClientError, CsiError, CsiVersionError, PublishError};
+pub use handler::{CsiHandlerConfig, CsiPluginHandler};
+pub use node_info::{CsiNodeDriver, InMemoryNodeInfo, NodeCsiInfo, NodeInfoPublisher};
+pub use registry::{CsiDriver, CsiDriverRegistry};
+pub use version::{CsiVersion, highest_supported_version};

@@ -1,0 +1,202 @@
+//! The plugin registration service.
+//!
+//! Plugins announce themselves by creating a Unix socket under
+//! `<root-dir>/plugins_registry` and serving `pluginregistration.Registration`
+//! on it. The plugin manager finds the socket, asks the plugin who it is,
+//! hands it to the [`PluginHandler`] for its [`PluginType`], and tells the
+//! plugin the verdict.
+//!
+//! # Flow
+//! ```text
+//! inotify ─▶ watcher ─▶ reconciler (owns desired + actual state)
+//!                          │  dirty paths: unregister first, then register
+//!                          ▼
+//!                per-socket operation (one at a time per path, backoff)
+//!                dial → GetInfo → handler.validate → handler.register → Notify
+//! ```
+//!
+//! # Guarantees
+//! - Event-driven: a socket is registered as soon as inotify reports it; a
+//!   periodic resync (default 30 s) only catches what events could not tell.
+//! - One hung or stale plugin never delays another: every RPC has a deadline
+//!   and different sockets are registered concurrently.
+//! - Failures back off per socket (500 ms doubling to 2 min 2 s) and are
+//!   logged loudly once, then quietly while they repeat.
+//!
+//! # Caveats
+//! - Symbolic links are not followed (upstream follows them): a link would let
+//!   one plugin register twice, and changes to its target are not reported.
+//! - Names starting with `.` are ignored at any depth below the directory.
+
+mod actual_state;
+mod backoff;
+mod desired_state;
+mod error;
+mod handler;
+mod metrics;
+mod operation;
+mod reconciler;
+mod status;
+mod watcher;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::registry::Registry;
+use tokio::sync::{broadcast, mpsc, oneshot, watch};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+pub use desired_state::DesiredStateError;
+pub use error::{PluginManagerError, RegistrationError};
+pub use handler::{HandlerError, PluginHandler, PluginInfo, PluginType};
+pub use status::{PluginCounts, PluginEvent, PluginState, PluginStatus};
+pub use watcher::WatcherError;
+
+use reconciler::{Channels, Reconciler, Request};
+
+/// Settings of the plugin manager. Defaults follow the upstream kubelet.
+#[derive(Clone, Debug)]
+pub struct PluginManagerConfig {
+    /// The watched directory, usually `<root-dir>/plugins_registry`.
+    pub registration_dir: PathBuf,
+    /// Deadline to connect to a plugin socket (upstream: 10 s).
+    pub dial_timeout: Duration,
+    /// Deadline for `GetInfo` (upstream: 1 s).
+    pub get_info_timeout: Duration,
+    /// Deadline for `NotifyRegistrationStatus` (upstream: 5 s).
+    pub notify_timeout: Duration,
+    /// Backoff after the first failure of a socket (upstream: 500 ms).
+    pub initial_backoff: Duration,
+    /// Longest backoff (upstream: 2 min 2 s).
+    pub max_backoff: Duration,
+    /// How often the whole directory is rescanned as a safety net.
+    pub resync_period: Duration,
+    /// How long a handler's `deregister` may take before the manager moves on.
+    pub deregister_timeout: Duration,
+    /// Registrations running at once (bounds open connections in a burst).
+    pub max_concurrent_operations: usize,
+}
+
+impl PluginManagerConfig {
+    /// Upstream defaults for the given registration directory.
+    pub fn new(registration_dir: impl Into<PathBuf>) -> Self {
+        PluginManagerConfig {
+            registration_dir: registration_dir.into(),
+            dial_timeout: Duration::from_secs(10),
+            get_info_timeout: Duration::from_secs(1),
+            notify_timeout: Duration::from_secs(5),
+            initial_backoff: Duration::from_millis(500),
+            max_backoff: Duration::from_secs(2 * 60 + 2),
+            resync_period: Duration::from_secs(30),
+            deregister_timeout: Duration::from_secs(5),
+            max_concurrent_operations: 512,
+        }
+    }
+}
+
+/// Builder and owner of the plugin registration service.
+///
+/// ```no_run
+/// # use std::sync::Arc;
+/// # use kubelet::plugin_manager::{PluginManager, PluginManagerConfig, PluginType};
+/// # async fn run(handler: Arc<dyn kubelet::plugin_manager::PluginHandler>) -> Result<(), Box<dyn std::error::Error>> {
+/// let shutdown = tokio_util::sync::CancellationToken::new();
+/// let mut manager = PluginManager::new(PluginManagerConfig::new("/tmp/root/plugins_registry"));
+/// manager.add_handler(PluginType::Csi, handler)?;
+/// let (handle, task) = manager.start(shutdown.clone())?;
+/// handle.counts().wait_for(|c| c.registered > 0).await?;
+/// shutdown.cancel();
+/// task.await?;
+/// # Ok(()) }
+/// ```
+pub struct PluginManager {
+    config: PluginManagerConfig,
+    handlers: HashMap<PluginType, Arc<dyn PluginHandler>>,
+    metrics: metrics::Metrics,
+}
+
+impl PluginManager {
+    /// A manager with no handlers yet.
+    pub fn new(config: PluginManagerConfig) -> Self {
+        PluginManager { config, handlers: HashMap::new(), metrics: metrics::Metrics::default() }
+    }
+
+    /// Routes plugins of `plugin_type` to `handler`.
+    pub fn add_handler(
+        &mut self,
+        plugin_type: PluginType,
+        handler: Arc<dyn PluginHandler>,
+    ) -> Result<&mut Self, PluginManagerError> {
+        if self.handlers.contains_key(&plugin_type) {
+            return Err(PluginManagerError::DuplicateHandler(plugin_type));
+        }
+        self.handlers.insert(plugin_type, handler);
+        Ok(self)
+    }
+
+    /// Adds the manager's metrics to `registry`.
+    pub fn register_metrics(&mut self, registry: &mut Registry) -> &mut Self {
+        self.metrics.register(registry);
+        self
+    }
+
+    /// Prepares the registration directory, starts watching it and spawns the
+    /// reconciler. Sockets already present are registered first. The task ends
+    /// when `shutdown` is cancelled.
+    pub fn start(
+        self,
+        shutdown: CancellationToken,
+    ) -> Result<(PluginManagerHandle, JoinHandle<()>), PluginManagerError> {
+        let dir = self.config.registration_dir.clone();
+        watcher::prepare_dir(&dir)?;
+        let (fs_tx, fs_rx) = mpsc::unbounded_channel();
+        // Watching starts before the first scan, so nothing falls in between.
+        let watch = watcher::start(&dir, fs_tx)?;
+        let (req_tx, req_rx) = mpsc::channel(16);
+        let (events, _) = broadcast::channel(4096);
+        let (counts_tx, counts_rx) = watch::channel(PluginCounts::default());
+        let reconciler = Reconciler::new(self.config, self.handlers, self.metrics, events.clone(), counts_tx);
+        tracing::info!(dir = %dir.display(), "plugin manager watching for plugin sockets");
+        let span = tracing::info_span!("plugin_manager", dir = %dir.display());
+        let task = tokio::spawn(
+            async move {
+                let _watch = watch;
+                reconciler.run(Channels { fs: fs_rx, requests: req_rx }, shutdown).await;
+            }
+            .instrument(span),
+        );
+        Ok((PluginManagerHandle { requests: req_tx, counts: counts_rx, events }, task))
+    }
+}
+
+/// A cheap, cloneable view of a running plugin manager.
+#[derive(Clone)]
+pub struct PluginManagerHandle {
+    requests: mpsc::Sender<Request>,
+    counts: watch::Receiver<PluginCounts>,
+    events: broadcast::Sender<PluginEvent>,
+}
+
+impl PluginManagerHandle {
+    /// Status of every socket, sorted by path; `None` once the manager stopped.
+    pub async fn status(&self) -> Option<Vec<PluginStatus>> {
+        let (tx, rx) = oneshot::channel();
+        self.requests.send(Request::Status(tx)).await.ok()?;
+        rx.await.ok()
+    }
+
+    /// Counters updated after every batch of work.
+    pub fn counts(&self) -> watch::Receiver<PluginCounts> {
+        self.counts.clone()
+    }
+
+    /// Registration events from now on. A receiver that falls more than 4,096
+    /// events behind sees `Lagged` and should re-read [`status`](Self::status).
+    pub fn subscribe(&self) -> broadcast::Receiver<PluginEvent> {
+        self.events.subscribe()
+    }
+}

@@ -1,0 +1,140 @@
+//! The register sequence for one socket, as upstream runs it:
+//!
+//! 1. dial the socket (deadline);
+//! 2. `GetInfo` (deadline);
+//! 3. find the handler for the reported type, else tell the plugin;
+//! 4. default an empty endpoint to the socket path;
+//! 5. `validate`, else tell the plugin;
+//! 6. `register`, else undo (`deregister`) and tell the plugin;
+//! 7. tell the plugin it is registered, else undo.
+//!
+//! Any failure is returned for backoff and retry.
+//!
+//! Upstream's rule ("add to actual state before register, so a delete during
+//! register becomes a deregister") holds here by construction: the reconciler
+//! runs one operation per socket at a time and looks at the socket again when
+//! this operation ends, so a socket deleted meanwhile is deregistered then.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kubelet_api::pluginregistration::registration_client::RegistrationClient;
+use kubelet_api::pluginregistration::{InfoRequest, RegistrationStatus};
+use tonic::transport::Channel;
+
+use super::error::RegistrationError;
+use super::handler::{PluginHandler, PluginInfo, PluginType};
+
+/// Handlers by plugin type.
+pub(crate) type HandlerMap = HashMap<PluginType, Arc<dyn PluginHandler>>;
+
+/// Deadlines of the RPCs a registration makes.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Deadlines {
+    pub(crate) dial: Duration,
+    pub(crate) get_info: Duration,
+    pub(crate) notify: Duration,
+}
+
+/// A registration that went through: what the plugin is and who holds it.
+pub(crate) struct Registered {
+    pub(crate) info: PluginInfo,
+    pub(crate) handler: Arc<dyn PluginHandler>,
+}
+
+const ERROR_PREFIX: &str = "RegisterPlugin error -- ";
+
+/// Runs the register sequence against the socket at `socket`.
+pub(crate) async fn register(
+    socket: &Path,
+    handlers: &HandlerMap,
+    deadlines: Deadlines,
+) -> Result<Registered, RegistrationError> {
+    let channel = kubelet_api::uds::dial(socket, deadlines.dial)
+        .await
+        .map_err(|source| RegistrationError::Dial { socket: socket.to_path_buf(), source })?;
+    let mut client = RegistrationClient::new(channel);
+
+    let info = match tokio::time::timeout(deadlines.get_info, client.get_info(InfoRequest {})).await {
+        Ok(Ok(response)) => response.into_inner(),
+        Ok(Err(status)) => return Err(RegistrationError::GetInfo { socket: socket.to_path_buf(), status }),
+        Err(_) => {
+            return Err(RegistrationError::GetInfoTimeout {
+                socket: socket.to_path_buf(),
+                timeout: deadlines.get_info,
+            });
+        }
+    };
+
+    let Some(handler) = handlers.get(&PluginType::from(info.r#type.as_str())).cloned() else {
+        let err = RegistrationError::UnknownType { plugin_type: info.r#type, socket: socket.to_path_buf() };
+        notify_rejection(&mut client, socket, format!("{ERROR_PREFIX}{err}"), deadlines.notify).await;
+        return Err(err);
+    };
+    let plugin = PluginInfo {
+        plugin_type: PluginType::from(info.r#type.as_str()),
+        endpoint: if info.endpoint.is_empty() { socket.display().to_string() } else { info.endpoint },
+        name: info.name,
+        supported_versions: info.supported_versions,
+        socket_path: socket.to_path_buf(),
+    };
+
+    if plugin.name.is_empty() {
+        let err = RegistrationError::EmptyName { plugin_type: plugin.plugin_type, socket: socket.to_path_buf() };
+        let reason = format!("{ERROR_PREFIX}plugin validation failed with err: plugin name is empty");
+        notify_rejection(&mut client, socket, reason, deadlines.notify).await;
+        return Err(err);
+    }
+    if let Err(source) = handler.validate(&plugin).await {
+        let reason = format!("{ERROR_PREFIX}plugin validation failed with err: {source}");
+        notify_rejection(&mut client, socket, reason, deadlines.notify).await;
+        return Err(RegistrationError::Validation {
+            plugin_type: plugin.plugin_type,
+            name: plugin.name,
+            socket: socket.to_path_buf(),
+            source,
+        });
+    }
+    if let Err(source) = handler.register(&plugin).await {
+        handler.deregister(&plugin).await;
+        let reason = format!("{ERROR_PREFIX}plugin registration failed with err: {source}");
+        notify_rejection(&mut client, socket, reason, deadlines.notify).await;
+        return Err(RegistrationError::Register {
+            plugin_type: plugin.plugin_type,
+            name: plugin.name,
+            socket: socket.to_path_buf(),
+            source,
+        });
+    }
+    if let Err(reason) = notify(&mut client, true, String::new(), deadlines.notify).await {
+        // The plugin never learnt it is registered (it may be gone): undo, so
+        // the next attempt starts from a clean slate.
+        handler.deregister(&plugin).await;
+        return Err(RegistrationError::Notify { socket: socket.to_path_buf(), reason });
+    }
+    Ok(Registered { info: plugin, handler })
+}
+
+/// Tells the plugin it was turned down. Failing to deliver that is only worth
+/// a debug line: the registration failed anyway and will be retried.
+async fn notify_rejection(client: &mut RegistrationClient<Channel>, socket: &Path, reason: String, deadline: Duration) {
+    if let Err(error) = notify(client, false, reason, deadline).await {
+        tracing::debug!(socket = %socket.display(), %error, "could not deliver the rejection to the plugin");
+    }
+}
+
+async fn notify(
+    client: &mut RegistrationClient<Channel>,
+    registered: bool,
+    error: String,
+    deadline: Duration,
+) -> Result<(), String> {
+    let status = RegistrationStatus { plugin_registered: registered, error };
+    match tokio::time::timeout(deadline, client.notify_registration_status(status)).await {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(status)) => Err(status.to_string()),
+        Err(_) => Err(format!("no answer within {deadline:?}")),
+    }
+}

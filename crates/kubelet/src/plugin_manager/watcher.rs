@@ -1,0 +1,268 @@
+//! Finds plugin sockets under the registration directory.
+//!
+//! inotify (through `notify`, recursive) says *that* something changed at a
+//! path; it does not say reliably *what*: a socket bound right after `mkdir`
+//! is often never reported, a rename away is a single event on the directory,
+//! and a full kernel queue drops events. So the watcher forwards only "look at
+//! this path again" ([`FsEvent::Changed`]) or "look at everything again"
+//! ([`FsEvent::Rescan`]), and [`scan`] decides what is on disk now by `lstat`
+//! and directory walks. Every event kind — create, remove, rename in or out —
+//! thus ends in the same question, answered from the file system itself.
+
+use std::io;
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::path::{Component, Path, PathBuf};
+
+use notify::{EventKind, RecursiveMode, Watcher as _};
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::desired_state::FileId;
+
+/// Errors that stop the watcher from starting.
+#[derive(Debug, thiserror::Error)]
+pub enum WatcherError {
+    /// Something other than a directory is at the registration path.
+    #[error("plugin registration path {path} exists but is not a directory")]
+    NotADirectory {
+        /// The registration path.
+        path: PathBuf,
+    },
+    /// The registration directory could not be created.
+    #[error("cannot create plugin registration directory {path}: {source}")]
+    Create {
+        /// The registration path.
+        path: PathBuf,
+        /// The system error.
+        #[source]
+        source: io::Error,
+    },
+    /// The registration directory cannot be written to (plugins could not
+    /// create their sockets in it either).
+    #[error("plugin registration directory {path} is not writable: {source}")]
+    NotWritable {
+        /// The registration path.
+        path: PathBuf,
+        /// The system error.
+        #[source]
+        source: io::Error,
+    },
+    /// inotify refused the watch (for example `max_user_watches` reached).
+    #[error("cannot watch plugin registration directory {path}: {source}")]
+    Watch {
+        /// The registration path.
+        path: PathBuf,
+        /// What inotify reported.
+        #[source]
+        source: notify::Error,
+    },
+}
+
+/// What the file system told us, reduced to what the reconciler must re-check.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum FsEvent {
+    /// Something happened at this path (or below it): look again.
+    Changed(PathBuf),
+    /// Events may have been lost: look at the whole tree again.
+    Rescan(&'static str),
+}
+
+/// Keeps the inotify watch alive; dropping it stops the events.
+pub(crate) struct Watcher {
+    _inner: notify::RecommendedWatcher,
+}
+
+/// Creates the registration directory (0755) if missing and checks that it is
+/// a writable directory.
+pub(crate) fn prepare_dir(root: &Path) -> Result<(), WatcherError> {
+    match std::fs::metadata(root) {
+        Ok(meta) if !meta.is_dir() => {
+            return Err(WatcherError::NotADirectory { path: root.to_path_buf() });
+        }
+        Ok(_) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            std::fs::create_dir_all(root)
+                .and_then(|()| std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o755)))
+                .map_err(|source| WatcherError::Create { path: root.to_path_buf(), source })?;
+        }
+        Err(source) => return Err(WatcherError::Create { path: root.to_path_buf(), source }),
+    }
+    // A hidden probe file: the watcher ignores names starting with '.'.
+    let probe = root.join(format!(".rustlet-write-probe-{}", std::process::id()));
+    std::fs::write(&probe, b"")
+        .and_then(|()| std::fs::remove_file(&probe))
+        .map_err(|source| WatcherError::NotWritable { path: root.to_path_buf(), source })
+}
+
+/// Starts a recursive inotify watch on `root`, forwarding events to `tx`.
+pub(crate) fn start(root: &Path, tx: UnboundedSender<FsEvent>) -> Result<Watcher, WatcherError> {
+    let mut inner = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
+        let event = match res {
+            Ok(event) => event,
+            Err(error) => {
+                tracing::warn!(%error, "file watch error; rescanning the plugin registration directory");
+                let _ = tx.send(FsEvent::Rescan("watch error"));
+                return;
+            }
+        };
+        if event.need_rescan() {
+            let _ = tx.send(FsEvent::Rescan("inotify queue overflow"));
+            return;
+        }
+        if matches!(event.kind, EventKind::Access(_)) {
+            return;
+        }
+        for path in event.paths {
+            let _ = tx.send(FsEvent::Changed(path));
+        }
+    })
+    .map_err(|source| WatcherError::Watch { path: root.to_path_buf(), source })?;
+    inner
+        .watch(root, RecursiveMode::Recursive)
+        .map_err(|source| WatcherError::Watch { path: root.to_path_buf(), source })?;
+    Ok(Watcher { _inner: inner })
+}
+
+/// What sits at a path, as far as plugin registration cares.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Entry {
+    /// A Unix socket: a plugin candidate.
+    Socket(FileId),
+    /// A directory: walk it.
+    Directory,
+    /// Something that is not a plugin (regular file, FIFO, symlink, hidden name).
+    Ignored(&'static str),
+    /// Nothing is there (any more).
+    Missing,
+}
+
+/// True when any component of `path` below `root` starts with `.`.
+pub(crate) fn is_hidden(root: &Path, path: &Path) -> bool {
+    path.strip_prefix(root).is_ok_and(|rel| {
+        rel.components().any(|c| matches!(c, Component::Normal(name) if name.as_encoded_bytes().first() == Some(&b'.')))
+    })
+}
+
+/// Looks at `path` without following symlinks.
+pub(crate) fn classify(root: &Path, path: &Path) -> Entry {
+    if is_hidden(root, path) {
+        return Entry::Ignored("hidden name");
+    }
+    match std::fs::symlink_metadata(path) {
+        Err(_) => Entry::Missing,
+        Ok(meta) => {
+            let ft = meta.file_type();
+            if ft.is_socket() {
+                Entry::Socket(FileId::of(&meta))
+            } else if ft.is_dir() {
+                Entry::Directory
+            } else if ft.is_symlink() {
+                Entry::Ignored("symbolic link (not followed)")
+            } else if ft.is_fifo() {
+                Entry::Ignored("FIFO, not a socket")
+            } else if ft.is_file() {
+                Entry::Ignored("regular file, not a socket")
+            } else {
+                Entry::Ignored("not a socket")
+            }
+        }
+    }
+}
+
+/// The result of walking a directory tree.
+#[derive(Debug, Default)]
+pub(crate) struct Scan {
+    /// Every socket found, with its identity.
+    pub(crate) sockets: Vec<(PathBuf, FileId)>,
+    /// Entries that look like plugins but are not (name ends in `.sock`).
+    pub(crate) ignored: Vec<(PathBuf, &'static str)>,
+}
+
+/// Walks `dir` recursively (not following symlinks, skipping hidden names).
+pub(crate) fn scan(root: &Path, dir: &Path) -> Scan {
+    let mut out = Scan::default();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(current) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&current) else { continue };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            match classify(root, &path) {
+                Entry::Socket(id) => out.sockets.push((path, id)),
+                Entry::Directory => stack.push(path),
+                Entry::Ignored(why) if looks_like_socket(&path) => out.ignored.push((path, why)),
+                Entry::Ignored(_) | Entry::Missing => {}
+            }
+        }
+    }
+    out
+}
+
+/// Names that a user probably meant as a plugin socket, worth a log line when
+/// they are ignored.
+pub(crate) fn looks_like_socket(path: &Path) -> bool {
+    path.extension().is_some_and(|e| e == "sock")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hidden_components_below_root_are_detected() {
+        let root = Path::new("/r/.x");
+        assert!(!is_hidden(root, Path::new("/r/.x/a/b.sock")), "the root's own name does not count");
+        assert!(is_hidden(root, Path::new("/r/.x/.a/b.sock")));
+        assert!(is_hidden(root, Path::new("/r/.x/a/.b.sock")));
+    }
+
+    #[test]
+    fn classify_tells_non_sockets_apart() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let root = dir.path();
+        let file = root.join("file.sock");
+        std::fs::write(&file, b"x").expect("write");
+        let link = root.join("link.sock");
+        std::os::unix::fs::symlink(&file, &link).expect("symlink");
+        let sock = root.join("real.sock");
+        let _listener = std::os::unix::net::UnixListener::bind(&sock).expect("bind");
+        assert_eq!(classify(root, &file), Entry::Ignored("regular file, not a socket"));
+        assert_eq!(classify(root, &link), Entry::Ignored("symbolic link (not followed)"));
+        assert!(matches!(classify(root, &sock), Entry::Socket(_)));
+        assert_eq!(classify(root, &root.join("absent.sock")), Entry::Missing);
+        assert_eq!(classify(root, root), Entry::Directory);
+    }
+
+    #[test]
+    fn scan_finds_nested_sockets_and_reports_impostors() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let root = dir.path();
+        std::fs::create_dir_all(root.join("a/b")).expect("mkdir");
+        std::fs::create_dir_all(root.join(".hidden")).expect("mkdir");
+        let _l1 = std::os::unix::net::UnixListener::bind(root.join("a/b/p.sock")).expect("bind");
+        let _l2 = std::os::unix::net::UnixListener::bind(root.join("top.sock")).expect("bind");
+        let _l3 = std::os::unix::net::UnixListener::bind(root.join(".hidden/h.sock")).expect("bind");
+        std::fs::write(root.join("a/fake.sock"), b"").expect("write");
+        let found = scan(root, root);
+        let mut sockets: Vec<_> = found.sockets.into_iter().map(|(p, _)| p).collect();
+        sockets.sort();
+        assert_eq!(sockets, vec![root.join("a/b/p.sock"), root.join("top.sock")]);
+        assert_eq!(found.ignored, vec![(root.join("a/fake.sock"), "regular file, not a socket")]);
+    }
+
+    #[test]
+    fn a_file_in_place_of_the_directory_is_a_clear_error() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("plugins_registry");
+        std::fs::write(&path, b"").expect("write");
+        let err = prepare_dir(&path).expect_err("must fail");
+        assert!(err.to_string().contains("is not a directory"), "{err}");
+    }
+
+    #[test]
+    fn a_missing_directory_is_created_0755() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("x/plugins_registry");
+        prepare_dir(&path).expect("prepare");
+        let mode = std::fs::metadata(&path).expect("meta").permissions().mode() & 0o777;
+        assert_eq!(mode, 0o755);
+    }
+}

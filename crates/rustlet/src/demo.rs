@@ -1,0 +1,144 @@
+//! `rustlet demo`: the standalone node in a temporary root dir, with demo
+//! plugins registering against it over real Unix sockets.
+//!
+//! Scenario: two CSI drivers (with topology and a volume limit) register; a
+//! plugin of a type the node has no handler for is turned down with a reason;
+//! then one driver goes away and is deregistered. Without `--once` the node
+//! keeps running until Ctrl-C so `/status` and `/metrics` can be explored.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use kubelet::plugin_manager::PluginEvent;
+use kubelet_api::constants::{CSI_PLUGIN_TYPE, PLUGINS_REGISTRY_DIR};
+use rustlet_testkit::csi_driver::{CsiDriverConfig, FakeCsiDriver};
+use rustlet_testkit::registration::{Behaviour, Identity, RegistrationPlugin};
+use rustlet_testkit::report::Reporter;
+use tokio::sync::broadcast;
+use tokio_util::sync::CancellationToken;
+
+use crate::cli::{DemoArgs, NodeArgs};
+use crate::node::Node;
+
+const STEP_DEADLINE: Duration = Duration::from_secs(20);
+
+pub(crate) async fn run(args: DemoArgs, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let root =
+        tempfile::Builder::new().prefix("rustlet-demo-").tempdir().context("cannot create a temporary root dir")?;
+    let node_args = NodeArgs {
+        standalone: true,
+        root_dir: root.path().to_path_buf(),
+        node_name: Some("rustlet-demo".into()),
+        healthz_bind_address: [127, 0, 0, 1].into(),
+        healthz_port: 0,
+        plugin_dial_timeout: Duration::from_secs(10),
+        plugin_get_info_timeout: Duration::from_secs(1),
+        plugin_notify_timeout: Duration::from_secs(5),
+        plugin_resync_period: Duration::from_secs(30),
+    };
+    let node = Node::start(&node_args, shutdown.clone()).await?;
+    let mut events = node.plugins.subscribe();
+    let registry = node.root_dir.join(PLUGINS_REGISTRY_DIR);
+    println!("\nRustlet demo: standalone node, root dir {}", node.root_dir.display());
+    println!("  status:  http://{}/status", node.http_address);
+    println!("  metrics: http://{}/metrics\n", node.http_address);
+
+    let plugins = CancellationToken::new();
+    let mut hostpath_stop = None;
+    for (name, zone, max_volumes) in [("hostpath.csi.rustlet.dev", "zone-a", 8), ("nfs.csi.rustlet.dev", "zone-a", 0)] {
+        let endpoint = node.root_dir.join("plugins").join(name).join("csi.sock");
+        let socket = registry.join(format!("{name}-reg.sock"));
+        let stop = plugins.child_token();
+        let config = CsiDriverConfig {
+            name: name.into(),
+            node_id: "rustlet-demo".into(),
+            max_volumes_per_node: max_volumes,
+            topology: HashMap::from([("topology.rustlet.dev/zone".to_owned(), zone.to_owned())]),
+            ..Default::default()
+        };
+        FakeCsiDriver::new(&endpoint, config, Reporter::Discard).spawn(stop.clone())?;
+        let identity = Identity {
+            plugin_type: CSI_PLUGIN_TYPE.into(),
+            name: name.into(),
+            endpoint: endpoint.display().to_string(),
+            versions: vec!["1.0.0".into()],
+        };
+        RegistrationPlugin::new(&socket, identity, Behaviour::Normal, Reporter::Discard).spawn(stop.clone())?;
+        println!("started CSI driver {name} (registration socket {})", socket.display());
+        if hostpath_stop.is_none() {
+            hostpath_stop = Some((stop, socket));
+        }
+    }
+    for _ in 0..2 {
+        let info = next_event(&mut events, |e| matches!(e, PluginEvent::Registered(_))).await?;
+        if let PluginEvent::Registered(info) = info {
+            println!("  -> registered {} plugin {} (endpoint {})", info.plugin_type, info.name, info.endpoint);
+        }
+    }
+
+    let unknown = registry.join("gadget.sock");
+    let identity = Identity {
+        plugin_type: "GadgetPlugin".into(),
+        name: "gadget.example.com".into(),
+        endpoint: String::new(),
+        versions: vec!["v1".into()],
+    };
+    RegistrationPlugin::new(&unknown, identity, Behaviour::Normal, Reporter::Discard).spawn(plugins.child_token())?;
+    println!("started a plugin of type GadgetPlugin, which this node has no handler for");
+    if let PluginEvent::RegistrationFailed { error, .. } =
+        next_event(&mut events, |e| matches!(e, PluginEvent::RegistrationFailed { .. })).await?
+    {
+        println!("  -> turned down, the plugin was told: {error}");
+    }
+
+    println!("\nCSI drivers on this node:");
+    for driver in node.csi_drivers.list() {
+        println!("  {} v{} at {}", driver.name, driver.version, driver.endpoint);
+    }
+    println!("Node CSI info (annotation, labels, CSINode drivers):");
+    println!("{}", serde_json::to_string_pretty(&node.node_info.snapshot())?);
+
+    if let Some((stop, socket)) = hostpath_stop {
+        stop.cancel();
+        std::fs::remove_file(&socket).with_context(|| format!("cannot remove {}", socket.display()))?;
+        println!("\nstopped hostpath.csi.rustlet.dev and removed its socket");
+        if let PluginEvent::Deregistered(info) =
+            next_event(&mut events, |e| matches!(e, PluginEvent::Deregistered(_))).await?
+        {
+            println!("  -> deregistered {} plugin {}", info.plugin_type, info.name);
+        }
+    }
+    let left: Vec<_> = node.csi_drivers.list().into_iter().map(|d| d.name).collect();
+    println!("CSI drivers now: {left:?}");
+    if left != ["nfs.csi.rustlet.dev"] {
+        bail!("unexpected CSI drivers after the demo: {left:?}");
+    }
+
+    if args.once {
+        println!("\ndemo complete");
+        shutdown.cancel();
+    } else {
+        println!("\ndemo complete; the node keeps running (Ctrl-C to stop)");
+        shutdown.cancelled().await;
+    }
+    plugins.cancel();
+    node.stopped().await;
+    Ok(())
+}
+
+async fn next_event(
+    events: &mut broadcast::Receiver<PluginEvent>,
+    mut pred: impl FnMut(&PluginEvent) -> bool,
+) -> anyhow::Result<PluginEvent> {
+    let wait = async {
+        loop {
+            match events.recv().await {
+                Ok(event) if pred(&event) => return Ok(event),
+                Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
+                Err(broadcast::error::RecvError::Closed) => bail!("the plugin manager stopped"),
+            }
+        }
+    };
+    tokio::time::timeout(STEP_DEADLINE, wait).await.context("the demo step did not happen in time")?
+}

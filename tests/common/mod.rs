@@ -1,0 +1,293 @@
+//! The fixture shared by the integration tests: a plugin manager with the CSI
+//! handler and a recording handler for type `Example`, in a temp root dir,
+//! plus helpers to start the test plugin binaries and to wait on events with
+//! deadlines (never sleeps).
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use kubelet::csi::{CsiDriverRegistry, CsiHandlerConfig, CsiPluginHandler, InMemoryNodeInfo};
+use kubelet::plugin_manager::{
+    HandlerError, PluginCounts, PluginEvent, PluginHandler, PluginInfo, PluginManager, PluginManagerConfig,
+    PluginManagerHandle, PluginStatus, PluginType,
+};
+use rustlet_testkit::process::PluginProcess;
+use tempfile::TempDir;
+use tokio::sync::{Semaphore, broadcast, watch};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// The deadline for anything that should happen "at once".
+pub const SOON: Duration = Duration::from_secs(20);
+
+pub const EXAMPLE_TYPE: &str = "Example";
+
+pub fn registration_plugin_bin() -> &'static str {
+    env!("CARGO_BIN_EXE_fake-registration-plugin")
+}
+
+pub fn csi_driver_bin() -> &'static str {
+    env!("CARGO_BIN_EXE_fake-csi-driver")
+}
+
+/// Starts the registration plugin binary with `args`.
+pub async fn registration_plugin(args: &[&str]) -> PluginProcess {
+    PluginProcess::spawn(registration_plugin_bin(), args).await.expect("start fake-registration-plugin")
+}
+
+/// Starts the CSI driver binary with `args`.
+pub async fn csi_driver(args: &[&str]) -> PluginProcess {
+    PluginProcess::spawn(csi_driver_bin(), args).await.expect("start fake-csi-driver")
+}
+
+/// One call a handler received.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Call {
+    Validate(String),
+    Register(String, PathBuf),
+    Deregister(String, PathBuf),
+}
+
+/// A handler for type `Example` that records its calls; `register` can be
+/// held at a gate so a test can act while a registration is in progress.
+#[derive(Default)]
+pub struct RecordingHandler {
+    calls: Mutex<Vec<Call>>,
+    changed: watch::Sender<usize>,
+    gate: Mutex<Option<Arc<Semaphore>>>,
+}
+
+impl RecordingHandler {
+    pub fn calls(&self) -> Vec<Call> {
+        self.calls.lock().expect("lock").clone()
+    }
+
+    fn record(&self, call: Call) {
+        let mut calls = self.calls.lock().expect("lock");
+        calls.push(call);
+        self.changed.send_replace(calls.len());
+    }
+
+    /// Waits until the recorded calls satisfy `pred`.
+    pub async fn wait_calls(&self, what: &str, mut pred: impl FnMut(&[Call]) -> bool) -> Vec<Call> {
+        let mut rx = self.changed.subscribe();
+        let wait = async {
+            loop {
+                let calls = self.calls();
+                if pred(&calls) {
+                    return calls;
+                }
+                rx.changed().await.expect("handler alive");
+            }
+        };
+        tokio::time::timeout(SOON, wait)
+            .await
+            .unwrap_or_else(|_| panic!("timed out waiting for {what}; calls: {:?}", self.calls()))
+    }
+
+    /// From now on, `register` waits until [`release`](Self::release).
+    pub fn hold_registrations(&self) -> Arc<Semaphore> {
+        let gate = Arc::new(Semaphore::new(0));
+        *self.gate.lock().expect("lock") = Some(gate.clone());
+        gate
+    }
+}
+
+#[async_trait]
+impl PluginHandler for RecordingHandler {
+    async fn validate(&self, plugin: &PluginInfo) -> Result<(), HandlerError> {
+        self.record(Call::Validate(plugin.name.clone()));
+        if plugin.name.starts_with("invalid") {
+            return Err(format!("names starting with 'invalid' are refused (got {:?})", plugin.name).into());
+        }
+        Ok(())
+    }
+
+    async fn register(&self, plugin: &PluginInfo) -> Result<(), HandlerError> {
+        self.record(Call::Register(plugin.name.clone(), plugin.socket_path.clone()));
+        let gate = self.gate.lock().expect("lock").clone();
+        if let Some(gate) = gate {
+            gate.acquire().await.expect("gate open").forget();
+        }
+        Ok(())
+    }
+
+    async fn deregister(&self, plugin: &PluginInfo) {
+        self.record(Call::Deregister(plugin.name.clone(), plugin.socket_path.clone()));
+    }
+}
+
+/// A plugin manager in a temp root dir.
+pub struct TestNode {
+    pub root: TempDir,
+    pub registry_dir: PathBuf,
+    pub handle: PluginManagerHandle,
+    pub csi_drivers: CsiDriverRegistry,
+    pub node_info: InMemoryNodeInfo,
+    pub example: Arc<RecordingHandler>,
+    shutdown: CancellationToken,
+    task: Option<JoinHandle<()>>,
+}
+
+/// A temp root dir whose `plugins_registry` exists, for plugins started
+/// before the node.
+pub fn root_dir() -> (TempDir, PathBuf) {
+    let root = tempfile::Builder::new().prefix("rustlet-test-").tempdir().expect("tempdir");
+    let registry = root.path().join("plugins_registry");
+    std::fs::create_dir_all(&registry).expect("mkdir");
+    (root, registry)
+}
+
+/// Test settings: short deadlines and backoff; the periodic resync is an hour
+/// away, so every test proves event-driven behaviour.
+pub fn test_config(registry_dir: &Path) -> PluginManagerConfig {
+    let mut config = PluginManagerConfig::new(registry_dir);
+    config.dial_timeout = Duration::from_secs(2);
+    config.get_info_timeout = Duration::from_millis(500);
+    config.notify_timeout = Duration::from_secs(1);
+    config.initial_backoff = Duration::from_millis(100);
+    config.max_backoff = Duration::from_millis(1600);
+    config.resync_period = Duration::from_secs(3600);
+    config
+}
+
+impl TestNode {
+    pub async fn start() -> TestNode {
+        let (root, registry) = root_dir();
+        Self::start_in(root, registry, |_| {}).await
+    }
+
+    pub async fn start_in(
+        root: TempDir,
+        registry_dir: PathBuf,
+        tweak: impl FnOnce(&mut PluginManagerConfig),
+    ) -> TestNode {
+        let _ = rlimit::increase_nofile_limit(u64::MAX);
+        let mut config = test_config(&registry_dir);
+        tweak(&mut config);
+        let csi_drivers = CsiDriverRegistry::new();
+        let node_info = InMemoryNodeInfo::new();
+        let csi_config = CsiHandlerConfig { node_get_info_timeout: Duration::from_millis(500) };
+        let csi = CsiPluginHandler::new(csi_drivers.clone(), Arc::new(node_info.clone()), csi_config);
+        let example = Arc::new(RecordingHandler::default());
+        let mut manager = PluginManager::new(config);
+        manager.add_handler(PluginType::Csi, Arc::new(csi)).expect("csi handler");
+        manager.add_handler(PluginType::Other(EXAMPLE_TYPE.into()), example.clone()).expect("example handler");
+        let shutdown = CancellationToken::new();
+        let (handle, task) = manager.start(shutdown.clone()).expect("start plugin manager");
+        TestNode { root, registry_dir, handle, csi_drivers, node_info, example, shutdown, task: Some(task) }
+    }
+
+    pub fn socket(&self, name: &str) -> PathBuf {
+        self.registry_dir.join(name)
+    }
+
+    pub fn socket_str(&self, name: &str) -> String {
+        self.socket(name).display().to_string()
+    }
+
+    /// Waits until the published counters satisfy `pred`.
+    pub async fn wait_counts(&self, what: &str, pred: impl FnMut(&PluginCounts) -> bool) -> PluginCounts {
+        let mut rx = self.handle.counts();
+        let result = tokio::time::timeout(SOON * 3, rx.wait_for(pred)).await.map(|r| r.map(|c| *c));
+        match result {
+            Ok(Ok(counts)) => counts,
+            _ => panic!("timed out waiting for {what}; counts: {:?}", *rx.borrow()),
+        }
+    }
+
+    pub async fn status(&self) -> Vec<PluginStatus> {
+        self.handle.status().await.expect("plugin manager running")
+    }
+
+    pub async fn status_of(&self, socket: &Path) -> Option<PluginStatus> {
+        self.status().await.into_iter().find(|s| s.socket_path == socket)
+    }
+
+    pub fn events(&self) -> broadcast::Receiver<PluginEvent> {
+        self.handle.subscribe()
+    }
+
+    pub async fn stop(mut self) {
+        self.shutdown.cancel();
+        if let Some(task) = self.task.take() {
+            tokio::time::timeout(SOON, task).await.expect("stops in time").expect("task ok");
+        }
+    }
+}
+
+impl Drop for TestNode {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+/// Waits for the next event matching `pred`.
+pub async fn next_event(
+    events: &mut broadcast::Receiver<PluginEvent>,
+    what: &str,
+    mut pred: impl FnMut(&PluginEvent) -> bool,
+) -> PluginEvent {
+    let wait = async {
+        loop {
+            match events.recv().await {
+                Ok(event) if pred(&event) => return event,
+                Ok(_) => {}
+                Err(e) => panic!("event stream: {e}"),
+            }
+        }
+    };
+    tokio::time::timeout(SOON, wait).await.unwrap_or_else(|_| panic!("timed out waiting for {what}"))
+}
+
+pub fn registered_at(socket: &Path) -> impl FnMut(&PluginEvent) -> bool + '_ {
+    move |e| matches!(e, PluginEvent::Registered(info) if info.socket_path == socket)
+}
+
+pub fn deregistered_at(socket: &Path) -> impl FnMut(&PluginEvent) -> bool + '_ {
+    move |e| matches!(e, PluginEvent::Deregistered(info) if info.socket_path == socket)
+}
+
+pub fn failed_at(socket: &Path) -> impl FnMut(&PluginEvent) -> bool + '_ {
+    move |e| matches!(e, PluginEvent::RegistrationFailed { socket_path, .. } if socket_path == socket)
+}
+
+/// Captured log output of the current thread (use a current-thread runtime so
+/// every task logs here).
+pub struct LogCapture {
+    buffer: Arc<Mutex<Vec<u8>>>,
+    _guard: tracing::subscriber::DefaultGuard,
+}
+
+impl LogCapture {
+    pub fn start() -> LogCapture {
+        let buffer = Arc::new(Mutex::new(Vec::new()));
+        let writer = buffer.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_ansi(false)
+            .with_max_level(tracing::Level::DEBUG)
+            .with_writer(move || CaptureWriter(writer.clone()))
+            .finish();
+        LogCapture { buffer, _guard: tracing::subscriber::set_default(subscriber) }
+    }
+
+    pub fn lines(&self) -> Vec<String> {
+        String::from_utf8_lossy(&self.buffer.lock().expect("lock")).lines().map(str::to_owned).collect()
+    }
+}
+
+struct CaptureWriter(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for CaptureWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().expect("lock").extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}

@@ -1,0 +1,83 @@
+//! A CSI driver test plugin: serves CSI Identity + Node on `--endpoint` and,
+//! like the node-driver-registrar sidecar, a registration socket of type
+//! `CSIPlugin` pointing at that endpoint.
+//!
+//!   fake-csi-driver --registration-socket /r/plugins_registry/hostpath.sock \
+//!     --endpoint /r/plugins/hostpath/csi.sock --name hostpath.csi.example.com --node-id node-1
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use clap::Parser;
+use kubelet_api::constants::CSI_PLUGIN_TYPE;
+use rustlet_testkit::csi_driver::{CsiDriverConfig, FakeCsiDriver, NodeGetInfoBehaviour};
+use rustlet_testkit::registration::{Behaviour, Identity, RegistrationPlugin};
+use rustlet_testkit::report::{Report, Reporter};
+use tokio_util::sync::CancellationToken;
+
+#[derive(Parser)]
+struct Args {
+    /// Registration socket (usually in `<root-dir>/plugins_registry`).
+    #[arg(long)]
+    registration_socket: PathBuf,
+    /// CSI endpoint socket.
+    #[arg(long)]
+    endpoint: PathBuf,
+    /// Driver name.
+    #[arg(long)]
+    name: String,
+    /// Node ID returned by NodeGetInfo.
+    #[arg(long, default_value = "node-1")]
+    node_id: String,
+    /// max_volumes_per_node returned by NodeGetInfo.
+    #[arg(long, default_value_t = 0)]
+    max_volumes: i64,
+    /// Topology segment `key=value` (repeatable).
+    #[arg(long, value_parser = parse_segment)]
+    topology: Vec<(String, String)>,
+    /// Supported versions, comma-separated.
+    #[arg(long, default_value = "1.0.0")]
+    versions: String,
+    /// How NodeGetInfo behaves.
+    #[arg(long, value_enum, default_value = "normal")]
+    node_get_info: NodeGetInfoBehaviour,
+    /// Exit when told `plugin_registered=false`, leaving the sockets behind.
+    #[arg(long)]
+    exit_on_rejection: bool,
+}
+
+fn parse_segment(s: &str) -> Result<(String, String), String> {
+    s.split_once('=').map(|(k, v)| (k.to_owned(), v.to_owned())).ok_or_else(|| format!("{s:?} is not key=value"))
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args = Args::parse();
+    let shutdown = CancellationToken::new();
+    let driver = FakeCsiDriver::new(
+        &args.endpoint,
+        CsiDriverConfig {
+            name: args.name.clone(),
+            node_id: args.node_id,
+            max_volumes_per_node: args.max_volumes,
+            topology: args.topology.into_iter().collect::<HashMap<_, _>>(),
+            node_get_info: args.node_get_info,
+        },
+        Reporter::Stdout,
+    );
+    let driver_task = driver.spawn(shutdown.clone())?;
+    let identity = Identity {
+        plugin_type: CSI_PLUGIN_TYPE.to_owned(),
+        name: args.name,
+        endpoint: args.endpoint.display().to_string(),
+        versions: args.versions.split(',').map(str::trim).filter(|v| !v.is_empty()).map(str::to_owned).collect(),
+    };
+    let behaviour = if args.exit_on_rejection { Behaviour::ExitOnRejection } else { Behaviour::Normal };
+    let registration = RegistrationPlugin::new(args.registration_socket, identity, behaviour, Reporter::Stdout)
+        .spawn(shutdown.clone())?;
+    Reporter::Stdout.report(Report::Listening { sockets: 1 });
+    tokio::signal::ctrl_c().await?;
+    shutdown.cancel();
+    let _ = tokio::join!(driver_task, registration);
+    Ok(())
+}

@@ -1,0 +1,93 @@
+//! Runs a test plugin binary as a child process and turns its report lines
+//! into events a test can wait for, each with a deadline.
+
+use std::ffi::OsStr;
+use std::path::Path;
+use std::process::{ExitStatus, Stdio};
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+use tokio::sync::mpsc;
+
+use crate::report::Report;
+
+/// A running plugin process; killed when dropped.
+pub struct PluginProcess {
+    child: Child,
+    reports: mpsc::UnboundedReceiver<Report>,
+}
+
+impl PluginProcess {
+    /// Starts `program` with `args` and waits (up to 30 s) until it reports
+    /// that its sockets are listening.
+    pub async fn spawn<I, S>(program: impl AsRef<Path>, args: I) -> Result<Self, String>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        let program = program.as_ref();
+        let mut child = Command::new(program)
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| format!("spawn {}: {e}", program.display()))?;
+        let stdout = child.stdout.take().ok_or("no stdout")?;
+        let (tx, reports) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            let mut lines = BufReader::new(stdout).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                match serde_json::from_str::<Report>(&line) {
+                    Ok(report) => {
+                        if tx.send(report).is_err() {
+                            break;
+                        }
+                    }
+                    Err(_) => eprintln!("plugin stdout: {line}"),
+                }
+            }
+        });
+        let mut process = PluginProcess { child, reports };
+        process.wait_for(Duration::from_secs(30), |r| matches!(r, Report::Listening { .. })).await?;
+        Ok(process)
+    }
+
+    /// Waits up to `deadline` for a report matching `pred`, skipping others.
+    pub async fn wait_for(
+        &mut self,
+        deadline: Duration,
+        mut pred: impl FnMut(&Report) -> bool,
+    ) -> Result<Report, String> {
+        let wait = async {
+            while let Some(report) = self.reports.recv().await {
+                if pred(&report) {
+                    return Ok(report);
+                }
+            }
+            Err("the plugin's output ended (it exited)".to_owned())
+        };
+        tokio::time::timeout(deadline, wait)
+            .await
+            .map_err(|_| format!("no matching plugin report within {deadline:?}"))?
+    }
+
+    /// Waits up to `deadline` for the process to exit.
+    pub async fn wait_exit(&mut self, deadline: Duration) -> Result<ExitStatus, String> {
+        tokio::time::timeout(deadline, self.child.wait())
+            .await
+            .map_err(|_| format!("plugin still running after {deadline:?}"))?
+            .map_err(|e| e.to_string())
+    }
+
+    /// Kills the process (SIGKILL) and reaps it. Its sockets stay on disk.
+    pub async fn kill(&mut self) {
+        let _ = self.child.kill().await;
+    }
+
+    /// The process id.
+    pub fn id(&self) -> Option<u32> {
+        self.child.id()
+    }
+}

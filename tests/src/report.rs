@@ -1,0 +1,63 @@
+//! What a test plugin reports about itself, one JSON object per line.
+
+use std::path::PathBuf;
+
+/// One event seen by a test plugin.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum Report {
+    /// All sockets are bound and served.
+    Listening {
+        /// How many registration sockets.
+        sockets: usize,
+    },
+    /// The node called `GetInfo`.
+    GetInfo {
+        /// Socket called.
+        socket: PathBuf,
+    },
+    /// The node called `NotifyRegistrationStatus`.
+    Notified {
+        /// Socket called.
+        socket: PathBuf,
+        /// The verdict.
+        registered: bool,
+        /// The node's reason, empty on success.
+        error: String,
+    },
+    /// The node called the CSI `NodeGetInfo`.
+    NodeGetInfo {
+        /// Driver endpoint called.
+        endpoint: PathBuf,
+    },
+}
+
+/// Where reports go: a channel in-process, or stdout in the plugin binaries.
+#[derive(Clone, Debug)]
+pub enum Reporter {
+    /// Drop every report.
+    Discard,
+    /// Print each report as a JSON line on stdout.
+    Stdout,
+    /// Send each report on a channel.
+    Channel(tokio::sync::mpsc::UnboundedSender<Report>),
+}
+
+impl Reporter {
+    /// Emits one report.
+    pub fn report(&self, report: Report) {
+        match self {
+            Reporter::Discard => {}
+            Reporter::Stdout => {
+                use std::io::Write;
+                let line = serde_json::to_string(&report).unwrap_or_default();
+                let mut out = std::io::stdout().lock();
+                // A closed stdout means nobody listens; the plugin keeps serving.
+                let _ = writeln!(out, "{line}").and_then(|()| out.flush());
+            }
+            Reporter::Channel(tx) => {
+                let _ = tx.send(report);
+            }
+        }
+    }
+}
