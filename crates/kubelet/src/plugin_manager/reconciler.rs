@@ -317,13 +317,13 @@ impl Reconciler {
         let timeout = self.config.deregister_timeout;
         let finished =
             tokio::time::timeout(timeout, plugin.handler.deregister(&plugin.info)).instrument(span.clone()).await;
+        self.metrics.set(World::Actual, path, false);
+        self.metrics.operation("unregister", finished.is_ok());
         let _enter = span.enter();
         match finished {
             Ok(()) => tracing::info!("plugin deregistered"),
             Err(_) => tracing::warn!(?timeout, "plugin handler did not finish deregistering in time; moving on"),
         }
-        self.metrics.set(World::Actual, path, false);
-        self.metrics.operation("unregister", finished.is_ok());
         self.deregistrations += 1;
         let _ = self.events.send(PluginEvent::Deregistered(plugin.info));
     }
@@ -389,6 +389,11 @@ impl Reconciler {
                 ops.failures = 0;
                 ops.last_error = None;
                 ops.rejected_by_handler = false;
+                // State and metrics first: whoever sees the log line or the
+                // event can rely on them.
+                self.metrics.set(World::Actual, &path, true);
+                self.metrics.operation("register", true);
+                self.actual.add(path.clone(), RegisteredPlugin { uuid, info: info.clone(), handler });
                 tracing::info!(
                     socket = %path.display(),
                     plugin = %info.name,
@@ -397,10 +402,7 @@ impl Reconciler {
                     versions = ?info.supported_versions,
                     "plugin registered"
                 );
-                self.metrics.set(World::Actual, &path, true);
-                self.metrics.operation("register", true);
-                let _ = self.events.send(PluginEvent::Registered(info.clone()));
-                self.actual.add(path.clone(), RegisteredPlugin { uuid, info, handler });
+                let _ = self.events.send(PluginEvent::Registered(info));
             }
             Err(error) => {
                 let delay = ops.backoff.fail();
@@ -504,5 +506,35 @@ impl Reconciler {
                 }
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reconciler(dir: &Path) -> Reconciler {
+        let (events, _) = broadcast::channel(16);
+        let (counts, _) = watch::channel(PluginCounts::default());
+        Reconciler::new(PluginManagerConfig::new(dir), HandlerMap::new(), Metrics::default(), events, counts)
+    }
+
+    /// What inotify did not report (a dropped event after a queue overflow)
+    /// is found by the rescan that the overflow triggers.
+    #[tokio::test]
+    async fn rescan_finds_sockets_no_event_reported_and_drops_vanished_ones() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let root = dir.path();
+        let mut r = reconciler(root);
+        std::fs::create_dir_all(root.join("x/y")).expect("mkdir");
+        let _a = std::os::unix::net::UnixListener::bind(root.join("a.sock")).expect("bind");
+        let _b = std::os::unix::net::UnixListener::bind(root.join("x/y/b.sock")).expect("bind");
+        r.on_fs_event(FsEvent::Rescan("inotify queue overflow"));
+        assert_eq!(r.desired.len(), 2);
+        let first = r.desired.get(&root.join("a.sock")).expect("a").uuid;
+        std::fs::remove_file(root.join("x/y/b.sock")).expect("rm");
+        r.on_fs_event(FsEvent::Rescan("inotify queue overflow"));
+        assert_eq!(r.desired.paths().cloned().collect::<Vec<_>>(), vec![root.join("a.sock")]);
+        assert_eq!(r.desired.get(&root.join("a.sock")).expect("a").uuid, first, "a rescan is idempotent");
     }
 }

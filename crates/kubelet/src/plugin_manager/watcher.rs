@@ -96,23 +96,9 @@ pub(crate) fn prepare_dir(root: &Path) -> Result<(), WatcherError> {
 /// Starts a recursive inotify watch on `root`, forwarding events to `tx`.
 pub(crate) fn start(root: &Path, tx: UnboundedSender<FsEvent>) -> Result<Watcher, WatcherError> {
     let mut inner = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
-        let event = match res {
-            Ok(event) => event,
-            Err(error) => {
-                tracing::warn!(%error, "file watch error; rescanning the plugin registration directory");
-                let _ = tx.send(FsEvent::Rescan("watch error"));
-                return;
-            }
-        };
-        if event.need_rescan() {
-            let _ = tx.send(FsEvent::Rescan("inotify queue overflow"));
-            return;
-        }
-        if matches!(event.kind, EventKind::Access(_)) {
-            return;
-        }
-        for path in event.paths {
-            let _ = tx.send(FsEvent::Changed(path));
+        for event in translate(res) {
+            // The receiver is gone only when the manager stopped.
+            let _ = tx.send(event);
         }
     })
     .map_err(|source| WatcherError::Watch { path: root.to_path_buf(), source })?;
@@ -120,6 +106,25 @@ pub(crate) fn start(root: &Path, tx: UnboundedSender<FsEvent>) -> Result<Watcher
         .watch(root, RecursiveMode::Recursive)
         .map_err(|source| WatcherError::Watch { path: root.to_path_buf(), source })?;
     Ok(Watcher { _inner: inner })
+}
+
+/// Reduces one notification to what the reconciler must look at again.
+pub(crate) fn translate(res: notify::Result<notify::Event>) -> Vec<FsEvent> {
+    let event = match res {
+        Ok(event) => event,
+        Err(error) => {
+            tracing::warn!(%error, "file watch error; rescanning the plugin registration directory");
+            return vec![FsEvent::Rescan("watch error")];
+        }
+    };
+    if event.need_rescan() {
+        tracing::warn!("inotify queue overflow; rescanning the plugin registration directory");
+        return vec![FsEvent::Rescan("inotify queue overflow")];
+    }
+    if matches!(event.kind, EventKind::Access(_)) {
+        return Vec::new();
+    }
+    event.paths.into_iter().map(FsEvent::Changed).collect()
 }
 
 /// What sits at a path, as far as plugin registration cares.
@@ -205,6 +210,18 @@ pub(crate) fn looks_like_socket(path: &Path) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn overflow_and_errors_become_a_rescan_and_access_noise_is_dropped() {
+        use notify::event::{AccessKind, CreateKind, Flag};
+        let overflow = notify::Event::new(EventKind::Other).set_flag(Flag::Rescan);
+        assert_eq!(translate(Ok(overflow)), vec![FsEvent::Rescan("inotify queue overflow")]);
+        assert_eq!(translate(Err(notify::Error::generic("boom"))), vec![FsEvent::Rescan("watch error")]);
+        let open = notify::Event::new(EventKind::Access(AccessKind::Any)).add_path("/r/a.sock".into());
+        assert!(translate(Ok(open)).is_empty());
+        let create = notify::Event::new(EventKind::Create(CreateKind::File)).add_path("/r/a.sock".into());
+        assert_eq!(translate(Ok(create)), vec![FsEvent::Changed("/r/a.sock".into())]);
+    }
 
     #[test]
     fn hidden_components_below_root_are_detected() {

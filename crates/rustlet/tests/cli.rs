@@ -1,0 +1,202 @@
+//! The `rustlet` binary as a user runs it: flags, start-up errors, the HTTP
+//! endpoint, signals and the demo. Plugins are real servers on real sockets.
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+use rustlet_testkit::csi_driver::{CsiDriverConfig, FakeCsiDriver};
+use rustlet_testkit::registration::{Behaviour, Identity, RegistrationPlugin};
+use rustlet_testkit::report::{Report, Reporter};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::process::{Child, Command};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+const SOON: Duration = Duration::from_secs(30);
+
+fn rustlet() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_rustlet"));
+    cmd.env("RUSTLET_LOG", "info").env_remove("RUSTLET_ROOT_DIR").kill_on_drop(true);
+    cmd
+}
+
+/// A running `rustlet` whose log lines arrive on a channel.
+struct Running {
+    child: Child,
+    lines: mpsc::UnboundedReceiver<String>,
+}
+
+impl Running {
+    fn start(args: &[&str]) -> Running {
+        let mut child = rustlet().args(args).stderr(Stdio::piped()).stdout(Stdio::null()).spawn().expect("spawn");
+        let stderr = child.stderr.take().expect("stderr");
+        let (tx, lines) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            let mut reader = BufReader::new(stderr).lines();
+            while let Ok(Some(line)) = reader.next_line().await {
+                eprintln!("rustlet: {line}");
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Running { child, lines }
+    }
+
+    /// Waits for a log line containing `needle`.
+    async fn line_with(&mut self, needle: &str) -> String {
+        let wait = async {
+            while let Some(line) = self.lines.recv().await {
+                if line.contains(needle) {
+                    return line;
+                }
+            }
+            panic!("rustlet's log ended before {needle:?}");
+        };
+        tokio::time::timeout(SOON, wait).await.unwrap_or_else(|_| panic!("no log line with {needle:?}"))
+    }
+
+    async fn http_address(&mut self) -> String {
+        let line = self.line_with("http endpoint listening").await;
+        let start = line.find("address=").expect("address field") + "address=".len();
+        line[start..].split_whitespace().next().expect("address").to_owned()
+    }
+}
+
+async fn get(address: &str, path: &str) -> (u16, String) {
+    let mut stream = tokio::net::TcpStream::connect(address).await.expect("connect");
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.expect("write");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.expect("read");
+    let code = response.split_whitespace().nth(1).and_then(|c| c.parse().ok()).expect("status code");
+    let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+    (code, body)
+}
+
+fn start_csi_driver(root: &Path, name: &str, reports: mpsc::UnboundedSender<Report>) -> CancellationToken {
+    let stop = CancellationToken::new();
+    let endpoint = root.join("plugins").join(name).join("csi.sock");
+    let config = CsiDriverConfig { name: name.into(), node_id: "cli-node".into(), ..Default::default() };
+    FakeCsiDriver::new(&endpoint, config, Reporter::Discard).spawn(stop.clone()).expect("driver");
+    let identity = Identity {
+        plugin_type: "CSIPlugin".into(),
+        name: name.into(),
+        endpoint: endpoint.display().to_string(),
+        versions: vec!["1.0.0".into()],
+    };
+    let socket = root.join("plugins_registry").join(format!("{name}.sock"));
+    RegistrationPlugin::new(socket, identity, Behaviour::Normal, Reporter::Channel(reports))
+        .spawn(stop.clone())
+        .expect("registration");
+    stop
+}
+
+#[tokio::test]
+async fn standalone_node_registers_plugins_and_serves_healthz_metrics_and_status() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let root_str = root.path().to_str().expect("utf8");
+    let mut node = Running::start(&["--standalone", "--root-dir", root_str, "--healthz-port", "0", "--node-name", "n1"]);
+    let address = node.http_address().await;
+    assert_eq!(get(&address, "/healthz").await, (200, "ok".to_owned()));
+
+    let (tx, mut reports) = mpsc::unbounded_channel();
+    let _driver = start_csi_driver(root.path(), "cli.csi.example.com", tx);
+    let line = node.line_with("plugin registered").await;
+    assert!(line.contains("plugin=cli.csi.example.com"), "{line}");
+    let first_report = tokio::time::timeout(SOON, reports.recv()).await.expect("in time");
+    assert!(matches!(first_report, Some(Report::GetInfo { .. })), "the node asked the plugin who it is");
+
+    let (code, metrics) = get(&address, "/metrics").await;
+    assert_eq!(code, 200);
+    let socket = root.path().join("plugins_registry/cli.csi.example.com.sock");
+    for state in ["actual_state_of_world", "desired_state_of_world"] {
+        let series = format!("plugin_manager_total_plugins{{socket_path=\"{}\",state=\"{state}\"}} 1", socket.display());
+        assert!(metrics.contains(&series), "missing {series} in:\n{metrics}");
+    }
+    assert!(metrics.contains("rustlet_plugin_manager_operations_total{operation=\"register\",result=\"success\"} 1"));
+
+    let (code, status) = get(&address, "/status").await;
+    assert_eq!(code, 200);
+    let status: serde_json::Value = serde_json::from_str(&status).expect("json");
+    assert_eq!(status["nodeName"], "n1");
+    assert_eq!(status["plugins"][0]["state"], "registered");
+    assert_eq!(status["csiDrivers"][0]["name"], "cli.csi.example.com");
+    assert_eq!(
+        status["csiNode"]["annotations"]["csi.volume.kubernetes.io/nodeid"],
+        r#"{"cli.csi.example.com":"cli-node"}"#
+    );
+}
+
+#[tokio::test]
+async fn sigterm_stops_the_node_gracefully() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let mut node =
+        Running::start(&["--standalone", "--root-dir", root.path().to_str().expect("utf8"), "--healthz-port", "0"]);
+    node.line_with("standalone node started").await;
+    let pid = node.child.id().expect("pid").to_string();
+    let status = std::process::Command::new("kill").args(["-TERM", &pid]).status().expect("kill");
+    assert!(status.success());
+    node.line_with("plugin manager stopped").await;
+    let exit = tokio::time::timeout(SOON, node.child.wait()).await.expect("exits in time").expect("wait");
+    assert!(exit.success(), "{exit:?}");
+}
+
+#[tokio::test]
+async fn registration_dir_that_is_a_file_is_a_clear_start_up_error() {
+    let root = tempfile::tempdir().expect("tempdir");
+    std::fs::write(root.path().join("plugins_registry"), b"oops").expect("write");
+    let output = rustlet()
+        .args(["--standalone", "--root-dir", root.path().to_str().expect("utf8"), "--healthz-port", "0"])
+        .output()
+        .await
+        .expect("run");
+    assert_eq!(output.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let want = format!(
+        "error: cannot start the plugin manager under root dir {}: plugin registration path {}/plugins_registry exists but is not a directory",
+        root.path().display(),
+        root.path().display()
+    );
+    assert!(stderr.contains(&want), "{stderr}");
+}
+
+#[tokio::test]
+async fn cluster_mode_is_refused_with_a_pointer_to_standalone() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let output =
+        rustlet().args(["--root-dir", root.path().to_str().expect("utf8")]).output().await.expect("run");
+    assert_eq!(output.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("cluster mode is not implemented yet; run with --standalone"),
+        "{output:?}"
+    );
+}
+
+#[tokio::test]
+async fn bad_durations_are_refused_by_the_flag_parser() {
+    let output = rustlet().args(["--standalone", "--plugin-get-info-timeout", "5h"]).output().await.expect("run");
+    assert_eq!(output.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("unknown unit \"h\""), "{output:?}");
+}
+
+/// The README's first command, in its `--once` form.
+#[tokio::test]
+async fn demo_runs_its_scenario_to_completion() {
+    let output = tokio::time::timeout(SOON * 2, rustlet().args(["demo", "--once"]).output())
+        .await
+        .expect("demo finishes")
+        .expect("run");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
+    for needle in [
+        "-> registered CSIPlugin plugin hostpath.csi.rustlet.dev",
+        "-> registered CSIPlugin plugin nfs.csi.rustlet.dev",
+        "-> turned down, the plugin was told: no handler registered for plugin type: GadgetPlugin",
+        "-> deregistered CSIPlugin plugin hostpath.csi.rustlet.dev",
+        "demo complete",
+    ] {
+        assert!(stdout.contains(needle), "missing {needle:?} in:\n{stdout}");
+    }
+}

@@ -1,0 +1,27 @@
+# Verbs a contributor uses. Every recipe is a plain cargo command, so nothing
+# here needs `just` itself: copy the line if `just` is not installed.
+
+# Build everything.
+build:
+    cargo build --workspace
+
+# Run the whole test suite (the README's second command; CI runs .ci/run).
+test:
+    cargo test --workspace
+
+# Formatting and lints, as CI checks them.
+lint:
+    cargo fmt --all -- --check
+    cargo clippy --workspace --all-targets -- -D warnings
+
+# The standalone demo (the README's first command), until Ctrl-C.
+demo:
+    cargo run -p rustlet -- demo
+
+# Benchmarks: print figures (release build).
+bench:
+    cargo bench -p rustlet-testkit --bench registration
+
+# End-to-end suite against a real cluster (needs RUSTLET_E2E_KUBECONFIG).
+e2e:
+    @echo "no e2e suite yet: cluster mode is not implemented (see README.md)"
