@@ -20,7 +20,7 @@ demo:
 
 # Benchmarks: print figures (release build).
 bench:
-    cargo bench -p rustlet-testkit --bench registration
+    cargo bench -p rustlet --bench registration
 
 # End-to-end suite against a real cluster (needs RUSTLET_E2E_KUBECONFIG).
 e2e:

@@ -41,6 +41,8 @@ pub enum Reporter {
     Stdout,
     /// Send each report on a channel.
     Channel(tokio::sync::mpsc::UnboundedSender<Report>),
+    /// Send each report with the instant it was made (for benchmarks).
+    Timed(tokio::sync::mpsc::UnboundedSender<(std::time::Instant, Report)>),
 }
 
 impl Reporter {
@@ -57,6 +59,9 @@ impl Reporter {
             }
             Reporter::Channel(tx) => {
                 let _ = tx.send(report);
+            }
+            Reporter::Timed(tx) => {
+                let _ = tx.send((std::time::Instant::now(), report));
             }
         }
     }

@@ -97,7 +97,8 @@ fn start_csi_driver(root: &Path, name: &str, reports: mpsc::UnboundedSender<Repo
 async fn standalone_node_registers_plugins_and_serves_healthz_metrics_and_status() {
     let root = tempfile::tempdir().expect("tempdir");
     let root_str = root.path().to_str().expect("utf8");
-    let mut node = Running::start(&["--standalone", "--root-dir", root_str, "--healthz-port", "0", "--node-name", "n1"]);
+    let mut node =
+        Running::start(&["--standalone", "--root-dir", root_str, "--healthz-port", "0", "--node-name", "n1"]);
     let address = node.http_address().await;
     assert_eq!(get(&address, "/healthz").await, (200, "ok".to_owned()));
 
@@ -112,7 +113,8 @@ async fn standalone_node_registers_plugins_and_serves_healthz_metrics_and_status
     assert_eq!(code, 200);
     let socket = root.path().join("plugins_registry/cli.csi.example.com.sock");
     for state in ["actual_state_of_world", "desired_state_of_world"] {
-        let series = format!("plugin_manager_total_plugins{{socket_path=\"{}\",state=\"{state}\"}} 1", socket.display());
+        let series =
+            format!("plugin_manager_total_plugins{{socket_path=\"{}\",state=\"{state}\"}} 1", socket.display());
         assert!(metrics.contains(&series), "missing {series} in:\n{metrics}");
     }
     assert!(metrics.contains("rustlet_plugin_manager_operations_total{operation=\"register\",result=\"success\"} 1"));
@@ -165,8 +167,7 @@ async fn registration_dir_that_is_a_file_is_a_clear_start_up_error() {
 #[tokio::test]
 async fn cluster_mode_is_refused_with_a_pointer_to_standalone() {
     let root = tempfile::tempdir().expect("tempdir");
-    let output =
-        rustlet().args(["--root-dir", root.path().to_str().expect("utf8")]).output().await.expect("run");
+    let output = rustlet().args(["--root-dir", root.path().to_str().expect("utf8")]).output().await.expect("run");
     assert_eq!(output.status.code(), Some(1));
     assert!(
         String::from_utf8_lossy(&output.stderr).contains("cluster mode is not implemented yet; run with --standalone"),

@@ -88,14 +88,14 @@ impl PluginHandler for CsiPluginHandler {
             self.registry.remove(&plugin.name, &plugin.socket_path);
             return Err(CsiError::from(e).into());
         }
-        tracing::info!(driver = %plugin.name, endpoint = %plugin.endpoint, %version, "CSI driver registered");
+        tracing::debug!(driver = %plugin.name, endpoint = %plugin.endpoint, %version, "CSI driver registered");
         Ok(())
     }
 
     async fn deregister(&self, plugin: &PluginInfo) {
         if self.registry.remove(&plugin.name, &plugin.socket_path) {
             self.publisher.remove_driver(&plugin.name).await;
-            tracing::info!(driver = %plugin.name, "CSI driver deregistered");
+            tracing::debug!(driver = %plugin.name, "CSI driver deregistered");
         }
     }
 }
