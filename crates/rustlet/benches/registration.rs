@@ -73,9 +73,12 @@ impl Generator {
             endpoint: endpoint.display().to_string(),
             versions: vec!["1.0.0".into()],
         };
+        // Taken just before `bind`: a node can register the plugin before
+        // this thread runs again, so a later timestamp could miss it.
+        let listening_at = Instant::now();
         RegistrationPlugin::new(&registration, identity, Behaviour::Normal, Reporter::Timed(self.tx.clone()))
             .spawn(stop.clone())?;
-        Ok(Plugin { name: name.to_owned(), registration, endpoint, stop, listening_at: Instant::now() })
+        Ok(Plugin { name: name.to_owned(), registration, endpoint, stop, listening_at })
     }
 
     /// Stops each plugin, removes its sockets and starts it again at the
