@@ -11,6 +11,7 @@ use kubelet_api::csi::v1::*;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
+use crate::registration::{self, Behaviour, RegistrationPlugin};
 use crate::report::{Report, Reporter};
 
 /// How the driver answers `NodeGetInfo`.
@@ -66,6 +67,54 @@ impl FakeCsiDriver {
                 tracing::warn!(endpoint = %endpoint.display(), %error, "fake CSI driver stopped");
             }
         }))
+    }
+}
+
+/// A fake CSI driver together with its registration socket, as a driver with
+/// the node-driver-registrar sidecar presents itself: type `CSIPlugin`, the
+/// driver's name, `endpoint` pointing at the driver.
+pub struct RegisteredCsiDriver {
+    /// Registration socket (usually in `<root-dir>/plugins_registry`).
+    pub registration: PathBuf,
+    /// The driver's CSI endpoint.
+    pub endpoint: PathBuf,
+    /// The driver's configuration (its name is also the registered name).
+    pub config: CsiDriverConfig,
+    /// Versions sent in `GetInfo` (default `["1.0.0"]`).
+    pub versions: Vec<String>,
+    /// How the registration side behaves.
+    pub behaviour: Behaviour,
+}
+
+impl RegisteredCsiDriver {
+    /// A well-behaved driver speaking CSI 1.0.0.
+    pub fn new(registration: impl Into<PathBuf>, endpoint: impl Into<PathBuf>, config: CsiDriverConfig) -> Self {
+        RegisteredCsiDriver {
+            registration: registration.into(),
+            endpoint: endpoint.into(),
+            config,
+            versions: vec!["1.0.0".into()],
+            behaviour: Behaviour::Normal,
+        }
+    }
+
+    /// Binds the endpoint, then the registration socket (so the driver is
+    /// ready when the node learns of it), and serves both until `shutdown`.
+    pub fn spawn(
+        self,
+        reporter: Reporter,
+        shutdown: CancellationToken,
+    ) -> std::io::Result<[tokio::task::JoinHandle<()>; 2]> {
+        let identity = registration::Identity {
+            plugin_type: kubelet_api::constants::CSI_PLUGIN_TYPE.into(),
+            name: self.config.name.clone(),
+            endpoint: self.endpoint.display().to_string(),
+            versions: self.versions,
+        };
+        let driver = FakeCsiDriver::new(&self.endpoint, self.config, reporter.clone()).spawn(shutdown.clone())?;
+        let registration =
+            RegistrationPlugin::new(&self.registration, identity, self.behaviour, reporter).spawn(shutdown)?;
+        Ok([driver, registration])
     }
 }
 

@@ -19,11 +19,9 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use kubelet_api::constants::CSI_PLUGIN_TYPE;
 use kubelet_api::pluginregistration::registration_client::RegistrationClient;
 use kubelet_api::pluginregistration::{InfoRequest, RegistrationStatus};
-use rustlet_testkit::csi_driver::{CsiDriverConfig, FakeCsiDriver};
-use rustlet_testkit::registration::{Behaviour, Identity, RegistrationPlugin};
+use rustlet_testkit::csi_driver::{CsiDriverConfig, RegisteredCsiDriver};
 use rustlet_testkit::report::{Report, Reporter};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::sync::mpsc;
@@ -66,18 +64,11 @@ impl Generator {
         let registration = dir.join(format!("{name}-reg.sock"));
         let stop = CancellationToken::new();
         let config = CsiDriverConfig { name: name.into(), node_id: "bench-node".into(), ..Default::default() };
-        FakeCsiDriver::new(&endpoint, config, Reporter::Discard).spawn(stop.clone())?;
-        let identity = Identity {
-            plugin_type: CSI_PLUGIN_TYPE.into(),
-            name: name.into(),
-            endpoint: endpoint.display().to_string(),
-            versions: vec!["1.0.0".into()],
-        };
         // Taken just before `bind`: a node can register the plugin before
         // this thread runs again, so a later timestamp could miss it.
         let listening_at = Instant::now();
-        RegistrationPlugin::new(&registration, identity, Behaviour::Normal, Reporter::Timed(self.tx.clone()))
-            .spawn(stop.clone())?;
+        RegisteredCsiDriver::new(&registration, &endpoint, config)
+            .spawn(Reporter::Timed(self.tx.clone()), stop.clone())?;
         Ok(Plugin { name: name.to_owned(), registration, endpoint, stop, listening_at })
     }
 

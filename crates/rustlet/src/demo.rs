@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use kubelet::plugin_manager::PluginEvent;
-use kubelet_api::constants::{CSI_PLUGIN_TYPE, PLUGINS_REGISTRY_DIR};
-use rustlet_testkit::csi_driver::{CsiDriverConfig, FakeCsiDriver};
+use kubelet_api::constants::PLUGINS_REGISTRY_DIR;
+use rustlet_testkit::csi_driver::{CsiDriverConfig, RegisteredCsiDriver};
 use rustlet_testkit::registration::{Behaviour, Identity, RegistrationPlugin};
 use rustlet_testkit::report::Reporter;
 use tokio::sync::broadcast;
@@ -57,14 +57,7 @@ pub(crate) async fn run(args: DemoArgs, shutdown: CancellationToken) -> anyhow::
             topology: HashMap::from([("topology.rustlet.dev/zone".to_owned(), zone.to_owned())]),
             ..Default::default()
         };
-        FakeCsiDriver::new(&endpoint, config, Reporter::Discard).spawn(stop.clone())?;
-        let identity = Identity {
-            plugin_type: CSI_PLUGIN_TYPE.into(),
-            name: name.into(),
-            endpoint: endpoint.display().to_string(),
-            versions: vec!["1.0.0".into()],
-        };
-        RegistrationPlugin::new(&socket, identity, Behaviour::Normal, Reporter::Discard).spawn(stop.clone())?;
+        RegisteredCsiDriver::new(&socket, &endpoint, config).spawn(Reporter::Discard, stop.clone())?;
         println!("started CSI driver {name} (registration socket {})", socket.display());
         if hostpath_stop.is_none() {
             hostpath_stop = Some((stop, socket));

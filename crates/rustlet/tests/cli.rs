@@ -5,8 +5,7 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
 
-use rustlet_testkit::csi_driver::{CsiDriverConfig, FakeCsiDriver};
-use rustlet_testkit::registration::{Behaviour, Identity, RegistrationPlugin};
+use rustlet_testkit::csi_driver::{CsiDriverConfig, RegisteredCsiDriver};
 use rustlet_testkit::report::{Report, Reporter};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::process::{Child, Command};
@@ -79,17 +78,10 @@ fn start_csi_driver(root: &Path, name: &str, reports: mpsc::UnboundedSender<Repo
     let stop = CancellationToken::new();
     let endpoint = root.join("plugins").join(name).join("csi.sock");
     let config = CsiDriverConfig { name: name.into(), node_id: "cli-node".into(), ..Default::default() };
-    FakeCsiDriver::new(&endpoint, config, Reporter::Discard).spawn(stop.clone()).expect("driver");
-    let identity = Identity {
-        plugin_type: "CSIPlugin".into(),
-        name: name.into(),
-        endpoint: endpoint.display().to_string(),
-        versions: vec!["1.0.0".into()],
-    };
     let socket = root.join("plugins_registry").join(format!("{name}.sock"));
-    RegistrationPlugin::new(socket, identity, Behaviour::Normal, Reporter::Channel(reports))
-        .spawn(stop.clone())
-        .expect("registration");
+    RegisteredCsiDriver::new(socket, &endpoint, config)
+        .spawn(Reporter::Channel(reports), stop.clone())
+        .expect("driver");
     stop
 }
 

@@ -9,9 +9,8 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use clap::Parser;
-use kubelet_api::constants::CSI_PLUGIN_TYPE;
-use rustlet_testkit::csi_driver::{CsiDriverConfig, FakeCsiDriver, NodeGetInfoBehaviour};
-use rustlet_testkit::registration::{Behaviour, Identity, RegistrationPlugin};
+use rustlet_testkit::csi_driver::{CsiDriverConfig, NodeGetInfoBehaviour, RegisteredCsiDriver};
+use rustlet_testkit::registration::Behaviour;
 use rustlet_testkit::report::{Report, Reporter};
 use tokio_util::sync::CancellationToken;
 
@@ -54,30 +53,24 @@ fn parse_segment(s: &str) -> Result<(String, String), String> {
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     let shutdown = CancellationToken::new();
-    let driver = FakeCsiDriver::new(
-        &args.endpoint,
-        CsiDriverConfig {
-            name: args.name.clone(),
-            node_id: args.node_id,
-            max_volumes_per_node: args.max_volumes,
-            topology: args.topology.into_iter().collect::<HashMap<_, _>>(),
-            node_get_info: args.node_get_info,
-        },
-        Reporter::Stdout,
-    );
-    let driver_task = driver.spawn(shutdown.clone())?;
-    let identity = Identity {
-        plugin_type: CSI_PLUGIN_TYPE.to_owned(),
+    let config = CsiDriverConfig {
         name: args.name,
-        endpoint: args.endpoint.display().to_string(),
-        versions: args.versions.split(',').map(str::trim).filter(|v| !v.is_empty()).map(str::to_owned).collect(),
+        node_id: args.node_id,
+        max_volumes_per_node: args.max_volumes,
+        topology: args.topology.into_iter().collect::<HashMap<_, _>>(),
+        node_get_info: args.node_get_info,
     };
-    let behaviour = if args.exit_on_rejection { Behaviour::ExitOnRejection } else { Behaviour::Normal };
-    let registration = RegistrationPlugin::new(args.registration_socket, identity, behaviour, Reporter::Stdout)
-        .spawn(shutdown.clone())?;
+    let mut driver = RegisteredCsiDriver::new(args.registration_socket, args.endpoint, config);
+    driver.versions = args.versions.split(',').map(str::trim).filter(|v| !v.is_empty()).map(str::to_owned).collect();
+    if args.exit_on_rejection {
+        driver.behaviour = Behaviour::ExitOnRejection;
+    }
+    let tasks = driver.spawn(Reporter::Stdout, shutdown.clone())?;
     Reporter::Stdout.report(Report::Listening { sockets: 1 });
     tokio::signal::ctrl_c().await?;
     shutdown.cancel();
-    let _ = tokio::join!(driver_task, registration);
+    for task in tasks {
+        let _ = task.await;
+    }
     Ok(())
 }
