@@ -151,6 +151,7 @@ pub fn test_config(registry_dir: &Path) -> PluginManagerConfig {
     config.initial_backoff = Duration::from_millis(100);
     config.max_backoff = Duration::from_millis(1600);
     config.resync_period = Duration::from_secs(3600);
+    config.shutdown_grace = Duration::from_millis(300);
     config
 }
 
@@ -209,6 +210,12 @@ impl TestNode {
 
     pub fn events(&self) -> broadcast::Receiver<PluginEvent> {
         self.handle.subscribe()
+    }
+
+    /// Starts shutting down and waits until the manager stopped taking work.
+    pub async fn begin_shutdown(&self) {
+        self.shutdown.cancel();
+        tokio::time::timeout(SOON, self.handle.closed()).await.expect("manager closes in time");
     }
 
     pub async fn stop(mut self) {

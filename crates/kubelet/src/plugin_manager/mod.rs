@@ -22,6 +22,10 @@
 //!   and different sockets are registered concurrently.
 //! - Failures back off per socket (500 ms doubling to 2 min 2 s) and are
 //!   logged loudly once, then quietly while they repeat.
+//! - A registration directory deleted under the node is recreated and watched
+//!   again, so plugins that recreate their sockets register again.
+//! - On shutdown, running registrations get `shutdown_grace` to finish, so a
+//!   handler is never left with a half-made registration it was not told of.
 //!
 //! # Caveats
 //! - Symbolic links are not followed (upstream follows them): a link would let
@@ -79,6 +83,9 @@ pub struct PluginManagerConfig {
     pub deregister_timeout: Duration,
     /// Registrations running at once (bounds open connections in a burst).
     pub max_concurrent_operations: usize,
+    /// On shutdown, how long running registrations may take to finish before
+    /// they are aborted.
+    pub shutdown_grace: Duration,
 }
 
 impl PluginManagerConfig {
@@ -94,6 +101,7 @@ impl PluginManagerConfig {
             resync_period: Duration::from_secs(30),
             deregister_timeout: Duration::from_secs(5),
             max_concurrent_operations: 512,
+            shutdown_grace: Duration::from_secs(5),
         }
     }
 }
@@ -159,12 +167,12 @@ impl PluginManager {
         let (req_tx, req_rx) = mpsc::channel(16);
         let (events, _) = broadcast::channel(4096);
         let (counts_tx, counts_rx) = watch::channel(PluginCounts::default());
-        let reconciler = Reconciler::new(self.config, self.handlers, self.metrics, events.clone(), counts_tx);
+        let mut reconciler = Reconciler::new(self.config, self.handlers, self.metrics, events.clone(), counts_tx);
+        reconciler.set_watcher(watch);
         tracing::info!(dir = %dir.display(), "plugin manager watching for plugin sockets");
         let span = tracing::info_span!("plugin_manager", dir = %dir.display());
         let task = tokio::spawn(
             async move {
-                let _watch = watch;
                 reconciler.run(Channels { fs: fs_rx, requests: req_rx }, shutdown).await;
             }
             .instrument(span),
@@ -187,6 +195,13 @@ impl PluginManagerHandle {
         let (tx, rx) = oneshot::channel();
         self.requests.send(Request::Status(tx)).await.ok()?;
         rx.await.ok()
+    }
+
+    /// Resolves once the manager has begun shutting down (it no longer
+    /// answers [`status`](Self::status)); running registrations may still be
+    /// finishing within the shutdown grace.
+    pub async fn closed(&self) {
+        self.requests.closed().await;
     }
 
     /// Counters updated after every batch of work.

@@ -18,6 +18,7 @@
 
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, BinaryHeap, HashMap, HashSet};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -36,7 +37,7 @@ use super::error::RegistrationError;
 use super::metrics::{Metrics, World};
 use super::operation::{self, Deadlines, HandlerMap, Registered};
 use super::status::{PluginCounts, PluginEvent, PluginState, PluginStatus};
-use super::watcher::{self, Entry, FsEvent};
+use super::watcher::{self, Entry, FsEvent, Watcher};
 
 /// Questions the handle can ask the reconciler.
 pub(crate) enum Request {
@@ -81,6 +82,9 @@ pub(crate) struct Reconciler {
     counts: watch::Sender<PluginCounts>,
     failed_attempts: u64,
     deregistrations: u64,
+    watcher: Option<Watcher>,
+    /// (device, inode) of the watched registration directory.
+    root_id: Option<(u64, u64)>,
 }
 
 pub(crate) struct Channels {
@@ -114,7 +118,16 @@ impl Reconciler {
             counts,
             failed_attempts: 0,
             deregistrations: 0,
+            watcher: None,
+            root_id: None,
         }
+    }
+
+    /// Hands over the inotify watch, so it lives as long as the reconciler
+    /// and can be renewed if the directory is recreated.
+    pub(crate) fn set_watcher(&mut self, watcher: Watcher) {
+        self.watcher = Some(watcher);
+        self.root_id = std::fs::metadata(&self.root).ok().map(|m| (m.dev(), m.ino()));
     }
 
     /// Runs until `shutdown` is cancelled. In-flight registrations are then
@@ -153,8 +166,29 @@ impl Reconciler {
             self.reconcile().await;
             self.publish_counts();
         }
-        self.tasks.shutdown().await;
+        // Stop answering (handles see the manager as closed), then drain.
+        drop(ch);
+        self.drain().await;
         tracing::info!(registered = self.actual.len(), "plugin manager stopped");
+    }
+
+    /// Lets running registrations finish within the grace period, then aborts
+    /// the rest. No new operation starts.
+    async fn drain(&mut self) {
+        let grace = self.config.shutdown_grace;
+        let finish = async {
+            while let Some(joined) = self.tasks.join_next_with_id().await {
+                self.on_joined(joined);
+            }
+        };
+        if tokio::time::timeout(grace, finish).await.is_err() {
+            tracing::warn!(
+                running = self.tasks.len(),
+                ?grace,
+                "aborting plugin registrations still running at shutdown"
+            );
+            self.tasks.shutdown().await;
+        }
     }
 
     // ----- file system -----
@@ -190,6 +224,7 @@ impl Reconciler {
     fn rescan(&mut self, reason: &'static str) {
         tracing::debug!(reason, "rescanning plugin registration directory");
         let root = self.root.clone();
+        self.check_root();
         self.sync_tree(&root);
         // Safety net: anything unsettled gets another look.
         let unsettled: Vec<PathBuf> = self
@@ -200,6 +235,30 @@ impl Reconciler {
             .cloned()
             .collect();
         self.dirty.extend(unsettled);
+    }
+
+    /// The registration directory may have been deleted (every plugin under
+    /// it is then gone) and possibly created again by someone else: a watch
+    /// dies with the directory it watched, so make the directory if needed
+    /// and watch it anew whenever it is not the one being watched.
+    fn check_root(&mut self) {
+        let current = std::fs::metadata(&self.root).ok().filter(|m| m.is_dir()).map(|m| (m.dev(), m.ino()));
+        if current.is_some() && current == self.root_id {
+            return;
+        }
+        if current.is_none() {
+            tracing::error!(dir = %self.root.display(), "plugin registration directory disappeared; recreating it");
+        } else if self.root_id.is_some() {
+            tracing::warn!(dir = %self.root.display(), "plugin registration directory was replaced; watching the new one");
+        }
+        let result = watcher::prepare_dir(&self.root)
+            .and_then(|()| self.watcher.as_mut().map_or(Ok(()), |w| w.rewatch(&self.root)));
+        match result {
+            Ok(()) => self.root_id = std::fs::metadata(&self.root).ok().map(|m| (m.dev(), m.ino())),
+            Err(error) => {
+                tracing::error!(%error, "cannot watch the plugin registration directory; retrying at the next resync")
+            }
+        }
     }
 
     /// Walks the directory `dir`: sockets found are desired, desired sockets

@@ -68,7 +68,18 @@ pub(crate) enum FsEvent {
 
 /// Keeps the inotify watch alive; dropping it stops the events.
 pub(crate) struct Watcher {
-    _inner: notify::RecommendedWatcher,
+    inner: notify::RecommendedWatcher,
+}
+
+impl Watcher {
+    /// Watches `root` again after it was deleted and created anew (a watch
+    /// dies with the directory it watched).
+    pub(crate) fn rewatch(&mut self, root: &Path) -> Result<(), WatcherError> {
+        let _ = self.inner.unwatch(root);
+        self.inner
+            .watch(root, RecursiveMode::Recursive)
+            .map_err(|source| WatcherError::Watch { path: root.to_path_buf(), source })
+    }
 }
 
 /// Creates the registration directory (0755) if missing and checks that it is
@@ -105,7 +116,15 @@ pub(crate) fn start(root: &Path, tx: UnboundedSender<FsEvent>) -> Result<Watcher
     inner
         .watch(root, RecursiveMode::Recursive)
         .map_err(|source| WatcherError::Watch { path: root.to_path_buf(), source })?;
-    Ok(Watcher { _inner: inner })
+    // The parent, not recursively: a watch cannot reliably report the
+    // deletion of its own directory, but the parent's watch reports the
+    // directory's removal and re-creation as events on the root path.
+    if let Some(parent) = root.parent()
+        && let Err(error) = inner.watch(parent, RecursiveMode::NonRecursive)
+    {
+        tracing::debug!(%error, parent = %parent.display(), "cannot watch the registration directory's parent");
+    }
+    Ok(Watcher { inner })
 }
 
 /// Reduces one notification to what the reconciler must look at again.
