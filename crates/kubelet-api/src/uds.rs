@@ -1,9 +1,11 @@
 //! gRPC over Unix sockets: dial a plugin, serve on a socket path.
 //!
 //! tonic speaks HTTP/2 over TCP by default; plugins use Unix sockets. The
-//! client side passes a connector that opens a `UnixStream` (the URI handed to
-//! the endpoint is a placeholder and never resolved). The server side feeds a
-//! `UnixListener` as the incoming connection stream.
+//! client side is [`UdsChannel`]: one HTTP/2 connection over a `UnixStream`,
+//! driven by hyper directly. A conversation with a plugin is a few calls on a
+//! fresh connection, so tonic's `Channel` (a reconnecting, buffered service
+//! with a worker task) would only add a task hop to every call. The server
+//! side feeds a `UnixListener` as the incoming connection stream.
 
 use std::future::Future;
 use std::io;
@@ -11,10 +13,13 @@ use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use hyper_util::rt::TokioIo;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use http::Uri;
+use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::{UnixListener, UnixStream};
 use tokio_stream::wrappers::UnixListenerStream;
-use tonic::transport::{Channel, Endpoint, Uri};
 
 /// Errors of dialing or serving on a Unix socket.
 #[derive(Debug, thiserror::Error)]
@@ -66,24 +71,58 @@ pub fn socket_path_of(endpoint: &str) -> &Path {
 /// that gap; a stale socket that nobody serves costs this much per attempt.
 pub const REFUSED_GRACE: Duration = Duration::from_millis(100);
 
-/// Opens a gRPC channel to the Unix socket at `path`, failing if no connection
-/// is made within `timeout`. Refused connections are retried for
-/// [`REFUSED_GRACE`] (bounded by `timeout`).
-pub async fn dial(path: impl AsRef<Path>, timeout: Duration) -> Result<Channel, UdsError> {
-    let path = path.as_ref().to_path_buf();
-    let target = path.clone();
-    // The authority is a placeholder; the connector ignores the URI.
-    let endpoint = Endpoint::from_static("http://localhost").connect_timeout(timeout);
-    let grace = REFUSED_GRACE.min(timeout);
-    let connect = endpoint.connect_with_connector(tower::service_fn(move |_: Uri| {
-        let target = target.clone();
-        async move { connect_unix(&target, grace).await.map(TokioIo::new) }
-    }));
-    match tokio::time::timeout(timeout, connect).await {
-        Ok(Ok(channel)) => Ok(channel),
-        Ok(Err(source)) => Err(UdsError::Dial { path, reason: error_chain(&source) }),
-        Err(_) => Err(UdsError::DialTimeout { path, timeout }),
+/// A gRPC client connection to one Unix socket. Cheap to clone (clones share
+/// the connection); the connection closes when the last clone is dropped.
+/// Pass it to a generated client: `RegistrationClient::new(channel)`.
+#[derive(Clone, Debug)]
+pub struct UdsChannel {
+    sender: hyper::client::conn::http2::SendRequest<tonic::body::Body>,
+}
+
+impl tower::Service<http::Request<tonic::body::Body>> for UdsChannel {
+    type Response = http::Response<hyper::body::Incoming>;
+    type Error = hyper::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.sender.poll_ready(cx)
     }
+
+    fn call(&mut self, mut request: http::Request<tonic::body::Body>) -> Self::Future {
+        // Generated clients send the path only; HTTP/2 needs :scheme and
+        // :authority. The authority is a placeholder, as for any Unix socket.
+        let mut parts = std::mem::take(request.uri_mut()).into_parts();
+        parts.scheme.get_or_insert(http::uri::Scheme::HTTP);
+        parts.authority.get_or_insert(http::uri::Authority::from_static("localhost"));
+        *request.uri_mut() = Uri::from_parts(parts).unwrap_or_default();
+        Box::pin(self.sender.send_request(request))
+    }
+}
+
+/// Opens a gRPC connection to the Unix socket at `path`, failing if it is not
+/// established within `timeout`. Refused connections are retried for
+/// [`REFUSED_GRACE`] (bounded by `timeout`).
+pub async fn dial(path: impl AsRef<Path>, timeout: Duration) -> Result<UdsChannel, UdsError> {
+    let path = path.as_ref().to_path_buf();
+    let grace = REFUSED_GRACE.min(timeout);
+    let connect = async {
+        let stream = connect_unix(&path, grace).await.map_err(|e| error_chain(&e))?;
+        hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+            .handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| error_chain(&e))
+    };
+    let (sender, connection) = match tokio::time::timeout(timeout, connect).await {
+        Ok(Ok(pair)) => pair,
+        Ok(Err(reason)) => return Err(UdsError::Dial { path, reason }),
+        Err(_) => return Err(UdsError::DialTimeout { path, timeout }),
+    };
+    // Drives the connection until every clone of the channel is dropped. A
+    // connection error needs no report here: the calls on it fail with it.
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    Ok(UdsChannel { sender })
 }
 
 async fn connect_unix(path: &Path, grace: Duration) -> io::Result<UnixStream> {

@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use kubelet_api::pluginregistration::registration_client::RegistrationClient;
 use kubelet_api::pluginregistration::{InfoRequest, RegistrationStatus};
-use tonic::transport::Channel;
+use kubelet_api::uds::UdsChannel;
 
 use super::error::RegistrationError;
 use super::handler::{PluginHandler, PluginInfo, PluginType};
@@ -119,14 +119,19 @@ pub(crate) async fn register(
 
 /// Tells the plugin it was turned down. Failing to deliver that is only worth
 /// a debug line: the registration failed anyway and will be retried.
-async fn notify_rejection(client: &mut RegistrationClient<Channel>, socket: &Path, reason: String, deadline: Duration) {
+async fn notify_rejection(
+    client: &mut RegistrationClient<UdsChannel>,
+    socket: &Path,
+    reason: String,
+    deadline: Duration,
+) {
     if let Err(error) = notify(client, false, reason, deadline).await {
         tracing::debug!(socket = %socket.display(), %error, "could not deliver the rejection to the plugin");
     }
 }
 
 async fn notify(
-    client: &mut RegistrationClient<Channel>,
+    client: &mut RegistrationClient<UdsChannel>,
     registered: bool,
     error: String,
     deadline: Duration,
