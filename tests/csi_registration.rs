@@ -253,3 +253,38 @@ async fn removed_csi_driver_is_dropped_from_registry_and_node_info() {
     assert_eq!(info.annotations[CSI_NODE_ID_ANNOTATION], r#"{"keep.csi.example.com":"node-1"}"#);
     assert_eq!(info.drivers.iter().map(|d| d.name.as_str()).collect::<Vec<_>>(), ["keep.csi.example.com"]);
 }
+
+/// A newer registration of a driver name that fails (here NodeGetInfo) or
+/// goes away hands the name back to the older registration, which is still
+/// registered with the plugin manager (upstream would lose both).
+#[tokio::test]
+async fn failed_or_removed_newer_driver_falls_back_to_the_older_one() {
+    let node = TestNode::start().await;
+    let mut old =
+        start_driver(&node, "fb.csi.example.com", "old.sock", &["--versions", "1.0.0", "--node-id", "old"]).await;
+    assert_eq!(verdict(&mut old).await, (true, String::new()));
+    let mut broken = start_driver(
+        &node,
+        "fb.csi.example.com",
+        "broken.sock",
+        &["--versions", "1.5.0", "--node-id", "broken", "--node-get-info", "fail"],
+    )
+    .await;
+    assert!(!verdict(&mut broken).await.0);
+    assert_eq!(node.csi_drivers.get("fb.csi.example.com").expect("present").socket_path, old.registration);
+    assert_eq!(node.node_info.snapshot().drivers[0].node_id, "old");
+    broken.process.kill().await;
+    std::fs::remove_file(&broken.registration).expect("rm broken");
+
+    let mut newer =
+        start_driver(&node, "fb.csi.example.com", "new.sock", &["--versions", "1.5.0", "--node-id", "new"]).await;
+    assert_eq!(verdict(&mut newer).await, (true, String::new()));
+    assert_eq!(node.node_info.snapshot().drivers[0].node_id, "new");
+    std::fs::remove_file(&newer.registration).expect("rm newer");
+    node.wait_counts("newer deregistered", |c| c.deregistrations == 1).await;
+    let active = node.csi_drivers.get("fb.csi.example.com").expect("the older one is active again");
+    assert_eq!(active.socket_path, old.registration);
+    let info = node.node_info.snapshot();
+    assert_eq!(info.drivers[0].node_id, "old");
+    assert_eq!(info.annotations[CSI_NODE_ID_ANNOTATION], r#"{"fb.csi.example.com":"old"}"#);
+}

@@ -567,3 +567,35 @@ async fn shutdown_lets_a_running_registration_finish_within_the_grace() {
         example.calls()
     );
 }
+
+/// `chmod` (or `chown`, a relabel) changes a socket's ctime, not the socket:
+/// the plugin stays registered.
+#[tokio::test]
+async fn chmod_of_a_registered_socket_does_not_reregister_it() {
+    let node = TestNode::start().await;
+    let socket = node.socket("perm.sock");
+    let _plugin = registration_plugin(&["--socket", &node.socket_str("perm.sock"), "--type", EXAMPLE_TYPE]).await;
+    node.wait_counts("registered", |c| c.registered == 1).await;
+    std::fs::set_permissions(&socket, std::os::unix::fs::PermissionsExt::from_mode(0o600)).expect("chmod");
+    // Events are handled in order: once a later socket is registered, the
+    // chmod's event has been handled too.
+    let _marker = registration_plugin(&["--socket", &node.socket_str("marker.sock"), "--type", EXAMPLE_TYPE]).await;
+    let counts = node.wait_counts("marker registered", |c| c.registered == 2).await;
+    assert_eq!(counts.deregistrations, 0);
+    let registers = node.example.calls().iter().filter(|c| matches!(c, Call::Register(..))).count();
+    assert_eq!(registers, 2);
+}
+
+/// Invalid settings are refused at start with the setting's name.
+#[tokio::test]
+async fn out_of_range_settings_are_refused_at_start() {
+    let (root, registry) = root_dir();
+    let mut config = test_config(&registry);
+    config.resync_period = Duration::ZERO;
+    let err = kubelet::plugin_manager::PluginManager::new(config)
+        .start(CancellationToken::new())
+        .map(|_| ())
+        .expect_err("must fail");
+    assert_eq!(err.to_string(), "invalid plugin manager setting resync_period: 0ns is outside 1ms..=24h");
+    drop(root);
+}

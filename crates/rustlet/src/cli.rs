@@ -75,8 +75,8 @@ pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
         "m" => value * 60.0,
         _ => return Err(format!("{s:?}: unknown unit {unit:?} (use ms, s or m)")),
     };
-    if seconds <= 0.0 || !seconds.is_finite() {
-        return Err(format!("{s:?} must be a positive duration"));
+    if !(0.001..=86_400.0).contains(&seconds) {
+        return Err(format!("{s:?} must be between 1ms and 24h"));
     }
     Ok(Duration::from_secs_f64(seconds))
 }
@@ -91,7 +91,9 @@ mod tests {
         assert_eq!(parse_duration("10s"), Ok(Duration::from_secs(10)));
         assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
         assert_eq!(parse_duration("3"), Ok(Duration::from_secs(3)));
-        assert!(parse_duration("0s").expect_err("zero").contains("positive"));
+        assert!(parse_duration("0s").expect_err("zero").contains("between 1ms and 24h"));
+        assert!(parse_duration("0.0001ms").expect_err("rounds to zero").contains("between 1ms and 24h"));
+        assert!(parse_duration("1000000000m").expect_err("huge").contains("between 1ms and 24h"));
         assert!(parse_duration("5h").expect_err("unit").contains("unknown unit"));
         assert!(parse_duration("soon").expect_err("garbage").contains("not a duration"));
     }

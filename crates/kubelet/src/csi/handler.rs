@@ -4,7 +4,7 @@
 //! one-driver-per-name rule. register: record the driver, call `NodeGetInfo`
 //! (deadline), publish the node's CSI facts; any failure undoes the earlier
 //! steps. deregister: drop the driver (only if this socket registered it) and
-//! its published facts.
+//! its published facts, or fall back to the registration it had replaced.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,7 +14,7 @@ use async_trait::async_trait;
 use super::client::node_get_info;
 use super::error::CsiError;
 use super::node_info::{CsiNodeDriver, NodeInfoPublisher};
-use super::registry::{CsiDriver, CsiDriverRegistry};
+use super::registry::{CsiDriver, CsiDriverRegistry, Removal};
 use super::version::{CsiVersion, highest_supported_version};
 use crate::plugin_manager::{HandlerError, PluginHandler, PluginInfo};
 
@@ -73,7 +73,7 @@ impl PluginHandler for CsiPluginHandler {
         let info = match node_get_info(&plugin.endpoint, self.config.node_get_info_timeout).await {
             Ok(info) => info,
             Err(source) => {
-                self.registry.remove(&plugin.name, &plugin.socket_path);
+                self.retire(plugin).await;
                 return Err(CsiError::NodeGetInfo { name: plugin.name.clone(), source }.into());
             }
         };
@@ -84,8 +84,9 @@ impl PluginHandler for CsiPluginHandler {
             allocatable_count: info.max_volumes_per_node,
             topology: info.accessible_topology,
         };
+        self.registry.set_node_info(&plugin.name, &plugin.socket_path, driver.clone());
         if let Err(e) = self.publisher.add_driver(driver).await {
-            self.registry.remove(&plugin.name, &plugin.socket_path);
+            self.retire(plugin).await;
             return Err(CsiError::from(e).into());
         }
         tracing::debug!(driver = %plugin.name, endpoint = %plugin.endpoint, %version, "CSI driver registered");
@@ -93,9 +94,39 @@ impl PluginHandler for CsiPluginHandler {
     }
 
     async fn deregister(&self, plugin: &PluginInfo) {
-        if self.registry.remove(&plugin.name, &plugin.socket_path) {
-            self.publisher.remove_driver(&plugin.name).await;
-            tracing::debug!(driver = %plugin.name, "CSI driver deregistered");
+        self.retire(plugin).await;
+    }
+}
+
+impl CsiPluginHandler {
+    /// Removes the registration `plugin` made and publishes what that changes:
+    /// nothing if it was a replaced one, the previous driver's facts if an
+    /// older registration of the name becomes active again, or the removal of
+    /// the driver from the node.
+    async fn retire(&self, plugin: &PluginInfo) {
+        let fallback = match self.registry.remove(&plugin.name, &plugin.socket_path) {
+            None | Some(Removal::Inactive) => return,
+            Some(Removal::FellBack(fallback)) => Some(*fallback),
+            Some(Removal::Gone) => None,
+        };
+        match fallback {
+            Some((previous, Some(node))) => {
+                tracing::info!(
+                    driver = %plugin.name,
+                    socket = %previous.socket_path.display(),
+                    version = %previous.version,
+                    "CSI driver falls back to its earlier registration"
+                );
+                if let Err(error) = self.publisher.add_driver(node).await {
+                    tracing::warn!(%error, driver = %plugin.name, "cannot publish the earlier registration's node info");
+                }
+            }
+            // No registration left, or the one left has not reported its node
+            // facts yet (it publishes them when its registration completes).
+            Some((_, None)) | None => {
+                self.publisher.remove_driver(&plugin.name).await;
+                tracing::debug!(driver = %plugin.name, "CSI driver deregistered");
+            }
         }
     }
 }

@@ -19,5 +19,5 @@ pub use client::{CsiNodeInfo, node_get_info};
 pub use error::{CsiClientError, CsiError, CsiVersionError, PublishError};
 pub use handler::{CsiHandlerConfig, CsiPluginHandler};
 pub use node_info::{CsiNodeDriver, InMemoryNodeInfo, NodeCsiInfo, NodeInfoPublisher};
-pub use registry::{CsiDriver, CsiDriverRegistry};
+pub use registry::{CsiDriver, CsiDriverRegistry, Removal};
 pub use version::{CsiVersion, highest_supported_version};

@@ -37,8 +37,10 @@ pub struct CsiNodeDriver {
 pub trait NodeInfoPublisher: Send + Sync + 'static {
     /// Adds or replaces `driver`'s entry. On error the registration is undone.
     async fn add_driver(&self, driver: CsiNodeDriver) -> Result<(), PublishError>;
-    /// Removes `name`'s entry and annotation key (labels stay). Must not fail:
-    /// a publisher retries internally until the removal is stored.
+    /// Removes `name`'s entry and annotation key (labels stay). Must not fail
+    /// and must not wait on remote calls: a publisher that writes to an API
+    /// records the removal and stores it in the background, retrying until
+    /// it is stored.
     async fn remove_driver(&self, name: &str);
 }
 

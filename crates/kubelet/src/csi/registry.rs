@@ -1,16 +1,20 @@
 //! The CSI drivers registered on this node, by name.
 //!
 //! Volume stages look a driver up by `PV.spec.csi.driver` (or an inline
-//! volume's `csi.driver`) and dial its endpoint. One driver per name: a second
-//! registration of a name must offer a strictly higher version, and the check
-//! and the insert happen under one lock so two sockets racing for a name
-//! cannot both win.
+//! volume's `csi.driver`) and dial its endpoint. One driver per name is
+//! active: a second registration of a name must offer a strictly higher
+//! version, and the check and the insert happen under one lock so two sockets
+//! racing for a name cannot both win. The driver it replaces is kept as a
+//! fallback: if the newer one goes away (or its registration is undone), the
+//! older one, still registered with the plugin manager, becomes active again
+//! — upstream would forget both.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 
 use super::error::CsiError;
+use super::node_info::CsiNodeDriver;
 use super::version::CsiVersion;
 
 /// A registered CSI driver.
@@ -26,10 +30,30 @@ pub struct CsiDriver {
     pub socket_path: PathBuf,
 }
 
+/// One registration of a name, with the node facts its driver reported.
+#[derive(Clone, Debug)]
+struct Candidate {
+    driver: CsiDriver,
+    node: Option<CsiNodeDriver>,
+}
+
+/// What removing a registration changed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Removal {
+    /// The registration was a replaced (inactive) one: nothing visible changed.
+    Inactive,
+    /// The active driver went away and no other registration of the name is left.
+    Gone,
+    /// The active driver went away; this older registration is active again,
+    /// with the node facts it reported (if its registration had completed).
+    FellBack(Box<(CsiDriver, Option<CsiNodeDriver>)>),
+}
+
 /// Shared, cheap-to-clone registry of CSI drivers.
 #[derive(Clone, Debug, Default)]
 pub struct CsiDriverRegistry {
-    drivers: Arc<RwLock<BTreeMap<String, CsiDriver>>>,
+    /// Per name, registrations with the active one first (highest version).
+    drivers: Arc<RwLock<BTreeMap<String, Vec<Candidate>>>>,
 }
 
 impl CsiDriverRegistry {
@@ -38,67 +62,84 @@ impl CsiDriverRegistry {
         Self::default()
     }
 
-    /// The driver registered under `name`.
+    /// The active driver registered under `name`.
     pub fn get(&self, name: &str) -> Option<CsiDriver> {
-        self.read().get(name).cloned()
+        self.read().get(name).and_then(|c| c.first()).map(|c| c.driver.clone())
     }
 
-    /// Every registered driver, sorted by name.
+    /// Every active driver, sorted by name.
     pub fn list(&self) -> Vec<CsiDriver> {
-        self.read().values().cloned().collect()
+        self.read().values().filter_map(|c| c.first()).map(|c| c.driver.clone()).collect()
     }
 
-    /// Fails when a driver named `name` is registered with `offered` or higher.
+    /// Fails when a driver named `name` is active with `offered` or higher.
     pub fn check_newer(&self, name: &str, offered: CsiVersion) -> Result<(), CsiError> {
-        match self.read().get(name) {
-            Some(existing) if existing.version >= offered => Err(CsiError::AlreadyRegistered {
-                name: name.to_owned(),
-                existing: existing.version,
-                existing_socket: existing.socket_path.clone(),
-                offered,
-            }),
-            _ => Ok(()),
+        match self.read().get(name).and_then(|c| c.first()) {
+            Some(active) => Self::newer_than(&active.driver, name, offered),
+            None => Ok(()),
         }
     }
 
-    /// Inserts `driver` unless a driver of that name with an equal or higher
-    /// version is registered; a lower one is replaced.
-    pub fn insert(&self, driver: CsiDriver) -> Result<(), CsiError> {
-        let mut drivers = self.write();
-        if let Some(existing) = drivers.get(&driver.name)
-            && existing.version >= driver.version
-        {
+    fn newer_than(active: &CsiDriver, name: &str, offered: CsiVersion) -> Result<(), CsiError> {
+        if active.version >= offered {
             return Err(CsiError::AlreadyRegistered {
-                name: driver.name,
-                existing: existing.version,
-                existing_socket: existing.socket_path.clone(),
-                offered: driver.version,
+                name: name.to_owned(),
+                existing: active.version,
+                existing_socket: active.socket_path.clone(),
+                offered,
             });
         }
-        drivers.insert(driver.name.clone(), driver);
         Ok(())
     }
 
-    /// Removes the driver `name` if it came through `socket_path`; returns
-    /// whether anything was removed. Another socket's driver of the same name
-    /// is left alone.
-    pub fn remove(&self, name: &str, socket_path: &std::path::Path) -> bool {
+    /// Makes `driver` the active driver of its name, unless the active one
+    /// has an equal or higher version. A replaced driver is kept as fallback.
+    pub fn insert(&self, driver: CsiDriver) -> Result<(), CsiError> {
         let mut drivers = self.write();
-        if drivers.get(name).is_some_and(|d| d.socket_path == socket_path) {
-            drivers.remove(name);
-            true
-        } else {
-            false
+        let candidates = drivers.entry(driver.name.clone()).or_default();
+        if let Some(active) = candidates.first() {
+            Self::newer_than(&active.driver, &driver.name, driver.version)?;
+        }
+        candidates.insert(0, Candidate { driver, node: None });
+        Ok(())
+    }
+
+    /// Records the node facts the driver registered through `socket_path`
+    /// reported, so they can be published again if it becomes active again.
+    pub fn set_node_info(&self, name: &str, socket_path: &Path, node: CsiNodeDriver) {
+        if let Some(candidate) =
+            self.write().get_mut(name).and_then(|c| c.iter_mut().find(|c| c.driver.socket_path == socket_path))
+        {
+            candidate.node = Some(node);
         }
     }
 
-    fn read(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<String, CsiDriver>> {
+    /// Removes the registration of `name` made through `socket_path`. Returns
+    /// `None` if there is none (another socket's registration of the same
+    /// name is left alone).
+    pub fn remove(&self, name: &str, socket_path: &Path) -> Option<Removal> {
+        let mut drivers = self.write();
+        let candidates = drivers.get_mut(name)?;
+        let index = candidates.iter().position(|c| c.driver.socket_path == socket_path)?;
+        candidates.remove(index);
+        let removal = match (index, candidates.first()) {
+            (0, Some(next)) => Removal::FellBack(Box::new((next.driver.clone(), next.node.clone()))),
+            (0, None) => Removal::Gone,
+            _ => Removal::Inactive,
+        };
+        if candidates.is_empty() {
+            drivers.remove(name);
+        }
+        Some(removal)
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<String, Vec<Candidate>>> {
         // A panic while holding the lock cannot leave the map half-written
         // (every write is one insert or remove), so a poisoned lock is usable.
         self.drivers.read().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn write(&self) -> std::sync::RwLockWriteGuard<'_, BTreeMap<String, CsiDriver>> {
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, BTreeMap<String, Vec<Candidate>>> {
         self.drivers.write().unwrap_or_else(|p| p.into_inner())
     }
 }
@@ -106,12 +147,11 @@ impl CsiDriverRegistry {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::path::Path;
 
     fn driver(version: &str, socket: &str) -> CsiDriver {
         CsiDriver {
             name: "d.csi.example.com".into(),
-            endpoint: "/e.sock".into(),
+            endpoint: format!("{socket}.csi"),
             version: version.parse().expect("version"),
             socket_path: socket.into(),
         }
@@ -125,15 +165,40 @@ mod tests {
         assert!(err.to_string().contains("already registered with version 1.0.0 from socket /a.sock"), "{err}");
         registry.insert(driver("1.2.0", "/b.sock")).expect("higher version replaces");
         assert_eq!(registry.get("d.csi.example.com").expect("present").socket_path, Path::new("/b.sock"));
+        assert_eq!(registry.list().len(), 1, "one active driver per name");
     }
 
     #[test]
     fn removal_only_by_the_socket_that_registered() {
         let registry = CsiDriverRegistry::new();
         registry.insert(driver("1.0.0", "/a.sock")).expect("insert");
-        assert!(!registry.remove("d.csi.example.com", Path::new("/b.sock")));
+        assert_eq!(registry.remove("d.csi.example.com", Path::new("/b.sock")), None);
         assert!(registry.get("d.csi.example.com").is_some());
-        assert!(registry.remove("d.csi.example.com", Path::new("/a.sock")));
+        assert_eq!(registry.remove("d.csi.example.com", Path::new("/a.sock")), Some(Removal::Gone));
         assert!(registry.list().is_empty());
+    }
+
+    #[test]
+    fn a_replaced_driver_becomes_active_again_when_the_newer_one_goes() {
+        let registry = CsiDriverRegistry::new();
+        registry.insert(driver("1.0.0", "/a.sock")).expect("a");
+        let node = CsiNodeDriver {
+            name: "d.csi.example.com".into(),
+            node_id: "node-a".into(),
+            topology_keys: vec![],
+            allocatable_count: None,
+            topology: Default::default(),
+        };
+        registry.set_node_info("d.csi.example.com", Path::new("/a.sock"), node.clone());
+        registry.insert(driver("1.5.0", "/b.sock")).expect("b replaces a");
+        assert_eq!(
+            registry.remove("d.csi.example.com", Path::new("/b.sock")),
+            Some(Removal::FellBack(Box::new((driver("1.0.0", "/a.sock"), Some(node)))))
+        );
+        assert_eq!(registry.get("d.csi.example.com"), Some(driver("1.0.0", "/a.sock")));
+        // Removing a replaced registration changes nothing visible.
+        registry.insert(driver("1.5.0", "/b.sock")).expect("b again");
+        assert_eq!(registry.remove("d.csi.example.com", Path::new("/a.sock")), Some(Removal::Inactive));
+        assert_eq!(registry.get("d.csi.example.com"), Some(driver("1.5.0", "/b.sock")));
     }
 }

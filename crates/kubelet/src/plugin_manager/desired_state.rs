@@ -3,12 +3,16 @@
 //! Each socket instance gets a fresh UUID. A socket that is removed and bound
 //! again at the same path is a new instance (new UUID), which makes the
 //! reconciler deregister the old plugin and register the new one. Seeing the
-//! *same* socket again (a duplicate event, a rescan) keeps its UUID: the
-//! instance is identified by its inode and change time, not by the event.
+//! *same* socket again (a duplicate event, a rescan, a `chmod`) keeps its
+//! UUID. A socket instance is identified by device, inode and birth time
+//! (`statx`); a file system without birth times reuses inode numbers at
+//! once, so there a remove event seen for the path also marks the next
+//! socket found there as new ([`DesiredState::add_or_update`]'s `removed`).
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::time::SystemTime;
 
 use uuid::Uuid;
 
@@ -20,21 +24,18 @@ pub enum DesiredStateError {
     EmptySocketPath,
 }
 
-/// Identity of one socket file instance on disk.
+/// Identity of one socket file instance on disk. The change time is not part
+/// of it: `chmod`, `chown` or a relabel change it without a new socket.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct FileId {
     dev: u64,
     ino: u64,
-    ctime_ns: i128,
+    born: Option<SystemTime>,
 }
 
 impl FileId {
     pub(crate) fn of(meta: &std::fs::Metadata) -> Self {
-        FileId {
-            dev: meta.dev(),
-            ino: meta.ino(),
-            ctime_ns: i128::from(meta.ctime()) * 1_000_000_000 + i128::from(meta.ctime_nsec()),
-        }
+        FileId { dev: meta.dev(), ino: meta.ino(), born: meta.created().ok() }
     }
 }
 
@@ -63,13 +64,21 @@ pub(crate) struct DesiredState {
 }
 
 impl DesiredState {
-    pub(crate) fn add_or_update(&mut self, path: &Path, file_id: FileId) -> Result<Change, DesiredStateError> {
+    /// Records the socket `file_id` at `path`. `removed` says a remove event
+    /// was seen for the path since it was last looked at, so the socket there
+    /// is a new instance even if it looks like the old one.
+    pub(crate) fn add_or_update(
+        &mut self,
+        path: &Path,
+        file_id: FileId,
+        removed: bool,
+    ) -> Result<Change, DesiredStateError> {
         if path.as_os_str().is_empty() {
             return Err(DesiredStateError::EmptySocketPath);
         }
         let fresh = || DesiredPlugin { uuid: Uuid::new_v4(), file_id };
         match self.plugins.get_mut(path) {
-            Some(existing) if existing.file_id == file_id => Ok(Change::Unchanged),
+            Some(existing) if existing.file_id == file_id && !removed => Ok(Change::Unchanged),
             Some(existing) => {
                 *existing = fresh();
                 Ok(Change::Replaced)
@@ -118,14 +127,14 @@ impl DesiredState {
 mod tests {
     use super::*;
 
-    fn id(ino: u64, ctime_ns: i128) -> FileId {
-        FileId { dev: 1, ino, ctime_ns }
+    fn id(ino: u64, born_s: u64) -> FileId {
+        FileId { dev: 1, ino, born: Some(SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(born_s)) }
     }
 
     #[test]
     fn empty_socket_path_is_rejected() {
         let mut state = DesiredState::default();
-        let err = state.add_or_update(Path::new(""), id(1, 1)).expect_err("must fail");
+        let err = state.add_or_update(Path::new(""), id(1, 1), false).expect_err("must fail");
         assert_eq!(err.to_string(), "socket path is empty");
         assert_eq!(state.len(), 0);
     }
@@ -134,9 +143,9 @@ mod tests {
     fn same_socket_seen_twice_keeps_its_uuid() {
         let mut state = DesiredState::default();
         let path = Path::new("/r/a.sock");
-        assert_eq!(state.add_or_update(path, id(7, 100)), Ok(Change::Added));
+        assert_eq!(state.add_or_update(path, id(7, 100), false), Ok(Change::Added));
         let first = state.get(path).expect("present").uuid;
-        assert_eq!(state.add_or_update(path, id(7, 100)), Ok(Change::Unchanged));
+        assert_eq!(state.add_or_update(path, id(7, 100), false), Ok(Change::Unchanged));
         assert_eq!(state.get(path).expect("present").uuid, first);
     }
 
@@ -144,10 +153,24 @@ mod tests {
     fn recreated_socket_gets_a_new_uuid_even_with_a_reused_inode() {
         let mut state = DesiredState::default();
         let path = Path::new("/r/a.sock");
-        state.add_or_update(path, id(7, 100)).expect("add");
+        state.add_or_update(path, id(7, 100), false).expect("add");
         let first = state.get(path).expect("present").uuid;
-        assert_eq!(state.add_or_update(path, id(7, 200)), Ok(Change::Replaced));
-        assert_ne!(state.get(path).expect("present").uuid, first);
+        assert_eq!(state.add_or_update(path, id(7, 200), false), Ok(Change::Replaced), "new birth time");
+        let second = state.get(path).expect("present").uuid;
+        assert_ne!(second, first);
+        assert_eq!(state.add_or_update(path, id(7, 200), true), Ok(Change::Replaced), "a remove was seen");
+        assert_ne!(state.get(path).expect("present").uuid, second);
+    }
+
+    #[test]
+    fn chmod_keeps_the_socket_instance() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("a.sock");
+        let _listener = std::os::unix::net::UnixListener::bind(&path).expect("bind");
+        let before = FileId::of(&std::fs::metadata(&path).expect("stat"));
+        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o600)).expect("chmod");
+        let after = FileId::of(&std::fs::metadata(&path).expect("stat"));
+        assert_eq!(before, after);
     }
 
     #[test]
@@ -155,7 +178,7 @@ mod tests {
         let mut state = DesiredState::default();
         for (i, p) in ["/r/a/x.sock", "/r/a/b/y.sock", "/r/a-b.sock", "/r/ab.sock", "/r/a.sock"].into_iter().enumerate()
         {
-            state.add_or_update(Path::new(p), id(i as u64, 0)).expect("add");
+            state.add_or_update(Path::new(p), id(i as u64, 0), false).expect("add");
         }
         let removed = state.remove_tree(Path::new("/r/a"));
         assert_eq!(removed, vec![PathBuf::from("/r/a/b/y.sock"), PathBuf::from("/r/a/x.sock")]);

@@ -5,7 +5,6 @@ use std::time::Duration;
 
 use kubelet_api::uds::UdsError;
 
-use super::desired_state::DesiredStateError;
 use super::handler::{HandlerError, PluginType};
 use super::watcher::WatcherError;
 
@@ -18,6 +17,14 @@ pub enum PluginManagerError {
     /// A handler was registered twice for the same type.
     #[error("a handler for plugin type {0} is already registered")]
     DuplicateHandler(PluginType),
+    /// A setting is out of range.
+    #[error("invalid plugin manager setting {setting}: {reason}")]
+    InvalidConfig {
+        /// The setting's name.
+        setting: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
 }
 
 /// Why one registration attempt of one socket failed. Each failure is retried
@@ -91,6 +98,23 @@ pub enum RegistrationError {
         #[source]
         source: HandlerError,
     },
+    /// The handler did not finish `validate` or `register` in time; what it
+    /// did was undone.
+    #[error(
+        "plugin handler for {plugin_type} plugin {name:?} at socket {socket} did not finish {step} within {timeout:?}"
+    )]
+    HandlerTimeout {
+        /// Plugin type.
+        plugin_type: PluginType,
+        /// Plugin name.
+        name: String,
+        /// Registration socket.
+        socket: PathBuf,
+        /// `validate` or `register`.
+        step: &'static str,
+        /// The deadline.
+        timeout: Duration,
+    },
     /// The verdict could not be delivered; the registration was rolled back.
     #[error("failed to send registration status at socket {socket}: {reason}")]
     Notify {
@@ -99,9 +123,14 @@ pub enum RegistrationError {
         /// gRPC status or deadline.
         reason: String,
     },
-    /// The socket path could not enter the desired state.
-    #[error(transparent)]
-    DesiredState(#[from] DesiredStateError),
+    /// The registration task panicked or was aborted.
+    #[error("registration task for socket {socket} failed: {reason}")]
+    TaskFailed {
+        /// Registration socket.
+        socket: PathBuf,
+        /// The panic or abort.
+        reason: String,
+    },
 }
 
 impl RegistrationError {
@@ -111,5 +140,17 @@ impl RegistrationError {
     /// when any plugin is deregistered instead of waiting out its backoff.
     pub(crate) fn rejected_by_handler(&self) -> bool {
         matches!(self, RegistrationError::Validation { .. } | RegistrationError::Register { .. })
+    }
+
+    /// True when the handler had registered the plugin and was told to undo
+    /// it: the handlers' state changed, which may let another plugin in.
+    pub(crate) fn rolled_back(&self) -> bool {
+        matches!(
+            self,
+            RegistrationError::Register { .. }
+                | RegistrationError::Notify { .. }
+                | RegistrationError::HandlerTimeout { step: "register", .. }
+                | RegistrationError::TaskFailed { .. }
+        )
     }
 }

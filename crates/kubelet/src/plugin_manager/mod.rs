@@ -24,12 +24,14 @@
 //!   logged loudly once, then quietly while they repeat.
 //! - A registration directory deleted under the node is recreated and watched
 //!   again, so plugins that recreate their sockets register again.
-//! - On shutdown, running registrations get `shutdown_grace` to finish, so a
-//!   handler is never left with a half-made registration it was not told of.
+//! - On shutdown, running operations get `shutdown_grace` to finish; only
+//!   what is still running after that is aborted.
 //!
 //! # Caveats
 //! - Symbolic links are not followed (upstream follows them): a link would let
 //!   one plugin register twice, and changes to its target are not reported.
+//! - A socket keeps its identity across `chmod`/`chown` (device, inode and
+//!   birth time, not the change time, identify it).
 //! - Names starting with `.` are ignored at any depth below the directory.
 
 mod actual_state;
@@ -79,8 +81,12 @@ pub struct PluginManagerConfig {
     pub max_backoff: Duration,
     /// How often the whole directory is rescanned as a safety net.
     pub resync_period: Duration,
-    /// How long a handler's `deregister` may take before the manager moves on.
+    /// How long a handler's `deregister` may take before the manager stops
+    /// waiting for it (it keeps running; its socket path stays busy).
     pub deregister_timeout: Duration,
+    /// Deadline for each of a handler's `validate` and `register`; a
+    /// `register` that overruns is undone with `deregister`.
+    pub handler_timeout: Duration,
     /// Registrations running at once (bounds open connections in a burst).
     pub max_concurrent_operations: usize,
     /// On shutdown, how long running registrations may take to finish before
@@ -100,9 +106,47 @@ impl PluginManagerConfig {
             max_backoff: Duration::from_secs(2 * 60 + 2),
             resync_period: Duration::from_secs(30),
             deregister_timeout: Duration::from_secs(5),
+            handler_timeout: Duration::from_secs(60),
             max_concurrent_operations: 512,
             shutdown_grace: Duration::from_secs(5),
         }
+    }
+
+    /// Checks every setting is in range: durations from 1 ms to 1 day, at
+    /// least one concurrent operation.
+    pub fn validate(&self) -> Result<(), PluginManagerError> {
+        let durations = [
+            ("dial_timeout", self.dial_timeout),
+            ("get_info_timeout", self.get_info_timeout),
+            ("notify_timeout", self.notify_timeout),
+            ("initial_backoff", self.initial_backoff),
+            ("max_backoff", self.max_backoff),
+            ("resync_period", self.resync_period),
+            ("deregister_timeout", self.deregister_timeout),
+            ("handler_timeout", self.handler_timeout),
+            ("shutdown_grace", self.shutdown_grace),
+        ];
+        for (setting, value) in durations {
+            if value < Duration::from_millis(1) || value > Duration::from_secs(86_400) {
+                return Err(PluginManagerError::InvalidConfig {
+                    setting,
+                    reason: format!("{value:?} is outside 1ms..=24h"),
+                });
+            }
+        }
+        if self.max_backoff < self.initial_backoff {
+            return Err(PluginManagerError::InvalidConfig {
+                setting: "max_backoff",
+                reason: format!("{:?} is below initial_backoff {:?}", self.max_backoff, self.initial_backoff),
+            });
+        }
+        if self.max_concurrent_operations == 0 {
+            return Err(PluginManagerError::InvalidConfig {
+                setting: "max_concurrent_operations",
+                reason: "must be at least 1".into(),
+            });
+        }
+        Ok(())
     }
 }
 
@@ -159,6 +203,7 @@ impl PluginManager {
         self,
         shutdown: CancellationToken,
     ) -> Result<(PluginManagerHandle, JoinHandle<()>), PluginManagerError> {
+        self.config.validate()?;
         let dir = self.config.registration_dir.clone();
         watcher::prepare_dir(&dir)?;
         let (fs_tx, fs_rx) = mpsc::unbounded_channel();

@@ -36,6 +36,8 @@ pub(crate) struct Deadlines {
     pub(crate) dial: Duration,
     pub(crate) get_info: Duration,
     pub(crate) notify: Duration,
+    /// For each of the handler's `validate` and `register`.
+    pub(crate) handler: Duration,
 }
 
 /// A registration that went through: what the plugin is and who holds it.
@@ -87,26 +89,51 @@ pub(crate) async fn register(
         notify_rejection(&mut client, socket, reason, deadlines.notify).await;
         return Err(err);
     }
-    if let Err(source) = handler.validate(&plugin).await {
-        let reason = format!("{ERROR_PREFIX}plugin validation failed with err: {source}");
-        notify_rejection(&mut client, socket, reason, deadlines.notify).await;
-        return Err(RegistrationError::Validation {
-            plugin_type: plugin.plugin_type,
-            name: plugin.name,
-            socket: socket.to_path_buf(),
-            source,
-        });
+    let timed_out = |step| RegistrationError::HandlerTimeout {
+        plugin_type: plugin.plugin_type.clone(),
+        name: plugin.name.clone(),
+        socket: socket.to_path_buf(),
+        step,
+        timeout: deadlines.handler,
+    };
+    match tokio::time::timeout(deadlines.handler, handler.validate(&plugin)).await {
+        Ok(Ok(())) => {}
+        Ok(Err(source)) => {
+            let reason = format!("{ERROR_PREFIX}plugin validation failed with err: {source}");
+            notify_rejection(&mut client, socket, reason, deadlines.notify).await;
+            return Err(RegistrationError::Validation {
+                plugin_type: plugin.plugin_type,
+                name: plugin.name,
+                socket: socket.to_path_buf(),
+                source,
+            });
+        }
+        Err(_) => {
+            let err = timed_out("validate");
+            notify_rejection(&mut client, socket, format!("{ERROR_PREFIX}{err}"), deadlines.notify).await;
+            return Err(err);
+        }
     }
-    if let Err(source) = handler.register(&plugin).await {
-        handler.deregister(&plugin).await;
-        let reason = format!("{ERROR_PREFIX}plugin registration failed with err: {source}");
-        notify_rejection(&mut client, socket, reason, deadlines.notify).await;
-        return Err(RegistrationError::Register {
-            plugin_type: plugin.plugin_type,
-            name: plugin.name,
-            socket: socket.to_path_buf(),
-            source,
-        });
+    match tokio::time::timeout(deadlines.handler, handler.register(&plugin)).await {
+        Ok(Ok(())) => {}
+        Ok(Err(source)) => {
+            handler.deregister(&plugin).await;
+            let reason = format!("{ERROR_PREFIX}plugin registration failed with err: {source}");
+            notify_rejection(&mut client, socket, reason, deadlines.notify).await;
+            return Err(RegistrationError::Register {
+                plugin_type: plugin.plugin_type,
+                name: plugin.name,
+                socket: socket.to_path_buf(),
+                source,
+            });
+        }
+        Err(_) => {
+            // The unfinished register was dropped; undo whatever it did.
+            handler.deregister(&plugin).await;
+            let err = timed_out("register");
+            notify_rejection(&mut client, socket, format!("{ERROR_PREFIX}{err}"), deadlines.notify).await;
+            return Err(err);
+        }
     }
     if let Err(reason) = notify(&mut client, true, String::new(), deadlines.notify).await {
         // The plugin never learnt it is registered (it may be gone): undo, so

@@ -13,6 +13,8 @@ pub enum PluginState {
     Registered,
     /// A registration attempt is running.
     Registering,
+    /// The plugin's handler is being told it is gone.
+    Deregistering,
     /// The last attempt failed; the next one waits for its backoff.
     BackingOff,
     /// Seen on disk, no attempt made yet.

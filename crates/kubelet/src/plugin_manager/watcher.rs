@@ -13,6 +13,7 @@ use std::io;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Component, Path, PathBuf};
 
+use notify::event::{ModifyKind, RenameMode};
 use notify::{EventKind, RecursiveMode, Watcher as _};
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -60,8 +61,15 @@ pub enum WatcherError {
 /// What the file system told us, reduced to what the reconciler must re-check.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum FsEvent {
-    /// Something happened at this path (or below it): look again.
-    Changed(PathBuf),
+    /// Something happened at this path (or below it): look again. `removed`
+    /// says what was there was removed or renamed away, so whatever is found
+    /// there now is a new instance.
+    Changed {
+        /// The path.
+        path: PathBuf,
+        /// A remove or rename-away event.
+        removed: bool,
+    },
     /// Events may have been lost: look at the whole tree again.
     Rescan(&'static str),
 }
@@ -106,13 +114,17 @@ pub(crate) fn prepare_dir(root: &Path) -> Result<(), WatcherError> {
 
 /// Starts a recursive inotify watch on `root`, forwarding events to `tx`.
 pub(crate) fn start(root: &Path, tx: UnboundedSender<FsEvent>) -> Result<Watcher, WatcherError> {
-    let mut inner = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
+    let handler = move |res: notify::Result<notify::Event>| {
         for event in translate(res) {
             // The receiver is gone only when the manager stopped.
             let _ = tx.send(event);
         }
-    })
-    .map_err(|source| WatcherError::Watch { path: root.to_path_buf(), source })?;
+    };
+    // Symlinks are not followed: a link would let one plugin register twice,
+    // and the periodic rescan does not follow them either.
+    let config = notify::Config::default().with_follow_symlinks(false);
+    let mut inner = notify::RecommendedWatcher::new(handler, config)
+        .map_err(|source| WatcherError::Watch { path: root.to_path_buf(), source })?;
     inner
         .watch(root, RecursiveMode::Recursive)
         .map_err(|source| WatcherError::Watch { path: root.to_path_buf(), source })?;
@@ -140,10 +152,17 @@ pub(crate) fn translate(res: notify::Result<notify::Event>) -> Vec<FsEvent> {
         tracing::warn!("inotify queue overflow; rescanning the plugin registration directory");
         return vec![FsEvent::Rescan("inotify queue overflow")];
     }
-    if matches!(event.kind, EventKind::Access(_)) {
-        return Vec::new();
+    match event.kind {
+        EventKind::Access(_) => Vec::new(),
+        // A paired rename: the first path went away, the second appeared.
+        EventKind::Modify(ModifyKind::Name(RenameMode::Both)) => {
+            event.paths.into_iter().enumerate().map(|(i, path)| FsEvent::Changed { path, removed: i == 0 }).collect()
+        }
+        kind => {
+            let removed = matches!(kind, EventKind::Remove(_) | EventKind::Modify(ModifyKind::Name(RenameMode::From)));
+            event.paths.into_iter().map(|path| FsEvent::Changed { path, removed }).collect()
+        }
     }
-    event.paths.into_iter().map(FsEvent::Changed).collect()
 }
 
 /// What sits at a path, as far as plugin registration cares.
@@ -157,6 +176,9 @@ pub(crate) enum Entry {
     Ignored(&'static str),
     /// Nothing is there (any more).
     Missing,
+    /// The path could not be examined (permissions, too many open files):
+    /// what was known about it stays as it was.
+    Unreadable(io::ErrorKind),
 }
 
 /// True when any component of `path` below `root` starts with `.`.
@@ -172,7 +194,8 @@ pub(crate) fn classify(root: &Path, path: &Path) -> Entry {
         return Entry::Ignored("hidden name");
     }
     match std::fs::symlink_metadata(path) {
-        Err(_) => Entry::Missing,
+        Err(e) if is_gone(&e) => Entry::Missing,
+        Err(e) => Entry::Unreadable(e.kind()),
         Ok(meta) => {
             let ft = meta.file_type();
             if ft.is_socket() {
@@ -192,6 +215,11 @@ pub(crate) fn classify(root: &Path, path: &Path) -> Entry {
     }
 }
 
+/// Errors that mean "nothing is at this path".
+fn is_gone(e: &io::Error) -> bool {
+    matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::NotADirectory)
+}
+
 /// The result of walking a directory tree.
 #[derive(Debug, Default)]
 pub(crate) struct Scan {
@@ -199,6 +227,16 @@ pub(crate) struct Scan {
     pub(crate) sockets: Vec<(PathBuf, FileId)>,
     /// Entries that look like plugins but are not (name ends in `.sock`).
     pub(crate) ignored: Vec<(PathBuf, &'static str)>,
+    /// Paths (files or whole subtrees) that could not be read: what is known
+    /// below them must be kept, not forgotten.
+    pub(crate) unreadable: Vec<(PathBuf, io::ErrorKind)>,
+}
+
+impl Scan {
+    /// True when `path` is at or below a path that could not be read.
+    pub(crate) fn is_unknown(&self, path: &Path) -> bool {
+        self.unreadable.iter().any(|(p, _)| path.starts_with(p))
+    }
 }
 
 /// Walks `dir` recursively (not following symlinks, skipping hidden names).
@@ -206,13 +244,28 @@ pub(crate) fn scan(root: &Path, dir: &Path) -> Scan {
     let mut out = Scan::default();
     let mut stack = vec![dir.to_path_buf()];
     while let Some(current) = stack.pop() {
-        let Ok(entries) = std::fs::read_dir(&current) else { continue };
-        for entry in entries.flatten() {
-            let path = entry.path();
+        let entries = match std::fs::read_dir(&current) {
+            Ok(entries) => entries,
+            Err(e) if is_gone(&e) => continue,
+            Err(e) => {
+                out.unreadable.push((current, e.kind()));
+                continue;
+            }
+        };
+        for entry in entries {
+            let path = match entry {
+                Ok(entry) => entry.path(),
+                Err(e) => {
+                    // The directory's listing broke off: its rest is unknown.
+                    out.unreadable.push((current.clone(), e.kind()));
+                    break;
+                }
+            };
             match classify(root, &path) {
                 Entry::Socket(id) => out.sockets.push((path, id)),
                 Entry::Directory => stack.push(path),
                 Entry::Ignored(why) if looks_like_socket(&path) => out.ignored.push((path, why)),
+                Entry::Unreadable(kind) => out.unreadable.push((path, kind)),
                 Entry::Ignored(_) | Entry::Missing => {}
             }
         }
@@ -239,7 +292,20 @@ mod tests {
         let open = notify::Event::new(EventKind::Access(AccessKind::Any)).add_path("/r/a.sock".into());
         assert!(translate(Ok(open)).is_empty());
         let create = notify::Event::new(EventKind::Create(CreateKind::File)).add_path("/r/a.sock".into());
-        assert_eq!(translate(Ok(create)), vec![FsEvent::Changed("/r/a.sock".into())]);
+        assert_eq!(translate(Ok(create)), vec![FsEvent::Changed { path: "/r/a.sock".into(), removed: false }]);
+        let remove =
+            notify::Event::new(EventKind::Remove(notify::event::RemoveKind::File)).add_path("/r/a.sock".into());
+        assert_eq!(translate(Ok(remove)), vec![FsEvent::Changed { path: "/r/a.sock".into(), removed: true }]);
+        let rename = notify::Event::new(EventKind::Modify(ModifyKind::Name(RenameMode::Both)))
+            .add_path("/r/a.sock".into())
+            .add_path("/r/b.sock".into());
+        assert_eq!(
+            translate(Ok(rename)),
+            vec![
+                FsEvent::Changed { path: "/r/a.sock".into(), removed: true },
+                FsEvent::Changed { path: "/r/b.sock".into(), removed: false }
+            ]
+        );
     }
 
     #[test]
