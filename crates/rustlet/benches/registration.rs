@@ -159,8 +159,8 @@ impl Node {
                 {
                     let _ = ready.send(());
                 }
-                if line.ends_with("plugin deregistered")
-                    && let Some(rest) = line.split("deregister_plugin{socket=").nth(1)
+                if let Some(fields) = line.split(" plugin deregistered ").nth(1)
+                    && let Some(rest) = fields.split("socket=").nth(1)
                     && let Some(socket) = rest.split_whitespace().next()
                 {
                     let _ = tx.send((Instant::now(), PathBuf::from(socket)));
