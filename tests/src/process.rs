@@ -29,6 +29,7 @@ impl PluginProcess {
         let program = program.as_ref();
         let mut child = Command::new(program)
             .args(args)
+            .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .kill_on_drop(true)
@@ -79,6 +80,14 @@ impl PluginProcess {
             .await
             .map_err(|_| format!("plugin still running after {deadline:?}"))?
             .map_err(|e| e.to_string())
+    }
+
+    /// Writes one command line to the plugin's stdin.
+    pub async fn send(&mut self, line: &str) -> Result<(), String> {
+        use tokio::io::AsyncWriteExt;
+        let stdin = self.child.stdin.as_mut().ok_or("stdin closed")?;
+        stdin.write_all(format!("{line}\n").as_bytes()).await.map_err(|e| e.to_string())?;
+        stdin.flush().await.map_err(|e| e.to_string())
     }
 
     /// Kills the process (SIGKILL) and reaps it. Its sockets stay on disk.

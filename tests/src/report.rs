@@ -30,6 +30,23 @@ pub enum Report {
         /// Driver endpoint called.
         endpoint: PathBuf,
     },
+    /// A device plugin's `Register` call on `kubelet.sock` returned.
+    DeviceRegistered {
+        /// The resource.
+        resource: String,
+        /// Empty on success, the node's error otherwise.
+        error: String,
+    },
+    /// The node opened a `ListAndWatch` stream.
+    ListAndWatchOpened {
+        /// The resource.
+        resource: String,
+    },
+    /// A `ListAndWatch` stream closed (the node hung up or was replaced).
+    ListAndWatchClosed {
+        /// The resource.
+        resource: String,
+    },
 }
 
 /// Where reports go: a channel in-process, or stdout in the plugin binaries.

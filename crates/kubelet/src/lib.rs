@@ -13,4 +13,5 @@
 //! (see `docs/architecture.md`).
 
 pub mod csi;
+pub mod device_manager;
 pub mod plugin_manager;

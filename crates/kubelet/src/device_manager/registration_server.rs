@@ -1,0 +1,199 @@
+//! `kubelet.sock`: the node's side of device-plugin registration
+//! (`v1beta1.Registration/Register`).
+//!
+//! Plugins watch `kubelet.sock` and register again when it is recreated (that
+//! is how they learn the node restarted), so the server recreates it whenever
+//! it is removed or replaced under us.
+
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::path::{Component, Path, PathBuf};
+
+use kubelet_api::constants::{DEVICE_PLUGIN_VERSION, KUBELET_SOCKET};
+use kubelet_api::deviceplugin::v1beta1::registration_server::{Registration, RegistrationServer};
+use kubelet_api::deviceplugin::v1beta1::{Empty, RegisterRequest};
+use notify::{RecursiveMode, Watcher as _};
+use tokio::sync::mpsc;
+use tonic::{Request, Response, Status};
+use tracing::Instrument;
+
+use super::DeviceManager;
+use super::error::{DeviceManagerError, RegisterError};
+use super::resource_name::is_extended_resource_name;
+
+/// Creates the directory (0750) and removes stale sockets in it; other files
+/// (the checkpoint) are kept.
+pub(super) fn prepare_dir(dir: &Path) -> Result<(), DeviceManagerError> {
+    let err = |source| DeviceManagerError::Directory { path: dir.to_path_buf(), source };
+    if !dir.exists() {
+        std::fs::create_dir_all(dir).map_err(err)?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o750)).map_err(err)?;
+    }
+    for entry in std::fs::read_dir(dir).map_err(err)? {
+        let entry = entry.map_err(err)?;
+        if entry.file_type().map_err(err)?.is_socket() {
+            tracing::debug!(socket = %entry.path().display(), "removing stale device plugin socket");
+            std::fs::remove_file(entry.path()).map_err(err)?;
+        }
+    }
+    Ok(())
+}
+
+/// Serves the registration service, rebinding `kubelet.sock` when it goes.
+pub(super) fn start(manager: DeviceManager) -> Result<(), DeviceManagerError> {
+    let dir = manager.inner.config.plugin_dir.clone();
+    let socket = dir.join(KUBELET_SOCKET);
+    let (tx, mut changes) = mpsc::unbounded_channel();
+    let watched = socket.clone();
+    let mut watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
+        let relevant = match res {
+            Ok(event) => event.need_rescan() || event.paths.iter().any(|p| p == &watched),
+            Err(_) => true,
+        };
+        if relevant {
+            let _ = tx.send(());
+        }
+    })
+    .map_err(|source| DeviceManagerError::Watch { path: dir.clone(), source })?;
+    watcher
+        .watch(&dir, RecursiveMode::NonRecursive)
+        .map_err(|source| DeviceManagerError::Watch { path: dir.clone(), source })?;
+    let mut listener = kubelet_api::uds::bind(&socket)?;
+    // Taken now, not in the task: the socket may be gone before it runs.
+    let mut identity = socket_identity(&socket);
+    let shutdown = manager.inner.shutdown.clone();
+    let tasks = manager.inner.tasks.clone();
+    let span = tracing::info_span!("device_plugin_registration", socket = %socket.display());
+    tasks.spawn(
+        async move {
+            let _watcher = watcher;
+            loop {
+                tracing::info!("serving device plugin registration");
+                let stop = shutdown.child_token();
+                let router = tonic::transport::Server::builder()
+                    .add_service(RegistrationServer::new(RegistrationService { manager: manager.clone() }));
+                let server = tokio::spawn(kubelet_api::uds::serve(router, listener, stop.clone().cancelled_owned()));
+                // Wait until the socket is no longer ours, or shutdown.
+                loop {
+                    tokio::select! {
+                        () = shutdown.cancelled() => break,
+                        change = changes.recv() => {
+                            let current = socket_identity(&socket);
+                            if change.is_none() || current.is_none() || current != identity {
+                                break;
+                            }
+                        }
+                    }
+                }
+                stop.cancel();
+                if let Ok(Err(error)) = server.await {
+                    tracing::warn!(%error, "device plugin registration server stopped with an error");
+                }
+                if shutdown.is_cancelled() {
+                    break;
+                }
+                tracing::warn!("kubelet.sock was removed or replaced; recreating it so plugins register again");
+                listener = match kubelet_api::uds::bind(&socket) {
+                    Ok(listener) => {
+                        identity = socket_identity(&socket);
+                        manager.inner.server_generation.send_modify(|g| *g += 1);
+                        listener
+                    }
+                    Err(error) => {
+                        tracing::error!(%error, "cannot recreate kubelet.sock; device plugins cannot register");
+                        break;
+                    }
+                };
+            }
+        }
+        .instrument(span),
+    );
+    Ok(())
+}
+
+fn socket_identity(path: &Path) -> Option<(u64, u64)> {
+    std::fs::symlink_metadata(path).ok().filter(|m| m.file_type().is_socket()).map(|m| (m.dev(), m.ino()))
+}
+
+/// `RegisterRequest.endpoint` must name a file in the directory itself.
+fn endpoint_path(dir: &Path, resource: &str, endpoint: &str) -> Result<PathBuf, RegisterError> {
+    let mut components = Path::new(endpoint).components();
+    match (components.next(), components.next()) {
+        (Some(Component::Normal(name)), None) => Ok(dir.join(name)),
+        _ => Err(RegisterError::InvalidEndpoint { resource: resource.to_owned(), endpoint: endpoint.to_owned() }),
+    }
+}
+
+struct RegistrationService {
+    manager: DeviceManager,
+}
+
+#[tonic::async_trait]
+impl Registration for RegistrationService {
+    async fn register(&self, request: Request<RegisterRequest>) -> Result<Response<Empty>, Status> {
+        let request = request.into_inner();
+        let resource = request.resource_name.clone();
+        let span = tracing::info_span!("register_device_plugin", resource = %resource, endpoint = %request.endpoint);
+        async {
+            let result = self.validate_and_connect(request).await;
+            if let Err(error) = &result {
+                tracing::warn!(%error, "device plugin registration refused");
+            }
+            result.map(|()| Response::new(Empty {})).map_err(|e| {
+                let message = e.to_string();
+                match e {
+                    RegisterError::UnsupportedVersion { .. }
+                    | RegisterError::InvalidResourceName(_)
+                    | RegisterError::InvalidEndpoint { .. } => Status::invalid_argument(message),
+                    RegisterError::Timeout { .. } => Status::deadline_exceeded(message),
+                    RegisterError::ShuttingDown => Status::unavailable(message),
+                    RegisterError::Dial { .. } | RegisterError::Rpc { .. } => Status::unknown(message),
+                }
+            })
+        }
+        .instrument(span)
+        .await
+    }
+}
+
+impl RegistrationService {
+    async fn validate_and_connect(&self, request: RegisterRequest) -> Result<(), RegisterError> {
+        if request.version != DEVICE_PLUGIN_VERSION {
+            return Err(RegisterError::UnsupportedVersion { version: request.version });
+        }
+        if !is_extended_resource_name(&request.resource_name) {
+            return Err(RegisterError::InvalidResourceName(request.resource_name));
+        }
+        let socket = endpoint_path(&self.manager.inner.config.plugin_dir, &request.resource_name, &request.endpoint)?;
+        self.manager.connect(&request.resource_name, &socket).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints_must_stay_in_the_directory() {
+        let dir = Path::new("/r/device-plugins");
+        assert_eq!(endpoint_path(dir, "v.com/x", "gpu.sock").expect("plain name"), dir.join("gpu.sock"));
+        for bad in ["../gpu.sock", "sub/gpu.sock", "/abs/gpu.sock", "..", ".", ""] {
+            let err = endpoint_path(dir, "v.com/x", bad).expect_err(bad);
+            assert!(err.to_string().contains("must be a socket file name"), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn stale_sockets_are_removed_and_other_files_kept() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let stale = dir.path().join("old-plugin.sock");
+        drop(std::os::unix::net::UnixListener::bind(&stale).expect("bind"));
+        let checkpoint = dir.path().join("kubelet_internal_checkpoint");
+        std::fs::write(&checkpoint, b"{}").expect("write");
+        prepare_dir(dir.path()).expect("prepare");
+        assert!(!stale.exists());
+        assert!(checkpoint.exists());
+        let fresh = dir.path().join("new/device-plugins");
+        prepare_dir(&fresh).expect("create");
+        assert_eq!(std::fs::metadata(&fresh).expect("meta").permissions().mode() & 0o777, 0o750);
+    }
+}

@@ -1,0 +1,341 @@
+//! The device manager against the fake device plugin binary: registration
+//! through `kubelet.sock` and through `plugins_registry`, health, capacity,
+//! replacement, stream end and the grace period.
+
+mod common;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use kubelet::device_manager::{Capacities, DeviceManager, DeviceManagerConfig, ResourceCapacity};
+use kubelet::plugin_manager::{PluginManager, PluginType};
+use rustlet_testkit::process::PluginProcess;
+use rustlet_testkit::report::Report;
+use tempfile::TempDir;
+use tokio_util::sync::CancellationToken;
+
+const GPU: &str = "vendor.example.com/gpu";
+
+struct Node {
+    root: TempDir,
+    dir: PathBuf,
+    devices: DeviceManager,
+    shutdown: CancellationToken,
+}
+
+impl Node {
+    async fn start() -> Node {
+        let root = tempfile::Builder::new().prefix("rustlet-dm-").tempdir().expect("tempdir");
+        let dir = root.path().join("device-plugins");
+        let mut config = DeviceManagerConfig::new(&dir);
+        config.call_timeout = Duration::from_millis(500);
+        config.grace_period = Duration::from_millis(300);
+        let shutdown = CancellationToken::new();
+        let devices = DeviceManager::start(config, shutdown.clone()).expect("start device manager");
+        Node { root, dir, devices, shutdown }
+    }
+
+    fn socket(&self, name: &str) -> String {
+        self.dir.join(name).display().to_string()
+    }
+
+    async fn plugin(&self, socket: &str, extra: &[&str]) -> PluginProcess {
+        let mut args = vec!["--socket".to_owned(), self.socket(socket)];
+        args.extend(extra.iter().map(|s| (*s).to_owned()));
+        PluginProcess::spawn(device_plugin_bin(), &args).await.expect("start fake-device-plugin")
+    }
+
+    async fn wait_capacity(&self, what: &str, mut pred: impl FnMut(&Capacities) -> bool) -> Capacities {
+        let mut rx = self.devices.capacity();
+        let result = tokio::time::timeout(SOON, rx.wait_for(|c| pred(c))).await.map(|r| r.map(|c| c.clone()));
+        match result {
+            Ok(Ok(c)) => c,
+            _ => panic!("timed out waiting for {what}; capacity: {:?}", *rx.borrow()),
+        }
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+fn device_plugin_bin() -> &'static str {
+    env!("CARGO_BIN_EXE_fake-device-plugin")
+}
+
+fn cap(capacity: u64, allocatable: u64) -> Option<ResourceCapacity> {
+    Some(ResourceCapacity { capacity, allocatable })
+}
+
+async fn registered(plugin: &mut PluginProcess) -> String {
+    match plugin.wait_for(SOON, |r| matches!(r, Report::DeviceRegistered { .. })).await.expect("Register returned") {
+        Report::DeviceRegistered { error, .. } => error,
+        other => panic!("unexpected {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn plugin_registered_on_kubelet_sock_publishes_capacity_and_topology() {
+    let node = Node::start().await;
+    let mut plugin = node
+        .plugin(
+            "gpu.sock",
+            &[
+                "--resource",
+                GPU,
+                "--device",
+                "gpu-0:Healthy:0",
+                "--device",
+                "gpu-1:Unhealthy:1",
+                "--device",
+                "gpu-2:Healthy:1",
+            ],
+        )
+        .await;
+    assert_eq!(registered(&mut plugin).await, "", "Register succeeds");
+    node.wait_capacity("3 devices, 2 healthy", |c| c.get(GPU).copied() == cap(3, 2)).await;
+    let devices = node.devices.devices(GPU);
+    assert_eq!(
+        devices.iter().map(|d| (d.id.as_str(), d.numa_nodes.clone())).collect::<Vec<_>>(),
+        [("gpu-0", vec![0]), ("gpu-1", vec![1]), ("gpu-2", vec![1])]
+    );
+    assert!(node.devices.plugin_options(GPU).is_some());
+}
+
+/// Register answers only once the plugin is connected: the node has opened
+/// the stream by the time the plugin hears back.
+#[tokio::test]
+async fn register_returns_after_the_stream_is_open() {
+    let node = Node::start().await;
+    let mut plugin = node.plugin("gpu.sock", &["--resource", GPU, "--count", "1"]).await;
+    let first = plugin
+        .wait_for(SOON, |r| matches!(r, Report::ListAndWatchOpened { .. } | Report::DeviceRegistered { .. }))
+        .await
+        .expect("report");
+    assert!(matches!(first, Report::ListAndWatchOpened { .. }), "{first:?}");
+    assert_eq!(registered(&mut plugin).await, "");
+}
+
+#[tokio::test]
+async fn unsupported_version_is_refused_with_upstream_text() {
+    let node = Node::start().await;
+    let mut plugin = node.plugin("gpu.sock", &["--resource", GPU, "--count", "1", "--version", "v1alpha"]).await;
+    assert_eq!(
+        registered(&mut plugin).await,
+        r#"requested API version "v1alpha" is not supported by kubelet. Supported version is ["v1beta1"]"#
+    );
+    assert!(node.devices.capacity().borrow().is_empty());
+}
+
+#[tokio::test]
+async fn invalid_resource_names_are_refused_with_upstream_text() {
+    let node = Node::start().await;
+    for (i, name) in
+        ["gpu", "kubernetes.io/gpu", "requests.vendor.com/gpu", "Vendor.com/gpu", "vendor.com/-x"].iter().enumerate()
+    {
+        let mut plugin = node.plugin(&format!("bad{i}.sock"), &["--resource", name, "--count", "1"]).await;
+        assert_eq!(registered(&mut plugin).await, format!("the ResourceName {name:?} is invalid"));
+    }
+    assert!(node.devices.capacity().borrow().is_empty());
+}
+
+#[tokio::test]
+async fn endpoints_escaping_the_plugin_directory_are_refused() {
+    let node = Node::start().await;
+    for endpoint in ["../gpu.sock", "sub/gpu.sock", "/tmp/gpu.sock"] {
+        let mut plugin = node.plugin("gpu.sock", &["--resource", GPU, "--count", "1", "--endpoint", endpoint]).await;
+        assert_eq!(
+            registered(&mut plugin).await,
+            format!(
+                "endpoint {endpoint:?} for resource {GPU} must be a socket file name in the device plugin directory, without '/' or '..'"
+            )
+        );
+    }
+}
+
+#[tokio::test]
+async fn health_changes_move_allocatable() {
+    let node = Node::start().await;
+    let mut plugin =
+        node.plugin("gpu.sock", &["--resource", GPU, "--device", "a:Healthy", "--device", "b:Healthy"]).await;
+    assert_eq!(registered(&mut plugin).await, "");
+    node.wait_capacity("2 healthy", |c| c.get(GPU).copied() == cap(2, 2)).await;
+    plugin.send("health a Unhealthy").await.expect("send");
+    node.wait_capacity("1 healthy", |c| c.get(GPU).copied() == cap(2, 1)).await;
+    plugin.send("health a Healthy").await.expect("send");
+    node.wait_capacity("2 healthy again", |c| c.get(GPU).copied() == cap(2, 2)).await;
+}
+
+/// Bad input: duplicate and empty IDs in ListAndWatch are dropped.
+#[tokio::test]
+async fn duplicate_and_empty_device_ids_are_dropped() {
+    let node = Node::start().await;
+    let mut plugin = node.plugin("gpu.sock", &["--resource", GPU, "--count", "1"]).await;
+    assert_eq!(registered(&mut plugin).await, "");
+    plugin.send("devices a:Healthy a:Unhealthy :Healthy b:Unhealthy").await.expect("send");
+    node.wait_capacity("a and b", |c| c.get(GPU).copied() == cap(2, 1)).await;
+    let ids: Vec<_> = node.devices.devices(GPU).into_iter().map(|d| d.id).collect();
+    assert_eq!(ids, ["a", "b"]);
+}
+
+/// Bad input: 100,000 devices in one message.
+#[tokio::test]
+async fn a_hundred_thousand_devices() {
+    let node = Node::start().await;
+    let mut plugin = node.plugin("gpu.sock", &["--resource", GPU, "--count", "100000"]).await;
+    assert_eq!(registered(&mut plugin).await, "");
+    node.wait_capacity("100,000 devices", |c| c.get(GPU).copied() == cap(100_000, 100_000)).await;
+}
+
+/// The stream ends (plugin crash): every device unhealthy at once, and after
+/// the grace period the resource reported as zero.
+#[tokio::test]
+async fn crashed_plugin_devices_turn_unhealthy_then_the_resource_is_removed() {
+    let node = Node::start().await;
+    let mut plugin = node.plugin("gpu.sock", &["--resource", GPU, "--count", "3"]).await;
+    assert_eq!(registered(&mut plugin).await, "");
+    node.wait_capacity("3 healthy", |c| c.get(GPU).copied() == cap(3, 3)).await;
+    plugin.send("crash").await.expect("send");
+    node.wait_capacity("all unhealthy", |c| c.get(GPU).copied() == cap(3, 0)).await;
+    node.wait_capacity("removed after the grace period", |c| c.get(GPU).copied() == cap(0, 0)).await;
+    assert!(node.devices.devices(GPU).is_empty());
+}
+
+/// A plugin that comes back within the grace period keeps the resource.
+#[tokio::test]
+async fn plugin_back_within_the_grace_period_keeps_the_resource() {
+    let node = Node::start().await;
+    let mut plugin = node.plugin("gpu.sock", &["--resource", GPU, "--count", "2"]).await;
+    assert_eq!(registered(&mut plugin).await, "");
+    plugin.send("crash").await.expect("send");
+    node.wait_capacity("all unhealthy", |c| c.get(GPU).copied() == cap(2, 0)).await;
+    let mut again = node.plugin("gpu-2.sock", &["--resource", GPU, "--count", "2"]).await;
+    assert_eq!(registered(&mut again).await, "");
+    node.wait_capacity("healthy again", |c| c.get(GPU).copied() == cap(2, 2)).await;
+    // The first plugin's grace timer fires and must leave the resource alone.
+    let mut fired = node.devices.grace_timers_fired();
+    tokio::time::timeout(SOON, fired.wait_for(|n| *n >= 1)).await.expect("timer fired").expect("alive");
+    assert_eq!(node.devices.capacity().borrow().get(GPU).copied(), cap(2, 2));
+}
+
+/// A second registration for the same resource replaces the first: the old
+/// stream is closed, capacity never dips, the new device set wins.
+#[tokio::test]
+async fn second_registration_replaces_the_first_cleanly() {
+    let node = Node::start().await;
+    let mut first = node.plugin("gpu-a.sock", &["--resource", GPU, "--count", "2"]).await;
+    assert_eq!(registered(&mut first).await, "");
+    node.wait_capacity("first plugin's devices", |c| c.get(GPU).copied() == cap(2, 2)).await;
+    let snapshots = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut rx = node.devices.capacity();
+    let sink = snapshots.clone();
+    let recorder = tokio::spawn(async move {
+        while rx.changed().await.is_ok() {
+            let c = rx.borrow_and_update().get(GPU).copied();
+            sink.lock().expect("lock").push(c);
+        }
+    });
+    let mut second = node.plugin("gpu-b.sock", &["--resource", GPU, "--count", "3"]).await;
+    assert_eq!(registered(&mut second).await, "");
+    first.wait_for(SOON, |r| matches!(r, Report::ListAndWatchClosed { .. })).await.expect("old stream closed");
+    node.wait_capacity("second plugin's devices", |c| c.get(GPU).copied() == cap(3, 3)).await;
+    recorder.abort();
+    for c in snapshots.lock().expect("lock").iter() {
+        assert!(c.is_some_and(|c| c.allocatable >= 2), "capacity dipped: {c:?}");
+    }
+}
+
+/// Bad input: GetDevicePluginOptions never answers. Register fails at the
+/// deadline; another plugin registers meanwhile.
+#[tokio::test]
+async fn options_that_never_answer_time_out_without_blocking_others() {
+    let node = Node::start().await;
+    let mut hung = node.plugin("hung.sock", &["--resource", GPU, "--count", "1", "--behaviour", "hang-options"]).await;
+    let mut fine = node.plugin("fine.sock", &["--resource", "vendor.example.com/fine", "--count", "1"]).await;
+    assert_eq!(registered(&mut fine).await, "");
+    assert_eq!(
+        registered(&mut hung).await,
+        format!("device plugin for resource {GPU}: GetDevicePluginOptions did not answer within 500ms")
+    );
+}
+
+/// Type `DevicePlugin` through the plugin watcher lands in the same manager.
+#[tokio::test]
+async fn device_plugin_registered_through_plugins_registry() {
+    let node = Node::start().await;
+    let registry = node.root.path().join("plugins_registry");
+    let mut manager = PluginManager::new(test_config(&registry));
+    manager.add_handler(PluginType::DevicePlugin, Arc::new(node.devices.plugin_handler())).expect("handler");
+    let (handle, _task) = manager.start(node.shutdown.clone()).expect("plugin manager");
+    let registration = registry.join("gpu-reg.sock");
+    let _plugin = node
+        .plugin(
+            "gpu.sock",
+            &[
+                "--resource",
+                GPU,
+                "--count",
+                "4",
+                "--register",
+                "watcher",
+                "--registration-socket",
+                registration.to_str().expect("utf8"),
+            ],
+        )
+        .await;
+    node.wait_capacity("4 devices", |c| c.get(GPU).copied() == cap(4, 4)).await;
+    std::fs::remove_file(&registration).expect("remove registration socket");
+    node.wait_capacity("deregistered: unhealthy", |c| c.get(GPU).copied() == cap(4, 0)).await;
+    drop(handle);
+}
+
+#[tokio::test]
+async fn device_plugin_with_a_bad_version_is_turned_down_by_the_watcher_path() {
+    let node = Node::start().await;
+    let registry = node.root.path().join("plugins_registry");
+    let mut manager = PluginManager::new(test_config(&registry));
+    manager.add_handler(PluginType::DevicePlugin, Arc::new(node.devices.plugin_handler())).expect("handler");
+    let (_handle, _task) = manager.start(node.shutdown.clone()).expect("plugin manager");
+    let registration = registry.join("old-reg.sock");
+    let mut plugin = node
+        .plugin(
+            "old.sock",
+            &[
+                "--resource",
+                GPU,
+                "--count",
+                "1",
+                "--register",
+                "watcher",
+                "--version",
+                "v1alpha",
+                "--registration-socket",
+                registration.to_str().expect("utf8"),
+            ],
+        )
+        .await;
+    let report = plugin.wait_for(SOON, |r| matches!(r, Report::Notified { .. })).await.expect("notified");
+    let Report::Notified { registered, error, .. } = report else { unreachable!() };
+    assert!(!registered);
+    assert_eq!(
+        error,
+        r#"RegisterPlugin error -- plugin validation failed with err: manager version, v1beta1, is not among plugin supported versions ["v1alpha"]"#
+    );
+}
+
+/// kubelet.sock removed under the node is recreated, and plugins can
+/// register again.
+#[tokio::test]
+async fn removed_kubelet_sock_is_recreated() {
+    let node = Node::start().await;
+    let mut generation = node.devices.registration_server_generation();
+    assert_eq!(*generation.borrow_and_update(), 1);
+    std::fs::remove_file(node.devices.socket_path()).expect("rm kubelet.sock");
+    tokio::time::timeout(SOON, generation.wait_for(|g| *g == 2)).await.expect("in time").expect("alive");
+    let mut plugin = node.plugin("gpu.sock", &["--resource", GPU, "--count", "1"]).await;
+    assert_eq!(registered(&mut plugin).await, "");
+}
