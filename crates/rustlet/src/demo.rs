@@ -3,16 +3,20 @@
 //!
 //! Scenario: two CSI drivers (with topology and a volume limit) register; a
 //! plugin of a type the node has no handler for is turned down with a reason;
-//! then one driver goes away and is deregistered. Without `--once` the node
+//! a device plugin registers on `kubelet.sock` and one of its devices turns
+//! unhealthy; then one CSI driver goes away and is deregistered. Without `--once` the node
 //! keeps running until Ctrl-C so `/status` and `/metrics` can be explored.
 
 use std::collections::HashMap;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
+use kubelet::device_manager::ResourceCapacity;
 use kubelet::plugin_manager::PluginEvent;
-use kubelet_api::constants::PLUGINS_REGISTRY_DIR;
+use kubelet_api::constants::{DEVICE_PLUGIN_VERSION, DEVICE_PLUGINS_DIR, PLUGINS_REGISTRY_DIR};
+use kubelet_api::deviceplugin::v1beta1::DevicePluginOptions;
 use rustlet_testkit::csi_driver::{CsiDriverConfig, RegisteredCsiDriver};
+use rustlet_testkit::device_plugin::{DevicePluginBehaviour, DeviceSpec, FakeDevicePlugin, register_with_kubelet};
 use rustlet_testkit::registration::{Behaviour, Identity, RegistrationPlugin};
 use rustlet_testkit::report::Reporter;
 use tokio::sync::broadcast;
@@ -85,6 +89,8 @@ pub(crate) async fn run(args: DemoArgs, shutdown: CancellationToken) -> anyhow::
         println!("  -> turned down, the plugin was told: {error}");
     }
 
+    demo_device_plugin(&node, &plugins).await?;
+
     println!("\nCSI drivers on this node:");
     for driver in node.csi_drivers.list() {
         println!("  {} v{} at {}", driver.name, driver.version, driver.endpoint);
@@ -117,6 +123,41 @@ pub(crate) async fn run(args: DemoArgs, shutdown: CancellationToken) -> anyhow::
     }
     plugins.cancel();
     node.stopped().await;
+    Ok(())
+}
+
+/// A device plugin registers on kubelet.sock; one device turns unhealthy.
+async fn demo_device_plugin(node: &Node, plugins: &CancellationToken) -> anyhow::Result<()> {
+    const RESOURCE: &str = "gpu.rustlet.dev/demo";
+    let socket = node.root_dir.join(DEVICE_PLUGINS_DIR).join("demo-gpu.sock");
+    let devices = ["gpu-0:Healthy:0", "gpu-1:Healthy:0", "gpu-2:Healthy:1"]
+        .iter()
+        .map(|d| d.parse::<DeviceSpec>().map_err(anyhow::Error::msg))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let options = DevicePluginOptions::default();
+    let (plugin, control) =
+        FakeDevicePlugin::new(RESOURCE, devices, options, DevicePluginBehaviour::Normal, Reporter::Discard);
+    plugin.spawn(&socket, plugins.child_token())?;
+    println!("\nstarted device plugin for {RESOURCE} with 3 devices");
+    register_with_kubelet(&node.devices.socket_path(), DEVICE_PLUGIN_VERSION, "demo-gpu.sock", RESOURCE, options)
+        .await
+        .map_err(|e| anyhow::anyhow!("device plugin registration failed: {e}"))?;
+    let capacity = node.devices.capacity();
+    let wait = |want: ResourceCapacity| {
+        let mut capacity = capacity.clone();
+        async move {
+            tokio::time::timeout(STEP_DEADLINE, capacity.wait_for(|c| c.get(RESOURCE) == Some(&want)))
+                .await
+                .context("device capacity did not change in time")?
+                .context("the device manager stopped")?;
+            anyhow::Ok(())
+        }
+    };
+    wait(ResourceCapacity { capacity: 3, allocatable: 3 }).await?;
+    println!("  -> registered on kubelet.sock: capacity 3, allocatable 3");
+    control.set_health("gpu-1", "Unhealthy");
+    wait(ResourceCapacity { capacity: 3, allocatable: 2 }).await?;
+    println!("  -> gpu-1 reported unhealthy: capacity 3, allocatable 2");
     Ok(())
 }
 

@@ -1,5 +1,6 @@
 //! The node's HTTP endpoint: `/healthz`, Prometheus `/metrics`, and `/status`
-//! (JSON: plugins, CSI drivers and the node's published CSI facts).
+//! (JSON: plugins, CSI drivers, the node's published CSI facts and the
+//! capacity of device-plugin resources).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -11,6 +12,7 @@ use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
 use kubelet::csi::{CsiDriverRegistry, InMemoryNodeInfo};
+use kubelet::device_manager::DeviceManager;
 use kubelet::plugin_manager::PluginManagerHandle;
 use prometheus_client::registry::Registry;
 use tokio::task::JoinHandle;
@@ -24,6 +26,7 @@ pub(crate) struct HttpState {
     pub(crate) plugins: PluginManagerHandle,
     pub(crate) csi_drivers: CsiDriverRegistry,
     pub(crate) node_info: InMemoryNodeInfo,
+    pub(crate) devices: DeviceManager,
 }
 
 /// Binds `address` and serves until `shutdown`. Returns the bound address
@@ -77,6 +80,7 @@ async fn status(State(state): State<HttpState>) -> impl IntoResponse {
         "plugins": plugins,
         "csiDrivers": state.csi_drivers.list(),
         "csiNode": state.node_info.snapshot(),
+        "extendedResources": *state.devices.capacity().borrow(),
     }))
     .into_response()
 }

@@ -6,8 +6,9 @@ use std::sync::Arc;
 
 use anyhow::{Context, bail};
 use kubelet::csi::{CsiDriverRegistry, CsiHandlerConfig, CsiPluginHandler, InMemoryNodeInfo};
+use kubelet::device_manager::{DeviceManager, DeviceManagerConfig};
 use kubelet::plugin_manager::{PluginManager, PluginManagerConfig, PluginManagerHandle, PluginType};
-use kubelet_api::constants::PLUGINS_REGISTRY_DIR;
+use kubelet_api::constants::{DEVICE_PLUGINS_DIR, PLUGINS_REGISTRY_DIR};
 use prometheus_client::registry::Registry;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -19,6 +20,7 @@ pub(crate) struct Node {
     pub(crate) plugins: PluginManagerHandle,
     pub(crate) csi_drivers: CsiDriverRegistry,
     pub(crate) node_info: InMemoryNodeInfo,
+    pub(crate) devices: DeviceManager,
     pub(crate) http_address: SocketAddr,
     pub(crate) root_dir: PathBuf,
     tasks: Vec<JoinHandle<()>>,
@@ -42,6 +44,12 @@ impl Node {
         let node_info = InMemoryNodeInfo::new();
         let csi = CsiPluginHandler::new(csi_drivers.clone(), Arc::new(node_info.clone()), CsiHandlerConfig::default());
 
+        let devices =
+            DeviceManager::start(DeviceManagerConfig::new(args.root_dir.join(DEVICE_PLUGINS_DIR)), shutdown.clone())
+                .with_context(|| {
+                    format!("cannot start the device manager under root dir {}", args.root_dir.display())
+                })?;
+
         let mut config = PluginManagerConfig::new(&registration_dir);
         config.dial_timeout = args.plugin_dial_timeout;
         config.get_info_timeout = args.plugin_get_info_timeout;
@@ -49,6 +57,7 @@ impl Node {
         config.resync_period = args.plugin_resync_period;
         let mut manager = PluginManager::new(config);
         manager.add_handler(PluginType::Csi, Arc::new(csi))?;
+        manager.add_handler(PluginType::DevicePlugin, Arc::new(devices.plugin_handler()))?;
         manager.register_metrics(&mut metrics);
         let (plugins, manager_task) = manager
             .start(shutdown.clone())
@@ -60,6 +69,7 @@ impl Node {
             plugins: plugins.clone(),
             csi_drivers: csi_drivers.clone(),
             node_info: node_info.clone(),
+            devices: devices.clone(),
         };
         let (http_address, http_task) =
             crate::http::serve(SocketAddr::new(args.healthz_bind_address, args.healthz_port), state, shutdown).await?;
@@ -68,6 +78,7 @@ impl Node {
             plugins,
             csi_drivers,
             node_info,
+            devices,
             http_address,
             root_dir: args.root_dir.clone(),
             tasks: vec![manager_task, http_task],
@@ -76,7 +87,11 @@ impl Node {
 
     /// Waits for every component to stop (after shutdown was cancelled).
     pub(crate) async fn stopped(self) {
-        let all = futures_join_all(self.tasks);
+        let devices = self.devices.clone();
+        let all = async move {
+            futures_join_all(self.tasks).await;
+            devices.stopped().await;
+        };
         if tokio::time::timeout(crate::SHUTDOWN_GRACE, all).await.is_err() {
             tracing::warn!(grace = ?crate::SHUTDOWN_GRACE, "components still running after the grace period; exiting anyway");
         }

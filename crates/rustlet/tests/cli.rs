@@ -115,6 +115,8 @@ async fn standalone_node_registers_plugins_and_serves_healthz_metrics_and_status
     assert_eq!(code, 200);
     let status: serde_json::Value = serde_json::from_str(&status).expect("json");
     assert_eq!(status["nodeName"], "n1");
+    assert!(status["extendedResources"].is_object(), "{status}");
+    assert!(root.path().join("device-plugins/kubelet.sock").exists(), "the device manager serves kubelet.sock");
     assert_eq!(status["plugins"][0]["state"], "registered");
     assert_eq!(status["csiDrivers"][0]["name"], "cli.csi.example.com");
     assert_eq!(
@@ -187,6 +189,8 @@ async fn demo_runs_its_scenario_to_completion() {
         "-> registered CSIPlugin plugin hostpath.csi.rustlet.dev",
         "-> registered CSIPlugin plugin nfs.csi.rustlet.dev",
         "-> turned down, the plugin was told: no handler registered for plugin type: GadgetPlugin",
+        "-> registered on kubelet.sock: capacity 3, allocatable 3",
+        "-> gpu-1 reported unhealthy: capacity 3, allocatable 2",
         "-> deregistered CSIPlugin plugin hostpath.csi.rustlet.dev",
         "demo complete",
     ] {
