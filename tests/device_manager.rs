@@ -339,3 +339,72 @@ async fn removed_kubelet_sock_is_recreated() {
     let mut plugin = node.plugin("gpu.sock", &["--resource", GPU, "--count", "1"]).await;
     assert_eq!(registered(&mut plugin).await, "");
 }
+
+/// Bad input: a Register call from a client that sends the raw socket path
+/// as the HTTP/2 `:authority`, as grpc-go vendored in Kubernetes 1.28 does.
+#[tokio::test]
+async fn register_from_a_client_sending_the_raw_socket_path_as_authority() {
+    use prost::Message as _;
+    let node = Node::start().await;
+    let _plugin = node.plugin("gpu.sock", &["--resource", GPU, "--count", "2", "--register", "none"]).await;
+    let request = kubelet_api::deviceplugin::v1beta1::RegisterRequest {
+        version: "v1beta1".into(),
+        endpoint: "gpu.sock".into(),
+        resource_name: GPU.into(),
+        options: None,
+    };
+    let socket = node.devices.socket_path();
+    let authority = socket.display().to_string();
+    assert!(authority.starts_with('/'));
+    let (status, message) = rustlet_testkit::raw_h2::unary_call(
+        &socket,
+        "/v1beta1.Registration/Register",
+        &authority,
+        &request.encode_to_vec(),
+    )
+    .await
+    .expect("the call is answered");
+    assert_eq!((status.as_str(), message.as_str()), ("0", ""));
+    node.wait_capacity("2 devices", |c| c.get(GPU).copied() == cap(2, 2)).await;
+}
+
+/// The trap itself: a plain tonic server (without `AuthorityFix`) refuses
+/// the same call, so the fix above is needed.
+#[tokio::test]
+async fn a_plain_tonic_server_refuses_a_raw_path_authority() {
+    use kubelet_api::deviceplugin::v1beta1::registration_server::{Registration, RegistrationServer};
+    use kubelet_api::deviceplugin::v1beta1::{Empty, RegisterRequest};
+    use prost::Message as _;
+
+    struct Accept;
+    #[tonic::async_trait]
+    impl Registration for Accept {
+        async fn register(&self, _: tonic::Request<RegisterRequest>) -> Result<tonic::Response<Empty>, tonic::Status> {
+            Ok(tonic::Response::new(Empty {}))
+        }
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let socket = dir.path().join("plain.sock");
+    let listener = tokio::net::UnixListener::bind(&socket).expect("bind");
+    let stop = CancellationToken::new();
+    let server =
+        tonic::transport::Server::builder().add_service(RegistrationServer::new(Accept)).serve_with_incoming_shutdown(
+            tokio_stream::wrappers::UnixListenerStream::new(listener),
+            stop.clone().cancelled_owned(),
+        );
+    let server = tokio::spawn(server);
+    let message = RegisterRequest::default().encode_to_vec();
+    let raw = rustlet_testkit::raw_h2::unary_call(
+        &socket,
+        "/v1beta1.Registration/Register",
+        &socket.display().to_string(),
+        &message,
+    )
+    .await;
+    assert!(raw.is_err(), "a plain server refuses a raw path authority: {raw:?}");
+    let fine =
+        rustlet_testkit::raw_h2::unary_call(&socket, "/v1beta1.Registration/Register", "localhost", &message).await;
+    assert_eq!(fine, Ok(("0".to_owned(), String::new())), "and accepts a valid one");
+    stop.cancel();
+    let _ = server.await;
+}

@@ -10,10 +10,13 @@
 //!   `plugins_registry`.
 //! - [`report`]: the JSON lines the plugin binaries print, so a test can wait
 //!   for "the plugin was told it is registered" as an event with a deadline.
+//! - [`raw_h2`]: a bare HTTP/2 gRPC client that sends any `:authority`, to
+//!   play an old grpc-go client.
 //! - [`process`]: spawning the plugin binaries and reading those events.
 
 pub mod csi_driver;
 pub mod device_plugin;
 pub mod process;
+pub mod raw_h2;
 pub mod registration;
 pub mod report;

@@ -10,6 +10,7 @@
 //! Generated types stay at the edge: the `kubelet` crate converts them into its
 //! own types in one place per API.
 
+pub mod authority;
 pub mod constants;
 pub mod uds;
 

@@ -19,7 +19,10 @@ use std::task::{Context, Poll};
 use http::Uri;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::{UnixListener, UnixStream};
+use tokio_stream::StreamExt as _;
 use tokio_stream::wrappers::UnixListenerStream;
+
+use crate::authority::AuthorityFix;
 
 /// Errors of dialing or serving on a Unix socket.
 #[derive(Debug, thiserror::Error)]
@@ -172,13 +175,16 @@ pub fn bind(path: impl AsRef<Path>) -> Result<UnixListener, UdsError> {
     UnixListener::bind(path).map_err(bind_err)
 }
 
-/// Serves `router` on `listener` until `shutdown` completes.
+/// Serves `router` on `listener` until `shutdown` completes. Every
+/// connection goes through [`AuthorityFix`], so clients that send the raw
+/// socket path as `:authority` (older grpc-go) are served like any other.
 pub async fn serve(
     router: tonic::transport::server::Router,
     listener: UnixListener,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), tonic::transport::Error> {
-    router.serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown).await
+    let incoming = UnixListenerStream::new(listener).map(|accepted| accepted.map(AuthorityFix::new));
+    router.serve_with_incoming_shutdown(incoming, shutdown).await
 }
 
 #[cfg(test)]
