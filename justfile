@@ -21,6 +21,7 @@ demo:
 # Benchmarks: print figures (release build).
 bench:
     cargo bench -p rustlet --bench registration
+    cargo bench -p rustlet --bench device_plugins
 
 # End-to-end suite against a real cluster (needs RUSTLET_E2E_KUBECONFIG).
 e2e:
