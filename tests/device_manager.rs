@@ -27,11 +27,16 @@ struct Node {
 
 impl Node {
     async fn start() -> Node {
+        Self::start_with(|_| {}).await
+    }
+
+    async fn start_with(tweak: impl FnOnce(&mut DeviceManagerConfig)) -> Node {
         let root = tempfile::Builder::new().prefix("rustlet-dm-").tempdir().expect("tempdir");
         let dir = root.path().join("device-plugins");
         let mut config = DeviceManagerConfig::new(&dir);
         config.call_timeout = Duration::from_millis(500);
         config.grace_period = Duration::from_millis(300);
+        tweak(&mut config);
         let shutdown = CancellationToken::new();
         let devices = DeviceManager::start(config, shutdown.clone()).expect("start device manager");
         Node { root, dir, devices, shutdown }
@@ -407,4 +412,214 @@ async fn a_plain_tonic_server_refuses_a_raw_path_authority() {
     assert_eq!(fine, Ok(("0".to_owned(), String::new())), "and accepts a valid one");
     stop.cancel();
     let _ = server.await;
+}
+
+// ----- allocation -----
+
+use kubelet::device_manager::{ContainerKind, ContainerRequest};
+
+fn request(pod: &str, container: &str, kind: ContainerKind, count: u64) -> ContainerRequest {
+    ContainerRequest {
+        pod_uid: format!("uid-{pod}"),
+        pod_name: pod.to_owned(),
+        container_name: container.to_owned(),
+        kind,
+        limits: [(GPU.to_owned(), count), ("cpu".to_owned(), 2)].into_iter().collect(),
+    }
+}
+
+async fn gpu_plugin(node: &Node, extra: &[&str]) -> PluginProcess {
+    let mut args = vec!["--resource", GPU];
+    args.extend_from_slice(extra);
+    let mut plugin = node.plugin("gpu.sock", &args).await;
+    assert_eq!(registered(&mut plugin).await, "");
+    plugin
+}
+
+#[tokio::test]
+async fn allocation_gives_devices_and_their_run_options() {
+    let node = Node::start().await;
+    let _plugin = gpu_plugin(&node, &["--count", "4"]).await;
+    node.wait_capacity("4 devices", |c| c.get(GPU).copied() == cap(4, 4)).await;
+    let options = node.devices.allocate(&request("p1", "c1", ContainerKind::App, 2)).await.expect("allocated");
+    assert_eq!(options.envs.get("FAKE_DEVICES").map(String::as_str), Some("dev-0,dev-1"));
+    assert_eq!(options.mounts.len(), 2);
+    assert_eq!(options.devices[0].container_path, "/dev/fake-dev-0");
+    assert_eq!(options.cdi_devices, [format!("{GPU}=dev-0"), format!("{GPU}=dev-1")]);
+    assert!(options.conflicts.is_empty());
+    assert_eq!(node.devices.allocated("uid-p1", "c1")[GPU], ["dev-0", "dev-1"]);
+    // Asking again with the same count is idempotent.
+    let again = node.devices.allocate(&request("p1", "c1", ContainerKind::App, 2)).await.expect("same again");
+    assert_eq!(again, options);
+}
+
+/// UPSTREAM.md §3's error texts.
+#[tokio::test]
+async fn allocation_errors_say_what_upstream_says() {
+    let node = Node::start().await;
+    let mut plugin = gpu_plugin(&node, &["--count", "2"]).await;
+    node.wait_capacity("2 devices", |c| c.get(GPU).copied() == cap(2, 2)).await;
+    let err = node.devices.allocate(&request("big", "c", ContainerKind::App, 3)).await.expect_err("too many");
+    assert_eq!(
+        err.to_string(),
+        format!("requested number of devices unavailable for {GPU}. Requested: 3, Available: 2")
+    );
+    node.devices.allocate(&request("p", "c", ContainerKind::App, 1)).await.expect("one");
+    let err = node.devices.allocate(&request("p", "c", ContainerKind::App, 2)).await.expect_err("changed");
+    assert_eq!(err.to_string(), format!(r#"pod "p" container "c" changed request for resource "{GPU}" from 1 to 2"#));
+    plugin.send("health dev-0 Unhealthy").await.expect("send");
+    plugin.send("health dev-1 Unhealthy").await.expect("send");
+    node.wait_capacity("none healthy", |c| c.get(GPU).copied() == cap(2, 0)).await;
+    let err = node.devices.allocate(&request("q", "c", ContainerKind::App, 1)).await.expect_err("unhealthy");
+    assert_eq!(err.to_string(), format!("no healthy devices present; cannot allocate unhealthy devices {GPU}"));
+    plugin.send("crash").await.expect("send");
+    node.wait_capacity("removed after grace", |c| c.get(GPU).copied() == cap(0, 0)).await;
+    let err = node.devices.allocate(&request("r", "c", ContainerKind::App, 1)).await.expect_err("unregistered");
+    assert_eq!(err.to_string(), format!("cannot allocate unregistered device {GPU}"));
+    // A resource no plugin ever registered is not a device resource: ignored.
+    let mut other = request("s", "c", ContainerKind::App, 0);
+    other.limits.insert("example.com/not-a-device".into(), 1);
+    assert_eq!(node.devices.allocate(&other).await.expect("ignored"), Default::default());
+}
+
+/// Init containers' devices are reused by later containers of the pod;
+/// a sidecar keeps its devices; app containers stay disjoint.
+#[tokio::test]
+async fn init_devices_are_reused_and_app_containers_stay_disjoint() {
+    let node = Node::start().await;
+    let _plugin = gpu_plugin(&node, &["--count", "4"]).await;
+    node.wait_capacity("4 devices", |c| c.get(GPU).copied() == cap(4, 4)).await;
+    let d = &node.devices;
+    d.allocate(&request("p", "init", ContainerKind::Init, 2)).await.expect("init");
+    d.allocate(&request("p", "sidecar", ContainerKind::RestartableInit, 1)).await.expect("sidecar");
+    d.allocate(&request("p", "app1", ContainerKind::App, 2)).await.expect("app1");
+    d.allocate(&request("p", "app2", ContainerKind::App, 1)).await.expect("app2");
+    let held = |c: &str| d.allocated("uid-p", c)[GPU].clone();
+    assert_eq!(held("init"), ["dev-0", "dev-1"]);
+    assert_eq!(held("sidecar"), ["dev-0"], "reuses an init device");
+    assert_eq!(held("app1"), ["dev-1", "dev-2"], "reuses the other init device, not the sidecar's");
+    assert_eq!(held("app2"), ["dev-3"]);
+    let err = d.allocate(&request("other", "c", ContainerKind::App, 1)).await.expect_err("all taken");
+    assert!(err.to_string().ends_with("Requested: 1, Available: 0"), "{err}");
+    assert_eq!(d.free_pod("uid-p"), 6);
+    d.allocate(&request("other", "c", ContainerKind::App, 4)).await.expect("all free again");
+}
+
+#[tokio::test]
+async fn devices_on_one_numa_node_are_preferred() {
+    let node = Node::start().await;
+    let _plugin = gpu_plugin(
+        &node,
+        &[
+            "--device",
+            "a:Healthy:0",
+            "--device",
+            "b:Healthy:1",
+            "--device",
+            "c:Healthy:1",
+            "--device",
+            "d:Healthy:0",
+            "--device",
+            "e:Healthy:1",
+        ],
+    )
+    .await;
+    node.wait_capacity("5 devices", |c| c.get(GPU).copied() == cap(5, 5)).await;
+    node.devices.allocate(&request("p", "c", ContainerKind::App, 3)).await.expect("allocated");
+    assert_eq!(node.devices.allocated("uid-p", "c")[GPU], ["b", "c", "e"], "all on NUMA node 1");
+}
+
+#[tokio::test]
+async fn preferred_allocation_is_asked_and_validated() {
+    let node = Node::start().await;
+    let _plugin = gpu_plugin(&node, &["--count", "4", "--preferred"]).await;
+    node.wait_capacity("4 devices", |c| c.get(GPU).copied() == cap(4, 4)).await;
+    node.devices.allocate(&request("p", "c", ContainerKind::App, 2)).await.expect("allocated");
+    assert_eq!(node.devices.allocated("uid-p", "c")[GPU], ["dev-3", "dev-2"], "the plugin's preference");
+}
+
+/// Bad input: a preferred allocation naming unknown (and duplicate) devices.
+#[tokio::test]
+async fn preferred_allocation_naming_unknown_devices_is_ignored() {
+    let node = Node::start().await;
+    let _plugin = gpu_plugin(&node, &["--count", "3", "--preferred", "--behaviour", "prefer-unknown"]).await;
+    node.wait_capacity("3 devices", |c| c.get(GPU).copied() == cap(3, 3)).await;
+    node.devices.allocate(&request("p", "c", ContainerKind::App, 2)).await.expect("allocated");
+    assert_eq!(node.devices.allocated("uid-p", "c")[GPU], ["dev-0", "dev-1"]);
+}
+
+#[tokio::test]
+async fn pre_start_container_is_called_when_asked_for() {
+    let node = Node::start().await;
+    let mut plugin = gpu_plugin(&node, &["--count", "2", "--pre-start"]).await;
+    node.wait_capacity("2 devices", |c| c.get(GPU).copied() == cap(2, 2)).await;
+    node.devices.allocate(&request("p", "c", ContainerKind::App, 1)).await.expect("allocated");
+    let report = plugin.wait_for(SOON, |r| matches!(r, Report::PreStartContainer { .. })).await.expect("called");
+    assert_eq!(report, Report::PreStartContainer { resource: GPU.into(), devices: vec!["dev-0".into()] });
+}
+
+/// Bad input: Allocate never answers, or the plugin dies mid-allocation:
+/// the deadline fires, nothing is recorded, the devices stay free.
+#[tokio::test]
+async fn allocate_that_never_answers_records_nothing() {
+    let node = Node::start().await;
+    let mut plugin = gpu_plugin(&node, &["--count", "2", "--behaviour", "hang-allocate"]).await;
+    node.wait_capacity("2 devices", |c| c.get(GPU).copied() == cap(2, 2)).await;
+    let err = node.devices.allocate(&request("p", "c", ContainerKind::App, 2)).await.expect_err("deadline");
+    assert_eq!(err.to_string(), format!("Allocate for resource {GPU} did not answer within 500ms"));
+    assert!(node.devices.allocated("uid-p", "c").is_empty());
+    // Dies while an allocation waits on it.
+    let pending = tokio::spawn({
+        let devices = node.devices.clone();
+        async move { devices.allocate(&request("q", "c", ContainerKind::App, 2)).await }
+    });
+    plugin.send("crash").await.expect("send");
+    let err = pending.await.expect("task").expect_err("plugin died");
+    assert!(
+        matches!(
+            err,
+            kubelet::device_manager::AllocateError::Rpc { .. } | kubelet::device_manager::AllocateError::Timeout { .. }
+        ),
+        "{err}"
+    );
+    assert!(node.devices.allocated("uid-q", "c").is_empty());
+}
+
+/// Bad input: an Allocate answer with the wrong container count.
+#[tokio::test]
+async fn allocate_answer_with_the_wrong_container_count_records_nothing() {
+    let node = Node::start().await;
+    let _plugin = gpu_plugin(&node, &["--count", "2", "--behaviour", "wrong-container-count"]).await;
+    node.wait_capacity("2 devices", |c| c.get(GPU).copied() == cap(2, 2)).await;
+    let err = node.devices.allocate(&request("p", "c", ContainerKind::App, 1)).await.expect_err("bad answer");
+    assert_eq!(
+        err.to_string(),
+        format!("Allocate for resource {GPU} returned an unusable answer: expected 1 container response, got 2")
+    );
+    assert!(node.devices.allocated("uid-p", "c").is_empty());
+}
+
+/// 1,000 pods asking for one device each at once: every pod gets its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_concurrent_allocations_get_distinct_devices() {
+    // 1,000 calls share the plugin's one connection: the default deadline,
+    // not the hang tests' 500 ms.
+    let node = Node::start_with(|c| c.call_timeout = Duration::from_secs(10)).await;
+    let _plugin = gpu_plugin(&node, &["--count", "1000"]).await;
+    node.wait_capacity("1000 devices", |c| c.get(GPU).copied() == cap(1000, 1000)).await;
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..1000 {
+        let devices = node.devices.clone();
+        tasks.spawn(async move {
+            devices.allocate(&request(&format!("p{i}"), "c", ContainerKind::App, 1)).await.map(|_| i)
+        });
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    while let Some(result) = tasks.join_next().await {
+        let i = result.expect("task").expect("allocated");
+        let held = node.devices.allocated(&format!("uid-p{i}"), "c")[GPU].clone();
+        assert_eq!(held.len(), 1);
+        assert!(seen.insert(held[0].clone()), "device {} given twice", held[0]);
+    }
+    assert_eq!(seen.len(), 1000);
 }

@@ -1,5 +1,6 @@
-//! A configurable device plugin (`v1beta1.DevicePlugin`). Allocation RPCs
-//! answer `Unimplemented` until the allocation part of the device manager.
+//! A configurable device plugin (`v1beta1.DevicePlugin`). `Allocate` answers
+//! with an env (`FAKE_DEVICES`), a mount, a device node, an annotation and a
+//! CDI name per device; `GetPreferredAllocation` prefers the highest IDs.
 
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
@@ -56,6 +57,14 @@ pub enum DevicePluginBehaviour {
     Normal,
     /// Never answer `GetDevicePluginOptions`.
     HangOptions,
+    /// Never answer `Allocate`.
+    HangAllocate,
+    /// Answer `Allocate` with an error status.
+    FailAllocate,
+    /// Answer `Allocate` with one container response too many.
+    WrongContainerCount,
+    /// Answer `GetPreferredAllocation` with unknown and duplicate IDs.
+    PreferUnknown,
 }
 
 /// A device plugin on one socket.
@@ -169,19 +178,86 @@ impl DevicePlugin for FakeDevicePlugin {
 
     async fn get_preferred_allocation(
         &self,
-        _: Request<PreferredAllocationRequest>,
+        request: Request<PreferredAllocationRequest>,
     ) -> Result<Response<PreferredAllocationResponse>, Status> {
-        Err(Status::unimplemented("GetPreferredAllocation is not implemented by the fake device plugin yet"))
+        let container_responses = request
+            .into_inner()
+            .container_requests
+            .into_iter()
+            .map(|c| {
+                let device_i_ds = if self.behaviour == DevicePluginBehaviour::PreferUnknown {
+                    vec!["no-such-device".into(), "no-such-device".into()]
+                } else {
+                    // Must-include first, then the highest IDs: a choice the
+                    // node would not make by itself, so tests can see it used.
+                    let mut chosen = c.must_include_device_i_ds.clone();
+                    for id in c.available_device_i_ds.iter().rev() {
+                        if chosen.len() >= c.allocation_size as usize {
+                            break;
+                        }
+                        if !chosen.contains(id) {
+                            chosen.push(id.clone());
+                        }
+                    }
+                    chosen
+                };
+                ContainerPreferredAllocationResponse { device_i_ds }
+            })
+            .collect();
+        Ok(Response::new(PreferredAllocationResponse { container_responses }))
     }
 
-    async fn allocate(&self, _: Request<AllocateRequest>) -> Result<Response<AllocateResponse>, Status> {
-        Err(Status::unimplemented("Allocate is not implemented by the fake device plugin yet"))
+    async fn allocate(&self, request: Request<AllocateRequest>) -> Result<Response<AllocateResponse>, Status> {
+        match self.behaviour {
+            DevicePluginBehaviour::HangAllocate => std::future::pending::<()>().await,
+            DevicePluginBehaviour::FailAllocate => {
+                return Err(Status::internal("fake device plugin told to fail Allocate"));
+            }
+            _ => {}
+        }
+        let mut container_responses: Vec<ContainerAllocateResponse> = request
+            .into_inner()
+            .container_requests
+            .into_iter()
+            .map(|c| {
+                let ids = c.devices_ids;
+                ContainerAllocateResponse {
+                    envs: [("FAKE_DEVICES".to_owned(), ids.join(","))].into_iter().collect(),
+                    mounts: ids
+                        .iter()
+                        .map(|id| Mount {
+                            container_path: format!("/var/run/fake/{id}"),
+                            host_path: format!("/run/fake-devices/{id}"),
+                            read_only: true,
+                        })
+                        .collect(),
+                    devices: ids
+                        .iter()
+                        .map(|id| kubelet_api::deviceplugin::v1beta1::DeviceSpec {
+                            container_path: format!("/dev/fake-{id}"),
+                            host_path: "/dev/null".into(),
+                            permissions: "rw".into(),
+                        })
+                        .collect(),
+                    annotations: [(format!("{}/devices", self.resource), ids.join(","))].into_iter().collect(),
+                    cdi_devices: ids.iter().map(|id| CdiDevice { name: format!("{}={id}", self.resource) }).collect(),
+                }
+            })
+            .collect();
+        if self.behaviour == DevicePluginBehaviour::WrongContainerCount {
+            container_responses.push(ContainerAllocateResponse::default());
+        }
+        Ok(Response::new(AllocateResponse { container_responses }))
     }
 
     async fn pre_start_container(
         &self,
-        _: Request<PreStartContainerRequest>,
+        request: Request<PreStartContainerRequest>,
     ) -> Result<Response<PreStartContainerResponse>, Status> {
+        self.reporter.report(Report::PreStartContainer {
+            resource: self.resource.clone(),
+            devices: request.into_inner().devices_ids,
+        });
         Ok(Response::new(PreStartContainerResponse {}))
     }
 }

@@ -42,6 +42,13 @@ pub enum Report {
         /// The resource.
         resource: String,
     },
+    /// The node called `PreStartContainer`.
+    PreStartContainer {
+        /// The resource.
+        resource: String,
+        /// Devices named.
+        devices: Vec<String>,
+    },
     /// A `ListAndWatch` stream closed (the node hung up or was replaced).
     ListAndWatchClosed {
         /// The resource.

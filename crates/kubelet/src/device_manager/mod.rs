@@ -24,15 +24,20 @@
 //! - Every call to a plugin has a deadline; one slow plugin never delays
 //!   another's registration.
 //!
+//! - Allocation (see [`DeviceManager::allocate`]) never holds a lock across
+//!   a call to a plugin.
+//!
 //! # Not yet
-//! Allocation (`Allocate`, `GetPreferredAllocation`, `PreStartContainer`),
-//! run options and the checkpoint are the next part of this component.
+//! The checkpoint: allocations live in memory and a restart forgets them.
 
+mod allocate;
+mod allocation;
 mod devices;
 mod error;
 mod handler;
 mod registration_server;
 mod resource_name;
+mod run_options;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -47,10 +52,12 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
+pub use allocate::{AllocateError, ContainerKind, ContainerRequest};
 pub use devices::{Capacities, Device, Health, PluginOptions, ResourceCapacity};
 pub use error::{DeviceManagerError, RegisterError};
 pub use handler::DevicePluginHandler;
 pub use resource_name::is_extended_resource_name;
+pub use run_options::{DeviceNode, MountSpec, RunOptions};
 
 /// Settings of the device manager.
 #[derive(Clone, Debug)]
@@ -82,8 +89,7 @@ impl DeviceManagerConfig {
 struct Endpoint {
     socket: PathBuf,
     options: PluginOptions,
-    /// Kept for the allocation calls to come.
-    #[allow(dead_code)]
+    /// For the allocation calls.
     channel: UdsChannel,
     cancel: CancellationToken,
 }
@@ -100,6 +106,8 @@ struct Resource {
 struct Inner {
     config: DeviceManagerConfig,
     resources: Mutex<BTreeMap<String, Resource>>,
+    /// Taken after `resources` when both are needed, never the other way.
+    allocations: Mutex<allocate::Allocations>,
     capacity: watch::Sender<Capacities>,
     tasks: TaskTracker,
     shutdown: CancellationToken,
@@ -131,6 +139,7 @@ impl DeviceManager {
             inner: Arc::new(Inner {
                 config,
                 resources: Mutex::new(BTreeMap::new()),
+                allocations: Mutex::new(allocate::Allocations::default()),
                 capacity,
                 tasks: TaskTracker::new(),
                 shutdown,
