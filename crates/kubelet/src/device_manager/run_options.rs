@@ -78,52 +78,74 @@ impl RunOptions {
     /// Adds `other` (from `resource`) to `self`; on a conflict `self` wins
     /// and the conflict is recorded.
     pub(crate) fn merge(&mut self, resource: &str, other: &RunOptions) {
-        for (key, value) in &other.envs {
-            match self.envs.get(key) {
-                Some(existing) if existing != value => self.conflicts.push(format!(
-                    "env {key}: {resource} sets {value:?}, an earlier resource set {existing:?}; keeping {existing:?}"
-                )),
-                Some(_) => {}
-                None => {
-                    self.envs.insert(key.clone(), value.clone());
-                }
-            }
-        }
-        for mount in &other.mounts {
-            match self.mounts.iter().find(|m| m.container_path == mount.container_path) {
-                Some(existing) if existing != mount => self.conflicts.push(format!(
-                    "mount {}: {resource} mounts {}, an earlier resource mounted {}; keeping the earlier one",
-                    mount.container_path, mount.host_path, existing.host_path
-                )),
-                Some(_) => {}
-                None => self.mounts.push(mount.clone()),
-            }
-        }
-        for device in &other.devices {
-            match self.devices.iter().find(|d| d.container_path == device.container_path) {
-                Some(existing) if existing != device => self.conflicts.push(format!(
-                    "device {}: {resource} maps {}, an earlier resource mapped {}; keeping the earlier one",
-                    device.container_path, device.host_path, existing.host_path
-                )),
-                Some(_) => {}
-                None => self.devices.push(device.clone()),
-            }
-        }
-        for (key, value) in &other.annotations {
-            match self.annotations.get(key) {
-                Some(existing) if existing != value => self.conflicts.push(format!(
-                    "annotation {key}: {resource} sets {value:?}, an earlier resource set {existing:?}; keeping {existing:?}"
-                )),
-                Some(_) => {}
-                None => {
-                    self.annotations.insert(key.clone(), value.clone());
-                }
-            }
-        }
+        merge_map("env", &mut self.envs, &other.envs, resource, &mut self.conflicts);
+        merge_map("annotation", &mut self.annotations, &other.annotations, resource, &mut self.conflicts);
+        merge_by(
+            &mut self.mounts,
+            &other.mounts,
+            |m| &m.container_path,
+            |m| &m.host_path,
+            "mount",
+            resource,
+            &mut self.conflicts,
+        );
+        merge_by(
+            &mut self.devices,
+            &other.devices,
+            |d| &d.container_path,
+            |d| &d.host_path,
+            "device",
+            resource,
+            &mut self.conflicts,
+        );
         for name in &other.cdi_devices {
             if !self.cdi_devices.contains(name) {
                 self.cdi_devices.push(name.clone());
             }
+        }
+    }
+}
+
+fn merge_map(
+    what: &str,
+    ours: &mut BTreeMap<String, String>,
+    theirs: &BTreeMap<String, String>,
+    resource: &str,
+    conflicts: &mut Vec<String>,
+) {
+    for (key, value) in theirs {
+        match ours.get(key) {
+            Some(existing) if existing != value => conflicts.push(format!(
+                "{what} {key}: {resource} sets {value:?}, an earlier resource set {existing:?}; keeping {existing:?}"
+            )),
+            Some(_) => {}
+            None => {
+                ours.insert(key.clone(), value.clone());
+            }
+        }
+    }
+}
+
+/// Merges items keyed by their container path.
+fn merge_by<T: Clone + PartialEq>(
+    ours: &mut Vec<T>,
+    theirs: &[T],
+    key: impl Fn(&T) -> &String,
+    source: impl Fn(&T) -> &String,
+    what: &str,
+    resource: &str,
+    conflicts: &mut Vec<String>,
+) {
+    for item in theirs {
+        match ours.iter().find(|o| key(o) == key(item)) {
+            Some(existing) if existing != item => conflicts.push(format!(
+                "{what} {}: {resource} uses {}, an earlier resource used {}; keeping the earlier one",
+                key(item),
+                source(item),
+                source(existing)
+            )),
+            Some(_) => {}
+            None => ours.push(item.clone()),
         }
     }
 }
