@@ -143,7 +143,7 @@ async fn socket_replaced_in_place_is_deregistered_then_registered() {
 #[tokio::test]
 async fn socket_bound_right_after_mkdir_p_is_registered() {
     let node = TestNode::start().await;
-    for i in 0..20 {
+    for i in 0..100 {
         let dir = node.registry_dir.join(format!("a{i}/b{i}"));
         std::fs::create_dir_all(&dir).expect("mkdir -p");
         let _listener = RegistrationPlugin::new(
@@ -155,7 +155,7 @@ async fn socket_bound_right_after_mkdir_p_is_registered() {
         .spawn(CancellationToken::new())
         .expect("serve");
     }
-    node.wait_counts("20 nested plugins registered", |c| c.registered == 20).await;
+    node.wait_counts("100 nested plugins registered", |c| c.registered == 100).await;
 }
 
 #[tokio::test]

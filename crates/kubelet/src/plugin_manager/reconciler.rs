@@ -317,7 +317,14 @@ impl Reconciler {
     /// below it that are gone are forgotten (unless the walk could not see
     /// them).
     fn sync_tree(&mut self, dir: &Path) {
-        let scan = watcher::scan(&self.root, dir);
+        // Watch each directory before reading it: a socket created after the
+        // read is then reported by the watch.
+        let watcher = &mut self.watcher;
+        let scan = watcher::scan(&self.root, dir, &mut |d| {
+            if let Some(w) = watcher.as_mut() {
+                w.watch_dir(d);
+            }
+        });
         let found: HashSet<&Path> = scan.sockets.iter().map(|(p, _)| p.as_path()).collect();
         let gone: Vec<PathBuf> = self
             .desired
@@ -361,6 +368,9 @@ impl Reconciler {
 
     /// Forgets `path` and everything below it.
     fn forget_tree(&mut self, path: &Path) {
+        if let Some(w) = self.watcher.as_mut() {
+            w.unwatch_tree(path);
+        }
         if !self.reported_ignored.is_empty() {
             self.reported_ignored.retain(|p| !p.starts_with(path));
         }

@@ -1,9 +1,14 @@
 //! Finds plugin sockets under the registration directory.
 //!
-//! inotify (through `notify`, recursive) says *that* something changed at a
-//! path; it does not say reliably *what*: a socket bound right after `mkdir`
-//! is often never reported, a rename away is a single event on the directory,
-//! and a full kernel queue drops events. So the watcher forwards only "look at
+//! inotify (through `notify`) says *that* something changed at a path; it
+//! does not say reliably *what*: a rename away is a single event on the
+//! directory, and a full kernel queue drops events.
+//!
+//! Directories are watched one by one (not with `notify`'s recursive mode):
+//! a directory is always watched *before* it is read, so a socket created in
+//! it is either seen by the read or reported by the watch. `notify`'s
+//! recursive mode reports a new directory before it watches it, and a socket
+//! bound in that gap (`mkdir -p a/b` then `bind`) is never seen. So the watcher forwards only "look at
 //! this path again" ([`FsEvent::Changed`]) or "look at everything again"
 //! ([`FsEvent::Rescan`]), and [`scan`] decides what is on disk now by `lstat`
 //! and directory walks. Every event kind — create, remove, rename in or out —
@@ -74,19 +79,52 @@ pub(crate) enum FsEvent {
     Rescan(&'static str),
 }
 
-/// Keeps the inotify watch alive; dropping it stops the events.
+/// Keeps the inotify watches alive; dropping it stops the events.
 pub(crate) struct Watcher {
     inner: notify::RecommendedWatcher,
+    /// Directories below the root that are watched.
+    dirs: std::collections::BTreeSet<PathBuf>,
 }
 
 impl Watcher {
     /// Watches `root` again after it was deleted and created anew (a watch
-    /// dies with the directory it watched).
+    /// dies with the directory it watched); its subdirectories are watched
+    /// again as the rescan reaches them.
     pub(crate) fn rewatch(&mut self, root: &Path) -> Result<(), WatcherError> {
         let _ = self.inner.unwatch(root);
+        self.dirs.clear();
         self.inner
-            .watch(root, RecursiveMode::Recursive)
+            .watch(root, RecursiveMode::NonRecursive)
             .map_err(|source| WatcherError::Watch { path: root.to_path_buf(), source })
+    }
+
+    /// Watches directory `dir` (not recursively) unless it already is.
+    pub(crate) fn watch_dir(&mut self, dir: &Path) {
+        if self.dirs.contains(dir) {
+            return;
+        }
+        match self.inner.watch(dir, RecursiveMode::NonRecursive) {
+            Ok(()) => {
+                self.dirs.insert(dir.to_path_buf());
+            }
+            // Gone already: nothing to watch. Anything else (the watch
+            // limit) is worth a warning: sockets below it would be missed
+            // until the next resync.
+            Err(error) if matches!(error.kind, notify::ErrorKind::PathNotFound) => {}
+            Err(error) => {
+                tracing::warn!(%error, dir = %dir.display(), "cannot watch directory in plugin registration directory")
+            }
+        }
+    }
+
+    /// Forgets the watches of `path` and the directories below it.
+    pub(crate) fn unwatch_tree(&mut self, path: &Path) {
+        let below: Vec<PathBuf> =
+            self.dirs.range(path.to_path_buf()..).take_while(|d| d.starts_with(path)).cloned().collect();
+        for dir in below {
+            let _ = self.inner.unwatch(&dir);
+            self.dirs.remove(&dir);
+        }
     }
 }
 
@@ -126,7 +164,7 @@ pub(crate) fn start(root: &Path, tx: UnboundedSender<FsEvent>) -> Result<Watcher
     let mut inner = notify::RecommendedWatcher::new(handler, config)
         .map_err(|source| WatcherError::Watch { path: root.to_path_buf(), source })?;
     inner
-        .watch(root, RecursiveMode::Recursive)
+        .watch(root, RecursiveMode::NonRecursive)
         .map_err(|source| WatcherError::Watch { path: root.to_path_buf(), source })?;
     // The parent, not recursively: a watch cannot reliably report the
     // deletion of its own directory, but the parent's watch reports the
@@ -136,7 +174,7 @@ pub(crate) fn start(root: &Path, tx: UnboundedSender<FsEvent>) -> Result<Watcher
     {
         tracing::debug!(%error, parent = %parent.display(), "cannot watch the registration directory's parent");
     }
-    Ok(Watcher { inner })
+    Ok(Watcher { inner, dirs: std::collections::BTreeSet::new() })
 }
 
 /// Reduces one notification to what the reconciler must look at again.
@@ -239,11 +277,13 @@ impl Scan {
     }
 }
 
-/// Walks `dir` recursively (not following symlinks, skipping hidden names).
-pub(crate) fn scan(root: &Path, dir: &Path) -> Scan {
+/// Walks `dir` recursively (not following symlinks, skipping hidden names),
+/// calling `before_reading` on each directory before its entries are read.
+pub(crate) fn scan(root: &Path, dir: &Path, before_reading: &mut dyn FnMut(&Path)) -> Scan {
     let mut out = Scan::default();
     let mut stack = vec![dir.to_path_buf()];
     while let Some(current) = stack.pop() {
+        before_reading(&current);
         let entries = match std::fs::read_dir(&current) {
             Ok(entries) => entries,
             Err(e) if is_gone(&e) => continue,
@@ -343,7 +383,10 @@ mod tests {
         let _l2 = std::os::unix::net::UnixListener::bind(root.join("top.sock")).expect("bind");
         let _l3 = std::os::unix::net::UnixListener::bind(root.join(".hidden/h.sock")).expect("bind");
         std::fs::write(root.join("a/fake.sock"), b"").expect("write");
-        let found = scan(root, root);
+        let mut read = Vec::new();
+        let found = scan(root, root, &mut |d| read.push(d.to_path_buf()));
+        read.sort();
+        assert_eq!(read, vec![root.to_path_buf(), root.join("a"), root.join("a/b")], "hidden directories are not read");
         let mut sockets: Vec<_> = found.sockets.into_iter().map(|(p, _)| p).collect();
         sockets.sort();
         assert_eq!(sockets, vec![root.join("a/b/p.sock"), root.join("top.sock")]);
