@@ -623,3 +623,116 @@ async fn a_thousand_concurrent_allocations_get_distinct_devices() {
     }
     assert_eq!(seen.len(), 1000);
 }
+
+// ----- checkpoint -----
+
+/// Allocations survive a restart; each resource starts at zero until its
+/// plugin registers again, and restored devices are not handed out twice.
+#[tokio::test]
+async fn allocations_survive_a_restart() {
+    let node = Node::start().await;
+    let mut plugin = gpu_plugin(&node, &["--count", "3"]).await;
+    node.wait_capacity("3 devices", |c| c.get(GPU).copied() == cap(3, 3)).await;
+    let before = node.devices.allocate(&request("p", "c", ContainerKind::App, 2)).await.expect("allocated");
+    node.shutdown.cancel();
+    node.devices.stopped().await;
+    plugin.kill().await;
+
+    let config = DeviceManagerConfig::new(&node.dir);
+    let shutdown = CancellationToken::new();
+    let restarted = DeviceManager::start(config, shutdown.clone()).expect("restart");
+    assert_eq!(restarted.allocated("uid-p", "c")[GPU], ["dev-0", "dev-1"]);
+    assert_eq!(restarted.capacity().borrow().get(GPU).copied(), cap(0, 0), "starts at zero");
+    let again = restarted.allocate(&request("p", "c", ContainerKind::App, 2)).await.expect("idempotent after restart");
+    assert_eq!(again, before, "the run options come back too");
+
+    let mut back = PluginProcess::spawn(
+        device_plugin_bin(),
+        ["--socket", &node.socket("gpu-2.sock"), "--resource", GPU, "--count", "3"],
+    )
+    .await
+    .expect("plugin");
+    assert_eq!(registered(&mut back).await, "");
+    let mut rx = restarted.capacity();
+    tokio::time::timeout(SOON, rx.wait_for(|c| c.get(GPU).copied() == cap(3, 3)))
+        .await
+        .expect("in time")
+        .expect("alive");
+    restarted.allocate(&request("q", "c", ContainerKind::App, 1)).await.expect("the free one");
+    assert_eq!(restarted.allocated("uid-q", "c")[GPU], ["dev-2"]);
+    let err = restarted.allocate(&request("r", "c", ContainerKind::App, 1)).await.expect_err("none left");
+    assert!(err.to_string().ends_with("Requested: 1, Available: 0"), "{err}");
+    shutdown.cancel();
+}
+
+/// Bad input: a corrupt checkpoint is moved aside and the node starts clean.
+#[tokio::test]
+async fn corrupt_checkpoint_is_moved_aside_and_the_node_starts_clean() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let dir = root.path().join("device-plugins");
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    std::fs::write(
+        dir.join("kubelet_internal_checkpoint"),
+        br#"{"Data":{"PodDeviceEntries":[],"RegisteredDevices":{}},"Checksum":7}"#,
+    )
+    .expect("write");
+    let shutdown = CancellationToken::new();
+    let devices = DeviceManager::start(DeviceManagerConfig::new(&dir), shutdown.clone()).expect("starts anyway");
+    assert!(devices.capacity().borrow().is_empty());
+    let names: Vec<String> = std::fs::read_dir(&dir)
+        .expect("list")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(names.iter().any(|n| n.starts_with("kubelet_internal_checkpoint.corrupt-")), "{names:?}");
+    shutdown.cancel();
+}
+
+/// Bad input: kill -9 during allocation, then restart: no allocation that
+/// was reported done is lost, and no device is given twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_during_allocation_loses_nothing_and_duplicates_nothing() {
+    use tokio::io::AsyncBufReadExt;
+    let root = tempfile::tempdir().expect("tempdir");
+    let dir = root.path().join("device-plugins");
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_device-allocator"))
+        .args(["--dir", dir.to_str().expect("utf8"), "--count", "1000"])
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn");
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let mut reported = std::collections::BTreeMap::new();
+    let read = async {
+        while let Some(line) = lines.next_line().await.expect("read") {
+            if let Some(rest) = line.strip_prefix("allocated ") {
+                let (pod, device) = rest.split_once(' ').expect("pod device");
+                reported.insert(pod.to_owned(), device.to_owned());
+                if reported.len() == 50 {
+                    break;
+                }
+            }
+        }
+    };
+    tokio::time::timeout(SOON, read).await.expect("50 allocations reported");
+    child.start_kill().expect("SIGKILL");
+    child.wait().await.expect("reaped");
+
+    let shutdown = CancellationToken::new();
+    let restarted = DeviceManager::start(DeviceManagerConfig::new(&dir), shutdown.clone()).expect("restart");
+    let mut owners = std::collections::BTreeMap::new();
+    for (pod, device) in &reported {
+        let held = restarted.allocated(pod, "c");
+        assert_eq!(held.get("crash.example.com/dev").map(|d| d.join(",")), Some(device.clone()), "{pod} lost");
+    }
+    for i in 0..2000 {
+        let pod = format!("p{i}");
+        for device in restarted.allocated(&pod, "c").into_values().flatten() {
+            if let Some(other) = owners.insert(device.clone(), pod.clone()) {
+                panic!("device {device} held by both {other} and {pod}");
+            }
+        }
+    }
+    assert!(owners.len() >= 50);
+    shutdown.cancel();
+}

@@ -39,7 +39,7 @@ use super::run_options::RunOptions;
 use super::{DeviceManager, call};
 
 /// What kind of container asks for devices.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum ContainerKind {
     /// An init container that runs to completion before the next one.
     Init,
@@ -126,6 +126,9 @@ pub enum AllocateError {
         /// What is wrong.
         reason: String,
     },
+    /// The allocation could not be made durable; it was undone.
+    #[error("cannot write the device checkpoint: {0}")]
+    Checkpoint(String),
 }
 
 /// What a container holds of one resource.
@@ -147,6 +150,13 @@ pub(crate) struct ContainerRecord {
 pub(crate) struct Allocations {
     pub(crate) pods: BTreeMap<String, BTreeMap<String, ContainerRecord>>,
     reserved: BTreeMap<String, BTreeSet<String>>,
+}
+
+impl Allocations {
+    /// Allocations restored from a checkpoint.
+    pub(crate) fn restored(pods: BTreeMap<String, BTreeMap<String, ContainerRecord>>) -> Self {
+        Allocations { pods, reserved: BTreeMap::new() }
+    }
 }
 
 impl Allocations {
@@ -219,6 +229,15 @@ impl DeviceManager {
                 }
             }
         }
+        if !added.is_empty()
+            && let Err(error) = self.persist().await
+        {
+            self.forget(request, &added);
+            // The undo must reach the disk too; its own failure is logged.
+            let _ = self.persist().await;
+            tracing::error!(parent: &span, %error, "allocation undone: the checkpoint could not be written");
+            return Err(AllocateError::Checkpoint(error));
+        }
         for conflict in &merged.conflicts {
             tracing::warn!(parent: &span, conflict, "conflicting run options from device plugins");
         }
@@ -226,6 +245,9 @@ impl DeviceManager {
     }
 
     /// Frees every device held by the pod's containers. Returns how many.
+    /// The checkpoint is rewritten in the background (see
+    /// [`persisted`](Self::persisted)); after a crash in between, the pod's
+    /// devices come back allocated until it is freed again.
     pub fn free_pod(&self, pod_uid: &str) -> usize {
         let removed = self.allocations().pods.remove(pod_uid);
         let freed = removed
@@ -235,6 +257,7 @@ impl DeviceManager {
             .unwrap_or(0);
         if freed > 0 {
             tracing::info!(pod.uid = pod_uid, devices = freed, "devices freed");
+            self.request_checkpoint();
         }
         freed
     }
@@ -249,7 +272,7 @@ impl DeviceManager {
             .unwrap_or_default()
     }
 
-    fn allocations(&self) -> std::sync::MutexGuard<'_, Allocations> {
+    pub(super) fn allocations(&self) -> std::sync::MutexGuard<'_, Allocations> {
         // As for the device state: short critical sections, no await inside.
         self.inner.allocations.lock().unwrap_or_else(|p| p.into_inner())
     }

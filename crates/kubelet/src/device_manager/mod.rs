@@ -32,6 +32,7 @@
 
 mod allocate;
 mod allocation;
+mod checkpoint;
 mod devices;
 mod error;
 mod handler;
@@ -53,6 +54,7 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 pub use allocate::{AllocateError, ContainerKind, ContainerRequest};
+pub use checkpoint::{CHECKPOINT_FILE, CheckpointError};
 pub use devices::{Capacities, Device, Health, PluginOptions, ResourceCapacity};
 pub use error::{DeviceManagerError, RegisterError};
 pub use handler::DevicePluginHandler;
@@ -113,6 +115,10 @@ struct Inner {
     shutdown: CancellationToken,
     server_generation: watch::Sender<u64>,
     grace_timers_fired: watch::Sender<u64>,
+    /// Checkpoint generations asked for, and the last one written (with the
+    /// error, if writing it failed).
+    checkpoint_wanted: watch::Sender<u64>,
+    checkpoint_done: watch::Sender<(u64, Option<String>)>,
 }
 
 /// The device manager. Cheap to clone; clones share one manager.
@@ -131,23 +137,45 @@ impl DeviceManager {
         shutdown: CancellationToken,
     ) -> Result<DeviceManager, DeviceManagerError> {
         registration_server::prepare_dir(&config.plugin_dir)?;
-        let (capacity, _) = watch::channel(Capacities::new());
+        let restored = checkpoint::load(&config.plugin_dir.join(CHECKPOINT_FILE));
+        let restored_count: usize = restored.pods.values().map(BTreeMap::len).sum();
+        // Resources from the checkpoint start with no devices and no plugin,
+        // until their plugins register again (or the grace period ends).
+        let resources: BTreeMap<String, Resource> =
+            restored.registered.keys().map(|r| (r.clone(), Resource::default())).collect();
+        let capacities: Capacities = resources.keys().map(|r| (r.clone(), ResourceCapacity::default())).collect();
+        let (capacity, _) = watch::channel(capacities);
+        let (checkpoint_wanted, _) = watch::channel(0);
+        let (checkpoint_done, _) = watch::channel((0, None));
         // kubelet.sock is bound before `start` returns: generation 1.
         let (server_generation, _) = watch::channel(1);
         let (grace_timers_fired, _) = watch::channel(0);
         let manager = DeviceManager {
             inner: Arc::new(Inner {
                 config,
-                resources: Mutex::new(BTreeMap::new()),
-                allocations: Mutex::new(allocate::Allocations::default()),
+                resources: Mutex::new(resources),
+                allocations: Mutex::new(allocate::Allocations::restored(restored.pods)),
                 capacity,
                 tasks: TaskTracker::new(),
                 shutdown,
                 server_generation,
                 grace_timers_fired,
+                checkpoint_wanted,
+                checkpoint_done,
             }),
         };
+        if restored_count > 0 || !restored.registered.is_empty() {
+            tracing::info!(
+                containers = restored_count,
+                resources = restored.registered.len(),
+                "device allocations restored from the checkpoint"
+            );
+        }
+        for resource in restored.registered.keys() {
+            manager.start_grace_timer(resource, 0);
+        }
         registration_server::start(manager.clone())?;
+        manager.start_checkpoint_writer();
         Ok(manager)
     }
 
@@ -310,13 +338,19 @@ impl DeviceManager {
             let capacity = devices::capacity_of(entry.devices.values());
             self.publish(resource, capacity);
         }
-        let grace = self.inner.config.grace_period;
         tracing::warn!(
             resource,
             reason,
-            ?grace,
+            grace = ?self.inner.config.grace_period,
             "device plugin gone; its devices are unhealthy until it registers again"
         );
+        self.start_grace_timer(resource, generation);
+    }
+
+    /// Removes `resource`'s devices after the grace period unless a plugin
+    /// registered it again meanwhile.
+    fn start_grace_timer(&self, resource: &str, generation: u64) {
+        let grace = self.inner.config.grace_period;
         let manager = self.clone();
         let resource = resource.to_owned();
         let shutdown = self.inner.shutdown.clone();
@@ -326,6 +360,90 @@ impl DeviceManager {
                 () = tokio::time::sleep(grace) => manager.remove_after_grace(&resource, generation),
             }
         });
+    }
+
+    /// Asks for a checkpoint of the current state; returns its generation.
+    pub(crate) fn request_checkpoint(&self) -> u64 {
+        let mut generation = 0;
+        self.inner.checkpoint_wanted.send_modify(|g| {
+            *g += 1;
+            generation = *g;
+        });
+        generation
+    }
+
+    /// Writes the current state to the checkpoint and waits until it is on
+    /// disk. Concurrent callers share writes (group commit).
+    pub async fn persisted(&self) -> Result<(), String> {
+        let want = self.request_checkpoint();
+        let mut done = self.inner.checkpoint_done.subscribe();
+        let result = done.wait_for(|(written, _)| *written >= want).await;
+        match result {
+            Ok(state) => state.1.clone().map_or(Ok(()), Err),
+            Err(_) => Err("the checkpoint writer stopped".into()),
+        }
+    }
+
+    pub(crate) async fn persist(&self) -> Result<(), String> {
+        self.persisted().await
+    }
+
+    fn start_checkpoint_writer(&self) {
+        let manager = self.clone();
+        let path = self.inner.config.plugin_dir.join(CHECKPOINT_FILE);
+        let mut wanted = self.inner.checkpoint_wanted.subscribe();
+        let shutdown = self.inner.shutdown.clone();
+        let span = tracing::info_span!("device_checkpoint", path = %path.display());
+        self.inner.tasks.spawn(
+            async move {
+                loop {
+                    tokio::select! {
+                        () = shutdown.cancelled() => break,
+                        changed = wanted.changed() => if changed.is_err() { break },
+                    }
+                    let generation = *wanted.borrow_and_update();
+                    let result = match manager.checkpoint_bytes() {
+                        Ok(bytes) => {
+                            let path = path.clone();
+                            tokio::task::spawn_blocking(move || checkpoint::write_atomically(&path, &bytes))
+                                .await
+                                .map_err(|e| e.to_string())
+                                .and_then(|r| r.map_err(|e| e.to_string()))
+                        }
+                        Err(e) => Err(e.to_string()),
+                    };
+                    if let Err(error) = &result {
+                        tracing::error!(%error, "cannot write the device checkpoint");
+                    }
+                    manager.inner.checkpoint_done.send_replace((generation, result.err()));
+                }
+            }
+            .instrument(span),
+        );
+    }
+
+    fn checkpoint_bytes(&self) -> Result<Vec<u8>, serde_json::Error> {
+        let (registered, numa) = {
+            let resources = self.lock();
+            let registered: BTreeMap<String, Vec<String>> = resources
+                .iter()
+                .filter(|(_, r)| r.endpoint.is_some())
+                .map(|(name, r)| (name.clone(), r.devices.keys().cloned().collect()))
+                .collect();
+            let numa: std::collections::HashMap<(String, String), i64> = resources
+                .iter()
+                .flat_map(|(name, r)| {
+                    r.devices
+                        .values()
+                        .map(move |d| ((name.clone(), d.id.clone()), d.numa_nodes.first().copied().unwrap_or(-1)))
+                })
+                .collect();
+            (registered, numa)
+        };
+        let allocations = self.allocations();
+        checkpoint::encode(&allocations.pods, registered, &|resource, id| {
+            numa.get(&(resource.to_owned(), id.to_owned())).copied().unwrap_or(-1)
+        })
     }
 
     fn remove_after_grace(&self, resource: &str, generation: u64) {

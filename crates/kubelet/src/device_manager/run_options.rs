@@ -74,6 +74,34 @@ impl From<api::ContainerAllocateResponse> for RunOptions {
     }
 }
 
+impl From<&RunOptions> for api::ContainerAllocateResponse {
+    fn from(o: &RunOptions) -> Self {
+        api::ContainerAllocateResponse {
+            envs: o.envs.clone().into_iter().collect(),
+            mounts: o
+                .mounts
+                .iter()
+                .map(|m| api::Mount {
+                    container_path: m.container_path.clone(),
+                    host_path: m.host_path.clone(),
+                    read_only: m.read_only,
+                })
+                .collect(),
+            devices: o
+                .devices
+                .iter()
+                .map(|d| api::DeviceSpec {
+                    container_path: d.container_path.clone(),
+                    host_path: d.host_path.clone(),
+                    permissions: d.permissions.clone(),
+                })
+                .collect(),
+            annotations: o.annotations.clone().into_iter().collect(),
+            cdi_devices: o.cdi_devices.iter().map(|name| api::CdiDevice { name: name.clone() }).collect(),
+        }
+    }
+}
+
 impl RunOptions {
     /// Adds `other` (from `resource`) to `self`; on a conflict `self` wins
     /// and the conflict is recorded.
