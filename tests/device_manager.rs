@@ -548,6 +548,17 @@ async fn preferred_allocation_naming_unknown_devices_is_ignored() {
     assert_eq!(node.devices.allocated("uid-p", "c")[GPU], ["dev-0", "dev-1"]);
 }
 
+/// Bad input: GetPreferredAllocation never answers: after its deadline the
+/// node chooses by itself.
+#[tokio::test]
+async fn preferred_allocation_that_never_answers_falls_back_to_our_choice() {
+    let node = Node::start().await;
+    let _plugin = gpu_plugin(&node, &["--count", "3", "--preferred", "--behaviour", "hang-preferred"]).await;
+    node.wait_capacity("3 devices", |c| c.get(GPU).copied() == cap(3, 3)).await;
+    node.devices.allocate(&request("p", "c", ContainerKind::App, 2)).await.expect("allocated after the deadline");
+    assert_eq!(node.devices.allocated("uid-p", "c")[GPU], ["dev-0", "dev-1"]);
+}
+
 #[tokio::test]
 async fn pre_start_container_is_called_when_asked_for() {
     let node = Node::start().await;

@@ -65,6 +65,8 @@ pub enum DevicePluginBehaviour {
     WrongContainerCount,
     /// Answer `GetPreferredAllocation` with unknown and duplicate IDs.
     PreferUnknown,
+    /// Never answer `GetPreferredAllocation`.
+    HangPreferred,
 }
 
 /// A device plugin on one socket.
@@ -180,6 +182,9 @@ impl DevicePlugin for FakeDevicePlugin {
         &self,
         request: Request<PreferredAllocationRequest>,
     ) -> Result<Response<PreferredAllocationResponse>, Status> {
+        if self.behaviour == DevicePluginBehaviour::HangPreferred {
+            std::future::pending::<()>().await;
+        }
         let container_responses = request
             .into_inner()
             .container_requests

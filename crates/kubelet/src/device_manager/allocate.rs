@@ -186,6 +186,7 @@ struct Plan {
     must: Vec<String>,
     client: DevicePluginClient<kubelet_api::uds::UdsChannel>,
     options: PluginOptions,
+    calls: std::sync::Arc<tokio::sync::Semaphore>,
 }
 
 enum Step {
@@ -328,9 +329,9 @@ impl DeviceManager {
                 .filter(|d| d.health == Health::Healthy)
                 .map(|d| Free { id: d.id.clone(), numa: d.numa_nodes.clone() })
                 .collect();
-            (healthy, entry.endpoint.as_ref().map(|e| (e.channel.clone(), e.options)))
+            (healthy, entry.endpoint.as_ref().map(|e| (e.channel.clone(), e.options, e.calls.clone())))
         };
-        let Some((channel, options)) = endpoint.filter(|_| !healthy.is_empty()) else {
+        let Some((channel, options, calls)) = endpoint.filter(|_| !healthy.is_empty()) else {
             return Err(AllocateError::NoHealthy(resource.to_owned()));
         };
         let (taken, reusable) = self.allocations().taken_and_reusable(resource, &request.pod_uid);
@@ -343,7 +344,7 @@ impl DeviceManager {
             });
         }
         let must = free.iter().filter(|f| reusable.contains(&f.id)).map(|f| f.id.clone()).collect();
-        Ok(Some(Plan { free, must, client: DevicePluginClient::new(channel), options }))
+        Ok(Some(Plan { free, must, client: DevicePluginClient::new(channel), options, calls }))
     }
 
     async fn allocate_resource(
@@ -371,9 +372,12 @@ impl DeviceManager {
                 to: count,
             });
         }
-        let Some(Plan { free, must, mut client, options }) = self.plan(request, resource, count)? else {
+        let Some(Plan { free, must, mut client, options, calls }) = self.plan(request, resource, count)? else {
             return Ok(None);
         };
+        // Fails only if the semaphore is closed, which never happens; then
+        // the call simply goes unbounded.
+        let _permit = calls.acquire_owned().await.ok();
         let timeout = self.inner.config.call_timeout;
         let preferred = if options.get_preferred_allocation_available {
             let ask = api::PreferredAllocationRequest {

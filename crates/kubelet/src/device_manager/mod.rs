@@ -61,6 +61,11 @@ pub use handler::DevicePluginHandler;
 pub use resource_name::is_extended_resource_name;
 pub use run_options::{DeviceNode, MountSpec, RunOptions};
 
+/// Allocation calls in flight to one plugin at most; more wait their turn.
+/// Thousands of streams at once on one connection make plugins reset it, and
+/// common servers allow 100–200 concurrent streams per connection.
+const MAX_CALLS_PER_PLUGIN: usize = 128;
+
 /// Settings of the device manager.
 #[derive(Clone, Debug)]
 pub struct DeviceManagerConfig {
@@ -93,6 +98,8 @@ struct Endpoint {
     options: PluginOptions,
     /// For the allocation calls.
     channel: UdsChannel,
+    /// Bounds the calls in flight to this plugin (all share one connection).
+    calls: Arc<tokio::sync::Semaphore>,
     cancel: CancellationToken,
 }
 
@@ -254,7 +261,13 @@ impl DeviceManager {
                 tracing::info!(resource, old = %old.socket.display(), new = %socket.display(), "device plugin replaced");
             }
             entry.generation += 1;
-            entry.endpoint = Some(Endpoint { socket: socket.to_path_buf(), options, channel, cancel: cancel.clone() });
+            entry.endpoint = Some(Endpoint {
+                socket: socket.to_path_buf(),
+                options,
+                channel,
+                calls: Arc::new(tokio::sync::Semaphore::new(MAX_CALLS_PER_PLUGIN)),
+                cancel: cancel.clone(),
+            });
             entry.generation
         };
         tracing::info!(resource, socket = %socket.display(), ?options, "device plugin registered");
@@ -402,16 +415,16 @@ impl DeviceManager {
                         changed = wanted.changed() => if changed.is_err() { break },
                     }
                     let generation = *wanted.borrow_and_update();
-                    let result = match manager.checkpoint_bytes() {
-                        Ok(bytes) => {
-                            let path = path.clone();
-                            tokio::task::spawn_blocking(move || checkpoint::write_atomically(&path, &bytes))
-                                .await
-                                .map_err(|e| e.to_string())
-                                .and_then(|r| r.map_err(|e| e.to_string()))
-                        }
-                        Err(e) => Err(e.to_string()),
-                    };
+                    // Encoding a large checkpoint and the fsync are slow: both
+                    // run off the async workers.
+                    let (writer, path) = (manager.clone(), path.clone());
+                    let result = tokio::task::spawn_blocking(move || {
+                        let bytes = writer.checkpoint_bytes().map_err(|e| e.to_string())?;
+                        checkpoint::write_atomically(&path, &bytes).map_err(|e| e.to_string())
+                    })
+                    .await
+                    .map_err(|e| e.to_string())
+                    .and_then(|r| r);
                     if let Err(error) = &result {
                         tracing::error!(%error, "cannot write the device checkpoint");
                     }
@@ -440,8 +453,9 @@ impl DeviceManager {
                 .collect();
             (registered, numa)
         };
-        let allocations = self.allocations();
-        checkpoint::encode(&allocations.pods, registered, &|resource, id| {
+        // A copy, so the lock is not held while encoding.
+        let pods = self.allocations().pods.clone();
+        checkpoint::encode(&pods, registered, &|resource, id| {
             numa.get(&(resource.to_owned(), id.to_owned())).copied().unwrap_or(-1)
         })
     }
