@@ -22,6 +22,7 @@ demo:
 bench:
     cargo bench -p rustlet --bench registration
     cargo bench -p rustlet --bench device_plugins
+    cargo bench -p rustlet --bench device_allocation
 
 # End-to-end suite against a real cluster (needs RUSTLET_E2E_KUBECONFIG).
 e2e:

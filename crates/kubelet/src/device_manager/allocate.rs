@@ -22,8 +22,9 @@
 //!   (restartable init containers) keep theirs.
 //!
 //! # Caveats
-//! - Allocations live in memory only until the checkpoint is written (next
-//!   part of the device manager): a restart forgets them.
+//! - `free_pod` rewrites the checkpoint in the background: after a crash in
+//!   between, the freed pod's devices come back allocated until it is freed
+//!   again.
 //! - A `GetPreferredAllocation` that fails or times out is logged and the
 //!   node chooses by itself.
 
