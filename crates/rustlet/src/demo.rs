@@ -3,15 +3,16 @@
 //!
 //! Scenario: two CSI drivers (with topology and a volume limit) register; a
 //! plugin of a type the node has no handler for is turned down with a reason;
-//! a device plugin registers on `kubelet.sock` and one of its devices turns
-//! unhealthy; then one CSI driver goes away and is deregistered. Without `--once` the node
+//! a device plugin registers on `kubelet.sock`, one of its devices turns
+//! unhealthy, and a pod's container is allocated the healthy ones; then one
+//! CSI driver goes away and is deregistered. Without `--once` the node
 //! keeps running until Ctrl-C so `/status` and `/metrics` can be explored.
 
 use std::collections::HashMap;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use kubelet::device_manager::ResourceCapacity;
+use kubelet::device_manager::{ContainerKind, ContainerRequest, ResourceCapacity};
 use kubelet::plugin_manager::PluginEvent;
 use kubelet_api::constants::{DEVICE_PLUGIN_VERSION, DEVICE_PLUGINS_DIR, PLUGINS_REGISTRY_DIR};
 use kubelet_api::deviceplugin::v1beta1::DevicePluginOptions;
@@ -158,6 +159,19 @@ async fn demo_device_plugin(node: &Node, plugins: &CancellationToken) -> anyhow:
     control.set_health("gpu-1", "Unhealthy");
     wait(ResourceCapacity { capacity: 3, allocatable: 2 }).await?;
     println!("  -> gpu-1 reported unhealthy: capacity 3, allocatable 2");
+    let request = ContainerRequest {
+        pod_uid: "demo-pod-uid".into(),
+        pod_name: "demo-pod".into(),
+        container_name: "app".into(),
+        kind: ContainerKind::App,
+        limits: [(RESOURCE.to_owned(), 2)].into_iter().collect(),
+    };
+    let options = node.devices.allocate(&request).await.context("device allocation failed")?;
+    let held = node.devices.allocated("demo-pod-uid", "app").remove(RESOURCE).unwrap_or_default();
+    println!("  -> pod demo-pod container app allocated {held:?} (the healthy ones); run options:");
+    println!("     env {:?}, CDI devices {:?}", options.envs, options.cdi_devices);
+    let freed = node.devices.free_pod("demo-pod-uid");
+    println!("  -> pod removed: {freed} devices freed");
     Ok(())
 }
 

@@ -191,6 +191,8 @@ async fn demo_runs_its_scenario_to_completion() {
         "-> turned down, the plugin was told: no handler registered for plugin type: GadgetPlugin",
         "-> registered on kubelet.sock: capacity 3, allocatable 3",
         "-> gpu-1 reported unhealthy: capacity 3, allocatable 2",
+        r#"-> pod demo-pod container app allocated ["gpu-0", "gpu-2"]"#,
+        "-> pod removed: 2 devices freed",
         "-> deregistered CSIPlugin plugin hostpath.csi.rustlet.dev",
         "demo complete",
     ] {
