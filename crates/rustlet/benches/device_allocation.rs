@@ -11,31 +11,23 @@
 //!
 //! Run: `cargo bench -p rustlet --bench device_allocation`.
 
+mod common;
+
 use std::time::{Duration, Instant};
 
 use kubelet::device_manager::{ContainerKind, ContainerRequest, DeviceManager, DeviceManagerConfig};
 use kubelet_api::deviceplugin::v1beta1::device_plugin_client::DevicePluginClient;
 use kubelet_api::deviceplugin::v1beta1::{AllocateRequest, ContainerAllocateRequest, DevicePluginOptions};
-use rustlet_testkit::device_plugin::{DevicePluginBehaviour, DeviceSpec, FakeDevicePlugin, register_with_kubelet};
+use rustlet_testkit::device_plugin::{
+    DeviceControl, DevicePluginBehaviour, DeviceSpec, FakeDevicePlugin, register_with_kubelet,
+};
 use rustlet_testkit::report::Reporter;
 use tokio_util::sync::CancellationToken;
 
+use common::figures;
+
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 const RESOURCE: &str = "alloc.example.com/dev";
-
-fn figures(mut v: Vec<Duration>) -> String {
-    v.sort();
-    let at = |p: f64| v[((v.len() as f64 - 1.0) * p).round() as usize];
-    let us = |d: Duration| format!("{:.0} µs", d.as_secs_f64() * 1e6);
-    format!(
-        "p50 {:>8}  p90 {:>8}  p99 {:>8}  max {:>8}  (n={})",
-        us(at(0.5)),
-        us(at(0.9)),
-        us(at(0.99)),
-        us(v[v.len() - 1]),
-        v.len()
-    )
-}
 
 fn request(pod: usize) -> ContainerRequest {
     ContainerRequest {
@@ -51,7 +43,7 @@ async fn node_with_devices(
     dir: &std::path::Path,
     count: usize,
     shutdown: &CancellationToken,
-) -> Result<DeviceManager, BoxError> {
+) -> Result<(DeviceManager, DeviceControl), BoxError> {
     let mut config = DeviceManagerConfig::new(dir);
     config.call_timeout = Duration::from_secs(30);
     let manager = DeviceManager::start(config, shutdown.clone())?;
@@ -66,13 +58,12 @@ async fn node_with_devices(
         Reporter::Discard,
     );
     plugin.spawn(&dir.join("alloc.sock"), shutdown.clone())?;
-    // The plugin's device stream ends when its control is dropped.
-    Box::leak(Box::new(control));
     register_with_kubelet(&manager.socket_path(), "v1beta1", "alloc.sock", RESOURCE, DevicePluginOptions::default())
         .await?;
     let mut capacity = manager.capacity();
     capacity.wait_for(|c| c.get(RESOURCE).is_some_and(|c| c.allocatable == count as u64)).await?;
-    Ok(manager)
+    // The control is returned: dropping it would end the plugin's device stream.
+    Ok((manager, control))
 }
 
 async fn run() -> Result<(), BoxError> {
@@ -83,7 +74,7 @@ async fn run() -> Result<(), BoxError> {
     let root = tempfile::tempdir()?;
     let dir = root.path().join("device-plugins");
     let shutdown = CancellationToken::new();
-    let manager = node_with_devices(&dir, 2000, &shutdown).await?;
+    let (manager, _control) = node_with_devices(&dir, 2000, &shutdown).await?;
     let channel = kubelet_api::uds::dial(dir.join("alloc.sock"), Duration::from_secs(5)).await?;
     let mut direct = DevicePluginClient::new(channel);
     let (mut total, mut plugin_only, mut write_only) = (Vec::new(), Vec::new(), Vec::new());
@@ -102,23 +93,23 @@ async fn run() -> Result<(), BoxError> {
         manager.persisted().await?;
         write_only.push(t.elapsed());
     }
-    let p = |v: &Vec<Duration>, q: f64| {
-        let mut v = v.clone();
-        v.sort();
-        v[((v.len() as f64 - 1.0) * q).round() as usize]
-    };
+    let (total, plugin_only, write_only) = (figures(total), figures(plugin_only), figures(write_only));
     println!("[per container] 1,000 allocations of 1 device, one at a time");
-    println!("  allocate()            {}", figures(total.clone()));
-    println!("  plugin Allocate alone {}", figures(plugin_only.clone()));
-    println!("  checkpoint write      {}", figures(write_only.clone()));
-    let overhead = |q: f64| p(&total, q).saturating_sub(p(&plugin_only, q));
-    let without_write = |q: f64| overhead(q).saturating_sub(p(&write_only, q));
+    println!("  allocate()            {}", total.in_us());
+    println!("  plugin Allocate alone {}", plugin_only.in_us());
+    println!("  checkpoint write      {}", write_only.in_us());
+    let overhead = |p50: bool| {
+        let pick = |f: &common::Figures| if p50 { f.p50 } else { f.p99 };
+        let all = pick(&total).saturating_sub(pick(&plugin_only));
+        (all, all.saturating_sub(pick(&write_only)))
+    };
+    let ((p50, p50_no_write), (p99, p99_no_write)) = (overhead(true), overhead(false));
     println!(
-        "  node overhead (allocate - plugin): p50 {:.0} µs, p99 {:.0} µs; of which not the checkpoint write: p50 {:.0} µs, p99 {:.0} µs",
-        overhead(0.5).as_secs_f64() * 1e6,
-        overhead(0.99).as_secs_f64() * 1e6,
-        without_write(0.5).as_secs_f64() * 1e6,
-        without_write(0.99).as_secs_f64() * 1e6
+        "  node overhead (allocate - plugin): p50 {}, p99 {}; of which not the checkpoint write: p50 {}, p99 {}",
+        common::us(p50),
+        common::us(p99),
+        common::us(p50_no_write),
+        common::us(p99_no_write)
     );
     println!("  target: overhead p99 <= 200 µs (the write is an fsync; upstream fsyncs its checkpoint too)\n");
     shutdown.cancel();
@@ -128,7 +119,7 @@ async fn run() -> Result<(), BoxError> {
     let root = tempfile::tempdir()?;
     let dir = root.path().join("device-plugins");
     let shutdown = CancellationToken::new();
-    let manager = node_with_devices(&dir, 1000, &shutdown).await?;
+    let (manager, _control) = node_with_devices(&dir, 1000, &shutdown).await?;
     let started = Instant::now();
     let mut tasks = tokio::task::JoinSet::new();
     for pod in 0..1000 {
@@ -153,7 +144,7 @@ async fn run() -> Result<(), BoxError> {
     let root = tempfile::tempdir()?;
     let dir = root.path().join("device-plugins");
     let shutdown = CancellationToken::new();
-    let manager = node_with_devices(&dir, 10_000, &shutdown).await?;
+    let (manager, _control) = node_with_devices(&dir, 10_000, &shutdown).await?;
     // Filled 1,000 pods at a time: 10,000 at once against one plugin
     // connection stalled (an open finding, see docs/benchmarks.md).
     let filling = Instant::now();
@@ -182,7 +173,7 @@ async fn run() -> Result<(), BoxError> {
         restarted.stopped().await;
     }
     println!("[restart] start-up with 10,000 allocations in a {:.1} MB checkpoint (5 starts)", size as f64 / 1e6);
-    println!("  {}", figures(restarts));
+    println!("  {}", figures(restarts).in_us());
     println!("  target: restored within 100 ms");
     Ok(())
 }

@@ -10,6 +10,8 @@
 //! Run: `cargo bench -p rustlet --bench device_plugins`.
 
 use std::process::Stdio;
+mod common;
+
 use std::time::{Duration, Instant};
 
 use kubelet_api::constants::DEVICE_PLUGIN_VERSION;
@@ -20,22 +22,10 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use common::figures;
+
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 const WAIT: Duration = Duration::from_secs(15);
-
-fn figures(mut v: Vec<Duration>) -> String {
-    v.sort();
-    let at = |p: f64| v[((v.len() as f64 - 1.0) * p).round() as usize];
-    let ms = |d: Duration| format!("{:.3} ms", d.as_secs_f64() * 1000.0);
-    format!(
-        "p50 {:>10}  p90 {:>10}  p99 {:>10}  max {:>10}  (n={})",
-        ms(at(0.5)),
-        ms(at(0.9)),
-        ms(at(0.99)),
-        ms(v[v.len() - 1]),
-        v.len()
-    )
-}
 
 async fn run() -> Result<(), BoxError> {
     let _ = rlimit::increase_nofile_limit(u64::MAX);
@@ -117,7 +107,7 @@ async fn run() -> Result<(), BoxError> {
         controls.push((resource, control));
     }
     println!("[register] Register call started -> node opened ListAndWatch, 200 plugins one at a time");
-    println!("  {}", figures(opened));
+    println!("  {}", figures(opened).in_ms());
     println!("  target p50 <= 2 ms; reference: Go kubelet ~7 ms (and capacity reaches its Node 1-2 s later)\n");
 
     // Drain the initial "devices updated" lines.
@@ -149,7 +139,7 @@ async fn run() -> Result<(), BoxError> {
         }
     }
     println!("[health] ListAndWatch health flip -> node published the new capacity (its debug log line)");
-    println!("  {}", figures(published));
+    println!("  {}", figures(published).in_ms());
     println!("  target p99 <= 5 ms\n");
 
     // 3. 100 plugins registering at once.
@@ -186,7 +176,7 @@ async fn run() -> Result<(), BoxError> {
         "[burst] 100 plugins calling Register at once: all registered in {:.3} ms",
         started.elapsed().as_secs_f64() * 1000.0
     );
-    println!("  Register round trip: {}", figures(took));
+    println!("  Register round trip: {}", figures(took).in_ms());
     shutdown.cancel();
     drop(keep);
     Ok(())

@@ -14,6 +14,8 @@
 //! Run: `cargo bench -p rustlet --bench registration` (or `just bench`).
 //! Set `RUSTLET_BENCH_QUICK=1` for fewer rounds.
 
+mod common;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -26,6 +28,8 @@ use rustlet_testkit::report::{Report, Reporter};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
+
+use common::{Figures, figures, ms};
 
 const WAIT: Duration = Duration::from_secs(15);
 
@@ -221,35 +225,6 @@ impl Node {
         }
         (latencies, missing)
     }
-}
-
-fn pct(sorted: &[Duration], p: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i.min(sorted.len() - 1)]
-}
-
-struct Figures {
-    p50: Duration,
-    p90: Duration,
-    p99: Duration,
-    max: Duration,
-}
-
-fn figures(mut samples: Vec<Duration>) -> Figures {
-    samples.sort();
-    Figures {
-        p50: pct(&samples, 0.5),
-        p90: pct(&samples, 0.9),
-        p99: pct(&samples, 0.99),
-        max: samples.last().copied().unwrap_or_default(),
-    }
-}
-
-fn ms(d: Duration) -> String {
-    format!("{:.3} ms", d.as_secs_f64() * 1000.0)
 }
 
 fn line(label: &str, f: &Figures) -> String {

@@ -232,11 +232,11 @@ impl DeviceManager {
             }
         }
         if !added.is_empty()
-            && let Err(error) = self.persist().await
+            && let Err(error) = self.persisted().await
         {
             self.forget(request, &added);
             // The undo must reach the disk too; its own failure is logged.
-            let _ = self.persist().await;
+            let _ = self.persisted().await;
             tracing::error!(parent: &span, %error, "allocation undone: the checkpoint could not be written");
             return Err(AllocateError::Checkpoint(error));
         }

@@ -402,10 +402,6 @@ impl DeviceManager {
         }
     }
 
-    pub(crate) async fn persist(&self) -> Result<(), String> {
-        self.persisted().await
-    }
-
     fn start_checkpoint_writer(&self) {
         let manager = self.clone();
         let path = self.inner.config.plugin_dir.join(CHECKPOINT_FILE);

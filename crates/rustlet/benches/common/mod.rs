@@ -1,0 +1,68 @@
+//! Percentiles and their printing, shared by the benchmark programs.
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+/// p50/p90/p99/max of a set of samples.
+#[derive(Clone, Copy, Debug)]
+pub struct Figures {
+    pub p50: Duration,
+    pub p90: Duration,
+    pub p99: Duration,
+    pub max: Duration,
+    pub n: usize,
+}
+
+/// The value at quantile `q` of sorted samples (zero when there are none).
+pub fn pct(sorted: &[Duration], q: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * q).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+pub fn figures(mut samples: Vec<Duration>) -> Figures {
+    samples.sort();
+    Figures {
+        p50: pct(&samples, 0.5),
+        p90: pct(&samples, 0.9),
+        p99: pct(&samples, 0.99),
+        max: samples.last().copied().unwrap_or_default(),
+        n: samples.len(),
+    }
+}
+
+pub fn ms(d: Duration) -> String {
+    format!("{:.3} ms", d.as_secs_f64() * 1000.0)
+}
+
+pub fn us(d: Duration) -> String {
+    format!("{:.0} µs", d.as_secs_f64() * 1e6)
+}
+
+impl Figures {
+    /// One line in milliseconds.
+    pub fn in_ms(&self) -> String {
+        format!(
+            "p50 {:>10}  p90 {:>10}  p99 {:>10}  max {:>10}  (n={})",
+            ms(self.p50),
+            ms(self.p90),
+            ms(self.p99),
+            ms(self.max),
+            self.n
+        )
+    }
+
+    /// One line in microseconds.
+    pub fn in_us(&self) -> String {
+        format!(
+            "p50 {:>8}  p90 {:>8}  p99 {:>8}  max {:>8}  (n={})",
+            us(self.p50),
+            us(self.p90),
+            us(self.p99),
+            us(self.max),
+            self.n
+        )
+    }
+}
