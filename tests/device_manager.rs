@@ -676,6 +676,34 @@ async fn allocations_survive_a_restart() {
     shutdown.cancel();
 }
 
+/// A resource registered but never allocated is in the checkpoint too: after
+/// a restart it is listed at zero until its plugin is back. Shutdown waits
+/// for the writes asked for before it.
+#[tokio::test]
+async fn a_registered_resource_without_allocations_is_listed_after_a_restart() {
+    let node = Node::start().await;
+    let mut plugin = gpu_plugin(&node, &["--count", "2"]).await;
+    node.wait_capacity("2 devices", |c| c.get(GPU).copied() == cap(2, 2)).await;
+    node.shutdown.cancel();
+    node.devices.stopped().await;
+    plugin.kill().await;
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(node.dir.join("kubelet_internal_checkpoint")).expect("checkpoint"))
+            .expect("json");
+    assert_eq!(json["Data"]["RegisteredDevices"][GPU], serde_json::json!(["dev-0", "dev-1"]));
+    assert_eq!(json["Data"]["PodDeviceEntries"], serde_json::json!([]));
+
+    let shutdown = CancellationToken::new();
+    let restarted = DeviceManager::start(DeviceManagerConfig::new(&node.dir), shutdown.clone()).expect("restart");
+    assert_eq!(restarted.capacity().borrow().get(GPU).copied(), cap(0, 0), "listed, at zero");
+    let err = restarted.persisted().await;
+    assert!(err.is_ok(), "{err:?}");
+    shutdown.cancel();
+    restarted.stopped().await;
+    let err = restarted.persisted().await.expect_err("no writes after shutdown");
+    assert_eq!(err, "the device manager is shutting down");
+}
+
 /// Bad input: a corrupt checkpoint is moved aside and the node starts clean.
 #[tokio::test]
 async fn corrupt_checkpoint_is_moved_aside_and_the_node_starts_clean() {

@@ -184,10 +184,7 @@ impl Node {
 
     /// CPU time (user + system) so far.
     fn cpu(&self) -> Duration {
-        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid())).unwrap_or_default();
-        let fields: Vec<&str> = stat.rsplit(')').next().unwrap_or_default().split_whitespace().collect();
-        let ticks: u64 = fields.get(11..13).map_or(0, |f| f.iter().filter_map(|v| v.parse::<u64>().ok()).sum());
-        Duration::from_millis(ticks * 10)
+        common::cpu_of(&self.pid().to_string())
     }
 
     fn rss_mb(&self) -> f64 {

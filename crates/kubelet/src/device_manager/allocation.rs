@@ -10,23 +10,32 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 /// A device that may be given out, with its NUMA nodes.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Free {
-    pub(crate) id: String,
-    pub(crate) numa: Vec<i64>,
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Free<'a> {
+    pub(crate) id: &'a str,
+    pub(crate) numa: &'a [i64],
 }
 
-/// Chooses `n` device IDs. `free` is sorted by ID; `must` and `preferred`
-/// must only name devices in `free` to be used (others are ignored).
-pub(crate) fn choose(free: &[Free], must: &[String], preferred: &[String], n: usize) -> Vec<String> {
-    let known: BTreeSet<&str> = free.iter().map(|f| f.id.as_str()).collect();
-    let mut chosen: Vec<String> = Vec::with_capacity(n);
+impl Free<'_> {
+    /// The NUMA node the device is counted on (its first; -1 for none).
+    pub(crate) fn primary_numa(&self) -> i64 {
+        self.numa.first().copied().unwrap_or(-1)
+    }
+}
+
+/// Chooses `n` devices; returns their positions in `free`, which is sorted
+/// by ID. `must` and `preferred` only count where they name devices in
+/// `free` (others are ignored).
+pub(crate) fn choose(free: &[Free<'_>], must: &[String], preferred: &[String], n: usize) -> Vec<usize> {
+    let mut chosen: Vec<usize> = Vec::with_capacity(n);
     for id in must.iter().chain(preferred) {
         if chosen.len() == n {
             return chosen;
         }
-        if known.contains(id.as_str()) && !chosen.contains(id) {
-            chosen.push(id.clone());
+        if let Ok(at) = free.binary_search_by(|f| f.id.cmp(id.as_str()))
+            && !chosen.contains(&at)
+        {
+            chosen.push(at);
         }
     }
     if chosen.len() < n {
@@ -35,18 +44,15 @@ pub(crate) fn choose(free: &[Free], must: &[String], preferred: &[String], n: us
     chosen
 }
 
-fn primary_numa(f: &Free) -> i64 {
-    f.numa.first().copied().unwrap_or(-1)
-}
-
-fn fill_numa_aligned(free: &[Free], chosen: &mut Vec<String>, n: usize) {
-    let used: BTreeSet<i64> = free.iter().filter(|f| chosen.contains(&f.id)).map(primary_numa).collect();
-    let mut groups: BTreeMap<i64, Vec<&Free>> = BTreeMap::new();
-    for f in free.iter().filter(|f| !chosen.contains(&f.id)) {
-        groups.entry(primary_numa(f)).or_default().push(f);
+fn fill_numa_aligned(free: &[Free<'_>], chosen: &mut Vec<usize>, n: usize) {
+    let used: BTreeSet<i64> = chosen.iter().map(|&at| free[at].primary_numa()).collect();
+    let taken: BTreeSet<usize> = chosen.iter().copied().collect();
+    let mut groups: BTreeMap<i64, Vec<usize>> = BTreeMap::new();
+    for (at, f) in free.iter().enumerate().filter(|(at, _)| !taken.contains(at)) {
+        groups.entry(f.primary_numa()).or_default().push(at);
     }
     let need = n - chosen.len();
-    let mut order: Vec<(i64, Vec<&Free>)> = groups.into_iter().collect();
+    let mut order: Vec<(i64, Vec<usize>)> = groups.into_iter().collect();
     // Nodes already in use first; then the smallest node that fits the whole
     // remainder (best fit keeps big nodes whole for big requests); if none
     // fits, the biggest nodes first; ties by node number.
@@ -56,11 +62,11 @@ fn fill_numa_aligned(free: &[Free], chosen: &mut Vec<String>, n: usize) {
         (!used.contains(node), !fits, size_rank, *node)
     });
     for (_, devices) in order {
-        for f in devices {
+        for at in devices {
             if chosen.len() == n {
                 return;
             }
-            chosen.push(f.id.clone());
+            chosen.push(at);
         }
     }
 }
@@ -69,31 +75,43 @@ fn fill_numa_aligned(free: &[Free], chosen: &mut Vec<String>, n: usize) {
 mod tests {
     use super::*;
 
-    fn free(spec: &[(&str, i64)]) -> Vec<Free> {
-        let mut v: Vec<Free> = spec.iter().map(|(id, n)| Free { id: (*id).into(), numa: vec![*n] }).collect();
-        v.sort_by(|a, b| a.id.cmp(&b.id));
-        v
+    fn ids(free: &[Free<'_>], chosen: Vec<usize>) -> Vec<String> {
+        chosen.into_iter().map(|at| free[at].id.to_owned()).collect()
+    }
+
+    fn pick(spec: &[(&str, i64)], must: &[&str], preferred: &[&str], n: usize) -> Vec<String> {
+        let numa: Vec<[i64; 1]> = spec.iter().map(|(_, node)| [*node]).collect();
+        let mut free: Vec<Free<'_>> =
+            spec.iter().zip(&numa).map(|((id, _), node)| Free { id, numa: node.as_slice() }).collect();
+        free.sort_by(|a, b| a.id.cmp(b.id));
+        let owned = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+        let chosen = choose(&free, &owned(must), &owned(preferred), n);
+        ids(&free, chosen)
     }
 
     #[test]
     fn fills_from_the_fewest_numa_nodes() {
-        let devices = free(&[("a", 0), ("b", 1), ("c", 1), ("d", 0), ("e", 1)]);
-        assert_eq!(choose(&devices, &[], &[], 2), ["a", "d"], "node 0 fits 2 most tightly");
-        assert_eq!(choose(&devices, &[], &[], 3), ["b", "c", "e"], "only node 1 fits 3");
-        assert_eq!(choose(&devices, &[], &[], 4), ["b", "c", "e", "a"], "biggest node first, then the next");
+        let devices = [("a", 0), ("b", 1), ("c", 1), ("d", 0), ("e", 1)];
+        assert_eq!(pick(&devices, &[], &[], 2), ["a", "d"], "node 0 fits 2 most tightly");
+        assert_eq!(pick(&devices, &[], &[], 3), ["b", "c", "e"], "only node 1 fits 3");
+        assert_eq!(pick(&devices, &[], &[], 4), ["b", "c", "e", "a"], "biggest node first, then the next");
     }
 
     #[test]
     fn must_include_then_preferred_then_aligned_with_what_is_chosen() {
-        let devices = free(&[("a", 0), ("b", 1), ("c", 1), ("d", 0)]);
-        assert_eq!(choose(&devices, &["b".into()], &[], 2), ["b", "c"], "stays on the must-include device's node");
-        let preferred = vec!["nope".into(), "d".into(), "d".into()];
-        assert_eq!(choose(&devices, &[], &preferred, 2), ["d", "a"], "unknown and duplicate preferences ignored");
+        let devices = [("a", 0), ("b", 1), ("c", 1), ("d", 0)];
+        assert_eq!(pick(&devices, &["b"], &[], 2), ["b", "c"], "stays on the must-include device's node");
+        assert_eq!(
+            pick(&devices, &[], &["nope", "d", "d"], 2),
+            ["d", "a"],
+            "unknown and duplicate preferences ignored"
+        );
     }
 
     #[test]
     fn devices_without_topology_are_one_group() {
-        let devices = vec![Free { id: "x".into(), numa: vec![] }, Free { id: "y".into(), numa: vec![] }];
-        assert_eq!(choose(&devices, &[], &[], 2), ["x", "y"]);
+        let devices = [Free { id: "x", numa: &[] }, Free { id: "y", numa: &[] }];
+        let chosen = choose(&devices, &[], &[], 2);
+        assert_eq!(ids(&devices, chosen), ["x", "y"]);
     }
 }

@@ -7,10 +7,14 @@
 //! "RegisteredDevices":{"<resource>":[ids]}},"Checksum":N}`, plus one field of
 //! ours per entry (`RustletContainerKind`) that upstream readers ignore.
 //!
-//! The checksum is FNV-1a (64 bit) of the `Data` object's JSON. Upstream
-//! hashes Go's `%#v` rendering of its structs, which no other program can
-//! reproduce, so a checkpoint is not interchangeable with a Go kubelet's (it
-//! is read by this node only).
+//! The checksum is our own: FNV-1a (64 bit) over the FNV-1a hashes of the
+//! parts, in file order: each `PodDeviceEntries` element's JSON, then each
+//! `RegisteredDevices` member as `"<resource>":[ids]`. Upstream hashes Go's
+//! `%#v` rendering of its structs, which no other program can reproduce, so
+//! a checkpoint is not interchangeable with a Go kubelet's (it is read by this
+//! node only). Hashing parts lets every part be encoded and hashed once, when
+//! its allocation is made, so a write costs a copy of the parts, not a
+//! re-encoding of every allocation on the node.
 //!
 //! Writes are atomic (temporary file, fsync, rename, fsync of the directory).
 //! A file that is empty, truncated, fails its checksum or has an unknown shape
@@ -19,6 +23,7 @@
 use std::collections::BTreeMap;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use base64::Engine as _;
 use kubelet_api::deviceplugin::v1beta1 as api;
@@ -98,39 +103,99 @@ pub(crate) struct Restored {
     pub(crate) registered: BTreeMap<String, Vec<String>>,
 }
 
-fn fnv1a(bytes: &[u8]) -> u64 {
+pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, b| (hash ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3))
 }
 
-/// Renders the allocations and the registered devices as a checkpoint.
-pub(crate) fn encode(
-    pods: &BTreeMap<String, BTreeMap<String, ContainerRecord>>,
-    registered: BTreeMap<String, Vec<String>>,
-    numa: &dyn Fn(&str, &str) -> i64,
-) -> Result<Vec<u8>, serde_json::Error> {
-    let mut entries = Vec::new();
-    for (pod_uid, containers) in pods {
-        for (container_name, record) in containers {
-            for (resource_name, held) in &record.resources {
-                let mut device_ids: BTreeMap<String, Vec<String>> = BTreeMap::new();
-                for id in &held.device_ids {
-                    device_ids.entry(numa(resource_name, id).to_string()).or_default().push(id.clone());
-                }
-                let response = api::ContainerAllocateResponse::from(&held.options);
-                entries.push(Entry {
-                    pod_uid: pod_uid.clone(),
-                    container_name: container_name.clone(),
-                    resource_name: resource_name.clone(),
-                    device_ids,
-                    alloc_resp: base64::engine::general_purpose::STANDARD.encode(response.encode_to_vec()),
-                    kind: record.kind,
-                });
-            }
-        }
+/// One piece of the checkpoint, encoded and hashed once: a
+/// `PodDeviceEntries` element or a `RegisteredDevices` member.
+#[derive(Debug)]
+pub(crate) struct Part {
+    json: Vec<u8>,
+    hash: u64,
+}
+
+impl Part {
+    fn new(json: Vec<u8>) -> Part {
+        let hash = fnv1a(&json);
+        Part { json, hash }
     }
-    let data = Data { entries, registered };
-    let checksum = fnv1a(&serde_json::to_vec(&data)?);
-    serde_json::to_vec(&File { data, checksum })
+
+    /// The entry of one container's devices of one resource; `devices` are
+    /// the device IDs with their NUMA node (-1: none).
+    pub(crate) fn entry(
+        pod_uid: &str,
+        container_name: &str,
+        resource_name: &str,
+        kind: ContainerKind,
+        devices: &[(String, i64)],
+        options: &RunOptions,
+    ) -> Part {
+        let mut device_ids: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for (id, numa) in devices {
+            device_ids.entry(numa.to_string()).or_default().push(id.clone());
+        }
+        let response = api::ContainerAllocateResponse::from(options);
+        Part::of_entry(&Entry {
+            pod_uid: pod_uid.to_owned(),
+            container_name: container_name.to_owned(),
+            resource_name: resource_name.to_owned(),
+            device_ids,
+            alloc_resp: base64::engine::general_purpose::STANDARD.encode(response.encode_to_vec()),
+            kind,
+        })
+    }
+
+    fn of_entry(entry: &Entry) -> Part {
+        // Serializing plain strings and maps cannot fail.
+        Part::new(serde_json::to_vec(entry).unwrap_or_default())
+    }
+
+    /// The registered devices of one resource.
+    pub(crate) fn registered<'a>(resource: &str, ids: impl Iterator<Item = &'a str>) -> Part {
+        let mut json = serde_json::to_vec(resource).unwrap_or_default();
+        json.push(b':');
+        json.extend(serde_json::to_vec(&ids.collect::<Vec<_>>()).unwrap_or_default());
+        Part::new(json)
+    }
+}
+
+/// The checksum of a checkpoint made of these parts, in file order.
+fn checksum<'a>(parts: impl Iterator<Item = &'a Part>) -> u64 {
+    let hashes: Vec<u8> = parts.flat_map(|p| p.hash.to_le_bytes()).collect();
+    fnv1a(&hashes)
+}
+
+/// Renders a checkpoint from its parts (entries in pod, container, resource
+/// order; registered devices in resource order).
+#[cfg(test)]
+pub(crate) fn assemble(entries: &[Arc<Part>], registered: &[Arc<Part>]) -> Vec<u8> {
+    let mut out = Vec::new();
+    assemble_into(&mut out, entries, registered);
+    out
+}
+
+/// [`assemble`] into a buffer kept between writes.
+pub(crate) fn assemble_into(out: &mut Vec<u8>, entries: &[Arc<Part>], registered: &[Arc<Part>]) {
+    let size: usize = entries.iter().chain(registered).map(|p| p.json.len() + 1).sum();
+    out.clear();
+    out.reserve(size + 96);
+    out.extend_from_slice(br#"{"Data":{"PodDeviceEntries":["#);
+    join(out, entries);
+    out.extend_from_slice(br#"],"RegisteredDevices":{"#);
+    join(out, registered);
+    out.extend_from_slice(br#"}},"Checksum":"#);
+    out.extend_from_slice(checksum(entries.iter().chain(registered).map(|p| &**p)).to_string().as_bytes());
+    out.push(b'}');
+}
+
+fn join(out: &mut Vec<u8>, parts: &[Arc<Part>]) {
+    for (i, part) in parts.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        out.extend_from_slice(&part.json);
+    }
 }
 
 /// Parses a checkpoint.
@@ -140,13 +205,23 @@ pub(crate) fn decode(path: &Path, bytes: &[u8]) -> Result<Restored, CheckpointEr
         return Err(corrupt("the file is empty".into()));
     }
     let file: File = serde_json::from_slice(bytes).map_err(|e| corrupt(e.to_string()))?;
-    let data_json = serde_json::to_vec(&file.data).map_err(|e| corrupt(e.to_string()))?;
-    let computed = fnv1a(&data_json);
+    let entries: Vec<(Entry, Part)> = file
+        .data
+        .entries
+        .into_iter()
+        .map(|entry| {
+            let part = Part::of_entry(&entry);
+            (entry, part)
+        })
+        .collect();
+    let registered: Vec<Part> =
+        file.data.registered.iter().map(|(name, ids)| Part::registered(name, ids.iter().map(String::as_str))).collect();
+    let computed = checksum(entries.iter().map(|(_, p)| p).chain(&registered));
     if computed != file.checksum {
         return Err(corrupt(format!("checksum mismatch: file says {}, content gives {computed}", file.checksum)));
     }
     let mut restored = Restored { pods: BTreeMap::new(), registered: file.data.registered };
-    for entry in file.data.entries {
+    for (entry, part) in entries {
         let proto = base64::engine::general_purpose::STANDARD
             .decode(&entry.alloc_resp)
             .map_err(|e| corrupt(format!("AllocResp of {}/{}: {e}", entry.pod_uid, entry.container_name)))?;
@@ -154,6 +229,7 @@ pub(crate) fn decode(path: &Path, bytes: &[u8]) -> Result<Restored, CheckpointEr
             .map_err(|e| corrupt(format!("AllocResp of {}/{}: {e}", entry.pod_uid, entry.container_name)))?;
         let mut device_ids: Vec<String> = entry.device_ids.into_values().flatten().collect();
         device_ids.sort();
+        let held = Held { device_ids, options: RunOptions::from(response), encoded: Arc::new(part) };
         restored
             .pods
             .entry(entry.pod_uid)
@@ -161,7 +237,7 @@ pub(crate) fn decode(path: &Path, bytes: &[u8]) -> Result<Restored, CheckpointEr
             .entry(entry.container_name)
             .or_insert_with(|| ContainerRecord { kind: entry.kind, resources: BTreeMap::new() })
             .resources
-            .insert(entry.resource_name, Held { device_ids, options: RunOptions::from(response) });
+            .insert(entry.resource_name, held);
     }
     Ok(restored)
 }
@@ -217,38 +293,56 @@ pub(crate) fn load(path: &Path) -> Restored {
 mod tests {
     use super::*;
 
-    fn sample() -> BTreeMap<String, BTreeMap<String, ContainerRecord>> {
+    fn sample(registered: bool) -> Vec<u8> {
         let mut options = RunOptions::default();
         options.envs.insert("FAKE_DEVICES".into(), "a,b".into());
         options.cdi_devices.push("v.com/gpu=a".into());
-        let held = Held { device_ids: vec!["a".into(), "b".into()], options };
-        let record = ContainerRecord { kind: ContainerKind::Init, resources: [("v.com/gpu".to_owned(), held)].into() };
-        [("uid-1".to_owned(), [("c".to_owned(), record)].into())].into()
+        let devices = [("a".to_owned(), 0), ("b".to_owned(), -1)];
+        let entry = Part::entry("uid-1", "c", "v.com/gpu", ContainerKind::Init, &devices, &options);
+        let registered: Vec<Arc<Part>> =
+            if registered { vec![Arc::new(Part::registered("v.com/gpu", ["a", "b"].into_iter()))] } else { vec![] };
+        assemble(&[Arc::new(entry)], &registered)
     }
 
     #[test]
     fn round_trip_in_the_upstream_shape() {
-        let bytes = encode(&sample(), [("v.com/gpu".to_owned(), vec!["a".into(), "b".into()])].into(), &|_, id| {
-            if id == "a" { 0 } else { -1 }
-        })
-        .expect("encode");
+        let bytes = sample(true);
         let json: serde_json::Value = serde_json::from_slice(&bytes).expect("json");
         let entry = &json["Data"]["PodDeviceEntries"][0];
         assert_eq!(entry["PodUID"], "uid-1");
+        assert_eq!(entry["ContainerName"], "c");
+        assert_eq!(entry["ResourceName"], "v.com/gpu");
         assert_eq!(entry["DeviceIDs"]["0"][0], "a");
         assert_eq!(entry["DeviceIDs"]["-1"][0], "b");
         assert!(entry["AllocResp"].is_string());
         assert_eq!(json["Data"]["RegisteredDevices"]["v.com/gpu"][1], "b");
+        assert!(json["Checksum"].is_u64());
         let restored = decode(Path::new("cp"), &bytes).expect("decode");
         let held = &restored.pods["uid-1"]["c"].resources["v.com/gpu"];
         assert_eq!(held.device_ids, ["a", "b"]);
         assert_eq!(held.options.envs["FAKE_DEVICES"], "a,b");
         assert_eq!(restored.pods["uid-1"]["c"].kind, ContainerKind::Init);
+        // A restored part re-assembles to the same file.
+        let registered: Vec<Arc<Part>> = restored
+            .registered
+            .iter()
+            .map(|(name, ids)| Arc::new(Part::registered(name, ids.iter().map(String::as_str))))
+            .collect();
+        assert_eq!(assemble(std::slice::from_ref(&held.encoded), &registered), bytes);
+    }
+
+    #[test]
+    fn an_empty_checkpoint_is_valid_json_and_round_trips() {
+        let bytes = assemble(&[], &[]);
+        let json: serde_json::Value = serde_json::from_slice(&bytes).expect("json");
+        assert_eq!(json["Data"]["PodDeviceEntries"], serde_json::json!([]));
+        let restored = decode(Path::new("cp"), &bytes).expect("decode");
+        assert!(restored.pods.is_empty() && restored.registered.is_empty());
     }
 
     #[test]
     fn bad_checkpoints_are_refused_with_a_reason() {
-        let good = encode(&sample(), BTreeMap::new(), &|_, _| -1).expect("encode");
+        let good = sample(false);
         // Same shape, one value changed, the old checksum kept.
         let mut value: serde_json::Value = serde_json::from_slice(&good).expect("json");
         value["Data"]["PodDeviceEntries"][0]["PodUID"] = "uid-2".into();

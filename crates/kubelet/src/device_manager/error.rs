@@ -29,6 +29,13 @@ pub enum DeviceManagerError {
         #[source]
         source: notify::Error,
     },
+    /// The checkpoint writer thread could not be started.
+    #[error("cannot start the device checkpoint writer thread: {source}")]
+    Thread {
+        /// The system error.
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// Why a device plugin could not be registered. The texts of the first three

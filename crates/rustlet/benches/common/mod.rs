@@ -33,6 +33,20 @@ pub fn figures(mut samples: Vec<Duration>) -> Figures {
     }
 }
 
+/// User + system CPU time of process `pid` ("self" for this one), from
+/// `/proc` (clock ticks of 10 ms).
+pub fn cpu_of(pid: &str) -> Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let fields: Vec<&str> = stat.rsplit(')').next().unwrap_or_default().split_whitespace().collect();
+    let ticks: u64 = fields.get(11..13).map_or(0, |f| f.iter().filter_map(|v| v.parse::<u64>().ok()).sum());
+    Duration::from_millis(ticks * 10)
+}
+
+/// This process's CPU time.
+pub fn process_cpu() -> Duration {
+    cpu_of("self")
+}
+
 pub fn ms(d: Duration) -> String {
     format!("{:.3} ms", d.as_secs_f64() * 1000.0)
 }
