@@ -7,7 +7,7 @@
 //! already used first, then the smallest node that holds the rest, else the
 //! biggest nodes, each in ID order. The result is deterministic for a given state.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 
 /// A device that may be given out, with its NUMA nodes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -45,28 +45,40 @@ pub(crate) fn choose(free: &[Free<'_>], must: &[String], preferred: &[String], n
 }
 
 fn fill_numa_aligned(free: &[Free<'_>], chosen: &mut Vec<usize>, n: usize) {
+    let mut picked = vec![false; free.len()];
+    for &at in chosen.iter() {
+        picked[at] = true;
+    }
     let used: BTreeSet<i64> = chosen.iter().map(|&at| free[at].primary_numa()).collect();
-    let taken: BTreeSet<usize> = chosen.iter().copied().collect();
-    let mut groups: BTreeMap<i64, Vec<usize>> = BTreeMap::new();
-    for (at, f) in free.iter().enumerate().filter(|(at, _)| !taken.contains(at)) {
-        groups.entry(f.primary_numa()).or_default().push(at);
+    // Free devices per NUMA node: a handful of nodes, so a short list.
+    let mut order: Vec<(i64, usize)> = Vec::new();
+    for (at, f) in free.iter().enumerate() {
+        if !picked[at] {
+            let node = f.primary_numa();
+            match order.iter_mut().find(|(n, _)| *n == node) {
+                Some((_, size)) => *size += 1,
+                None => order.push((node, 1)),
+            }
+        }
     }
     let need = n - chosen.len();
-    let mut order: Vec<(i64, Vec<usize>)> = groups.into_iter().collect();
     // Nodes already in use first; then the smallest node that fits the whole
     // remainder (best fit keeps big nodes whole for big requests); if none
     // fits, the biggest nodes first; ties by node number.
-    order.sort_by_key(|(node, devices)| {
-        let fits = devices.len() >= need;
-        let size_rank = if fits { devices.len() as i64 } else { -(devices.len() as i64) };
-        (!used.contains(node), !fits, size_rank, *node)
+    order.sort_by_key(|&(node, size)| {
+        let fits = size >= need;
+        let size_rank = if fits { size as i64 } else { -(size as i64) };
+        (!used.contains(&node), !fits, size_rank, node)
     });
-    for (_, devices) in order {
-        for at in devices {
+    for (node, _) in order {
+        for (at, f) in free.iter().enumerate() {
             if chosen.len() == n {
                 return;
             }
-            chosen.push(at);
+            if !picked[at] && f.primary_numa() == node {
+                picked[at] = true;
+                chosen.push(at);
+            }
         }
     }
 }

@@ -420,9 +420,7 @@ impl DeviceManager {
             .name("device-checkpoint".into())
             .spawn(move || {
                 let _span = span.enter();
-                // Kept between writes: a checkpoint is rewritten whole.
-                let mut buffer = Vec::new();
-                manager.inner.checkpoint.run(|| manager.write_checkpoint(&path, &mut buffer));
+                manager.inner.checkpoint.run(|| manager.write_checkpoint(&path));
                 drop(exited_tx);
             })
             .map_err(|source| DeviceManagerError::Thread { source })?;
@@ -435,9 +433,9 @@ impl DeviceManager {
         Ok(())
     }
 
-    /// Writes the current state: parts are copied under the locks (pointers,
-    /// not bytes), the file is assembled and written without them.
-    fn write_checkpoint(&self, path: &Path, buffer: &mut Vec<u8>) -> Result<(), String> {
+    /// Writes the current state: the parts are collected under the locks
+    /// (pointers, not bytes) and written without them.
+    fn write_checkpoint(&self, path: &Path) -> Result<(), String> {
         let registered: Vec<Arc<checkpoint::Part>> = self
             .lock()
             .iter_mut()
@@ -451,8 +449,7 @@ impl DeviceManager {
             })
             .collect();
         let entries = self.allocations().parts();
-        checkpoint::assemble_into(buffer, &entries, &registered);
-        checkpoint::write_atomically(path, buffer).map_err(|e| e.to_string())
+        checkpoint::write_parts(path, &entries, &registered).map_err(|e| e.to_string())
     }
 
     fn remove_after_grace(&self, resource: &str, generation: u64) {
