@@ -107,45 +107,61 @@ impl FloorThread {
     }
 }
 
-/// 1,000 allocations of one device, one at a time, each followed by the
-/// plugin's own `Allocate` on an open connection and by the floor write of
-/// the checkpoint as it now is.
-async fn per_container(base: &std::path::Path, label: &str) -> Result<(), BoxError> {
+/// `pods` allocations of one device out of `devices`, one at a time, each
+/// followed by the plugin's own `Allocate` on an open connection and by the
+/// floor write of the checkpoint as it now is.
+async fn per_container(
+    base: &std::path::Path,
+    label: &str,
+    devices: usize,
+    pods: usize,
+    rounds: usize,
+) -> Result<(), BoxError> {
     let root = tempfile::tempdir_in(base)?;
     let dir = root.path().join("device-plugins");
     let floor_dir = root.path().join("floor");
     std::fs::create_dir(&floor_dir)?;
     let shutdown = CancellationToken::new();
-    let (manager, _control) = node_with_devices(&dir, 2000, &shutdown).await?;
+    let (manager, _control) = node_with_devices(&dir, devices, &shutdown).await?;
     let channel = kubelet_api::uds::dial(dir.join("alloc.sock"), Duration::from_secs(5)).await?;
     let mut direct = DevicePluginClient::new(channel);
     let floor_thread = FloorThread::start(floor_dir.clone());
     let (mut total, mut plugin_only, mut floor, mut floor_async) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let checkpoint = dir.join(kubelet::device_manager::CHECKPOINT_FILE);
-    for pod in 0..1000 {
-        let t = Instant::now();
-        manager.allocate(&request(pod)).await?;
-        total.push(t.elapsed());
-        let t = Instant::now();
-        direct
-            .allocate(AllocateRequest {
-                container_requests: vec![ContainerAllocateRequest { devices_ids: vec![format!("d{:05}", 1000 + pod)] }],
-            })
-            .await?;
-        plugin_only.push(t.elapsed());
-        let bytes = std::fs::read(&checkpoint)?;
-        let t = Instant::now();
-        floor_write(&floor_dir, &bytes)?;
-        floor.push(t.elapsed());
-        let t = Instant::now();
-        floor_thread.write(bytes).await?;
-        floor_async.push(t.elapsed());
+    let mut size = 0;
+    for _ in 0..rounds {
+        for pod in 0..pods {
+            let t = Instant::now();
+            manager.allocate(&request(pod)).await?;
+            total.push(t.elapsed());
+            let t = Instant::now();
+            direct
+                .allocate(AllocateRequest {
+                    container_requests: vec![ContainerAllocateRequest {
+                        devices_ids: vec![format!("d{:05}", devices - 1 - pod)],
+                    }],
+                })
+                .await?;
+            plugin_only.push(t.elapsed());
+            let bytes = std::fs::read(&checkpoint)?;
+            let t = Instant::now();
+            floor_write(&floor_dir, &bytes)?;
+            floor.push(t.elapsed());
+            let t = Instant::now();
+            floor_thread.write(bytes).await?;
+            floor_async.push(t.elapsed());
+        }
+        size = size.max(std::fs::metadata(&checkpoint)?.len());
+        for pod in 0..pods {
+            manager.free_pod(&format!("uid-{pod}"));
+        }
+        manager.persisted().await?;
     }
-    let size = std::fs::metadata(&checkpoint)?.len();
     let (total, plugin_only) = (figures(total), figures(plugin_only));
     let (floor, floor_async) = (figures(floor), figures(floor_async));
     println!(
-        "[per container, {label}] 1,000 allocations of 1 device, one at a time (checkpoint ends at {} KB)",
+        "[per container, {label}] {rounds} x {pods} allocations of 1 device out of {devices}, one at a time, \
+         the pods freed after each round (checkpoint up to {} KB)",
         size / 1000
     );
     println!("  allocate()                      {}", total.in_us());
@@ -231,12 +247,15 @@ async fn at_once(pods: usize) -> Result<(), BoxError> {
 async fn run() -> Result<(), BoxError> {
     let _ = rlimit::increase_nofile_limit(u64::MAX);
     println!("Rustlet device allocation benchmark (2 cores; device manager in-process, plugin on a Unix socket)\n");
-    per_container(&std::env::temp_dir(), "disk (ext4, fsync 1-10 ms here)").await?;
     let shm = std::path::Path::new("/dev/shm");
-    if shm.is_dir() {
-        per_container(shm, "tmpfs (fsync costs nothing: the node's own work)").await?;
-    } else {
-        println!("[per container, tmpfs] skipped: no /dev/shm\n");
+    // Kubelet scale (110 pods is its default limit), then a stress setting.
+    for (devices, pods, rounds) in [(128, 110, 10), (2000, 1000, 1)] {
+        per_container(&std::env::temp_dir(), "disk (ext4)", devices, pods, rounds).await?;
+        if shm.is_dir() {
+            per_container(shm, "tmpfs (fsync costs nothing)", devices, pods, rounds).await?;
+        } else {
+            println!("[per container, tmpfs] skipped: no /dev/shm\n");
+        }
     }
     at_once(1000).await?;
     at_once(10_000).await?;

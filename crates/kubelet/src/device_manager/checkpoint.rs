@@ -114,14 +114,19 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 /// `PodDeviceEntries` element or a `RegisteredDevices` member.
 #[derive(Debug)]
 pub(crate) struct Part {
+    /// `,` and the JSON: the separator is kept so that a write needs one
+    /// slice per part (the first part's is skipped).
     json: Vec<u8>,
+    /// FNV-1a of the JSON, without the separator.
     hash: u64,
 }
 
 impl Part {
-    fn new(json: Vec<u8>) -> Part {
-        let hash = fnv1a(&json);
-        Part { json, hash }
+    fn new(json: &[u8]) -> Part {
+        let mut separated = Vec::with_capacity(json.len() + 1);
+        separated.push(b',');
+        separated.extend_from_slice(json);
+        Part { json: separated, hash: fnv1a(json) }
     }
 
     /// The entry of one container's devices of one resource; `devices` are
@@ -151,7 +156,7 @@ impl Part {
 
     fn of_entry(entry: &Entry) -> Part {
         // Serializing plain strings and maps cannot fail.
-        Part::new(serde_json::to_vec(entry).unwrap_or_default())
+        Part::new(&serde_json::to_vec(entry).unwrap_or_default())
     }
 
     /// The registered devices of one resource.
@@ -159,7 +164,7 @@ impl Part {
         let mut json = serde_json::to_vec(resource).unwrap_or_default();
         json.push(b':');
         json.extend(serde_json::to_vec(&ids.collect::<Vec<_>>()).unwrap_or_default());
-        Part::new(json)
+        Part::new(&json)
     }
 }
 
@@ -174,7 +179,7 @@ fn checksum<'a>(parts: impl Iterator<Item = &'a Part>) -> u64 {
 /// resource order), so it can be written without copying the parts.
 fn with_pieces<R>(entries: &[Arc<Part>], registered: &[Arc<Part>], f: impl FnOnce(&[&[u8]]) -> R) -> R {
     let sum = format!(r#"}}}},"Checksum":{}}}"#, checksum(entries.iter().chain(registered).map(|p| &**p)));
-    let mut pieces: Vec<&[u8]> = Vec::with_capacity(2 * (entries.len() + registered.len()) + 3);
+    let mut pieces: Vec<&[u8]> = Vec::with_capacity(entries.len() + registered.len() + 3);
     pieces.push(br#"{"Data":{"PodDeviceEntries":["#);
     join(&mut pieces, entries);
     pieces.push(br#"],"RegisteredDevices":{"#);
@@ -185,10 +190,7 @@ fn with_pieces<R>(entries: &[Arc<Part>], registered: &[Arc<Part>], f: impl FnOnc
 
 fn join<'a>(pieces: &mut Vec<&'a [u8]>, parts: &'a [Arc<Part>]) {
     for (i, part) in parts.iter().enumerate() {
-        if i > 0 {
-            pieces.push(b",");
-        }
-        pieces.push(&part.json);
+        pieces.push(if i == 0 { &part.json[1..] } else { &part.json });
     }
 }
 
