@@ -635,6 +635,45 @@ async fn a_thousand_concurrent_allocations_get_distinct_devices() {
     assert_eq!(seen.len(), 1000);
 }
 
+// ----- metrics -----
+
+fn metrics_text(node: &Node) -> String {
+    let mut registry = prometheus_client::registry::Registry::default();
+    node.devices.register_metrics(&mut registry);
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry).expect("encode");
+    text
+}
+
+/// Upstream's device-plugin metrics: registrations counted as they arrive
+/// (refused ones too), the `Allocate` call timed per resource; and the
+/// checkpoint write time.
+#[tokio::test]
+async fn registrations_allocate_calls_and_checkpoint_writes_are_measured() {
+    let node = Node::start().await;
+    let mut refused = node.plugin("bad.sock", &["--resource", "no-domain", "--count", "1"]).await;
+    assert!(registered(&mut refused).await.contains("invalid"), "refused");
+    let _plugin = gpu_plugin(&node, &["--count", "2"]).await;
+    node.wait_capacity("2 devices", |c| c.get(GPU).copied() == cap(2, 2)).await;
+    node.devices.allocate(&request("p", "c", ContainerKind::App, 1)).await.expect("allocated");
+
+    let text = metrics_text(&node);
+    for line in [
+        "kubelet_device_plugin_registration_total{resource_name=\"no-domain\"} 1",
+        "kubelet_device_plugin_registration_total{resource_name=\"vendor.example.com/gpu\"} 1",
+        "kubelet_device_plugin_alloc_duration_seconds_count{resource_name=\"vendor.example.com/gpu\"} 1",
+        "kubelet_device_plugin_alloc_duration_seconds_bucket{le=\"10.0\",resource_name=\"vendor.example.com/gpu\"} 1",
+    ] {
+        assert!(text.contains(line), "missing {line} in:\n{text}");
+    }
+    let writes: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("rustlet_device_checkpoint_write_duration_seconds_count "))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no checkpoint write count in:\n{text}"));
+    assert!(writes >= 1, "the allocation waited for a write: {writes}");
+}
+
 // ----- checkpoint -----
 
 /// Allocations survive a restart; each resource starts at zero until its

@@ -59,6 +59,7 @@ impl Node {
         manager.add_handler(PluginType::Csi, Arc::new(csi))?;
         manager.add_handler(PluginType::DevicePlugin, Arc::new(devices.plugin_handler()))?;
         manager.register_metrics(&mut metrics);
+        devices.register_metrics(&mut metrics);
         let (plugins, manager_task) = manager
             .start(shutdown.clone())
             .with_context(|| format!("cannot start the plugin manager under root dir {}", args.root_dir.display()))?;

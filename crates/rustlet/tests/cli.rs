@@ -110,6 +110,12 @@ async fn standalone_node_registers_plugins_and_serves_healthz_metrics_and_status
         assert!(metrics.contains(&series), "missing {series} in:\n{metrics}");
     }
     assert!(metrics.contains("rustlet_plugin_manager_operations_total{operation=\"register\",result=\"success\"} 1"));
+    // The device manager's families are served too (the ones labelled by
+    // resource appear with their first resource: tests/device_manager.rs).
+    assert!(
+        metrics.contains("# TYPE rustlet_device_checkpoint_write_duration_seconds histogram"),
+        "device manager metrics missing in:\n{metrics}"
+    );
 
     let (code, status) = get(&address, "/status").await;
     assert_eq!(code, 200);

@@ -596,7 +596,10 @@ impl DeviceManager {
         let request = api::AllocateRequest {
             container_requests: vec![api::ContainerAllocateRequest { devices_ids: ids.to_vec() }],
         };
-        let response = call(resource, "Allocate", timeout, client.allocate(request)).await.map_err(to_error)?;
+        let started = std::time::Instant::now();
+        let response = call(resource, "Allocate", timeout, client.allocate(request)).await;
+        self.inner.metrics.allocate_call(resource, started.elapsed());
+        let response = response.map_err(to_error)?;
         let count = response.container_responses.len();
         let Some(answer) = response.container_responses.into_iter().next().filter(|_| count == 1) else {
             return Err(AllocateError::BadResponse {

@@ -23,6 +23,9 @@ impl DevicePluginHandler {
 #[async_trait]
 impl PluginHandler for DevicePluginHandler {
     async fn validate(&self, plugin: &PluginInfo) -> Result<(), HandlerError> {
+        // Counted as it arrives, before validation, like `Register` on
+        // kubelet.sock (upstream counts only those).
+        self.manager.inner.metrics.registration(&plugin.name);
         if !plugin.supported_versions.iter().any(|v| v == DEVICE_PLUGIN_VERSION) {
             return Err(format!(
                 "manager version, {DEVICE_PLUGIN_VERSION}, is not among plugin supported versions {:?}",

@@ -45,6 +45,7 @@ mod checkpoint;
 mod devices;
 mod error;
 mod handler;
+mod metrics;
 mod registration_server;
 mod resource_name;
 mod run_options;
@@ -136,6 +137,7 @@ struct Inner {
     server_generation: watch::Sender<u64>,
     grace_timers_fired: watch::Sender<u64>,
     checkpoint: writer::Writer,
+    metrics: metrics::Metrics,
 }
 
 /// The device manager. Cheap to clone; clones share one manager.
@@ -176,6 +178,7 @@ impl DeviceManager {
                 server_generation,
                 grace_timers_fired,
                 checkpoint: writer::Writer::new(),
+                metrics: metrics::Metrics::default(),
             }),
         };
         if restored_count > 0 || !restored.registered.is_empty() {
@@ -232,6 +235,12 @@ impl DeviceManager {
     /// A handler for plugins of type `DevicePlugin` found by the plugin watcher.
     pub fn plugin_handler(&self) -> DevicePluginHandler {
         DevicePluginHandler::new(self.clone())
+    }
+
+    /// Adds the device manager's metrics to `registry` (see the
+    /// `metrics` section of the module docs).
+    pub fn register_metrics(&self, registry: &mut prometheus_client::registry::Registry) {
+        self.inner.metrics.register(registry);
     }
 
     /// The path of `kubelet.sock`.
@@ -449,7 +458,10 @@ impl DeviceManager {
             })
             .collect();
         let entries = self.allocations().parts();
-        checkpoint::write_parts(path, &entries, &registered).map_err(|e| e.to_string())
+        let started = std::time::Instant::now();
+        let result = checkpoint::write_parts(path, &entries, &registered).map_err(|e| e.to_string());
+        self.inner.metrics.checkpoint_written(started.elapsed());
+        result
     }
 
     fn remove_after_grace(&self, resource: &str, generation: u64) {

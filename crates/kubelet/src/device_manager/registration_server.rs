@@ -132,6 +132,8 @@ impl Registration for RegistrationService {
     async fn register(&self, request: Request<RegisterRequest>) -> Result<Response<Empty>, Status> {
         let request = request.into_inner();
         let resource = request.resource_name.clone();
+        // Counted as it arrives, before validation, as upstream does.
+        self.manager.inner.metrics.registration(&resource);
         let span = tracing::info_span!("register_device_plugin", resource = %resource, endpoint = %request.endpoint);
         async {
             let result = self.validate_and_connect(request).await;
