@@ -596,6 +596,30 @@ async fn allocate_that_never_answers_records_nothing() {
     assert!(node.devices.allocated("uid-q", "c").is_empty());
 }
 
+/// An allocation whose caller gives up midway (its future is dropped while
+/// the plugin has not answered) keeps nothing reserved or recorded.
+#[tokio::test]
+async fn an_allocation_dropped_midway_releases_its_devices() {
+    let node = Node::start_with(|c| c.call_timeout = Duration::from_secs(30)).await;
+    let mut hanging = gpu_plugin(&node, &["--count", "1", "--behaviour", "hang-allocate"]).await;
+    node.wait_capacity("1 device", |c| c.get(GPU).copied() == cap(1, 1)).await;
+    let pending = tokio::spawn({
+        let devices = node.devices.clone();
+        async move { devices.allocate(&request("p", "c", ContainerKind::App, 1)).await }
+    });
+    // The plugin holds the Allocate: the device is reserved for "p" now.
+    hanging.wait_for(SOON, |r| matches!(r, Report::Allocate { .. })).await.expect("Allocate called");
+    pending.abort();
+    assert!(pending.await.expect_err("aborted").is_cancelled());
+    assert!(node.devices.allocated("uid-p", "c").is_empty());
+
+    // A plugin that answers replaces the hanging one: the device is free.
+    let mut answering = node.plugin("gpu-2.sock", &["--resource", GPU, "--count", "1"]).await;
+    assert_eq!(registered(&mut answering).await, "");
+    node.devices.allocate(&request("q", "c", ContainerKind::App, 1)).await.expect("the device was released");
+    assert_eq!(node.devices.allocated("uid-q", "c")[GPU], ["dev-0"]);
+}
+
 /// Bad input: an Allocate answer with the wrong container count.
 #[tokio::test]
 async fn allocate_answer_with_the_wrong_container_count_records_nothing() {
@@ -732,15 +756,23 @@ async fn a_registered_resource_without_allocations_is_listed_after_a_restart() {
     assert_eq!(json["Data"]["RegisteredDevices"][GPU], serde_json::json!(["dev-0", "dev-1"]));
     assert_eq!(json["Data"]["PodDeviceEntries"], serde_json::json!([]));
 
-    let shutdown = CancellationToken::new();
-    let restarted = DeviceManager::start(DeviceManagerConfig::new(&node.dir), shutdown.clone()).expect("restart");
-    assert_eq!(restarted.capacity().borrow().get(GPU).copied(), cap(0, 0), "listed, at zero");
-    let err = restarted.persisted().await;
-    assert!(err.is_ok(), "{err:?}");
-    shutdown.cancel();
-    restarted.stopped().await;
-    let err = restarted.persisted().await.expect_err("no writes after shutdown");
-    assert_eq!(err, "the device manager is shutting down");
+    // Restarted twice, with a write in between (the plugin never came
+    // back): still listed, with its device IDs.
+    for restart in 1..=2 {
+        let shutdown = CancellationToken::new();
+        let restarted = DeviceManager::start(DeviceManagerConfig::new(&node.dir), shutdown.clone()).expect("restart");
+        assert_eq!(restarted.capacity().borrow().get(GPU).copied(), cap(0, 0), "restart {restart}: listed, at zero");
+        let written = restarted.persisted().await;
+        assert!(written.is_ok(), "{written:?}");
+        let json: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(node.dir.join("kubelet_internal_checkpoint")).expect("checkpoint"))
+                .expect("json");
+        assert_eq!(json["Data"]["RegisteredDevices"][GPU], serde_json::json!(["dev-0", "dev-1"]), "restart {restart}");
+        shutdown.cancel();
+        restarted.stopped().await;
+        let err = restarted.persisted().await.expect_err("no writes after shutdown");
+        assert_eq!(err, "the device manager is shutting down");
+    }
 }
 
 /// Bad input: a corrupt checkpoint is moved aside and the node starts clean.

@@ -213,6 +213,10 @@ impl DevicePlugin for FakeDevicePlugin {
     }
 
     async fn allocate(&self, request: Request<AllocateRequest>) -> Result<Response<AllocateResponse>, Status> {
+        self.reporter.report(Report::Allocate {
+            resource: self.resource.clone(),
+            devices: request.get_ref().container_requests.iter().map(|c| c.devices_ids.clone()).collect(),
+        });
         match self.behaviour {
             DevicePluginBehaviour::HangAllocate => std::future::pending::<()>().await,
             DevicePluginBehaviour::FailAllocate => {

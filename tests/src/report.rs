@@ -42,6 +42,13 @@ pub enum Report {
         /// The resource.
         resource: String,
     },
+    /// The node called `Allocate` (reported before answering, or not).
+    Allocate {
+        /// The resource.
+        resource: String,
+        /// Devices named, per container.
+        devices: Vec<Vec<String>>,
+    },
     /// The node called `PreStartContainer`.
     PreStartContainer {
         /// The resource.

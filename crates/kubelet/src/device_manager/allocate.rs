@@ -23,10 +23,13 @@
 //! allocations on the node; a checkpoint entry is encoded once, when its
 //! allocation is made.
 //!
-//! No lock is held across a call to a plugin, so concurrent allocations only
-//! wait for each other for a few map operations. A failure leaves nothing
-//! recorded: this container's other resources allocated in the same call are
-//! released too.
+//! No lock is held across a call to a plugin: concurrent allocations wait
+//! for each other only while one chooses (a walk over its resource's
+//! devices), and for a free slot when 128 calls to the same plugin are in
+//! flight. A failure leaves nothing recorded: this container's other
+//! resources allocated in the same call are released too. So does a call
+//! whose caller drops it midway (its reservations are released, and what it
+//! recorded is removed and the removal checkpointed).
 //!
 //! # Guarantees
 //! - App containers of a pod never share devices; a pod's (non-restartable)
@@ -39,6 +42,10 @@
 //!   again.
 //! - A `GetPreferredAllocation` that fails or times out is logged and the
 //!   node chooses by itself.
+//! - Two concurrent calls for the same container: the second may return the
+//!   first's run options before they are on disk, and keep them if the
+//!   first's checkpoint write then fails. The pod lifecycle makes one call
+//!   per container at a time.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -399,7 +406,9 @@ impl DeviceManager {
             container = %request.container_name
         );
         let mut merged = RunOptions::default();
-        let mut added = Vec::new();
+        // Undoes what this call recorded unless it completes: on an error,
+        // and when the caller drops the call midway.
+        let mut undo = Undo { manager: self, request, added: Vec::new() };
         for (resource, &count) in &request.limits {
             if count == 0 {
                 continue;
@@ -411,24 +420,25 @@ impl DeviceManager {
                     merged.merge(resource, &held.options);
                     tracing::info!(parent: &span, resource, devices = ?held.device_ids, "devices allocated");
                     self.allocations().insert(request, resource, held);
-                    added.push(resource.clone());
+                    undo.added.push(resource.clone());
                 }
                 Err(error) => {
-                    self.allocations().remove(&request.pod_uid, &request.container_name, &added);
                     tracing::warn!(parent: &span, resource, %error, "device allocation failed");
                     return Err(error);
                 }
             }
         }
-        if !added.is_empty()
+        if !undo.added.is_empty()
             && let Err(error) = self.persisted().await
         {
+            let added = std::mem::take(&mut undo.added);
             self.allocations().remove(&request.pod_uid, &request.container_name, &added);
             // The undo must reach the disk too; its own failure is logged.
             let _ = self.persisted().await;
             tracing::error!(parent: &span, %error, "allocation undone: the checkpoint could not be written");
             return Err(AllocateError::Checkpoint(error));
         }
+        undo.added.clear();
         for conflict in &merged.conflicts {
             tracing::warn!(parent: &span, conflict, "conflicting run options from device plugins");
         }
@@ -528,6 +538,10 @@ impl DeviceManager {
         let Some(Plan { choice, mut client, options, calls }) = self.plan(request, resource, count)? else {
             return Ok(None);
         };
+        let mut reservation = Reservation { manager: self, resource, ids: Vec::new() };
+        if let Choice::Made(chosen) = &choice {
+            reservation.ids = chosen.iter().map(|(id, _)| id.clone()).collect();
+        }
         // Fails only if the semaphore is closed, which never happens; then
         // the call simply goes unbounded.
         let _permit = calls.acquire_owned().await.ok();
@@ -553,7 +567,9 @@ impl DeviceManager {
                             Vec::new()
                         }
                     };
-                self.choose_now(request, resource, count, &preferred)?
+                let chosen = self.choose_now(request, resource, count, &preferred)?;
+                reservation.ids = chosen.iter().map(|(id, _)| id.clone()).collect();
+                chosen
             }
         };
         let ids: Vec<String> = chosen.iter().map(|(id, _)| id.clone()).collect();
@@ -567,12 +583,13 @@ impl DeviceManager {
                     &chosen,
                     &run_options,
                 );
+                // Recorded by the caller right away (no await in between),
+                // which turns the reservation into a holding.
+                reservation.ids.clear();
                 Ok(Some(Step::New(Held { device_ids: ids, options: run_options, encoded: Arc::new(encoded) })))
             }
-            Err(error) => {
-                self.allocations().unreserve(resource, &ids);
-                Err(error)
-            }
+            // The reservation is released when it goes out of scope.
+            Err(error) => Err(error),
         }
     }
 
@@ -614,6 +631,41 @@ impl DeviceManager {
                 .map_err(to_error)?;
         }
         Ok(answer.into())
+    }
+}
+
+/// Devices reserved for an allocation in progress; released when dropped
+/// unless emptied (the allocation was recorded), so an allocation that fails
+/// or whose caller gives up midway does not keep devices reserved.
+struct Reservation<'a> {
+    manager: &'a DeviceManager,
+    resource: &'a str,
+    ids: Vec<String>,
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        if !self.ids.is_empty() {
+            self.manager.allocations().unreserve(self.resource, &self.ids);
+        }
+    }
+}
+
+/// The resources one `allocate` call recorded, removed again when dropped
+/// unless emptied (the call completed).
+struct Undo<'a> {
+    manager: &'a DeviceManager,
+    request: &'a ContainerRequest,
+    added: Vec<String>,
+}
+
+impl Drop for Undo<'_> {
+    fn drop(&mut self) {
+        if !self.added.is_empty() {
+            self.manager.allocations().remove(&self.request.pod_uid, &self.request.container_name, &self.added);
+            // A write may have covered them; the next one must not.
+            self.manager.request_checkpoint();
+        }
     }
 }
 

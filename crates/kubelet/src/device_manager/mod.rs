@@ -37,7 +37,7 @@
 //! # Caveats
 //! - Each write rewrites the whole file (upstream's format has no append):
 //!   a write of 10,000 allocations is ~4 MB. The parts are encoded once and
-//!   copied, and concurrent allocations share writes.
+//!   handed to `writev` as they are, and concurrent allocations share writes.
 
 mod allocate;
 mod allocation;
@@ -121,8 +121,12 @@ struct Resource {
     generation: u64,
     endpoint: Option<Endpoint>,
     devices: BTreeMap<String, Device>,
+    /// In the checkpoint's `RegisteredDevices`: from registration (or from
+    /// the checkpoint at start) until removal after the grace period.
+    listed: bool,
     /// Its `RegisteredDevices` checkpoint member, encoded when first needed
-    /// after the device IDs change.
+    /// after the device IDs change (restored resources keep their IDs from
+    /// the checkpoint until their plugin sends its devices).
     registered_part: Option<Arc<checkpoint::Part>>,
 }
 
@@ -160,8 +164,14 @@ impl DeviceManager {
         let restored_count: usize = restored.pods.values().map(BTreeMap::len).sum();
         // Resources from the checkpoint start with no devices and no plugin,
         // until their plugins register again (or the grace period ends).
-        let resources: BTreeMap<String, Resource> =
-            restored.registered.keys().map(|r| (r.clone(), Resource::default())).collect();
+        let resources: BTreeMap<String, Resource> = restored
+            .registered
+            .iter()
+            .map(|(name, ids)| {
+                let part = checkpoint::Part::registered(name, ids.iter().map(String::as_str));
+                (name.clone(), Resource { listed: true, registered_part: Some(Arc::new(part)), ..Resource::default() })
+            })
+            .collect();
         let capacities: Capacities = resources.keys().map(|r| (r.clone(), ResourceCapacity::default())).collect();
         let (capacity, _) = watch::channel(capacities);
         // kubelet.sock is bound before `start` returns: generation 1.
@@ -280,6 +290,7 @@ impl DeviceManager {
                 tracing::info!(resource, old = %old.socket.display(), new = %socket.display(), "device plugin replaced");
             }
             entry.generation += 1;
+            entry.listed = true;
             entry.endpoint = Some(Endpoint {
                 socket: socket.to_path_buf(),
                 options,
@@ -448,7 +459,7 @@ impl DeviceManager {
         let registered: Vec<Arc<checkpoint::Part>> = self
             .lock()
             .iter_mut()
-            .filter(|(_, r)| r.endpoint.is_some() || !r.devices.is_empty())
+            .filter(|(_, r)| r.listed)
             .map(|(name, r)| {
                 r.registered_part
                     .get_or_insert_with(|| {
@@ -459,9 +470,9 @@ impl DeviceManager {
             .collect();
         let entries = self.allocations().parts();
         let started = std::time::Instant::now();
-        let result = checkpoint::write_parts(path, &entries, &registered).map_err(|e| e.to_string());
+        checkpoint::write_parts(path, &entries, &registered).map_err(|e| e.to_string())?;
         self.inner.metrics.checkpoint_written(started.elapsed());
-        result
+        Ok(())
     }
 
     fn remove_after_grace(&self, resource: &str, generation: u64) {
@@ -472,6 +483,7 @@ impl DeviceManager {
             return;
         }
         entry.devices.clear();
+        entry.listed = false;
         entry.registered_part = None;
         tracing::info!(resource, "device plugin did not come back within the grace period; resource removed");
         self.publish(resource, ResourceCapacity::default());

@@ -16,17 +16,27 @@ struct State {
     stopping: bool,
 }
 
+/// What the writer has done so far.
+#[derive(Clone, Debug, Default)]
+struct Done {
+    /// The last generation a write was attempted for.
+    attempted: u64,
+    /// The last generation written successfully.
+    written: u64,
+    /// Why the last attempt failed, if it did.
+    error: Option<String>,
+}
+
 /// Shared between the manager (asks, waits) and the writer thread.
 pub(crate) struct Writer {
     state: Mutex<State>,
     wake: Condvar,
-    /// The last generation written, with the error if writing it failed.
-    done: watch::Sender<(u64, Option<String>)>,
+    done: watch::Sender<Done>,
 }
 
 impl Writer {
     pub(crate) fn new() -> Writer {
-        Writer { state: Mutex::default(), wake: Condvar::new(), done: watch::Sender::new((0, None)) }
+        Writer { state: Mutex::default(), wake: Condvar::new(), done: watch::Sender::new(Done::default()) }
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -45,11 +55,14 @@ impl Writer {
         Some(state.wanted)
     }
 
-    /// Waits until generation `generation` (or a later one) is written.
+    /// Waits until a write covering generation `generation` was attempted:
+    /// `Ok` once one succeeded (a later write holds the newest state, so it
+    /// covers earlier generations too), else the failed attempt's error.
     pub(crate) async fn written(&self, generation: u64) -> Result<(), String> {
         let mut done = self.done.subscribe();
-        match done.wait_for(|(written, _)| *written >= generation).await {
-            Ok(state) => state.1.clone().map_or(Ok(()), Err),
+        match done.wait_for(|d| d.attempted >= generation).await {
+            Ok(d) if d.written >= generation => Ok(()),
+            Ok(d) => Err(d.error.clone().unwrap_or_else(|| "the checkpoint write failed".into())),
             Err(_) => Err("the checkpoint writer stopped".into()),
         }
     }
@@ -74,12 +87,23 @@ impl Writer {
                 }
                 state.wanted
             };
-            let result = write();
+            // A panic is a bug, but it must not leave waiters waiting forever.
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(&mut write))
+                .unwrap_or_else(|_| Err("the checkpoint writer panicked".into()));
             if let Err(error) = &result {
                 tracing::error!(%error, "cannot write the device checkpoint");
             }
             written = generation;
-            self.done.send_replace((generation, result.err()));
+            self.done.send_modify(|done| {
+                done.attempted = generation;
+                match result {
+                    Ok(()) => {
+                        done.written = generation;
+                        done.error = None;
+                    }
+                    Err(error) => done.error = Some(error),
+                }
+            });
         }
     }
 }
@@ -91,23 +115,32 @@ mod tests {
 
     use super::*;
 
+    /// A writer whose thread runs `write` for every write.
+    fn started(
+        write: impl FnMut() -> Result<(), String> + Send + 'static,
+    ) -> (Arc<Writer>, std::thread::JoinHandle<()>) {
+        let writer = Arc::new(Writer::new());
+        let thread = {
+            let writer = writer.clone();
+            std::thread::spawn(move || writer.run(write))
+        };
+        (writer, thread)
+    }
+
     #[tokio::test]
     async fn asks_made_during_a_write_share_the_next_one_and_shutdown_drains() {
-        let writer = Arc::new(Writer::new());
         let writes = Arc::new(AtomicU64::new(0));
         let (entered_tx, entered_rx) = std::sync::mpsc::channel::<()>();
         let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
-        let thread = {
-            let (writer, writes) = (writer.clone(), writes.clone());
-            std::thread::spawn(move || {
-                writer.run(|| {
-                    writes.fetch_add(1, Ordering::SeqCst);
-                    entered_tx.send(()).ok();
-                    release_rx.recv().ok();
-                    Ok(())
-                })
-            })
-        };
+        let (writer, thread) = started({
+            let writes = writes.clone();
+            move || {
+                writes.fetch_add(1, Ordering::SeqCst);
+                entered_tx.send(()).ok();
+                release_rx.recv().ok();
+                Ok(())
+            }
+        });
         let first = writer.request().expect("running");
         entered_rx.recv().expect("first write started");
         // Three asks while the first write is blocked: one write covers them.
@@ -125,13 +158,41 @@ mod tests {
         assert_eq!(writes.load(Ordering::SeqCst), 2);
     }
 
+    /// A waiter that wakes after a later write failed still hears that its
+    /// own generation was written.
+    #[tokio::test]
+    async fn a_later_failure_is_not_reported_for_an_earlier_generation() {
+        let mut results = vec![Err("disk full".to_owned()), Ok(())];
+        let (written_tx, written_rx) = std::sync::mpsc::channel::<()>();
+        let (writer, thread) = started(move || {
+            let result = results.pop().unwrap_or(Ok(()));
+            written_tx.send(()).ok();
+            result
+        });
+        let first = writer.request().expect("running");
+        written_rx.recv().expect("first written");
+        let second = writer.request().expect("running");
+        written_rx.recv().expect("second attempted");
+        assert_eq!(writer.written(second).await, Err("disk full".into()));
+        assert_eq!(writer.written(first).await, Ok(()), "the first write succeeded");
+        writer.stop();
+        thread.join().expect("exits");
+    }
+
+    #[tokio::test]
+    async fn a_panicking_write_fails_its_waiters_instead_of_hanging_them() {
+        let (writer, thread) = started(|| panic!("bug in the writer"));
+        let ask = writer.request().expect("running");
+        assert_eq!(writer.written(ask).await, Err("the checkpoint writer panicked".into()));
+        let again = writer.request().expect("still running");
+        assert_eq!(writer.written(again).await, Err("the checkpoint writer panicked".into()));
+        writer.stop();
+        thread.join().expect("exits");
+    }
+
     #[tokio::test]
     async fn a_failed_write_is_reported_to_its_waiters() {
-        let writer = Arc::new(Writer::new());
-        let thread = {
-            let writer = writer.clone();
-            std::thread::spawn(move || writer.run(|| Err("disk full".into())))
-        };
+        let (writer, thread) = started(|| Err("disk full".into()));
         let ask = writer.request().expect("running");
         assert_eq!(writer.written(ask).await, Err("disk full".into()));
         writer.stop();
