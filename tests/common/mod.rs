@@ -262,23 +262,40 @@ pub fn failed_at(socket: &Path) -> impl FnMut(&PluginEvent) -> bool + '_ {
     move |e| matches!(e, PluginEvent::RegistrationFailed { socket_path, .. } if socket_path == socket)
 }
 
+thread_local! {
+    /// Where the current thread's log lines go while a `LogCapture` lives.
+    static CAPTURE: std::cell::RefCell<Option<Arc<Mutex<Vec<u8>>>>> = const { std::cell::RefCell::new(None) };
+}
+
 /// Captured log output of the current thread (use a current-thread runtime so
 /// every task logs here).
+///
+/// One global subscriber asks, at every event, whether the thread captures.
+/// A subscriber scoped to the test (`set_default`) would be simpler, but when
+/// the tests of one binary run on parallel threads (`cargo test`), tracing's
+/// per-call-site cache can record "nobody is interested" for a call site
+/// first hit by another test, and this test then misses its events.
 pub struct LogCapture {
     buffer: Arc<Mutex<Vec<u8>>>,
-    _guard: tracing::subscriber::DefaultGuard,
 }
 
 impl LogCapture {
     pub fn start() -> LogCapture {
+        static INSTALL: std::sync::Once = std::sync::Once::new();
+        INSTALL.call_once(|| {
+            use tracing_subscriber::Layer as _;
+            use tracing_subscriber::layer::SubscriberExt as _;
+            let capture = tracing_subscriber::fmt::layer().with_ansi(false).with_writer(|| CaptureWriter).with_filter(
+                tracing_subscriber::filter::dynamic_filter_fn(|meta, _| {
+                    *meta.level() <= tracing::Level::DEBUG && CAPTURE.with(|c| c.borrow().is_some())
+                }),
+            );
+            tracing::subscriber::set_global_default(tracing_subscriber::registry().with(capture))
+                .expect("no other global subscriber in the test binaries");
+        });
         let buffer = Arc::new(Mutex::new(Vec::new()));
-        let writer = buffer.clone();
-        let subscriber = tracing_subscriber::fmt()
-            .with_ansi(false)
-            .with_max_level(tracing::Level::DEBUG)
-            .with_writer(move || CaptureWriter(writer.clone()))
-            .finish();
-        LogCapture { buffer, _guard: tracing::subscriber::set_default(subscriber) }
+        CAPTURE.with(|c| *c.borrow_mut() = Some(buffer.clone()));
+        LogCapture { buffer }
     }
 
     pub fn lines(&self) -> Vec<String> {
@@ -286,11 +303,21 @@ impl LogCapture {
     }
 }
 
-struct CaptureWriter(Arc<Mutex<Vec<u8>>>);
+impl Drop for LogCapture {
+    fn drop(&mut self) {
+        CAPTURE.with(|c| *c.borrow_mut() = None);
+    }
+}
+
+struct CaptureWriter;
 
 impl std::io::Write for CaptureWriter {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().expect("lock").extend_from_slice(buf);
+        CAPTURE.with(|c| {
+            if let Some(buffer) = &*c.borrow() {
+                buffer.lock().expect("lock").extend_from_slice(buf);
+            }
+        });
         Ok(buf.len())
     }
 
