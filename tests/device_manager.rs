@@ -428,6 +428,18 @@ fn request(pod: &str, container: &str, kind: ContainerKind, count: u64) -> Conta
     }
 }
 
+/// A node with a GPU plugin of `count` healthy devices, registered and
+/// published.
+async fn gpu_node(count: u64, extra: &[&str]) -> (Node, PluginProcess) {
+    let node = Node::start().await;
+    let count_arg = count.to_string();
+    let mut args = vec!["--count", count_arg.as_str()];
+    args.extend_from_slice(extra);
+    let plugin = gpu_plugin(&node, &args).await;
+    node.wait_capacity("all devices healthy", |c| c.get(GPU).copied() == cap(count, count)).await;
+    (node, plugin)
+}
+
 async fn gpu_plugin(node: &Node, extra: &[&str]) -> PluginProcess {
     let mut args = vec!["--resource", GPU];
     args.extend_from_slice(extra);
@@ -438,9 +450,7 @@ async fn gpu_plugin(node: &Node, extra: &[&str]) -> PluginProcess {
 
 #[tokio::test]
 async fn allocation_gives_devices_and_their_run_options() {
-    let node = Node::start().await;
-    let _plugin = gpu_plugin(&node, &["--count", "4"]).await;
-    node.wait_capacity("4 devices", |c| c.get(GPU).copied() == cap(4, 4)).await;
+    let (node, _plugin) = gpu_node(4, &[]).await;
     let options = node.devices.allocate(&request("p1", "c1", ContainerKind::App, 2)).await.expect("allocated");
     assert_eq!(options.envs.get("FAKE_DEVICES").map(String::as_str), Some("dev-0,dev-1"));
     assert_eq!(options.mounts.len(), 2);
@@ -456,9 +466,7 @@ async fn allocation_gives_devices_and_their_run_options() {
 /// UPSTREAM.md §3's error texts.
 #[tokio::test]
 async fn allocation_errors_say_what_upstream_says() {
-    let node = Node::start().await;
-    let mut plugin = gpu_plugin(&node, &["--count", "2"]).await;
-    node.wait_capacity("2 devices", |c| c.get(GPU).copied() == cap(2, 2)).await;
+    let (node, mut plugin) = gpu_node(2, &[]).await;
     let err = node.devices.allocate(&request("big", "c", ContainerKind::App, 3)).await.expect_err("too many");
     assert_eq!(
         err.to_string(),
@@ -486,9 +494,7 @@ async fn allocation_errors_say_what_upstream_says() {
 /// a sidecar keeps its devices; app containers stay disjoint.
 #[tokio::test]
 async fn init_devices_are_reused_and_app_containers_stay_disjoint() {
-    let node = Node::start().await;
-    let _plugin = gpu_plugin(&node, &["--count", "4"]).await;
-    node.wait_capacity("4 devices", |c| c.get(GPU).copied() == cap(4, 4)).await;
+    let (node, _plugin) = gpu_node(4, &[]).await;
     let d = &node.devices;
     d.allocate(&request("p", "init", ContainerKind::Init, 2)).await.expect("init");
     d.allocate(&request("p", "sidecar", ContainerKind::RestartableInit, 1)).await.expect("sidecar");
@@ -531,9 +537,7 @@ async fn devices_on_one_numa_node_are_preferred() {
 
 #[tokio::test]
 async fn preferred_allocation_is_asked_and_validated() {
-    let node = Node::start().await;
-    let _plugin = gpu_plugin(&node, &["--count", "4", "--preferred"]).await;
-    node.wait_capacity("4 devices", |c| c.get(GPU).copied() == cap(4, 4)).await;
+    let (node, _plugin) = gpu_node(4, &["--preferred"]).await;
     node.devices.allocate(&request("p", "c", ContainerKind::App, 2)).await.expect("allocated");
     assert_eq!(node.devices.allocated("uid-p", "c")[GPU], ["dev-3", "dev-2"], "the plugin's preference");
 }
@@ -541,9 +545,7 @@ async fn preferred_allocation_is_asked_and_validated() {
 /// Bad input: a preferred allocation naming unknown (and duplicate) devices.
 #[tokio::test]
 async fn preferred_allocation_naming_unknown_devices_is_ignored() {
-    let node = Node::start().await;
-    let _plugin = gpu_plugin(&node, &["--count", "3", "--preferred", "--behaviour", "prefer-unknown"]).await;
-    node.wait_capacity("3 devices", |c| c.get(GPU).copied() == cap(3, 3)).await;
+    let (node, _plugin) = gpu_node(3, &["--preferred", "--behaviour", "prefer-unknown"]).await;
     node.devices.allocate(&request("p", "c", ContainerKind::App, 2)).await.expect("allocated");
     assert_eq!(node.devices.allocated("uid-p", "c")[GPU], ["dev-0", "dev-1"]);
 }
@@ -552,18 +554,14 @@ async fn preferred_allocation_naming_unknown_devices_is_ignored() {
 /// node chooses by itself.
 #[tokio::test]
 async fn preferred_allocation_that_never_answers_falls_back_to_our_choice() {
-    let node = Node::start().await;
-    let _plugin = gpu_plugin(&node, &["--count", "3", "--preferred", "--behaviour", "hang-preferred"]).await;
-    node.wait_capacity("3 devices", |c| c.get(GPU).copied() == cap(3, 3)).await;
+    let (node, _plugin) = gpu_node(3, &["--preferred", "--behaviour", "hang-preferred"]).await;
     node.devices.allocate(&request("p", "c", ContainerKind::App, 2)).await.expect("allocated after the deadline");
     assert_eq!(node.devices.allocated("uid-p", "c")[GPU], ["dev-0", "dev-1"]);
 }
 
 #[tokio::test]
 async fn pre_start_container_is_called_when_asked_for() {
-    let node = Node::start().await;
-    let mut plugin = gpu_plugin(&node, &["--count", "2", "--pre-start"]).await;
-    node.wait_capacity("2 devices", |c| c.get(GPU).copied() == cap(2, 2)).await;
+    let (node, mut plugin) = gpu_node(2, &["--pre-start"]).await;
     node.devices.allocate(&request("p", "c", ContainerKind::App, 1)).await.expect("allocated");
     let report = plugin.wait_for(SOON, |r| matches!(r, Report::PreStartContainer { .. })).await.expect("called");
     assert_eq!(report, Report::PreStartContainer { resource: GPU.into(), devices: vec!["dev-0".into()] });
@@ -573,9 +571,7 @@ async fn pre_start_container_is_called_when_asked_for() {
 /// the deadline fires, nothing is recorded, the devices stay free.
 #[tokio::test]
 async fn allocate_that_never_answers_records_nothing() {
-    let node = Node::start().await;
-    let mut plugin = gpu_plugin(&node, &["--count", "2", "--behaviour", "hang-allocate"]).await;
-    node.wait_capacity("2 devices", |c| c.get(GPU).copied() == cap(2, 2)).await;
+    let (node, mut plugin) = gpu_node(2, &["--behaviour", "hang-allocate"]).await;
     let err = node.devices.allocate(&request("p", "c", ContainerKind::App, 2)).await.expect_err("deadline");
     assert_eq!(err.to_string(), format!("Allocate for resource {GPU} did not answer within 500ms"));
     assert!(node.devices.allocated("uid-p", "c").is_empty());
@@ -623,9 +619,7 @@ async fn an_allocation_dropped_midway_releases_its_devices() {
 /// Bad input: an Allocate answer with the wrong container count.
 #[tokio::test]
 async fn allocate_answer_with_the_wrong_container_count_records_nothing() {
-    let node = Node::start().await;
-    let _plugin = gpu_plugin(&node, &["--count", "2", "--behaviour", "wrong-container-count"]).await;
-    node.wait_capacity("2 devices", |c| c.get(GPU).copied() == cap(2, 2)).await;
+    let (node, _plugin) = gpu_node(2, &["--behaviour", "wrong-container-count"]).await;
     let err = node.devices.allocate(&request("p", "c", ContainerKind::App, 1)).await.expect_err("bad answer");
     assert_eq!(
         err.to_string(),
@@ -704,9 +698,7 @@ async fn registrations_allocate_calls_and_checkpoint_writes_are_measured() {
 /// plugin registers again, and restored devices are not handed out twice.
 #[tokio::test]
 async fn allocations_survive_a_restart() {
-    let node = Node::start().await;
-    let mut plugin = gpu_plugin(&node, &["--count", "3"]).await;
-    node.wait_capacity("3 devices", |c| c.get(GPU).copied() == cap(3, 3)).await;
+    let (node, mut plugin) = gpu_node(3, &[]).await;
     let before = node.devices.allocate(&request("p", "c", ContainerKind::App, 2)).await.expect("allocated");
     node.shutdown.cancel();
     node.devices.stopped().await;
@@ -744,9 +736,7 @@ async fn allocations_survive_a_restart() {
 /// for the writes asked for before it.
 #[tokio::test]
 async fn a_registered_resource_without_allocations_is_listed_after_a_restart() {
-    let node = Node::start().await;
-    let mut plugin = gpu_plugin(&node, &["--count", "2"]).await;
-    node.wait_capacity("2 devices", |c| c.get(GPU).copied() == cap(2, 2)).await;
+    let (node, mut plugin) = gpu_node(2, &[]).await;
     node.shutdown.cancel();
     node.devices.stopped().await;
     plugin.kill().await;

@@ -431,8 +431,7 @@ impl DeviceManager {
         if !undo.added.is_empty()
             && let Err(error) = self.persisted().await
         {
-            let added = std::mem::take(&mut undo.added);
-            self.allocations().remove(&request.pod_uid, &request.container_name, &added);
+            drop(undo);
             // The undo must reach the disk too; its own failure is logged.
             let _ = self.persisted().await;
             tracing::error!(parent: &span, %error, "allocation undone: the checkpoint could not be written");
@@ -540,7 +539,7 @@ impl DeviceManager {
         };
         let mut reservation = Reservation { manager: self, resource, ids: Vec::new() };
         if let Choice::Made(chosen) = &choice {
-            reservation.ids = chosen.iter().map(|(id, _)| id.clone()).collect();
+            reservation.ids = ids_of(chosen);
         }
         // Fails only if the semaphore is closed, which never happens; then
         // the call simply goes unbounded.
@@ -568,29 +567,19 @@ impl DeviceManager {
                         }
                     };
                 let chosen = self.choose_now(request, resource, count, &preferred)?;
-                reservation.ids = chosen.iter().map(|(id, _)| id.clone()).collect();
+                reservation.ids = ids_of(&chosen);
                 chosen
             }
         };
-        let ids: Vec<String> = chosen.iter().map(|(id, _)| id.clone()).collect();
-        match self.call_plugin(resource, &mut client, options, &ids).await {
-            Ok(run_options) => {
-                let encoded = Part::entry(
-                    &request.pod_uid,
-                    &request.container_name,
-                    resource,
-                    request.kind,
-                    &chosen,
-                    &run_options,
-                );
-                // Recorded by the caller right away (no await in between),
-                // which turns the reservation into a holding.
-                reservation.ids.clear();
-                Ok(Some(Step::New(Held { device_ids: ids, options: run_options, encoded: Arc::new(encoded) })))
-            }
-            // The reservation is released when it goes out of scope.
-            Err(error) => Err(error),
-        }
+        // On an error the reservation is released as it goes out of scope.
+        let run_options = self.call_plugin(resource, &mut client, options, &reservation.ids).await?;
+        let encoded =
+            Part::entry(&request.pod_uid, &request.container_name, resource, request.kind, &chosen, &run_options);
+        // Taking the IDs disarms the reservation: the caller records the
+        // allocation right away (no await in between), which turns the
+        // reservation into a holding.
+        let device_ids = std::mem::take(&mut reservation.ids);
+        Ok(Some(Step::New(Held { device_ids, options: run_options, encoded: Arc::new(encoded) })))
     }
 
     async fn call_plugin(
@@ -635,8 +624,8 @@ impl DeviceManager {
 }
 
 /// Devices reserved for an allocation in progress; released when dropped
-/// unless emptied (the allocation was recorded), so an allocation that fails
-/// or whose caller gives up midway does not keep devices reserved.
+/// unless taken (the allocation is being recorded), so an allocation that
+/// fails or whose caller gives up midway does not keep devices reserved.
 struct Reservation<'a> {
     manager: &'a DeviceManager,
     resource: &'a str,
@@ -694,9 +683,12 @@ fn choose_and_reserve(
         .into_iter()
         .map(|at| (free[at].id.to_owned(), free[at].primary_numa()))
         .collect();
-    let ids: Vec<String> = chosen.iter().map(|(id, _)| id.clone()).collect();
-    allocations.reserve(resource, &ids);
+    allocations.reserve(resource, &ids_of(&chosen));
     Ok(chosen)
+}
+
+fn ids_of(chosen: &Chosen) -> Vec<String> {
+    chosen.iter().map(|(id, _)| id.clone()).collect()
 }
 
 #[cfg(test)]
