@@ -14,4 +14,5 @@
 
 pub mod csi;
 pub mod device_manager;
+pub mod health;
 pub mod plugin_manager;
