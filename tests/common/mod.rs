@@ -58,6 +58,7 @@ pub struct RecordingHandler {
     calls: Mutex<Vec<Call>>,
     changed: watch::Sender<usize>,
     gate: Mutex<Option<Arc<Semaphore>>>,
+    hang_deregistrations: std::sync::atomic::AtomicBool,
 }
 
 impl RecordingHandler {
@@ -88,6 +89,11 @@ impl RecordingHandler {
             .unwrap_or_else(|_| panic!("timed out waiting for {what}; calls: {:?}", self.calls()))
     }
 
+    /// From now on, `deregister` never returns.
+    pub fn hang_deregistrations(&self) {
+        self.hang_deregistrations.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
     /// From now on, `register` waits until [`release`](Self::release).
     pub fn hold_registrations(&self) -> Arc<Semaphore> {
         let gate = Arc::new(Semaphore::new(0));
@@ -108,6 +114,9 @@ impl PluginHandler for RecordingHandler {
 
     async fn register(&self, plugin: &PluginInfo) -> Result<(), HandlerError> {
         self.record(Call::Register(plugin.name.clone(), plugin.socket_path.clone()));
+        if plugin.name.starts_with("unregisterable") {
+            return Err(format!("names starting with 'unregisterable' cannot register (got {:?})", plugin.name).into());
+        }
         let gate = self.gate.lock().expect("lock").clone();
         if let Some(gate) = gate {
             gate.acquire().await.expect("gate open").forget();
@@ -117,6 +126,9 @@ impl PluginHandler for RecordingHandler {
 
     async fn deregister(&self, plugin: &PluginInfo) {
         self.record(Call::Deregister(plugin.name.clone(), plugin.socket_path.clone()));
+        if self.hang_deregistrations.load(std::sync::atomic::Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
     }
 }
 
@@ -200,12 +212,12 @@ impl TestNode {
         }
     }
 
-    pub async fn status(&self) -> Vec<PluginStatus> {
-        self.handle.status().await.expect("plugin manager running")
+    pub fn status(&self) -> Vec<PluginStatus> {
+        self.handle.status()
     }
 
     pub async fn status_of(&self, socket: &Path) -> Option<PluginStatus> {
-        self.status().await.into_iter().find(|s| s.socket_path == socket)
+        self.status().into_iter().find(|s| s.socket_path == socket)
     }
 
     pub fn events(&self) -> broadcast::Receiver<PluginEvent> {

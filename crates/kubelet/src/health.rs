@@ -16,7 +16,7 @@ use tokio::sync::watch;
 
 /// How a component is doing.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
-#[serde(tag = "state", rename_all = "camelCase")]
+#[serde(tag = "state")]
 pub enum ComponentHealth {
     /// Working.
     Healthy,
@@ -135,6 +135,12 @@ impl Healthz {
         checks.iter().find(|(n, _)| n == name).map(|(_, check)| check.get())
     }
 
+    /// Changes of one check from now on; `None` if there is no such check.
+    pub fn watch(&self, name: &str) -> Option<watch::Receiver<ComponentHealth>> {
+        let checks = self.checks.lock().unwrap_or_else(|p| p.into_inner());
+        checks.iter().find(|(n, _)| n == name).map(|(_, check)| check.watch())
+    }
+
     /// Whether every check passes.
     pub fn is_healthy(&self) -> bool {
         self.report().iter().all(|r| r.health.is_healthy())
@@ -158,7 +164,9 @@ mod tests {
         assert!(!healthz.is_healthy());
         assert_eq!(
             healthz.get("registration-server"),
-            Some(ComponentHealth::Failing { reason: "cannot bind kubelet.sock: address in use; retrying in 1s".into() })
+            Some(ComponentHealth::Failing {
+                reason: "cannot bind kubelet.sock: address in use; retrying in 1s".into()
+            })
         );
         assert_eq!(healthz.get("plugin-watcher"), Some(ComponentHealth::Healthy));
         assert_eq!(healthz.get("nope"), None);

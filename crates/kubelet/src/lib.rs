@@ -15,4 +15,5 @@
 pub mod csi;
 pub mod device_manager;
 pub mod health;
+pub mod node;
 pub mod plugin_manager;

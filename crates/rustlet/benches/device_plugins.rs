@@ -47,7 +47,7 @@ async fn run() -> Result<(), BoxError> {
         let mut ready = Some(ready_tx);
         let mut lines = BufReader::new(stderr).lines();
         while let Ok(Some(line)) = lines.next_line().await {
-            if line.contains("standalone node started")
+            if line.contains("node started")
                 && let Some(r) = ready.take()
             {
                 let _ = r.send(());

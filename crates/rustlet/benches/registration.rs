@@ -158,7 +158,7 @@ impl Node {
                     use std::io::Write;
                     let _ = writeln!(log, "{line}");
                 }
-                if line.contains("standalone node started")
+                if line.contains("node started")
                     && let Some(ready) = ready.take()
                 {
                     let _ = ready.send(());

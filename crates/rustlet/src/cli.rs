@@ -4,7 +4,7 @@ use std::net::IpAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 
 /// Rustlet: a Kubernetes node agent in Rust.
 #[derive(Parser)]
@@ -14,6 +14,19 @@ pub(crate) struct Cli {
     pub(crate) command: Option<Command>,
     #[command(flatten)]
     pub(crate) node: NodeArgs,
+    /// Log format on stderr: `text` for people, `json` (one object per line)
+    /// for log collectors and tools.
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text, env = "RUSTLET_LOG_FORMAT")]
+    pub(crate) log_format: LogFormat,
+}
+
+/// How log lines are written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line (timestamp, level, target, span, fields).
+    Json,
 }
 
 #[derive(Subcommand)]
@@ -64,21 +77,16 @@ pub(crate) struct DemoArgs {
     pub(crate) once: bool,
 }
 
-/// Parses `250ms`, `10s`, `2m` or a bare number of seconds.
+/// Parses a duration as kubelet flags take them: `250ms`, `10s`, `1m30s`,
+/// `1h` (units `ns`, `us`, `ms`, `s`, `m`, `h`, and longer spellings), from
+/// 1 ms to 24 h.
 pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let (number, unit) = s.find(|c: char| !c.is_ascii_digit() && c != '.').map_or((s, "s"), |i| s.split_at(i));
-    let value: f64 = number.parse().map_err(|_| format!("{s:?} is not a duration such as 500ms, 10s or 2m"))?;
-    let seconds = match unit {
-        "ms" => value / 1000.0,
-        "s" => value,
-        "m" => value * 60.0,
-        _ => return Err(format!("{s:?}: unknown unit {unit:?} (use ms, s or m)")),
-    };
-    if !(0.001..=86_400.0).contains(&seconds) {
+    let value = humantime::parse_duration(s.trim())
+        .map_err(|e| format!("{s:?} is not a duration such as 500ms, 10s or 1m30s: {e}"))?;
+    if !(Duration::from_millis(1)..=Duration::from_secs(86_400)).contains(&value) {
         return Err(format!("{s:?} must be between 1ms and 24h"));
     }
-    Ok(Duration::from_secs_f64(seconds))
+    Ok(value)
 }
 
 #[cfg(test)]
@@ -86,15 +94,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn durations_parse_with_units() {
+    fn durations_parse_as_kubelet_flags_do() {
         assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
         assert_eq!(parse_duration("10s"), Ok(Duration::from_secs(10)));
         assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
-        assert_eq!(parse_duration("3"), Ok(Duration::from_secs(3)));
+        assert_eq!(parse_duration("1m30s"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("1h"), Ok(Duration::from_secs(3600)));
         assert!(parse_duration("0s").expect_err("zero").contains("between 1ms and 24h"));
-        assert!(parse_duration("0.0001ms").expect_err("rounds to zero").contains("between 1ms and 24h"));
-        assert!(parse_duration("1000000000m").expect_err("huge").contains("between 1ms and 24h"));
-        assert!(parse_duration("5h").expect_err("unit").contains("unknown unit"));
+        assert!(parse_duration("500us").expect_err("too short").contains("between 1ms and 24h"));
+        assert!(parse_duration("25h").expect_err("huge").contains("between 1ms and 24h"));
+        assert!(parse_duration("5 parsecs").expect_err("unit").contains("not a duration"));
         assert!(parse_duration("soon").expect_err("garbage").contains("not a duration"));
     }
 }

@@ -23,12 +23,14 @@ use rustlet_testkit::report::Reporter;
 use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 
+use kubelet::health::HealthReporter;
+use kubelet::node::Node;
+
 use crate::cli::{DemoArgs, NodeArgs};
-use crate::node::Node;
 
 const STEP_DEADLINE: Duration = Duration::from_secs(20);
 
-pub(crate) async fn run(args: DemoArgs, shutdown: CancellationToken) -> anyhow::Result<()> {
+pub(crate) async fn run(args: DemoArgs, signals: HealthReporter, shutdown: CancellationToken) -> anyhow::Result<()> {
     let root =
         tempfile::Builder::new().prefix("rustlet-demo-").tempdir().context("cannot create a temporary root dir")?;
     let node_args = NodeArgs {
@@ -42,17 +44,19 @@ pub(crate) async fn run(args: DemoArgs, shutdown: CancellationToken) -> anyhow::
         plugin_notify_timeout: Duration::from_secs(5),
         plugin_resync_period: Duration::from_secs(30),
     };
-    let node = Node::start(&node_args, shutdown.clone()).await?;
-    let mut events = node.plugins.subscribe();
-    let registry = node.root_dir.join(PLUGINS_REGISTRY_DIR);
-    println!("\nRustlet demo: standalone node, root dir {}", node.root_dir.display());
-    println!("  status:  http://{}/status", node.http_address);
-    println!("  metrics: http://{}/metrics\n", node.http_address);
+    let node = crate::node::start(&node_args, &signals, shutdown.clone()).await?;
+    let mut events = node.plugins().subscribe();
+    let registry = node.root_dir().join(PLUGINS_REGISTRY_DIR);
+    let http = node.http_address().context("the demo node serves no HTTP endpoint")?;
+    println!("\nRustlet demo: standalone node, root dir {}", node.root_dir().display());
+    println!("  status:  http://{http}/status");
+    println!("  metrics: http://{http}/metrics");
+    println!("  healthz: http://{http}/healthz?verbose\n");
 
     let plugins = CancellationToken::new();
     let mut hostpath_stop = None;
     for (name, zone, max_volumes) in [("hostpath.csi.rustlet.dev", "zone-a", 8), ("nfs.csi.rustlet.dev", "zone-a", 0)] {
-        let endpoint = node.root_dir.join("plugins").join(name).join("csi.sock");
+        let endpoint = node.root_dir().join("plugins").join(name).join("csi.sock");
         let socket = registry.join(format!("{name}-reg.sock"));
         let stop = plugins.child_token();
         let config = CsiDriverConfig {
@@ -93,11 +97,11 @@ pub(crate) async fn run(args: DemoArgs, shutdown: CancellationToken) -> anyhow::
     demo_device_plugin(&node, &plugins).await?;
 
     println!("\nCSI drivers on this node:");
-    for driver in node.csi_drivers.list() {
+    for driver in node.csi_drivers().list() {
         println!("  {} v{} at {}", driver.name, driver.version, driver.endpoint);
     }
     println!("Node CSI info (annotation, labels, CSINode drivers):");
-    println!("{}", serde_json::to_string_pretty(&node.node_info.snapshot())?);
+    println!("{}", serde_json::to_string_pretty(&node.node_info().snapshot())?);
 
     if let Some((stop, socket)) = hostpath_stop {
         stop.cancel();
@@ -109,7 +113,7 @@ pub(crate) async fn run(args: DemoArgs, shutdown: CancellationToken) -> anyhow::
             println!("  -> deregistered {} plugin {}", info.plugin_type, info.name);
         }
     }
-    let left: Vec<_> = node.csi_drivers.list().into_iter().map(|d| d.name).collect();
+    let left: Vec<_> = node.csi_drivers().list().into_iter().map(|d| d.name).collect();
     println!("CSI drivers now: {left:?}");
     if left != ["nfs.csi.rustlet.dev"] {
         bail!("unexpected CSI drivers after the demo: {left:?}");
@@ -130,7 +134,7 @@ pub(crate) async fn run(args: DemoArgs, shutdown: CancellationToken) -> anyhow::
 /// A device plugin registers on kubelet.sock; one device turns unhealthy.
 async fn demo_device_plugin(node: &Node, plugins: &CancellationToken) -> anyhow::Result<()> {
     const RESOURCE: &str = "gpu.rustlet.dev/demo";
-    let socket = node.root_dir.join(DEVICE_PLUGINS_DIR).join("demo-gpu.sock");
+    let socket = node.root_dir().join(DEVICE_PLUGINS_DIR).join("demo-gpu.sock");
     let devices = ["gpu-0:Healthy:0", "gpu-1:Healthy:0", "gpu-2:Healthy:1"]
         .iter()
         .map(|d| d.parse::<DeviceSpec>().map_err(anyhow::Error::msg))
@@ -140,10 +144,10 @@ async fn demo_device_plugin(node: &Node, plugins: &CancellationToken) -> anyhow:
         FakeDevicePlugin::new(RESOURCE, devices, options, DevicePluginBehaviour::Normal, Reporter::Discard);
     plugin.spawn(&socket, plugins.child_token())?;
     println!("\nstarted device plugin for {RESOURCE} with 3 devices");
-    register_with_kubelet(&node.devices.socket_path(), DEVICE_PLUGIN_VERSION, "demo-gpu.sock", RESOURCE, options)
+    register_with_kubelet(&node.devices().socket_path(), DEVICE_PLUGIN_VERSION, "demo-gpu.sock", RESOURCE, options)
         .await
         .map_err(|e| anyhow::anyhow!("device plugin registration failed: {e}"))?;
-    let capacity = node.devices.capacity();
+    let capacity = node.devices().capacity();
     let wait = |want: ResourceCapacity| {
         let mut capacity = capacity.clone();
         async move {
@@ -166,11 +170,11 @@ async fn demo_device_plugin(node: &Node, plugins: &CancellationToken) -> anyhow:
         kind: ContainerKind::App,
         limits: [(RESOURCE.to_owned(), 2)].into_iter().collect(),
     };
-    let options = node.devices.allocate(&request).await.context("device allocation failed")?;
-    let held = node.devices.allocated("demo-pod-uid", "app").remove(RESOURCE).unwrap_or_default();
+    let options = node.devices().allocate(&request).await.context("device allocation failed")?;
+    let held = node.devices().allocated("demo-pod-uid", "app").remove(RESOURCE).unwrap_or_default();
     println!("  -> pod demo-pod container app allocated {held:?} (the healthy ones); run options:");
     println!("     env {:?}, CDI devices {:?}", options.envs, options.cdi_devices);
-    let freed = node.devices.free_pod("demo-pod-uid");
+    let freed = node.devices().free_pod("demo-pod-uid");
     println!("  -> pod removed: {freed} devices freed");
     Ok(())
 }

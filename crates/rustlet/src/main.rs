@@ -1,26 +1,25 @@
 //! `rustlet`: a Kubernetes node agent.
 //!
-//! `rustlet --standalone --root-dir DIR` runs the node without an API server:
-//! the plugin registration service on `DIR/plugins_registry` with the CSI
-//! handler, and an HTTP endpoint with `/healthz`, `/metrics` and `/status`.
-//! `rustlet demo` runs the same node in a temporary root dir with demo plugins.
+//! `rustlet --standalone --root-dir DIR` runs the node of the `kubelet`
+//! library without an API server (see [`kubelet::node`]); `rustlet demo`
+//! runs the same node in a temporary root dir with demo plugins.
 
 mod cli;
 mod demo;
-mod http;
 mod node;
 
 use std::process::ExitCode;
-use std::time::Duration;
 
 use clap::Parser;
+use kubelet::health::HealthReporter;
+use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 
-use cli::{Cli, Command};
+use cli::{Cli, Command, LogFormat};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging();
+    init_logging(cli.log_format);
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(error) => {
@@ -30,10 +29,10 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async move {
         let shutdown = CancellationToken::new();
-        spawn_signal_handler(shutdown.clone());
+        let signals = spawn_signal_handler(shutdown.clone());
         match cli.command {
-            Some(Command::Demo(args)) => demo::run(args, shutdown).await,
-            None => node::run(cli.node, shutdown).await,
+            Some(Command::Demo(args)) => demo::run(args, signals, shutdown).await,
+            None => node::run(cli.node, signals, shutdown).await,
         }
     });
     match result {
@@ -46,34 +45,49 @@ fn main() -> ExitCode {
     }
 }
 
-fn init_logging() {
+fn init_logging(format: LogFormat) {
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::try_from_env("RUSTLET_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(std::io::stderr).init();
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())).init(),
+        LogFormat::Json => builder.json().with_current_span(true).with_span_list(false).init(),
+    }
 }
 
-/// First SIGINT/SIGTERM starts a graceful shutdown; a second one exits at once.
-fn spawn_signal_handler(shutdown: CancellationToken) {
-    tokio::spawn(async move {
-        let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) else {
-            return;
-        };
-        for count in 0.. {
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = term.recv() => {}
-            }
-            if count == 0 {
-                tracing::info!("shutting down (signal again to force)");
-                shutdown.cancel();
-            } else {
-                tracing::warn!("second signal: exiting now");
-                std::process::exit(130);
-            }
+/// First SIGINT/SIGTERM starts a graceful shutdown; a second one exits at
+/// once. If the handlers cannot be installed the node still runs, but it
+/// says so: in the log, and as a failing `signal-handler` health check.
+fn spawn_signal_handler(shutdown: CancellationToken) -> HealthReporter {
+    let health = HealthReporter::new();
+    let (term, int) = match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
+        (Ok(term), Ok(int)) => (term, int),
+        (Err(error), _) | (_, Err(error)) => {
+            tracing::error!(%error, "cannot install the SIGTERM/SIGINT handlers; the node cannot stop gracefully");
+            health.failing(format!("cannot install the SIGTERM/SIGINT handlers: {error}"));
+            return health;
         }
-    });
+    };
+    tokio::spawn(wait_for_signals(term, int, shutdown));
+    health
 }
 
-/// How long shutdown may take before the process stops waiting.
-pub(crate) const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+async fn wait_for_signals(
+    mut term: tokio::signal::unix::Signal,
+    mut int: tokio::signal::unix::Signal,
+    shutdown: CancellationToken,
+) {
+    for count in 0.. {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        if count == 0 {
+            tracing::info!("shutting down (signal again to force)");
+            shutdown.cancel();
+        } else {
+            tracing::warn!("second signal: exiting now");
+            std::process::exit(130);
+        }
+    }
+}

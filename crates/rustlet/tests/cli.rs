@@ -123,7 +123,9 @@ async fn standalone_node_registers_plugins_and_serves_healthz_metrics_and_status
     assert_eq!(status["nodeName"], "n1");
     assert!(status["extendedResources"].is_object(), "{status}");
     assert!(root.path().join("device-plugins/kubelet.sock").exists(), "the device manager serves kubelet.sock");
-    assert_eq!(status["plugins"][0]["state"], "registered");
+    assert_eq!(status["plugins"][0]["state"], "Registered");
+    assert_eq!(status["plugins"][0]["socketPath"], socket.display().to_string());
+    assert_eq!(status["plugins"][0]["plugin"]["pluginType"], "CSIPlugin");
     assert_eq!(status["csiDrivers"][0]["name"], "cli.csi.example.com");
     assert_eq!(
         status["csiNode"]["annotations"]["csi.volume.kubernetes.io/nodeid"],
@@ -131,12 +133,65 @@ async fn standalone_node_registers_plugins_and_serves_healthz_metrics_and_status
     );
 }
 
+/// `/healthz` names a failing component and `/healthz/<check>` answers for
+/// one, as the kubelet's do: here the registration directory is replaced by
+/// a file, so it cannot be recreated and watched, until the file goes and
+/// the node makes and watches a new directory.
+#[tokio::test]
+async fn healthz_names_a_failing_component_until_it_recovers() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let args = [
+        "--standalone",
+        "--root-dir",
+        root.path().to_str().expect("utf8"),
+        "--healthz-port",
+        "0",
+        "--plugin-resync-period",
+        "1s",
+    ];
+    let mut node = Running::start(&args);
+    let address = node.http_address().await;
+    let (code, body) = get(&address, "/healthz?verbose").await;
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains("[+]plugin-manager ok") && body.contains("[+]signal-handler ok"), "{body}");
+    assert!(body.ends_with("healthz check passed\n"), "{body}");
+    assert_eq!(get(&address, "/healthz/plugin-manager").await, (200, "ok".to_owned()));
+    assert_eq!(get(&address, "/healthz/nope").await.0, 404);
+
+    let registry = root.path().join("plugins_registry");
+    // The node recreates a removed directory at once, so removing it and
+    // writing the file is a race with the node; it is run again until the
+    // file wins (a bounded number of times, no waiting).
+    let mut attempts = 0;
+    while let Err(error) = std::fs::remove_dir(&registry).and_then(|()| std::fs::write(&registry, b"not a directory")) {
+        attempts += 1;
+        assert!(attempts < 10_000, "the node always recreated the directory first: {error}");
+    }
+    node.line_with("cannot watch the plugin registration directory").await;
+    let (code, body) = get(&address, "/healthz").await;
+    assert_eq!(code, 500, "{body}");
+    let want = format!(
+        "[-]plugin-manager failed: plugin registration path {} exists but is not a directory",
+        registry.display()
+    );
+    assert!(body.contains(&want), "{body}");
+    assert!(body.contains("[+]signal-handler ok"), "{body}");
+    assert!(body.ends_with("healthz check failed\n"), "{body}");
+    let (code, body) = get(&address, "/healthz/plugin-manager").await;
+    assert_eq!(code, 500);
+    assert!(body.contains("exists but is not a directory"), "{body}");
+
+    std::fs::remove_file(&registry).expect("rm");
+    node.line_with("watching the plugin registration directory").await;
+    assert_eq!(get(&address, "/healthz").await, (200, "ok".to_owned()));
+}
+
 #[tokio::test]
 async fn sigterm_stops_the_node_gracefully() {
     let root = tempfile::tempdir().expect("tempdir");
     let mut node =
         Running::start(&["--standalone", "--root-dir", root.path().to_str().expect("utf8"), "--healthz-port", "0"]);
-    node.line_with("standalone node started").await;
+    node.line_with("node started").await;
     let pid = node.child.id().expect("pid").to_string();
     let status = std::process::Command::new("kill").args(["-TERM", &pid]).status().expect("kill");
     assert!(status.success());
@@ -177,9 +232,13 @@ async fn cluster_mode_is_refused_with_a_pointer_to_standalone() {
 
 #[tokio::test]
 async fn bad_durations_are_refused_by_the_flag_parser() {
-    let output = rustlet().args(["--standalone", "--plugin-get-info-timeout", "5h"]).output().await.expect("run");
+    let output =
+        rustlet().args(["--standalone", "--plugin-get-info-timeout", "5 parsecs"]).output().await.expect("run");
     assert_eq!(output.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&output.stderr).contains("unknown unit \"h\""), "{output:?}");
+    assert!(String::from_utf8_lossy(&output.stderr).contains("is not a duration such as 500ms"), "{output:?}");
+    let output = rustlet().args(["--standalone", "--plugin-get-info-timeout", "25h"]).output().await.expect("run");
+    assert_eq!(output.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("must be between 1ms and 24h"), "{output:?}");
 }
 
 /// The README's first command, in its `--once` form.

@@ -18,7 +18,7 @@ use uuid::Uuid;
 
 /// Errors of the desired state.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub enum DesiredStateError {
+pub(crate) enum DesiredStateError {
     /// An empty path cannot name a socket.
     #[error("socket path is empty")]
     EmptySocketPath,

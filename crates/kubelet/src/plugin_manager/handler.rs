@@ -59,6 +59,7 @@ impl fmt::Display for PluginType {
 /// A plugin as the handler sees it: what `GetInfo` said, with the endpoint
 /// already defaulted to the registration socket when the plugin left it empty.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
 pub struct PluginInfo {
     /// The plugin's type.
     #[serde(serialize_with = "serialize_display")]

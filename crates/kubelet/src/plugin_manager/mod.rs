@@ -38,11 +38,14 @@ mod actual_state;
 mod backoff;
 mod desired_state;
 mod error;
+mod executor;
+mod fs_sync;
 mod handler;
 mod metrics;
 mod operation;
 mod reconciler;
 mod status;
+mod status_board;
 mod watcher;
 
 use std::collections::HashMap;
@@ -51,18 +54,19 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use prometheus_client::registry::Registry;
-use tokio::sync::{broadcast, mpsc, oneshot, watch};
+use tokio::sync::{broadcast, watch};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-pub use desired_state::DesiredStateError;
 pub use error::{PluginManagerError, RegistrationError};
 pub use handler::{HandlerError, PluginHandler, PluginInfo, PluginType};
 pub use status::{PluginCounts, PluginEvent, PluginState, PluginStatus};
 pub use watcher::WatcherError;
 
-use reconciler::{Channels, Reconciler, Request};
+use crate::health::{HealthCheck, HealthReporter};
+use reconciler::Reconciler;
+use status_board::StatusBoard;
 
 /// Settings of the plugin manager. Defaults follow the upstream kubelet.
 #[derive(Clone, Debug)]
@@ -92,6 +96,10 @@ pub struct PluginManagerConfig {
     /// On shutdown, how long running registrations may take to finish before
     /// they are aborted.
     pub shutdown_grace: Duration,
+    /// File-system events queued for the reconciler at most; past that they
+    /// are dropped and the directory rescanned (as after an inotify queue
+    /// overflow, whose kernel default is the same 16,384).
+    pub event_queue_capacity: usize,
 }
 
 impl PluginManagerConfig {
@@ -109,11 +117,12 @@ impl PluginManagerConfig {
             handler_timeout: Duration::from_secs(60),
             max_concurrent_operations: 512,
             shutdown_grace: Duration::from_secs(5),
+            event_queue_capacity: 16_384,
         }
     }
 
     /// Checks every setting is in range: durations from 1 ms to 1 day, at
-    /// least one concurrent operation.
+    /// least one concurrent operation and one queued event.
     pub fn validate(&self) -> Result<(), PluginManagerError> {
         let durations = [
             ("dial_timeout", self.dial_timeout),
@@ -138,6 +147,12 @@ impl PluginManagerConfig {
             return Err(PluginManagerError::InvalidConfig {
                 setting: "max_backoff",
                 reason: format!("{:?} is below initial_backoff {:?}", self.max_backoff, self.initial_backoff),
+            });
+        }
+        if self.event_queue_capacity == 0 {
+            return Err(PluginManagerError::InvalidConfig {
+                setting: "event_queue_capacity",
+                reason: "must be at least 1".into(),
             });
         }
         if self.max_concurrent_operations == 0 {
@@ -206,47 +221,67 @@ impl PluginManager {
         self.config.validate()?;
         let dir = self.config.registration_dir.clone();
         watcher::prepare_dir(&dir)?;
-        let (fs_tx, fs_rx) = mpsc::unbounded_channel();
+        let (fs_tx, fs_rx) = watcher::event_queue(self.config.event_queue_capacity);
         // Watching starts before the first scan, so nothing falls in between.
         let watch = watcher::start(&dir, fs_tx)?;
-        let (req_tx, req_rx) = mpsc::channel(16);
         let (events, _) = broadcast::channel(4096);
         let (counts_tx, counts_rx) = watch::channel(PluginCounts::default());
-        let mut reconciler = Reconciler::new(self.config, self.handlers, self.metrics, events.clone(), counts_tx);
+        let board = Arc::new(StatusBoard::default());
+        let health = HealthReporter::new();
+        let mut reconciler = Reconciler::new(
+            self.config,
+            self.handlers,
+            self.metrics,
+            events.clone(),
+            counts_tx,
+            board.clone(),
+            health.clone(),
+        );
         reconciler.set_watcher(watch);
         tracing::info!(dir = %dir.display(), "plugin manager watching for plugin sockets");
         let span = tracing::info_span!("plugin_manager", dir = %dir.display());
         let task = tokio::spawn(
             async move {
-                reconciler.run(Channels { fs: fs_rx, requests: req_rx }, shutdown).await;
+                reconciler.run(fs_rx, shutdown).await;
             }
             .instrument(span),
         );
-        Ok((PluginManagerHandle { requests: req_tx, counts: counts_rx, events }, task))
+        Ok((PluginManagerHandle { board, counts: counts_rx, events, health: health.check() }, task))
     }
 }
 
 /// A cheap, cloneable view of a running plugin manager.
 #[derive(Clone)]
 pub struct PluginManagerHandle {
-    requests: mpsc::Sender<Request>,
+    board: Arc<StatusBoard>,
+    health: HealthCheck,
     counts: watch::Receiver<PluginCounts>,
     events: broadcast::Sender<PluginEvent>,
 }
 
 impl PluginManagerHandle {
-    /// Status of every socket, sorted by path; `None` once the manager stopped.
-    pub async fn status(&self) -> Option<Vec<PluginStatus>> {
-        let (tx, rx) = oneshot::channel();
-        self.requests.send(Request::Status(tx)).await.ok()?;
-        rx.await.ok()
+    /// Status of every socket, sorted by path, as of the reconciler's last
+    /// batch. Never waits for the reconciler (it may be busy waiting for slow
+    /// deregistrations).
+    pub fn status(&self) -> Vec<PluginStatus> {
+        self.board.snapshot()
     }
 
-    /// Resolves once the manager has begun shutting down (it no longer
-    /// answers [`status`](Self::status)); running registrations may still be
-    /// finishing within the shutdown grace.
+    /// Resolves once the manager has begun shutting down; running
+    /// registrations may still be finishing within the shutdown grace.
     pub async fn closed(&self) {
-        self.requests.closed().await;
+        self.board.closed().await;
+    }
+
+    /// The manager's health: failing while the registration directory
+    /// cannot be watched (it was deleted and cannot be recreated, say).
+    pub fn health(&self) -> HealthCheck {
+        self.health.clone()
+    }
+
+    /// Whether the manager has begun shutting down.
+    pub fn is_closed(&self) -> bool {
+        self.board.is_closed()
     }
 
     /// Counters updated after every batch of work.

@@ -38,6 +38,8 @@ pub(crate) struct Deadlines {
     pub(crate) notify: Duration,
     /// For each of the handler's `validate` and `register`.
     pub(crate) handler: Duration,
+    /// For the handler's `deregister` when a failed registration is undone.
+    pub(crate) deregister: Duration,
 }
 
 /// A registration that went through: what the plugin is and who holds it.
@@ -117,7 +119,7 @@ pub(crate) async fn register(
     match tokio::time::timeout(deadlines.handler, handler.register(&plugin)).await {
         Ok(Ok(())) => {}
         Ok(Err(source)) => {
-            handler.deregister(&plugin).await;
+            rollback(handler.as_ref(), &plugin, deadlines.deregister).await;
             let reason = format!("{ERROR_PREFIX}plugin registration failed with err: {source}");
             notify_rejection(&mut client, socket, reason, deadlines.notify).await;
             return Err(RegistrationError::Register {
@@ -129,7 +131,7 @@ pub(crate) async fn register(
         }
         Err(_) => {
             // The unfinished register was dropped; undo whatever it did.
-            handler.deregister(&plugin).await;
+            rollback(handler.as_ref(), &plugin, deadlines.deregister).await;
             let err = timed_out("register");
             notify_rejection(&mut client, socket, format!("{ERROR_PREFIX}{err}"), deadlines.notify).await;
             return Err(err);
@@ -138,10 +140,26 @@ pub(crate) async fn register(
     if let Err(reason) = notify(&mut client, true, String::new(), deadlines.notify).await {
         // The plugin never learnt it is registered (it may be gone): undo, so
         // the next attempt starts from a clean slate.
-        handler.deregister(&plugin).await;
+        rollback(handler.as_ref(), &plugin, deadlines.deregister).await;
         return Err(RegistrationError::Notify { socket: socket.to_path_buf(), reason });
     }
     Ok(Registered { info: plugin, handler })
+}
+
+/// Undoes a registration with the handler's `deregister`, within
+/// `deadline`: a handler that hangs there must not keep the socket's
+/// operation (and so its retries and its removal) waiting forever. Past the
+/// deadline the call is dropped and the failure reported as usual; the
+/// handler may keep partial state, which the retry's `register` replaces.
+async fn rollback(handler: &dyn PluginHandler, plugin: &PluginInfo, deadline: Duration) {
+    if tokio::time::timeout(deadline, handler.deregister(plugin)).await.is_err() {
+        tracing::warn!(
+            socket = %plugin.socket_path.display(),
+            plugin = %plugin.name,
+            ?deadline,
+            "handler did not finish undoing a failed registration in time; gave up waiting"
+        );
+    }
 }
 
 /// Tells the plugin it was turned down. Failing to deliver that is only worth

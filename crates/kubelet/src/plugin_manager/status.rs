@@ -7,7 +7,6 @@ use super::handler::PluginInfo;
 
 /// Where one socket stands.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "kebab-case")]
 pub enum PluginState {
     /// Registered with its handler.
     Registered,
@@ -23,6 +22,7 @@ pub enum PluginState {
 
 /// Status of one socket under the registration directory.
 #[derive(Clone, Debug, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
 pub struct PluginStatus {
     /// The registration socket.
     pub socket_path: PathBuf,
@@ -40,6 +40,7 @@ pub struct PluginStatus {
 
 /// Counters published after every batch of work; cheap to wait on.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
 pub struct PluginCounts {
     /// Sockets on disk (desired state).
     pub desired: usize,

@@ -19,8 +19,11 @@ use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Component, Path, PathBuf};
 
 use notify::event::{ModifyKind, RenameMode};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use notify::{EventKind, RecursiveMode, Watcher as _};
-use tokio::sync::mpsc::UnboundedSender;
+use tokio::sync::mpsc;
 
 use super::desired_state::FileId;
 
@@ -77,6 +80,62 @@ pub(crate) enum FsEvent {
     },
     /// Events may have been lost: look at the whole tree again.
     Rescan(&'static str),
+}
+
+/// Makes the bounded queue that carries events from inotify's thread to the
+/// reconciler. When it is full, events are dropped and the overflow noted:
+/// the reconciler then rescans, as after an inotify queue overflow, so a
+/// flood of events costs bounded memory and loses nothing.
+pub(crate) fn event_queue(capacity: usize) -> (EventSender, EventQueue) {
+    let (tx, rx) = mpsc::channel(capacity.max(1));
+    let overflow = Arc::new(AtomicBool::new(false));
+    (EventSender { tx, overflow: overflow.clone() }, EventQueue { rx, overflow })
+}
+
+/// The inotify side of the event queue.
+#[derive(Clone)]
+pub(crate) struct EventSender {
+    tx: mpsc::Sender<FsEvent>,
+    overflow: Arc<AtomicBool>,
+}
+
+impl EventSender {
+    /// Queues `event`, or notes the overflow when the queue is full. Never blocks.
+    pub(crate) fn send(&self, event: FsEvent) {
+        match self.tx.try_send(event) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                if !self.overflow.swap(true, Ordering::AcqRel) {
+                    tracing::warn!("plugin watcher event queue full; dropping events and rescanning");
+                }
+            }
+            // The manager stopped.
+            Err(mpsc::error::TrySendError::Closed(_)) => {}
+        }
+    }
+}
+
+/// The reconciler side of the event queue.
+pub(crate) struct EventQueue {
+    rx: mpsc::Receiver<FsEvent>,
+    overflow: Arc<AtomicBool>,
+}
+
+impl EventQueue {
+    /// The next event; `None` once the watcher is gone.
+    pub(crate) async fn recv(&mut self) -> Option<FsEvent> {
+        self.rx.recv().await
+    }
+
+    /// The next event if one is ready.
+    pub(crate) fn try_recv(&mut self) -> Option<FsEvent> {
+        self.rx.try_recv().ok()
+    }
+
+    /// Whether events were dropped since the last call (clears the note).
+    pub(crate) fn overflowed(&self) -> bool {
+        self.overflow.swap(false, Ordering::AcqRel)
+    }
 }
 
 /// Keeps the inotify watches alive; dropping it stops the events.
@@ -150,12 +209,11 @@ pub(crate) fn prepare_dir(root: &Path) -> Result<(), WatcherError> {
         .map_err(|source| WatcherError::NotWritable { path: root.to_path_buf(), source })
 }
 
-/// Starts a recursive inotify watch on `root`, forwarding events to `tx`.
-pub(crate) fn start(root: &Path, tx: UnboundedSender<FsEvent>) -> Result<Watcher, WatcherError> {
+/// Starts an inotify watch on `root` (subdirectories are added as they are read), forwarding events to `tx`.
+pub(crate) fn start(root: &Path, tx: EventSender) -> Result<Watcher, WatcherError> {
     let handler = move |res: notify::Result<notify::Event>| {
         for event in translate(res) {
-            // The receiver is gone only when the manager stopped.
-            let _ = tx.send(event);
+            tx.send(event);
         }
     };
     // Symlinks are not followed: a link would let one plugin register twice,

@@ -1,0 +1,135 @@
+//! The node's HTTP endpoint: `/healthz` (and `/healthz/<check>`), Prometheus
+//! `/metrics`, and `/status` (JSON: plugins, CSI drivers, the node's CSI
+//! facts and the capacity of device-plugin resources, in Kubernetes'
+//! camelCase).
+//!
+//! `/healthz` follows the kubelet's semantics: `200 ok` when every check
+//! passes; otherwise `500` with one line per check (`[+]name ok` or
+//! `[-]name failed: reason`) and `healthz check failed`. `?verbose` lists
+//! the checks on success too. `/healthz/<check>` answers `200 ok` or `500`
+//! with the check's reason, and `404` for a check that does not exist.
+//! Every answer is read from snapshots: none waits on a busy component.
+
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::Json;
+use axum::extract::{Path, RawQuery, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use prometheus_client::registry::Registry;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use super::NodeError;
+use crate::csi::{CsiDriverRegistry, InMemoryNodeInfo};
+use crate::device_manager::DeviceManager;
+use crate::health::{ComponentHealth, Healthz};
+use crate::plugin_manager::PluginManagerHandle;
+
+/// What the handlers read.
+#[derive(Clone)]
+pub(super) struct HttpState {
+    pub(super) node_name: String,
+    pub(super) metrics: Arc<Registry>,
+    pub(super) plugins: PluginManagerHandle,
+    pub(super) csi_drivers: CsiDriverRegistry,
+    pub(super) node_info: InMemoryNodeInfo,
+    pub(super) devices: DeviceManager,
+    pub(super) healthz: Healthz,
+}
+
+/// Binds `address` and serves until `shutdown`. Returns the bound address
+/// (useful with port 0) and the serving task.
+pub(super) async fn serve(
+    address: SocketAddr,
+    state: HttpState,
+    shutdown: CancellationToken,
+) -> Result<(SocketAddr, JoinHandle<()>), NodeError> {
+    let listener =
+        tokio::net::TcpListener::bind(address).await.map_err(|source| NodeError::Http { address, source })?;
+    let bound = listener.local_addr().map_err(|source| NodeError::Http { address, source })?;
+    let app = axum::Router::new()
+        .route("/healthz", get(healthz))
+        .route("/healthz/{check}", get(healthz_check))
+        .route("/metrics", get(metrics))
+        .route("/status", get(status))
+        .with_state(state);
+    tracing::info!(address = %bound, "http endpoint listening (/healthz, /metrics, /status)");
+    let span = tracing::info_span!("http_endpoint", address = %bound);
+    let task = tokio::spawn(
+        async move {
+            let result = axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned()).await;
+            if let Err(error) = result {
+                tracing::error!(%error, "http endpoint failed");
+            }
+        }
+        .instrument(span),
+    );
+    Ok((bound, task))
+}
+
+fn text(code: StatusCode, body: String) -> Response {
+    (code, [(header::CONTENT_TYPE, "text/plain; charset=utf-8")], body).into_response()
+}
+
+async fn healthz(State(state): State<HttpState>, RawQuery(query): RawQuery) -> Response {
+    let verbose = query.is_some_and(|q| q.split('&').any(|p| p == "verbose" || p.starts_with("verbose=")));
+    let report = state.healthz.report();
+    let healthy = report.iter().all(|r| r.health.is_healthy());
+    if healthy && !verbose {
+        return text(StatusCode::OK, "ok".into());
+    }
+    let mut body = String::new();
+    for check in &report {
+        let _ = match &check.health {
+            ComponentHealth::Healthy => writeln!(body, "[+]{} ok", check.name),
+            ComponentHealth::Failing { reason } => writeln!(body, "[-]{} failed: {reason}", check.name),
+        };
+    }
+    if healthy {
+        body.push_str("healthz check passed\n");
+        text(StatusCode::OK, body)
+    } else {
+        body.push_str("healthz check failed\n");
+        text(StatusCode::INTERNAL_SERVER_ERROR, body)
+    }
+}
+
+async fn healthz_check(State(state): State<HttpState>, Path(check): Path<String>) -> Response {
+    match state.healthz.get(&check) {
+        Some(ComponentHealth::Healthy) => text(StatusCode::OK, "ok".into()),
+        Some(ComponentHealth::Failing { reason }) => {
+            text(StatusCode::INTERNAL_SERVER_ERROR, format!("internal server error: {check} failed: {reason}\n"))
+        }
+        None => text(StatusCode::NOT_FOUND, format!("no health check named {check:?}\n")),
+    }
+}
+
+async fn metrics(State(state): State<HttpState>) -> Response {
+    let mut body = String::new();
+    match prometheus_client::encoding::text::encode(&mut body, &state.metrics) {
+        Ok(()) => (
+            StatusCode::OK,
+            [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")],
+            body,
+        )
+            .into_response(),
+        Err(error) => text(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot encode metrics: {error}")),
+    }
+}
+
+async fn status(State(state): State<HttpState>) -> Response {
+    Json(serde_json::json!({
+        "nodeName": state.node_name,
+        "healthz": state.healthz.report(),
+        "plugins": state.plugins.status(),
+        "csiDrivers": state.csi_drivers.list(),
+        "csiNode": state.node_info.snapshot(),
+        "extendedResources": *state.devices.capacity().borrow(),
+    }))
+    .into_response()
+}

@@ -1,0 +1,350 @@
+//! The node: every component composed and running, in one entry point.
+//!
+//! [`NodeBuilder`] takes a [`NodeConfig`] and starts, in order, the device
+//! manager (`device-plugins/kubelet.sock` and its checkpoint), the plugin
+//! registration service (`plugins_registry/`) with the `CSIPlugin` and
+//! `DevicePlugin` handlers and any handler an embedder adds, and the HTTP
+//! endpoint (`/healthz`, `/metrics`, `/status`). [`Node`] hands out the
+//! components' handles and runs until the cancellation token given to
+//! [`NodeBuilder::start`] fires; [`Node::stopped`] then waits for every
+//! component to finish within the shutdown grace.
+//!
+//! ```no_run
+//! # async fn run() -> Result<(), kubelet::node::NodeError> {
+//! use kubelet::node::{NodeBuilder, NodeConfig};
+//! use tokio_util::sync::CancellationToken;
+//!
+//! let shutdown = CancellationToken::new();
+//! let node = NodeBuilder::new(NodeConfig::new("/tmp/rustlet", "node-1")).start(shutdown.clone()).await?;
+//! println!("healthz on {:?}", node.http_address());
+//! shutdown.cancelled().await;
+//! node.stopped().await;
+//! # Ok(()) }
+//! ```
+//!
+//! # Health
+//! Each long-running component reports its health ([`crate::health`]); the
+//! node also watches the tasks it spawned, and one that ends before shutdown
+//! (a panic, say) turns its check to failing with the reason. `/healthz`
+//! answers 500 naming the failing checks; `/healthz/<check>` answers for one.
+
+mod http;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kubelet_api::constants::{DEVICE_PLUGINS_DIR, PLUGINS_REGISTRY_DIR};
+use prometheus_client::registry::Registry;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::Instrument;
+
+use crate::csi::{CsiDriverRegistry, CsiHandlerConfig, CsiPluginHandler, InMemoryNodeInfo};
+use crate::device_manager::{DeviceManager, DeviceManagerConfig, DeviceManagerError};
+use crate::health::{HealthReporter, Healthz};
+use crate::plugin_manager::{
+    PluginHandler, PluginManager, PluginManagerConfig, PluginManagerError, PluginManagerHandle, PluginType,
+};
+
+/// Settings of a node. [`NodeConfig::new`] gives the kubelet's defaults for
+/// a root dir; every part can be changed before [`NodeBuilder::start`].
+#[derive(Clone, Debug)]
+pub struct NodeConfig {
+    /// The node's directory (the kubelet's `--root-dir`).
+    pub root_dir: PathBuf,
+    /// The node's name.
+    pub node_name: String,
+    /// Where the HTTP endpoint listens (port 0 picks a free port); `None`
+    /// serves no endpoint.
+    pub http_address: Option<SocketAddr>,
+    /// The plugin registration service; its directory defaults to
+    /// `<root_dir>/plugins_registry`.
+    pub plugins: PluginManagerConfig,
+    /// The device manager; its directory defaults to `<root_dir>/device-plugins`.
+    pub devices: DeviceManagerConfig,
+    /// The `CSIPlugin` handler.
+    pub csi: CsiHandlerConfig,
+    /// How long [`Node::stopped`] waits for the components after shutdown.
+    pub shutdown_grace: Duration,
+}
+
+impl NodeConfig {
+    /// Defaults for a node called `node_name` in `root_dir`, with the HTTP
+    /// endpoint on the kubelet's healthz address, `127.0.0.1:10248`.
+    pub fn new(root_dir: impl Into<PathBuf>, node_name: impl Into<String>) -> Self {
+        let root_dir = root_dir.into();
+        NodeConfig {
+            plugins: PluginManagerConfig::new(root_dir.join(PLUGINS_REGISTRY_DIR)),
+            devices: DeviceManagerConfig::new(root_dir.join(DEVICE_PLUGINS_DIR)),
+            csi: CsiHandlerConfig::default(),
+            node_name: node_name.into(),
+            http_address: Some(SocketAddr::from(([127, 0, 0, 1], 10248))),
+            shutdown_grace: Duration::from_secs(10),
+            root_dir,
+        }
+    }
+}
+
+/// Why a node could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    /// The device manager could not start.
+    #[error("cannot start the device manager under root dir {root_dir}: {source}")]
+    DeviceManager {
+        /// The node's root dir.
+        root_dir: PathBuf,
+        /// What went wrong.
+        #[source]
+        source: DeviceManagerError,
+    },
+    /// The plugin registration service could not start, or a handler was
+    /// added twice for one type.
+    #[error("cannot start the plugin manager under root dir {root_dir}: {source}")]
+    PluginManager {
+        /// The node's root dir.
+        root_dir: PathBuf,
+        /// What went wrong.
+        #[source]
+        source: PluginManagerError,
+    },
+    /// The HTTP endpoint could not listen.
+    #[error("cannot bind the HTTP endpoint on {address}: {source}")]
+    Http {
+        /// The address asked for.
+        address: SocketAddr,
+        /// The system error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Assembles a node: configuration, extra plugin handlers, extra metrics.
+pub struct NodeBuilder {
+    config: NodeConfig,
+    handlers: Vec<(PluginType, Arc<dyn PluginHandler>)>,
+    metrics: Registry,
+    healthz: Healthz,
+}
+
+impl NodeBuilder {
+    /// A builder for a node with `config`.
+    pub fn new(config: NodeConfig) -> Self {
+        NodeBuilder { config, handlers: Vec::new(), metrics: Registry::default(), healthz: Healthz::new() }
+    }
+
+    /// Routes plugins of `plugin_type` to `handler` (in addition to the
+    /// node's own `CSIPlugin` and `DevicePlugin` handlers).
+    pub fn plugin_handler(mut self, plugin_type: PluginType, handler: Arc<dyn PluginHandler>) -> Self {
+        self.handlers.push((plugin_type, handler));
+        self
+    }
+
+    /// Lets the embedder add its own metrics to the node's `/metrics`.
+    pub fn metrics(mut self, register: impl FnOnce(&mut Registry)) -> Self {
+        register(&mut self.metrics);
+        self
+    }
+
+    /// Adds an embedder's health check to the node's `/healthz`.
+    pub fn health_check(self, name: impl Into<String>, reporter: &HealthReporter) -> Self {
+        self.healthz.add(name, reporter.check());
+        self
+    }
+
+    /// Starts every component; returns once they all serve. Everything stops
+    /// when `shutdown` is cancelled; await [`Node::stopped`] afterwards.
+    pub async fn start(self, shutdown: CancellationToken) -> Result<Node, NodeError> {
+        let NodeBuilder { config, handlers, mut metrics, healthz } = self;
+        let root_dir = config.root_dir.clone();
+        let tasks = TaskTracker::new();
+
+        let csi_drivers = CsiDriverRegistry::new();
+        let node_info = InMemoryNodeInfo::new();
+        let csi = CsiPluginHandler::new(csi_drivers.clone(), Arc::new(node_info.clone()), config.csi);
+
+        let devices = DeviceManager::start(config.devices.clone(), shutdown.clone())
+            .map_err(|source| NodeError::DeviceManager { root_dir: root_dir.clone(), source })?;
+        devices.register_metrics(&mut metrics);
+
+        let plugin_error = |source| NodeError::PluginManager { root_dir: root_dir.clone(), source };
+        let mut manager = PluginManager::new(config.plugins.clone());
+        manager.add_handler(PluginType::Csi, Arc::new(csi)).map_err(plugin_error)?;
+        manager.add_handler(PluginType::DevicePlugin, Arc::new(devices.plugin_handler())).map_err(plugin_error)?;
+        for (plugin_type, handler) in handlers {
+            manager.add_handler(plugin_type, handler).map_err(plugin_error)?;
+        }
+        manager.register_metrics(&mut metrics);
+        let (plugins, manager_task) = manager.start(shutdown.clone()).map_err(plugin_error)?;
+        healthz.add("plugin-manager", plugins.health());
+        supervise(&tasks, &healthz, "plugin-manager-task", manager_task, shutdown.clone());
+
+        let http_address = match config.http_address {
+            None => None,
+            Some(address) => {
+                let state = http::HttpState {
+                    node_name: config.node_name.clone(),
+                    metrics: Arc::new(metrics),
+                    plugins: plugins.clone(),
+                    csi_drivers: csi_drivers.clone(),
+                    node_info: node_info.clone(),
+                    devices: devices.clone(),
+                    healthz: healthz.clone(),
+                };
+                let (bound, task) = http::serve(address, state, shutdown.clone()).await?;
+                supervise(&tasks, &healthz, "http-endpoint", task, shutdown.clone());
+                Some(bound)
+            }
+        };
+        tracing::info!(node = %config.node_name, root_dir = %root_dir.display(), "node started");
+        Ok(Node { config, plugins, csi_drivers, node_info, devices, healthz, http_address, tasks })
+    }
+}
+
+/// Watches a component's task: if it ends before shutdown (it returned or
+/// panicked), the component's check turns failing with the reason.
+fn supervise(
+    tasks: &TaskTracker,
+    healthz: &Healthz,
+    name: &'static str,
+    task: JoinHandle<()>,
+    shutdown: CancellationToken,
+) {
+    let reporter = HealthReporter::new();
+    healthz.add(name, reporter.check());
+    tasks.spawn(
+        async move {
+            let result = task.await;
+            if shutdown.is_cancelled() {
+                if let Err(error) = result {
+                    tracing::error!(%error, "component failed while stopping");
+                }
+                return;
+            }
+            let reason = match result {
+                Ok(()) => "stopped unexpectedly".to_owned(),
+                Err(error) if error.is_panic() => format!("panicked: {}", panic_message(error.into_panic())),
+                Err(error) => format!("failed: {error}"),
+            };
+            tracing::error!(reason, "node component is down");
+            reporter.failing(reason);
+        }
+        .instrument(tracing::info_span!("supervise", component = name)),
+    );
+}
+
+fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
+    match payload.downcast::<String>() {
+        Ok(message) => *message,
+        Err(payload) => payload.downcast::<&'static str>().map_or_else(|_| "unknown panic".to_owned(), |m| (*m).into()),
+    }
+}
+
+/// A running node: the components' handles. Cheap to share by reference;
+/// the handles themselves are cheap to clone.
+pub struct Node {
+    config: NodeConfig,
+    plugins: PluginManagerHandle,
+    csi_drivers: CsiDriverRegistry,
+    node_info: InMemoryNodeInfo,
+    devices: DeviceManager,
+    healthz: Healthz,
+    http_address: Option<SocketAddr>,
+    tasks: TaskTracker,
+}
+
+impl Node {
+    /// The node's name.
+    pub fn name(&self) -> &str {
+        &self.config.node_name
+    }
+
+    /// The node's root dir.
+    pub fn root_dir(&self) -> &Path {
+        &self.config.root_dir
+    }
+
+    /// The plugin registration service.
+    pub fn plugins(&self) -> &PluginManagerHandle {
+        &self.plugins
+    }
+
+    /// The CSI drivers registered on this node.
+    pub fn csi_drivers(&self) -> &CsiDriverRegistry {
+        &self.csi_drivers
+    }
+
+    /// The node's CSI facts (annotation, topology labels, CSINode drivers).
+    pub fn node_info(&self) -> &InMemoryNodeInfo {
+        &self.node_info
+    }
+
+    /// The device manager.
+    pub fn devices(&self) -> &DeviceManager {
+        &self.devices
+    }
+
+    /// The node's health checks.
+    pub fn healthz(&self) -> &Healthz {
+        &self.healthz
+    }
+
+    /// The bound address of the HTTP endpoint, if it serves one.
+    pub fn http_address(&self) -> Option<SocketAddr> {
+        self.http_address
+    }
+
+    /// Waits for every component to stop (after shutdown was cancelled), at
+    /// most the shutdown grace; past it, logs what is still running.
+    pub async fn stopped(self) {
+        let grace = self.config.shutdown_grace;
+        let devices = self.devices.clone();
+        let tasks = self.tasks.clone();
+        let all = async move {
+            tasks.close();
+            tasks.wait().await;
+            devices.stopped().await;
+        };
+        if tokio::time::timeout(grace, all).await.is_err() {
+            tracing::warn!(?grace, "components still running after the shutdown grace; not waiting any longer");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::health::ComponentHealth;
+
+    /// A component task that panics before shutdown turns its check to
+    /// failing with the panic's message; one that ends at shutdown does not.
+    #[tokio::test]
+    async fn a_component_that_dies_fails_its_check() {
+        let tasks = TaskTracker::new();
+        let healthz = Healthz::new();
+        let shutdown = CancellationToken::new();
+        let gate = Arc::new(tokio::sync::Notify::new());
+        let wait = gate.clone();
+        let doomed = tokio::spawn(async move {
+            wait.notified().await;
+            panic!("boom");
+        });
+        supervise(&tasks, &healthz, "doomed", doomed, shutdown.clone());
+        assert_eq!(healthz.get("doomed"), Some(ComponentHealth::Healthy));
+        let fine = tokio::spawn(shutdown.clone().cancelled_owned());
+        supervise(&tasks, &healthz, "fine", fine, shutdown.clone());
+        let mut changes = healthz.watch("doomed").expect("check exists");
+        gate.notify_one();
+        tokio::time::timeout(Duration::from_secs(20), changes.wait_for(|h| !h.is_healthy()))
+            .await
+            .expect("in time")
+            .expect("reporter alive");
+        assert_eq!(healthz.get("doomed"), Some(ComponentHealth::Failing { reason: "panicked: boom".into() }));
+        shutdown.cancel();
+        tasks.close();
+        tokio::time::timeout(Duration::from_secs(20), tasks.wait()).await.expect("supervisors end");
+        assert_eq!(healthz.get("fine"), Some(ComponentHealth::Healthy), "ending at shutdown is not a failure");
+    }
+}
