@@ -12,15 +12,23 @@
 //! rewrites, in the client-to-server direction only, every header block: it
 //! decodes the block with the connection's HPACK state, replaces an
 //! `:authority` the server would refuse with `localhost`, and encodes the
-//! block again with literals only (no dynamic table), so the server's decoder
-//! never depends on state the client built. Every other frame passes through untouched. A connection that does
-//! not start with the HTTP/2 preface is passed through untouched too.
+//! block again with an HPACK encoder of its own whose dynamic table is
+//! empty (static-table references and literals only), so the server's
+//! decoder never depends on state the client built. Every other frame passes
+//! through untouched. A connection that does not start with the HTTP/2
+//! preface is passed through untouched too.
+//!
+//! A header block is buffered (HEADERS + CONTINUATION frames) only up to
+//! [`MAX_HEADER_LIST_SIZE`], the limit our servers announce: a larger one is
+//! handed to the server as it came, and from then on the connection passes
+//! through, so the server rejects it as the protocol error it is (h2 answers
+//! with GOAWAY) and a client cannot make the node buffer without bound.
 
 use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use fluke_hpack::Decoder;
+use fluke_hpack::{Decoder, Encoder};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
@@ -36,6 +44,11 @@ const PRIORITY: u8 = 0x20;
 const MAX_FRAME: usize = 16_384;
 /// Frames larger than any server accepts: stop interpreting, pass through.
 const MAX_SANE_FRAME: usize = 16 * 1024 * 1024;
+/// The largest header block buffered: the header list size limit the
+/// servers behind this announce (hyper's default, which tonic keeps). An
+/// encoded block larger than this decodes larger still, so the server would
+/// refuse it anyway.
+pub const MAX_HEADER_LIST_SIZE: usize = 16 * 1024;
 
 enum Mode {
     Preface,
@@ -63,6 +76,7 @@ pub struct AuthorityFix<IO> {
     out_pos: usize,
     eof: bool,
     decoder: Decoder<'static>,
+    encoder: Encoder<'static>,
     pending: Option<Pending>,
 }
 
@@ -77,6 +91,13 @@ impl<IO> AuthorityFix<IO> {
             out_pos: 0,
             eof: false,
             decoder: Decoder::new(),
+            encoder: {
+                // No dynamic table: nothing the server decodes depends on
+                // blocks this layer did not re-encode.
+                let mut encoder = Encoder::new();
+                encoder.set_max_table_size(0);
+                encoder
+            },
             pending: None,
         }
     }
@@ -160,6 +181,12 @@ impl<IO> AuthorityFix<IO> {
                 return;
             }
         }
+        if self.pending.as_ref().is_some_and(|p| p.block.len() > MAX_HEADER_LIST_SIZE) {
+            // Too large to be accepted: the server says so, not us.
+            self.flush_pending_as_is();
+            self.mode = Mode::PassThrough;
+            return;
+        }
         if flags & END_HEADERS != 0
             && let Some(pending) = self.pending.take()
         {
@@ -180,11 +207,14 @@ impl<IO> AuthorityFix<IO> {
             self.mode = Mode::PassThrough;
             return;
         };
-        let mut block = Vec::with_capacity(pending.block.len() + 64);
-        for (name, value) in &headers {
-            let value = if name.as_slice() == b":authority" { fix_authority(value) } else { value.clone() };
-            encode_literal(&mut block, name, &value);
-        }
+        let fixed: Vec<(Vec<u8>, Vec<u8>)> = headers
+            .into_iter()
+            .map(|(name, value)| {
+                let value = if name.as_slice() == b":authority" { fix_authority(&value) } else { value };
+                (name, value)
+            })
+            .collect();
+        let block = self.encoder.encode(fixed.iter().map(|(n, v)| (n.as_slice(), v.as_slice())));
         let mut chunks = block.chunks(MAX_FRAME - 5).peekable();
         let mut first = true;
         // An empty block still needs its HEADERS frame.
@@ -240,33 +270,6 @@ fn split_headers_payload(flags: u8, payload: &[u8]) -> Option<(Option<[u8; 5]>, 
 /// socket the authority names nothing, so nothing is lost.
 fn fix_authority(value: &[u8]) -> Vec<u8> {
     if http::uri::Authority::try_from(value).is_ok() { value.to_vec() } else { b"localhost".to_vec() }
-}
-
-/// HPACK "literal header field without indexing, new name", no Huffman.
-fn encode_literal(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
-    out.push(0);
-    encode_string(out, name);
-    encode_string(out, value);
-}
-
-fn encode_string(out: &mut Vec<u8>, s: &[u8]) {
-    encode_integer(out, s.len(), 7, 0);
-    out.extend_from_slice(s);
-}
-
-fn encode_integer(out: &mut Vec<u8>, mut value: usize, prefix_bits: u32, flags: u8) {
-    let max = (1usize << prefix_bits) - 1;
-    if value < max {
-        out.push(flags | value as u8);
-        return;
-    }
-    out.push(flags | max as u8);
-    value -= max;
-    while value >= 128 {
-        out.push((value % 128) as u8 | 0x80);
-        value /= 128;
-    }
-    out.push(value as u8);
 }
 
 fn write_frame_header(out: &mut Vec<u8>, len: usize, kind: u8, flags: u8, stream_id: u32) {
@@ -361,16 +364,6 @@ mod tests {
     }
 
     #[test]
-    fn integers_use_hpack_prefix_encoding() {
-        let mut out = Vec::new();
-        encode_integer(&mut out, 10, 5, 0);
-        assert_eq!(out, [10]);
-        out.clear();
-        encode_integer(&mut out, 1337, 5, 0);
-        assert_eq!(out, [31, 154, 10], "RFC 7541 C.1.2");
-    }
-
-    #[test]
     fn reencoded_blocks_decode_to_the_same_headers_with_the_authority_fixed() {
         let mut encoder = fluke_hpack::Encoder::new();
         let headers: Vec<(&[u8], &[u8])> = vec![
@@ -403,5 +396,31 @@ mod tests {
             rest = &rest[FRAME_HEADER + len..];
         }
         assert!(rest.is_empty());
+    }
+
+    /// Bad input: a header block that never ends (CONTINUATION after
+    /// CONTINUATION). Past the header list size limit nothing more is
+    /// buffered: the bytes go to the server as they came, which refuses them.
+    #[test]
+    fn an_endless_header_block_is_not_buffered_past_the_limit() {
+        let mut input = PREFACE.to_vec();
+        write_frame_header(&mut input, 4, HEADERS, 0, 1);
+        input.extend_from_slice(&[0x82, 0x86, 0x84, 0x41]);
+        let chunk = vec![b'a'; 4096];
+        for _ in 0..(MAX_HEADER_LIST_SIZE / chunk.len() + 2) {
+            write_frame_header(&mut input, chunk.len(), CONTINUATION, 0, 1);
+            input.extend_from_slice(&chunk);
+        }
+        let mut fix = AuthorityFix::new(());
+        fix.raw = input.clone();
+        fix.process();
+        assert!(fix.pending.is_none(), "nothing is held back");
+        assert!(matches!(fix.mode, Mode::PassThrough));
+        assert_eq!(fix.out, input, "the server gets the bytes as they came");
+        // More of the same is passed on at once, not buffered.
+        fix.out.clear();
+        fix.raw.extend_from_slice(&chunk);
+        fix.process();
+        assert_eq!(fix.out, chunk);
     }
 }

@@ -1,19 +1,30 @@
 //! Rustlet's node library: everything a provider embeds to become a Kubernetes
 //! node.
 //!
-//! Today it holds the plugin system's foundation:
+//! - [`node`]: the entry point. A [`node::NodeBuilder`] takes a
+//!   [`node::NodeConfig`] and starts every component below plus the HTTP
+//!   endpoint; the running [`node::Node`] hands out their handles.
 //! - [`plugin_manager`]: the plugin registration service. It watches
 //!   `<root-dir>/plugins_registry`, asks every plugin socket who it is
 //!   (`GetInfo`), hands it to the handler for its type, and tells the plugin the
 //!   verdict (`NotifyRegistrationStatus`).
 //! - [`csi`]: the handler for `CSIPlugin` and the CSI driver registry that the
-//!   volume stages will resolve drivers from.
+//!   volume stages resolve drivers from.
+//! - [`device_manager`]: device plugins (`kubelet.sock`, `ListAndWatch`,
+//!   health and capacity), device allocation and its checkpoint.
+//! - [`health`]: how long-running components report their health to
+//!   `/healthz`.
 //!
-//! The device manager, pod lifecycle, node status and providers come next
-//! (see `docs/architecture.md`).
+//! The pod lifecycle and the `Provider` trait come next (see
+//! `docs/architecture.md`).
 
 pub mod csi;
 pub mod device_manager;
 pub mod health;
 pub mod node;
 pub mod plugin_manager;
+
+/// The examples in `docs/providers.md`, compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../../../docs/providers.md")]
+mod providers_md {}
