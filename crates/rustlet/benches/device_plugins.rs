@@ -32,7 +32,7 @@ async fn run() -> Result<(), BoxError> {
     let root = tempfile::Builder::new().prefix("rustlet-bench-dp-").tempdir()?;
     let dir = root.path().join("device-plugins");
     let mut node = tokio::process::Command::new(env!("CARGO_BIN_EXE_rustlet"))
-        .args(["--standalone", "--healthz-port", "0", "--root-dir"])
+        .args(["--standalone", "--log-format", "json", "--healthz-port", "0", "--root-dir"])
         .arg(root.path())
         .env("RUSTLET_LOG", "info,kubelet::device_manager=debug")
         .stdout(Stdio::null())
@@ -47,22 +47,21 @@ async fn run() -> Result<(), BoxError> {
         let mut ready = Some(ready_tx);
         let mut lines = BufReader::new(stderr).lines();
         while let Ok(Some(line)) = lines.next_line().await {
-            if line.contains("node started")
-                && let Some(r) = ready.take()
-            {
-                let _ = r.send(());
-            }
-            if line.contains("devices updated") {
-                let field = |name: &str| {
-                    line.split(&format!(" {name}=")).nth(1).and_then(|r| r.split_whitespace().next()).map(str::to_owned)
-                };
-                let resource =
-                    line.split("resource=").nth(1).and_then(|r| r.split(['}', ' ']).next()).map(str::to_owned);
-                if let (Some(resource), Some(allocatable)) = (resource, field("allocatable"))
-                    && let Ok(allocatable) = allocatable.parse()
-                {
-                    let _ = log_tx.send((Instant::now(), resource, allocatable));
+            let Some(event) = common::NodeLog::parse(&line) else { continue };
+            match event.message() {
+                "node started" => {
+                    if let Some(r) = ready.take() {
+                        let _ = r.send(());
+                    }
                 }
+                "devices updated" => {
+                    if let (Some(resource), Some(allocatable)) = (event.field("resource"), event.field("allocatable"))
+                        && let Ok(allocatable) = allocatable.parse()
+                    {
+                        let _ = log_tx.send((Instant::now(), resource, allocatable));
+                    }
+                }
+                _ => {}
             }
         }
     });

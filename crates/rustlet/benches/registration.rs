@@ -139,7 +139,7 @@ struct Node {
 impl Node {
     async fn start(root: &Path) -> Result<Node, BoxError> {
         let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_rustlet"))
-            .args(["--standalone", "--healthz-port", "0", "--root-dir"])
+            .args(["--standalone", "--log-format", "json", "--healthz-port", "0", "--root-dir"])
             .arg(root)
             .env("RUSTLET_LOG", std::env::var("RUSTLET_BENCH_NODE_LEVEL").unwrap_or_else(|_| "info".into()))
             .stdout(Stdio::null())
@@ -158,18 +158,21 @@ impl Node {
                     use std::io::Write;
                     let _ = writeln!(log, "{line}");
                 }
-                if line.contains("node started")
-                    && let Some(ready) = ready.take()
-                {
-                    let _ = ready.send(());
+                let Some(event) = common::NodeLog::parse(&line) else { continue };
+                match event.message() {
+                    "node started" => {
+                        if let Some(ready) = ready.take() {
+                            let _ = ready.send(());
+                        }
+                    }
+                    "plugin deregistered" => {
+                        if let Some(socket) = event.field("socket") {
+                            let _ = tx.send((Instant::now(), PathBuf::from(socket)));
+                        }
+                    }
+                    _ => {}
                 }
-                if let Some(fields) = line.split(" plugin deregistered ").nth(1)
-                    && let Some(rest) = fields.split("socket=").nth(1)
-                    && let Some(socket) = rest.split_whitespace().next()
-                {
-                    let _ = tx.send((Instant::now(), PathBuf::from(socket)));
-                }
-                if line.contains("ERROR") {
+                if event.level() == "ERROR" {
                     eprintln!("node: {line}");
                 }
             }

@@ -80,3 +80,29 @@ impl Figures {
         )
     }
 }
+
+/// One line of the node's `--log-format json` output.
+pub struct NodeLog(serde_json::Value);
+
+impl NodeLog {
+    /// Parses a log line; `None` for anything that is not a JSON object.
+    pub fn parse(line: &str) -> Option<NodeLog> {
+        serde_json::from_str::<serde_json::Value>(line).ok().filter(|v| v.is_object()).map(NodeLog)
+    }
+
+    /// The event's message.
+    pub fn message(&self) -> &str {
+        self.0["fields"]["message"].as_str().unwrap_or_default()
+    }
+
+    /// `ERROR`, `WARN`, `INFO`, …
+    pub fn level(&self) -> &str {
+        self.0["level"].as_str().unwrap_or_default()
+    }
+
+    /// A field of the event, or else of its current span, as text.
+    pub fn field(&self, name: &str) -> Option<String> {
+        let value = self.0["fields"].get(name).or_else(|| self.0["span"].get(name))?;
+        Some(value.as_str().map_or_else(|| value.to_string(), str::to_owned))
+    }
+}
