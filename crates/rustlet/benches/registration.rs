@@ -134,14 +134,16 @@ async fn floor_register(registration: PathBuf, endpoint: PathBuf) -> Result<(), 
 struct Node {
     child: tokio::process::Child,
     deregistered: mpsc::UnboundedReceiver<(Instant, PathBuf)>,
+    /// The debug events of each registration's steps, when the node logs them.
+    steps: mpsc::UnboundedReceiver<common::NodeLog>,
 }
 
 impl Node {
-    async fn start(root: &Path) -> Result<Node, BoxError> {
+    async fn start(root: &Path, level: &str) -> Result<Node, BoxError> {
         let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_rustlet"))
             .args(["--standalone", "--log-format", "json", "--healthz-port", "0", "--root-dir"])
             .arg(root)
-            .env("RUSTLET_LOG", std::env::var("RUSTLET_BENCH_NODE_LEVEL").unwrap_or_else(|_| "info".into()))
+            .env("RUSTLET_LOG", level)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .kill_on_drop(true)
@@ -149,6 +151,7 @@ impl Node {
         let stderr = child.stderr.take().ok_or("no stderr")?;
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
         let (tx, deregistered) = mpsc::unbounded_channel();
+        let (steps_tx, steps) = mpsc::unbounded_channel();
         tokio::spawn(async move {
             let mut ready = Some(ready_tx);
             let mut lines = BufReader::new(stderr).lines();
@@ -175,10 +178,13 @@ impl Node {
                 if event.level() == "ERROR" {
                     eprintln!("node: {line}");
                 }
+                if matches!(event.message(), "plugin socket seen" | "registration started" | "registration steps") {
+                    let _ = steps_tx.send(event);
+                }
             }
         });
         tokio::time::timeout(WAIT, ready_rx).await??;
-        Ok(Node { child, deregistered })
+        Ok(Node { child, deregistered, steps })
     }
 
     fn pid(&self) -> u32 {
@@ -264,7 +270,8 @@ async fn run() -> Result<(), BoxError> {
     };
     std::fs::create_dir_all(&g.floor_dir)?;
     std::fs::create_dir_all(&g.endpoints)?;
-    let mut node = Node::start(root.path()).await?;
+    let level = std::env::var("RUSTLET_BENCH_NODE_LEVEL").unwrap_or_else(|_| "info".into());
+    let mut node = Node::start(root.path(), &level).await?;
     println!("Rustlet plugin registration benchmark");
     println!(
         "machine: {} cores; node: release rustlet --standalone (pid {}); each registration = GetInfo + NodeGetInfo + Notify",
@@ -453,6 +460,97 @@ async fn run() -> Result<(), BoxError> {
     println!("  targets: < 1% of one core, RSS < 50 MB; reference: Go kubelet RSS 75-82 MB, Krustlet 27 MB");
     println!("rejections seen: {}", g.rejected);
     for p in kept {
+        p.stop.cancel();
+    }
+    drop(node);
+
+    steps(if quick { 50 } else { 200 }).await
+}
+
+/// Where one registration's time goes (phase 7): a second node that logs
+/// each step at debug level (which costs time itself, so its totals are a
+/// little above the `[single]` figures), one plugin at a time.
+async fn steps(rounds: usize) -> Result<(), BoxError> {
+    let root = tempfile::Builder::new().prefix("rustlet-bench-steps-").tempdir()?;
+    let mut node = Node::start(root.path(), "info,kubelet::plugin_manager=debug").await?;
+    let (tx, rx) = mpsc::unbounded_channel();
+    let mut g = Generator {
+        registry: root.path().join("plugins_registry"),
+        floor_dir: root.path().join("floor"),
+        endpoints: root.path().join("endpoints"),
+        seq: 0,
+        tx,
+        rx,
+        notified: HashMap::new(),
+        rejected: 0,
+    };
+    std::fs::create_dir_all(&g.endpoints)?;
+    // Instants of this process and the node's wall-clock timestamps meet here.
+    let (anchor, wall) = (Instant::now(), std::time::SystemTime::now());
+    let at = |i: Instant| wall + (i - anchor);
+    let mut plugins = Vec::new();
+    let mut totals = Vec::new();
+    for _ in 0..rounds {
+        let p = g.spawn_plugin(true)?;
+        let (lat, missing) = g.wait_notified(std::slice::from_ref(&p)).await;
+        assert_eq!(missing, 0, "a plugin was not registered");
+        totals.extend(lat);
+        plugins.push(p);
+    }
+    let mut seen: HashMap<String, std::time::SystemTime> = HashMap::new();
+    let mut started: HashMap<String, std::time::SystemTime> = HashMap::new();
+    let mut parts: HashMap<String, [Duration; 5]> = HashMap::new();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while parts.len() < rounds {
+        let Ok(Some(event)) = tokio::time::timeout_at(deadline, node.steps.recv()).await else { break };
+        let (Some(socket), Some(ts)) = (event.field("socket"), event.timestamp()) else { continue };
+        let us = |name: &str| Duration::from_micros(event.field(name).and_then(|v| v.parse().ok()).unwrap_or(0));
+        match event.message() {
+            "plugin socket seen" => {
+                seen.entry(socket).or_insert(ts);
+            }
+            "registration started" => {
+                started.entry(socket).or_insert(ts);
+            }
+            _ => {
+                parts.insert(
+                    socket,
+                    [us("dial_us"), us("get_info_us"), us("validate_us"), us("register_us"), us("notify_us")],
+                );
+            }
+        }
+    }
+    let mut columns: Vec<(&str, Vec<Duration>)> = [
+        "bind -> node sees the socket (inotify, watcher, reconciler wake-up)",
+        "seen -> registration task running (reconcile, spawn, permit)",
+        "dial (connect + HTTP/2 handshake)",
+        "GetInfo",
+        "handler validate (CSI version check)",
+        "handler register (CSI: dial the driver, NodeGetInfo, publish)",
+        "NotifyRegistrationStatus",
+    ]
+    .into_iter()
+    .map(|label| (label, Vec::new()))
+    .collect();
+    for p in &plugins {
+        let key = p.registration.display().to_string();
+        let (Some(seen), Some(started), Some(steps)) = (seen.get(&key), started.get(&key), parts.get(&key)) else {
+            continue;
+        };
+        let bind = at(p.listening_at);
+        columns[0].1.push(seen.duration_since(bind).unwrap_or_default());
+        columns[1].1.push(started.duration_since(*seen).unwrap_or_default());
+        for (i, step) in steps.iter().enumerate() {
+            columns[i + 2].1.push(*step);
+        }
+    }
+    println!("\n[steps] where one registration's time goes ({rounds} plugins one at a time; node logging at debug)");
+    println!("  {}", line("total", &figures(totals)));
+    for (label, samples) in columns {
+        let f = figures(samples);
+        println!("  p50 {:>11}  p99 {:>11}  {label} (n={})", ms(f.p50), ms(f.p99), f.n);
+    }
+    for p in plugins {
         p.stop.cancel();
     }
     Ok(())

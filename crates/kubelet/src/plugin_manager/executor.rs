@@ -195,6 +195,7 @@ impl Reconciler {
             async move {
                 // Closed only on shutdown, when the task is aborted anyway.
                 let _permit = permits.acquire_owned().await;
+                tracing::debug!("registration started");
                 let result = operation::register(&task_path, &handlers, deadlines).await;
                 Outcome { path: task_path, uuid, result: OpResult::Register(result) }
             }

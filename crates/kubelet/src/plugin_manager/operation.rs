@@ -18,7 +18,9 @@
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use tracing::Instrument;
 
 use kubelet_api::pluginregistration::registration_client::RegistrationClient;
 use kubelet_api::pluginregistration::{InfoRequest, RegistrationStatus};
@@ -56,12 +58,16 @@ pub(crate) async fn register(
     handlers: &HandlerMap,
     deadlines: Deadlines,
 ) -> Result<Registered, RegistrationError> {
+    let mut steps = Steps::start();
     let channel = kubelet_api::uds::dial(socket, deadlines.dial)
+        .instrument(tracing::debug_span!("dial"))
         .await
         .map_err(|source| RegistrationError::Dial { socket: socket.to_path_buf(), source })?;
     let mut client = RegistrationClient::new(channel);
+    steps.dial = steps.lap();
 
-    let info = match tokio::time::timeout(deadlines.get_info, client.get_info(InfoRequest {})).await {
+    let get_info = client.get_info(InfoRequest {}).instrument(tracing::debug_span!("get_info"));
+    let info = match tokio::time::timeout(deadlines.get_info, get_info).await {
         Ok(Ok(response)) => response.into_inner(),
         Ok(Err(status)) => return Err(RegistrationError::GetInfo { socket: socket.to_path_buf(), status }),
         Err(_) => {
@@ -98,7 +104,9 @@ pub(crate) async fn register(
         step,
         timeout: deadlines.handler,
     };
-    match tokio::time::timeout(deadlines.handler, handler.validate(&plugin)).await {
+    steps.get_info = steps.lap();
+    let validate = handler.validate(&plugin).instrument(tracing::debug_span!("validate"));
+    match tokio::time::timeout(deadlines.handler, validate).await {
         Ok(Ok(())) => {}
         Ok(Err(source)) => {
             let reason = format!("{ERROR_PREFIX}plugin validation failed with err: {source}");
@@ -116,7 +124,9 @@ pub(crate) async fn register(
             return Err(err);
         }
     }
-    match tokio::time::timeout(deadlines.handler, handler.register(&plugin)).await {
+    steps.validate = steps.lap();
+    let register = handler.register(&plugin).instrument(tracing::debug_span!("register"));
+    match tokio::time::timeout(deadlines.handler, register).await {
         Ok(Ok(())) => {}
         Ok(Err(source)) => {
             rollback(handler.as_ref(), &plugin, deadlines.deregister).await;
@@ -137,13 +147,62 @@ pub(crate) async fn register(
             return Err(err);
         }
     }
-    if let Err(reason) = notify(&mut client, true, String::new(), deadlines.notify).await {
+    steps.register = steps.lap();
+    let notified =
+        notify(&mut client, true, String::new(), deadlines.notify).instrument(tracing::debug_span!("notify"));
+    if let Err(reason) = notified.await {
         // The plugin never learnt it is registered (it may be gone): undo, so
         // the next attempt starts from a clean slate.
         rollback(handler.as_ref(), &plugin, deadlines.deregister).await;
         return Err(RegistrationError::Notify { socket: socket.to_path_buf(), reason });
     }
+    steps.notify = steps.lap();
+    steps.report();
     Ok(Registered { info: plugin, handler })
+}
+
+/// How long each step of a registration took: reported at debug level
+/// ("registration steps", in microseconds) for the benchmark's breakdown.
+#[derive(Debug)]
+struct Steps {
+    last: Instant,
+    dial: Duration,
+    get_info: Duration,
+    validate: Duration,
+    register: Duration,
+    notify: Duration,
+}
+
+impl Steps {
+    fn start() -> Steps {
+        Steps {
+            last: Instant::now(),
+            dial: Duration::ZERO,
+            get_info: Duration::ZERO,
+            validate: Duration::ZERO,
+            register: Duration::ZERO,
+            notify: Duration::ZERO,
+        }
+    }
+
+    /// The time since the previous lap.
+    fn lap(&mut self) -> Duration {
+        let now = Instant::now();
+        let lap = now - self.last;
+        self.last = now;
+        lap
+    }
+
+    fn report(&self) {
+        tracing::debug!(
+            dial_us = self.dial.as_micros() as u64,
+            get_info_us = self.get_info.as_micros() as u64,
+            validate_us = self.validate.as_micros() as u64,
+            register_us = self.register.as_micros() as u64,
+            notify_us = self.notify.as_micros() as u64,
+            "registration steps"
+        );
+    }
 }
 
 /// Undoes a registration with the handler's `deregister`, within

@@ -106,3 +106,38 @@ impl NodeLog {
         Some(value.as_str().map_or_else(|| value.to_string(), str::to_owned))
     }
 }
+
+impl NodeLog {
+    /// When the node wrote the event (its `timestamp`, RFC 3339 in UTC).
+    pub fn timestamp(&self) -> Option<std::time::SystemTime> {
+        parse_utc(self.0["timestamp"].as_str()?)
+    }
+}
+
+/// Parses `YYYY-MM-DDTHH:MM:SS[.fraction]Z`.
+fn parse_utc(s: &str) -> Option<std::time::SystemTime> {
+    let s = s.strip_suffix('Z')?;
+    let (date, time) = s.split_once('T')?;
+    let mut d = date.split('-').map(|p| p.parse::<i64>());
+    let (y, m, day) = (d.next()?.ok()?, d.next()?.ok()?, d.next()?.ok()?);
+    let (hms, fraction) = time.split_once('.').unwrap_or((time, "0"));
+    let mut t = hms.split(':').map(|p| p.parse::<i64>());
+    let (hh, mm, ss) = (t.next()?.ok()?, t.next()?.ok()?, t.next()?.ok()?);
+    let nanos: u32 = format!("{fraction:0<9}").get(..9)?.parse().ok()?;
+    // Days since 1970-01-01 of a proleptic Gregorian date.
+    let (y, m) = if m <= 2 { (y - 1, m + 9) } else { (y, m - 3) };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let doy = (153 * m + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    let secs = days * 86_400 + hh * 3600 + mm * 60 + ss;
+    Some(std::time::UNIX_EPOCH + Duration::new(u64::try_from(secs).ok()?, nanos))
+}
+
+#[cfg(test)]
+#[test]
+fn timestamps_parse() {
+    let t = parse_utc("2026-11-23T00:44:08.318895Z").expect("parses");
+    assert_eq!(t.duration_since(std::time::UNIX_EPOCH).expect("after").as_micros(), 1_795_394_648_318_895);
+}
