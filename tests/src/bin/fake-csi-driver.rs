@@ -62,12 +62,18 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let mut driver = RegisteredCsiDriver::new(args.registration_socket, args.endpoint, config);
     driver.versions = args.versions.split(',').map(str::trim).filter(|v| !v.is_empty()).map(str::to_owned).collect();
+    let (exits, mut exit_requests) = tokio::sync::mpsc::unbounded_channel();
     if args.exit_on_rejection {
         driver.behaviour = Behaviour::ExitOnRejection;
+        driver.exit_requests = Some(exits);
     }
     let tasks = driver.spawn(Reporter::Stdout, shutdown.clone())?;
     Reporter::Stdout.report(Report::Listening { sockets: 1 });
-    tokio::signal::ctrl_c().await?;
+    tokio::select! {
+        signal = tokio::signal::ctrl_c() => signal?,
+        // Told it was turned down: die on the spot, sockets left behind.
+        Some(code) = exit_requests.recv() => std::process::exit(code),
+    }
     shutdown.cancel();
     for task in tasks {
         let _ = task.await;

@@ -54,6 +54,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let versions: Vec<String> =
         args.versions.split(',').map(str::trim).filter(|v| !v.is_empty()).map(str::to_owned).collect();
     let shutdown = CancellationToken::new();
+    let (exits, mut exit_requests) = tokio::sync::mpsc::unbounded_channel();
     let mut tasks = Vec::with_capacity(sockets.len());
     for (i, socket) in sockets.iter().enumerate() {
         let identity = Identity {
@@ -62,11 +63,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             endpoint: args.endpoint.replace("{i}", &i.to_string()),
             versions: versions.clone(),
         };
-        let plugin = RegistrationPlugin::new(socket, identity, args.behaviour, Reporter::Stdout);
+        let plugin =
+            RegistrationPlugin::new(socket, identity, args.behaviour, Reporter::Stdout).exit_requests(exits.clone());
         tasks.push(plugin.spawn(shutdown.clone())?);
     }
     Reporter::Stdout.report(Report::Listening { sockets: sockets.len() });
-    tokio::signal::ctrl_c().await?;
+    tokio::select! {
+        signal = tokio::signal::ctrl_c() => signal?,
+        // A misbehaviour asked the process to die on the spot.
+        Some(code) = exit_requests.recv() => std::process::exit(code),
+    }
     shutdown.cancel();
     for task in tasks {
         let _ = task.await;

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use kubelet_api::pluginregistration::registration_server::{Registration, RegistrationServer};
 use kubelet_api::pluginregistration::{InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse};
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
@@ -22,11 +23,13 @@ pub enum Behaviour {
     FailGetInfo,
     /// Never answer `NotifyRegistrationStatus`.
     HangNotify,
-    /// Exit the process when `NotifyRegistrationStatus` arrives, before
-    /// answering it (the plugin dies between GetInfo and notify). Binary only.
+    /// Never answer `NotifyRegistrationStatus` and ask to exit with code 3
+    /// (the plugin dies between GetInfo and notify); see
+    /// [`RegistrationPlugin::exit_requests`].
     ExitBeforeNotify,
-    /// Exit the process after being told `plugin_registered=false`, leaving
-    /// the socket behind (as the CSI node-driver-registrar does). Binary only.
+    /// Ask to exit with code 0 after being told `plugin_registered=false`,
+    /// without answering, leaving the socket behind (as the CSI
+    /// node-driver-registrar does); see [`RegistrationPlugin::exit_requests`].
     ExitOnRejection,
 }
 
@@ -50,12 +53,27 @@ pub struct RegistrationPlugin {
     identity: Arc<Identity>,
     behaviour: Behaviour,
     reporter: Reporter,
+    exits: Option<mpsc::UnboundedSender<i32>>,
 }
 
 impl RegistrationPlugin {
     /// A plugin at `socket` that says `identity` and behaves as `behaviour`.
     pub fn new(socket: impl Into<PathBuf>, identity: Identity, behaviour: Behaviour, reporter: Reporter) -> Self {
-        RegistrationPlugin { socket: socket.into(), identity: Arc::new(identity), behaviour, reporter }
+        RegistrationPlugin { socket: socket.into(), identity: Arc::new(identity), behaviour, reporter, exits: None }
+    }
+
+    /// Where the exit behaviours send their exit code. The library never
+    /// ends the process: a plugin binary receives the code and exits with
+    /// it; without a receiver the plugin only stops answering.
+    pub fn exit_requests(mut self, exits: mpsc::UnboundedSender<i32>) -> Self {
+        self.exits = Some(exits);
+        self
+    }
+
+    fn request_exit(&self, code: i32) {
+        if let Some(exits) = &self.exits {
+            let _ = exits.send(code);
+        }
     }
 
     /// Binds the socket now (so the caller knows it exists when this returns)
@@ -100,7 +118,8 @@ impl Registration for RegistrationPlugin {
     ) -> Result<Response<RegistrationStatusResponse>, Status> {
         let status = request.into_inner();
         if self.behaviour == Behaviour::ExitBeforeNotify {
-            std::process::exit(3);
+            self.request_exit(3);
+            return std::future::pending().await;
         }
         self.reporter.report(Report::Notified {
             socket: self.socket.clone(),
@@ -109,7 +128,10 @@ impl Registration for RegistrationPlugin {
         });
         match self.behaviour {
             Behaviour::HangNotify => std::future::pending().await,
-            Behaviour::ExitOnRejection if !status.plugin_registered => std::process::exit(0),
+            Behaviour::ExitOnRejection if !status.plugin_registered => {
+                self.request_exit(0);
+                std::future::pending().await
+            }
             _ => Ok(Response::new(RegistrationStatusResponse {})),
         }
     }

@@ -84,6 +84,9 @@ pub struct RegisteredCsiDriver {
     pub versions: Vec<String>,
     /// How the registration side behaves.
     pub behaviour: Behaviour,
+    /// Where an exit behaviour sends its exit code (see
+    /// [`RegistrationPlugin::exit_requests`]).
+    pub exit_requests: Option<tokio::sync::mpsc::UnboundedSender<i32>>,
 }
 
 impl RegisteredCsiDriver {
@@ -95,6 +98,7 @@ impl RegisteredCsiDriver {
             config,
             versions: vec!["1.0.0".into()],
             behaviour: Behaviour::Normal,
+            exit_requests: None,
         }
     }
 
@@ -112,8 +116,11 @@ impl RegisteredCsiDriver {
             versions: self.versions,
         };
         let driver = FakeCsiDriver::new(&self.endpoint, self.config, reporter.clone()).spawn(shutdown.clone())?;
-        let registration =
-            RegistrationPlugin::new(&self.registration, identity, self.behaviour, reporter).spawn(shutdown)?;
+        let mut registration = RegistrationPlugin::new(&self.registration, identity, self.behaviour, reporter);
+        if let Some(exits) = self.exit_requests {
+            registration = registration.exit_requests(exits);
+        }
+        let registration = registration.spawn(shutdown)?;
         Ok([driver, registration])
     }
 }
