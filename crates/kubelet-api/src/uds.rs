@@ -70,8 +70,9 @@ pub fn socket_path_of(endpoint: &str) -> &Path {
 ///
 /// A server creates its socket file with `bind()` and accepts connections
 /// only after `listen()`; a watcher that reacts to the file's creation can
-/// connect in between and be refused. Retrying briefly (1, 2, 4 … ms) bridges
-/// that gap; a stale socket that nobody serves costs this much per attempt.
+/// connect in between and be refused. Retrying briefly (a few times at once,
+/// then after 1, 2, 4 … ms) bridges that gap; a stale socket that nobody
+/// serves costs this much per attempt.
 pub const REFUSED_GRACE: Duration = Duration::from_millis(100);
 
 /// A gRPC client connection to one Unix socket. Cheap to clone (clones share
@@ -128,14 +129,25 @@ pub async fn dial(path: impl AsRef<Path>, timeout: Duration) -> Result<UdsChanne
     Ok(UdsChannel { sender })
 }
 
+/// Refused connections retried at once (after yielding to other tasks)
+/// before the retries start to sleep: the gap between a server's `bind()`
+/// and its `listen()` is microseconds, and a timer sleep is at least 1 ms.
+const IMMEDIATE_RETRIES: u32 = 8;
+
 async fn connect_unix(path: &Path, grace: Duration) -> io::Result<UnixStream> {
     let started = tokio::time::Instant::now();
     let mut pause = Duration::from_millis(1);
+    let mut attempts = 0;
     loop {
         match UnixStream::connect(path).await {
             Err(e) if e.kind() == io::ErrorKind::ConnectionRefused && started.elapsed() + pause <= grace => {
-                tokio::time::sleep(pause).await;
-                pause *= 2;
+                attempts += 1;
+                if attempts <= IMMEDIATE_RETRIES {
+                    tokio::task::yield_now().await;
+                } else {
+                    tokio::time::sleep(pause).await;
+                    pause *= 2;
+                }
             }
             other => return other,
         }
