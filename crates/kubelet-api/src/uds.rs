@@ -129,20 +129,19 @@ pub async fn dial(path: impl AsRef<Path>, timeout: Duration) -> Result<UdsChanne
     Ok(UdsChannel { sender })
 }
 
-/// Refused connections retried at once (after yielding to other tasks)
-/// before the retries start to sleep: the gap between a server's `bind()`
-/// and its `listen()` is microseconds, and a timer sleep is at least 1 ms.
-const IMMEDIATE_RETRIES: u32 = 8;
+/// How long a refused connection is retried at once (after yielding to
+/// other tasks) before the retries start to sleep: the gap between a
+/// server's `bind()` and its `listen()` is microseconds unless its thread is
+/// preempted in between, and a timer sleep is at least 1 ms.
+const IMMEDIATE_RETRY_WINDOW: Duration = Duration::from_micros(250);
 
 async fn connect_unix(path: &Path, grace: Duration) -> io::Result<UnixStream> {
     let started = tokio::time::Instant::now();
     let mut pause = Duration::from_millis(1);
-    let mut attempts = 0;
     loop {
         match UnixStream::connect(path).await {
             Err(e) if e.kind() == io::ErrorKind::ConnectionRefused && started.elapsed() + pause <= grace => {
-                attempts += 1;
-                if attempts <= IMMEDIATE_RETRIES {
+                if started.elapsed() < IMMEDIATE_RETRY_WINDOW {
                     tokio::task::yield_now().await;
                 } else {
                     tokio::time::sleep(pause).await;
