@@ -121,13 +121,24 @@ impl Generator {
 /// The floor: the generator registers a plugin itself, as a node with no
 /// watcher and no reconciler would.
 async fn floor_register(registration: PathBuf, endpoint: PathBuf) -> Result<(), BoxError> {
+    floor_register_steps(registration, endpoint).await.map(|_| ())
+}
+
+/// The floor's registration, timing its steps: dial, GetInfo, NodeGetInfo
+/// (its own dial included), Notify.
+async fn floor_register_steps(registration: PathBuf, endpoint: PathBuf) -> Result<[Duration; 4], BoxError> {
+    let t0 = Instant::now();
     let channel = kubelet_api::uds::dial(&registration, Duration::from_secs(10)).await?;
     let mut client = RegistrationClient::new(channel);
+    let t1 = Instant::now();
     let info = client.get_info(InfoRequest {}).await?.into_inner();
     assert_eq!(info.endpoint, endpoint.display().to_string());
+    let t2 = Instant::now();
     kubelet::csi::node_get_info(&info.endpoint, Duration::from_secs(10)).await?;
+    let t3 = Instant::now();
     client.notify_registration_status(RegistrationStatus { plugin_registered: true, error: String::new() }).await?;
-    Ok(())
+    let t4 = Instant::now();
+    Ok([t1 - t0, t2 - t1, t3 - t2, t4 - t3])
 }
 
 /// The node process and its log.
@@ -488,14 +499,22 @@ async fn steps(rounds: usize) -> Result<(), BoxError> {
     // Instants of this process and the node's wall-clock timestamps meet here.
     let (anchor, wall) = (Instant::now(), std::time::SystemTime::now());
     let at = |i: Instant| wall + (i - anchor);
+    std::fs::create_dir_all(&g.floor_dir)?;
     let mut plugins = Vec::new();
     let mut totals = Vec::new();
+    let mut floor_steps: [Vec<Duration>; 4] = Default::default();
     for _ in 0..rounds {
         let p = g.spawn_plugin(true)?;
         let (lat, missing) = g.wait_notified(std::slice::from_ref(&p)).await;
         assert_eq!(missing, 0, "a plugin was not registered");
         totals.extend(lat);
         plugins.push(p);
+        let f = g.spawn_plugin(false)?;
+        let steps = floor_register_steps(f.registration.clone(), f.endpoint.clone()).await?;
+        for (samples, step) in floor_steps.iter_mut().zip(steps) {
+            samples.push(step);
+        }
+        f.stop.cancel();
     }
     let mut seen: HashMap<String, std::time::SystemTime> = HashMap::new();
     let mut started: HashMap<String, std::time::SystemTime> = HashMap::new();
@@ -547,6 +566,13 @@ async fn steps(rounds: usize) -> Result<(), BoxError> {
     println!("\n[steps] where one registration's time goes ({rounds} plugins one at a time; node logging at debug)");
     println!("  {}", line("total", &figures(totals)));
     for (label, samples) in columns {
+        let f = figures(samples);
+        println!("  p50 {:>11}  p99 {:>11}  {label} (n={})", ms(f.p50), ms(f.p99), f.n);
+    }
+    println!("  the floor's own steps, same run (in-process, no watcher):");
+    for (label, samples) in
+        ["dial", "GetInfo", "NodeGetInfo (with its dial)", "NotifyRegistrationStatus"].into_iter().zip(floor_steps)
+    {
         let f = figures(samples);
         println!("  p50 {:>11}  p99 {:>11}  {label} (n={})", ms(f.p50), ms(f.p99), f.n);
     }

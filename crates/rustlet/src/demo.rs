@@ -17,7 +17,9 @@ use kubelet::plugin_manager::PluginEvent;
 use kubelet_api::constants::{DEVICE_PLUGIN_VERSION, DEVICE_PLUGINS_DIR, PLUGINS_REGISTRY_DIR};
 use kubelet_api::deviceplugin::v1beta1::DevicePluginOptions;
 use rustlet_sample_plugins::csi_driver::{CsiDriverConfig, RegisteredCsiDriver};
-use rustlet_sample_plugins::device_plugin::{DevicePluginBehaviour, DeviceSpec, FakeDevicePlugin, register_with_kubelet};
+use rustlet_sample_plugins::device_plugin::{
+    DevicePluginBehaviour, DeviceSpec, FakeDevicePlugin, register_with_kubelet,
+};
 use rustlet_sample_plugins::registration::{Behaviour, Identity, RegistrationPlugin};
 use rustlet_sample_plugins::report::Reporter;
 use tokio::sync::broadcast;
