@@ -244,11 +244,12 @@ impl Reconciler {
             ops.last_error = None;
             ops.rejected_by_handler = false;
         }
-        // State and metrics first: whoever sees the log line or the event can
-        // rely on them.
+        // State, status and metrics first: whoever sees the log line or the
+        // event can rely on them.
         self.metrics.set(World::Actual, &path, true);
         self.metrics.operation("register", true);
         self.actual.add(path.clone(), RegisteredPlugin { uuid, info: info.clone(), handler });
+        self.refresh_row(&path);
         tracing::info!(
             socket = %path.display(),
             plugin = %info.name,
@@ -257,7 +258,6 @@ impl Reconciler {
             versions = ?info.supported_versions,
             "plugin registered"
         );
-        self.refresh_row(&path);
         let _ = self.events.send(PluginEvent::Registered(info));
         self.dirty.insert(path);
     }
@@ -289,20 +289,22 @@ impl Reconciler {
         ops.last_error = Some(message.clone());
         if ops.rejected_by_handler && ops.started_epoch != epoch {
             // Turned down while the handlers' state changed: try again now.
-            tracing::debug!(socket = %path.display(), "plugin turned down while handlers changed; retrying now: {message}");
             self.dirty.insert(path.clone());
+            self.refresh_row(&path);
+            tracing::debug!(socket = %path.display(), "plugin turned down while handlers changed; retrying now: {message}");
         } else {
             let delay = ops.backoff.fail();
             let at = Instant::now() + delay;
             ops.retry_at = Some(at);
             self.retries.push(Reverse((at, path.clone())));
+            // The status first: whoever reads the log line sees it.
+            self.refresh_row(&path);
             if repeated {
                 tracing::debug!(socket = %path.display(), failures, retry_in = ?delay, "plugin registration failed again: {message}");
             } else {
                 tracing::warn!(socket = %path.display(), failures, retry_in = ?delay, "plugin registration failed: {message}");
             }
         }
-        self.refresh_row(&path);
         let _ = self.events.send(PluginEvent::RegistrationFailed { socket_path: path, error: message, failures });
     }
 
@@ -311,6 +313,7 @@ impl Reconciler {
             ops.running = None;
         }
         self.metrics.operation("unregister", took <= self.config.deregister_timeout);
+        self.refresh_row(&path);
         if took > self.config.deregister_timeout {
             tracing::warn!(socket = %path.display(), plugin = %info.name, ?took, "plugin deregistered, late");
         } else {
@@ -318,7 +321,6 @@ impl Reconciler {
         }
         self.deregistrations += 1;
         self.bump_epoch();
-        self.refresh_row(&path);
         let _ = self.events.send(PluginEvent::Deregistered(info));
         self.dirty.insert(path);
     }

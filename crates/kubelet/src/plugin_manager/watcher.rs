@@ -1,14 +1,16 @@
 //! Finds plugin sockets under the registration directory.
 //!
-//! inotify (through `notify`) says *that* something changed at a path; it
+//! inotify says *that* something changed at a path; it
 //! does not say reliably *what*: a rename away is a single event on the
 //! directory, and a full kernel queue drops events.
 //!
-//! Directories are watched one by one (not with `notify`'s recursive mode):
-//! a directory is always watched *before* it is read, so a socket created in
-//! it is either seen by the read or reported by the watch. `notify`'s
-//! recursive mode reports a new directory before it watches it, and a socket
-//! bound in that gap (`mkdir -p a/b` then `bind`) is never seen. So the watcher forwards only "look at
+//! Directories are watched one by one, each *before* it is read, so a
+//! socket created in it is either seen by the read or reported by the watch
+//! (a recursive watch that reports a new directory before watching it would
+//! miss a socket bound in that gap: `mkdir -p a/b` then `bind`). The inotify
+//! descriptor is read by a task on the node's own runtime (no watcher thread
+//! in between), so an event reaches the reconciler with one wake-up. The
+//! watcher forwards only "look at
 //! this path again" ([`FsEvent::Changed`]) or "look at everything again"
 //! ([`FsEvent::Rescan`]), and [`scan`] decides what is on disk now by `lstat`
 //! and directory walks. Every event kind — create, remove, rename in or out —
@@ -18,12 +20,16 @@ use std::io;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Component, Path, PathBuf};
 
-use notify::event::{ModifyKind, RenameMode};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use notify::{EventKind, RecursiveMode, Watcher as _};
+use std::collections::{BTreeMap, HashMap};
+use std::ffi::OsStr;
+use std::sync::Mutex;
+
+use inotify::{EventMask, Inotify, WatchDescriptor, WatchMask, Watches};
 use tokio::sync::mpsc;
+use tokio_stream::StreamExt as _;
 
 use super::desired_state::FileId;
 
@@ -62,7 +68,7 @@ pub enum WatcherError {
         path: PathBuf,
         /// What inotify reported.
         #[source]
-        source: notify::Error,
+        source: io::Error,
     },
 }
 
@@ -138,38 +144,75 @@ impl EventQueue {
     }
 }
 
+/// Directories by watch descriptor, shared by the watcher (which adds and
+/// removes watches) and the task that reads the events.
+type WatchedDirs = Arc<Mutex<HashMap<WatchDescriptor, PathBuf>>>;
+
+fn lock(dirs: &WatchedDirs) -> std::sync::MutexGuard<'_, HashMap<WatchDescriptor, PathBuf>> {
+    // Only inserts and removes under the lock: a poisoned map is still whole.
+    dirs.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// What a watched directory reports: entries created, deleted or renamed in
+/// or out, and the directory's own deletion or move. Symlinks are not
+/// followed.
+fn dir_mask() -> WatchMask {
+    WatchMask::CREATE
+        | WatchMask::DELETE
+        | WatchMask::MOVED_FROM
+        | WatchMask::MOVED_TO
+        | WatchMask::DELETE_SELF
+        | WatchMask::MOVE_SELF
+        | WatchMask::ONLYDIR
+        | WatchMask::DONT_FOLLOW
+}
+
 /// Keeps the inotify watches alive; dropping it stops the events.
 pub(crate) struct Watcher {
-    inner: notify::RecommendedWatcher,
-    /// Directories below the root that are watched.
-    dirs: std::collections::BTreeSet<PathBuf>,
+    watches: Watches,
+    /// Watched directories at and below the root.
+    dirs: BTreeMap<PathBuf, WatchDescriptor>,
+    by_descriptor: WatchedDirs,
+    reader: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Watcher {
+    fn drop(&mut self) {
+        self.reader.abort();
+    }
 }
 
 impl Watcher {
+    fn add(&mut self, dir: &Path) -> io::Result<()> {
+        let wd = self.watches.add(dir, dir_mask())?;
+        lock(&self.by_descriptor).insert(wd.clone(), dir.to_path_buf());
+        self.dirs.insert(dir.to_path_buf(), wd);
+        Ok(())
+    }
+
     /// Watches `root` again after it was deleted and created anew (a watch
     /// dies with the directory it watched); its subdirectories are watched
     /// again as the rescan reaches them.
     pub(crate) fn rewatch(&mut self, root: &Path) -> Result<(), WatcherError> {
-        let _ = self.inner.unwatch(root);
-        self.dirs.clear();
-        self.inner
-            .watch(root, RecursiveMode::NonRecursive)
-            .map_err(|source| WatcherError::Watch { path: root.to_path_buf(), source })
+        for (_, wd) in std::mem::take(&mut self.dirs) {
+            // Most died with their directories already.
+            let _ = self.watches.remove(wd.clone());
+            lock(&self.by_descriptor).remove(&wd);
+        }
+        self.add(root).map_err(|source| WatcherError::Watch { path: root.to_path_buf(), source })
     }
 
     /// Watches directory `dir` (not recursively) unless it already is.
     pub(crate) fn watch_dir(&mut self, dir: &Path) {
-        if self.dirs.contains(dir) {
+        if self.dirs.contains_key(dir) {
             return;
         }
-        match self.inner.watch(dir, RecursiveMode::NonRecursive) {
-            Ok(()) => {
-                self.dirs.insert(dir.to_path_buf());
-            }
-            // Gone already: nothing to watch. Anything else (the watch
-            // limit) is worth a warning: sockets below it would be missed
-            // until the next resync.
-            Err(error) if matches!(error.kind, notify::ErrorKind::PathNotFound) => {}
+        match self.add(dir) {
+            Ok(()) => {}
+            // Gone already (or replaced by something else): nothing to watch.
+            // Anything else (the watch limit) is worth a warning: sockets
+            // below it would be missed until the next resync.
+            Err(error) if is_gone(&error) => {}
             Err(error) => {
                 tracing::warn!(%error, dir = %dir.display(), "cannot watch directory in plugin registration directory")
             }
@@ -178,11 +221,17 @@ impl Watcher {
 
     /// Forgets the watches of `path` and the directories below it.
     pub(crate) fn unwatch_tree(&mut self, path: &Path) {
-        let below: Vec<PathBuf> =
-            self.dirs.range(path.to_path_buf()..).take_while(|d| d.starts_with(path)).cloned().collect();
+        let below: Vec<PathBuf> = self
+            .dirs
+            .range(path.to_path_buf()..)
+            .take_while(|(d, _)| d.starts_with(path))
+            .map(|(d, _)| d.clone())
+            .collect();
         for dir in below {
-            let _ = self.inner.unwatch(&dir);
-            self.dirs.remove(&dir);
+            if let Some(wd) = self.dirs.remove(&dir) {
+                let _ = self.watches.remove(wd.clone());
+                lock(&self.by_descriptor).remove(&wd);
+            }
         }
     }
 }
@@ -209,56 +258,79 @@ pub(crate) fn prepare_dir(root: &Path) -> Result<(), WatcherError> {
         .map_err(|source| WatcherError::NotWritable { path: root.to_path_buf(), source })
 }
 
-/// Starts an inotify watch on `root` (subdirectories are added as they are read), forwarding events to `tx`.
+/// Starts watching `root` (subdirectories are added as they are read) and
+/// its parent, and spawns the task that reads the events into `tx`. Must be
+/// called inside a Tokio runtime.
 pub(crate) fn start(root: &Path, tx: EventSender) -> Result<Watcher, WatcherError> {
-    let handler = move |res: notify::Result<notify::Event>| {
-        for event in translate(res) {
-            tx.send(event);
-        }
-    };
-    // Symlinks are not followed: a link would let one plugin register twice,
-    // and the periodic rescan does not follow them either.
-    let config = notify::Config::default().with_follow_symlinks(false);
-    let mut inner = notify::RecommendedWatcher::new(handler, config)
-        .map_err(|source| WatcherError::Watch { path: root.to_path_buf(), source })?;
-    inner
-        .watch(root, RecursiveMode::NonRecursive)
-        .map_err(|source| WatcherError::Watch { path: root.to_path_buf(), source })?;
-    // The parent, not recursively: a watch cannot reliably report the
-    // deletion of its own directory, but the parent's watch reports the
+    let watch_error = |source| WatcherError::Watch { path: root.to_path_buf(), source };
+    let inotify = Inotify::init().map_err(watch_error)?;
+    let stream = inotify.into_event_stream(vec![0u8; 64 * 1024]).map_err(watch_error)?;
+    let watches = stream.watches();
+    let by_descriptor: WatchedDirs = Arc::default();
+    let span = tracing::info_span!("plugin_watcher", dir = %root.display());
+    let reader = tokio::spawn(tracing::Instrument::instrument(read_events(stream, by_descriptor.clone(), tx), span));
+    let mut watcher = Watcher { watches, dirs: BTreeMap::new(), by_descriptor, reader };
+    watcher.add(root).map_err(watch_error)?;
+    // The parent, for the root's own entry: a watch cannot reliably report
+    // the deletion of its own directory, but the parent's watch reports the
     // directory's removal and re-creation as events on the root path.
-    if let Some(parent) = root.parent()
-        && let Err(error) = inner.watch(parent, RecursiveMode::NonRecursive)
-    {
-        tracing::debug!(%error, parent = %parent.display(), "cannot watch the registration directory's parent");
+    if let Some(parent) = root.parent() {
+        match watcher.watches.add(parent, dir_mask()) {
+            Ok(wd) => {
+                lock(&watcher.by_descriptor).insert(wd, parent.to_path_buf());
+            }
+            Err(error) => {
+                tracing::debug!(%error, parent = %parent.display(), "cannot watch the registration directory's parent")
+            }
+        }
     }
-    Ok(Watcher { inner, dirs: std::collections::BTreeSet::new() })
+    Ok(watcher)
 }
 
-/// Reduces one notification to what the reconciler must look at again.
-pub(crate) fn translate(res: notify::Result<notify::Event>) -> Vec<FsEvent> {
-    let event = match res {
-        Ok(event) => event,
-        Err(error) => {
-            tracing::warn!(%error, "file watch error; rescanning the plugin registration directory");
-            return vec![FsEvent::Rescan("watch error")];
+/// Reads inotify events until the watcher is dropped (which aborts this
+/// task), turning each into what the reconciler must look at again.
+async fn read_events(mut stream: inotify::EventStream<Vec<u8>>, dirs: WatchedDirs, tx: EventSender) {
+    while let Some(item) = stream.next().await {
+        match item {
+            Ok(event) => {
+                if event.mask.contains(EventMask::IGNORED) {
+                    // The watch is gone (its directory was deleted).
+                    lock(&dirs).remove(&event.wd);
+                    continue;
+                }
+                let dir = lock(&dirs).get(&event.wd).cloned();
+                for change in translate(dir.as_deref(), event.mask, event.name.as_deref()) {
+                    tx.send(change);
+                }
+            }
+            Err(error) => {
+                tracing::warn!(%error, "cannot read file events; rescanning the plugin registration directory");
+                tx.send(FsEvent::Rescan("watch error"));
+                if !matches!(error.kind(), io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock) {
+                    tracing::error!("plugin watcher stopped reading events; the periodic resync still finds sockets");
+                    return;
+                }
+            }
         }
-    };
-    if event.need_rescan() {
+    }
+}
+
+/// Reduces one inotify event, in directory `dir` (`None`: a watch no longer
+/// known), to what the reconciler must look at again.
+pub(crate) fn translate(dir: Option<&Path>, mask: EventMask, name: Option<&OsStr>) -> Vec<FsEvent> {
+    if mask.contains(EventMask::Q_OVERFLOW) {
         tracing::warn!("inotify queue overflow; rescanning the plugin registration directory");
         return vec![FsEvent::Rescan("inotify queue overflow")];
     }
-    match event.kind {
-        EventKind::Access(_) => Vec::new(),
-        // A paired rename: the first path went away, the second appeared.
-        EventKind::Modify(ModifyKind::Name(RenameMode::Both)) => {
-            event.paths.into_iter().enumerate().map(|(i, path)| FsEvent::Changed { path, removed: i == 0 }).collect()
-        }
-        kind => {
-            let removed = matches!(kind, EventKind::Remove(_) | EventKind::Modify(ModifyKind::Name(RenameMode::From)));
-            event.paths.into_iter().map(|path| FsEvent::Changed { path, removed }).collect()
-        }
-    }
+    let Some(dir) = dir else { return Vec::new() };
+    let removed =
+        mask.intersects(EventMask::DELETE | EventMask::MOVED_FROM | EventMask::DELETE_SELF | EventMask::MOVE_SELF);
+    let path = match name {
+        Some(name) if !name.is_empty() => dir.join(name),
+        // An event on the directory itself.
+        _ => dir.to_path_buf(),
+    };
+    vec![FsEvent::Changed { path, removed }]
 }
 
 /// What sits at a path, as far as plugin registration cares.
@@ -382,26 +454,47 @@ mod tests {
     use super::*;
 
     #[test]
-    fn overflow_and_errors_become_a_rescan_and_access_noise_is_dropped() {
-        use notify::event::{AccessKind, CreateKind, Flag};
-        let overflow = notify::Event::new(EventKind::Other).set_flag(Flag::Rescan);
-        assert_eq!(translate(Ok(overflow)), vec![FsEvent::Rescan("inotify queue overflow")]);
-        assert_eq!(translate(Err(notify::Error::generic("boom"))), vec![FsEvent::Rescan("watch error")]);
-        let open = notify::Event::new(EventKind::Access(AccessKind::Any)).add_path("/r/a.sock".into());
-        assert!(translate(Ok(open)).is_empty());
-        let create = notify::Event::new(EventKind::Create(CreateKind::File)).add_path("/r/a.sock".into());
-        assert_eq!(translate(Ok(create)), vec![FsEvent::Changed { path: "/r/a.sock".into(), removed: false }]);
-        let remove =
-            notify::Event::new(EventKind::Remove(notify::event::RemoveKind::File)).add_path("/r/a.sock".into());
-        assert_eq!(translate(Ok(remove)), vec![FsEvent::Changed { path: "/r/a.sock".into(), removed: true }]);
-        let rename = notify::Event::new(EventKind::Modify(ModifyKind::Name(RenameMode::Both)))
-            .add_path("/r/a.sock".into())
-            .add_path("/r/b.sock".into());
+    fn events_become_paths_to_look_at_and_overflow_a_rescan() {
+        let dir = Some(Path::new("/r"));
+        let name = Some(OsStr::new("a.sock"));
+        assert_eq!(translate(dir, EventMask::Q_OVERFLOW, None), vec![FsEvent::Rescan("inotify queue overflow")]);
+        assert_eq!(translate(None, EventMask::CREATE, name), Vec::new(), "a watch no longer known");
+        let at = |removed| vec![FsEvent::Changed { path: "/r/a.sock".into(), removed }];
+        assert_eq!(translate(dir, EventMask::CREATE, name), at(false));
+        assert_eq!(translate(dir, EventMask::MOVED_TO, name), at(false));
+        assert_eq!(translate(dir, EventMask::DELETE, name), at(true));
+        assert_eq!(translate(dir, EventMask::MOVED_FROM, name), at(true));
         assert_eq!(
-            translate(Ok(rename)),
+            translate(dir, EventMask::DELETE_SELF, None),
+            vec![FsEvent::Changed { path: "/r".into(), removed: true }],
+            "the directory itself"
+        );
+    }
+
+    /// The real inotify, read on the runtime: a socket bound in a watched
+    /// directory is reported, and so is a directory made in it.
+    #[tokio::test]
+    async fn the_watch_reports_sockets_and_directories() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let root = dir.path().join("plugins_registry");
+        prepare_dir(&root).expect("prepare");
+        let (tx, mut queue) = event_queue(64);
+        let _watcher = start(&root, tx).expect("watch");
+        let _socket = std::os::unix::net::UnixListener::bind(root.join("a.sock")).expect("bind");
+        std::fs::create_dir(root.join("sub")).expect("mkdir");
+        let mut seen = Vec::new();
+        while seen.len() < 2 {
+            let event = tokio::time::timeout(std::time::Duration::from_secs(20), queue.recv())
+                .await
+                .expect("in time")
+                .expect("open");
+            seen.push(event);
+        }
+        assert_eq!(
+            seen,
             vec![
-                FsEvent::Changed { path: "/r/a.sock".into(), removed: true },
-                FsEvent::Changed { path: "/r/b.sock".into(), removed: false }
+                FsEvent::Changed { path: root.join("a.sock"), removed: false },
+                FsEvent::Changed { path: root.join("sub"), removed: false }
             ]
         );
     }
