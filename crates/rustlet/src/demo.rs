@@ -121,6 +121,13 @@ pub(crate) async fn run(args: DemoArgs, signals: HealthReporter, shutdown: Cance
         bail!("unexpected CSI drivers after the demo: {left:?}");
     }
 
+    let checks: Vec<String> = node
+        .healthz()
+        .report()
+        .into_iter()
+        .map(|c| if c.health.is_healthy() { format!("{} ok", c.name) } else { format!("{} FAILING", c.name) })
+        .collect();
+    println!("\nnode health (/healthz): {}", checks.join(", "));
     if args.once {
         println!("\ndemo complete");
         shutdown.cancel();
