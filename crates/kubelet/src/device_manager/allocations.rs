@@ -380,4 +380,3 @@ mod tests {
         assert_eq!(held_total, recorded, "no stale holders");
     }
 }
-

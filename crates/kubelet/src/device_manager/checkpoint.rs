@@ -401,7 +401,8 @@ mod tests {
         let entries: Vec<Arc<Part>> = (0..1500)
             .map(|i| {
                 let devices = [(format!("d{i:04}"), i64::from(i % 2))];
-                let entry = Part::entry(&format!("uid-{i:04}"), "c", "v.com/gpu", ContainerKind::App, &devices, &options);
+                let entry =
+                    Part::entry(&format!("uid-{i:04}"), "c", "v.com/gpu", ContainerKind::App, &devices, &options);
                 Arc::new(entry.expect("encode"))
             })
             .collect();

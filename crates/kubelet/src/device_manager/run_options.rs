@@ -173,7 +173,9 @@ impl RunOptions {
             let mut merge = Merge { resource, origins: &mut origins, conflicts: &mut conflicts };
             merge.map(RunOptionKind::Env, &mut merged.envs, &options.envs);
             merge.map(RunOptionKind::Annotation, &mut merged.annotations, &options.annotations);
-            merge.by_path(RunOptionKind::Mount, &mut merged.mounts, &options.mounts, |m| (&m.container_path, &m.host_path));
+            merge.by_path(RunOptionKind::Mount, &mut merged.mounts, &options.mounts, |m| {
+                (&m.container_path, &m.host_path)
+            });
             merge.by_path(RunOptionKind::Device, &mut merged.devices, &options.devices, |d| {
                 (&d.container_path, &d.host_path)
             });
