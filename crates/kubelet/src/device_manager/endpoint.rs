@@ -180,7 +180,8 @@ impl DeviceManager {
                 let reason = match watching.await {
                     Ok(Some(reason)) => reason,
                     Ok(None) => return,
-                    // The task is never aborted, so this is a panic.
+                    // Cancelled: the runtime is shutting down (we never abort it).
+                    Err(error) if error.is_cancelled() => return,
                     Err(error) => {
                         let panic = error.try_into_panic().map(|p| panic_text(&*p)).unwrap_or_default();
                         tracing::error!(

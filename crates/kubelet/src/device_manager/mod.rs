@@ -90,7 +90,7 @@ pub use checkpoint::CHECKPOINT_FILE;
 pub use container_start::ContainerStartError;
 pub use devices::{Capacities, CapacityChange, Device, Health, PluginOptions, ResourceCapacity};
 pub use endpoint::GraceTimers;
-pub use error::{DeviceManagerError, RegisterError};
+pub use error::DeviceManagerError;
 pub use handler::DevicePluginHandler;
 pub use resource_name::is_extended_resource_name;
 pub use run_options::{DeviceNode, MountSpec, RunOptionConflict, RunOptionKind, RunOptions};
