@@ -37,6 +37,10 @@ const LONG_GRACE: Duration = Duration::from_secs(3600);
 /// A grace period for tests of the removal itself.
 const SHORT_GRACE: Duration = Duration::from_millis(300);
 
+/// The call deadline of tests where a plugin never answers (other tests
+/// keep a generous one, so a busy machine cannot make a call miss it).
+const HANG_DEADLINE: Duration = Duration::from_secs(2);
+
 struct Node {
     root: TempDir,
     dir: PathBuf,
@@ -53,7 +57,7 @@ impl Node {
         let root = tempfile::Builder::new().prefix("rustlet-dm-").tempdir().expect("tempdir");
         let dir = root.path().join("device-plugins");
         let mut config = DeviceManagerConfig::new(&dir);
-        config.call_timeout = Duration::from_millis(500);
+        config.call_timeout = Duration::from_secs(10);
         config.grace_period = LONG_GRACE;
         tweak(&mut config);
         let shutdown = CancellationToken::new();
@@ -332,13 +336,13 @@ async fn second_registration_replaces_the_first_cleanly() {
 /// deadline; another plugin registers meanwhile.
 #[tokio::test]
 async fn options_that_never_answer_time_out_without_blocking_others() {
-    let node = Node::start().await;
+    let node = Node::start_with(|c| c.call_timeout = HANG_DEADLINE).await;
     let mut hung = node.plugin("hung.sock", &["--resource", GPU, "--count", "1", "--behaviour", "hang-options"]).await;
     let mut fine = node.plugin("fine.sock", &["--resource", "vendor.example.com/fine", "--count", "1"]).await;
     assert_eq!(registered(&mut fine).await, "");
     assert_eq!(
         registered(&mut hung).await,
-        format!("device plugin for resource {GPU}: GetDevicePluginOptions did not answer within 500ms")
+        format!("device plugin for resource {GPU}: GetDevicePluginOptions did not answer within 2s")
     );
 }
 
@@ -638,7 +642,8 @@ async fn preferred_allocation_naming_unknown_devices_is_ignored() {
 /// node chooses by itself.
 #[tokio::test]
 async fn preferred_allocation_that_never_answers_falls_back_to_our_choice() {
-    let (node, _plugin) = gpu_node(3, &["--preferred", "--behaviour", "hang-preferred"]).await;
+    let (node, _plugin) =
+        gpu_node_with(3, &["--preferred", "--behaviour", "hang-preferred"], |c| c.call_timeout = HANG_DEADLINE).await;
     node.devices.allocate(&request("p", "c", ContainerKind::App, 2)).await.expect("allocated after the deadline");
     assert_eq!(node.devices.allocated("uid-p", "c")[GPU], ["dev-0", "dev-1"]);
 }
@@ -767,9 +772,10 @@ async fn a_pod_that_cannot_be_allocated_keeps_nothing() {
 /// the deadline fires, nothing is recorded, the devices stay free.
 #[tokio::test]
 async fn allocate_that_never_answers_records_nothing() {
-    let (node, mut plugin) = gpu_node(2, &["--behaviour", "hang-allocate"]).await;
+    let (node, mut plugin) =
+        gpu_node_with(2, &["--behaviour", "hang-allocate"], |c| c.call_timeout = HANG_DEADLINE).await;
     let err = node.devices.allocate(&request("p", "c", ContainerKind::App, 2)).await.expect_err("deadline");
-    assert_eq!(err.to_string(), format!("Allocate for resource {GPU} did not answer within 500ms"));
+    assert_eq!(err.to_string(), format!("Allocate for resource {GPU} did not answer within 2s"));
     assert!(node.devices.allocated("uid-p", "c").is_empty());
     plugin.wait_for(SOON, |r| matches!(r, Report::Allocate { .. })).await.expect("p's Allocate");
     // Dies while an allocation waits on it (not before: then the allocation
@@ -824,9 +830,8 @@ async fn allocate_answer_with_the_wrong_container_count_records_nothing() {
 /// 1,000 pods asking for one device each at once: every pod gets its own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thousand_concurrent_allocations_get_distinct_devices() {
-    // 1,000 calls share the plugin's one connection: the default deadline,
-    // not the hang tests' 500 ms.
-    let node = Node::start_with(|c| c.call_timeout = Duration::from_secs(10)).await;
+    // 1,000 calls share the plugin's one connection.
+    let node = Node::start_with(|c| c.call_timeout = Duration::from_secs(30)).await;
     let _plugin = gpu_plugin(&node, &["--count", "1000"]).await;
     node.wait_capacity("1000 devices", |c| c.get(GPU).copied() == cap(1000, 1000)).await;
     let mut tasks = tokio::task::JoinSet::new();
@@ -1074,6 +1079,9 @@ async fn a_checkpoint_that_cannot_be_written_fails_the_allocation_and_the_health
     let (node, _plugin) = gpu_node(2, &[]).await;
     let health = node.health("device-checkpoint");
     assert!(health.get().is_healthy());
+    // The writes the registration asked for are done: no temporary file is
+    // in the way of the blocker.
+    node.devices.persisted().await.expect("written");
     let blocker = node.dir.join(".kubelet_internal_checkpoint.tmp");
     std::fs::create_dir(&blocker).expect("mkdir");
     let err = node.devices.allocate(&request("p", "c", ContainerKind::App, 1)).await.expect_err("not durable");
