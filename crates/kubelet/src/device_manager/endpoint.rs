@@ -277,20 +277,24 @@ impl DeviceManager {
         self.inner.grace_timers.send_modify(|t| t.running += 1);
         let grace = self.inner.config.grace_period;
         let manager = self.clone();
+        let span = tracing::info_span!("grace_timer", resource, generation);
         let resource = resource.to_owned();
-        self.inner.tasks.spawn(async move {
-            let fired = tokio::select! {
-                () = cancel.cancelled() => false,
-                () = tokio::time::sleep(grace) => true,
-            };
-            if fired {
-                manager.remove_after_grace(&resource, generation);
+        self.inner.tasks.spawn(
+            async move {
+                let fired = tokio::select! {
+                    () = cancel.cancelled() => false,
+                    () = tokio::time::sleep(grace) => true,
+                };
+                if fired {
+                    manager.remove_after_grace(&resource, generation);
+                }
+                manager.inner.grace_timers.send_modify(|t| {
+                    t.running -= 1;
+                    t.fired += u64::from(fired);
+                });
             }
-            manager.inner.grace_timers.send_modify(|t| {
-                t.running -= 1;
-                t.fired += u64::from(fired);
-            });
-        });
+            .instrument(span),
+        );
     }
 
     fn remove_after_grace(&self, resource: &str, generation: u64) {
