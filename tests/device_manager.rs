@@ -1,6 +1,13 @@
 //! The device manager against the fake device plugin binary: registration
 //! through `kubelet.sock` and through `plugins_registry`, health, capacity,
-//! replacement, stream end and the grace period.
+//! replacement, stream end and the grace period, allocation, container
+//! starts, the checkpoint and the manager's health checks.
+//!
+//! Nothing here depends on timing: a test waits for an event (a plugin
+//! report, a capacity change, a counter) with a generous deadline. The grace
+//! period is an hour unless a test is about the removal, which it then
+//! checks through the ordered record of capacity changes, never by catching
+//! a passing state.
 
 mod common;
 
@@ -9,14 +16,30 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use kubelet::device_manager::{Capacities, DeviceManager, DeviceManagerConfig, ResourceCapacity};
+use kubelet::device_manager::{
+    AllocateError, Capacities, CapacityChange, CheckpointWriteError, ContainerStartError, DeviceManager,
+    DeviceManagerConfig, ResourceCapacity,
+};
+use kubelet::health::ComponentHealth;
 use kubelet::plugin_manager::{PluginManager, PluginType};
 use rustlet_testkit::process::PluginProcess;
 use rustlet_testkit::report::Report;
 use tempfile::TempDir;
+use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 
 const GPU: &str = "vendor.example.com/gpu";
+
+/// A grace period no test outlives: the state during the grace period is
+/// stable for as long as a test looks at it.
+const LONG_GRACE: Duration = Duration::from_secs(3600);
+
+/// A grace period for tests of the removal itself.
+const SHORT_GRACE: Duration = Duration::from_millis(300);
+
+/// The call deadline of tests where a plugin never answers (other tests
+/// keep a generous one, so a busy machine cannot make a call miss it).
+const HANG_DEADLINE: Duration = Duration::from_secs(2);
 
 struct Node {
     root: TempDir,
@@ -34,8 +57,8 @@ impl Node {
         let root = tempfile::Builder::new().prefix("rustlet-dm-").tempdir().expect("tempdir");
         let dir = root.path().join("device-plugins");
         let mut config = DeviceManagerConfig::new(&dir);
-        config.call_timeout = Duration::from_millis(500);
-        config.grace_period = Duration::from_millis(300);
+        config.call_timeout = Duration::from_secs(10);
+        config.grace_period = LONG_GRACE;
         tweak(&mut config);
         let shutdown = CancellationToken::new();
         let devices = DeviceManager::start(config, shutdown.clone()).expect("start device manager");
@@ -60,6 +83,59 @@ impl Node {
             _ => panic!("timed out waiting for {what}; capacity: {:?}", *rx.borrow()),
         }
     }
+
+    /// The manager's health check called `name`.
+    fn health(&self, name: &str) -> kubelet::health::HealthCheck {
+        self.devices
+            .health_checks()
+            .into_iter()
+            .find_map(|(n, check)| (n == name).then_some(check))
+            .unwrap_or_else(|| panic!("no health check {name}"))
+    }
+}
+
+/// Waits until the health check satisfies `pred`.
+async fn wait_health(
+    check: &kubelet::health::HealthCheck,
+    what: &str,
+    pred: impl FnMut(&ComponentHealth) -> bool,
+) -> ComponentHealth {
+    let mut rx = check.watch();
+    match tokio::time::timeout(SOON, rx.wait_for(pred)).await {
+        Ok(Ok(health)) => health.clone(),
+        _ => panic!("timed out waiting for {what}; health: {:?}", check.get()),
+    }
+}
+
+/// The changes of `resource`'s capacity, in order, up to and including the
+/// first one that satisfies `last`.
+async fn changes_until(
+    changes: &mut broadcast::Receiver<CapacityChange>,
+    resource: &str,
+    mut last: impl FnMut(ResourceCapacity) -> bool,
+) -> Vec<ResourceCapacity> {
+    let mut seen = Vec::new();
+    let wait = async {
+        loop {
+            match changes.recv().await {
+                Ok(change) if change.resource == resource => {
+                    seen.push(change.capacity);
+                    if last(change.capacity) {
+                        return;
+                    }
+                }
+                Ok(_) => {}
+                Err(error) => panic!("change record: {error}"),
+            }
+        }
+    };
+    let done = tokio::time::timeout(SOON, wait).await;
+    assert!(done.is_ok(), "timed out waiting for a change of {resource}; changes so far: {seen:?}");
+    seen
+}
+
+fn capacity(capacity: u64, allocatable: u64) -> ResourceCapacity {
+    ResourceCapacity { capacity, allocatable }
 }
 
 impl Drop for Node {
@@ -197,74 +273,76 @@ async fn a_hundred_thousand_devices() {
 }
 
 /// The stream ends (plugin crash): every device unhealthy at once, and after
-/// the grace period the resource reported as zero.
+/// the grace period the resource reported as zero, in that order.
 #[tokio::test]
 async fn crashed_plugin_devices_turn_unhealthy_then_the_resource_is_removed() {
-    let node = Node::start().await;
+    let node = Node::start_with(|c| c.grace_period = SHORT_GRACE).await;
     let mut plugin = node.plugin("gpu.sock", &["--resource", GPU, "--count", "3"]).await;
     assert_eq!(registered(&mut plugin).await, "");
     node.wait_capacity("3 healthy", |c| c.get(GPU).copied() == cap(3, 3)).await;
+    let mut changes = node.devices.capacity_changes();
     plugin.send("crash").await.expect("send");
-    node.wait_capacity("all unhealthy", |c| c.get(GPU).copied() == cap(3, 0)).await;
-    node.wait_capacity("removed after the grace period", |c| c.get(GPU).copied() == cap(0, 0)).await;
+    let seen = changes_until(&mut changes, GPU, |c| c == capacity(0, 0)).await;
+    assert_eq!(seen, [capacity(3, 0), capacity(0, 0)], "unhealthy, then removed");
     assert!(node.devices.devices(GPU).is_empty());
+    let mut timers = node.devices.grace_timers();
+    tokio::time::timeout(SOON, timers.wait_for(|t| t.fired == 1 && t.running == 0))
+        .await
+        .expect("the grace timer fired")
+        .expect("alive");
 }
 
-/// A plugin that comes back within the grace period keeps the resource.
+/// A plugin that comes back within the grace period keeps the resource, and
+/// the grace timer is cancelled (it never fires).
 #[tokio::test]
 async fn plugin_back_within_the_grace_period_keeps_the_resource() {
     let node = Node::start().await;
     let mut plugin = node.plugin("gpu.sock", &["--resource", GPU, "--count", "2"]).await;
     assert_eq!(registered(&mut plugin).await, "");
+    node.wait_capacity("2 healthy", |c| c.get(GPU).copied() == cap(2, 2)).await;
+    let mut changes = node.devices.capacity_changes();
+    let mut timers = node.devices.grace_timers();
     plugin.send("crash").await.expect("send");
-    node.wait_capacity("all unhealthy", |c| c.get(GPU).copied() == cap(2, 0)).await;
+    tokio::time::timeout(SOON, timers.wait_for(|t| t.running == 1)).await.expect("grace timer started").expect("alive");
     let mut again = node.plugin("gpu-2.sock", &["--resource", GPU, "--count", "2"]).await;
     assert_eq!(registered(&mut again).await, "");
-    node.wait_capacity("healthy again", |c| c.get(GPU).copied() == cap(2, 2)).await;
-    // The first plugin's grace timer fires and must leave the resource alone.
-    let mut fired = node.devices.grace_timers_fired();
-    tokio::time::timeout(SOON, fired.wait_for(|n| *n >= 1)).await.expect("timer fired").expect("alive");
-    assert_eq!(node.devices.capacity().borrow().get(GPU).copied(), cap(2, 2));
+    let seen = changes_until(&mut changes, GPU, |c| c == capacity(2, 2)).await;
+    assert_eq!(seen, [capacity(2, 0), capacity(2, 2)], "unhealthy, then healthy again, never removed");
+    let timers = tokio::time::timeout(SOON, timers.wait_for(|t| t.running == 0))
+        .await
+        .expect("grace timer cancelled")
+        .expect("alive");
+    assert_eq!(timers.fired, 0, "the grace timer never ran out");
 }
 
 /// A second registration for the same resource replaces the first: the old
-/// stream is closed, capacity never dips, the new device set wins.
+/// stream is closed, capacity never dips (every change is checked), the new
+/// device set wins.
 #[tokio::test]
 async fn second_registration_replaces_the_first_cleanly() {
     let node = Node::start().await;
     let mut first = node.plugin("gpu-a.sock", &["--resource", GPU, "--count", "2"]).await;
     assert_eq!(registered(&mut first).await, "");
     node.wait_capacity("first plugin's devices", |c| c.get(GPU).copied() == cap(2, 2)).await;
-    let snapshots = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let mut rx = node.devices.capacity();
-    let sink = snapshots.clone();
-    let recorder = tokio::spawn(async move {
-        while rx.changed().await.is_ok() {
-            let c = rx.borrow_and_update().get(GPU).copied();
-            sink.lock().expect("lock").push(c);
-        }
-    });
+    let mut changes = node.devices.capacity_changes();
     let mut second = node.plugin("gpu-b.sock", &["--resource", GPU, "--count", "3"]).await;
     assert_eq!(registered(&mut second).await, "");
     first.wait_for(SOON, |r| matches!(r, Report::ListAndWatchClosed { .. })).await.expect("old stream closed");
-    node.wait_capacity("second plugin's devices", |c| c.get(GPU).copied() == cap(3, 3)).await;
-    recorder.abort();
-    for c in snapshots.lock().expect("lock").iter() {
-        assert!(c.is_some_and(|c| c.allocatable >= 2), "capacity dipped: {c:?}");
-    }
+    let seen = changes_until(&mut changes, GPU, |c| c == capacity(3, 3)).await;
+    assert_eq!(seen, [capacity(3, 3)], "straight from the first plugin's devices to the second's");
 }
 
 /// Bad input: GetDevicePluginOptions never answers. Register fails at the
 /// deadline; another plugin registers meanwhile.
 #[tokio::test]
 async fn options_that_never_answer_time_out_without_blocking_others() {
-    let node = Node::start().await;
+    let node = Node::start_with(|c| c.call_timeout = HANG_DEADLINE).await;
     let mut hung = node.plugin("hung.sock", &["--resource", GPU, "--count", "1", "--behaviour", "hang-options"]).await;
     let mut fine = node.plugin("fine.sock", &["--resource", "vendor.example.com/fine", "--count", "1"]).await;
     assert_eq!(registered(&mut fine).await, "");
     assert_eq!(
         registered(&mut hung).await,
-        format!("device plugin for resource {GPU}: GetDevicePluginOptions did not answer within 500ms")
+        format!("device plugin for resource {GPU}: GetDevicePluginOptions did not answer within 2s")
     );
 }
 
@@ -416,7 +494,7 @@ async fn a_plain_tonic_server_refuses_a_raw_path_authority() {
 
 // ----- allocation -----
 
-use kubelet::device_manager::{ContainerKind, ContainerRequest};
+use kubelet::device_manager::{ContainerKind, ContainerRequest, PodContainer, PodDeviceRequest};
 
 fn request(pod: &str, container: &str, kind: ContainerKind, count: u64) -> ContainerRequest {
     ContainerRequest {
@@ -431,7 +509,15 @@ fn request(pod: &str, container: &str, kind: ContainerKind, count: u64) -> Conta
 /// A node with a GPU plugin of `count` healthy devices, registered and
 /// published.
 async fn gpu_node(count: u64, extra: &[&str]) -> (Node, PluginProcess) {
-    let node = Node::start().await;
+    gpu_node_with(count, extra, |_| {}).await
+}
+
+async fn gpu_node_with(
+    count: u64,
+    extra: &[&str],
+    tweak: impl FnOnce(&mut DeviceManagerConfig),
+) -> (Node, PluginProcess) {
+    let node = Node::start_with(tweak).await;
     let count_arg = count.to_string();
     let mut args = vec!["--count", count_arg.as_str()];
     args.extend_from_slice(extra);
@@ -466,7 +552,7 @@ async fn allocation_gives_devices_and_their_run_options() {
 /// UPSTREAM.md §3's error texts.
 #[tokio::test]
 async fn allocation_errors_say_what_upstream_says() {
-    let (node, mut plugin) = gpu_node(2, &[]).await;
+    let (node, mut plugin) = gpu_node_with(2, &[], |c| c.grace_period = SHORT_GRACE).await;
     let err = node.devices.allocate(&request("big", "c", ContainerKind::App, 3)).await.expect_err("too many");
     assert_eq!(
         err.to_string(),
@@ -481,6 +567,8 @@ async fn allocation_errors_say_what_upstream_says() {
     let err = node.devices.allocate(&request("q", "c", ContainerKind::App, 1)).await.expect_err("unhealthy");
     assert_eq!(err.to_string(), format!("no healthy devices present; cannot allocate unhealthy devices {GPU}"));
     plugin.send("crash").await.expect("send");
+    // Removed after the grace period: the final state, so waiting for it
+    // cannot miss it.
     node.wait_capacity("removed after grace", |c| c.get(GPU).copied() == cap(0, 0)).await;
     let err = node.devices.allocate(&request("r", "c", ContainerKind::App, 1)).await.expect_err("unregistered");
     assert_eq!(err.to_string(), format!("cannot allocate unregistered device {GPU}"));
@@ -554,41 +642,152 @@ async fn preferred_allocation_naming_unknown_devices_is_ignored() {
 /// node chooses by itself.
 #[tokio::test]
 async fn preferred_allocation_that_never_answers_falls_back_to_our_choice() {
-    let (node, _plugin) = gpu_node(3, &["--preferred", "--behaviour", "hang-preferred"]).await;
+    let (node, _plugin) =
+        gpu_node_with(3, &["--preferred", "--behaviour", "hang-preferred"], |c| c.call_timeout = HANG_DEADLINE).await;
     node.devices.allocate(&request("p", "c", ContainerKind::App, 2)).await.expect("allocated after the deadline");
     assert_eq!(node.devices.allocated("uid-p", "c")[GPU], ["dev-0", "dev-1"]);
 }
 
+/// Upstream calls PreStartContainer at every container start (restarts
+/// too), never from Allocate: allocating, then starting the container twice,
+/// makes exactly two calls, with the container's devices.
 #[tokio::test]
-async fn pre_start_container_is_called_when_asked_for() {
+async fn pre_start_container_is_called_at_every_container_start() {
     let (node, mut plugin) = gpu_node(2, &["--pre-start"]).await;
+    let allocated = node.devices.allocate(&request("p", "c", ContainerKind::App, 1)).await.expect("allocated");
+    for start in 1..=2 {
+        let options = node.devices.container_run_options("uid-p", "c").await.expect("started");
+        assert_eq!(options, allocated, "start {start}: the allocation's run options");
+    }
+    // A marker: the plugin reports calls in the order it gets them, so the
+    // PreStartContainer calls are the ones between the two Allocates.
+    node.devices.allocate(&request("q", "c", ContainerKind::App, 1)).await.expect("allocated");
+    let mut calls = Vec::new();
+    plugin.wait_for(SOON, |r| matches!(r, Report::Allocate { .. })).await.expect("first Allocate");
+    plugin
+        .wait_for(SOON, |r| match r {
+            Report::PreStartContainer { .. } => {
+                calls.push(r.clone());
+                false
+            }
+            Report::Allocate { .. } => true,
+            _ => false,
+        })
+        .await
+        .expect("second Allocate");
+    let expected = Report::PreStartContainer { resource: GPU.into(), devices: vec!["dev-0".into()] };
+    assert_eq!(calls, [expected.clone(), expected], "one call per start, none from Allocate");
+    // A container without devices starts with empty options and no call.
+    assert_eq!(node.devices.container_run_options("uid-p", "other").await.expect("no devices"), Default::default());
+}
+
+/// Bad input: the plugin that asked for PreStartContainer is gone when the
+/// container starts: the start fails, naming the resource.
+#[tokio::test]
+async fn a_container_start_fails_while_its_pre_start_plugin_is_gone() {
+    let (node, mut plugin) = gpu_node(1, &["--pre-start"]).await;
     node.devices.allocate(&request("p", "c", ContainerKind::App, 1)).await.expect("allocated");
-    let report = plugin.wait_for(SOON, |r| matches!(r, Report::PreStartContainer { .. })).await.expect("called");
-    assert_eq!(report, Report::PreStartContainer { resource: GPU.into(), devices: vec!["dev-0".into()] });
+    plugin.send("crash").await.expect("send");
+    node.wait_capacity("unhealthy (grace period of an hour)", |c| c.get(GPU).copied() == cap(1, 0)).await;
+    let err = node.devices.container_run_options("uid-p", "c").await.expect_err("plugin gone");
+    assert!(matches!(err, ContainerStartError::PluginGone { .. }), "{err:?}");
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "the device plugin for resource {GPU} requires PreStartContainer but is not connected (pod uid-p container c)"
+        )
+    );
+}
+
+fn pod_container(name: &str, kind: ContainerKind, count: u64) -> PodContainer {
+    PodContainer { name: name.into(), kind, limits: [(GPU.to_owned(), count)].into_iter().collect() }
+}
+
+fn pod(name: &str, containers: Vec<PodContainer>) -> PodDeviceRequest {
+    PodDeviceRequest { pod_uid: format!("uid-{name}"), pod_name: name.into(), containers }
+}
+
+/// `allocate_pod` allocates init containers first, then sidecars and app
+/// containers, whatever order the caller lists them in: init-device reuse
+/// comes out as in `init_devices_are_reused_and_app_containers_stay_disjoint`.
+#[tokio::test]
+async fn allocate_pod_allocates_init_containers_first_whatever_the_order_given() {
+    let (node, _plugin) = gpu_node(4, &[]).await;
+    let request = pod(
+        "p",
+        vec![
+            pod_container("app1", ContainerKind::App, 2),
+            pod_container("sidecar", ContainerKind::RestartableInit, 1),
+            pod_container("app2", ContainerKind::App, 1),
+            pod_container("init", ContainerKind::Init, 2),
+        ],
+    );
+    let devices = node.devices.allocate_pod(&request).await.expect("allocated");
+    let held = |c: &str| node.devices.allocated("uid-p", c)[GPU].clone();
+    assert_eq!(held("init"), ["dev-0", "dev-1"]);
+    assert_eq!(held("sidecar"), ["dev-0"], "reuses an init device");
+    assert_eq!(held("app1"), ["dev-1", "dev-2"], "reuses the other init device, not the sidecar's");
+    assert_eq!(held("app2"), ["dev-3"]);
+    let env = |c: &str| devices[c].envs["FAKE_DEVICES"].clone();
+    assert_eq!(
+        [env("init"), env("sidecar"), env("app1"), env("app2")],
+        ["dev-0,dev-1", "dev-0", "dev-1,dev-2", "dev-3"],
+        "each container's run options"
+    );
+    // Asking again is idempotent.
+    assert_eq!(node.devices.allocate_pod(&request).await.expect("same again"), devices);
+}
+
+/// A pod whose last container cannot be allocated keeps nothing: its
+/// earlier containers' devices are released and out of the checkpoint.
+#[tokio::test]
+async fn a_pod_that_cannot_be_allocated_keeps_nothing() {
+    let (node, _plugin) = gpu_node(3, &[]).await;
+    let request = pod(
+        "p",
+        vec![
+            pod_container("init", ContainerKind::Init, 1),
+            pod_container("app1", ContainerKind::App, 2),
+            pod_container("app2", ContainerKind::App, 2),
+        ],
+    );
+    let err = node.devices.allocate_pod(&request).await.expect_err("app2 does not fit");
+    assert_eq!(
+        err.to_string(),
+        format!("requested number of devices unavailable for {GPU}. Requested: 2, Available: 1")
+    );
+    for container in ["init", "app1", "app2"] {
+        assert!(node.devices.allocated("uid-p", container).is_empty(), "{container} kept devices");
+    }
+    node.devices.persisted().await.expect("written");
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(node.dir.join("kubelet_internal_checkpoint")).expect("checkpoint"))
+            .expect("json");
+    assert_eq!(json["Data"]["PodDeviceEntries"], serde_json::json!([]), "nothing of the pod on disk");
+    let all = pod("q", vec![pod_container("c", ContainerKind::App, 3)]);
+    node.devices.allocate_pod(&all).await.expect("every device free again");
 }
 
 /// Bad input: Allocate never answers, or the plugin dies mid-allocation:
 /// the deadline fires, nothing is recorded, the devices stay free.
 #[tokio::test]
 async fn allocate_that_never_answers_records_nothing() {
-    let (node, mut plugin) = gpu_node(2, &["--behaviour", "hang-allocate"]).await;
+    let (node, mut plugin) =
+        gpu_node_with(2, &["--behaviour", "hang-allocate"], |c| c.call_timeout = HANG_DEADLINE).await;
     let err = node.devices.allocate(&request("p", "c", ContainerKind::App, 2)).await.expect_err("deadline");
-    assert_eq!(err.to_string(), format!("Allocate for resource {GPU} did not answer within 500ms"));
+    assert_eq!(err.to_string(), format!("Allocate for resource {GPU} did not answer within 2s"));
     assert!(node.devices.allocated("uid-p", "c").is_empty());
-    // Dies while an allocation waits on it.
+    plugin.wait_for(SOON, |r| matches!(r, Report::Allocate { .. })).await.expect("p's Allocate");
+    // Dies while an allocation waits on it (not before: then the allocation
+    // would find no healthy device).
     let pending = tokio::spawn({
         let devices = node.devices.clone();
         async move { devices.allocate(&request("q", "c", ContainerKind::App, 2)).await }
     });
+    plugin.wait_for(SOON, |r| matches!(r, Report::Allocate { .. })).await.expect("q's Allocate");
     plugin.send("crash").await.expect("send");
     let err = pending.await.expect("task").expect_err("plugin died");
-    assert!(
-        matches!(
-            err,
-            kubelet::device_manager::AllocateError::Rpc { .. } | kubelet::device_manager::AllocateError::Timeout { .. }
-        ),
-        "{err}"
-    );
+    assert!(matches!(err, AllocateError::Rpc { .. } | AllocateError::Timeout { .. }), "{err}");
     assert!(node.devices.allocated("uid-q", "c").is_empty());
 }
 
@@ -631,9 +830,8 @@ async fn allocate_answer_with_the_wrong_container_count_records_nothing() {
 /// 1,000 pods asking for one device each at once: every pod gets its own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thousand_concurrent_allocations_get_distinct_devices() {
-    // 1,000 calls share the plugin's one connection: the default deadline,
-    // not the hang tests' 500 ms.
-    let node = Node::start_with(|c| c.call_timeout = Duration::from_secs(10)).await;
+    // 1,000 calls share the plugin's one connection.
+    let node = Node::start_with(|c| c.call_timeout = Duration::from_secs(30)).await;
     let _plugin = gpu_plugin(&node, &["--count", "1000"]).await;
     node.wait_capacity("1000 devices", |c| c.get(GPU).copied() == cap(1000, 1000)).await;
     let mut tasks = tokio::task::JoinSet::new();
@@ -761,7 +959,8 @@ async fn a_registered_resource_without_allocations_is_listed_after_a_restart() {
         shutdown.cancel();
         restarted.stopped().await;
         let err = restarted.persisted().await.expect_err("no writes after shutdown");
-        assert_eq!(err, "the device manager is shutting down");
+        assert!(matches!(err, CheckpointWriteError::ShuttingDown), "{err:?}");
+        assert_eq!(err.to_string(), "the device manager is shutting down");
     }
 }
 
@@ -835,4 +1034,117 @@ async fn kill_9_during_allocation_loses_nothing_and_duplicates_nothing() {
     }
     assert!(owners.len() >= 50);
     shutdown.cancel();
+}
+
+/// After a restart the checkpoint holds pods the node no longer runs:
+/// `retain_pods` frees them (and says which), and the checkpoint forgets
+/// them, so a second restart restores only the live pod.
+#[tokio::test]
+async fn retain_pods_frees_the_orphans_restored_from_the_checkpoint() {
+    let (node, mut plugin) = gpu_node(3, &[]).await;
+    for pod in ["p", "q", "r"] {
+        node.devices.allocate(&request(pod, "c", ContainerKind::App, 1)).await.expect("allocated");
+    }
+    node.shutdown.cancel();
+    node.devices.stopped().await;
+    plugin.kill().await;
+
+    let shutdown = CancellationToken::new();
+    let restarted = DeviceManager::start(DeviceManagerConfig::new(&node.dir), shutdown.clone()).expect("restart");
+    assert_eq!(restarted.allocated("uid-p", "c")[GPU], ["dev-0"], "restored");
+    let freed = restarted.retain_pods(["uid-q"]);
+    assert_eq!(freed, [("uid-p".to_owned(), 1), ("uid-r".to_owned(), 1)].into_iter().collect());
+    assert!(restarted.allocated("uid-p", "c").is_empty());
+    assert!(restarted.allocated("uid-r", "c").is_empty());
+    assert_eq!(restarted.allocated("uid-q", "c")[GPU], ["dev-1"], "the live pod keeps its device");
+    assert!(restarted.retain_pods(["uid-q"]).is_empty(), "nothing left to free");
+    restarted.persisted().await.expect("written");
+    shutdown.cancel();
+    restarted.stopped().await;
+
+    let shutdown = CancellationToken::new();
+    let again = DeviceManager::start(DeviceManagerConfig::new(&node.dir), shutdown.clone()).expect("restart again");
+    assert!(again.allocated("uid-p", "c").is_empty(), "the orphans are out of the checkpoint");
+    assert!(again.allocated("uid-r", "c").is_empty());
+    assert_eq!(again.allocated("uid-q", "c")[GPU], ["dev-1"]);
+    shutdown.cancel();
+}
+
+/// Bad input: the checkpoint cannot be written (a directory sits where the
+/// temporary file goes). The allocation fails with the typed error and
+/// records nothing; the `device-checkpoint` health check fails with the
+/// error until a write succeeds again.
+#[tokio::test]
+async fn a_checkpoint_that_cannot_be_written_fails_the_allocation_and_the_health_check() {
+    let (node, _plugin) = gpu_node(2, &[]).await;
+    let health = node.health("device-checkpoint");
+    assert!(health.get().is_healthy());
+    // The writes the registration asked for are done: no temporary file is
+    // in the way of the blocker.
+    node.devices.persisted().await.expect("written");
+    let blocker = node.dir.join(".kubelet_internal_checkpoint.tmp");
+    std::fs::create_dir(&blocker).expect("mkdir");
+    let err = node.devices.allocate(&request("p", "c", ContainerKind::App, 1)).await.expect_err("not durable");
+    let AllocateError::Checkpoint(CheckpointWriteError::Io { path, .. }) = &err else {
+        panic!("expected a checkpoint write error, got {err:?}");
+    };
+    assert_eq!(path, &node.dir.join("kubelet_internal_checkpoint"));
+    assert!(
+        err.to_string().starts_with(&format!(
+            "the allocation was not recorded: cannot write device checkpoint {}: ",
+            path.display()
+        )),
+        "{err}"
+    );
+    assert!(node.devices.allocated("uid-p", "c").is_empty(), "nothing recorded");
+    let failing = wait_health(&health, "checkpoint failing", |h| !h.is_healthy()).await;
+    let ComponentHealth::Failing { reason } = failing else { unreachable!() };
+    assert!(reason.starts_with(&format!("cannot write device checkpoint {}: ", path.display())), "{reason}");
+
+    std::fs::remove_dir(&blocker).expect("rmdir");
+    node.devices.persisted().await.expect("written again");
+    assert!(health.get().is_healthy(), "healthy after a good write");
+    node.devices.allocate(&request("p", "c", ContainerKind::App, 2)).await.expect("both devices are free");
+}
+
+/// kubelet.sock removed and something else put in its place: the server
+/// cannot rebind, says so through its health check, keeps retrying, and
+/// serves again (plugins register) once the path is free.
+#[tokio::test]
+async fn kubelet_sock_that_cannot_be_rebound_is_retried_until_it_can() {
+    let node = Node::start().await;
+    let health = node.health("device-registration-server");
+    assert!(health.get().is_healthy());
+    let socket = node.devices.socket_path();
+    // The server may rebind between the removal and the mkdir; then remove
+    // its new socket and try again until the directory is in place.
+    loop {
+        match std::fs::remove_file(&socket) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => panic!("rm kubelet.sock: {e}"),
+        }
+        match std::fs::create_dir(&socket) {
+            Ok(()) => break,
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => panic!("mkdir kubelet.sock: {e}"),
+        }
+    }
+    let failing = wait_health(&health, "registration server failing", |h| !h.is_healthy()).await;
+    let ComponentHealth::Failing { reason } = failing else { unreachable!() };
+    assert!(
+        reason.starts_with(&format!(
+            "cannot serve device plugin registration: bind {}: a non-socket file is in the way; retrying in ",
+            socket.display()
+        )),
+        "{reason}"
+    );
+    let mut generation = node.devices.registration_server_generation();
+    let before = *generation.borrow_and_update();
+
+    std::fs::remove_dir(&socket).expect("rmdir");
+    tokio::time::timeout(SOON, generation.wait_for(|g| *g > before)).await.expect("rebound in time").expect("alive");
+    wait_health(&health, "registration server healthy", ComponentHealth::is_healthy).await;
+    let mut plugin = node.plugin("gpu.sock", &["--resource", GPU, "--count", "1"]).await;
+    assert_eq!(registered(&mut plugin).await, "");
 }

@@ -1,35 +1,45 @@
-//! Allocating devices to containers.
+//! Allocating devices to pods and containers, and freeing them.
 //!
-//! # Flow, per device-plugin resource in the container's limits
+//! # Flow, per device-plugin resource in a container's limits
 //! 1. Same count already allocated to this container: reuse it (idempotent);
 //!    a different count is an error.
 //! 2. Under the locks: find the free healthy devices and the ones this pod's
 //!    earlier init containers hold (reusable); too few is an error. Unless
-//!    the plugin offers `GetPreferredAllocation`, choose (see `allocation`)
-//!    and reserve the devices right away.
+//!    the plugin offers `GetPreferredAllocation`, choose (see
+//!    `device_choice`) and reserve the devices right away.
 //! 3. Without the locks: `GetPreferredAllocation` when the plugin offers it;
 //!    then, under the locks, choose against the state as it is now and
 //!    reserve.
-//! 4. Without the locks: `Allocate` (one container, deadline), then
-//!    `PreStartContainer` when the plugin asked for it; the checkpoint entry
-//!    is encoded.
-//! 5. Under the lock: record the allocation, or release the reservation.
+//! 4. Without the locks: `Allocate` (one container, deadline); the
+//!    checkpoint entry is encoded.
+//! 5. Under the lock: record the allocation in the index (`allocations`),
+//!    or release the reservation.
 //! 6. Wait for the checkpoint write that covers it (shared with concurrent
 //!    allocations).
 //!
+//! `PreStartContainer` is not part of the allocation: it is called each time
+//! a container starts (see `container_start`), as upstream does.
+//!
+//! # Pods
+//! [`DeviceManager::allocate_pod`] allocates a pod's init containers first,
+//! in the order given, then its restartable init containers (sidecars) and
+//! its app containers, each in the order given, whatever order the caller
+//! lists them in: which init devices later containers reuse never depends
+//! on the caller. The whole pod waits for one checkpoint write, and a
+//! failure undoes everything the call recorded for the pod.
+//!
 //! # Cost
-//! Devices in use are indexed per resource and kept sorted, so finding the
-//! free ones is one walk over the resource's devices, whatever the number of
-//! allocations on the node; a checkpoint entry is encoded once, when its
-//! allocation is made.
+//! Finding the free devices is one walk over the resource's devices,
+//! whatever the number of allocations on the node (see `allocations`); a
+//! checkpoint entry is encoded once, when its allocation is made.
 //!
 //! No lock is held across a call to a plugin: concurrent allocations wait
 //! for each other only while one chooses (a walk over its resource's
 //! devices), and for a free slot when 128 calls to the same plugin are in
-//! flight. A failure leaves nothing recorded: this container's other
-//! resources allocated in the same call are released too. So does a call
-//! whose caller drops it midway (its reservations are released, and what it
-//! recorded is removed and the removal checkpointed).
+//! flight. A failure leaves nothing recorded: what the call allocated
+//! before it failed is released too. So does a call whose caller drops it
+//! midway (its reservations are released, and what it recorded is removed
+//! and the removal checkpointed).
 //!
 //! # Guarantees
 //! - App containers of a pod never share devices; a pod's (non-restartable)
@@ -37,28 +47,31 @@
 //!   (restartable init containers) keep theirs.
 //!
 //! # Caveats
-//! - `free_pod` rewrites the checkpoint in the background: after a crash in
-//!   between, the freed pod's devices come back allocated until it is freed
-//!   again.
+//! - `free_pod` and `retain_pods` rewrite the checkpoint in the background:
+//!   after a crash in between, the freed pods' devices come back allocated
+//!   until they are freed again.
 //! - A `GetPreferredAllocation` that fails or times out is logged and the
 //!   node chooses by itself.
 //! - Two concurrent calls for the same container: the second may return the
 //!   first's run options before they are on disk, and keep them if the
 //!   first's checkpoint write then fails. The pod lifecycle makes one call
-//!   per container at a time.
+//!   per pod at a time.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
 use kubelet_api::deviceplugin::v1beta1 as api;
 use kubelet_api::deviceplugin::v1beta1::device_plugin_client::DevicePluginClient;
 
-use super::allocation::{Free, choose};
+use super::DeviceManager;
+use super::allocations::{Allocations, Held, free_devices};
 use super::checkpoint::Part;
-use super::devices::{Device, Health, PluginOptions};
+use super::device_choice::choose;
+use super::devices::{Device, Health};
+use super::endpoint::{CallFailure, call};
 use super::run_options::RunOptions;
-use super::{DeviceManager, call};
+use super::writer::CheckpointWriteError;
 
 /// What kind of container asks for devices.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -85,6 +98,32 @@ pub struct ContainerRequest {
     /// `resources.limits`; resources no device plugin ever registered are ignored.
     pub limits: BTreeMap<String, u64>,
 }
+
+/// A pod's device request: every container of the pod, in any order.
+#[derive(Clone, Debug)]
+pub struct PodDeviceRequest {
+    /// The pod's UID.
+    pub pod_uid: String,
+    /// The pod's name (for messages).
+    pub pod_name: String,
+    /// Its containers (init, sidecar and app), in any order.
+    pub containers: Vec<PodContainer>,
+}
+
+/// One container of a [`PodDeviceRequest`].
+#[derive(Clone, Debug)]
+pub struct PodContainer {
+    /// The container's name.
+    pub name: String,
+    /// Its kind.
+    pub kind: ContainerKind,
+    /// `resources.limits`; resources no device plugin ever registered are ignored.
+    pub limits: BTreeMap<String, u64>,
+}
+
+/// The run options of a pod's containers, by container name (containers
+/// without devices get empty options).
+pub type PodDevices = BTreeMap<String, RunOptions>;
 
 /// Why a container's devices could not be allocated. The first four texts
 /// are upstream's.
@@ -128,6 +167,7 @@ pub enum AllocateError {
         /// The RPC.
         rpc: &'static str,
         /// The gRPC status.
+        #[source]
         status: tonic::Status,
     },
     /// A call to the plugin did not answer in time.
@@ -148,223 +188,20 @@ pub enum AllocateError {
         /// What is wrong.
         reason: String,
     },
-    /// The allocation could not be made durable; it was undone.
-    #[error("cannot write the device checkpoint: {0}")]
-    Checkpoint(String),
+    /// The allocation could not be made durable (or its checkpoint entry
+    /// not encoded); nothing of it is kept.
+    #[error("the allocation was not recorded: {0}")]
+    Checkpoint(#[source] CheckpointWriteError),
 }
 
-/// What a container holds of one resource.
-#[derive(Clone, Debug)]
-pub(crate) struct Held {
-    pub(crate) device_ids: Vec<String>,
-    pub(crate) options: RunOptions,
-    /// Its checkpoint entry, encoded once.
-    pub(crate) encoded: Arc<Part>,
-}
-
-/// One container's allocations.
-#[derive(Clone, Debug)]
-pub(crate) struct ContainerRecord {
-    pub(crate) kind: ContainerKind,
-    pub(crate) resources: BTreeMap<String, Held>,
-}
-
-/// A container holding a device.
-#[derive(Debug)]
-struct Holder {
-    pod: String,
-    container: String,
-    /// A (non-restartable) init container: its pod's later containers may
-    /// reuse the device.
-    init: bool,
-}
-
-/// Who uses a device: the containers holding it (more than one only when a
-/// pod's containers reuse its init containers' devices), and whether an
-/// allocation in progress reserved it.
-#[derive(Debug, Default)]
-struct Use {
-    holders: Vec<Holder>,
-    reserved: bool,
-}
-
-impl Use {
-    /// Unavailable to `pod`: reserved, or held by anyone but the pod's init
-    /// containers.
-    fn taken_for(&self, pod: &str) -> bool {
-        self.reserved || self.holders.iter().any(|h| !(h.init && h.pod == pod))
-    }
-}
-
-/// Every allocation, indexed by device, and devices reserved by allocations
-/// in progress. A resource's free devices are found by walking its device
-/// list alongside its (sorted) used devices, whatever the number of
-/// allocations on the node.
-#[derive(Default)]
-pub(crate) struct Allocations {
-    pods: BTreeMap<String, BTreeMap<String, ContainerRecord>>,
-    /// Resource → device → its use; devices nobody uses are absent.
-    uses: HashMap<String, BTreeMap<String, Use>>,
-}
-
-impl Allocations {
-    /// Allocations restored from a checkpoint.
-    pub(crate) fn restored(pods: BTreeMap<String, BTreeMap<String, ContainerRecord>>) -> Self {
-        let mut allocations = Allocations::default();
-        for (pod, containers) in &pods {
-            for (container, record) in containers {
-                for (resource, held) in &record.resources {
-                    allocations.hold(pod, container, record.kind, resource, &held.device_ids);
-                }
-            }
-        }
-        allocations.pods = pods;
-        allocations
-    }
-
-    fn hold(&mut self, pod: &str, container: &str, kind: ContainerKind, resource: &str, ids: &[String]) {
-        let devices = self.uses.entry(resource.to_owned()).or_default();
-        for id in ids {
-            let holders = &mut devices.entry(id.clone()).or_default().holders;
-            if !holders.iter().any(|h| h.pod == pod && h.container == container) {
-                holders.push(Holder {
-                    pod: pod.to_owned(),
-                    container: container.to_owned(),
-                    init: kind == ContainerKind::Init,
-                });
-            }
+impl AllocateError {
+    fn of_call(resource: &str, rpc: &'static str, failure: CallFailure) -> AllocateError {
+        let resource = resource.to_owned();
+        match failure {
+            CallFailure::Status(status) => AllocateError::Rpc { resource, rpc, status },
+            CallFailure::Timeout(timeout) => AllocateError::Timeout { resource, rpc, timeout },
         }
     }
-
-    /// Applies `change` to the use of each of `ids`, dropping uses left empty.
-    fn change_uses(&mut self, resource: &str, ids: &[String], change: impl Fn(&mut Use)) {
-        let Some(devices) = self.uses.get_mut(resource) else { return };
-        for id in ids {
-            if let Some(device) = devices.get_mut(id) {
-                change(device);
-                if device.holders.is_empty() && !device.reserved {
-                    devices.remove(id);
-                }
-            }
-        }
-    }
-
-    fn unhold(&mut self, pod: &str, container: &str, resource: &str, ids: &[String]) {
-        self.change_uses(resource, ids, |u| u.holders.retain(|h| h.pod != pod || h.container != container));
-    }
-
-    /// What the container holds of `resource`.
-    fn held(&self, pod: &str, container: &str, resource: &str) -> Option<&Held> {
-        self.pods.get(pod)?.get(container)?.resources.get(resource)
-    }
-
-    /// Records an allocation; its devices are no longer merely reserved.
-    fn insert(&mut self, request: &ContainerRequest, resource: &str, held: Held) {
-        let (pod, container) = (&request.pod_uid, &request.container_name);
-        self.unreserve(resource, &held.device_ids);
-        let kind = self.pods.get(pod).and_then(|c| c.get(container)).map_or(request.kind, |r| r.kind);
-        // A different count than before is refused earlier; a replacement
-        // is kept consistent regardless.
-        if let Some(old) = self.held(pod, container, resource).map(|h| h.device_ids.clone()) {
-            self.unhold(pod, container, resource, &old);
-        }
-        self.hold(pod, container, kind, resource, &held.device_ids);
-        self.pods
-            .entry(pod.clone())
-            .or_default()
-            .entry(container.clone())
-            .or_insert_with(|| ContainerRecord { kind, resources: BTreeMap::new() })
-            .resources
-            .insert(resource.to_owned(), held);
-    }
-
-    /// Removes the container's allocations of `resources`.
-    fn remove(&mut self, pod: &str, container: &str, resources: &[String]) {
-        let Some(record) = self.pods.get_mut(pod).and_then(|c| c.get_mut(container)) else { return };
-        let removed: Vec<(String, Held)> =
-            resources.iter().filter_map(|r| record.resources.remove(r).map(|h| (r.clone(), h))).collect();
-        for (resource, held) in removed {
-            self.unhold(pod, container, &resource, &held.device_ids);
-        }
-    }
-
-    /// Removes every allocation of the pod; returns how many devices it held.
-    fn remove_pod(&mut self, pod: &str) -> usize {
-        let Some(containers) = self.pods.remove(pod) else { return 0 };
-        let mut freed = 0;
-        for (container, record) in &containers {
-            for (resource, held) in &record.resources {
-                self.unhold(pod, container, resource, &held.device_ids);
-                freed += held.device_ids.len();
-            }
-        }
-        freed
-    }
-
-    /// Whether device `id` of `resource` is unavailable to `pod`: reserved,
-    /// or held by anyone but the pod's init containers.
-    fn is_taken(&self, resource: &str, pod: &str, id: &str) -> bool {
-        self.uses.get(resource).and_then(|d| d.get(id)).is_some_and(|u| u.taken_for(pod))
-    }
-
-    /// Devices of `resource` the pod's init containers hold and nobody else
-    /// does: its later containers must reuse them.
-    fn reusable(&self, resource: &str, pod: &str) -> Vec<String> {
-        let Some(containers) = self.pods.get(pod) else { return Vec::new() };
-        let mut ids: Vec<String> = containers
-            .values()
-            .filter(|r| r.kind == ContainerKind::Init)
-            .filter_map(|r| r.resources.get(resource))
-            .flat_map(|h| h.device_ids.iter())
-            .filter(|id| !self.is_taken(resource, pod, id))
-            .cloned()
-            .collect();
-        ids.sort();
-        ids.dedup();
-        ids
-    }
-
-    fn reserve(&mut self, resource: &str, ids: &[String]) {
-        let devices = self.uses.entry(resource.to_owned()).or_default();
-        for id in ids {
-            devices.entry(id.clone()).or_default().reserved = true;
-        }
-    }
-
-    fn unreserve(&mut self, resource: &str, ids: &[String]) {
-        self.change_uses(resource, ids, |u| u.reserved = false);
-    }
-
-    /// The checkpoint entries, in pod, container, resource order.
-    pub(crate) fn parts(&self) -> Vec<Arc<Part>> {
-        self.pods
-            .values()
-            .flat_map(|containers| containers.values())
-            .flat_map(|record| record.resources.values())
-            .map(|held| held.encoded.clone())
-            .collect()
-    }
-}
-
-/// The free healthy devices of a resource for `pod`, sorted by ID: the
-/// device list and the used devices are both sorted, so one walk over the
-/// two finds them.
-fn free_devices<'a>(
-    devices: &'a BTreeMap<String, Device>,
-    allocations: &Allocations,
-    resource: &str,
-    pod: &str,
-) -> Vec<Free<'a>> {
-    let mut used = allocations.uses.get(resource).into_iter().flatten().peekable();
-    let mut free = Vec::with_capacity(devices.len());
-    for device in devices.values() {
-        while used.next_if(|(id, _)| id.as_str() < device.id.as_str()).is_some() {}
-        let taken = used.peek().is_some_and(|(id, u)| **id == device.id && u.taken_for(pod));
-        if device.health == Health::Healthy && !taken {
-            free.push(Free { id: &device.id, numa: &device.numa_nodes });
-        }
-    }
-    free
 }
 
 /// Devices chosen and reserved, with their NUMA node.
@@ -382,7 +219,6 @@ enum Choice {
 struct Plan {
     choice: Choice,
     client: DevicePluginClient<kubelet_api::uds::UdsChannel>,
-    options: PluginOptions,
     calls: Arc<tokio::sync::Semaphore>,
 }
 
@@ -393,34 +229,69 @@ enum Step {
     New(Held),
 }
 
-const PRE_START_TIMEOUT: Duration = Duration::from_secs(30);
-
 impl DeviceManager {
     /// Allocates the devices of every device-plugin resource in the
-    /// container's limits and returns the merged run options.
+    /// container's limits and returns the merged run options. The
+    /// allocation is in the checkpoint when this returns.
     pub async fn allocate(&self, request: &ContainerRequest) -> Result<RunOptions, AllocateError> {
+        let mut undo = Undo { manager: self, added: Vec::new() };
+        let options = self.allocate_container(request, &mut undo).await?;
+        self.commit(undo).await?;
+        Ok(options)
+    }
+
+    /// Allocates the devices of every container of the pod (init containers
+    /// first, in their order; then sidecars and app containers, each in
+    /// their order) and returns each container's run options. All of it is
+    /// in the checkpoint when this returns; on an error nothing this call
+    /// allocated is kept.
+    pub async fn allocate_pod(&self, pod: &PodDeviceRequest) -> Result<PodDevices, AllocateError> {
+        let mut undo = Undo { manager: self, added: Vec::new() };
+        let mut devices = PodDevices::new();
+        for container in allocation_order(&pod.containers) {
+            let request = ContainerRequest {
+                pod_uid: pod.pod_uid.clone(),
+                pod_name: pod.pod_name.clone(),
+                container_name: container.name.clone(),
+                kind: container.kind,
+                limits: container.limits.clone(),
+            };
+            // On an error, dropping `undo` removes what this call recorded.
+            let options = self.allocate_container(&request, &mut undo).await?;
+            devices.insert(container.name.clone(), options);
+        }
+        self.commit(undo).await?;
+        Ok(devices)
+    }
+
+    /// Allocates one container's devices and records them; `undo` collects
+    /// what was recorded.
+    async fn allocate_container(
+        &self,
+        request: &ContainerRequest,
+        undo: &mut Undo<'_>,
+    ) -> Result<RunOptions, AllocateError> {
         let span = tracing::info_span!(
             "allocate",
             pod.uid = %request.pod_uid,
             pod = %request.pod_name,
             container = %request.container_name
         );
-        let mut merged = RunOptions::default();
-        // Undoes what this call recorded unless it completes: on an error,
-        // and when the caller drops the call midway.
-        let mut undo = Undo { manager: self, request, added: Vec::new() };
+        // Per resource, in resource-name order (the limits are sorted).
+        let mut parts: Vec<(&str, RunOptions)> = Vec::new();
         for (resource, &count) in &request.limits {
             if count == 0 {
                 continue;
             }
             match self.allocate_resource(request, resource, count).await {
                 Ok(None) => {}
-                Ok(Some(Step::Existing(options))) => merged.merge(resource, &options),
+                Ok(Some(Step::Existing(options))) => parts.push((resource, options)),
                 Ok(Some(Step::New(held))) => {
-                    merged.merge(resource, &held.options);
                     tracing::info!(parent: &span, resource, devices = ?held.device_ids, "devices allocated");
-                    self.allocations().insert(request, resource, held);
-                    undo.added.push(resource.clone());
+                    parts.push((resource, held.options.clone()));
+                    let (pod, container) = (&request.pod_uid, &request.container_name);
+                    self.allocations().insert(pod, container, request.kind, resource, held);
+                    undo.added.push((pod.clone(), container.clone(), resource.clone()));
                 }
                 Err(error) => {
                     tracing::warn!(parent: &span, resource, %error, "device allocation failed");
@@ -428,20 +299,29 @@ impl DeviceManager {
                 }
             }
         }
-        if !undo.added.is_empty()
-            && let Err(error) = self.persisted().await
-        {
+        let merged = RunOptions::merged(parts.iter().map(|(resource, options)| (*resource, options)));
+        for conflict in &merged.conflicts {
+            tracing::warn!(parent: &span, %conflict, "conflicting run options from device plugins");
+        }
+        Ok(merged)
+    }
+
+    /// Waits until what `undo` recorded is on disk; if it cannot be, undoes
+    /// it (and writes the undo).
+    async fn commit(&self, mut undo: Undo<'_>) -> Result<(), AllocateError> {
+        if undo.added.is_empty() {
+            return Ok(());
+        }
+        if let Err(error) = self.persisted().await {
             drop(undo);
-            // The undo must reach the disk too; its own failure is logged.
+            // The undo must reach the disk too; its own failure is logged
+            // by the writer and reported through its health check.
             let _ = self.persisted().await;
-            tracing::error!(parent: &span, %error, "allocation undone: the checkpoint could not be written");
+            tracing::error!(%error, "allocation undone: the checkpoint could not be written");
             return Err(AllocateError::Checkpoint(error));
         }
         undo.added.clear();
-        for conflict in &merged.conflicts {
-            tracing::warn!(parent: &span, conflict, "conflicting run options from device plugins");
-        }
-        Ok(merged)
+        Ok(())
     }
 
     /// Frees every device held by the pod's containers. Returns how many.
@@ -457,12 +337,27 @@ impl DeviceManager {
         freed
     }
 
+    /// Frees every pod not in `live` (the pods the node still runs; after a
+    /// restart, what the checkpoint holds of other pods is orphaned).
+    /// Returns the pods freed, with how many devices each held. The
+    /// checkpoint is rewritten in the background, as for
+    /// [`free_pod`](Self::free_pod).
+    pub fn retain_pods<'a>(&self, live: impl IntoIterator<Item = &'a str>) -> BTreeMap<String, usize> {
+        let live: HashSet<&str> = live.into_iter().collect();
+        let freed = self.allocations().retain_pods(&live);
+        if !freed.is_empty() {
+            for (pod, devices) in &freed {
+                tracing::info!(pod.uid = %pod, devices, "devices of a pod no longer on the node freed");
+            }
+            self.request_checkpoint();
+        }
+        freed
+    }
+
     /// The devices a container holds, by resource.
     pub fn allocated(&self, pod_uid: &str, container: &str) -> BTreeMap<String, Vec<String>> {
         self.allocations()
-            .pods
-            .get(pod_uid)
-            .and_then(|c| c.get(container))
+            .container(pod_uid, container)
             .map(|r| r.resources.iter().map(|(k, v)| (k.clone(), v.device_ids.clone())).collect())
             .unwrap_or_default()
     }
@@ -486,8 +381,8 @@ impl DeviceManager {
         else {
             return Err(AllocateError::NoHealthy(resource.to_owned()));
         };
-        let (options, client, calls) =
-            (endpoint.options, DevicePluginClient::new(endpoint.channel.clone()), endpoint.calls.clone());
+        let options = entry.options.unwrap_or_default();
+        let (client, calls) = (DevicePluginClient::new(endpoint.channel.clone()), endpoint.calls.clone());
         let mut allocations = self.allocations();
         let choice = if options.get_preferred_allocation_available {
             let free = free_devices(&entry.devices, &allocations, resource, &request.pod_uid);
@@ -497,7 +392,7 @@ impl DeviceManager {
         } else {
             Choice::Made(choose_and_reserve(&entry.devices, &mut allocations, request, resource, count, &[])?)
         };
-        Ok(Some(Plan { choice, client, options, calls }))
+        Ok(Some(Plan { choice, client, calls }))
     }
 
     /// Chooses against the state as it is now (other allocations may have
@@ -534,7 +429,7 @@ impl DeviceManager {
                 to: count,
             });
         }
-        let Some(Plan { choice, mut client, options, calls }) = self.plan(request, resource, count)? else {
+        let Some(Plan { choice, mut client, calls }) = self.plan(request, resource, count)? else {
             return Ok(None);
         };
         let mut reservation = Reservation { manager: self, resource, ids: Vec::new() };
@@ -555,26 +450,26 @@ impl DeviceManager {
                     }],
                 };
                 let timeout = self.inner.config.call_timeout;
-                let preferred =
-                    match call(resource, "GetPreferredAllocation", timeout, client.get_preferred_allocation(ask)).await
-                    {
-                        Ok(answer) => {
-                            answer.container_responses.into_iter().next().map(|c| c.device_i_ds).unwrap_or_default()
-                        }
-                        Err(error) => {
-                            tracing::warn!(resource, %error, "preferred allocation unavailable; choosing without it");
-                            Vec::new()
-                        }
-                    };
+                let preferred = match call(timeout, client.get_preferred_allocation(ask)).await {
+                    Ok(answer) => {
+                        answer.container_responses.into_iter().next().map(|c| c.device_i_ds).unwrap_or_default()
+                    }
+                    Err(failure) => {
+                        let error = AllocateError::of_call(resource, "GetPreferredAllocation", failure);
+                        tracing::warn!(resource, %error, "preferred allocation unavailable; choosing without it");
+                        Vec::new()
+                    }
+                };
                 let chosen = self.choose_now(request, resource, count, &preferred)?;
                 reservation.ids = ids_of(&chosen);
                 chosen
             }
         };
         // On an error the reservation is released as it goes out of scope.
-        let run_options = self.call_plugin(resource, &mut client, options, &reservation.ids).await?;
+        let run_options = self.call_allocate(resource, &mut client, &reservation.ids).await?;
         let encoded =
-            Part::entry(&request.pod_uid, &request.container_name, resource, request.kind, &chosen, &run_options);
+            Part::entry(&request.pod_uid, &request.container_name, resource, request.kind, &chosen, &run_options)
+                .map_err(AllocateError::Checkpoint)?;
         // Taking the IDs disarms the reservation: the caller records the
         // allocation right away (no await in between), which turns the
         // reservation into a holding.
@@ -582,30 +477,19 @@ impl DeviceManager {
         Ok(Some(Step::New(Held { device_ids, options: run_options, encoded: Arc::new(encoded) })))
     }
 
-    async fn call_plugin(
+    async fn call_allocate(
         &self,
         resource: &str,
         client: &mut DevicePluginClient<kubelet_api::uds::UdsChannel>,
-        options: PluginOptions,
         ids: &[String],
     ) -> Result<RunOptions, AllocateError> {
-        let timeout = self.inner.config.call_timeout;
-        let to_error = |e: super::RegisterError| match e {
-            super::RegisterError::Timeout { rpc, timeout, .. } => {
-                AllocateError::Timeout { resource: resource.to_owned(), rpc, timeout }
-            }
-            super::RegisterError::Rpc { rpc, status, .. } => {
-                AllocateError::Rpc { resource: resource.to_owned(), rpc, status }
-            }
-            other => AllocateError::BadResponse { resource: resource.to_owned(), reason: other.to_string() },
-        };
         let request = api::AllocateRequest {
             container_requests: vec![api::ContainerAllocateRequest { devices_ids: ids.to_vec() }],
         };
         let started = std::time::Instant::now();
-        let response = call(resource, "Allocate", timeout, client.allocate(request)).await;
+        let response = call(self.inner.config.call_timeout, client.allocate(request)).await;
         self.inner.metrics.allocate_call(resource, started.elapsed());
-        let response = response.map_err(to_error)?;
+        let response = response.map_err(|failure| AllocateError::of_call(resource, "Allocate", failure))?;
         let count = response.container_responses.len();
         let Some(answer) = response.container_responses.into_iter().next().filter(|_| count == 1) else {
             return Err(AllocateError::BadResponse {
@@ -613,14 +497,22 @@ impl DeviceManager {
                 reason: format!("expected 1 container response, got {count}"),
             });
         };
-        if options.pre_start_required {
-            let request = api::PreStartContainerRequest { devices_ids: ids.to_vec() };
-            call(resource, "PreStartContainer", PRE_START_TIMEOUT, client.pre_start_container(request))
-                .await
-                .map_err(to_error)?;
-        }
         Ok(answer.into())
     }
+}
+
+/// The containers in the order they are allocated: init containers, then
+/// sidecars, then app containers, each kind in the order given.
+fn allocation_order(containers: &[PodContainer]) -> Vec<&PodContainer> {
+    let rank = |kind| match kind {
+        ContainerKind::Init => 0,
+        ContainerKind::RestartableInit => 1,
+        ContainerKind::App => 2,
+    };
+    let mut order: Vec<&PodContainer> = containers.iter().collect();
+    // A stable sort: the order given is kept within a kind.
+    order.sort_by_key(|c| rank(c.kind));
+    order
 }
 
 /// Devices reserved for an allocation in progress; released when dropped
@@ -640,18 +532,21 @@ impl Drop for Reservation<'_> {
     }
 }
 
-/// The resources one `allocate` call recorded, removed again when dropped
-/// unless emptied (the call completed).
+/// What one allocation call recorded (pod, container, resource), removed
+/// again when dropped unless emptied (the call completed).
 struct Undo<'a> {
     manager: &'a DeviceManager,
-    request: &'a ContainerRequest,
-    added: Vec<String>,
+    added: Vec<(String, String, String)>,
 }
 
 impl Drop for Undo<'_> {
     fn drop(&mut self) {
         if !self.added.is_empty() {
-            self.manager.allocations().remove(&self.request.pod_uid, &self.request.container_name, &self.added);
+            let mut allocations = self.manager.allocations();
+            for (pod, container, resource) in &self.added {
+                allocations.remove(pod, container, resource);
+            }
+            drop(allocations);
             // A write may have covered them; the next one must not.
             self.manager.request_checkpoint();
         }
@@ -695,126 +590,21 @@ fn ids_of(chosen: &Chosen) -> Vec<String> {
 mod tests {
     use super::*;
 
-    /// The old way: walk every allocation.
-    fn brute_force_taken(a: &Allocations, resource: &str, pod: &str, id: &str) -> bool {
-        a.uses.get(resource).and_then(|d| d.get(id)).is_some_and(|u| u.reserved)
-            || a.pods.iter().any(|(uid, containers)| {
-                containers.values().any(|record| {
-                    record.resources.get(resource).is_some_and(|held| {
-                        held.device_ids.iter().any(|d| d == id) && !(uid == pod && record.kind == ContainerKind::Init)
-                    })
-                })
-            })
+    fn container(name: &str, kind: ContainerKind) -> PodContainer {
+        PodContainer { name: name.into(), kind, limits: BTreeMap::new() }
     }
 
-    fn held(pod: &str, container: &str, resource: &str, kind: ContainerKind, ids: &[String]) -> Held {
-        let devices: Vec<(String, i64)> = ids.iter().map(|id| (id.clone(), 0)).collect();
-        let options = RunOptions::default();
-        let encoded = Arc::new(Part::entry(pod, container, resource, kind, &devices, &options));
-        Held { device_ids: ids.to_vec(), options, encoded }
-    }
-
-    fn request(pod: &str, container: &str, kind: ContainerKind) -> ContainerRequest {
-        ContainerRequest {
-            pod_uid: pod.into(),
-            pod_name: pod.into(),
-            container_name: container.into(),
-            kind,
-            limits: BTreeMap::new(),
-        }
-    }
-
-    /// Random inserts, removals, pod frees, reservations and a restore: the
-    /// index always answers as a walk over every allocation would.
     #[test]
-    fn the_device_index_agrees_with_a_full_scan() {
-        let mut seed: u64 = 0x2545_f491_4f6c_dd1d;
-        let mut next = |n: u64| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed % n
-        };
-        let kinds = [ContainerKind::Init, ContainerKind::RestartableInit, ContainerKind::App];
-        let resources = ["r/a", "r/b"];
-        let devices: BTreeMap<String, Device> = (0..12)
-            .map(|d| {
-                let health = if d % 5 == 3 { Health::Unhealthy } else { Health::Healthy };
-                (format!("d{d}"), Device { id: format!("d{d}"), health, numa_nodes: vec![d % 2] })
-            })
-            .collect();
-        let mut a = Allocations::default();
-        for step in 0..3000 {
-            let pod = format!("p{}", next(6));
-            let container = format!("c{}", next(3));
-            let resource = resources[next(2) as usize];
-            match next(10) {
-                0..=4 => {
-                    let ids: Vec<String> = (0..1 + next(3)).map(|_| format!("d{}", next(12))).collect();
-                    let kind = kinds[next(3) as usize];
-                    let held = held(&pod, &container, resource, kind, &ids);
-                    a.insert(&request(&pod, &container, kind), resource, held);
-                }
-                5 | 6 => a.remove(&pod, &container, &[resource.to_owned()]),
-                7 => {
-                    a.remove_pod(&pod);
-                }
-                8 => a.reserve(resource, &[format!("d{}", next(12))]),
-                _ => a.unreserve(resource, &[format!("d{}", next(12))]),
-            }
-            if step == 1500 {
-                let reserved: Vec<(String, Vec<String>)> = a
-                    .uses
-                    .iter()
-                    .map(|(r, d)| (r.clone(), d.iter().filter(|(_, u)| u.reserved).map(|(id, _)| id.clone()).collect()))
-                    .collect();
-                a = Allocations::restored(std::mem::take(&mut a.pods));
-                for (resource, ids) in reserved {
-                    a.reserve(&resource, &ids);
-                }
-            }
-            for resource in resources {
-                for pod in (0..6).map(|p| format!("p{p}")) {
-                    let mut reusable: Vec<String> = a
-                        .pods
-                        .get(&pod)
-                        .into_iter()
-                        .flat_map(|c| c.values())
-                        .filter(|r| r.kind == ContainerKind::Init)
-                        .filter_map(|r| r.resources.get(resource))
-                        .flat_map(|h| h.device_ids.iter().cloned())
-                        .filter(|id| !brute_force_taken(&a, resource, &pod, id))
-                        .collect();
-                    reusable.sort();
-                    reusable.dedup();
-                    assert_eq!(a.reusable(resource, &pod), reusable, "step {step}: reusable {resource} for {pod}");
-                    let free: Vec<&str> =
-                        free_devices(&devices, &a, resource, &pod).into_iter().map(|f| f.id).collect();
-                    let expected: Vec<&str> = devices
-                        .values()
-                        .filter(|d| d.health == Health::Healthy && !brute_force_taken(&a, resource, &pod, &d.id))
-                        .map(|d| d.id.as_str())
-                        .collect();
-                    assert_eq!(free, expected, "step {step}: free {resource} for {pod}");
-                    for id in (0..12).map(|d| format!("d{d}")) {
-                        assert_eq!(
-                            a.is_taken(resource, &pod, &id),
-                            brute_force_taken(&a, resource, &pod, &id),
-                            "step {step}: {resource} {id} for {pod}"
-                        );
-                    }
-                }
-            }
-        }
-        // Every holder entry belongs to a recorded allocation.
-        let held_total: usize = a.uses.values().flat_map(|d| d.values()).map(|u| u.holders.len()).sum();
-        let recorded: usize = a
-            .pods
-            .values()
-            .flat_map(|c| c.values())
-            .flat_map(|r| r.resources.values())
-            .map(|h| h.device_ids.iter().collect::<std::collections::BTreeSet<_>>().len())
-            .sum();
-        assert_eq!(held_total, recorded, "no stale holders");
+    fn init_containers_first_then_sidecars_then_apps_each_in_the_order_given() {
+        use ContainerKind::{App, Init, RestartableInit};
+        let containers = [
+            container("app-b", App),
+            container("init-2", Init),
+            container("sidecar", RestartableInit),
+            container("app-a", App),
+            container("init-1", Init),
+        ];
+        let order: Vec<&str> = allocation_order(&containers).into_iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(order, ["init-2", "init-1", "sidecar", "app-b", "app-a"]);
     }
 }

@@ -7,14 +7,22 @@
 //! "RegisteredDevices":{"<resource>":[ids]}},"Checksum":N}`, plus one field of
 //! ours per entry (`RustletContainerKind`) that upstream readers ignore.
 //!
-//! The checksum is our own: FNV-1a (64 bit) over the FNV-1a hashes of the
-//! parts taken as 64-bit words, in file order: each `PodDeviceEntries` element's JSON, then each
-//! `RegisteredDevices` member as `"<resource>":[ids]`. Upstream hashes Go's
-//! `%#v` rendering of its structs, which no other program can reproduce, so
-//! a checkpoint is not interchangeable with a Go kubelet's (it is read by this
-//! node only). Hashing parts lets every part be encoded and hashed once, when
-//! its allocation is made, so a write hands the parts to one `writev` loop
-//! instead of re-encoding every allocation on the node.
+//! The checksum is our own, and it is not a hash of the file. The file is
+//! made of parts: each `PodDeviceEntries` element's JSON, then each
+//! `RegisteredDevices` member as `"<resource>":[ids]`. Each part is hashed
+//! on its own with FNV-1a (64 bit) over its JSON bytes; the checksum then
+//! combines those hashes in file order, one 64-bit word per part: starting
+//! from FNV's offset basis, `sum = (sum XOR part_hash) * FNV_PRIME` (wrapping).
+//! Upstream hashes Go's `%#v` rendering of its structs, which no other
+//! program can reproduce, so a checkpoint is not interchangeable with a Go
+//! kubelet's (it is read by this node only). Hashing parts lets every part be
+//! encoded and hashed once, when its allocation is made, so a write hands the
+//! parts to one `writev` loop instead of re-encoding every allocation on the
+//! node.
+//!
+//! Encoding a part can fail only on a bug (it is plain strings and maps), but
+//! a failure is an error, never an empty part: an allocation whose entry
+//! cannot be encoded is refused, and a write that cannot encode a part fails.
 //!
 //! Writes are atomic (temporary file, fsync, rename, fsync of the directory).
 //! A file that is empty, truncated, fails its checksum or has an unknown shape
@@ -29,16 +37,19 @@ use base64::Engine as _;
 use kubelet_api::deviceplugin::v1beta1 as api;
 use prost::Message as _;
 
-use super::allocate::{ContainerKind, ContainerRecord, Held};
+use super::allocate::ContainerKind;
+use super::allocations::{ContainerRecord, Held};
 use super::run_options::RunOptions;
+use super::writer::CheckpointWriteError;
 
 /// The checkpoint's file name, as upstream.
 pub const CHECKPOINT_FILE: &str = "kubelet_internal_checkpoint";
 
-/// Why a checkpoint could not be read or written.
+/// Why a checkpoint could not be read (writing fails with a
+/// [`CheckpointWriteError`]).
 #[derive(Debug, thiserror::Error)]
-pub enum CheckpointError {
-    /// Reading or writing the file failed.
+pub(crate) enum CheckpointError {
+    /// Reading the file failed.
     #[error("checkpoint {path}: {source}")]
     Io {
         /// The file.
@@ -100,7 +111,8 @@ fn app_kind() -> ContainerKind {
 #[derive(Default)]
 pub(crate) struct Restored {
     pub(crate) pods: BTreeMap<String, BTreeMap<String, ContainerRecord>>,
-    pub(crate) registered: BTreeMap<String, Vec<String>>,
+    /// Each registered resource's `RegisteredDevices` member, as read.
+    pub(crate) registered: BTreeMap<String, Arc<Part>>,
 }
 
 const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
@@ -138,7 +150,7 @@ impl Part {
         kind: ContainerKind,
         devices: &[(String, i64)],
         options: &RunOptions,
-    ) -> Part {
+    ) -> Result<Part, CheckpointWriteError> {
         let mut device_ids: BTreeMap<String, Vec<String>> = BTreeMap::new();
         for (id, numa) in devices {
             device_ids.entry(numa.to_string()).or_default().push(id.clone());
@@ -154,18 +166,30 @@ impl Part {
         })
     }
 
-    fn of_entry(entry: &Entry) -> Part {
-        // Serializing plain strings and maps cannot fail.
-        Part::new(&serde_json::to_vec(entry).unwrap_or_default())
+    fn of_entry(entry: &Entry) -> Result<Part, CheckpointWriteError> {
+        let what = || format!("the entry of {}/{} {}", entry.pod_uid, entry.container_name, entry.resource_name);
+        Ok(Part::new(&encode_json(what, entry)?))
     }
 
     /// The registered devices of one resource.
-    pub(crate) fn registered<'a>(resource: &str, ids: impl Iterator<Item = &'a str>) -> Part {
-        let mut json = serde_json::to_vec(resource).unwrap_or_default();
+    pub(crate) fn registered<'a>(
+        resource: &str,
+        ids: impl Iterator<Item = &'a str>,
+    ) -> Result<Part, CheckpointWriteError> {
+        let what = || format!("the registered devices of {resource}");
+        let mut json = encode_json(what, resource)?;
         json.push(b':');
-        json.extend(serde_json::to_vec(&ids.collect::<Vec<_>>()).unwrap_or_default());
-        Part::new(&json)
+        json.extend(encode_json(what, &ids.collect::<Vec<_>>())?);
+        Ok(Part::new(&json))
     }
+}
+
+/// Encodes `value` as JSON; `what` names it in the error.
+fn encode_json<T: serde::Serialize + ?Sized>(
+    what: impl FnOnce() -> String,
+    value: &T,
+) -> Result<Vec<u8>, CheckpointWriteError> {
+    serde_json::to_vec(value).map_err(|source| CheckpointWriteError::Encode { what: what(), source: Arc::new(source) })
 }
 
 /// The checksum of a checkpoint made of these parts, in file order: FNV-1a
@@ -201,7 +225,11 @@ pub(crate) fn assemble(entries: &[Arc<Part>], registered: &[Arc<Part>]) -> Vec<u
 }
 
 /// Writes the checkpoint made of these parts to `path` atomically and durably.
-pub(crate) fn write_parts(path: &Path, entries: &[Arc<Part>], registered: &[Arc<Part>]) -> Result<(), CheckpointError> {
+pub(crate) fn write_parts(
+    path: &Path,
+    entries: &[Arc<Part>],
+    registered: &[Arc<Part>],
+) -> Result<(), CheckpointWriteError> {
     with_pieces(entries, registered, |pieces| {
         write_atomically(path, |file| {
             let mut slices: Vec<std::io::IoSlice<'_>> = pieces.iter().map(|p| std::io::IoSlice::new(p)).collect();
@@ -226,22 +254,31 @@ pub(crate) fn decode(path: &Path, bytes: &[u8]) -> Result<Restored, CheckpointEr
         return Err(corrupt("the file is empty".into()));
     }
     let file: File = serde_json::from_slice(bytes).map_err(|e| corrupt(e.to_string()))?;
+    // Re-encoding what was just decoded from JSON cannot fail but on a bug.
+    let reencode = |e: CheckpointWriteError| corrupt(e.to_string());
     let entries: Vec<(Entry, Part)> = file
         .data
         .entries
         .into_iter()
         .map(|entry| {
-            let part = Part::of_entry(&entry);
-            (entry, part)
+            let part = Part::of_entry(&entry).map_err(reencode)?;
+            Ok((entry, part))
         })
-        .collect();
-    let registered: Vec<Part> =
-        file.data.registered.iter().map(|(name, ids)| Part::registered(name, ids.iter().map(String::as_str))).collect();
-    let computed = checksum(entries.iter().map(|(_, p)| p).chain(&registered));
+        .collect::<Result<_, CheckpointError>>()?;
+    let registered: BTreeMap<String, Arc<Part>> = file
+        .data
+        .registered
+        .iter()
+        .map(|(name, ids)| {
+            let part = Part::registered(name, ids.iter().map(String::as_str)).map_err(reencode)?;
+            Ok((name.clone(), Arc::new(part)))
+        })
+        .collect::<Result<_, CheckpointError>>()?;
+    let computed = checksum(entries.iter().map(|(_, p)| p).chain(registered.values().map(|p| &**p)));
     if computed != file.checksum {
         return Err(corrupt(format!("checksum mismatch: file says {}, content gives {computed}", file.checksum)));
     }
-    let mut restored = Restored { pods: BTreeMap::new(), registered: file.data.registered };
+    let mut restored = Restored { pods: BTreeMap::new(), registered };
     for (entry, part) in entries {
         let proto = base64::engine::general_purpose::STANDARD
             .decode(&entry.alloc_resp)
@@ -269,8 +306,8 @@ pub(crate) fn decode(path: &Path, bytes: &[u8]) -> Result<Restored, CheckpointEr
 fn write_atomically(
     path: &Path,
     write: impl FnOnce(&mut std::fs::File) -> std::io::Result<()>,
-) -> Result<(), CheckpointError> {
-    let io = |source| CheckpointError::Io { path: path.to_path_buf(), source };
+) -> Result<(), CheckpointWriteError> {
+    let io = |source| CheckpointWriteError::Io { path: path.to_path_buf(), source: Arc::new(source) };
     let dir = path.parent().unwrap_or_else(|| Path::new("."));
     let tmp = dir.join(format!(".{CHECKPOINT_FILE}.tmp"));
     let mut file = std::fs::File::create(&tmp).map_err(io)?;
@@ -324,9 +361,12 @@ mod tests {
         options.envs.insert("FAKE_DEVICES".into(), "a,b".into());
         options.cdi_devices.push("v.com/gpu=a".into());
         let devices = [("a".to_owned(), 0), ("b".to_owned(), -1)];
-        let entry = Part::entry("uid-1", "c", "v.com/gpu", ContainerKind::Init, &devices, &options);
-        let registered: Vec<Arc<Part>> =
-            if registered { vec![Arc::new(Part::registered("v.com/gpu", ["a", "b"].into_iter()))] } else { vec![] };
+        let entry = Part::entry("uid-1", "c", "v.com/gpu", ContainerKind::Init, &devices, &options).expect("encode");
+        let registered: Vec<Arc<Part>> = if registered {
+            vec![Arc::new(Part::registered("v.com/gpu", ["a", "b"].into_iter()).expect("encode"))]
+        } else {
+            vec![]
+        };
         assemble(&[Arc::new(entry)], &registered)
     }
 
@@ -349,11 +389,7 @@ mod tests {
         assert_eq!(held.options.envs["FAKE_DEVICES"], "a,b");
         assert_eq!(restored.pods["uid-1"]["c"].kind, ContainerKind::Init);
         // A restored part re-assembles to the same file.
-        let registered: Vec<Arc<Part>> = restored
-            .registered
-            .iter()
-            .map(|(name, ids)| Arc::new(Part::registered(name, ids.iter().map(String::as_str))))
-            .collect();
+        let registered: Vec<Arc<Part>> = restored.registered.values().cloned().collect();
         assert_eq!(assemble(std::slice::from_ref(&held.encoded), &registered), bytes);
     }
 
@@ -365,11 +401,13 @@ mod tests {
         let entries: Vec<Arc<Part>> = (0..1500)
             .map(|i| {
                 let devices = [(format!("d{i:04}"), i64::from(i % 2))];
-                Arc::new(Part::entry(&format!("uid-{i:04}"), "c", "v.com/gpu", ContainerKind::App, &devices, &options))
+                let entry =
+                    Part::entry(&format!("uid-{i:04}"), "c", "v.com/gpu", ContainerKind::App, &devices, &options);
+                Arc::new(entry.expect("encode"))
             })
             .collect();
         let ids: Vec<String> = (0..1500).map(|i| format!("d{i:04}")).collect();
-        let registered = [Arc::new(Part::registered("v.com/gpu", ids.iter().map(String::as_str)))];
+        let registered = [Arc::new(Part::registered("v.com/gpu", ids.iter().map(String::as_str)).expect("encode"))];
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join(CHECKPOINT_FILE);
         write_parts(&path, &entries, &registered).expect("write");
@@ -414,6 +452,19 @@ mod tests {
                 "{what}: {err}"
             );
         }
+    }
+
+    /// Bad input: a value JSON cannot encode (a map with non-string keys)
+    /// is an encode error naming what was encoded, never an empty part.
+    #[test]
+    fn a_value_that_cannot_be_encoded_is_an_error() {
+        let unencodable: BTreeMap<Vec<u8>, u8> = [(vec![1], 1)].into_iter().collect();
+        let err = encode_json(|| "the entry of uid-1/c v.com/gpu".to_owned(), &unencodable).expect_err("encoded");
+        assert!(matches!(err, CheckpointWriteError::Encode { .. }), "{err:?}");
+        assert_eq!(
+            err.to_string(),
+            "cannot encode the entry of uid-1/c v.com/gpu for the device checkpoint: key must be a string"
+        );
     }
 
     #[test]

@@ -39,6 +39,16 @@ pub struct ResourceCapacity {
 /// resource stays listed at zero so the node status can clear it.
 pub type Capacities = BTreeMap<String, ResourceCapacity>;
 
+/// One change of a resource's capacity, as recorded by
+/// `DeviceManager::capacity_changes`.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct CapacityChange {
+    /// The resource.
+    pub resource: String,
+    /// Its capacity from this change on.
+    pub capacity: ResourceCapacity,
+}
+
 /// Options the plugin announced in `GetDevicePluginOptions`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct PluginOptions {

@@ -38,10 +38,12 @@ pub enum DeviceManagerError {
     },
 }
 
-/// Why a device plugin could not be registered. The texts of the first three
-/// are upstream's, so plugins log what they would log against the kubelet.
+/// Why a device plugin could not be registered (told to the plugin, as the
+/// gRPC status of `Register` or through the plugin watcher). The texts of
+/// the first three are upstream's, so plugins log what they would log
+/// against the kubelet.
 #[derive(Debug, thiserror::Error)]
-pub enum RegisterError {
+pub(crate) enum RegisterError {
     /// `RegisterRequest.version` is not `v1beta1`.
     #[error("requested API version {version:?} is not supported by kubelet. Supported version is [\"v1beta1\"]")]
     UnsupportedVersion {

@@ -1,16 +1,34 @@
 //! The device-plugin manager: device plugins register, stream their devices
-//! and health, and the node's extended-resource capacity follows.
+//! and health, and the node's extended-resource capacity follows; pods'
+//! containers are allocated devices, which are checkpointed.
 //!
 //! # Flow
 //! ```text
-//! plugin ──Register──▶ kubelet.sock (RegistrationServer)  ─┐
+//! plugin ──Register──▶ kubelet.sock (registration_server)  ─┐
 //! plugins_registry/ ──▶ plugin manager ──▶ DevicePluginHandler ─┤
 //!                                                              ▼
-//!        DeviceManager::connect: dial <socket> → GetDevicePluginOptions
+//!        endpoint: dial <socket> → GetDevicePluginOptions
 //!          → ListAndWatch (stream task per endpoint, replaces any older one)
 //!                                                              ▼
 //!        device sets per resource ──▶ capacity watch (coalesced snapshots)
+//!                                 └─▶ capacity change record (every change, in order)
+//!
+//! pod lifecycle ──allocate_pod──▶ allocate (flow) ──▶ allocations (index) ──▶ writer ──▶ checkpoint
+//!               ──container_run_options──▶ container_start (PreStartContainer, run options)
+//!               ──retain_pods / free_pod──▶ allocations ──▶ writer
 //! ```
+//!
+//! # Files
+//! - `registration_server`: `kubelet.sock`, rebound when removed, with backoff.
+//! - `handler`: plugins registering through `plugins_registry`.
+//! - `endpoint`: a plugin's connection, stream, replacement and grace period.
+//! - `devices`, `resource_name`: our device types and name rules.
+//! - `allocate`: the allocation flow; `allocations`: the index it works on;
+//!   `device_choice`: which devices a container gets (pure logic).
+//! - `container_start`: `PreStartContainer` and run options at each start.
+//! - `run_options`: what a container gets from its devices, merged.
+//! - `checkpoint`: the file format; `writer`: the thread that writes it.
+//! - `metrics`, `error`.
 //!
 //! # Guarantees
 //! - `Register` answers only once the plugin is connected and its stream open.
@@ -18,31 +36,38 @@
 //!   stream task is cancelled, its late messages are ignored (generations),
 //!   and the device set stays as it was until the new plugin's first message,
 //!   so capacity does not dip.
-//! - A stream that ends marks every device of its resource unhealthy; after
-//!   `grace_period` (default 5 min) without a new registration the resource's
-//!   devices are dropped and its capacity reported as zero.
+//! - A stream that ends (or whose task panics) marks every device of its
+//!   resource unhealthy; after `grace_period` (default 5 min) without a new
+//!   registration the resource's devices are dropped and its capacity
+//!   reported as zero.
 //! - Every call to a plugin has a deadline; one slow plugin never delays
 //!   another's registration.
-//!
-//! - Allocation (see [`DeviceManager::allocate`]) never holds a lock across
-//!   a call to a plugin.
-//!
+//! - Allocation never holds a lock across a call to a plugin.
 //! - Allocations are in the checkpoint (`kubelet_internal_checkpoint`)
-//!   before [`DeviceManager::allocate`] returns, and are restored on start;
-//!   so are the registered resources (listed at zero after a restart until
-//!   their plugins are back). One writer thread writes the newest state for
-//!   every request made since its last write (group commit); on shutdown it
-//!   finishes the writes asked for before exiting.
+//!   before [`DeviceManager::allocate_pod`] returns, and are restored on
+//!   start; so are the registered resources (listed at zero after a restart
+//!   until their plugins are back). One writer thread writes the newest
+//!   state for every request made since its last write (group commit); on
+//!   shutdown it finishes the writes asked for before exiting.
+//! - Long-running parts report their health
+//!   ([`DeviceManager::health_checks`]): the registration server while it
+//!   cannot bind `kubelet.sock`, the checkpoint writer while writes fail.
 //!
 //! # Caveats
 //! - Each write rewrites the whole file (upstream's format has no append):
 //!   a write of 10,000 allocations is ~4 MB. The parts are encoded once and
 //!   handed to `writev` as they are, and concurrent allocations share writes.
+//! - The change record ([`DeviceManager::capacity_changes`]) keeps the last
+//!   1,024 changes for a slow reader; one that falls further behind is told
+//!   how many it missed (`RecvError::Lagged`), never silently.
 
 mod allocate;
-mod allocation;
+mod allocations;
 mod checkpoint;
+mod container_start;
+mod device_choice;
 mod devices;
+mod endpoint;
 mod error;
 mod handler;
 mod metrics;
@@ -56,26 +81,25 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kubelet_api::deviceplugin::v1beta1::Empty;
-use kubelet_api::deviceplugin::v1beta1::device_plugin_client::DevicePluginClient;
-use kubelet_api::uds::{self, UdsChannel};
-use tokio::sync::watch;
+use tokio::sync::{broadcast, watch};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::Instrument;
 
-pub use allocate::{AllocateError, ContainerKind, ContainerRequest};
-pub use checkpoint::{CHECKPOINT_FILE, CheckpointError};
-pub use devices::{Capacities, Device, Health, PluginOptions, ResourceCapacity};
-pub use error::{DeviceManagerError, RegisterError};
+pub use allocate::{AllocateError, ContainerKind, ContainerRequest, PodContainer, PodDeviceRequest, PodDevices};
+pub use checkpoint::CHECKPOINT_FILE;
+pub use container_start::ContainerStartError;
+pub use devices::{Capacities, CapacityChange, Device, Health, PluginOptions, ResourceCapacity};
+pub use endpoint::GraceTimers;
+pub use error::DeviceManagerError;
 pub use handler::DevicePluginHandler;
 pub use resource_name::is_extended_resource_name;
-pub use run_options::{DeviceNode, MountSpec, RunOptions};
+pub use run_options::{DeviceNode, MountSpec, RunOptionConflict, RunOptionKind, RunOptions};
+pub use writer::CheckpointWriteError;
 
-/// Allocation calls in flight to one plugin at most; more wait their turn.
-/// Thousands of streams at once on one connection make plugins reset it, and
-/// common servers allow 100–200 concurrent streams per connection.
-const MAX_CALLS_PER_PLUGIN: usize = 128;
+use crate::health::{HealthCheck, HealthReporter};
+
+/// Capacity changes kept for a slow reader of the change record.
+const CHANGE_RECORD: usize = 1024;
 
 /// Settings of the device manager.
 #[derive(Clone, Debug)]
@@ -84,7 +108,8 @@ pub struct DeviceManagerConfig {
     pub plugin_dir: PathBuf,
     /// Deadline to connect to a plugin.
     pub dial_timeout: Duration,
-    /// Deadline for `GetDevicePluginOptions` and for opening `ListAndWatch`.
+    /// Deadline for `GetDevicePluginOptions`, for opening `ListAndWatch`,
+    /// and for the allocation calls.
     pub call_timeout: Duration,
     /// How long a resource whose plugin went away keeps its (unhealthy)
     /// devices before it is removed (upstream: 5 min).
@@ -103,23 +128,18 @@ impl DeviceManagerConfig {
     }
 }
 
-/// A connected plugin.
-struct Endpoint {
-    socket: PathBuf,
-    options: PluginOptions,
-    /// For the allocation calls.
-    channel: UdsChannel,
-    /// Bounds the calls in flight to this plugin (all share one connection).
-    calls: Arc<tokio::sync::Semaphore>,
-    cancel: CancellationToken,
-}
-
+/// What the manager knows of one resource.
 #[derive(Default)]
 struct Resource {
     /// Bumped by every registration: stream tasks and grace timers of an
     /// older generation no longer touch the resource.
     generation: u64,
-    endpoint: Option<Endpoint>,
+    /// The connected plugin, if any.
+    endpoint: Option<endpoint::Endpoint>,
+    /// The options of the last plugin that registered the resource, kept
+    /// after it goes (a container start must know whether it wanted
+    /// `PreStartContainer`); `None` for a resource only restored.
+    options: Option<PluginOptions>,
     devices: BTreeMap<String, Device>,
     /// In the checkpoint's `RegisteredDevices`: from registration (or from
     /// the checkpoint at start) until removal after the grace period.
@@ -128,18 +148,23 @@ struct Resource {
     /// after the device IDs change (restored resources keep their IDs from
     /// the checkpoint until their plugin sends its devices).
     registered_part: Option<Arc<checkpoint::Part>>,
+    /// Cancels the running grace timer (the plugin came back).
+    grace: Option<CancellationToken>,
 }
 
 struct Inner {
     config: DeviceManagerConfig,
     resources: Mutex<BTreeMap<String, Resource>>,
     /// Taken after `resources` when both are needed, never the other way.
-    allocations: Mutex<allocate::Allocations>,
+    allocations: Mutex<allocations::Allocations>,
     capacity: watch::Sender<Capacities>,
+    /// Every capacity change, in order (published with `capacity`).
+    capacity_changes: broadcast::Sender<CapacityChange>,
     tasks: TaskTracker,
     shutdown: CancellationToken,
     server_generation: watch::Sender<u64>,
-    grace_timers_fired: watch::Sender<u64>,
+    registration_health: HealthReporter,
+    grace_timers: watch::Sender<GraceTimers>,
     checkpoint: writer::Writer,
     metrics: metrics::Metrics,
 }
@@ -162,44 +187,46 @@ impl DeviceManager {
         registration_server::prepare_dir(&config.plugin_dir)?;
         let restored = checkpoint::load(&config.plugin_dir.join(CHECKPOINT_FILE));
         let restored_count: usize = restored.pods.values().map(BTreeMap::len).sum();
+        let restored_resources = restored.registered.len();
         // Resources from the checkpoint start with no devices and no plugin,
         // until their plugins register again (or the grace period ends).
         let resources: BTreeMap<String, Resource> = restored
             .registered
-            .iter()
-            .map(|(name, ids)| {
-                let part = checkpoint::Part::registered(name, ids.iter().map(String::as_str));
-                (name.clone(), Resource { listed: true, registered_part: Some(Arc::new(part)), ..Resource::default() })
-            })
+            .into_iter()
+            .map(|(name, part)| (name, Resource { listed: true, registered_part: Some(part), ..Resource::default() }))
             .collect();
         let capacities: Capacities = resources.keys().map(|r| (r.clone(), ResourceCapacity::default())).collect();
         let (capacity, _) = watch::channel(capacities);
         // kubelet.sock is bound before `start` returns: generation 1.
         let (server_generation, _) = watch::channel(1);
-        let (grace_timers_fired, _) = watch::channel(0);
         let manager = DeviceManager {
             inner: Arc::new(Inner {
                 config,
                 resources: Mutex::new(resources),
-                allocations: Mutex::new(allocate::Allocations::restored(restored.pods)),
+                allocations: Mutex::new(allocations::Allocations::restored(restored.pods)),
                 capacity,
+                capacity_changes: broadcast::Sender::new(CHANGE_RECORD),
                 tasks: TaskTracker::new(),
                 shutdown,
                 server_generation,
-                grace_timers_fired,
+                registration_health: HealthReporter::new(),
+                grace_timers: watch::Sender::new(GraceTimers::default()),
                 checkpoint: writer::Writer::new(),
                 metrics: metrics::Metrics::default(),
             }),
         };
-        if restored_count > 0 || !restored.registered.is_empty() {
+        if restored_count > 0 || restored_resources > 0 {
             tracing::info!(
                 containers = restored_count,
-                resources = restored.registered.len(),
+                resources = restored_resources,
                 "device allocations restored from the checkpoint"
             );
         }
-        for resource in restored.registered.keys() {
-            manager.start_grace_timer(resource, 0);
+        {
+            let mut resources = manager.lock();
+            for (name, entry) in resources.iter_mut() {
+                manager.start_grace_timer(entry, name, 0);
+            }
         }
         manager.start_checkpoint_writer()?;
         if let Err(error) = registration_server::start(manager.clone()) {
@@ -221,6 +248,13 @@ impl DeviceManager {
         self.inner.capacity.subscribe()
     }
 
+    /// Every capacity change from now on, in the order they happened (the
+    /// [`capacity`](Self::capacity) snapshots may skip some). Subscribe
+    /// before acting to see what the action changes.
+    pub fn capacity_changes(&self) -> broadcast::Receiver<CapacityChange> {
+        self.inner.capacity_changes.subscribe()
+    }
+
     /// The devices of `resource`, sorted by ID.
     pub fn devices(&self, resource: &str) -> Vec<Device> {
         self.lock().get(resource).map(|r| r.devices.values().cloned().collect()).unwrap_or_default()
@@ -228,7 +262,7 @@ impl DeviceManager {
 
     /// The options of the plugin serving `resource`, if one is connected.
     pub fn plugin_options(&self, resource: &str) -> Option<PluginOptions> {
-        self.lock().get(resource).and_then(|r| r.endpoint.as_ref()).map(|e| e.options)
+        self.lock().get(resource).filter(|r| r.endpoint.is_some()).and_then(|r| r.options)
     }
 
     /// Counts how often `kubelet.sock` was (re)created; starts at 1.
@@ -236,10 +270,20 @@ impl DeviceManager {
         self.inner.server_generation.subscribe()
     }
 
-    /// Counts grace-period timers that ran out (whether or not they removed
-    /// a resource: a plugin that came back in time keeps it).
-    pub fn grace_timers_fired(&self) -> watch::Receiver<u64> {
-        self.inner.grace_timers_fired.subscribe()
+    /// The grace-period timers: how many run, how many ran out.
+    pub fn grace_timers(&self) -> watch::Receiver<GraceTimers> {
+        self.inner.grace_timers.subscribe()
+    }
+
+    /// The manager's health checks, for the node's `/healthz`:
+    /// `device-registration-server` fails while `kubelet.sock` cannot be
+    /// bound (it is retried), `device-checkpoint` while checkpoint writes
+    /// fail.
+    pub fn health_checks(&self) -> Vec<(&'static str, HealthCheck)> {
+        vec![
+            ("device-registration-server", self.inner.registration_health.check()),
+            ("device-checkpoint", self.inner.checkpoint.health()),
+        ]
     }
 
     /// A handler for plugins of type `DevicePlugin` found by the plugin watcher.
@@ -264,168 +308,30 @@ impl DeviceManager {
         self.inner.resources.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Connects to the plugin for `resource` at `socket` and starts watching
-    /// its devices. Returns once the `ListAndWatch` stream is open.
-    pub(crate) async fn connect(&self, resource: &str, socket: &Path) -> Result<(), RegisterError> {
-        if self.inner.shutdown.is_cancelled() {
-            return Err(RegisterError::ShuttingDown);
-        }
-        let config = &self.inner.config;
-        let channel = uds::dial(socket, config.dial_timeout)
-            .await
-            .map_err(|source| RegisterError::Dial { resource: resource.to_owned(), source })?;
-        let mut client = DevicePluginClient::new(channel.clone());
-        let options: PluginOptions =
-            call(resource, "GetDevicePluginOptions", config.call_timeout, client.get_device_plugin_options(Empty {}))
-                .await?
-                .into();
-        let stream = call(resource, "ListAndWatch", config.call_timeout, client.list_and_watch(Empty {})).await?;
-
-        let cancel = self.inner.shutdown.child_token();
-        let generation = {
-            let mut resources = self.lock();
-            let entry = resources.entry(resource.to_owned()).or_default();
-            if let Some(old) = entry.endpoint.take() {
-                old.cancel.cancel();
-                tracing::info!(resource, old = %old.socket.display(), new = %socket.display(), "device plugin replaced");
-            }
-            entry.generation += 1;
-            entry.listed = true;
-            entry.endpoint = Some(Endpoint {
-                socket: socket.to_path_buf(),
-                options,
-                channel,
-                calls: Arc::new(tokio::sync::Semaphore::new(MAX_CALLS_PER_PLUGIN)),
-                cancel: cancel.clone(),
-            });
-            entry.generation
-        };
-        tracing::info!(resource, socket = %socket.display(), ?options, "device plugin registered");
-        // The registered resources are in the checkpoint: after a restart
-        // they are listed (at zero) until their plugins come back.
-        self.request_checkpoint();
-        let span = tracing::info_span!("list_and_watch", resource, socket = %socket.display());
-        let manager = self.clone();
-        let resource = resource.to_owned();
-        self.inner.tasks.spawn(
-            async move {
-                manager.watch_devices(&resource, generation, stream, cancel).await;
-            }
-            .instrument(span),
-        );
-        Ok(())
-    }
-
-    /// Forgets the plugin for `resource` if it is the one at `socket`, as if
-    /// its stream had ended.
-    pub(crate) fn disconnect(&self, resource: &str, socket: &Path) {
-        let generation = {
-            let resources = self.lock();
-            match resources.get(resource) {
-                Some(r) if r.endpoint.as_ref().is_some_and(|e| e.socket == socket) => r.generation,
-                _ => return,
-            }
-        };
-        self.stream_ended(resource, generation, "plugin deregistered");
-    }
-
-    async fn watch_devices(
-        &self,
-        resource: &str,
-        generation: u64,
-        mut stream: tonic::Streaming<kubelet_api::deviceplugin::v1beta1::ListAndWatchResponse>,
-        cancel: CancellationToken,
-    ) {
-        let reason = loop {
-            tokio::select! {
-                () = cancel.cancelled() => return,
-                message = stream.message() => match message {
-                    Ok(Some(response)) => self.replace_devices(resource, generation, response),
-                    Ok(None) => break "stream ended".to_owned(),
-                    Err(status) => break format!("stream failed: {status}"),
-                },
-            }
-        };
-        self.stream_ended(resource, generation, &reason);
-    }
-
-    fn replace_devices(
-        &self,
-        resource: &str,
-        generation: u64,
-        response: kubelet_api::deviceplugin::v1beta1::ListAndWatchResponse,
-    ) {
-        let (devices, rejected) = devices::device_set(response);
-        if rejected.empty_ids > 0 || !rejected.duplicate_ids.is_empty() {
-            tracing::warn!(
-                resource,
-                empty_ids = rejected.empty_ids,
-                duplicate_ids = ?rejected.duplicate_ids,
-                "device plugin sent devices with empty or duplicate IDs; they were dropped"
-            );
-        }
-        let mut resources = self.lock();
-        let Some(entry) = resources.get_mut(resource).filter(|r| r.generation == generation) else { return };
-        let capacity = devices::capacity_of(devices.values());
-        let ids_changed = !entry.devices.keys().eq(devices.keys());
-        entry.devices = devices;
-        tracing::debug!(resource, capacity = capacity.capacity, allocatable = capacity.allocatable, "devices updated");
-        self.publish(resource, capacity);
-        if ids_changed {
-            entry.registered_part = None;
-            drop(resources);
-            self.request_checkpoint();
-        }
-    }
-
-    fn stream_ended(&self, resource: &str, generation: u64, reason: &str) {
-        {
-            let mut resources = self.lock();
-            let Some(entry) = resources.get_mut(resource).filter(|r| r.generation == generation) else { return };
-            let Some(endpoint) = entry.endpoint.take() else { return };
-            endpoint.cancel.cancel();
-            for device in entry.devices.values_mut() {
-                device.health = Health::Unhealthy;
-            }
-            let capacity = devices::capacity_of(entry.devices.values());
-            self.publish(resource, capacity);
-        }
-        tracing::warn!(
-            resource,
-            reason,
-            grace = ?self.inner.config.grace_period,
-            "device plugin gone; its devices are unhealthy until it registers again"
-        );
-        self.start_grace_timer(resource, generation);
-    }
-
-    /// Removes `resource`'s devices after the grace period unless a plugin
-    /// registered it again meanwhile.
-    fn start_grace_timer(&self, resource: &str, generation: u64) {
-        let grace = self.inner.config.grace_period;
-        let manager = self.clone();
-        let resource = resource.to_owned();
-        let shutdown = self.inner.shutdown.clone();
-        self.inner.tasks.spawn(async move {
-            tokio::select! {
-                () = shutdown.cancelled() => {}
-                () = tokio::time::sleep(grace) => manager.remove_after_grace(&resource, generation),
-            }
+    /// Publishes `resource`'s capacity if it changed, to the snapshots and
+    /// to the change record. Called with the state lock held, so changes are
+    /// published in the order they happen.
+    fn publish(&self, resource: &str, capacity: ResourceCapacity) {
+        let changed = self.inner.capacity.send_if_modified(|all| {
+            let previous = all.insert(resource.to_owned(), capacity);
+            previous != Some(capacity)
         });
+        if changed {
+            // No receiver is not an error: nobody records now.
+            let _ = self.inner.capacity_changes.send(CapacityChange { resource: resource.to_owned(), capacity });
+        }
     }
 
     /// Asks for a checkpoint of the current state; returns its generation
     /// (`None` once the manager is shutting down).
-    pub(crate) fn request_checkpoint(&self) -> Option<u64> {
+    fn request_checkpoint(&self) -> Option<u64> {
         self.inner.checkpoint.request()
     }
 
     /// Writes the current state to the checkpoint and waits until it is on
     /// disk. Concurrent callers share writes (group commit).
-    pub async fn persisted(&self) -> Result<(), String> {
-        let Some(generation) = self.request_checkpoint() else {
-            return Err("the device manager is shutting down".into());
-        };
+    pub async fn persisted(&self) -> Result<(), CheckpointWriteError> {
+        let generation = self.request_checkpoint().ok_or(CheckpointWriteError::ShuttingDown)?;
         self.inner.checkpoint.written(generation).await
     }
 
@@ -455,71 +361,23 @@ impl DeviceManager {
 
     /// Writes the current state: the parts are collected under the locks
     /// (pointers, not bytes) and written without them.
-    fn write_checkpoint(&self, path: &Path) -> Result<(), String> {
-        let registered: Vec<Arc<checkpoint::Part>> = self
-            .lock()
-            .iter_mut()
-            .filter(|(_, r)| r.listed)
-            .map(|(name, r)| {
-                r.registered_part
-                    .get_or_insert_with(|| {
-                        Arc::new(checkpoint::Part::registered(name, r.devices.keys().map(String::as_str)))
-                    })
-                    .clone()
-            })
-            .collect();
+    fn write_checkpoint(&self, path: &Path) -> Result<(), CheckpointWriteError> {
+        let mut registered: Vec<Arc<checkpoint::Part>> = Vec::new();
+        for (name, r) in self.lock().iter_mut().filter(|(_, r)| r.listed) {
+            let part = match &r.registered_part {
+                Some(part) => part.clone(),
+                None => {
+                    let part = Arc::new(checkpoint::Part::registered(name, r.devices.keys().map(String::as_str))?);
+                    r.registered_part = Some(part.clone());
+                    part
+                }
+            };
+            registered.push(part);
+        }
         let entries = self.allocations().parts();
         let started = std::time::Instant::now();
-        checkpoint::write_parts(path, &entries, &registered).map_err(|e| e.to_string())?;
+        checkpoint::write_parts(path, &entries, &registered)?;
         self.inner.metrics.checkpoint_written(started.elapsed());
         Ok(())
-    }
-
-    fn remove_after_grace(&self, resource: &str, generation: u64) {
-        let _fired = FireOnDrop(&self.inner.grace_timers_fired);
-        let mut resources = self.lock();
-        let Some(entry) = resources.get_mut(resource) else { return };
-        if entry.generation != generation || entry.endpoint.is_some() {
-            return;
-        }
-        entry.devices.clear();
-        entry.listed = false;
-        entry.registered_part = None;
-        tracing::info!(resource, "device plugin did not come back within the grace period; resource removed");
-        self.publish(resource, ResourceCapacity::default());
-        drop(resources);
-        self.request_checkpoint();
-    }
-
-    /// Publishes `resource`'s capacity if it changed. Called with the state
-    /// lock held, so snapshots are published in the order of the changes.
-    fn publish(&self, resource: &str, capacity: ResourceCapacity) {
-        self.inner.capacity.send_if_modified(|all| {
-            let previous = all.insert(resource.to_owned(), capacity);
-            previous != Some(capacity)
-        });
-    }
-}
-
-/// Counts a fired grace timer once its work is done.
-struct FireOnDrop<'a>(&'a watch::Sender<u64>);
-
-impl Drop for FireOnDrop<'_> {
-    fn drop(&mut self) {
-        self.0.send_modify(|n| *n += 1);
-    }
-}
-
-/// Awaits a unary or streaming-open call with a deadline.
-async fn call<T>(
-    resource: &str,
-    rpc: &'static str,
-    timeout: Duration,
-    call: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
-) -> Result<T, RegisterError> {
-    match tokio::time::timeout(timeout, call).await {
-        Ok(Ok(response)) => Ok(response.into_inner()),
-        Ok(Err(status)) => Err(RegisterError::Rpc { resource: resource.to_owned(), rpc, status }),
-        Err(_) => Err(RegisterError::Timeout { resource: resource.to_owned(), rpc, timeout }),
     }
 }

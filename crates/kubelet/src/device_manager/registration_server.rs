@@ -4,21 +4,53 @@
 //! Plugins watch `kubelet.sock` and register again when it is recreated (that
 //! is how they learn the node restarted), so the server recreates it whenever
 //! it is removed or replaced under us.
+//!
+//! A rebind that fails (something else sits at the path, the directory is
+//! gone or full) is retried with backoff, 100 ms doubling to 30 s, and at
+//! once when the path changes; meanwhile the server reports itself failing
+//! (with the error and the next delay) through its health check, and healthy
+//! again once it serves.
 
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Component, Path, PathBuf};
+use std::time::Duration;
 
 use kubelet_api::constants::{DEVICE_PLUGIN_VERSION, KUBELET_SOCKET};
 use kubelet_api::deviceplugin::v1beta1::registration_server::{Registration, RegistrationServer};
 use kubelet_api::deviceplugin::v1beta1::{Empty, RegisterRequest};
 use notify::{RecursiveMode, Watcher as _};
+use tokio::net::UnixListener;
 use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
 use super::DeviceManager;
 use super::error::{DeviceManagerError, RegisterError};
 use super::resource_name::is_extended_resource_name;
+use crate::health::HealthReporter;
+
+/// The first delay before binding `kubelet.sock` again after a failure.
+const FIRST_RETRY: Duration = Duration::from_millis(100);
+/// The longest delay between bind attempts.
+const MAX_RETRY: Duration = Duration::from_secs(30);
+
+/// Delays between bind attempts: [`FIRST_RETRY`] doubling to [`MAX_RETRY`].
+struct Backoff {
+    next: Duration,
+}
+
+impl Backoff {
+    fn new() -> Backoff {
+        Backoff { next: FIRST_RETRY }
+    }
+
+    fn next_delay(&mut self) -> Duration {
+        let delay = self.next;
+        self.next = (self.next * 2).min(MAX_RETRY);
+        delay
+    }
+}
 
 /// Creates the directory (0750) and removes stale sockets in it; other files
 /// (the checkpoint) are kept.
@@ -62,12 +94,14 @@ pub(super) fn start(manager: DeviceManager) -> Result<(), DeviceManagerError> {
     let mut identity = socket_identity(&socket);
     let shutdown = manager.inner.shutdown.clone();
     let tasks = manager.inner.tasks.clone();
+    let health = manager.inner.registration_health.clone();
     let span = tracing::info_span!("device_plugin_registration", socket = %socket.display());
     tasks.spawn(
         async move {
             let _watcher = watcher;
             loop {
                 tracing::info!("serving device plugin registration");
+                health.healthy();
                 let stop = shutdown.child_token();
                 let router = tonic::transport::Server::builder()
                     .add_service(RegistrationServer::new(RegistrationService { manager: manager.clone() }));
@@ -92,22 +126,42 @@ pub(super) fn start(manager: DeviceManager) -> Result<(), DeviceManagerError> {
                     break;
                 }
                 tracing::warn!("kubelet.sock was removed or replaced; recreating it so plugins register again");
-                listener = match kubelet_api::uds::bind(&socket) {
-                    Ok(listener) => {
-                        identity = socket_identity(&socket);
-                        manager.inner.server_generation.send_modify(|g| *g += 1);
-                        listener
-                    }
-                    Err(error) => {
-                        tracing::error!(%error, "cannot recreate kubelet.sock; device plugins cannot register");
-                        break;
-                    }
-                };
+                let Some(bound) = rebind(&socket, &health, &mut changes, &shutdown).await else { break };
+                listener = bound;
+                identity = socket_identity(&socket);
+                manager.inner.server_generation.send_modify(|g| *g += 1);
             }
         }
         .instrument(span),
     );
     Ok(())
+}
+
+/// Binds `socket` again, retrying with backoff (and at once when the path
+/// changes) until it works; `None` on shutdown. While it fails, `health`
+/// says why and when the next attempt is.
+async fn rebind(
+    socket: &Path,
+    health: &HealthReporter,
+    changes: &mut mpsc::UnboundedReceiver<()>,
+    shutdown: &CancellationToken,
+) -> Option<UnixListener> {
+    let mut backoff = Backoff::new();
+    loop {
+        let error = match kubelet_api::uds::bind(socket) {
+            Ok(listener) => return Some(listener),
+            Err(error) => error,
+        };
+        let delay = backoff.next_delay();
+        tracing::error!(%error, retry_in = ?delay, "cannot recreate kubelet.sock; device plugins cannot register until it is back");
+        health.failing(format!("cannot serve device plugin registration: {error}; retrying in {delay:?}"));
+        tokio::select! {
+            () = shutdown.cancelled() => return None,
+            () = tokio::time::sleep(delay) => {}
+            // Something changed at the path (what was in the way may be gone).
+            Some(()) = changes.recv() => {}
+        }
+    }
 }
 
 fn socket_identity(path: &Path) -> Option<(u64, u64)> {
@@ -182,6 +236,13 @@ mod tests {
             let err = endpoint_path(dir, "v.com/x", bad).expect_err(bad);
             assert!(err.to_string().contains("must be a socket file name"), "{bad}: {err}");
         }
+    }
+
+    #[test]
+    fn bind_retries_back_off_from_100_ms_doubling_to_30_s() {
+        let mut backoff = Backoff::new();
+        let delays: Vec<u64> = (0..12).map(|_| backoff.next_delay().as_millis() as u64).collect();
+        assert_eq!(delays, [100, 200, 400, 800, 1600, 3200, 6400, 12800, 25600, 30000, 30000, 30000]);
     }
 
     #[test]

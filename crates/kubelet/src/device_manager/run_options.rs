@@ -46,7 +46,7 @@ pub struct RunOptions {
     /// Fully qualified CDI device names.
     pub cdi_devices: Vec<String>,
     /// Conflicts found while merging resources (the first resource won).
-    pub conflicts: Vec<String>,
+    pub conflicts: Vec<RunOptionConflict>,
 }
 
 impl From<api::ContainerAllocateResponse> for RunOptions {
@@ -102,78 +102,151 @@ impl From<&RunOptions> for api::ContainerAllocateResponse {
     }
 }
 
+/// What kind of run option two resources disagreed on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize)]
+pub enum RunOptionKind {
+    /// An environment variable (keyed by name).
+    Env,
+    /// An annotation for the runtime (keyed by name).
+    Annotation,
+    /// A mount (keyed by container path; the value is the host path).
+    Mount,
+    /// A device node (keyed by container path; the value is the host path).
+    Device,
+}
+
+impl std::fmt::Display for RunOptionKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            RunOptionKind::Env => "env",
+            RunOptionKind::Annotation => "annotation",
+            RunOptionKind::Mount => "mount",
+            RunOptionKind::Device => "device",
+        })
+    }
+}
+
+/// Two resources gave a container different values for one run option; the
+/// first resource (in name order) won.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct RunOptionConflict {
+    /// What kind of option.
+    pub what: RunOptionKind,
+    /// Its key: the variable or annotation name, or the container path.
+    pub key: String,
+    /// The value kept (for mounts and devices, the host path).
+    pub kept: String,
+    /// The resource whose value was kept.
+    pub kept_from: String,
+    /// The value dropped (for mounts and devices, the host path).
+    pub dropped: String,
+    /// The resource whose value was dropped.
+    pub dropped_from: String,
+}
+
+impl std::fmt::Display for RunOptionConflict {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let RunOptionConflict { what, key, kept, dropped, dropped_from, .. } = self;
+        match what {
+            RunOptionKind::Env | RunOptionKind::Annotation => write!(
+                f,
+                "{what} {key}: {dropped_from} sets {dropped:?}, an earlier resource set {kept:?}; keeping {kept:?}"
+            ),
+            RunOptionKind::Mount | RunOptionKind::Device => write!(
+                f,
+                "{what} {key}: {dropped_from} uses {dropped}, an earlier resource used {kept}; keeping the earlier one"
+            ),
+        }
+    }
+}
+
 impl RunOptions {
-    /// Adds `other` (from `resource`) to `self`; on a conflict `self` wins
-    /// and the conflict is recorded.
-    pub(crate) fn merge(&mut self, resource: &str, other: &RunOptions) {
-        merge_map("env", &mut self.envs, &other.envs, resource, &mut self.conflicts);
-        merge_map("annotation", &mut self.annotations, &other.annotations, resource, &mut self.conflicts);
-        merge_by(
-            &mut self.mounts,
-            &other.mounts,
-            |m| &m.container_path,
-            |m| &m.host_path,
-            "mount",
-            resource,
-            &mut self.conflicts,
-        );
-        merge_by(
-            &mut self.devices,
-            &other.devices,
-            |d| &d.container_path,
-            |d| &d.host_path,
-            "device",
-            resource,
-            &mut self.conflicts,
-        );
-        for name in &other.cdi_devices {
-            if !self.cdi_devices.contains(name) {
-                self.cdi_devices.push(name.clone());
+    /// Merges the run options of several resources, in the order given (the
+    /// callers give resource-name order): on a conflict the first resource's
+    /// value wins and the conflict is recorded.
+    pub(crate) fn merged<'a>(parts: impl IntoIterator<Item = (&'a str, &'a RunOptions)>) -> RunOptions {
+        let mut merged = RunOptions::default();
+        // Which resource set each key first, to name it in conflicts.
+        let mut origins: BTreeMap<(RunOptionKind, &'a str), &'a str> = BTreeMap::new();
+        for (resource, options) in parts {
+            let mut conflicts = Vec::new();
+            let mut merge = Merge { resource, origins: &mut origins, conflicts: &mut conflicts };
+            merge.map(RunOptionKind::Env, &mut merged.envs, &options.envs);
+            merge.map(RunOptionKind::Annotation, &mut merged.annotations, &options.annotations);
+            merge.by_path(RunOptionKind::Mount, &mut merged.mounts, &options.mounts, |m| {
+                (&m.container_path, &m.host_path)
+            });
+            merge.by_path(RunOptionKind::Device, &mut merged.devices, &options.devices, |d| {
+                (&d.container_path, &d.host_path)
+            });
+            merged.conflicts.append(&mut conflicts);
+            for name in &options.cdi_devices {
+                if !merged.cdi_devices.contains(name) {
+                    merged.cdi_devices.push(name.clone());
+                }
             }
         }
+        merged
     }
 }
 
-fn merge_map(
-    what: &str,
-    ours: &mut BTreeMap<String, String>,
-    theirs: &BTreeMap<String, String>,
-    resource: &str,
-    conflicts: &mut Vec<String>,
-) {
-    for (key, value) in theirs {
-        match ours.get(key) {
-            Some(existing) if existing != value => conflicts.push(format!(
-                "{what} {key}: {resource} sets {value:?}, an earlier resource set {existing:?}; keeping {existing:?}"
-            )),
-            Some(_) => {}
-            None => {
-                ours.insert(key.clone(), value.clone());
+/// One resource's options being merged into the container's.
+struct Merge<'m, 'a> {
+    resource: &'a str,
+    origins: &'m mut BTreeMap<(RunOptionKind, &'a str), &'a str>,
+    conflicts: &'m mut Vec<RunOptionConflict>,
+}
+
+impl<'a> Merge<'_, 'a> {
+    fn conflict(&mut self, what: RunOptionKind, key: &'a str, kept: &str, dropped: &str) {
+        self.conflicts.push(RunOptionConflict {
+            what,
+            key: key.to_owned(),
+            kept: kept.to_owned(),
+            kept_from: self.origins.get(&(what, key)).copied().unwrap_or_default().to_owned(),
+            dropped: dropped.to_owned(),
+            dropped_from: self.resource.to_owned(),
+        });
+    }
+
+    fn map(&mut self, what: RunOptionKind, ours: &mut BTreeMap<String, String>, theirs: &'a BTreeMap<String, String>) {
+        for (key, value) in theirs {
+            match ours.get(key) {
+                Some(existing) if existing != value => {
+                    let existing = existing.clone();
+                    self.conflict(what, key, &existing, value);
+                }
+                Some(_) => {}
+                None => {
+                    ours.insert(key.clone(), value.clone());
+                    self.origins.insert((what, key), self.resource);
+                }
             }
         }
     }
-}
 
-/// Merges items keyed by their container path.
-fn merge_by<T: Clone + PartialEq>(
-    ours: &mut Vec<T>,
-    theirs: &[T],
-    key: impl Fn(&T) -> &String,
-    source: impl Fn(&T) -> &String,
-    what: &str,
-    resource: &str,
-    conflicts: &mut Vec<String>,
-) {
-    for item in theirs {
-        match ours.iter().find(|o| key(o) == key(item)) {
-            Some(existing) if existing != item => conflicts.push(format!(
-                "{what} {}: {resource} uses {}, an earlier resource used {}; keeping the earlier one",
-                key(item),
-                source(item),
-                source(existing)
-            )),
-            Some(_) => {}
-            None => ours.push(item.clone()),
+    /// Merges items keyed by their container path; `paths` gives an item's
+    /// container path and host path.
+    fn by_path<T: Clone + PartialEq>(
+        &mut self,
+        what: RunOptionKind,
+        ours: &mut Vec<T>,
+        theirs: &'a [T],
+        paths: impl Fn(&T) -> (&String, &String),
+    ) {
+        for item in theirs {
+            let (key, source) = paths(item);
+            match ours.iter().find(|o| paths(o).0 == key) {
+                Some(existing) if existing != item => {
+                    let kept = paths(existing).1.clone();
+                    self.conflict(what, key, &kept, source);
+                }
+                Some(_) => {}
+                None => {
+                    ours.push(item.clone());
+                    self.origins.insert((what, key), self.resource);
+                }
+            }
         }
     }
 }
@@ -191,12 +264,41 @@ mod tests {
         b.envs.insert("X".into(), "2".into());
         b.envs.insert("Y".into(), "3".into());
         b.cdi_devices.push("v.com/gpu=0".into());
-        let mut merged = RunOptions::default();
-        merged.merge("a.com/x", &a);
-        merged.merge("b.com/y", &b);
+        a.mounts.push(MountSpec { container_path: "/m".into(), host_path: "/host/a".into(), read_only: true });
+        b.mounts.push(MountSpec { container_path: "/m".into(), host_path: "/host/b".into(), read_only: true });
+        let merged = RunOptions::merged([("a.com/x", &a), ("b.com/y", &b)]);
         assert_eq!(merged.envs["X"], "1");
         assert_eq!(merged.envs["Y"], "3");
         assert_eq!(merged.cdi_devices, ["v.com/gpu=0"]);
-        assert_eq!(merged.conflicts, [r#"env X: b.com/y sets "2", an earlier resource set "1"; keeping "1""#]);
+        assert_eq!(merged.mounts.len(), 1);
+        assert_eq!(
+            merged.conflicts,
+            [
+                RunOptionConflict {
+                    what: RunOptionKind::Env,
+                    key: "X".into(),
+                    kept: "1".into(),
+                    kept_from: "a.com/x".into(),
+                    dropped: "2".into(),
+                    dropped_from: "b.com/y".into(),
+                },
+                RunOptionConflict {
+                    what: RunOptionKind::Mount,
+                    key: "/m".into(),
+                    kept: "/host/a".into(),
+                    kept_from: "a.com/x".into(),
+                    dropped: "/host/b".into(),
+                    dropped_from: "b.com/y".into(),
+                },
+            ]
+        );
+        let texts: Vec<String> = merged.conflicts.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            texts,
+            [
+                r#"env X: b.com/y sets "2", an earlier resource set "1"; keeping "1""#,
+                "mount /m: b.com/y uses /host/b, an earlier resource used /host/a; keeping the earlier one",
+            ]
+        );
     }
 }

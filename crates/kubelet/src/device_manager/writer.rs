@@ -5,10 +5,46 @@
 //! ask covers it. Asks that arrive while a write is in progress are all
 //! covered by the next write. On shutdown the writer finishes what was asked
 //! before it stopped, then exits; later asks are refused.
+//!
+//! The writer reports its health: failing with the error after a failed
+//! write, healthy again after a good one.
 
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::path::PathBuf;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use tokio::sync::watch;
+
+use crate::health::{HealthCheck, HealthReporter};
+
+/// Why the device checkpoint could not be written. Cheap to clone: every
+/// caller waiting for one write gets the same error.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum CheckpointWriteError {
+    /// Writing, syncing or renaming the file failed.
+    #[error("cannot write device checkpoint {path}: {source}")]
+    Io {
+        /// The checkpoint file.
+        path: PathBuf,
+        /// The system error.
+        #[source]
+        source: Arc<std::io::Error>,
+    },
+    /// A part of the checkpoint could not be encoded (a bug).
+    #[error("cannot encode {what} for the device checkpoint: {source}")]
+    Encode {
+        /// What was being encoded.
+        what: String,
+        /// The encoder's error.
+        #[source]
+        source: Arc<serde_json::Error>,
+    },
+    /// The device manager is shutting down and takes no more writes.
+    #[error("the device manager is shutting down")]
+    ShuttingDown,
+    /// The write panicked (a bug); the writer goes on with the next one.
+    #[error("the device checkpoint writer panicked")]
+    WriterPanicked,
+}
 
 #[derive(Default)]
 struct State {
@@ -24,7 +60,7 @@ struct Done {
     /// The last generation written successfully.
     written: u64,
     /// Why the last attempt failed, if it did.
-    error: Option<String>,
+    error: Option<CheckpointWriteError>,
 }
 
 /// Shared between the manager (asks, waits) and the writer thread.
@@ -32,11 +68,23 @@ pub(crate) struct Writer {
     state: Mutex<State>,
     wake: Condvar,
     done: watch::Sender<Done>,
+    health: HealthReporter,
 }
 
 impl Writer {
     pub(crate) fn new() -> Writer {
-        Writer { state: Mutex::default(), wake: Condvar::new(), done: watch::Sender::new(Done::default()) }
+        Writer {
+            state: Mutex::default(),
+            wake: Condvar::new(),
+            done: watch::Sender::new(Done::default()),
+            health: HealthReporter::new(),
+        }
+    }
+
+    /// The writer's health: failing after a failed write (with the error),
+    /// healthy after a good one.
+    pub(crate) fn health(&self) -> HealthCheck {
+        self.health.check()
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -58,12 +106,15 @@ impl Writer {
     /// Waits until a write covering generation `generation` was attempted:
     /// `Ok` once one succeeded (a later write holds the newest state, so it
     /// covers earlier generations too), else the failed attempt's error.
-    pub(crate) async fn written(&self, generation: u64) -> Result<(), String> {
+    pub(crate) async fn written(&self, generation: u64) -> Result<(), CheckpointWriteError> {
         let mut done = self.done.subscribe();
         match done.wait_for(|d| d.attempted >= generation).await {
             Ok(d) if d.written >= generation => Ok(()),
-            Ok(d) => Err(d.error.clone().unwrap_or_else(|| "the checkpoint write failed".into())),
-            Err(_) => Err("the checkpoint writer stopped".into()),
+            // A failed attempt always records its error.
+            Ok(d) => Err(d.error.clone().unwrap_or(CheckpointWriteError::WriterPanicked)),
+            // The sender lives as long as `self`, so this cannot happen
+            // while we borrow it.
+            Err(_) => Err(CheckpointWriteError::ShuttingDown),
         }
     }
 
@@ -74,7 +125,7 @@ impl Writer {
     }
 
     /// The writer thread's body: `write` writes the current state.
-    pub(crate) fn run(&self, mut write: impl FnMut() -> Result<(), String>) {
+    pub(crate) fn run(&self, mut write: impl FnMut() -> Result<(), CheckpointWriteError>) {
         let mut written = 0;
         loop {
             let generation = {
@@ -89,9 +140,13 @@ impl Writer {
             };
             // A panic is a bug, but it must not leave waiters waiting forever.
             let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(&mut write))
-                .unwrap_or_else(|_| Err("the checkpoint writer panicked".into()));
-            if let Err(error) = &result {
-                tracing::error!(%error, "cannot write the device checkpoint");
+                .unwrap_or(Err(CheckpointWriteError::WriterPanicked));
+            match &result {
+                Ok(()) => self.health.healthy(),
+                Err(error) => {
+                    tracing::error!(%error, "cannot write the device checkpoint");
+                    self.health.failing(error.to_string());
+                }
             }
             written = generation;
             self.done.send_modify(|done| {
@@ -110,14 +165,25 @@ impl Writer {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
     use std::sync::atomic::{AtomicU64, Ordering};
 
     use super::*;
+    use crate::health::ComponentHealth;
+
+    fn disk_full() -> CheckpointWriteError {
+        CheckpointWriteError::Io {
+            path: "/dp/kubelet_internal_checkpoint".into(),
+            source: Arc::new(std::io::Error::from(std::io::ErrorKind::StorageFull)),
+        }
+    }
+
+    fn is_disk_full(result: Result<(), CheckpointWriteError>) -> bool {
+        matches!(result, Err(CheckpointWriteError::Io { source, .. }) if source.kind() == std::io::ErrorKind::StorageFull)
+    }
 
     /// A writer whose thread runs `write` for every write.
     fn started(
-        write: impl FnMut() -> Result<(), String> + Send + 'static,
+        write: impl FnMut() -> Result<(), CheckpointWriteError> + Send + 'static,
     ) -> (Arc<Writer>, std::thread::JoinHandle<()>) {
         let writer = Arc::new(Writer::new());
         let thread = {
@@ -162,7 +228,7 @@ mod tests {
     /// own generation was written.
     #[tokio::test]
     async fn a_later_failure_is_not_reported_for_an_earlier_generation() {
-        let mut results = vec![Err("disk full".to_owned()), Ok(())];
+        let mut results = vec![Err(disk_full()), Ok(())];
         let (written_tx, written_rx) = std::sync::mpsc::channel::<()>();
         let (writer, thread) = started(move || {
             let result = results.pop().unwrap_or(Ok(()));
@@ -173,8 +239,8 @@ mod tests {
         written_rx.recv().expect("first written");
         let second = writer.request().expect("running");
         written_rx.recv().expect("second attempted");
-        assert_eq!(writer.written(second).await, Err("disk full".into()));
-        assert_eq!(writer.written(first).await, Ok(()), "the first write succeeded");
+        assert!(is_disk_full(writer.written(second).await));
+        assert!(writer.written(first).await.is_ok(), "the first write succeeded");
         writer.stop();
         thread.join().expect("exits");
     }
@@ -183,19 +249,41 @@ mod tests {
     async fn a_panicking_write_fails_its_waiters_instead_of_hanging_them() {
         let (writer, thread) = started(|| panic!("bug in the writer"));
         let ask = writer.request().expect("running");
-        assert_eq!(writer.written(ask).await, Err("the checkpoint writer panicked".into()));
+        assert!(matches!(writer.written(ask).await, Err(CheckpointWriteError::WriterPanicked)));
         let again = writer.request().expect("still running");
-        assert_eq!(writer.written(again).await, Err("the checkpoint writer panicked".into()));
+        assert!(matches!(writer.written(again).await, Err(CheckpointWriteError::WriterPanicked)));
+        assert_eq!(
+            writer.health().get(),
+            ComponentHealth::Failing { reason: "the device checkpoint writer panicked".into() }
+        );
         writer.stop();
         thread.join().expect("exits");
     }
 
+    /// A failed write is reported to its waiters and fails the writer's
+    /// health check until a write succeeds again.
     #[tokio::test]
-    async fn a_failed_write_is_reported_to_its_waiters() {
-        let (writer, thread) = started(|| Err("disk full".into()));
+    async fn a_failed_write_is_reported_to_its_waiters_and_health() {
+        let mut results = vec![Ok(()), Err(disk_full())];
+        let (writer, thread) = started(move || results.pop().unwrap_or(Ok(())));
+        let health = writer.health();
+        assert!(health.get().is_healthy());
         let ask = writer.request().expect("running");
-        assert_eq!(writer.written(ask).await, Err("disk full".into()));
+        assert!(is_disk_full(writer.written(ask).await));
+        assert_eq!(
+            health.get(),
+            ComponentHealth::Failing {
+                reason: format!("cannot write device checkpoint /dp/kubelet_internal_checkpoint: {}", disk_full_text())
+            }
+        );
+        let again = writer.request().expect("running");
+        assert!(writer.written(again).await.is_ok());
+        assert!(health.get().is_healthy(), "healthy again after a good write");
         writer.stop();
         thread.join().expect("exits");
+    }
+
+    fn disk_full_text() -> String {
+        std::io::Error::from(std::io::ErrorKind::StorageFull).to_string()
     }
 }

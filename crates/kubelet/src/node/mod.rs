@@ -168,6 +168,9 @@ impl NodeBuilder {
         let devices = DeviceManager::start(config.devices.clone(), shutdown.clone())
             .map_err(|source| NodeError::DeviceManager { root_dir: root_dir.clone(), source })?;
         devices.register_metrics(&mut metrics);
+        for (name, check) in devices.health_checks() {
+            healthz.add(name, check);
+        }
 
         let plugin_error = |source| NodeError::PluginManager { root_dir: root_dir.clone(), source };
         let mut manager = PluginManager::new(config.plugins.clone());
