@@ -1,9 +1,18 @@
-//! A CSI driver serving Identity and Node, with a configurable `NodeGetInfo`.
-//! Volume RPCs answer `Unimplemented` until the volume stages need them.
+//! A CSI driver serving Identity and Node, with a configurable `NodeGetInfo`
+//! and the volume calls a node makes: `NodeGetCapabilities`,
+//! `NodeStageVolume`, `NodePublishVolume`, `NodeUnpublishVolume`,
+//! `NodeUnstageVolume`.
+//!
+//! Like a host-path driver, staging and publishing make the directory (with
+//! a marker file naming the volume) and unpublishing and unstaging remove
+//! it; every call is idempotent, as the CSI spec requires. Each call can be
+//! told to hang or to fail with a gRPC code, and every request the driver
+//! got is recorded ([`FakeCsiDriver::calls`]), so a test checks what the
+//! driver received.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 use kubelet_api::csi::v1::identity_server::{Identity, IdentityServer};
 use kubelet_api::csi::v1::node_server::{Node, NodeServer};
@@ -39,6 +48,76 @@ pub struct CsiDriverConfig {
     pub topology: HashMap<String, String>,
     /// How `NodeGetInfo` behaves.
     pub node_get_info: NodeGetInfoBehaviour,
+    /// Report the `STAGE_UNSTAGE_VOLUME` capability (and require staging
+    /// before publishing).
+    pub stage_unstage: bool,
+    /// Misbehaviours of volume calls, by RPC name (`NodePublishVolume`, …).
+    pub volume_calls: HashMap<String, VolumeCallBehaviour>,
+}
+
+/// How one volume RPC misbehaves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VolumeCallBehaviour {
+    /// Never answer.
+    Hang,
+    /// Answer with this gRPC code.
+    Fail(tonic::Code),
+}
+
+/// A volume request the driver received. Secrets are kept as sent: this is
+/// a test driver, and tests check them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VolumeCall {
+    /// The RPC (`NodeStageVolume`, …).
+    pub rpc: &'static str,
+    /// `volume_id`.
+    pub volume_id: String,
+    /// `staging_target_path` (empty when not sent).
+    pub staging_target_path: String,
+    /// `target_path` (publish and unpublish).
+    pub target_path: String,
+    /// The capability's file system type, or `block`.
+    pub access_type: String,
+    /// The capability's mount flags.
+    pub mount_flags: Vec<String>,
+    /// The capability's access mode, as its wire number.
+    pub access_mode: i32,
+    /// `readonly` (publish).
+    pub read_only: bool,
+    /// `secrets`, sorted.
+    pub secrets: Vec<(String, String)>,
+    /// `volume_context`, sorted.
+    pub volume_context: Vec<(String, String)>,
+    /// `publish_context`, sorted.
+    pub publish_context: Vec<(String, String)>,
+}
+
+/// The requests a driver received, in order; cheap to clone and wait on.
+#[derive(Clone, Debug, Default)]
+pub struct VolumeCalls {
+    calls: Arc<Mutex<Vec<VolumeCall>>>,
+    count: Arc<tokio::sync::watch::Sender<usize>>,
+}
+
+impl VolumeCalls {
+    /// Every request so far.
+    pub fn all(&self) -> Vec<VolumeCall> {
+        self.calls.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Waits until at least `n` requests arrived (or `timeout` passes) and
+    /// returns them.
+    pub async fn wait_for(&self, n: usize, timeout: std::time::Duration) -> Vec<VolumeCall> {
+        let mut count = self.count.subscribe();
+        let _ = tokio::time::timeout(timeout, count.wait_for(|c| *c >= n)).await;
+        self.all()
+    }
+
+    fn record(&self, call: VolumeCall) {
+        let mut calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
+        calls.push(call);
+        self.count.send_replace(calls.len());
+    }
 }
 
 /// A fake CSI driver on one endpoint socket.
@@ -47,12 +126,32 @@ pub struct FakeCsiDriver {
     endpoint: PathBuf,
     config: Arc<CsiDriverConfig>,
     reporter: Reporter,
+    calls: VolumeCalls,
 }
 
 impl FakeCsiDriver {
     /// A driver serving on `endpoint`.
     pub fn new(endpoint: impl Into<PathBuf>, config: CsiDriverConfig, reporter: Reporter) -> Self {
-        FakeCsiDriver { endpoint: endpoint.into(), config: Arc::new(config), reporter }
+        FakeCsiDriver { endpoint: endpoint.into(), config: Arc::new(config), reporter, calls: VolumeCalls::default() }
+    }
+
+    /// The volume requests this driver receives (take it before `spawn`).
+    pub fn calls(&self) -> VolumeCalls {
+        self.calls.clone()
+    }
+
+    /// Records the request, then answers as configured: `None` to go on.
+    async fn misbehave(&self, call: VolumeCall) -> Option<Status> {
+        let rpc = call.rpc;
+        self.reporter.report(Report::VolumeCall { rpc: rpc.to_owned(), volume_id: call.volume_id.clone() });
+        self.calls.record(call);
+        match self.config.volume_calls.get(rpc) {
+            None => None,
+            Some(VolumeCallBehaviour::Hang) => std::future::pending().await,
+            Some(VolumeCallBehaviour::Fail(code)) => {
+                Some(Status::new(*code, format!("fake CSI driver told to fail {rpc}")))
+            }
+        }
     }
 
     /// Binds the endpoint now and serves until `shutdown`.
@@ -151,37 +250,170 @@ impl Identity for FakeCsiDriver {
 }
 
 fn unimplemented<T>(rpc: &str) -> Result<Response<T>, Status> {
-    Err(Status::unimplemented(format!("{rpc} is not implemented by the fake CSI driver yet")))
+    Err(Status::unimplemented(format!("{rpc} is not implemented by the fake CSI driver")))
 }
+
+fn sorted(map: &HashMap<String, String>) -> Vec<(String, String)> {
+    let mut pairs: Vec<(String, String)> = map.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    pairs.sort();
+    pairs
+}
+
+/// The request's capability as the record shows it, and a check the spec
+/// asks for: a capability must be given.
+fn capability(capability: Option<&VolumeCapability>) -> Result<(String, Vec<String>, i32), Status> {
+    let capability = capability.ok_or_else(|| Status::invalid_argument("volume_capability is required"))?;
+    let mode = capability.access_mode.as_ref().map_or(0, |m| m.mode);
+    match &capability.access_type {
+        Some(volume_capability::AccessType::Mount(mount)) => {
+            Ok((mount.fs_type.clone(), mount.mount_flags.clone(), mode))
+        }
+        Some(volume_capability::AccessType::Block(_)) => Ok(("block".into(), Vec::new(), mode)),
+        None => Err(Status::invalid_argument("volume_capability needs mount or block")),
+    }
+}
+
+fn required<'a>(what: &str, value: &'a str) -> Result<&'a str, Status> {
+    if value.is_empty() { Err(Status::invalid_argument(format!("{what} is required"))) } else { Ok(value) }
+}
+
+/// Makes `dir` with a marker file naming the volume (idempotent).
+fn mark(dir: &Path, marker: &str, volume_id: &str) -> Result<(), Status> {
+    std::fs::create_dir_all(dir)
+        .and_then(|()| std::fs::write(dir.join(marker), volume_id))
+        .map_err(|e| Status::internal(format!("cannot prepare {}: {e}", dir.display())))
+}
+
+/// Removes `dir` and what is in it; a missing one is fine (idempotent).
+fn unmark(dir: &Path) -> Result<(), Status> {
+    match std::fs::remove_dir_all(dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            Err(Status::internal(format!("cannot remove {}: {e}", dir.display())))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The marker file a staged volume's directory holds.
+pub const STAGED_MARKER: &str = "staged-volume";
+/// The marker file a published volume's directory holds.
+pub const PUBLISHED_MARKER: &str = "published-volume";
 
 #[tonic::async_trait]
 impl Node for FakeCsiDriver {
     async fn node_stage_volume(
         &self,
-        _: Request<NodeStageVolumeRequest>,
+        request: Request<NodeStageVolumeRequest>,
     ) -> Result<Response<NodeStageVolumeResponse>, Status> {
-        unimplemented("NodeStageVolume")
+        let r = request.into_inner();
+        let (access_type, mount_flags, access_mode) = capability(r.volume_capability.as_ref())?;
+        let call = VolumeCall {
+            rpc: "NodeStageVolume",
+            volume_id: r.volume_id.clone(),
+            staging_target_path: r.staging_target_path.clone(),
+            target_path: String::new(),
+            access_type,
+            mount_flags,
+            access_mode,
+            read_only: false,
+            secrets: sorted(&r.secrets),
+            volume_context: sorted(&r.volume_context),
+            publish_context: sorted(&r.publish_context),
+        };
+        if let Some(status) = self.misbehave(call).await {
+            return Err(status);
+        }
+        if !self.config.stage_unstage {
+            return Err(Status::unimplemented("this driver does not stage volumes (no STAGE_UNSTAGE_VOLUME)"));
+        }
+        required("volume_id", &r.volume_id)?;
+        mark(Path::new(required("staging_target_path", &r.staging_target_path)?), STAGED_MARKER, &r.volume_id)?;
+        Ok(Response::new(NodeStageVolumeResponse {}))
     }
 
     async fn node_unstage_volume(
         &self,
-        _: Request<NodeUnstageVolumeRequest>,
+        request: Request<NodeUnstageVolumeRequest>,
     ) -> Result<Response<NodeUnstageVolumeResponse>, Status> {
-        unimplemented("NodeUnstageVolume")
+        let r = request.into_inner();
+        let call = VolumeCall {
+            rpc: "NodeUnstageVolume",
+            volume_id: r.volume_id.clone(),
+            staging_target_path: r.staging_target_path.clone(),
+            target_path: String::new(),
+            access_type: String::new(),
+            mount_flags: Vec::new(),
+            access_mode: 0,
+            read_only: false,
+            secrets: Vec::new(),
+            volume_context: Vec::new(),
+            publish_context: Vec::new(),
+        };
+        if let Some(status) = self.misbehave(call).await {
+            return Err(status);
+        }
+        required("volume_id", &r.volume_id)?;
+        unmark(Path::new(required("staging_target_path", &r.staging_target_path)?))?;
+        Ok(Response::new(NodeUnstageVolumeResponse {}))
     }
 
     async fn node_publish_volume(
         &self,
-        _: Request<NodePublishVolumeRequest>,
+        request: Request<NodePublishVolumeRequest>,
     ) -> Result<Response<NodePublishVolumeResponse>, Status> {
-        unimplemented("NodePublishVolume")
+        let r = request.into_inner();
+        let (access_type, mount_flags, access_mode) = capability(r.volume_capability.as_ref())?;
+        let call = VolumeCall {
+            rpc: "NodePublishVolume",
+            volume_id: r.volume_id.clone(),
+            staging_target_path: r.staging_target_path.clone(),
+            target_path: r.target_path.clone(),
+            access_type,
+            mount_flags,
+            access_mode,
+            read_only: r.readonly,
+            secrets: sorted(&r.secrets),
+            volume_context: sorted(&r.volume_context),
+            publish_context: sorted(&r.publish_context),
+        };
+        if let Some(status) = self.misbehave(call).await {
+            return Err(status);
+        }
+        required("volume_id", &r.volume_id)?;
+        if self.config.stage_unstage {
+            let staging = required("staging_target_path", &r.staging_target_path)?;
+            if !Path::new(staging).join(STAGED_MARKER).exists() {
+                return Err(Status::failed_precondition(format!("volume {} is not staged at {staging}", r.volume_id)));
+            }
+        }
+        mark(Path::new(required("target_path", &r.target_path)?), PUBLISHED_MARKER, &r.volume_id)?;
+        Ok(Response::new(NodePublishVolumeResponse {}))
     }
 
     async fn node_unpublish_volume(
         &self,
-        _: Request<NodeUnpublishVolumeRequest>,
+        request: Request<NodeUnpublishVolumeRequest>,
     ) -> Result<Response<NodeUnpublishVolumeResponse>, Status> {
-        unimplemented("NodeUnpublishVolume")
+        let r = request.into_inner();
+        let call = VolumeCall {
+            rpc: "NodeUnpublishVolume",
+            volume_id: r.volume_id.clone(),
+            staging_target_path: String::new(),
+            target_path: r.target_path.clone(),
+            access_type: String::new(),
+            mount_flags: Vec::new(),
+            access_mode: 0,
+            read_only: false,
+            secrets: Vec::new(),
+            volume_context: Vec::new(),
+            publish_context: Vec::new(),
+        };
+        if let Some(status) = self.misbehave(call).await {
+            return Err(status);
+        }
+        required("volume_id", &r.volume_id)?;
+        unmark(Path::new(required("target_path", &r.target_path)?))?;
+        Ok(Response::new(NodeUnpublishVolumeResponse {}))
     }
 
     async fn node_get_volume_stats(
@@ -202,7 +434,12 @@ impl Node for FakeCsiDriver {
         &self,
         _: Request<NodeGetCapabilitiesRequest>,
     ) -> Result<Response<NodeGetCapabilitiesResponse>, Status> {
-        Ok(Response::new(NodeGetCapabilitiesResponse { capabilities: vec![] }))
+        let stage = self.config.stage_unstage.then(|| NodeServiceCapability {
+            r#type: Some(node_service_capability::Type::Rpc(node_service_capability::Rpc {
+                r#type: node_service_capability::rpc::Type::StageUnstageVolume as i32,
+            })),
+        });
+        Ok(Response::new(NodeGetCapabilitiesResponse { capabilities: stage.into_iter().collect() }))
     }
 
     async fn node_get_info(&self, _: Request<NodeGetInfoRequest>) -> Result<Response<NodeGetInfoResponse>, Status> {

@@ -25,6 +25,13 @@ pub enum Report {
         /// The node's reason, empty on success.
         error: String,
     },
+    /// The node made a CSI volume call (stage, publish, unpublish, unstage).
+    VolumeCall {
+        /// The RPC.
+        rpc: String,
+        /// The volume.
+        volume_id: String,
+    },
     /// The node called the CSI `NodeGetInfo`.
     NodeGetInfo {
         /// Driver endpoint called.

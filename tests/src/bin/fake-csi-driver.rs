@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use clap::Parser;
-use rustlet_testkit::csi_driver::{CsiDriverConfig, NodeGetInfoBehaviour, RegisteredCsiDriver};
+use rustlet_testkit::csi_driver::{CsiDriverConfig, NodeGetInfoBehaviour, RegisteredCsiDriver, VolumeCallBehaviour};
 use rustlet_testkit::registration::Behaviour;
 use rustlet_testkit::report::{Report, Reporter};
 use tokio_util::sync::CancellationToken;
@@ -43,6 +43,24 @@ struct Args {
     /// Exit when told `plugin_registered=false`, leaving the sockets behind.
     #[arg(long)]
     exit_on_rejection: bool,
+    /// Report STAGE_UNSTAGE_VOLUME (and require staging before publishing).
+    #[arg(long)]
+    stage_unstage: bool,
+    /// A volume call's misbehaviour: `RPC=hang` or `RPC=<gRPC code number>`
+    /// (repeatable), e.g. `NodePublishVolume=10` answers ABORTED.
+    #[arg(long, value_parser = parse_volume_call)]
+    volume_call: Vec<(String, VolumeCallBehaviour)>,
+}
+
+fn parse_volume_call(s: &str) -> Result<(String, VolumeCallBehaviour), String> {
+    let (rpc, behaviour) = parse_segment(s)?;
+    let behaviour = match behaviour.as_str() {
+        "hang" => VolumeCallBehaviour::Hang,
+        code => VolumeCallBehaviour::Fail(tonic::Code::from_i32(
+            code.parse().map_err(|_| format!("{code:?} is neither `hang` nor a gRPC code number"))?,
+        )),
+    };
+    Ok((rpc, behaviour))
 }
 
 fn parse_segment(s: &str) -> Result<(String, String), String> {
@@ -59,6 +77,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         max_volumes_per_node: args.max_volumes,
         topology: args.topology.into_iter().collect::<HashMap<_, _>>(),
         node_get_info: args.node_get_info,
+        stage_unstage: args.stage_unstage,
+        volume_calls: args.volume_call.into_iter().collect(),
     };
     let mut driver = RegisteredCsiDriver::new(args.registration_socket, args.endpoint, config);
     driver.versions = args.versions.split(',').map(str::trim).filter(|v| !v.is_empty()).map(str::to_owned).collect();

@@ -7,10 +7,14 @@
 //! `NodeGetInfo`, and publishes the node's CSI facts through a
 //! [`NodeInfoPublisher`] (in memory when standalone; Node and CSINode objects
 //! in cluster mode).
+//!
+//! Consumers (the volume stages) read the registry through [`CsiDrivers`]
+//! and call a driver through a [`CsiNodeClient`].
 
 mod client;
 mod error;
 mod handler;
+mod node_client;
 mod node_info;
 mod registry;
 mod version;
@@ -18,6 +22,10 @@ mod version;
 pub use client::{CsiNodeInfo, node_get_info};
 pub use error::{CsiClientError, CsiError, CsiVersionError, PublishError};
 pub use handler::{CsiHandlerConfig, CsiPluginHandler};
+pub use node_client::{
+    AccessMode, AccessType, CsiNodeClient, CsiNodeError, CsiNodeTimeouts, NodeCapabilities, NodeCapability,
+    PublishVolume, Secrets, StageVolume, VolumeCapability,
+};
 pub use node_info::{CsiNodeDriver, InMemoryNodeInfo, NodeCsiInfo, NodeInfoPublisher};
-pub use registry::{CsiDriver, CsiDriverRegistry, Removal};
+pub use registry::{CsiDriver, CsiDriverRegistry, CsiDrivers};
 pub use version::{CsiVersion, highest_supported_version};

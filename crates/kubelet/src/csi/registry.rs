@@ -13,6 +13,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 
+use tokio::sync::watch;
+
 use super::error::CsiError;
 use super::node_info::CsiNodeDriver;
 use super::version::CsiVersion;
@@ -39,7 +41,7 @@ struct Candidate {
 
 /// What removing a registration changed.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Removal {
+pub(crate) enum Removal {
     /// The registration was a replaced (inactive) one: nothing visible changed.
     Inactive,
     /// The active driver went away and no other registration of the name is left.
@@ -49,17 +51,82 @@ pub enum Removal {
     FellBack(Box<(CsiDriver, Option<CsiNodeDriver>)>),
 }
 
-/// Shared, cheap-to-clone registry of CSI drivers.
-#[derive(Clone, Debug, Default)]
+/// Shared, cheap-to-clone registry of CSI drivers. Only the `CSIPlugin`
+/// handler writes it; consumers read it through [`CsiDrivers`]
+/// ([`CsiDriverRegistry::view`]).
+#[derive(Clone, Debug)]
 pub struct CsiDriverRegistry {
     /// Per name, registrations with the active one first (highest version).
     drivers: Arc<RwLock<BTreeMap<String, Vec<Candidate>>>>,
+    /// Bumped whenever the active driver of a name changes.
+    changes: Arc<watch::Sender<u64>>,
+}
+
+impl Default for CsiDriverRegistry {
+    fn default() -> Self {
+        CsiDriverRegistry { drivers: Arc::default(), changes: Arc::new(watch::channel(0).0) }
+    }
+}
+
+/// A read-only view of the CSI drivers on this node, for the volume stages:
+/// look a driver up by name, or wait (with a deadline) until one is
+/// registered. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct CsiDrivers {
+    registry: CsiDriverRegistry,
+}
+
+impl CsiDrivers {
+    /// The active driver registered under `name`.
+    pub fn get(&self, name: &str) -> Option<CsiDriver> {
+        self.registry.get(name)
+    }
+
+    /// Every active driver, sorted by name.
+    pub fn list(&self) -> Vec<CsiDriver> {
+        self.registry.list()
+    }
+
+    /// A counter bumped whenever the active driver of any name changes (a
+    /// registration, a removal, a fallback to an older registration).
+    pub fn changes(&self) -> watch::Receiver<u64> {
+        self.registry.changes.subscribe()
+    }
+
+    /// The driver called `name` once it is registered, or `None` if it is
+    /// not within `timeout` (the kubelet's volume stages wait the same way
+    /// for a driver that has not registered yet).
+    pub async fn wait_for(&self, name: &str, timeout: std::time::Duration) -> Option<CsiDriver> {
+        let mut changes = self.changes();
+        let wait = async {
+            loop {
+                if let Some(driver) = self.get(name) {
+                    return Some(driver);
+                }
+                // The registry lives as long as this view: the sender never
+                // goes away while we wait.
+                if changes.changed().await.is_err() {
+                    return None;
+                }
+            }
+        };
+        tokio::time::timeout(timeout, wait).await.ok().flatten()
+    }
 }
 
 impl CsiDriverRegistry {
     /// An empty registry.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// The read-only view consumers use.
+    pub fn view(&self) -> CsiDrivers {
+        CsiDrivers { registry: self.clone() }
+    }
+
+    fn changed(&self) {
+        self.changes.send_modify(|n| *n += 1);
     }
 
     /// The active driver registered under `name`.
@@ -73,7 +140,7 @@ impl CsiDriverRegistry {
     }
 
     /// Fails when a driver named `name` is active with `offered` or higher.
-    pub fn check_newer(&self, name: &str, offered: CsiVersion) -> Result<(), CsiError> {
+    pub(crate) fn check_newer(&self, name: &str, offered: CsiVersion) -> Result<(), CsiError> {
         match self.read().get(name).and_then(|c| c.first()) {
             Some(active) => Self::newer_than(&active.driver, name, offered),
             None => Ok(()),
@@ -94,19 +161,21 @@ impl CsiDriverRegistry {
 
     /// Makes `driver` the active driver of its name, unless the active one
     /// has an equal or higher version. A replaced driver is kept as fallback.
-    pub fn insert(&self, driver: CsiDriver) -> Result<(), CsiError> {
+    pub(crate) fn insert(&self, driver: CsiDriver) -> Result<(), CsiError> {
         let mut drivers = self.write();
         let candidates = drivers.entry(driver.name.clone()).or_default();
         if let Some(active) = candidates.first() {
             Self::newer_than(&active.driver, &driver.name, driver.version)?;
         }
         candidates.insert(0, Candidate { driver, node: None });
+        drop(drivers);
+        self.changed();
         Ok(())
     }
 
     /// Records the node facts the driver registered through `socket_path`
     /// reported, so they can be published again if it becomes active again.
-    pub fn set_node_info(&self, name: &str, socket_path: &Path, node: CsiNodeDriver) {
+    pub(crate) fn set_node_info(&self, name: &str, socket_path: &Path, node: CsiNodeDriver) {
         if let Some(candidate) =
             self.write().get_mut(name).and_then(|c| c.iter_mut().find(|c| c.driver.socket_path == socket_path))
         {
@@ -117,7 +186,7 @@ impl CsiDriverRegistry {
     /// Removes the registration of `name` made through `socket_path`. Returns
     /// `None` if there is none (another socket's registration of the same
     /// name is left alone).
-    pub fn remove(&self, name: &str, socket_path: &Path) -> Option<Removal> {
+    pub(crate) fn remove(&self, name: &str, socket_path: &Path) -> Option<Removal> {
         let mut drivers = self.write();
         let candidates = drivers.get_mut(name)?;
         let index = candidates.iter().position(|c| c.driver.socket_path == socket_path)?;
@@ -129,6 +198,10 @@ impl CsiDriverRegistry {
         };
         if candidates.is_empty() {
             drivers.remove(name);
+        }
+        drop(drivers);
+        if removal != Removal::Inactive {
+            self.changed();
         }
         Some(removal)
     }
