@@ -12,6 +12,7 @@ use super::error::CsiClientError;
 
 /// What a driver says about this node (`NodeGetInfoResponse`).
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
 pub struct CsiNodeInfo {
     /// The driver's ID for this node.
     pub node_id: String,

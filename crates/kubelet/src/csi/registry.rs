@@ -21,6 +21,7 @@ use super::version::CsiVersion;
 
 /// A registered CSI driver.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
 pub struct CsiDriver {
     /// Driver name, e.g. `hostpath.csi.k8s.io`.
     pub name: String,

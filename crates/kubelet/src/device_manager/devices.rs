@@ -16,6 +16,7 @@ pub enum Health {
 
 /// One device of a resource.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
 pub struct Device {
     /// The plugin's device ID.
     pub id: String,
@@ -28,6 +29,7 @@ pub struct Device {
 /// What a resource offers the node: `capacity` counts every device,
 /// `allocatable` the healthy ones.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
 pub struct ResourceCapacity {
     /// All devices.
     pub capacity: u64,
@@ -42,6 +44,7 @@ pub type Capacities = BTreeMap<String, ResourceCapacity>;
 /// One change of a resource's capacity, as recorded by
 /// `DeviceManager::capacity_changes`.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
 pub struct CapacityChange {
     /// The resource.
     pub resource: String,
@@ -51,6 +54,7 @@ pub struct CapacityChange {
 
 /// Options the plugin announced in `GetDevicePluginOptions`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
 pub struct PluginOptions {
     /// `PreStartContainer` must be called before a container starts.
     pub pre_start_required: bool,

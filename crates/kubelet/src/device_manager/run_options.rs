@@ -12,6 +12,7 @@ use kubelet_api::deviceplugin::v1beta1 as api;
 
 /// A host path mounted into the container.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
 pub struct MountSpec {
     /// Path in the container.
     pub container_path: String,
@@ -23,6 +24,7 @@ pub struct MountSpec {
 
 /// A device node made available in the container.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
 pub struct DeviceNode {
     /// Path in the container.
     pub container_path: String,
@@ -34,6 +36,7 @@ pub struct DeviceNode {
 
 /// The run options a container's devices add.
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
 pub struct RunOptions {
     /// Environment variables.
     pub envs: BTreeMap<String, String>,
@@ -129,6 +132,7 @@ impl std::fmt::Display for RunOptionKind {
 /// Two resources gave a container different values for one run option; the
 /// first resource (in name order) won.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
 pub struct RunOptionConflict {
     /// What kind of option.
     pub what: RunOptionKind,
