@@ -56,6 +56,21 @@ struct Generator {
 }
 
 impl Generator {
+    /// A generator for a node whose root dir is `root`.
+    fn new(root: &Path) -> Generator {
+        let (tx, rx) = mpsc::unbounded_channel();
+        Generator {
+            registry: root.join("plugins_registry"),
+            floor_dir: root.join("floor"),
+            endpoints: root.join("endpoints"),
+            seq: 0,
+            tx,
+            rx,
+            notified: HashMap::new(),
+            rejected: 0,
+        }
+    }
+
     fn spawn_plugin(&mut self, in_registry: bool) -> Result<Plugin, BoxError> {
         self.seq += 1;
         let name = format!("bench-{}.csi.example.com", self.seq);
@@ -268,17 +283,7 @@ async fn run() -> Result<(), BoxError> {
     let quick = std::env::var_os("RUSTLET_BENCH_QUICK").is_some();
     let _ = rlimit::increase_nofile_limit(u64::MAX);
     let root = tempfile::Builder::new().prefix("rustlet-bench-").tempdir()?;
-    let (tx, rx) = mpsc::unbounded_channel();
-    let mut g = Generator {
-        registry: root.path().join("plugins_registry"),
-        floor_dir: root.path().join("floor"),
-        endpoints: root.path().join("endpoints"),
-        seq: 0,
-        tx,
-        rx,
-        notified: HashMap::new(),
-        rejected: 0,
-    };
+    let mut g = Generator::new(root.path());
     std::fs::create_dir_all(&g.floor_dir)?;
     std::fs::create_dir_all(&g.endpoints)?;
     let level = std::env::var("RUSTLET_BENCH_NODE_LEVEL").unwrap_or_else(|_| "info".into());
@@ -484,17 +489,7 @@ async fn run() -> Result<(), BoxError> {
 async fn steps(rounds: usize) -> Result<(), BoxError> {
     let root = tempfile::Builder::new().prefix("rustlet-bench-steps-").tempdir()?;
     let mut node = Node::start(root.path(), "info,kubelet::plugin_manager=debug").await?;
-    let (tx, rx) = mpsc::unbounded_channel();
-    let mut g = Generator {
-        registry: root.path().join("plugins_registry"),
-        floor_dir: root.path().join("floor"),
-        endpoints: root.path().join("endpoints"),
-        seq: 0,
-        tx,
-        rx,
-        notified: HashMap::new(),
-        rejected: 0,
-    };
+    let mut g = Generator::new(root.path());
     std::fs::create_dir_all(&g.endpoints)?;
     // Instants of this process and the node's wall-clock timestamps meet here.
     let (anchor, wall) = (Instant::now(), std::time::SystemTime::now());

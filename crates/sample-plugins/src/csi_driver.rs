@@ -92,6 +92,25 @@ pub struct VolumeCall {
     pub publish_context: Vec<(String, String)>,
 }
 
+impl VolumeCall {
+    /// A request for `volume_id` with nothing else set.
+    fn new(rpc: &'static str, volume_id: &str) -> VolumeCall {
+        VolumeCall {
+            rpc,
+            volume_id: volume_id.to_owned(),
+            staging_target_path: String::new(),
+            target_path: String::new(),
+            access_type: String::new(),
+            mount_flags: Vec::new(),
+            access_mode: 0,
+            read_only: false,
+            secrets: Vec::new(),
+            volume_context: Vec::new(),
+            publish_context: Vec::new(),
+        }
+    }
+}
+
 /// The requests a driver received, in order; cheap to clone and wait on.
 #[derive(Clone, Debug, Default)]
 pub struct VolumeCalls {
@@ -308,17 +327,14 @@ impl Node for FakeCsiDriver {
         let r = request.into_inner();
         let (access_type, mount_flags, access_mode) = capability(r.volume_capability.as_ref())?;
         let call = VolumeCall {
-            rpc: "NodeStageVolume",
-            volume_id: r.volume_id.clone(),
             staging_target_path: r.staging_target_path.clone(),
-            target_path: String::new(),
             access_type,
             mount_flags,
             access_mode,
-            read_only: false,
             secrets: sorted(&r.secrets),
             volume_context: sorted(&r.volume_context),
             publish_context: sorted(&r.publish_context),
+            ..VolumeCall::new("NodeStageVolume", &r.volume_id)
         };
         if let Some(status) = self.misbehave(call).await {
             return Err(status);
@@ -337,17 +353,8 @@ impl Node for FakeCsiDriver {
     ) -> Result<Response<NodeUnstageVolumeResponse>, Status> {
         let r = request.into_inner();
         let call = VolumeCall {
-            rpc: "NodeUnstageVolume",
-            volume_id: r.volume_id.clone(),
             staging_target_path: r.staging_target_path.clone(),
-            target_path: String::new(),
-            access_type: String::new(),
-            mount_flags: Vec::new(),
-            access_mode: 0,
-            read_only: false,
-            secrets: Vec::new(),
-            volume_context: Vec::new(),
-            publish_context: Vec::new(),
+            ..VolumeCall::new("NodeUnstageVolume", &r.volume_id)
         };
         if let Some(status) = self.misbehave(call).await {
             return Err(status);
@@ -364,8 +371,6 @@ impl Node for FakeCsiDriver {
         let r = request.into_inner();
         let (access_type, mount_flags, access_mode) = capability(r.volume_capability.as_ref())?;
         let call = VolumeCall {
-            rpc: "NodePublishVolume",
-            volume_id: r.volume_id.clone(),
             staging_target_path: r.staging_target_path.clone(),
             target_path: r.target_path.clone(),
             access_type,
@@ -375,6 +380,7 @@ impl Node for FakeCsiDriver {
             secrets: sorted(&r.secrets),
             volume_context: sorted(&r.volume_context),
             publish_context: sorted(&r.publish_context),
+            ..VolumeCall::new("NodePublishVolume", &r.volume_id)
         };
         if let Some(status) = self.misbehave(call).await {
             return Err(status);
@@ -395,19 +401,8 @@ impl Node for FakeCsiDriver {
         request: Request<NodeUnpublishVolumeRequest>,
     ) -> Result<Response<NodeUnpublishVolumeResponse>, Status> {
         let r = request.into_inner();
-        let call = VolumeCall {
-            rpc: "NodeUnpublishVolume",
-            volume_id: r.volume_id.clone(),
-            staging_target_path: String::new(),
-            target_path: r.target_path.clone(),
-            access_type: String::new(),
-            mount_flags: Vec::new(),
-            access_mode: 0,
-            read_only: false,
-            secrets: Vec::new(),
-            volume_context: Vec::new(),
-            publish_context: Vec::new(),
-        };
+        let call =
+            VolumeCall { target_path: r.target_path.clone(), ..VolumeCall::new("NodeUnpublishVolume", &r.volume_id) };
         if let Some(status) = self.misbehave(call).await {
             return Err(status);
         }
