@@ -70,7 +70,7 @@ async fn csi_driver_registration_publishes_node_info() {
     assert_eq!(info.drivers[0].allocatable_count, Some(12));
 }
 
-/// UPSTREAM.md §4's table, over the wire: rejected lists reach the plugin
+/// The kubelet's CSI version rules, over the wire: rejected lists reach the plugin
 /// with the reason; accepted ones register with the highest 1.x version.
 #[tokio::test]
 async fn csi_version_lists_are_checked() {

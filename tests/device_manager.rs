@@ -549,7 +549,7 @@ async fn allocation_gives_devices_and_their_run_options() {
     assert_eq!(again, options);
 }
 
-/// UPSTREAM.md §3's error texts.
+/// The kubelet's allocation error texts (see docs/conformance.md).
 #[tokio::test]
 async fn allocation_errors_say_what_upstream_says() {
     let (node, mut plugin) = gpu_node_with(2, &[], |c| c.grace_period = SHORT_GRACE).await;
