@@ -114,8 +114,8 @@ async fn same_csi_driver_name_on_two_sockets() {
     let node = TestNode::start_in(root, registry, |c| {
         // A long backoff proves the second socket is retried because the
         // first went away, not because its backoff ran out.
-        c.initial_backoff = std::time::Duration::from_secs(600);
-        c.max_backoff = std::time::Duration::from_secs(600);
+        c.plugins.initial_backoff = std::time::Duration::from_secs(600);
+        c.plugins.max_backoff = std::time::Duration::from_secs(600);
     })
     .await;
     let mut events = node.events();
@@ -191,7 +191,8 @@ async fn rejected_registrar_that_exits_leaves_a_stale_socket_that_backs_off() {
 /// deadline, is undone, and the plugin is told why.
 #[tokio::test]
 async fn node_get_info_that_hangs_fails_the_registration() {
-    let node = TestNode::start().await;
+    let (root, registry) = root_dir();
+    let node = TestNode::start_in(root, registry, |c| c.csi.node_get_info_timeout = HANG_DEADLINE).await;
     let mut driver = start_driver(&node, "slow.csi.example.com", "slow.sock", &["--node-get-info", "hang"]).await;
     let (registered, error) = verdict(&mut driver).await;
     assert!(!registered);

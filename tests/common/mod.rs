@@ -153,18 +153,33 @@ pub fn root_dir() -> (TempDir, PathBuf) {
     (root, registry)
 }
 
-/// Test settings: short deadlines and backoff; the periodic resync is an hour
-/// away, so every test proves event-driven behaviour.
+/// Test settings: short backoff, and deadlines that are liveness bounds (a
+/// busy machine must not fail a registration that should succeed); tests of
+/// hung plugins set [`HANG_DEADLINE`] themselves. The periodic resync is an
+/// hour away, so every test proves event-driven behaviour.
 pub fn test_config(registry_dir: &Path) -> PluginManagerConfig {
     let mut config = PluginManagerConfig::new(registry_dir);
-    config.dial_timeout = Duration::from_secs(2);
-    config.get_info_timeout = Duration::from_millis(500);
-    config.notify_timeout = Duration::from_secs(1);
+    config.dial_timeout = LIVENESS_DEADLINE;
+    config.get_info_timeout = LIVENESS_DEADLINE;
+    config.notify_timeout = LIVENESS_DEADLINE;
     config.initial_backoff = Duration::from_millis(100);
     config.max_backoff = Duration::from_millis(1600);
     config.resync_period = Duration::from_secs(3600);
     config.shutdown_grace = Duration::from_millis(300);
     config
+}
+
+/// A deadline on a call that should succeed: far beyond what it takes even on
+/// a loaded machine.
+pub const LIVENESS_DEADLINE: Duration = Duration::from_secs(10);
+
+/// The deadline tests of hung plugins give the call that hangs.
+pub const HANG_DEADLINE: Duration = Duration::from_millis(500);
+
+/// What a [`TestNode`] is started with.
+pub struct TestNodeConfig {
+    pub plugins: PluginManagerConfig,
+    pub csi: CsiHandlerConfig,
 }
 
 impl TestNode {
@@ -173,17 +188,16 @@ impl TestNode {
         Self::start_in(root, registry, |_| {}).await
     }
 
-    pub async fn start_in(
-        root: TempDir,
-        registry_dir: PathBuf,
-        tweak: impl FnOnce(&mut PluginManagerConfig),
-    ) -> TestNode {
+    pub async fn start_in(root: TempDir, registry_dir: PathBuf, tweak: impl FnOnce(&mut TestNodeConfig)) -> TestNode {
         let _ = rlimit::increase_nofile_limit(u64::MAX);
-        let mut config = test_config(&registry_dir);
-        tweak(&mut config);
+        let mut test_node_config = TestNodeConfig {
+            plugins: test_config(&registry_dir),
+            csi: CsiHandlerConfig { node_get_info_timeout: LIVENESS_DEADLINE },
+        };
+        tweak(&mut test_node_config);
+        let TestNodeConfig { plugins: config, csi: csi_config } = test_node_config;
         let csi_drivers = CsiDriverRegistry::new();
         let node_info = InMemoryNodeInfo::new();
-        let csi_config = CsiHandlerConfig { node_get_info_timeout: Duration::from_millis(500) };
         let csi = CsiPluginHandler::new(csi_drivers.clone(), Arc::new(node_info.clone()), csi_config);
         let example = Arc::new(RecordingHandler::default());
         let mut manager = PluginManager::new(config);
