@@ -37,8 +37,17 @@ fn notified(socket: &Path) -> impl FnMut(&Report) -> bool + '_ {
     move |r| matches!(r, Report::Notified { socket: s, .. } if s == socket)
 }
 
-async fn verdict(driver: &mut Driver) -> (bool, String) {
-    match driver.process.wait_for(SOON, notified(&driver.registration)).await.expect("notified") {
+async fn verdict(node: &TestNode, driver: &mut Driver) -> (bool, String) {
+    let report = driver.process.wait_for(SOON, notified(&driver.registration)).await;
+    let report = report.unwrap_or_else(|e| {
+        panic!(
+            "{}: {e}\nnode: {:?}\n{:#?}",
+            driver.registration.display(),
+            *node.handle.counts().borrow(),
+            node.handle.status()
+        )
+    });
+    match report {
         Report::Notified { registered, error, .. } => (registered, error),
         other => panic!("unexpected {other:?}"),
     }
@@ -56,7 +65,7 @@ async fn csi_driver_registration_publishes_node_info() {
     )
     .await;
     driver.process.wait_for(SOON, |r| matches!(r, Report::NodeGetInfo { .. })).await.expect("NodeGetInfo called");
-    assert_eq!(verdict(&mut driver).await, (true, String::new()));
+    assert_eq!(verdict(&node, &mut driver).await, (true, String::new()));
     next_event(&mut events, "registered", registered_at(&driver.registration)).await;
 
     let registered = node.csi_drivers.get("hostpath.csi.example.com").expect("in the registry");
@@ -86,7 +95,7 @@ async fn csi_version_lists_are_checked() {
     {
         let name = format!("bad{i}.csi.example.com");
         let mut driver = start_driver(&node, &name, &format!("bad{i}.sock"), &["--versions", versions]).await;
-        let (registered, error) = verdict(&mut driver).await;
+        let (registered, error) = verdict(&node, &mut driver).await;
         assert!(!registered, "{versions:?}");
         let want = format!(
             "RegisterPlugin error -- plugin validation failed with err: validation failed for CSI driver {name} at endpoint {}: {reason}",
@@ -99,7 +108,7 @@ async fn csi_version_lists_are_checked() {
     {
         let name = format!("good{i}.csi.example.com");
         let mut driver = start_driver(&node, &name, &format!("good{i}.sock"), &["--versions", versions]).await;
-        assert_eq!(verdict(&mut driver).await, (true, String::new()), "{versions:?}");
+        assert_eq!(verdict(&node, &mut driver).await, (true, String::new()), "{versions:?}");
         assert_eq!(node.csi_drivers.get(&name).expect("registered").version.to_string(), want);
     }
     assert!(node.csi_drivers.list().iter().all(|d| d.name.starts_with("good")));
@@ -120,9 +129,9 @@ async fn same_csi_driver_name_on_two_sockets() {
     .await;
     let mut events = node.events();
     let mut first = start_driver(&node, "twin.csi.example.com", "first.sock", &["--node-id", "first"]).await;
-    assert_eq!(verdict(&mut first).await, (true, String::new()));
+    assert_eq!(verdict(&node, &mut first).await, (true, String::new()));
     let mut second = start_driver(&node, "twin.csi.example.com", "second.sock", &["--node-id", "second"]).await;
-    let (registered, error) = verdict(&mut second).await;
+    let (registered, error) = verdict(&node, &mut second).await;
     assert!(!registered);
     assert!(
         error.contains(&format!(
@@ -148,10 +157,10 @@ async fn same_csi_driver_name_on_two_sockets() {
 async fn higher_version_replaces_the_registered_driver() {
     let node = TestNode::start().await;
     let mut old = start_driver(&node, "up.csi.example.com", "old.sock", &["--versions", "1.0.0"]).await;
-    assert_eq!(verdict(&mut old).await, (true, String::new()));
+    assert_eq!(verdict(&node, &mut old).await, (true, String::new()));
     let mut new =
         start_driver(&node, "up.csi.example.com", "new.sock", &["--versions", "1.5.0", "--node-id", "n2"]).await;
-    assert_eq!(verdict(&mut new).await, (true, String::new()));
+    assert_eq!(verdict(&node, &mut new).await, (true, String::new()));
     assert_eq!(node.csi_drivers.get("up.csi.example.com").expect("present").version.to_string(), "1.5.0");
     std::fs::remove_file(&old.registration).expect("rm old");
     node.wait_counts("old deregistered", |c| c.registered == 1 && c.deregistrations == 1).await;
@@ -169,7 +178,7 @@ async fn rejected_registrar_that_exits_leaves_a_stale_socket_that_backs_off() {
     let mut events = node.events();
     let mut rejected =
         start_driver(&node, "old.csi.example.com", "old.sock", &["--versions", "0.3.0", "--exit-on-rejection"]).await;
-    let (registered, _) = verdict(&mut rejected).await;
+    let (registered, _) = verdict(&node, &mut rejected).await;
     assert!(!registered);
     rejected.process.wait_exit(SOON).await.expect("the registrar exits");
     assert!(rejected.registration.exists(), "its socket stays behind");
@@ -181,7 +190,7 @@ async fn rejected_registrar_that_exits_leaves_a_stale_socket_that_backs_off() {
     let PluginEvent::RegistrationFailed { failures, .. } = event else { unreachable!() };
     assert!(failures >= 2);
     let mut fine = start_driver(&node, "fine.csi.example.com", "fine.sock", &[]).await;
-    assert_eq!(verdict(&mut fine).await, (true, String::new()));
+    assert_eq!(verdict(&node, &mut fine).await, (true, String::new()));
     let status = node.status_of(&rejected.registration).await.expect("listed");
     assert!(matches!(status.state, PluginState::BackingOff | PluginState::Registering), "{status:?}");
     assert!(status.plugin.is_none());
@@ -194,7 +203,7 @@ async fn node_get_info_that_hangs_fails_the_registration() {
     let (root, registry) = root_dir();
     let node = TestNode::start_in(root, registry, |c| c.csi.node_get_info_timeout = HANG_DEADLINE).await;
     let mut driver = start_driver(&node, "slow.csi.example.com", "slow.sock", &["--node-get-info", "hang"]).await;
-    let (registered, error) = verdict(&mut driver).await;
+    let (registered, error) = verdict(&node, &mut driver).await;
     assert!(!registered);
     assert_eq!(
         error,
@@ -211,7 +220,7 @@ async fn node_get_info_that_hangs_fails_the_registration() {
 async fn node_get_info_error_fails_the_registration() {
     let node = TestNode::start().await;
     let mut driver = start_driver(&node, "err.csi.example.com", "err.sock", &["--node-get-info", "fail"]).await;
-    let (registered, error) = verdict(&mut driver).await;
+    let (registered, error) = verdict(&node, &mut driver).await;
     assert!(!registered);
     assert!(error.contains("fake CSI driver told to fail NodeGetInfo"), "{error}");
     assert!(node.csi_drivers.list().is_empty());
@@ -246,7 +255,7 @@ async fn removed_csi_driver_is_dropped_from_registry_and_node_info() {
     let node = TestNode::start().await;
     let mut keep = start_driver(&node, "keep.csi.example.com", "keep.sock", &["--topology", "zone=z9"]).await;
     let mut gone = start_driver(&node, "gone.csi.example.com", "gone.sock", &[]).await;
-    assert!(verdict(&mut keep).await.0 && verdict(&mut gone).await.0);
+    assert!(verdict(&node, &mut keep).await.0 && verdict(&node, &mut gone).await.0);
     std::fs::remove_file(&gone.registration).expect("rm");
     node.wait_counts("one deregistered", |c| c.deregistrations == 1 && c.registered == 1).await;
     assert_eq!(node.csi_drivers.list().len(), 1);
@@ -263,7 +272,7 @@ async fn failed_or_removed_newer_driver_falls_back_to_the_older_one() {
     let node = TestNode::start().await;
     let mut old =
         start_driver(&node, "fb.csi.example.com", "old.sock", &["--versions", "1.0.0", "--node-id", "old"]).await;
-    assert_eq!(verdict(&mut old).await, (true, String::new()));
+    assert_eq!(verdict(&node, &mut old).await, (true, String::new()));
     let mut broken = start_driver(
         &node,
         "fb.csi.example.com",
@@ -271,7 +280,7 @@ async fn failed_or_removed_newer_driver_falls_back_to_the_older_one() {
         &["--versions", "1.5.0", "--node-id", "broken", "--node-get-info", "fail"],
     )
     .await;
-    assert!(!verdict(&mut broken).await.0);
+    assert!(!verdict(&node, &mut broken).await.0);
     assert_eq!(node.csi_drivers.get("fb.csi.example.com").expect("present").socket_path, old.registration);
     assert_eq!(node.node_info.snapshot().drivers[0].node_id, "old");
     broken.process.kill().await;
@@ -279,7 +288,7 @@ async fn failed_or_removed_newer_driver_falls_back_to_the_older_one() {
 
     let mut newer =
         start_driver(&node, "fb.csi.example.com", "new.sock", &["--versions", "1.5.0", "--node-id", "new"]).await;
-    assert_eq!(verdict(&mut newer).await, (true, String::new()));
+    assert_eq!(verdict(&node, &mut newer).await, (true, String::new()));
     assert_eq!(node.node_info.snapshot().drivers[0].node_id, "new");
     std::fs::remove_file(&newer.registration).expect("rm newer");
     node.wait_counts("newer deregistered", |c| c.deregistrations == 1).await;

@@ -16,6 +16,9 @@ use crate::report::Report;
 pub struct PluginProcess {
     child: Child,
     reports: mpsc::UnboundedReceiver<Report>,
+    /// Reports that arrived before `Listening`: a plugin binds its sockets
+    /// before it says so, and the node may call it in between.
+    early: std::collections::VecDeque<Report>,
 }
 
 impl PluginProcess {
@@ -50,8 +53,19 @@ impl PluginProcess {
                 }
             }
         });
-        let mut process = PluginProcess { child, reports };
-        process.wait_for(Duration::from_secs(30), |r| matches!(r, Report::Listening { .. })).await?;
+        let mut process = PluginProcess { child, reports, early: Default::default() };
+        let listening = async {
+            while let Some(report) = process.reports.recv().await {
+                if matches!(report, Report::Listening { .. }) {
+                    return Ok(());
+                }
+                process.early.push_back(report);
+            }
+            Err(format!("{} exited before listening", program.display()))
+        };
+        tokio::time::timeout(Duration::from_secs(30), listening)
+            .await
+            .map_err(|_| format!("{} did not listen within 30s", program.display()))??;
         Ok(process)
     }
 
@@ -61,17 +75,31 @@ impl PluginProcess {
         deadline: Duration,
         mut pred: impl FnMut(&Report) -> bool,
     ) -> Result<Report, String> {
+        let mut skipped = Vec::new();
+        while let Some(report) = self.early.pop_front() {
+            if pred(&report) {
+                return Ok(report);
+            }
+            skipped.push(report);
+        }
         let wait = async {
             while let Some(report) = self.reports.recv().await {
                 if pred(&report) {
                     return Ok(report);
                 }
+                skipped.push(report);
             }
-            Err("the plugin's output ended (it exited)".to_owned())
+            Err(())
         };
-        tokio::time::timeout(deadline, wait)
-            .await
-            .map_err(|_| format!("no matching plugin report within {deadline:?}"))?
+        match tokio::time::timeout(deadline, wait).await {
+            Ok(Ok(report)) => Ok(report),
+            Ok(Err(())) => {
+                // Say how it ended, so that a failure explains itself.
+                let status = tokio::time::timeout(Duration::from_secs(5), self.child.wait()).await;
+                Err(format!("the plugin's output ended (exit: {status:?}); reports before the end: {skipped:?}"))
+            }
+            Err(_) => Err(format!("no matching plugin report within {deadline:?}; reports seen: {skipped:?}")),
+        }
     }
 
     /// Waits up to `deadline` for the process to exit.
