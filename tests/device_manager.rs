@@ -144,10 +144,6 @@ impl Drop for Node {
     }
 }
 
-fn device_plugin_bin() -> &'static str {
-    env!("CARGO_BIN_EXE_fake-device-plugin")
-}
-
 fn cap(capacity: u64, allocatable: u64) -> Option<ResourceCapacity> {
     Some(ResourceCapacity { capacity, allocatable })
 }

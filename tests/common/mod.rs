@@ -29,6 +29,10 @@ pub fn registration_plugin_bin() -> &'static str {
     env!("CARGO_BIN_EXE_fake-registration-plugin")
 }
 
+pub fn device_plugin_bin() -> &'static str {
+    env!("CARGO_BIN_EXE_fake-device-plugin")
+}
+
 pub fn csi_driver_bin() -> &'static str {
     env!("CARGO_BIN_EXE_fake-csi-driver")
 }

@@ -8,9 +8,12 @@
 //!   `fake-device-plugin`, `device-allocator`).
 //! - [`raw_h2`]: a bare HTTP/2 gRPC client that sends any `:authority`, to
 //!   play an old grpc-go client.
+//! - [`host_provider`]: a pod provider running containers as host
+//!   processes.
 //! - [`process`]: spawning the plugin binaries and reading their reports.
 
 pub use rustlet_sample_plugins::{csi_driver, device_plugin, registration, report};
 
+pub mod host_provider;
 pub mod process;
 pub mod raw_h2;

@@ -26,7 +26,7 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use crate::machine::{Context, Machine, Outcome};
-use crate::state::{State, Step};
+use crate::state::Step;
 
 /// What [`Runtime::apply`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -189,11 +189,12 @@ impl<M: Machine> Inner<M> {
                 }
                 let mut objects = inner.lock();
                 let same = objects.get(&task_key).is_some_and(|entry| entry.generation == generation);
-                if same && let Some(mut entry) = objects.remove(&task_key) {
-                    if let Some(manifest) = entry.pending.take() {
-                        let restarted = Inner::spawn(&inner, task_key.clone(), manifest);
-                        objects.insert(task_key, restarted);
-                    }
+                if same
+                    && let Some(mut entry) = objects.remove(&task_key)
+                    && let Some(manifest) = entry.pending.take()
+                {
+                    let restarted = Inner::spawn(&inner, task_key.clone(), manifest);
+                    objects.insert(task_key, restarted);
                 }
             }
             .instrument(span),

@@ -204,7 +204,10 @@ async fn states_follow_their_transitions_and_report_each_entry() {
     let job = Job { rounds: Some(1), ..Job::forever() };
     assert_eq!(h.runtime.apply("a".into(), job), Applied::Started);
     let events = h.until_finished("a").await;
-    assert_eq!(events, [entered("a", "queued"), entered("a", "working round 1"), entered("a", "done"), finished("a", "ok")]);
+    assert_eq!(
+        events,
+        [entered("a", "queued"), entered("a", "working round 1"), entered("a", "done"), finished("a", "ok")]
+    );
     assert!(!h.runtime.contains(&"a".to_string()));
 }
 
@@ -218,14 +221,20 @@ async fn a_state_sees_the_manifest_change() {
     assert_eq!(h.next_event().await, entered("a", "resting after 1 rounds"));
     // Resting waits for a change: with nothing else to do, paused time would
     // advance forever without one.
-    assert_eq!(h.runtime.apply(key.clone(), Job { rounds: Some(2), cleanup_delay: Duration::from_secs(1), ..Job::forever() }), Applied::Updated);
+    assert_eq!(
+        h.runtime.apply(key.clone(), Job { rounds: Some(2), cleanup_delay: Duration::from_secs(1), ..Job::forever() }),
+        Applied::Updated
+    );
     let events = h.until_finished("a").await;
-    assert_eq!(events, [
-        entered("a", "manifest changed after 1 rounds"),
-        entered("a", "working round 2"),
-        entered("a", "done"),
-        finished("a", "ok")
-    ]);
+    assert_eq!(
+        events,
+        [
+            entered("a", "manifest changed after 1 rounds"),
+            entered("a", "working round 2"),
+            entered("a", "done"),
+            finished("a", "ok")
+        ]
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -273,7 +282,10 @@ async fn applying_a_deleting_object_starts_it_again_after_cleanup() {
     assert_eq!(events, [entered("a", "cleaned up after 0 rounds"), finished("a", "ok")]);
     // The queued manifest starts a fresh object with fresh data.
     let events = h.until_finished("a").await;
-    assert_eq!(events, [entered("a", "queued"), entered("a", "working round 1"), entered("a", "done"), finished("a", "ok")]);
+    assert_eq!(
+        events,
+        [entered("a", "queued"), entered("a", "working round 1"), entered("a", "done"), finished("a", "ok")]
+    );
     assert!(!h.runtime.contains(&key));
 }
 

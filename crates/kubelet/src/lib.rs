@@ -23,6 +23,9 @@ pub mod device_manager;
 pub mod health;
 pub mod node;
 pub mod plugin_manager;
+pub mod pod;
+pub mod provider;
+pub mod volume;
 
 /// The examples in `docs/providers.md`, compiled and run as doctests.
 #[cfg(doctest)]

@@ -1,0 +1,90 @@
+//! Admission: whether the node takes a pod, checked in upstream's order —
+//! pod count, then cpu and memory requests against allocatable, then
+//! extended resources against what device plugins advertise. Device
+//! allocation itself follows in the Resources state.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+use k8s_openapi::api::core::v1::Pod;
+
+use super::spec::{PodRequests, containers, extended_limits, pod_requests};
+use crate::device_manager::Capacities;
+
+/// What the node offers pods.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Allocatable {
+    /// Millicores.
+    pub cpu_milli: u128,
+    /// Bytes.
+    pub memory: u128,
+    /// Pods at most (`--max-pods`).
+    pub pods: usize,
+}
+
+/// Why a pod was turned away (upstream's reasons and texts).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rejection {
+    /// `OutOfpods`, `OutOfcpu`, `OutOfmemory`, `OutOf<resource>`,
+    /// `UnexpectedAdmissionError`, `InvalidPod`.
+    pub reason: String,
+    /// What to tell the user (without the `Pod was rejected: ` prefix).
+    pub message: String,
+}
+
+impl Rejection {
+    fn out_of(resource: &str, requested: u128, used: u128, capacity: u128) -> Rejection {
+        Rejection {
+            reason: format!("OutOf{resource}"),
+            message: format!(
+                "Node didn't have enough resource: {resource}, requested: {requested}, used: {used}, capacity: {capacity}"
+            ),
+        }
+    }
+}
+
+/// The pods the node has admitted, with their requests.
+#[derive(Debug, Default)]
+pub struct AdmittedPods {
+    pods: Mutex<BTreeMap<String, PodRequests>>,
+}
+
+impl AdmittedPods {
+    /// Checks `pod` against what is left and, if it fits, counts it in.
+    pub fn admit(&self, uid: &str, pod: &Pod, allocatable: Allocatable, devices: &Capacities) -> Result<(), Rejection> {
+        let requests = pod_requests(pod)
+            .map_err(|e| Rejection { reason: "InvalidPod".into(), message: format!("resource requests: {e}") })?;
+        let mut pods = self.pods.lock().unwrap_or_else(|p| p.into_inner());
+        if pods.contains_key(uid) {
+            return Ok(());
+        }
+        if pods.len() >= allocatable.pods {
+            return Err(Rejection::out_of("pods", 1, pods.len() as u128, allocatable.pods as u128));
+        }
+        let used_cpu: u128 = pods.values().map(|r| r.cpu_milli).sum();
+        if requests.cpu_milli > 0 && used_cpu + requests.cpu_milli > allocatable.cpu_milli {
+            return Err(Rejection::out_of("cpu", requests.cpu_milli, used_cpu, allocatable.cpu_milli));
+        }
+        let used_memory: u128 = pods.values().map(|r| r.memory).sum();
+        if requests.memory > 0 && used_memory + requests.memory > allocatable.memory {
+            return Err(Rejection::out_of("memory", requests.memory, used_memory, allocatable.memory));
+        }
+        for container in containers(pod).into_iter().map(|(_, c)| c) {
+            let limits = extended_limits(container)
+                .map_err(|e| Rejection { reason: "InvalidPod".into(), message: format!("resource limits: {e}") })?;
+            for (resource, count) in limits {
+                let allocatable = devices.get(&resource).map(|c| c.allocatable).unwrap_or(0);
+                if count > 0 && allocatable == 0 {
+                    return Err(Rejection::out_of(&resource, count.into(), 0, 0));
+                }
+            }
+        }
+        pods.insert(uid.to_owned(), requests);
+        Ok(())
+    }
+
+    /// Counts the pod out.
+    pub fn release(&self, uid: &str) {
+        self.pods.lock().unwrap_or_else(|p| p.into_inner()).remove(uid);
+    }
+}

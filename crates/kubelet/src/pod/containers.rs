@@ -1,0 +1,213 @@
+//! Starting, adopting, watching and stopping one container: the steps the
+//! container states share.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::jiff::Timestamp;
+use krator::Context;
+use tokio::time::Instant;
+
+use super::PodLifecycle;
+use super::data::{ContainerPhase, ExitReport, PodData, Terminated};
+use super::run_options;
+use crate::device_manager::RunOptions;
+use crate::provider::{ContainerId, ContainerLaunch, Provider, ProviderErrorKind};
+
+/// Why a container did not start.
+#[derive(Debug)]
+pub struct StartFailure {
+    /// `CreateContainerConfigError`, `RunContainerError`, …
+    pub reason: &'static str,
+    /// Details.
+    pub message: String,
+    /// Whether trying again may help (with backoff).
+    pub retry: bool,
+}
+
+/// Where the container's log goes.
+pub fn log_path(lifecycle: &PodLifecycle, data: &PodData, container: &str, restart: u32) -> std::path::PathBuf {
+    lifecycle
+        .config
+        .root_dir
+        .join("pods")
+        .join(format!("{}_{}_{}", data.id.namespace, data.id.name, data.id.uid))
+        .join(container)
+        .join(format!("{restart}.log"))
+}
+
+/// Starts (or adopts, after a node restart) the container `name`.
+pub async fn start(
+    ctx: &mut Context<PodLifecycle>,
+    provider: &Arc<dyn Provider>,
+    name: &str,
+) -> Result<(), StartFailure> {
+    let lifecycle = Arc::clone(&ctx.machine);
+    let uid = ctx.data.id.uid.clone();
+    if let Some(running) = lifecycle.take_adopted(&uid, name) {
+        if let Some(record) = ctx.data.containers.get_mut(name) {
+            tracing::info!(pod.uid = %uid, container = name, id = %running.id, "container adopted, not restarted");
+            record.restart_count = running.restart_count;
+            record.id = Some(running.id.clone());
+            record.phase = ContainerPhase::Running { started_at: running.started_at };
+            record.started = Some(Instant::now());
+            record.wants_start = false;
+        }
+        watch_exit(&mut ctx.data, provider, name, running.id);
+        return Ok(());
+    }
+    // Devices first: PreStartContainer runs before every start.
+    let device_options = match &lifecycle.devices {
+        Some(devices) => devices.container_run_options(&uid, name).await.map_err(|e| StartFailure {
+            reason: "RunContainerError",
+            message: e.to_string(),
+            retry: true,
+        })?,
+        None => RunOptions::default(),
+    };
+    let data = &mut ctx.data;
+    let Some(record) = data.containers.get(name) else {
+        return Err(StartFailure {
+            reason: "RunContainerError",
+            message: format!("no container {name}"),
+            retry: false,
+        });
+    };
+    let run_options = run_options::build(&data.pod, &record.spec, &data.volumes, &device_options)
+        .map_err(|e| StartFailure { reason: "CreateContainerConfigError", message: e.to_string(), retry: true })?;
+    let restart_count = record.restart_count;
+    let launch = ContainerLaunch {
+        pod: Arc::clone(&data.pod),
+        container: record.spec.clone(),
+        kind: record.kind,
+        restart_count,
+        run_options,
+        log_path: log_path(&lifecycle, data, name, restart_count),
+    };
+    if let Some(parent) = launch.log_path.parent() {
+        let _ = std::fs::create_dir_all(parent);
+    }
+    let id = provider.start_container(&launch).await.map_err(|e| StartFailure {
+        reason: match e.kind {
+            ProviderErrorKind::Config => "CreateContainerConfigError",
+            _ => "RunContainerError",
+        },
+        message: e.message,
+        retry: true,
+    })?;
+    tracing::info!(pod.uid = %uid, container = name, %id, restart = restart_count, "container started");
+    if let Some(record) = data.containers.get_mut(name) {
+        record.id = Some(id.clone());
+        record.phase = ContainerPhase::Running { started_at: Timestamp::now() };
+        record.started = Some(Instant::now());
+        record.wants_start = false;
+    }
+    watch_exit(data, provider, name, id);
+    Ok(())
+}
+
+/// Spawns the task that waits for the container's exit and reports it.
+fn watch_exit(data: &mut PodData, provider: &Arc<dyn Provider>, name: &str, id: ContainerId) {
+    let provider = Arc::clone(provider);
+    let sender = data.exit_sender.clone();
+    let container = name.to_owned();
+    data.waiters.spawn(async move {
+        let exit = provider.wait_container(&id).await;
+        let _ = sender.send(ExitReport { container, id, exit });
+    });
+}
+
+/// Records a start failure: the container waits with the reason, and backs
+/// off before the next try.
+pub fn record_start_failure(ctx: &mut Context<PodLifecycle>, name: &str, failure: &StartFailure) {
+    let config = ctx.machine.config.restart_backoff;
+    if let Some(record) = ctx.data.containers.get_mut(name) {
+        tracing::warn!(pod.uid = %ctx.data.id.uid, container = name, reason = failure.reason, error = %failure.message, "container did not start");
+        record.phase =
+            ContainerPhase::Waiting { reason: failure.reason.to_owned(), message: Some(failure.message.clone()) };
+        record.backoff.fail(&config, Duration::ZERO, Instant::now());
+        record.wants_start = failure.retry;
+    }
+}
+
+/// Records an exit reported by a waiter; returns the container's name if the
+/// report is about its current instance.
+pub fn record_exit(data: &mut PodData, report: ExitReport) -> Option<String> {
+    let record = data.containers.get_mut(&report.container)?;
+    if record.id.as_ref() != Some(&report.id) || !record.is_running() {
+        return None;
+    }
+    let started_at = match &record.phase {
+        ContainerPhase::Running { started_at } => Some(*started_at),
+        _ => None,
+    };
+    let terminated = match report.exit {
+        Ok(exit) => Terminated {
+            exit_code: exit.exit_code,
+            reason: exit.reason.unwrap_or_else(|| if exit.exit_code == 0 { "Completed" } else { "Error" }.to_owned()),
+            message: exit.message,
+            started_at,
+            finished_at: exit.finished_at,
+            container_id: Some(report.id.clone()),
+        },
+        Err(error) => Terminated {
+            exit_code: 137,
+            reason: "Error".to_owned(),
+            message: Some(format!("the provider lost the container: {error}")),
+            started_at,
+            finished_at: Timestamp::now(),
+            container_id: Some(report.id.clone()),
+        },
+    };
+    tracing::info!(
+        pod.uid = %data.id.uid,
+        container = %report.container,
+        exit_code = terminated.exit_code,
+        reason = %terminated.reason,
+        "container exited"
+    );
+    record.phase = ContainerPhase::Terminated(terminated);
+    Some(report.container)
+}
+
+/// Marks a terminated container for a restart after its backoff; returns the
+/// delay.
+pub fn schedule_restart(ctx: &mut Context<PodLifecycle>, name: &str) -> Option<Duration> {
+    let config = ctx.machine.config.restart_backoff;
+    let record = ctx.data.containers.get_mut(name)?;
+    let now = Instant::now();
+    let delay = record.backoff.fail(&config, record.ran_for(now), now);
+    if let ContainerPhase::Terminated(t) = &record.phase {
+        record.last_terminated = Some(t.clone());
+    }
+    record.restart_count += 1;
+    record.wants_start = true;
+    Some(delay)
+}
+
+/// Stops every running container within `grace`, concurrently; returns the
+/// failures.
+pub async fn stop_all(ctx: &mut Context<PodLifecycle>, grace: Duration) -> Vec<String> {
+    let Some(provider) = ctx.machine.provider.clone() else { return Vec::new() };
+    let running: Vec<(String, ContainerId)> = ctx
+        .data
+        .containers
+        .values()
+        .filter(|c| c.is_running())
+        .filter_map(|c| c.id.clone().map(|id| (c.spec.name.clone(), id)))
+        .collect();
+    let mut stops = tokio::task::JoinSet::new();
+    for (name, id) in running {
+        let provider = Arc::clone(&provider);
+        stops.spawn(async move { (name, provider.stop_container(&id, grace).await) });
+    }
+    let mut failures = Vec::new();
+    while let Some(joined) = stops.join_next().await {
+        match joined {
+            Ok((name, Ok(()))) => tracing::debug!(pod.uid = %ctx.data.id.uid, container = %name, "container stopped"),
+            Ok((name, Err(error))) => failures.push(format!("stop container {name}: {error}")),
+            Err(error) => failures.push(format!("stop task: {error}")),
+        }
+    }
+    failures
+}

@@ -1,0 +1,220 @@
+//! What one pod's states share: its spec, what was prepared for it, and
+//! where each of its containers stands.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Container, Pod};
+use k8s_openapi::jiff::Timestamp;
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use super::backoff::Backoff;
+use super::spec::{PodIdentity, containers};
+use crate::device_manager::{ContainerKind, PodDevices};
+use crate::provider::{ContainerExit, ContainerId, ProviderError};
+use crate::volume::PodVolumes;
+
+/// Where a container stands.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ContainerPhase {
+    /// Not running: why, and what to tell the user.
+    Waiting {
+        /// `ContainerCreating`, `PodInitializing`, `CrashLoopBackOff`, …
+        reason: String,
+        /// Details.
+        message: Option<String>,
+    },
+    /// Running since `started_at`.
+    Running {
+        /// When it started.
+        started_at: Timestamp,
+    },
+    /// Ended.
+    Terminated(Terminated),
+}
+
+/// How a container ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Terminated {
+    /// Exit code.
+    pub exit_code: i32,
+    /// `Completed`, `Error`, `OOMKilled`, `ContainerCannotRun`.
+    pub reason: String,
+    /// Details.
+    pub message: Option<String>,
+    /// When it started (if it ran).
+    pub started_at: Option<Timestamp>,
+    /// When it ended.
+    pub finished_at: Timestamp,
+    /// The provider's id.
+    pub container_id: Option<ContainerId>,
+}
+
+/// One container of the pod.
+#[derive(Clone, Debug)]
+pub struct ContainerRecord {
+    /// Its spec.
+    pub spec: Container,
+    /// Init, sidecar or app.
+    pub kind: ContainerKind,
+    /// Now.
+    pub phase: ContainerPhase,
+    /// The previous termination, once it restarted.
+    pub last_terminated: Option<Terminated>,
+    /// Restarts so far.
+    pub restart_count: u32,
+    /// The running (or last) instance's id.
+    pub id: Option<ContainerId>,
+    /// The image id, once prepared.
+    pub image_id: Option<String>,
+    /// Restart backoff.
+    pub backoff: Backoff,
+    /// When the running instance started (monotonic, for the backoff reset).
+    pub started: Option<Instant>,
+    /// Whether the container should be started (again) when the pod starts
+    /// containers next.
+    pub wants_start: bool,
+}
+
+impl ContainerRecord {
+    fn new(kind: ContainerKind, spec: &Container) -> Self {
+        ContainerRecord {
+            spec: spec.clone(),
+            kind,
+            phase: ContainerPhase::Waiting { reason: "ContainerCreating".into(), message: None },
+            last_terminated: None,
+            restart_count: 0,
+            id: None,
+            image_id: None,
+            backoff: Backoff::default(),
+            started: None,
+            wants_start: true,
+        }
+    }
+
+    /// Whether it runs now.
+    pub fn is_running(&self) -> bool {
+        matches!(self.phase, ContainerPhase::Running { .. })
+    }
+
+    /// Whether it ended with exit code 0.
+    pub fn succeeded(&self) -> bool {
+        matches!(&self.phase, ContainerPhase::Terminated(t) if t.exit_code == 0)
+    }
+
+    /// How long the running instance has run.
+    pub fn ran_for(&self, now: Instant) -> Duration {
+        self.started.map(|s| now.saturating_duration_since(s)).unwrap_or_default()
+    }
+}
+
+/// One container exit as a waiter task reports it.
+#[derive(Debug)]
+pub struct ExitReport {
+    /// The container's name.
+    pub container: String,
+    /// The instance that ended.
+    pub id: ContainerId,
+    /// How it ended (an error if the provider lost it).
+    pub exit: Result<ContainerExit, ProviderError>,
+}
+
+/// A pod-level verdict that overrides the computed phase (admission
+/// rejections, a failed init container).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PodVerdict {
+    /// `Failed` or `Succeeded`.
+    pub phase: &'static str,
+    /// `OutOfcpu`, `UnexpectedAdmissionError`, …
+    pub reason: Option<String>,
+    /// Details.
+    pub message: Option<String>,
+}
+
+/// What the states of one pod share.
+pub struct PodData {
+    /// The pod as last applied.
+    pub pod: Arc<Pod>,
+    /// Its identity.
+    pub id: PodIdentity,
+    /// Containers by name.
+    pub containers: BTreeMap<String, ContainerRecord>,
+    /// Container names in start order (init, then app).
+    pub order: Vec<String>,
+    /// Devices allocated at admission, by container.
+    pub devices: PodDevices,
+    /// Prepared volumes.
+    pub volumes: PodVolumes,
+    /// Whether admission let the pod in (its requests count against the node).
+    pub admitted: bool,
+    /// Whether the volumes are ready.
+    pub volumes_ready: bool,
+    /// Whether every init container has completed.
+    pub initialized: bool,
+    /// When the node took the pod on.
+    pub start_time: Timestamp,
+    /// A pod-level waiting message (a volume that cannot be prepared yet).
+    pub pending_message: Option<String>,
+    /// A final verdict.
+    pub verdict: Option<PodVerdict>,
+    /// Container exits, from the waiter tasks.
+    pub exits: mpsc::UnboundedReceiver<ExitReport>,
+    /// Where waiter tasks send exits.
+    pub exit_sender: mpsc::UnboundedSender<ExitReport>,
+    /// The waiter tasks (aborted when the pod's data is dropped).
+    pub waiters: JoinSet<()>,
+}
+
+impl PodData {
+    /// Fresh data for `pod`.
+    pub fn new(pod: Arc<Pod>) -> Self {
+        let id = PodIdentity::of(&pod);
+        let mut records = BTreeMap::new();
+        let mut order = Vec::new();
+        for (kind, container) in containers(&pod) {
+            order.push(container.name.clone());
+            records.insert(container.name.clone(), ContainerRecord::new(kind, container));
+        }
+        let (exit_sender, exits) = mpsc::unbounded_channel();
+        PodData {
+            pod,
+            id,
+            containers: records,
+            order,
+            devices: PodDevices::new(),
+            volumes: PodVolumes::new(),
+            admitted: false,
+            volumes_ready: false,
+            initialized: false,
+            start_time: Timestamp::now(),
+            pending_message: None,
+            verdict: None,
+            exits,
+            exit_sender,
+            waiters: JoinSet::new(),
+        }
+    }
+
+    /// The containers in start order.
+    pub fn ordered(&self) -> impl Iterator<Item = &ContainerRecord> {
+        self.order.iter().filter_map(|name| self.containers.get(name))
+    }
+
+    /// Names of the containers of `kinds`, in start order.
+    pub fn names_of(&self, kinds: &[ContainerKind]) -> Vec<String> {
+        self.ordered().filter(|c| kinds.contains(&c.kind)).map(|c| c.spec.name.clone()).collect()
+    }
+
+    /// Sets every container that is not running or terminated to waiting with
+    /// `reason`.
+    pub fn set_waiting(&mut self, reason: &str, message: Option<String>) {
+        for record in self.containers.values_mut() {
+            if let ContainerPhase::Waiting { .. } = record.phase {
+                record.phase = ContainerPhase::Waiting { reason: reason.to_owned(), message: message.clone() };
+            }
+        }
+    }
+}

@@ -1,0 +1,245 @@
+//! The pod lifecycle: every pod the node runs is driven through typed states
+//! by its own task ([`krator`]).
+//!
+//! ```text
+//! Registered ─▶ Resources ─▶ ImagePull ─▶ Volumes ─▶ Initializing ─▶ Starting ─▶ Running
+//!     │            │            │  ▲         │                          ▲           │
+//!     │            │            ▼  │         ▼                          │           ├─▶ CrashLoopBackOff ─┘
+//!     │            │       ImagePullBackOff NoProvider                  │           │
+//!     ▼            ▼                                                                ├─▶ Completed
+//!   Failed ◀── (rejected) ◀──────────── (init failed, restartPolicy Never) ◀────────┴─▶ Failed
+//!
+//! deleted, from any state ─▶ Terminating ─▶ (done)
+//! ```
+//!
+//! - **Resources** admits the pod (pod count, cpu and memory against
+//!   allocatable, extended resources) and allocates its devices, init
+//!   containers first.
+//! - **Volumes** prepares its volumes, retrying (and saying why in the pod
+//!   status) until it can.
+//! - **Initializing** runs init containers one at a time, each to success;
+//!   restartable init containers (sidecars) are started and left running.
+//! - **Starting** starts sidecars and app containers (PreStartContainer just
+//!   before each start); **Running** waits for exits and applies the restart
+//!   policy; **CrashLoopBackOff** waits out a container's restart backoff.
+//! - **Terminating** stops containers within the grace period, tears volumes
+//!   down and frees devices; every step runs even if an earlier one failed.
+
+mod admission;
+mod backoff;
+mod containers;
+mod data;
+mod quantity;
+mod run_options;
+mod spec;
+mod states;
+mod status;
+mod store;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use k8s_openapi::api::core::v1::{Pod, PodStatus};
+use krator::{Applied, Deleted, Machine, Outcome, Runtime, State};
+use tokio_util::sync::CancellationToken;
+
+pub use admission::{Allocatable, Rejection};
+pub use backoff::BackoffConfig;
+pub use data::{ContainerPhase, Terminated};
+pub use quantity::{QuantityError, parse_milli, parse_units};
+pub use spec::{DEFAULT_GRACE_PERIOD, PodIdentity, RestartPolicy};
+pub use status::Stage;
+pub use store::PodStore;
+
+use crate::device_manager::DeviceManager;
+use crate::provider::{Provider, RunningContainer};
+use crate::volume::VolumeManager;
+
+/// How the lifecycle runs pods.
+#[derive(Clone, Debug)]
+pub struct PodConfig {
+    /// The node's root dir (volumes under `pods/<uid>`, logs under
+    /// `pods/<namespace>_<name>_<uid>`).
+    pub root_dir: PathBuf,
+    /// What pods may use.
+    pub allocatable: Allocatable,
+    /// Container restart backoff.
+    pub restart_backoff: BackoffConfig,
+    /// Image pull backoff (upstream uses the same figures).
+    pub image_backoff: BackoffConfig,
+    /// Volume preparation retries.
+    pub volume_backoff: BackoffConfig,
+}
+
+impl PodConfig {
+    /// Upstream's backoffs; `allocatable` as given.
+    pub fn new(root_dir: impl Into<PathBuf>, allocatable: Allocatable) -> Self {
+        PodConfig {
+            root_dir: root_dir.into(),
+            allocatable,
+            restart_backoff: BackoffConfig::default(),
+            image_backoff: BackoffConfig::default(),
+            volume_backoff: BackoffConfig {
+                initial: std::time::Duration::from_millis(500),
+                max: std::time::Duration::from_secs(120),
+                reset_after: std::time::Duration::MAX,
+            },
+        }
+    }
+}
+
+/// The state machine every pod runs through, with what all pods share.
+pub struct PodLifecycle {
+    config: PodConfig,
+    provider: Option<Arc<dyn Provider>>,
+    devices: Option<DeviceManager>,
+    volumes: VolumeManager,
+    admitted: admission::AdmittedPods,
+    store: PodStore,
+    /// Containers an earlier run of the node left running, by pod UID and
+    /// container name; taken when the pod gets to start them.
+    adopted: Mutex<HashMap<(String, String), RunningContainer>>,
+}
+
+impl PodLifecycle {
+    /// A lifecycle running containers with `provider` (none: pods wait after
+    /// their volumes are ready) and devices from `devices`.
+    pub fn new(config: PodConfig, provider: Option<Arc<dyn Provider>>, devices: Option<DeviceManager>) -> Self {
+        let volumes = VolumeManager::new(&config.root_dir);
+        PodLifecycle {
+            config,
+            provider,
+            devices,
+            volumes,
+            admitted: admission::AdmittedPods::default(),
+            store: PodStore::default(),
+            adopted: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn take_adopted(&self, pod_uid: &str, container: &str) -> Option<RunningContainer> {
+        self.adopted.lock().unwrap_or_else(|p| p.into_inner()).remove(&(pod_uid.to_owned(), container.to_owned()))
+    }
+
+    fn adopted_contains(&self, pod_uid: &str, container: &str) -> bool {
+        self.adopted.lock().unwrap_or_else(|p| p.into_inner()).contains_key(&(pod_uid.to_owned(), container.to_owned()))
+    }
+
+    fn has_adopted(&self, pod_uid: &str) -> bool {
+        self.adopted.lock().unwrap_or_else(|p| p.into_inner()).keys().any(|(uid, _)| uid == pod_uid)
+    }
+}
+
+impl Machine for PodLifecycle {
+    type Key = String;
+    type Manifest = Arc<Pod>;
+    type Data = data::PodData;
+    type Status = PodStatus;
+    type Error = String;
+
+    fn start(&self, _key: &String, manifest: &Arc<Pod>) -> (data::PodData, Box<dyn State<Self>>) {
+        (data::PodData::new(Arc::clone(manifest)), Box::new(states::Registered))
+    }
+
+    fn deleted(&self, _key: &String, _data: &data::PodData) -> Box<dyn State<Self>> {
+        Box::new(states::Terminating)
+    }
+
+    fn status(&self, key: &String, status: PodStatus) {
+        self.store.put_status(key, status);
+    }
+
+    fn finished(&self, key: &String, outcome: &Outcome<String>) {
+        if !matches!(outcome, Outcome::ShutDown) {
+            self.store.remove(key);
+        }
+    }
+}
+
+/// The node's pods: apply, delete, list. Cheap to clone.
+#[derive(Clone)]
+pub struct Pods {
+    runtime: Runtime<PodLifecycle>,
+}
+
+impl Pods {
+    /// Starts the lifecycle. Asks the provider which containers still run
+    /// (to adopt them when their pods come back); stops with `shutdown`,
+    /// leaving containers running.
+    pub async fn start(lifecycle: PodLifecycle, shutdown: CancellationToken) -> Pods {
+        if let Some(provider) = &lifecycle.provider {
+            match provider.running_containers().await {
+                Ok(running) => {
+                    let mut adopted = lifecycle.adopted.lock().unwrap_or_else(|p| p.into_inner());
+                    for container in running {
+                        tracing::info!(
+                            pod.uid = %container.pod_uid,
+                            container = %container.container_name,
+                            id = %container.id,
+                            "a container from an earlier run still runs"
+                        );
+                        adopted.insert((container.pod_uid.clone(), container.container_name.clone()), container);
+                    }
+                }
+                Err(error) => tracing::warn!(%error, "the provider could not list its running containers"),
+            }
+        }
+        Pods { runtime: Runtime::new(Arc::new(lifecycle), shutdown) }
+    }
+
+    /// Runs `pod` (a new UID) or updates it.
+    pub fn apply(&self, pod: Pod) -> Applied {
+        let uid = pod.metadata.uid.clone().unwrap_or_default();
+        self.runtime.machine().store.put_spec(&uid, &pod);
+        let applied = self.runtime.apply(uid.clone(), Arc::new(pod));
+        tracing::debug!(pod.uid = %uid, ?applied, "pod applied");
+        applied
+    }
+
+    /// Removes the pod: its containers are stopped, volumes torn down and
+    /// devices freed.
+    pub fn delete(&self, uid: &str) -> Deleted {
+        self.runtime.delete(&uid.to_owned())
+    }
+
+    /// The pods and their statuses.
+    pub fn store(&self) -> &PodStore {
+        &self.runtime.machine().store
+    }
+
+    /// The UIDs of the pods the node runs (or is removing).
+    pub fn uids(&self) -> Vec<String> {
+        self.runtime.keys()
+    }
+
+    /// Stops what an earlier run of the node left behind for pods it no
+    /// longer has: containers still running and devices still allocated.
+    /// Call once the pods known at start are applied.
+    pub async fn release_orphans(&self) {
+        let lifecycle = self.runtime.machine();
+        let live: Vec<String> = self.runtime.keys();
+        let orphans: Vec<RunningContainer> = {
+            let mut adopted = lifecycle.adopted.lock().unwrap_or_else(|p| p.into_inner());
+            let keys: Vec<(String, String)> = adopted.keys().filter(|(uid, _)| !live.contains(uid)).cloned().collect();
+            keys.into_iter().filter_map(|k| adopted.remove(&k)).collect()
+        };
+        if let Some(provider) = &lifecycle.provider {
+            for orphan in orphans {
+                tracing::info!(pod.uid = %orphan.pod_uid, container = %orphan.container_name, "stopping a container of a pod no longer on the node");
+                if let Err(error) = provider.stop_container(&orphan.id, DEFAULT_GRACE_PERIOD).await {
+                    tracing::warn!(%error, id = %orphan.id, "could not stop an orphaned container");
+                }
+                let _ = provider.remove_pod(&orphan.pod_uid).await;
+            }
+        }
+        if let Some(devices) = &lifecycle.devices {
+            devices.retain_pods(live.iter().map(String::as_str));
+        }
+    }
+
+    /// Waits until every pod task stopped after shutdown.
+    pub async fn stopped(&self) {
+        self.runtime.stopped().await;
+    }
+}

@@ -1,0 +1,81 @@
+//! Registered and Resources: the pod is checked, admitted, and given its
+//! devices.
+
+use k8s_openapi::api::core::v1::PodStatus;
+use krator::{Context, State, Transition};
+
+use super::{Failed, ImagePull};
+use crate::device_manager::{PodContainer, PodDeviceRequest};
+use crate::pod::PodLifecycle;
+use crate::pod::data::PodVerdict;
+use crate::pod::spec::{containers, extended_limits};
+use crate::pod::status::{Stage, pod_status};
+
+/// The pod is known to the node.
+pub struct Registered;
+
+#[async_trait::async_trait]
+impl State<PodLifecycle> for Registered {
+    async fn next(self: Box<Self>, ctx: &mut Context<PodLifecycle>) -> Transition<PodLifecycle> {
+        tracing::info!(pod = %ctx.data.id.full_name(), pod.uid = %ctx.data.id.uid, "pod added");
+        if ctx.data.pod.spec.as_ref().is_none_or(|s| s.containers.is_empty()) {
+            reject(ctx, "InvalidPod", "the pod has no containers".into());
+            return Transition::next(&*self, Failed);
+        }
+        Transition::next(&*self, Resources)
+    }
+
+    fn status(&self, ctx: &Context<PodLifecycle>) -> PodStatus {
+        pod_status(&ctx.data, Stage::Pending)
+    }
+}
+
+/// Admission: pod count, cpu, memory, extended resources; then the devices.
+pub struct Resources;
+
+#[async_trait::async_trait]
+impl State<PodLifecycle> for Resources {
+    async fn next(self: Box<Self>, ctx: &mut Context<PodLifecycle>) -> Transition<PodLifecycle> {
+        let lifecycle = std::sync::Arc::clone(&ctx.machine);
+        let capacities = lifecycle.devices.as_ref().map(|d| d.capacity().borrow().clone()).unwrap_or_default();
+        let uid = ctx.data.id.uid.clone();
+        if let Err(rejection) = lifecycle.admitted.admit(&uid, &ctx.data.pod, lifecycle.config.allocatable, &capacities)
+        {
+            reject(ctx, &rejection.reason, rejection.message);
+            return Transition::next(&*self, Failed);
+        }
+        ctx.data.admitted = true;
+        if let Some(devices) = &lifecycle.devices {
+            let mut request =
+                PodDeviceRequest { pod_uid: uid.clone(), pod_name: ctx.data.id.name.clone(), containers: Vec::new() };
+            for (kind, container) in containers(&ctx.data.pod) {
+                let limits = extended_limits(container).unwrap_or_default();
+                request.containers.push(PodContainer { name: container.name.clone(), kind, limits });
+            }
+            match devices.allocate_pod(&request).await {
+                Ok(allocated) => ctx.data.devices = allocated,
+                Err(error) => {
+                    let message = format!("Allocate failed due to {error}, which is unexpected");
+                    reject(ctx, "UnexpectedAdmissionError", message);
+                    return Transition::next(&*self, Failed);
+                }
+            }
+        }
+        tracing::info!(pod.uid = %uid, "pod admitted");
+        Transition::next(&*self, ImagePull::first())
+    }
+
+    fn status(&self, ctx: &Context<PodLifecycle>) -> PodStatus {
+        pod_status(&ctx.data, Stage::Pending)
+    }
+}
+
+/// Marks the pod rejected (upstream's phase, reason and message).
+fn reject(ctx: &mut Context<PodLifecycle>, reason: &str, message: String) {
+    tracing::warn!(pod = %ctx.data.id.full_name(), pod.uid = %ctx.data.id.uid, reason, %message, "pod rejected");
+    ctx.data.verdict = Some(PodVerdict {
+        phase: "Failed",
+        reason: Some(reason.to_owned()),
+        message: Some(format!("Pod was rejected: {message}")),
+    });
+}

@@ -1,0 +1,298 @@
+//! Initializing, Starting, Running and CrashLoopBackOff: the containers run.
+
+use std::sync::Arc;
+
+use k8s_openapi::api::core::v1::PodStatus;
+use krator::{Context, State, Transition};
+use tokio::time::Instant;
+
+use super::{Completed, Failed};
+use crate::device_manager::ContainerKind;
+use crate::pod::PodLifecycle;
+use crate::pod::containers::{record_exit, record_start_failure, schedule_restart, start, stop_all};
+use crate::pod::data::{ContainerPhase, PodVerdict};
+use crate::pod::spec::{RestartPolicy, grace_period};
+use crate::pod::status::{Stage, pod_status};
+
+/// Init containers run one at a time, each to success; sidecars start and
+/// keep running.
+pub struct Initializing;
+
+#[async_trait::async_trait]
+impl State<PodLifecycle> for Initializing {
+    async fn next(self: Box<Self>, ctx: &mut Context<PodLifecycle>) -> Transition<PodLifecycle> {
+        let Some(provider) = ctx.machine.provider.clone() else { return Transition::next(&*self, Starting) };
+        let uid = ctx.data.id.uid.clone();
+        // After a node restart, app containers still running mean the init
+        // containers completed.
+        if ctx.machine.has_adopted(&uid)
+            && ctx.data.names_of(&[ContainerKind::App]).iter().any(|n| ctx.machine.adopted_contains(&uid, n))
+        {
+            ctx.data.initialized = true;
+            return Transition::next(&*self, Starting);
+        }
+        ctx.data.set_waiting("PodInitializing", None);
+        let policy = RestartPolicy::of(&ctx.data.pod);
+        for name in ctx.data.names_of(&[ContainerKind::Init, ContainerKind::RestartableInit]) {
+            let kind = ctx.data.containers.get(&name).map(|c| c.kind);
+            loop {
+                if let Some(until) = ctx.data.containers.get(&name).and_then(|c| c.backoff.until()) {
+                    tokio::time::sleep_until(until).await;
+                    if let Some(c) = ctx.data.containers.get_mut(&name) {
+                        c.backoff.waited();
+                    }
+                }
+                if let Err(failure) = start(ctx, &provider, &name).await {
+                    record_start_failure(ctx, &name, &failure);
+                    ctx.report(pod_status(&ctx.data, Stage::Pending));
+                    continue;
+                }
+                ctx.report(pod_status(&ctx.data, Stage::Pending));
+                if kind == Some(ContainerKind::RestartableInit) {
+                    break;
+                }
+                // Wait for this init container to end (sidecar exits are
+                // recorded; the sidecar restarts when the app containers start).
+                let exit_code = loop {
+                    let Some(report) = ctx.data.exits.recv().await else { return std::future::pending().await };
+                    if let Some(ended) = record_exit(&mut ctx.data, report) {
+                        ctx.report(pod_status(&ctx.data, Stage::Pending));
+                        if ended == name {
+                            break match &ctx.data.containers[&name].phase {
+                                ContainerPhase::Terminated(t) => t.exit_code,
+                                _ => 1,
+                            };
+                        }
+                        schedule_restart(ctx, &ended);
+                    }
+                };
+                if exit_code == 0 {
+                    break;
+                }
+                if policy == RestartPolicy::Never {
+                    ctx.data.verdict = Some(PodVerdict { phase: "Failed", reason: None, message: None });
+                    let grace = grace_period(&ctx.data.pod);
+                    for failure in stop_all(ctx, grace).await {
+                        tracing::warn!(pod.uid = %uid, %failure, "stopping sidecars");
+                    }
+                    drain_exits(ctx);
+                    return Transition::next(&*self, Failed);
+                }
+                let delay = schedule_restart(ctx, &name);
+                if let Some(record) = ctx.data.containers.get_mut(&name) {
+                    record.phase = ContainerPhase::Waiting {
+                        reason: "CrashLoopBackOff".into(),
+                        message: Some(back_off_message(delay, &name, &ctx.data.id.name, &ctx.data.id.namespace, &uid)),
+                    };
+                }
+                ctx.report(pod_status(&ctx.data, Stage::Pending));
+            }
+        }
+        ctx.data.initialized = true;
+        Transition::next(&*self, Starting)
+    }
+
+    fn status(&self, ctx: &Context<PodLifecycle>) -> PodStatus {
+        pod_status(&ctx.data, Stage::Pending)
+    }
+}
+
+/// Sidecars and app containers that should run are started.
+pub struct Starting;
+
+#[async_trait::async_trait]
+impl State<PodLifecycle> for Starting {
+    async fn next(self: Box<Self>, ctx: &mut Context<PodLifecycle>) -> Transition<PodLifecycle> {
+        let Some(provider) = ctx.machine.provider.clone() else { return std::future::pending().await };
+        let now = Instant::now();
+        let due: Vec<String> = ctx
+            .data
+            .ordered()
+            .filter(|c| c.kind != ContainerKind::Init && c.wants_start && !c.is_running() && c.backoff.ready(now))
+            .map(|c| c.spec.name.clone())
+            .collect();
+        for name in due {
+            if let Some(c) = ctx.data.containers.get_mut(&name) {
+                c.backoff.waited();
+            }
+            if let Err(failure) = start(ctx, &provider, &name).await {
+                record_start_failure(ctx, &name, &failure);
+            }
+            ctx.report(pod_status(&ctx.data, Stage::Running));
+        }
+        if ctx.data.containers.values().any(|c| c.kind != ContainerKind::Init && c.wants_start && !c.is_running()) {
+            return Transition::next(&*self, CrashLoopBackOff);
+        }
+        Transition::next(&*self, Running)
+    }
+
+    fn status(&self, ctx: &Context<PodLifecycle>) -> PodStatus {
+        pod_status(&ctx.data, Stage::Running)
+    }
+}
+
+/// What to do after an exit: keep running, restart after a backoff, or end.
+enum AfterExit {
+    Keep,
+    Restart,
+    Done,
+}
+
+/// Records one exit and applies the restart policy.
+async fn handle_exit(ctx: &mut Context<PodLifecycle>, name: &str) -> AfterExit {
+    let policy = RestartPolicy::of(&ctx.data.pod);
+    let Some(record) = ctx.data.containers.get(name) else { return AfterExit::Keep };
+    let exit_code = match &record.phase {
+        ContainerPhase::Terminated(t) => t.exit_code,
+        _ => return AfterExit::Keep,
+    };
+    let restarts = match record.kind {
+        ContainerKind::RestartableInit => !apps_finished(ctx, policy),
+        _ => policy.restarts(exit_code),
+    };
+    if restarts {
+        let delay = schedule_restart(ctx, name);
+        let id = ctx.data.id.clone();
+        if let Some(record) = ctx.data.containers.get_mut(name) {
+            let last = record.last_terminated.clone();
+            record.phase = ContainerPhase::Waiting {
+                reason: "CrashLoopBackOff".into(),
+                message: Some(back_off_message(delay, name, &id.name, &id.namespace, &id.uid)),
+            };
+            record.last_terminated = last;
+        }
+        return AfterExit::Restart;
+    }
+    if apps_finished(ctx, policy) {
+        // The app containers are done for good: sidecars stop too.
+        let grace = grace_period(&ctx.data.pod);
+        for failure in stop_all(ctx, grace).await {
+            tracing::warn!(pod.uid = %ctx.data.id.uid, %failure, "stopping sidecars");
+        }
+        drain_exits(ctx);
+        return AfterExit::Done;
+    }
+    AfterExit::Keep
+}
+
+/// Whether every app container has ended and will not restart.
+fn apps_finished(ctx: &Context<PodLifecycle>, policy: RestartPolicy) -> bool {
+    ctx.data.containers.values().filter(|c| c.kind == ContainerKind::App).all(|c| match &c.phase {
+        ContainerPhase::Terminated(t) => !policy.restarts(t.exit_code),
+        _ => false,
+    })
+}
+
+/// Records the exits the sidecars' stop produced.
+fn drain_exits(ctx: &mut Context<PodLifecycle>) {
+    while let Ok(report) = ctx.data.exits.try_recv() {
+        record_exit(&mut ctx.data, report);
+    }
+    for record in ctx.data.containers.values_mut() {
+        if record.is_running() {
+            record.phase = ContainerPhase::Terminated(crate::pod::data::Terminated {
+                exit_code: 0,
+                reason: "Completed".into(),
+                message: Some("stopped after the app containers ended".into()),
+                started_at: None,
+                finished_at: k8s_openapi::jiff::Timestamp::now(),
+                container_id: record.id.clone(),
+            });
+        }
+    }
+}
+
+/// Upstream's CrashLoopBackOff message.
+fn back_off_message(
+    delay: Option<std::time::Duration>,
+    container: &str,
+    pod: &str,
+    namespace: &str,
+    uid: &str,
+) -> String {
+    let delay = delay.unwrap_or_default();
+    format!("back-off {} restarting failed container={container} pod={pod}_{namespace}({uid})", humantime_secs(delay))
+}
+
+/// A delay as Go prints durations (`10s`, `2m40s`, `5m0s`, `50ms`).
+fn humantime_secs(delay: std::time::Duration) -> String {
+    let secs = delay.as_secs();
+    if secs >= 60 {
+        format!("{}m{}s", secs / 60, secs % 60)
+    } else if delay.subsec_millis() == 0 {
+        format!("{secs}s")
+    } else {
+        format!("{}ms", delay.as_millis())
+    }
+}
+
+/// The pod's containers run; exits are recorded and the restart policy
+/// applied.
+pub struct Running;
+
+#[async_trait::async_trait]
+impl State<PodLifecycle> for Running {
+    async fn next(self: Box<Self>, ctx: &mut Context<PodLifecycle>) -> Transition<PodLifecycle> {
+        if apps_finished(ctx, RestartPolicy::of(&ctx.data.pod)) {
+            return finish(&*self, ctx);
+        }
+        loop {
+            let Some(report) = ctx.data.exits.recv().await else { return std::future::pending().await };
+            let Some(name) = record_exit(&mut ctx.data, report) else { continue };
+            match handle_exit(ctx, &name).await {
+                AfterExit::Keep => ctx.report(pod_status(&ctx.data, Stage::Running)),
+                AfterExit::Restart => return Transition::next(&*self, CrashLoopBackOff),
+                AfterExit::Done => return finish(&*self, ctx),
+            }
+        }
+    }
+
+    fn status(&self, ctx: &Context<PodLifecycle>) -> PodStatus {
+        pod_status(&ctx.data, Stage::Running)
+    }
+}
+
+fn finish<S>(from: &S, ctx: &Context<PodLifecycle>) -> Transition<PodLifecycle>
+where
+    S: krator::TransitionTo<Completed> + krator::TransitionTo<Failed>,
+{
+    let all_succeeded = ctx.data.containers.values().filter(|c| c.kind == ContainerKind::App).all(|c| c.succeeded());
+    tracing::info!(pod.uid = %ctx.data.id.uid, succeeded = all_succeeded, "pod finished");
+    if all_succeeded { Transition::next(from, Completed) } else { Transition::next(from, Failed) }
+}
+
+/// A container waits out its restart backoff; other exits are still
+/// recorded meanwhile.
+pub struct CrashLoopBackOff;
+
+#[async_trait::async_trait]
+impl State<PodLifecycle> for CrashLoopBackOff {
+    async fn next(self: Box<Self>, ctx: &mut Context<PodLifecycle>) -> Transition<PodLifecycle> {
+        loop {
+            let until = ctx
+                .data
+                .containers
+                .values()
+                .filter(|c| c.wants_start && !c.is_running())
+                .filter_map(|c| c.backoff.until())
+                .min();
+            let Some(until) = until else { return Transition::next(&*self, Starting) };
+            let _ = Arc::clone(&ctx.machine);
+            tokio::select! {
+                _ = tokio::time::sleep_until(until) => return Transition::next(&*self, Starting),
+                report = ctx.data.exits.recv() => {
+                    let Some(report) = report else { return std::future::pending().await };
+                    let Some(name) = record_exit(&mut ctx.data, report) else { continue };
+                    match handle_exit(ctx, &name).await {
+                        AfterExit::Keep | AfterExit::Restart => ctx.report(pod_status(&ctx.data, Stage::Running)),
+                        AfterExit::Done => return finish(&*self, ctx),
+                    }
+                }
+            }
+        }
+    }
+
+    fn status(&self, ctx: &Context<PodLifecycle>) -> PodStatus {
+        pod_status(&ctx.data, Stage::Running)
+    }
+}

@@ -1,0 +1,36 @@
+//! The pod's states and the edges between them (see the module diagram in
+//! `pod`).
+
+mod admission;
+mod containers;
+mod finished;
+mod prepare;
+mod terminating;
+
+pub use admission::{Registered, Resources};
+pub use containers::{CrashLoopBackOff, Initializing, Running, Starting};
+pub use finished::{Completed, Failed};
+pub use prepare::{ImagePull, ImagePullBackOff, NoProvider, Volumes};
+pub use terminating::Terminating;
+
+use krator::TransitionTo;
+
+impl TransitionTo<Resources> for Registered {}
+impl TransitionTo<Failed> for Registered {}
+impl TransitionTo<ImagePull> for Resources {}
+impl TransitionTo<Failed> for Resources {}
+impl TransitionTo<Volumes> for ImagePull {}
+impl TransitionTo<ImagePullBackOff> for ImagePull {}
+impl TransitionTo<ImagePull> for ImagePullBackOff {}
+impl TransitionTo<Initializing> for Volumes {}
+impl TransitionTo<NoProvider> for Volumes {}
+impl TransitionTo<Starting> for Initializing {}
+impl TransitionTo<Failed> for Initializing {}
+impl TransitionTo<Running> for Starting {}
+impl TransitionTo<CrashLoopBackOff> for Starting {}
+impl TransitionTo<CrashLoopBackOff> for Running {}
+impl TransitionTo<Completed> for Running {}
+impl TransitionTo<Failed> for Running {}
+impl TransitionTo<Starting> for CrashLoopBackOff {}
+impl TransitionTo<Completed> for CrashLoopBackOff {}
+impl TransitionTo<Failed> for CrashLoopBackOff {}

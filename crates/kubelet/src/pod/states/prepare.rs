@@ -1,0 +1,163 @@
+//! ImagePull, ImagePullBackOff, Volumes and NoProvider: what happens before
+//! containers start.
+
+use std::sync::Arc;
+
+use k8s_openapi::api::core::v1::PodStatus;
+use krator::{Context, State, Transition};
+use tokio::time::Instant;
+
+use super::Initializing;
+use crate::pod::PodLifecycle;
+use crate::pod::backoff::Backoff;
+use crate::pod::status::{Stage, pod_status};
+
+/// The provider prepares every container's image.
+pub struct ImagePull {
+    backoff: Backoff,
+}
+
+impl ImagePull {
+    pub(crate) fn first() -> Self {
+        ImagePull { backoff: Backoff::default() }
+    }
+}
+
+#[async_trait::async_trait]
+impl State<PodLifecycle> for ImagePull {
+    async fn next(self: Box<Self>, ctx: &mut Context<PodLifecycle>) -> Transition<PodLifecycle> {
+        let Some(provider) = ctx.machine.provider.clone() else {
+            return Transition::next(&*self, Volumes);
+        };
+        let pod = Arc::clone(&ctx.data.pod);
+        for name in ctx.data.order.clone() {
+            let Some(record) = ctx.data.containers.get(&name) else { continue };
+            if record.image_id.is_some() {
+                continue;
+            }
+            let spec = record.spec.clone();
+            match provider.prepare_image(&pod, &spec).await {
+                Ok(image) => {
+                    if let Some(record) = ctx.data.containers.get_mut(&name) {
+                        record.image_id = Some(image.image_id);
+                    }
+                }
+                Err(error) => {
+                    tracing::warn!(pod.uid = %ctx.data.id.uid, container = %name, %error, "image pull failed");
+                    let mut backoff = self.backoff.clone();
+                    let delay =
+                        backoff.fail(&ctx.machine.config.image_backoff, std::time::Duration::ZERO, Instant::now());
+                    if let Some(record) = ctx.data.containers.get_mut(&name) {
+                        record.phase = crate::pod::ContainerPhase::Waiting {
+                            reason: "ErrImagePull".into(),
+                            message: Some(error.message.clone()),
+                        };
+                    }
+                    ctx.report(pod_status(&ctx.data, Stage::Pending));
+                    return Transition::next(
+                        &*self,
+                        ImagePullBackOff { backoff, container: name, image: spec.image.unwrap_or_default(), delay },
+                    );
+                }
+            }
+        }
+        Transition::next(&*self, Volumes)
+    }
+
+    fn status(&self, ctx: &Context<PodLifecycle>) -> PodStatus {
+        pod_status(&ctx.data, Stage::Pending)
+    }
+}
+
+/// Waiting out an image pull's backoff.
+pub struct ImagePullBackOff {
+    backoff: Backoff,
+    container: String,
+    image: String,
+    delay: std::time::Duration,
+}
+
+#[async_trait::async_trait]
+impl State<PodLifecycle> for ImagePullBackOff {
+    async fn next(self: Box<Self>, ctx: &mut Context<PodLifecycle>) -> Transition<PodLifecycle> {
+        if let Some(until) = self.backoff.until() {
+            tokio::time::sleep_until(until).await;
+        }
+        let _ = ctx;
+        let mut backoff = self.backoff.clone();
+        backoff.waited();
+        Transition::next(&*self, ImagePull { backoff })
+    }
+
+    fn status(&self, ctx: &Context<PodLifecycle>) -> PodStatus {
+        let mut status = pod_status(&ctx.data, Stage::Pending);
+        for s in status.container_statuses.iter_mut().chain(status.init_container_statuses.iter_mut()).flatten() {
+            if s.name == self.container
+                && let Some(waiting) = s.state.as_mut().and_then(|st| st.waiting.as_mut())
+            {
+                waiting.reason = Some("ImagePullBackOff".into());
+                waiting.message = Some(format!("Back-off {:?} pulling image {:?}", self.delay, self.image));
+            }
+        }
+        status
+    }
+}
+
+/// The pod's volumes are prepared; retried with backoff until they are.
+#[derive(Default)]
+pub struct Volumes;
+
+#[async_trait::async_trait]
+impl State<PodLifecycle> for Volumes {
+    async fn next(self: Box<Self>, ctx: &mut Context<PodLifecycle>) -> Transition<PodLifecycle> {
+        let lifecycle = Arc::clone(&ctx.machine);
+        let mut backoff = Backoff::default();
+        loop {
+            let pod = Arc::clone(&ctx.data.pod);
+            match lifecycle.volumes.prepare(&pod, &mut ctx.data.volumes).await {
+                Ok(()) => break,
+                Err(error) => {
+                    tracing::warn!(pod.uid = %ctx.data.id.uid, %error, "volumes not ready");
+                    ctx.data.pending_message = Some(format!("volumes not ready: {error}"));
+                    ctx.report(pod_status(&ctx.data, Stage::Pending));
+                    backoff.fail(&lifecycle.config.volume_backoff, std::time::Duration::ZERO, Instant::now());
+                    if let Some(until) = backoff.until() {
+                        tokio::time::sleep_until(until).await;
+                    }
+                }
+            }
+        }
+        ctx.data.pending_message = None;
+        ctx.data.volumes_ready = true;
+        if lifecycle.provider.is_none() {
+            return Transition::next(&*self, NoProvider);
+        }
+        Transition::next(&*self, Initializing)
+    }
+
+    fn status(&self, ctx: &Context<PodLifecycle>) -> PodStatus {
+        pod_status(&ctx.data, Stage::Pending)
+    }
+}
+
+/// The node has no provider: the pod is admitted and its volumes are ready,
+/// and it waits (until the node gets a provider or the pod is removed).
+pub struct NoProvider;
+
+/// What a pod on a node without a provider is told.
+pub const NO_PROVIDER_MESSAGE: &str =
+    "this node has no provider to run containers: admission, devices and volumes are done, the containers wait";
+
+#[async_trait::async_trait]
+impl State<PodLifecycle> for NoProvider {
+    async fn next(self: Box<Self>, ctx: &mut Context<PodLifecycle>) -> Transition<PodLifecycle> {
+        ctx.data.set_waiting("ContainerCreating", Some(NO_PROVIDER_MESSAGE.into()));
+        ctx.data.pending_message = Some(NO_PROVIDER_MESSAGE.into());
+        ctx.report(pod_status(&ctx.data, Stage::Pending));
+        std::future::pending().await
+    }
+
+    fn status(&self, ctx: &Context<PodLifecycle>) -> PodStatus {
+        pod_status(&ctx.data, Stage::Pending)
+    }
+}

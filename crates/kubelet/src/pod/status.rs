@@ -1,0 +1,176 @@
+//! The pod status as the kubelet computes it: phase, conditions, container
+//! statuses. This is the value cluster mode patches to the API server.
+
+use k8s_openapi::api::core::v1::{
+    ContainerState, ContainerStateRunning, ContainerStateTerminated, ContainerStateWaiting, ContainerStatus,
+    PodCondition, PodStatus,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+
+use super::data::{ContainerPhase, ContainerRecord, PodData, Terminated};
+use crate::device_manager::ContainerKind;
+
+/// Where the pod's lifecycle is, as its current state tells it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stage {
+    /// Before its containers start.
+    Pending,
+    /// Containers started (some may be restarting).
+    Running,
+    /// Every container is done (the phase follows from how they ended).
+    Done,
+    /// Being removed.
+    Terminating,
+}
+
+/// Computes the pod's status from its data.
+pub fn pod_status(data: &PodData, stage: Stage) -> PodStatus {
+    let init: Vec<&ContainerRecord> =
+        data.ordered().filter(|c| matches!(c.kind, ContainerKind::Init | ContainerKind::RestartableInit)).collect();
+    let apps: Vec<&ContainerRecord> = data.ordered().filter(|c| c.kind == ContainerKind::App).collect();
+    let phase = match (&data.verdict, stage) {
+        (Some(verdict), _) => verdict.phase.to_owned(),
+        (None, Stage::Pending) => "Pending".to_owned(),
+        (None, Stage::Running | Stage::Terminating) => "Running".to_owned(),
+        (None, Stage::Done) => {
+            if apps.iter().all(|c| c.succeeded()) {
+                "Succeeded".to_owned()
+            } else {
+                "Failed".to_owned()
+            }
+        }
+    };
+    let now = Timestamp::now();
+    let unready: Vec<&str> = data
+        .ordered()
+        .filter(|c| c.kind != ContainerKind::Init && !c.is_running())
+        .map(|c| c.spec.name.as_str())
+        .collect();
+    let unready_apps_or_sidecars = !unready.is_empty();
+    let uninitialized: Vec<&str> = init
+        .iter()
+        .filter(|c| match c.kind {
+            ContainerKind::Init => !data.initialized && !c.succeeded(),
+            _ => !c.is_running() && !data.initialized,
+        })
+        .map(|c| c.spec.name.as_str())
+        .collect();
+    let succeeded_pod = phase == "Succeeded";
+    let mut conditions = vec![condition("PodScheduled", true, None, None, now)];
+    conditions.push(condition("PodReadyToStartContainers", data.volumes_ready, None, None, now));
+    let initialized = data.initialized || succeeded_pod;
+    conditions.push(if initialized {
+        condition("Initialized", true, None, None, now)
+    } else {
+        condition(
+            "Initialized",
+            false,
+            Some("ContainersNotInitialized"),
+            Some(format!("containers with incomplete status: [{}]", uninitialized.join(" "))),
+            now,
+        )
+    });
+    let ready = !unready_apps_or_sidecars && stage == Stage::Running && data.verdict.is_none();
+    for kind in ["ContainersReady", "Ready"] {
+        conditions.push(if ready {
+            condition(kind, true, None, None, now)
+        } else if succeeded_pod || phase == "Failed" {
+            condition(kind, false, Some("PodCompleted"), None, now)
+        } else {
+            condition(
+                kind,
+                false,
+                Some("ContainersNotReady"),
+                Some(format!("containers with unready status: [{}]", unready.join(" "))),
+                now,
+            )
+        });
+    }
+    PodStatus {
+        phase: Some(phase),
+        reason: data.verdict.as_ref().and_then(|v| v.reason.clone()),
+        message: data.verdict.as_ref().and_then(|v| v.message.clone()).or_else(|| data.pending_message.clone()),
+        conditions: Some(conditions),
+        init_container_statuses: (!init.is_empty()).then(|| init.iter().map(|c| container_status(c)).collect()),
+        container_statuses: Some(apps.iter().map(|c| container_status(c)).collect()),
+        start_time: Some(Time(data.start_time)),
+        qos_class: Some(qos_class(data).to_owned()),
+        ..PodStatus::default()
+    }
+}
+
+fn condition(kind: &str, status: bool, reason: Option<&str>, message: Option<String>, now: Timestamp) -> PodCondition {
+    PodCondition {
+        type_: kind.to_owned(),
+        status: if status { "True" } else { "False" }.to_owned(),
+        reason: reason.map(str::to_owned),
+        message,
+        last_transition_time: Some(Time(now)),
+        ..PodCondition::default()
+    }
+}
+
+fn terminated_state(t: &Terminated) -> ContainerState {
+    ContainerState {
+        terminated: Some(ContainerStateTerminated {
+            exit_code: t.exit_code,
+            reason: Some(t.reason.clone()),
+            message: t.message.clone(),
+            started_at: t.started_at.map(Time),
+            finished_at: Some(Time(t.finished_at)),
+            container_id: t.container_id.as_ref().map(|id| id.0.clone()),
+            ..ContainerStateTerminated::default()
+        }),
+        ..ContainerState::default()
+    }
+}
+
+fn container_status(c: &ContainerRecord) -> ContainerStatus {
+    let state = match &c.phase {
+        ContainerPhase::Waiting { reason, message } => ContainerState {
+            waiting: Some(ContainerStateWaiting { reason: Some(reason.clone()), message: message.clone() }),
+            ..ContainerState::default()
+        },
+        ContainerPhase::Running { started_at } => ContainerState {
+            running: Some(ContainerStateRunning { started_at: Some(Time(*started_at)) }),
+            ..ContainerState::default()
+        },
+        ContainerPhase::Terminated(t) => terminated_state(t),
+    };
+    ContainerStatus {
+        name: c.spec.name.clone(),
+        image: c.spec.image.clone().unwrap_or_default(),
+        image_id: c.image_id.clone().unwrap_or_default(),
+        container_id: c.id.as_ref().map(|id| id.0.clone()),
+        ready: c.kind != ContainerKind::Init && c.is_running(),
+        started: Some(c.is_running()),
+        restart_count: i32::try_from(c.restart_count).unwrap_or(i32::MAX),
+        state: Some(state),
+        last_state: c.last_terminated.as_ref().map(terminated_state),
+        ..ContainerStatus::default()
+    }
+}
+
+/// Guaranteed when every container sets equal cpu and memory requests and
+/// limits; BestEffort when none sets any; Burstable otherwise.
+fn qos_class(data: &PodData) -> &'static str {
+    let mut any = false;
+    let mut guaranteed = true;
+    for c in data.ordered() {
+        let resources = c.spec.resources.as_ref();
+        let requests = resources.and_then(|r| r.requests.as_ref());
+        let limits = resources.and_then(|r| r.limits.as_ref());
+        for name in ["cpu", "memory"] {
+            let request = requests.and_then(|r| r.get(name)).or(limits.and_then(|l| l.get(name)));
+            let limit = limits.and_then(|l| l.get(name));
+            any |= request.is_some() || limit.is_some();
+            guaranteed &= limit.is_some() && request == limit;
+        }
+    }
+    match (any, guaranteed) {
+        (false, _) => "BestEffort",
+        (true, true) => "Guaranteed",
+        (true, false) => "Burstable",
+    }
+}

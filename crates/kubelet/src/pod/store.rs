@@ -1,0 +1,100 @@
+//! The pods the node runs, each with its latest status: what `/pods` lists
+//! and what tests and cluster mode wait on.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Pod, PodStatus};
+use tokio::sync::watch;
+
+/// Pods by UID with their latest status; cheap to clone.
+#[derive(Clone, Debug)]
+pub struct PodStore {
+    pods: Arc<Mutex<BTreeMap<String, Pod>>>,
+    generation: Arc<watch::Sender<u64>>,
+}
+
+impl Default for PodStore {
+    fn default() -> Self {
+        PodStore { pods: Arc::default(), generation: Arc::new(watch::channel(0).0) }
+    }
+}
+
+impl PodStore {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Pod>> {
+        self.pods.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn bump(&self) {
+        self.generation.send_modify(|g| *g += 1);
+    }
+
+    /// Records the pod's spec (keeping its status).
+    pub(crate) fn put_spec(&self, uid: &str, pod: &Pod) {
+        let mut pods = self.lock();
+        let status = pods.get(uid).and_then(|p| p.status.clone());
+        pods.insert(uid.to_owned(), Pod { status, ..pod.clone() });
+        drop(pods);
+        self.bump();
+    }
+
+    /// Records the pod's status.
+    pub(crate) fn put_status(&self, uid: &str, status: PodStatus) {
+        let mut pods = self.lock();
+        if let Some(pod) = pods.get_mut(uid) {
+            pod.status = Some(status);
+        }
+        drop(pods);
+        self.bump();
+    }
+
+    /// Forgets the pod.
+    pub(crate) fn remove(&self, uid: &str) {
+        self.lock().remove(uid);
+        self.bump();
+    }
+
+    /// The pod with its status.
+    pub fn get(&self, uid: &str) -> Option<Pod> {
+        self.lock().get(uid).cloned()
+    }
+
+    /// Every pod, ordered by namespace and name.
+    pub fn list(&self) -> Vec<Pod> {
+        let mut pods: Vec<Pod> = self.lock().values().cloned().collect();
+        pods.sort_by(|a, b| {
+            (a.metadata.namespace.as_deref(), a.metadata.name.as_deref())
+                .cmp(&(b.metadata.namespace.as_deref(), b.metadata.name.as_deref()))
+        });
+        pods
+    }
+
+    /// Bumped on every change.
+    pub fn changes(&self) -> watch::Receiver<u64> {
+        self.generation.subscribe()
+    }
+
+    /// Waits up to `timeout` until `pred` holds for the pods; returns them.
+    pub async fn wait_for(
+        &self,
+        timeout: Duration,
+        mut pred: impl FnMut(&BTreeMap<String, Pod>) -> bool,
+    ) -> Option<BTreeMap<String, Pod>> {
+        let mut changes = self.changes();
+        let wait = async {
+            loop {
+                {
+                    let pods = self.lock();
+                    if pred(&pods) {
+                        return Some(pods.clone());
+                    }
+                }
+                if changes.changed().await.is_err() {
+                    return None;
+                }
+            }
+        };
+        tokio::time::timeout(timeout, wait).await.ok().flatten()
+    }
+}

@@ -1,0 +1,212 @@
+//! The `Provider` trait: what runs containers for the node.
+//!
+//! A provider turns a container's run options into something running (a
+//! process, a WebAssembly instance, a CRI container) and reports how it ended.
+//! It never sees plugins: devices arrive as env, mounts and device nodes in
+//! [`ContainerRunOptions`], volumes as host paths to expose at container
+//! paths. The pod lifecycle decides when to pull, start, stop and restart.
+//!
+//! # Contract
+//! - `prepare_image` may be called again for an image already present; it is
+//!   the provider's cache to keep.
+//! - `start_container` returns once the container runs (or fails to start).
+//!   The container writes its output to [`ContainerLaunch::log_path`] in the
+//!   CRI log format (`<RFC 3339 time> <stdout|stderr> F <line>`), which the
+//!   node reads for `rustlet logs`.
+//! - `wait_container` may be called more than once for one container, also
+//!   after a restart of the node for containers listed by
+//!   `running_containers`; it must be cancel-safe.
+//! - `stop_container` asks the container to stop and kills it when the grace
+//!   period runs out; it returns once the container no longer runs.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use k8s_openapi::api::core::v1::{Container, Pod};
+use k8s_openapi::jiff::Timestamp;
+
+use crate::device_manager::{ContainerKind, DeviceNode};
+
+/// A provider's name for one container it runs.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+pub struct ContainerId(pub String);
+
+impl std::fmt::Display for ContainerId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// One environment variable, in the order the container sees them.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct EnvVar {
+    /// Name.
+    pub name: String,
+    /// Value.
+    pub value: String,
+}
+
+/// A host path exposed to the container.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Mount {
+    /// Where the container sees it.
+    pub container_path: String,
+    /// What it is on the host (a prepared volume, or a device plugin's mount).
+    pub host_path: PathBuf,
+    /// Read-only.
+    pub read_only: bool,
+    /// The pod volume it comes from; `None` for a device plugin's mount.
+    pub volume: Option<String>,
+}
+
+/// Everything a container is run with, in one value: the spec's command and
+/// env merged with what its devices and volumes add.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ContainerRunOptions {
+    /// `command` (the image's entrypoint is overridden when set).
+    pub command: Vec<String>,
+    /// `args`.
+    pub args: Vec<String>,
+    /// `workingDir`.
+    pub working_dir: Option<String>,
+    /// The spec's env (values resolved), then the devices' env; a device env
+    /// var overrides a spec one of the same name, as upstream.
+    pub env: Vec<EnvVar>,
+    /// Volume mounts, then device mounts.
+    pub mounts: Vec<Mount>,
+    /// Device nodes from device plugins.
+    pub devices: Vec<DeviceNode>,
+    /// Annotations from device plugins.
+    pub annotations: BTreeMap<String, String>,
+    /// Fully qualified CDI device names from device plugins.
+    pub cdi_devices: Vec<String>,
+}
+
+impl ContainerRunOptions {
+    /// The value of env var `name`, if set.
+    pub fn env_value(&self, name: &str) -> Option<&str> {
+        self.env.iter().find(|e| e.name == name).map(|e| e.value.as_str())
+    }
+}
+
+/// What the provider is asked to start.
+#[derive(Clone, Debug)]
+pub struct ContainerLaunch {
+    /// The pod.
+    pub pod: Arc<Pod>,
+    /// The container's spec.
+    pub container: Container,
+    /// Init, sidecar or app container.
+    pub kind: ContainerKind,
+    /// How many times this container was restarted before (0 on the first
+    /// start).
+    pub restart_count: u32,
+    /// What the container runs with.
+    pub run_options: ContainerRunOptions,
+    /// Where the container's output goes (CRI log format), under
+    /// `<root-dir>/pods/<namespace>_<name>_<uid>/<container>/<restart>.log`.
+    pub log_path: PathBuf,
+}
+
+/// How a container ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ContainerExit {
+    /// The exit code (128 + signal for a container killed by a signal).
+    pub exit_code: i32,
+    /// A reason the provider knows better than the exit code (`OOMKilled`).
+    pub reason: Option<String>,
+    /// A message for the container status.
+    pub message: Option<String>,
+    /// When it ended.
+    pub finished_at: Timestamp,
+}
+
+/// A container the provider still runs, as it reports after a restart of
+/// the node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RunningContainer {
+    /// The provider's id.
+    pub id: ContainerId,
+    /// The pod's UID.
+    pub pod_uid: String,
+    /// The container's name.
+    pub container_name: String,
+    /// The restart count it was started with.
+    pub restart_count: u32,
+    /// When it started.
+    pub started_at: Timestamp,
+}
+
+/// An image ready to run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PreparedImage {
+    /// The image's id (a digest), for `imageID` in the container status.
+    pub image_id: String,
+}
+
+/// What went wrong in a provider, by what the lifecycle does about it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProviderErrorKind {
+    /// The image could not be pulled or prepared (`ErrImagePull`, then
+    /// `ImagePullBackOff`).
+    ImagePull,
+    /// The container's configuration cannot be run
+    /// (`CreateContainerConfigError`).
+    Config,
+    /// The container could not be started (`ContainerCannotRun`, restarted
+    /// with backoff).
+    CannotRun,
+    /// The provider has no such container.
+    NotFound,
+    /// Anything else.
+    Other,
+}
+
+/// An error from a provider.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct ProviderError {
+    /// What it means for the lifecycle.
+    pub kind: ProviderErrorKind,
+    /// What happened, for the container status and the log.
+    pub message: String,
+}
+
+impl ProviderError {
+    /// An error of `kind` with `message`.
+    pub fn new(kind: ProviderErrorKind, message: impl Into<String>) -> Self {
+        ProviderError { kind, message: message.into() }
+    }
+}
+
+/// What runs containers for the node.
+#[async_trait]
+pub trait Provider: Send + Sync + 'static {
+    /// Makes the container's image ready to run.
+    async fn prepare_image(&self, pod: &Pod, container: &Container) -> Result<PreparedImage, ProviderError>;
+
+    /// Starts a container; returns once it runs.
+    async fn start_container(&self, launch: &ContainerLaunch) -> Result<ContainerId, ProviderError>;
+
+    /// Waits until the container ends.
+    async fn wait_container(&self, id: &ContainerId) -> Result<ContainerExit, ProviderError>;
+
+    /// Stops the container: asks it to end, and kills it after `grace`.
+    async fn stop_container(&self, id: &ContainerId, grace: Duration) -> Result<(), ProviderError>;
+
+    /// The containers that still run (called once when the node starts, to
+    /// adopt what an earlier run of the node started).
+    async fn running_containers(&self) -> Result<Vec<RunningContainer>, ProviderError>;
+
+    /// Forgets what the provider keeps for a removed pod (after its
+    /// containers are stopped).
+    async fn remove_pod(&self, pod_uid: &str) -> Result<(), ProviderError> {
+        let _ = pod_uid;
+        Ok(())
+    }
+}

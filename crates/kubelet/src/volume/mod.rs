@@ -1,0 +1,221 @@
+//! Pod volumes: prepared before the pod's containers start, torn down when
+//! it is removed.
+//!
+//! Paths follow the kubelet's layout under the root dir:
+//! `pods/<uid>/volumes/<plugin>/<volume>`, with plugin dirs
+//! `kubernetes.io~empty-dir` and `kubernetes.io~downward-api`. `hostPath`
+//! volumes are the host path itself, checked against their `type`.
+//!
+//! Static pods may not use volumes that need the API (configMap, secret,
+//! projected, persistentVolumeClaim): they are refused with a clear error, as
+//! upstream refuses them.
+
+mod downward_api;
+mod empty_dir;
+mod host_path;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use k8s_openapi::api::core::v1::{Pod, Volume};
+
+pub use downward_api::field_value;
+pub use host_path::HostPathType;
+
+/// Why a pod volume could not be prepared or torn down.
+#[derive(Debug, thiserror::Error)]
+pub enum VolumeError {
+    /// A `hostPath` is not of its declared `type` (upstream's text).
+    #[error("volume {volume:?}: hostPath type check failed: {} is not a {expected}", path.display())]
+    HostPathType {
+        /// The volume.
+        volume: String,
+        /// The host path.
+        path: PathBuf,
+        /// What the type asked for.
+        expected: String,
+    },
+    /// The volume's spec cannot be used.
+    #[error("volume {volume:?}: {reason}")]
+    InvalidSpec {
+        /// The volume.
+        volume: String,
+        /// Why.
+        reason: String,
+    },
+    /// The volume type needs something this node does not have.
+    #[error("volume {volume:?}: {kind} volumes are not supported {reason}")]
+    Unsupported {
+        /// The volume.
+        volume: String,
+        /// Its type (`configMap`, `secret`, …).
+        kind: &'static str,
+        /// Where or why not.
+        reason: &'static str,
+    },
+    /// A file system operation failed.
+    #[error("volume {volume:?}: {}: {source}", path.display())]
+    Io {
+        /// The volume.
+        volume: String,
+        /// The path.
+        path: PathBuf,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Tearing the volume down failed.
+    #[error("volume {volume:?}: teardown failed: {reason}")]
+    Teardown {
+        /// The volume.
+        volume: String,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// What a volume is on the host once prepared.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PreparedVolume {
+    /// The host path the container mounts.
+    pub host_path: PathBuf,
+    /// Its type, for teardown.
+    pub kind: VolumeKind,
+}
+
+/// The volume types this node prepares.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub enum VolumeKind {
+    /// `hostPath`: nothing to tear down.
+    HostPath,
+    /// `emptyDir`: removed with the pod.
+    EmptyDir,
+    /// `downwardAPI`: removed with the pod.
+    DownwardApi,
+}
+
+/// A pod's prepared volumes, by volume name.
+pub type PodVolumes = BTreeMap<String, PreparedVolume>;
+
+/// Prepares and tears down pod volumes under a root dir.
+#[derive(Clone, Debug)]
+pub struct VolumeManager {
+    root_dir: PathBuf,
+}
+
+impl VolumeManager {
+    /// Volumes under `<root_dir>/pods`.
+    pub fn new(root_dir: impl Into<PathBuf>) -> Self {
+        VolumeManager { root_dir: root_dir.into() }
+    }
+
+    /// `<root>/pods/<uid>`.
+    pub fn pod_dir(&self, pod_uid: &str) -> PathBuf {
+        self.root_dir.join("pods").join(pod_uid)
+    }
+
+    fn plugin_dir(&self, pod_uid: &str, plugin: &str, volume: &str) -> PathBuf {
+        self.pod_dir(pod_uid).join("volumes").join(plugin).join(volume)
+    }
+
+    /// Prepares every volume of `pod`. What was prepared before an error is
+    /// in `prepared` (for [`teardown`](Self::teardown)); calling again after
+    /// an error prepares the rest.
+    pub async fn prepare(&self, pod: &Pod, prepared: &mut PodVolumes) -> Result<(), VolumeError> {
+        let uid = pod.metadata.uid.clone().unwrap_or_default();
+        for volume in pod.spec.iter().flat_map(|s| s.volumes.iter().flatten()) {
+            if prepared.contains_key(&volume.name) {
+                continue;
+            }
+            let ready = self.prepare_one(&uid, pod, volume)?;
+            tracing::debug!(pod.uid = %uid, volume = %volume.name, path = %ready.host_path.display(), "volume ready");
+            prepared.insert(volume.name.clone(), ready);
+        }
+        Ok(())
+    }
+
+    fn prepare_one(&self, uid: &str, pod: &Pod, volume: &Volume) -> Result<PreparedVolume, VolumeError> {
+        let name = volume.name.as_str();
+        if let Some(host) = &volume.host_path {
+            let host_path = host_path::prepare(name, &host.path, host.type_.as_deref())?;
+            return Ok(PreparedVolume { host_path, kind: VolumeKind::HostPath });
+        }
+        if let Some(empty) = &volume.empty_dir {
+            let dir = self.plugin_dir(uid, "kubernetes.io~empty-dir", name);
+            let memory = empty.medium.as_deref() == Some("Memory");
+            let limit = empty.size_limit.as_ref().map(|q| q.0.as_str());
+            let host_path = empty_dir::prepare(name, &dir, memory, limit)?;
+            return Ok(PreparedVolume { host_path, kind: VolumeKind::EmptyDir });
+        }
+        if let Some(downward) = &volume.downward_api {
+            let dir = self.plugin_dir(uid, "kubernetes.io~downward-api", name);
+            let host_path = downward_api::prepare(name, &dir, downward, pod)?;
+            return Ok(PreparedVolume { host_path, kind: VolumeKind::DownwardApi });
+        }
+        let unsupported = |kind: &'static str, reason: &'static str| VolumeError::Unsupported {
+            volume: name.to_owned(),
+            kind,
+            reason,
+        };
+        const NEEDS_API: &str = "in static pods (they need the API server; upstream refuses them too)";
+        Err(if volume.config_map.is_some() {
+            unsupported("configMap", NEEDS_API)
+        } else if volume.secret.is_some() {
+            unsupported("secret", NEEDS_API)
+        } else if volume.projected.is_some() {
+            unsupported("projected", NEEDS_API)
+        } else if volume.persistent_volume_claim.is_some() {
+            unsupported("persistentVolumeClaim", NEEDS_API)
+        } else if volume.csi.is_some() {
+            unsupported("csi", "yet on this node (the CSI volume stages are not implemented)")
+        } else {
+            unsupported("this kind of", "on this node")
+        })
+    }
+
+    /// Tears down every prepared volume (all of them, even when one fails)
+    /// and removes the pod's directory; returns every failure.
+    pub async fn teardown(&self, pod_uid: &str, prepared: &mut PodVolumes) -> Vec<VolumeError> {
+        let mut errors = Vec::new();
+        let names: Vec<String> = prepared.keys().cloned().collect();
+        for name in names {
+            let Some(volume) = prepared.get(&name) else { continue };
+            let result = match volume.kind {
+                VolumeKind::HostPath => Ok(()),
+                VolumeKind::EmptyDir | VolumeKind::DownwardApi => empty_dir::teardown(&name, &volume.host_path),
+            };
+            match result {
+                Ok(()) => {
+                    prepared.remove(&name);
+                }
+                Err(error) => errors.push(error),
+            }
+        }
+        if errors.is_empty() {
+            let dir = self.pod_dir(pod_uid);
+            if let Err(source) = remove_pod_dir(&dir) {
+                errors.push(VolumeError::Io { volume: String::new(), path: dir, source });
+            }
+        }
+        errors
+    }
+}
+
+/// Removes a pod's directory, refusing to cross into a mount left behind.
+fn remove_pod_dir(dir: &Path) -> std::io::Result<()> {
+    let volumes = dir.join("volumes");
+    if let Ok(plugins) = std::fs::read_dir(&volumes) {
+        for plugin in plugins.flatten() {
+            for volume in std::fs::read_dir(plugin.path()).into_iter().flatten().flatten() {
+                if empty_dir::is_mount_point(&volume.path()) {
+                    return Err(std::io::Error::other(format!("{} is still mounted", volume.path().display())));
+                }
+            }
+        }
+    }
+    match std::fs::remove_dir_all(dir) {
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        other => other,
+    }
+}
