@@ -25,15 +25,14 @@ pub struct StartFailure {
     pub retry: bool,
 }
 
+/// The pod's log dir: `<root>/pods/<namespace>_<name>_<uid>`.
+pub fn log_dir(lifecycle: &PodLifecycle, data: &PodData) -> std::path::PathBuf {
+    lifecycle.config.root_dir.join("pods").join(format!("{}_{}_{}", data.id.namespace, data.id.name, data.id.uid))
+}
+
 /// Where the container's log goes.
 pub fn log_path(lifecycle: &PodLifecycle, data: &PodData, container: &str, restart: u32) -> std::path::PathBuf {
-    lifecycle
-        .config
-        .root_dir
-        .join("pods")
-        .join(format!("{}_{}_{}", data.id.namespace, data.id.name, data.id.uid))
-        .join(container)
-        .join(format!("{restart}.log"))
+    log_dir(lifecycle, data).join(container).join(format!("{restart}.log"))
 }
 
 /// Starts (or adopts, after a node restart) the container `name`.

@@ -1,7 +1,5 @@
 //! Initializing, Starting, Running and CrashLoopBackOff: the containers run.
 
-use std::sync::Arc;
-
 use k8s_openapi::api::core::v1::PodStatus;
 use krator::{Context, State, Transition};
 use tokio::time::Instant;
@@ -277,7 +275,6 @@ impl State<PodLifecycle> for CrashLoopBackOff {
                 .filter_map(|c| c.backoff.until())
                 .min();
             let Some(until) = until else { return Transition::next(&*self, Starting) };
-            let _ = Arc::clone(&ctx.machine);
             tokio::select! {
                 _ = tokio::time::sleep_until(until) => return Transition::next(&*self, Starting),
                 report = ctx.data.exits.recv() => {

@@ -79,11 +79,10 @@ pub struct ImagePullBackOff {
 
 #[async_trait::async_trait]
 impl State<PodLifecycle> for ImagePullBackOff {
-    async fn next(self: Box<Self>, ctx: &mut Context<PodLifecycle>) -> Transition<PodLifecycle> {
+    async fn next(self: Box<Self>, _ctx: &mut Context<PodLifecycle>) -> Transition<PodLifecycle> {
         if let Some(until) = self.backoff.until() {
             tokio::time::sleep_until(until).await;
         }
-        let _ = ctx;
         let mut backoff = self.backoff.clone();
         backoff.waited();
         Transition::next(&*self, ImagePull { backoff })

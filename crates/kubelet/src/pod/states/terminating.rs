@@ -7,7 +7,7 @@ use k8s_openapi::api::core::v1::PodStatus;
 use krator::{Context, State, Transition};
 
 use crate::pod::PodLifecycle;
-use crate::pod::containers::stop_all;
+use crate::pod::containers::{log_dir, stop_all};
 use crate::pod::spec::grace_period;
 use crate::pod::status::{Stage, pod_status};
 
@@ -43,11 +43,7 @@ impl State<PodLifecycle> for Terminating {
         {
             failures.push(format!("provider: {error}"));
         }
-        let logs = lifecycle
-            .config
-            .root_dir
-            .join("pods")
-            .join(format!("{}_{}_{}", ctx.data.id.namespace, ctx.data.id.name, uid));
+        let logs = log_dir(&lifecycle, &ctx.data);
         if let Err(error) = std::fs::remove_dir_all(&logs)
             && error.kind() != std::io::ErrorKind::NotFound
         {
