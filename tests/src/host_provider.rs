@@ -182,7 +182,7 @@ async fn copy_lines(
 ) {
     let mut lines = BufReader::new(stream).lines();
     while let Ok(Some(line)) = lines.next_line().await {
-        let entry = format!("{} {name} F {line}\n", Timestamp::now());
+        let entry = kubelet::provider::cri_log_line(name, &line);
         let _ = log.lock().await.write_all(entry.as_bytes()).await;
     }
 }

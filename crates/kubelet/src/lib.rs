@@ -25,6 +25,7 @@ pub mod node;
 pub mod plugin_manager;
 pub mod pod;
 pub mod provider;
+pub mod static_pods;
 pub mod volume;
 
 /// The examples in `docs/providers.md`, compiled and run as doctests.

@@ -210,3 +210,48 @@ pub trait Provider: Send + Sync + 'static {
         Ok(())
     }
 }
+
+/// One line of container output in the CRI log format:
+/// `<RFC 3339 time> <stream> F <line>\n` (`stream` is `stdout` or `stderr`).
+pub fn cri_log_line(stream: &str, line: &str) -> String {
+    format!("{} {stream} F {line}\n", jiff::Timestamp::now())
+}
+
+/// The text of a CRI-format log: each entry's message, partial entries
+/// (`P`) joined to the next; a line that is not CRI-formatted is kept as is.
+pub fn decode_cri_log(raw: &str) -> Vec<String> {
+    let mut lines = Vec::new();
+    let mut pending = String::new();
+    for entry in raw.lines() {
+        let mut fields = entry.splitn(4, ' ');
+        let (_time, _stream, tag, message) = (fields.next(), fields.next(), fields.next(), fields.next());
+        match (tag, message) {
+            (Some("P"), Some(message)) => pending.push_str(message),
+            (Some("F"), message) => {
+                pending.push_str(message.unwrap_or_default());
+                pending.push('\n');
+                lines.push(std::mem::take(&mut pending));
+            }
+            _ => lines.push(format!("{entry}\n")),
+        }
+    }
+    if !pending.is_empty() {
+        lines.push(pending);
+    }
+    lines
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cri_logs_round_trip() {
+        let raw = format!(
+            "{}{}2024-01-01T00:00:00Z stdout P part-\n2024-01-01T00:00:00Z stdout F two\nnot cri\n",
+            cri_log_line("stdout", "hello world"),
+            cri_log_line("stderr", "")
+        );
+        assert_eq!(decode_cri_log(&raw), ["hello world\n", "\n", "part-two\n", "not cri\n"]);
+    }
+}

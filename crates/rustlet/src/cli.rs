@@ -33,6 +33,80 @@ pub(crate) enum LogFormat {
 pub(crate) enum Command {
     /// Run a standalone node in a temporary root dir with demo plugins.
     Demo(DemoArgs),
+    /// Show the running node's pods or the node itself (like kubectl get).
+    Get(GetArgs),
+    /// Print a container's log from the running node (like kubectl logs).
+    Logs(LogsArgs),
+}
+
+/// How a command finds the running node.
+#[derive(Args, Clone)]
+pub(crate) struct NodeLocator {
+    /// The node's root dir (it names the node's HTTP endpoint in
+    /// `<root-dir>/rustlet-endpoint`).
+    #[arg(long, env = "RUSTLET_ROOT_DIR", default_value = kubelet_api::constants::DEFAULT_ROOT_DIR)]
+    pub(crate) root_dir: PathBuf,
+}
+
+/// What `rustlet get` shows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum Resource {
+    /// The node's pods.
+    #[value(alias = "pod", alias = "po")]
+    Pods,
+    /// The node.
+    #[value(alias = "nodes", alias = "no")]
+    Node,
+}
+
+/// Output formats of `rustlet get`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum Output {
+    /// More columns.
+    Wide,
+    /// The objects as JSON (a `v1.PodList` or a `v1.Node`).
+    Json,
+}
+
+/// Flags of `rustlet get`.
+#[derive(Args)]
+pub(crate) struct GetArgs {
+    /// `pods` (`pod`, `po`) or `node` (`nodes`, `no`).
+    pub(crate) resource: Resource,
+    /// Only this pod.
+    pub(crate) name: Option<String>,
+    /// Output format: `wide` or `json`.
+    #[arg(short, long)]
+    pub(crate) output: Option<Output>,
+    /// Only pods in this namespace.
+    #[arg(short, long, default_value = "default")]
+    pub(crate) namespace: String,
+    /// Pods of every namespace (adds a NAMESPACE column).
+    #[arg(short = 'A', long)]
+    pub(crate) all_namespaces: bool,
+    #[command(flatten)]
+    pub(crate) node: NodeLocator,
+}
+
+/// Flags of `rustlet logs`.
+#[derive(Args)]
+pub(crate) struct LogsArgs {
+    /// The pod's name.
+    pub(crate) pod: String,
+    /// The container (needed when the pod has several).
+    #[arg(short, long)]
+    pub(crate) container: Option<String>,
+    /// The pod's namespace.
+    #[arg(short, long, default_value = "default")]
+    pub(crate) namespace: String,
+    /// The log of the container's previous run.
+    #[arg(short, long)]
+    pub(crate) previous: bool,
+    /// Only the last N lines.
+    #[arg(long)]
+    pub(crate) tail: Option<usize>,
+    #[command(flatten)]
+    pub(crate) node: NodeLocator,
 }
 
 /// Flags of the node itself.
@@ -67,6 +141,13 @@ pub(crate) struct NodeArgs {
     /// drive registration).
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     pub(crate) plugin_resync_period: Duration,
+    /// Directory of static pod manifests (YAML or JSON, one or several
+    /// documents per file), followed as its files change.
+    #[arg(long)]
+    pub(crate) pod_manifest_path: Option<PathBuf>,
+    /// Pods this node runs at most.
+    #[arg(long, default_value_t = kubelet::node::DEFAULT_MAX_PODS)]
+    pub(crate) max_pods: usize,
 }
 
 /// Flags of `rustlet demo`.

@@ -45,6 +45,8 @@ pub(crate) async fn run(args: DemoArgs, signals: HealthReporter, shutdown: Cance
         plugin_get_info_timeout: Duration::from_secs(1),
         plugin_notify_timeout: Duration::from_secs(5),
         plugin_resync_period: Duration::from_secs(30),
+        pod_manifest_path: None,
+        max_pods: kubelet::node::DEFAULT_MAX_PODS,
     };
     let node = crate::node::start(&node_args, &signals, shutdown.clone()).await?;
     let mut events = node.plugins().subscribe();

@@ -5,7 +5,9 @@
 //! runs the same node in a temporary root dir with demo plugins.
 
 mod cli;
+mod client;
 mod demo;
+mod get;
 mod node;
 
 use std::process::ExitCode;
@@ -18,7 +20,13 @@ use tokio_util::sync::CancellationToken;
 use cli::{Cli, Command, LogFormat};
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let mut cli = Cli::parse();
+    // Commands that talk to a running node need no runtime and print to stdout.
+    let command = match cli.command.take() {
+        Some(Command::Get(args)) => return client_exit(get::get(&args)),
+        Some(Command::Logs(args)) => return client_exit(get::logs(&args)),
+        other => other,
+    };
     init_logging(cli.log_format);
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
@@ -30,8 +38,10 @@ fn main() -> ExitCode {
     let result = runtime.block_on(async move {
         let shutdown = CancellationToken::new();
         let signals = spawn_signal_handler(shutdown.clone());
-        match cli.command {
+        match command {
             Some(Command::Demo(args)) => demo::run(args, signals, shutdown).await,
+            Some(Command::Get(args)) => get::get(&args),
+            Some(Command::Logs(args)) => get::logs(&args),
             None => node::run(cli.node, signals, shutdown).await,
         }
     });
@@ -39,6 +49,16 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             tracing::error!("{error:#}");
+            eprintln!("error: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn client_exit(result: anyhow::Result<()>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
             eprintln!("error: {error:#}");
             ExitCode::FAILURE
         }

@@ -19,6 +19,8 @@ pub(crate) fn config(args: &NodeArgs) -> NodeConfig {
     config.plugins.get_info_timeout = args.plugin_get_info_timeout;
     config.plugins.notify_timeout = args.plugin_notify_timeout;
     config.plugins.resync_period = args.plugin_resync_period;
+    config.pods.manifest_dir = args.pod_manifest_path.clone();
+    config.pods.max_pods = args.max_pods;
     config
 }
 

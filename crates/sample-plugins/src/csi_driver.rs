@@ -162,7 +162,15 @@ impl FakeCsiDriver {
     /// Records the request, then answers as configured: `None` to go on.
     async fn misbehave(&self, call: VolumeCall) -> Option<Status> {
         let rpc = call.rpc;
-        self.reporter.report(Report::VolumeCall { rpc: rpc.to_owned(), volume_id: call.volume_id.clone() });
+        self.reporter.report(Report::VolumeCall {
+            rpc: rpc.to_owned(),
+            volume_id: call.volume_id.clone(),
+            target_path: call.target_path.clone(),
+            staging_target_path: call.staging_target_path.clone(),
+            access_mode: call.access_mode,
+            read_only: call.read_only,
+            volume_context: call.volume_context.clone(),
+        });
         self.calls.record(call);
         match self.config.volume_calls.get(rpc) {
             None => None,

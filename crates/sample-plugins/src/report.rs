@@ -31,6 +31,21 @@ pub enum Report {
         rpc: String,
         /// The volume.
         volume_id: String,
+        /// `target_path` (publish, unpublish), empty otherwise.
+        #[serde(default)]
+        target_path: String,
+        /// `staging_target_path`, empty when not sent.
+        #[serde(default)]
+        staging_target_path: String,
+        /// The capability's access mode (wire number), 0 when not sent.
+        #[serde(default)]
+        access_mode: i32,
+        /// `readonly` (publish).
+        #[serde(default)]
+        read_only: bool,
+        /// `volume_context`, sorted.
+        #[serde(default)]
+        volume_context: Vec<(String, String)>,
     },
     /// The node called the CSI `NodeGetInfo`.
     NodeGetInfo {

@@ -1,7 +1,11 @@
 //! The node's HTTP endpoint: `/healthz` (and `/healthz/<check>`), Prometheus
-//! `/metrics`, and `/status` (JSON: plugins, CSI drivers, the node's CSI
-//! facts and the capacity of device-plugin resources, in Kubernetes'
-//! camelCase).
+//! `/metrics`, `/status` (JSON: plugins, CSI drivers, the node's CSI facts,
+//! the capacity of device-plugin resources and static manifest problems, in
+//! Kubernetes' camelCase), `/pods` (a `v1.PodList` of the node's pods with
+//! their statuses, as the kubelet's `/pods`), `/node` (the `v1.Node` this
+//! node would register) and `/containerLogs/<namespace>/<pod>/<container>`
+//! (the container's log text, as the kubelet serves it; `?previous=true`
+//! for the run before, `?tailLines=N` for the last lines).
 //!
 //! `/healthz` follows the kubelet's semantics: `200 ok` when every check
 //! passes; otherwise `500` with one line per check (`[+]name ok` or
@@ -29,6 +33,8 @@ use crate::csi::{CsiDriverRegistry, InMemoryNodeInfo};
 use crate::device_manager::DeviceManager;
 use crate::health::{ComponentHealth, Healthz};
 use crate::plugin_manager::PluginManagerHandle;
+use crate::pod::{Allocatable, Pods};
+use crate::static_pods::StaticPods;
 
 /// What the handlers read.
 #[derive(Clone)]
@@ -40,6 +46,11 @@ pub(super) struct HttpState {
     pub(super) node_info: InMemoryNodeInfo,
     pub(super) devices: DeviceManager,
     pub(super) healthz: Healthz,
+    pub(super) pods: Pods,
+    pub(super) static_pods: Option<StaticPods>,
+    pub(super) allocatable: Allocatable,
+    pub(super) created: jiff::Timestamp,
+    pub(super) root_dir: std::path::PathBuf,
 }
 
 /// Binds `address` and serves until `shutdown`. Returns the bound address
@@ -57,8 +68,11 @@ pub(super) async fn serve(
         .route("/healthz/{check}", get(healthz_check))
         .route("/metrics", get(metrics))
         .route("/status", get(status))
+        .route("/pods", get(pods))
+        .route("/node", get(node))
+        .route("/containerLogs/{namespace}/{pod}/{container}", get(container_logs))
         .with_state(state);
-    tracing::info!(address = %bound, "http endpoint listening (/healthz, /metrics, /status)");
+    tracing::info!(address = %bound, "http endpoint listening (/healthz, /metrics, /status, /pods, /node, /containerLogs)");
     let span = tracing::info_span!("http_endpoint", address = %bound);
     let task = tokio::spawn(
         async move {
@@ -130,6 +144,112 @@ async fn status(State(state): State<HttpState>) -> Response {
         "csiDrivers": state.csi_drivers.list(),
         "csiNode": state.node_info.snapshot(),
         "extendedResources": *state.devices.capacity().borrow(),
+        "manifestErrors": state.static_pods.as_ref().map(StaticPods::errors).unwrap_or_default(),
     }))
     .into_response()
+}
+
+async fn pods(State(state): State<HttpState>) -> Response {
+    Json(serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "PodList",
+        "metadata": {},
+        "items": state.pods.store().list(),
+    }))
+    .into_response()
+}
+
+async fn node(State(state): State<HttpState>) -> Response {
+    let failing: Vec<String> = state
+        .healthz
+        .report()
+        .into_iter()
+        .filter_map(|c| match c.health {
+            ComponentHealth::Healthy => None,
+            ComponentHealth::Failing { reason } => Some(format!("{} failed: {reason}", c.name)),
+        })
+        .collect();
+    let devices = state.devices.capacity().borrow().clone();
+    let facts = super::capacity::NodeFacts {
+        name: &state.node_name,
+        allocatable: state.allocatable,
+        devices: &devices,
+        created: state.created,
+        ready: if failing.is_empty() { Ok(()) } else { Err(failing.join("; ")) },
+    };
+    let mut object = serde_json::to_value(super::capacity::node_object(&facts)).unwrap_or_default();
+    if let Some(map) = object.as_object_mut() {
+        map.insert("apiVersion".into(), "v1".into());
+        map.insert("kind".into(), "Node".into());
+    }
+    Json(object).into_response()
+}
+
+/// `?previous=true&tailLines=N`.
+struct LogQuery {
+    previous: bool,
+    tail_lines: Option<usize>,
+}
+
+impl LogQuery {
+    fn parse(query: Option<&str>) -> Result<LogQuery, String> {
+        let mut parsed = LogQuery { previous: false, tail_lines: None };
+        for pair in query.unwrap_or_default().split('&').filter(|p| !p.is_empty()) {
+            let (key, value) = pair.split_once('=').unwrap_or((pair, "true"));
+            match key {
+                "previous" => parsed.previous = value == "true" || value == "1",
+                "tailLines" => {
+                    parsed.tail_lines = Some(value.parse().map_err(|_| format!("tailLines={value} is not a number"))?)
+                }
+                _ => {}
+            }
+        }
+        Ok(parsed)
+    }
+}
+
+async fn container_logs(
+    State(state): State<HttpState>,
+    Path((namespace, name, container)): Path<(String, String, String)>,
+    RawQuery(query): RawQuery,
+) -> Response {
+    let query = match LogQuery::parse(query.as_deref()) {
+        Ok(query) => query,
+        Err(error) => return text(StatusCode::BAD_REQUEST, format!("{error}\n")),
+    };
+    let found = state.pods.store().list().into_iter().find(|p| {
+        p.metadata.namespace.as_deref() == Some(namespace.as_str()) && p.metadata.name.as_deref() == Some(name.as_str())
+    });
+    let Some(pod) = found else {
+        return text(StatusCode::NOT_FOUND, format!("pod \"{name}\" not found in namespace \"{namespace}\"\n"));
+    };
+    let spec = pod.spec.as_ref();
+    let known = spec
+        .into_iter()
+        .flat_map(|s| s.init_containers.iter().flatten().chain(s.containers.iter()))
+        .any(|c| c.name == container);
+    if !known {
+        return text(StatusCode::BAD_REQUEST, format!("container {container} is not valid for pod {name}\n"));
+    }
+    let uid = pod.metadata.uid.as_deref().unwrap_or_default();
+    let dir = crate::pod::pod_log_dir(&state.root_dir, &namespace, &name, uid).join(&container);
+    let mut runs: Vec<u32> = std::fs::read_dir(&dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.strip_suffix(".log")?.parse().ok())
+        .collect();
+    runs.sort_unstable();
+    let pick = if query.previous { runs.len().checked_sub(2) } else { runs.len().checked_sub(1) };
+    let Some(run) = pick.map(|i| runs[i]) else {
+        let why = if query.previous { "previous terminated container" } else { "container" };
+        return text(StatusCode::BAD_REQUEST, format!("{why} \"{container}\" in pod \"{name}\" has no logs yet\n"));
+    };
+    let raw = match tokio::fs::read_to_string(dir.join(format!("{run}.log"))).await {
+        Ok(raw) => raw,
+        Err(error) => return text(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot read the log: {error}\n")),
+    };
+    let lines = crate::provider::decode_cri_log(&raw);
+    let skip = query.tail_lines.map_or(0, |n| lines.len().saturating_sub(n));
+    text(StatusCode::OK, lines[skip..].concat())
 }

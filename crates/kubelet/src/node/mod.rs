@@ -3,8 +3,12 @@
 //! [`NodeBuilder`] takes a [`NodeConfig`] and starts, in order, the device
 //! manager (`device-plugins/kubelet.sock` and its checkpoint), the plugin
 //! registration service (`plugins_registry/`) with the `CSIPlugin` and
-//! `DevicePlugin` handlers and any handler an embedder adds, and the HTTP
-//! endpoint (`/healthz`, `/metrics`, `/status`). [`Node`] hands out the
+//! `DevicePlugin` handlers and any handler an embedder adds, the pod
+//! lifecycle with the embedder's [`Provider`] (if any), the static pods of
+//! the manifest directory (if set), and the HTTP endpoint (`/healthz`,
+//! `/metrics`, `/status`, `/pods`, `/node`, `/containerLogs`). The endpoint's
+//! address is written to `<root>/rustlet-endpoint` so that `rustlet get` and
+//! `rustlet logs` find the node from its root dir. [`Node`] hands out the
 //! components' handles and runs until the cancellation token given to
 //! [`NodeBuilder::start`] fires; [`Node::stopped`] then waits for every
 //! component to finish within the shutdown grace.
@@ -28,7 +32,10 @@
 //! (a panic, say) turns its check to failing with the reason. `/healthz`
 //! answers 500 naming the failing checks; `/healthz/<check>` answers for one.
 
+mod capacity;
 mod http;
+
+pub use capacity::{DEFAULT_MAX_PODS, measure};
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -42,12 +49,52 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
-use crate::csi::{CsiDriverRegistry, CsiHandlerConfig, CsiPluginHandler, InMemoryNodeInfo};
+use crate::csi::{CsiDriverRegistry, CsiHandlerConfig, CsiNodeTimeouts, CsiPluginHandler, InMemoryNodeInfo};
 use crate::device_manager::{DeviceManager, DeviceManagerConfig, DeviceManagerError};
 use crate::health::{HealthReporter, Healthz};
 use crate::plugin_manager::{
     PluginHandler, PluginManager, PluginManagerConfig, PluginManagerError, PluginManagerHandle, PluginType,
 };
+use crate::pod::{Allocatable, BackoffConfig, PodConfig, PodLifecycle, Pods};
+use crate::provider::Provider;
+use crate::static_pods::{StaticPodConfig, StaticPods};
+use crate::volume::{CsiDriverObjects, CsiVolumes, VolumeClaims};
+
+/// The file in the root dir that names the running node's HTTP endpoint.
+pub const ENDPOINT_FILE: &str = "rustlet-endpoint";
+
+/// How the node runs pods.
+#[derive(Clone, Debug)]
+pub struct PodSettings {
+    /// The static pod manifest directory (`--pod-manifest-path`).
+    pub manifest_dir: Option<PathBuf>,
+    /// Period of its full rescan (upstream: 20 s).
+    pub manifest_rescan: Duration,
+    /// Pods at most (`--max-pods`).
+    pub max_pods: usize,
+    /// What pods may use; `None` measures the machine ([`measure`]).
+    pub allocatable: Option<Allocatable>,
+    /// Container restart backoff (upstream: 10 s doubling to 5 min).
+    pub restart_backoff: BackoffConfig,
+    /// Image pull backoff.
+    pub image_backoff: BackoffConfig,
+    /// Deadlines of the CSI volume calls.
+    pub csi_timeouts: CsiNodeTimeouts,
+}
+
+impl Default for PodSettings {
+    fn default() -> Self {
+        PodSettings {
+            manifest_dir: None,
+            manifest_rescan: Duration::from_secs(20),
+            max_pods: DEFAULT_MAX_PODS,
+            allocatable: None,
+            restart_backoff: BackoffConfig::default(),
+            image_backoff: BackoffConfig::default(),
+            csi_timeouts: CsiNodeTimeouts::default(),
+        }
+    }
+}
 
 /// Settings of a node. [`NodeConfig::new`] gives the kubelet's defaults for
 /// a root dir; every part can be changed before [`NodeBuilder::start`].
@@ -67,6 +114,8 @@ pub struct NodeConfig {
     pub devices: DeviceManagerConfig,
     /// The `CSIPlugin` handler.
     pub csi: CsiHandlerConfig,
+    /// Pods.
+    pub pods: PodSettings,
     /// How long [`Node::stopped`] waits for the components after shutdown.
     pub shutdown_grace: Duration,
 }
@@ -80,6 +129,7 @@ impl NodeConfig {
             plugins: PluginManagerConfig::new(root_dir.join(PLUGINS_REGISTRY_DIR)),
             devices: DeviceManagerConfig::new(root_dir.join(DEVICE_PLUGINS_DIR)),
             csi: CsiHandlerConfig::default(),
+            pods: PodSettings::default(),
             node_name: node_name.into(),
             http_address: Some(SocketAddr::from(([127, 0, 0, 1], 10248))),
             shutdown_grace: Duration::from_secs(10),
@@ -110,6 +160,15 @@ pub enum NodeError {
         #[source]
         source: PluginManagerError,
     },
+    /// The static pod directory could not be read or watched.
+    #[error("cannot follow the static pod directory {dir}: {source}")]
+    StaticPods {
+        /// The directory.
+        dir: PathBuf,
+        /// The system error.
+        #[source]
+        source: std::io::Error,
+    },
     /// The HTTP endpoint could not listen.
     #[error("cannot bind the HTTP endpoint on {address}: {source}")]
     Http {
@@ -127,12 +186,35 @@ pub struct NodeBuilder {
     handlers: Vec<(PluginType, Arc<dyn PluginHandler>)>,
     metrics: Registry,
     healthz: Healthz,
+    provider: Option<Arc<dyn Provider>>,
+    claims: Option<Arc<dyn VolumeClaims>>,
 }
 
 impl NodeBuilder {
     /// A builder for a node with `config`.
     pub fn new(config: NodeConfig) -> Self {
-        NodeBuilder { config, handlers: Vec::new(), metrics: Registry::default(), healthz: Healthz::new() }
+        NodeBuilder {
+            config,
+            handlers: Vec::new(),
+            metrics: Registry::default(),
+            healthz: Healthz::new(),
+            provider: None,
+            claims: None,
+        }
+    }
+
+    /// Runs pods' containers with `provider`. Without one, pods are
+    /// admitted, get their devices and volumes, and wait.
+    pub fn provider(mut self, provider: Arc<dyn Provider>) -> Self {
+        self.provider = Some(provider);
+        self
+    }
+
+    /// Resolves pods' `persistentVolumeClaim` volumes with `claims` (CSI
+    /// volumes only). Without it, claims are refused as needing the API.
+    pub fn volume_claims(mut self, claims: Arc<dyn VolumeClaims>) -> Self {
+        self.claims = Some(claims);
+        self
     }
 
     /// Routes plugins of `plugin_type` to `handler` (in addition to the
@@ -157,7 +239,8 @@ impl NodeBuilder {
     /// Starts every component; returns once they all serve. Everything stops
     /// when `shutdown` is cancelled; await [`Node::stopped`] afterwards.
     pub async fn start(self, shutdown: CancellationToken) -> Result<Node, NodeError> {
-        let NodeBuilder { config, handlers, mut metrics, healthz } = self;
+        let NodeBuilder { config, handlers, mut metrics, healthz, provider, claims } = self;
+        let created = jiff::Timestamp::now();
         let root_dir = config.root_dir.clone();
         let tasks = TaskTracker::new();
 
@@ -184,6 +267,40 @@ impl NodeBuilder {
         healthz.add("plugin-manager", plugins.health());
         supervise(&tasks, &healthz, "plugin-manager-task", manager_task, shutdown.clone());
 
+        let allocatable = config.pods.allocatable.unwrap_or_else(|| measure(config.pods.max_pods));
+        let mut pod_config = PodConfig::new(&root_dir, allocatable);
+        pod_config.restart_backoff = config.pods.restart_backoff;
+        pod_config.image_backoff = config.pods.image_backoff;
+        let csi_objects = CsiDriverObjects::new();
+        let mut csi_volumes =
+            CsiVolumes::new(&root_dir, csi_drivers.view(), csi_objects.clone(), config.pods.csi_timeouts);
+        if let Some(claims) = claims {
+            csi_volumes = csi_volumes.with_claims(claims);
+        }
+        if provider.is_none() {
+            tracing::warn!(
+                "no provider: pods are admitted and get their devices and volumes, but their containers wait"
+            );
+        }
+        let lifecycle = PodLifecycle::new(pod_config, provider, Some(devices.clone())).with_csi(csi_volumes);
+        let pods = Pods::start(lifecycle, shutdown.clone()).await;
+        let static_pods = match &config.pods.manifest_dir {
+            None => None,
+            Some(dir) => {
+                let mut source = StaticPodConfig::new(dir, &config.node_name);
+                source.rescan_period = config.pods.manifest_rescan;
+                let (static_pods, task) =
+                    StaticPods::start(source, pods.clone(), csi_objects.clone(), shutdown.clone())
+                        .await
+                        .map_err(|source| NodeError::StaticPods { dir: dir.clone(), source })?;
+                supervise(&tasks, &healthz, "static-pods", task, shutdown.clone());
+                Some(static_pods)
+            }
+        };
+        // Everything the node runs is applied: what an earlier run left for
+        // pods that are gone (containers, devices, volumes) is released.
+        pods.release_orphans().await;
+
         let http_address = match config.http_address {
             None => None,
             Some(address) => {
@@ -195,14 +312,43 @@ impl NodeBuilder {
                     node_info: node_info.clone(),
                     devices: devices.clone(),
                     healthz: healthz.clone(),
+                    pods: pods.clone(),
+                    static_pods: static_pods.clone(),
+                    allocatable,
+                    created,
+                    root_dir: root_dir.clone(),
                 };
                 let (bound, task) = http::serve(address, state, shutdown.clone()).await?;
                 supervise(&tasks, &healthz, "http-endpoint", task, shutdown.clone());
+                write_endpoint_file(&root_dir, bound);
                 Some(bound)
             }
         };
-        tracing::info!(node = %config.node_name, root_dir = %root_dir.display(), "node started");
-        Ok(Node { config, plugins, csi_drivers, node_info, devices, healthz, http_address, tasks })
+        tracing::info!(node = %config.node_name, root_dir = %root_dir.display(), ?allocatable, "node started");
+        Ok(Node {
+            config,
+            plugins,
+            csi_drivers,
+            csi_objects,
+            node_info,
+            devices,
+            healthz,
+            http_address,
+            tasks,
+            pods,
+            static_pods,
+            allocatable,
+        })
+    }
+}
+
+/// Writes the endpoint's address where `rustlet get`/`logs` look for it.
+fn write_endpoint_file(root_dir: &Path, address: SocketAddr) {
+    let path = root_dir.join(ENDPOINT_FILE);
+    let temp = root_dir.join(format!(".{ENDPOINT_FILE}.tmp"));
+    let written = std::fs::write(&temp, format!("http://{address}\n")).and_then(|()| std::fs::rename(&temp, &path));
+    if let Err(error) = written {
+        tracing::warn!(%error, path = %path.display(), "cannot write the endpoint file; `rustlet get` will not find this node");
     }
 }
 
@@ -251,11 +397,15 @@ pub struct Node {
     config: NodeConfig,
     plugins: PluginManagerHandle,
     csi_drivers: CsiDriverRegistry,
+    csi_objects: CsiDriverObjects,
     node_info: InMemoryNodeInfo,
     devices: DeviceManager,
     healthz: Healthz,
     http_address: Option<SocketAddr>,
     tasks: TaskTracker,
+    pods: Pods,
+    static_pods: Option<StaticPods>,
+    allocatable: Allocatable,
 }
 
 impl Node {
@@ -284,6 +434,28 @@ impl Node {
         &self.node_info
     }
 
+    /// The CSIDriver objects the node knows (from static manifests when
+    /// standalone).
+    pub fn csi_driver_objects(&self) -> &CsiDriverObjects {
+        &self.csi_objects
+    }
+
+    /// The node's pods.
+    pub fn pods(&self) -> &Pods {
+        &self.pods
+    }
+
+    /// The static pod source, if the node has a manifest directory.
+    pub fn static_pods(&self) -> Option<&StaticPods> {
+        self.static_pods.as_ref()
+    }
+
+    /// What pods may use (cpu, memory, pod count; devices come from the
+    /// device manager).
+    pub fn allocatable(&self) -> Allocatable {
+        self.allocatable
+    }
+
     /// The device manager.
     pub fn devices(&self) -> &DeviceManager {
         &self.devices
@@ -305,11 +477,14 @@ impl Node {
         let grace = self.config.shutdown_grace;
         let devices = self.devices.clone();
         let tasks = self.tasks.clone();
+        let pods = self.pods.clone();
         let all = async move {
             tasks.close();
             tasks.wait().await;
+            pods.stopped().await;
             devices.stopped().await;
         };
+        let _ = std::fs::remove_file(self.config.root_dir.join(ENDPOINT_FILE));
         if tokio::time::timeout(grace, all).await.is_err() {
             tracing::warn!(?grace, "components still running after the shutdown grace; not waiting any longer");
         }

@@ -27,7 +27,7 @@ pub struct StartFailure {
 
 /// The pod's log dir: `<root>/pods/<namespace>_<name>_<uid>`.
 pub fn log_dir(lifecycle: &PodLifecycle, data: &PodData) -> std::path::PathBuf {
-    lifecycle.config.root_dir.join("pods").join(format!("{}_{}_{}", data.id.namespace, data.id.name, data.id.uid))
+    super::pod_log_dir(&lifecycle.config.root_dir, &data.id.namespace, &data.id.name, &data.id.uid)
 }
 
 /// Where the container's log goes.

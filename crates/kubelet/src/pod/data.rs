@@ -132,6 +132,9 @@ pub struct PodVerdict {
     pub reason: Option<String>,
     /// Details.
     pub message: Option<String>,
+    /// Rejected at admission: the status is phase, reason and message only
+    /// (no container ever existed), as upstream reports a rejected pod.
+    pub rejected: bool,
 }
 
 /// What the states of one pod share.

@@ -56,6 +56,13 @@ use crate::device_manager::DeviceManager;
 use crate::provider::{Provider, RunningContainer};
 use crate::volume::VolumeManager;
 
+/// Where a pod's container logs are: `<root>/logs/pods/<namespace>_<name>_<uid>`,
+/// one directory per container holding `<restart count>.log` in the CRI log
+/// format (as the kubelet's `/var/log/pods`).
+pub fn pod_log_dir(root_dir: &std::path::Path, namespace: &str, name: &str, uid: &str) -> PathBuf {
+    root_dir.join("logs/pods").join(format!("{namespace}_{name}_{uid}"))
+}
+
 /// How the lifecycle runs pods.
 #[derive(Clone, Debug)]
 pub struct PodConfig {
@@ -116,6 +123,13 @@ impl PodLifecycle {
             store: PodStore::default(),
             adopted: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Publishes CSI volumes (inline, and claims if `csi` resolves them)
+    /// through `csi`.
+    pub fn with_csi(mut self, csi: crate::volume::CsiVolumes) -> Self {
+        self.volumes = self.volumes.with_csi(csi);
+        self
     }
 
     fn take_adopted(&self, pod_uid: &str, container: &str) -> Option<RunningContainer> {
@@ -200,7 +214,11 @@ impl Pods {
     /// Removes the pod: its containers are stopped, volumes torn down and
     /// devices freed.
     pub fn delete(&self, uid: &str) -> Deleted {
-        self.runtime.delete(&uid.to_owned())
+        let deleted = self.runtime.delete(&uid.to_owned());
+        if matches!(deleted, Deleted::Deleting) {
+            self.store().mark_deleting(uid);
+        }
+        deleted
     }
 
     /// The pods and their statuses.
@@ -236,6 +254,55 @@ impl Pods {
         if let Some(devices) = &lifecycle.devices {
             devices.retain_pods(live.iter().map(String::as_str));
         }
+        self.release_orphan_volumes(&live);
+    }
+
+    /// Unpublishes (in the background: their drivers may not have
+    /// registered again yet) the CSI volumes of pods no longer on the node,
+    /// and removes those pods' directories.
+    fn release_orphan_volumes(&self, live: &[String]) {
+        let lifecycle = Arc::clone(self.runtime.machine());
+        let root = lifecycle.config.root_dir.clone();
+        let orphans: Vec<(String, String, crate::volume::PreparedVolume)> =
+            crate::volume::csi::published_on_disk(&root)
+                .into_iter()
+                .filter(|(uid, _, _)| !live.contains(uid))
+                .collect();
+        let mut dirs: Vec<String> = std::fs::read_dir(root.join("pods"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|uid| !live.contains(uid))
+            .collect();
+        dirs.sort();
+        dirs.dedup();
+        if orphans.is_empty() && dirs.is_empty() {
+            return;
+        }
+        tokio::spawn(async move {
+            let wait = std::time::Duration::from_secs(300);
+            for (uid, name, volume) in orphans {
+                let driver = volume.csi.as_ref().map(|m| m.driver_name.clone()).unwrap_or_default();
+                if let Some(csi) = lifecycle.volumes.csi()
+                    && csi.wait_for_driver(&driver, wait).await.is_none()
+                {
+                    tracing::warn!(pod.uid = %uid, volume = %name, %driver, "a CSI volume of a removed pod stays published: its driver did not register");
+                    continue;
+                }
+                tracing::info!(pod.uid = %uid, volume = %name, %driver, "unpublishing a CSI volume of a pod no longer on the node");
+                let mut one = crate::volume::PodVolumes::from([(name, volume)]);
+                for error in lifecycle.volumes.teardown(&uid, &mut one).await {
+                    tracing::warn!(pod.uid = %uid, %error, "could not release a volume of a removed pod");
+                }
+            }
+            for uid in dirs {
+                let mut none = crate::volume::PodVolumes::new();
+                for error in lifecycle.volumes.teardown(&uid, &mut none).await {
+                    tracing::warn!(pod.uid = %uid, %error, "could not remove the directory of a removed pod");
+                }
+            }
+        });
     }
 
     /// Waits until every pod task stopped after shutdown.

@@ -26,6 +26,16 @@ pub enum Stage {
 
 /// Computes the pod's status from its data.
 pub fn pod_status(data: &PodData, stage: Stage) -> PodStatus {
+    if let Some(verdict) = data.verdict.as_ref().filter(|v| v.rejected) {
+        return PodStatus {
+            phase: Some(verdict.phase.to_owned()),
+            reason: verdict.reason.clone(),
+            message: verdict.message.clone(),
+            start_time: Some(Time(data.start_time)),
+            qos_class: Some(qos_class(data).to_owned()),
+            ..PodStatus::default()
+        };
+    }
     let init: Vec<&ContainerRecord> =
         data.ordered().filter(|c| matches!(c.kind, ContainerKind::Init | ContainerKind::RestartableInit)).collect();
     let apps: Vec<&ContainerRecord> = data.ordered().filter(|c| c.kind == ContainerKind::App).collect();

@@ -33,8 +33,16 @@ impl PodStore {
     /// Records the pod's spec (keeping its status).
     pub(crate) fn put_spec(&self, uid: &str, pod: &Pod) {
         let mut pods = self.lock();
-        let status = pods.get(uid).and_then(|p| p.status.clone());
-        pods.insert(uid.to_owned(), Pod { status, ..pod.clone() });
+        let known = pods.get(uid);
+        let status = known.and_then(|p| p.status.clone());
+        let mut pod = Pod { status, ..pod.clone() };
+        if pod.metadata.creation_timestamp.is_none() {
+            // The node's first sight of the pod (what `AGE` counts from).
+            pod.metadata.creation_timestamp = known
+                .and_then(|p| p.metadata.creation_timestamp.clone())
+                .or_else(|| Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(jiff::Timestamp::now())));
+        }
+        pods.insert(uid.to_owned(), pod);
         drop(pods);
         self.bump();
     }
@@ -44,6 +52,19 @@ impl PodStore {
         let mut pods = self.lock();
         if let Some(pod) = pods.get_mut(uid) {
             pod.status = Some(status);
+        }
+        drop(pods);
+        self.bump();
+    }
+
+    /// Marks the pod as being removed (`metadata.deletionTimestamp`).
+    pub(crate) fn mark_deleting(&self, uid: &str) {
+        let mut pods = self.lock();
+        if let Some(pod) = pods.get_mut(uid)
+            && pod.metadata.deletion_timestamp.is_none()
+        {
+            pod.metadata.deletion_timestamp =
+                Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(jiff::Timestamp::now()));
         }
         drop(pods);
         self.bump();

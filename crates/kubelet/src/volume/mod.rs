@@ -7,9 +7,13 @@
 //! volumes are the host path itself, checked against their `type`.
 //!
 //! Static pods may not use volumes that need the API (configMap, secret,
-//! projected, persistentVolumeClaim): they are refused with a clear error, as
-//! upstream refuses them.
+//! projected; persistentVolumeClaim unless the embedder resolves claims):
+//! they are refused with a clear error, as upstream refuses them.
+//!
+//! CSI volumes (inline `csi:` and claims bound to CSI volumes) go through
+//! [`CsiVolumes`] (see [`csi`] for the sequence).
 
+pub mod csi;
 mod downward_api;
 mod empty_dir;
 mod host_path;
@@ -19,6 +23,7 @@ use std::path::{Path, PathBuf};
 
 use k8s_openapi::api::core::v1::{Pod, Volume};
 
+pub use csi::{ClaimedVolume, CsiDriverObjects, CsiMount, CsiVolumes, StaticClaims, VolumeClaims};
 pub use downward_api::field_value;
 pub use host_path::HostPathType;
 
@@ -64,6 +69,24 @@ pub enum VolumeError {
         #[source]
         source: std::io::Error,
     },
+    /// The volume's CSI driver is not registered on this node (upstream's
+    /// text); the pod retries when the registered drivers change.
+    #[error("volume {volume:?}: driver name {driver} not found in the list of registered CSI drivers")]
+    DriverNotRegistered {
+        /// The volume.
+        volume: String,
+        /// The driver it names.
+        driver: String,
+    },
+    /// A CSI call failed (or did not answer in time).
+    #[error("volume {volume:?}: {source}")]
+    Csi {
+        /// The volume.
+        volume: String,
+        /// The driver's error.
+        #[source]
+        source: crate::csi::CsiNodeError,
+    },
     /// Tearing the volume down failed.
     #[error("volume {volume:?}: teardown failed: {reason}")]
     Teardown {
@@ -82,6 +105,18 @@ pub struct PreparedVolume {
     pub host_path: PathBuf,
     /// Its type, for teardown.
     pub kind: VolumeKind,
+    /// Whether it is ready for the containers (a CSI volume is recorded
+    /// before it is published, so a removal in between unpublishes it).
+    pub ready: bool,
+    /// A CSI volume's driver, handle and paths.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub csi: Option<CsiMount>,
+}
+
+impl PreparedVolume {
+    fn ready(host_path: PathBuf, kind: VolumeKind) -> Self {
+        PreparedVolume { host_path, kind, ready: true, csi: None }
+    }
 }
 
 /// The volume types this node prepares.
@@ -93,6 +128,8 @@ pub enum VolumeKind {
     EmptyDir,
     /// `downwardAPI`: removed with the pod.
     DownwardApi,
+    /// CSI (inline or persistent): unpublished, and unstaged when unused.
+    Csi,
 }
 
 /// A pod's prepared volumes, by volume name.
@@ -102,12 +139,33 @@ pub type PodVolumes = BTreeMap<String, PreparedVolume>;
 #[derive(Clone, Debug)]
 pub struct VolumeManager {
     root_dir: PathBuf,
+    csi: Option<CsiVolumes>,
 }
 
+/// Why API-backed volumes are refused in static pods.
+pub(crate) const NEEDS_API: &str = "in static pods (they need the API server; upstream refuses them too)";
+
 impl VolumeManager {
-    /// Volumes under `<root_dir>/pods`.
+    /// Volumes under `<root_dir>/pods`; no CSI volumes.
     pub fn new(root_dir: impl Into<PathBuf>) -> Self {
-        VolumeManager { root_dir: root_dir.into() }
+        VolumeManager { root_dir: root_dir.into(), csi: None }
+    }
+
+    /// Publishes CSI volumes through `csi`.
+    pub fn with_csi(mut self, csi: CsiVolumes) -> Self {
+        self.csi = Some(csi);
+        self
+    }
+
+    /// The CSI volumes, if the node has them.
+    pub fn csi(&self) -> Option<&CsiVolumes> {
+        self.csi.as_ref()
+    }
+
+    /// Changes that may let a failed preparation succeed (a CSI driver
+    /// registering); `None` when nothing but a retry can help.
+    pub fn changes(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+        self.csi.as_ref().map(CsiVolumes::changes)
     }
 
     /// `<root>/pods/<uid>`.
@@ -125,7 +183,11 @@ impl VolumeManager {
     pub async fn prepare(&self, pod: &Pod, prepared: &mut PodVolumes) -> Result<(), VolumeError> {
         let uid = pod.metadata.uid.clone().unwrap_or_default();
         for volume in pod.spec.iter().flat_map(|s| s.volumes.iter().flatten()) {
-            if prepared.contains_key(&volume.name) {
+            if prepared.get(&volume.name).is_some_and(|v| v.ready) {
+                continue;
+            }
+            if let Some(csi) = self.csi_for(volume)? {
+                csi.prepare(pod, volume, prepared).await?;
                 continue;
             }
             let ready = self.prepare_one(&uid, pod, volume)?;
@@ -135,30 +197,45 @@ impl VolumeManager {
         Ok(())
     }
 
+    /// The CSI publisher for `volume`, if it is a CSI volume (inline, or a
+    /// claim the node can resolve).
+    fn csi_for(&self, volume: &Volume) -> Result<Option<&CsiVolumes>, VolumeError> {
+        let is_csi = volume.csi.is_some();
+        let is_claim = volume.persistent_volume_claim.is_some();
+        match &self.csi {
+            Some(csi) if is_csi || (is_claim && csi.resolves_claims()) => Ok(Some(csi)),
+            None if is_csi => Err(VolumeError::Unsupported {
+                volume: volume.name.clone(),
+                kind: "csi",
+                reason: "on this node (it has no CSI driver registry)",
+            }),
+            _ => Ok(None),
+        }
+    }
+
     fn prepare_one(&self, uid: &str, pod: &Pod, volume: &Volume) -> Result<PreparedVolume, VolumeError> {
         let name = volume.name.as_str();
         if let Some(host) = &volume.host_path {
             let host_path = host_path::prepare(name, &host.path, host.type_.as_deref())?;
-            return Ok(PreparedVolume { host_path, kind: VolumeKind::HostPath });
+            return Ok(PreparedVolume::ready(host_path, VolumeKind::HostPath));
         }
         if let Some(empty) = &volume.empty_dir {
             let dir = self.plugin_dir(uid, "kubernetes.io~empty-dir", name);
             let memory = empty.medium.as_deref() == Some("Memory");
             let limit = empty.size_limit.as_ref().map(|q| q.0.as_str());
             let host_path = empty_dir::prepare(name, &dir, memory, limit)?;
-            return Ok(PreparedVolume { host_path, kind: VolumeKind::EmptyDir });
+            return Ok(PreparedVolume::ready(host_path, VolumeKind::EmptyDir));
         }
         if let Some(downward) = &volume.downward_api {
             let dir = self.plugin_dir(uid, "kubernetes.io~downward-api", name);
             let host_path = downward_api::prepare(name, &dir, downward, pod)?;
-            return Ok(PreparedVolume { host_path, kind: VolumeKind::DownwardApi });
+            return Ok(PreparedVolume::ready(host_path, VolumeKind::DownwardApi));
         }
         let unsupported = |kind: &'static str, reason: &'static str| VolumeError::Unsupported {
             volume: name.to_owned(),
             kind,
             reason,
         };
-        const NEEDS_API: &str = "in static pods (they need the API server; upstream refuses them too)";
         Err(if volume.config_map.is_some() {
             unsupported("configMap", NEEDS_API)
         } else if volume.secret.is_some() {
@@ -167,8 +244,6 @@ impl VolumeManager {
             unsupported("projected", NEEDS_API)
         } else if volume.persistent_volume_claim.is_some() {
             unsupported("persistentVolumeClaim", NEEDS_API)
-        } else if volume.csi.is_some() {
-            unsupported("csi", "yet on this node (the CSI volume stages are not implemented)")
         } else {
             unsupported("this kind of", "on this node")
         })
@@ -184,6 +259,13 @@ impl VolumeManager {
             let result = match volume.kind {
                 VolumeKind::HostPath => Ok(()),
                 VolumeKind::EmptyDir | VolumeKind::DownwardApi => empty_dir::teardown(&name, &volume.host_path),
+                VolumeKind::Csi => match &self.csi {
+                    Some(csi) => csi.teardown(pod_uid, &name, volume).await,
+                    None => Err(VolumeError::Teardown {
+                        volume: name.clone(),
+                        reason: "a CSI volume, and this node has no CSI driver registry".into(),
+                    }),
+                },
             };
             match result {
                 Ok(()) => {

@@ -77,5 +77,6 @@ fn reject(ctx: &mut Context<PodLifecycle>, reason: &str, message: String) {
         phase: "Failed",
         reason: Some(reason.to_owned()),
         message: Some(format!("Pod was rejected: {message}")),
+        rejected: true,
     });
 }

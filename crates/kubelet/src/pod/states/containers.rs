@@ -68,7 +68,8 @@ impl State<PodLifecycle> for Initializing {
                     break;
                 }
                 if policy == RestartPolicy::Never {
-                    ctx.data.verdict = Some(PodVerdict { phase: "Failed", reason: None, message: None });
+                    ctx.data.verdict =
+                        Some(PodVerdict { phase: "Failed", reason: None, message: None, rejected: false });
                     let grace = grace_period(&ctx.data.pod);
                     for failure in stop_all(ctx, grace).await {
                         tracing::warn!(pod.uid = %uid, %failure, "stopping sidecars");

@@ -11,6 +11,11 @@ use super::Initializing;
 use crate::pod::PodLifecycle;
 use crate::pod::backoff::Backoff;
 use crate::pod::status::{Stage, pod_status};
+use crate::volume::VolumeError;
+
+/// How often a pod waiting for an unregistered CSI driver checks again even
+/// without a registry change (a safety net; registrations wake it at once).
+const MISSING_DRIVER_RECHECK: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// The provider prepares every container's image.
 pub struct ImagePull {
@@ -111,7 +116,13 @@ impl State<PodLifecycle> for Volumes {
     async fn next(self: Box<Self>, ctx: &mut Context<PodLifecycle>) -> Transition<PodLifecycle> {
         let lifecycle = Arc::clone(&ctx.machine);
         let mut backoff = Backoff::default();
+        // A driver registering (or going away) is a reason to try again at
+        // once; the backoff is for errors nothing announces the end of.
+        let mut changes = lifecycle.volumes.changes();
         loop {
+            if let Some(changes) = changes.as_mut() {
+                changes.mark_unchanged();
+            }
             let pod = Arc::clone(&ctx.data.pod);
             match lifecycle.volumes.prepare(&pod, &mut ctx.data.volumes).await {
                 Ok(()) => break,
@@ -119,9 +130,23 @@ impl State<PodLifecycle> for Volumes {
                     tracing::warn!(pod.uid = %ctx.data.id.uid, %error, "volumes not ready");
                     ctx.data.pending_message = Some(format!("volumes not ready: {error}"));
                     ctx.report(pod_status(&ctx.data, Stage::Pending));
+                    let waiting_for_driver = matches!(error, VolumeError::DriverNotRegistered { .. });
                     backoff.fail(&lifecycle.config.volume_backoff, std::time::Duration::ZERO, Instant::now());
-                    if let Some(until) = backoff.until() {
-                        tokio::time::sleep_until(until).await;
+                    let until = backoff.until().unwrap_or_else(Instant::now);
+                    match changes.as_mut() {
+                        Some(changes) if waiting_for_driver => {
+                            // Only a registration can help: wait for one (the
+                            // backoff's deadline stays as a safety net).
+                            let _ = tokio::time::timeout_at(
+                                until.max(Instant::now() + MISSING_DRIVER_RECHECK),
+                                changes.changed(),
+                            )
+                            .await;
+                        }
+                        Some(changes) => {
+                            let _ = tokio::time::timeout_at(until, changes.changed()).await;
+                        }
+                        None => tokio::time::sleep_until(until).await,
                     }
                 }
             }

@@ -1,0 +1,163 @@
+//! What the node has: cpu and memory measured from the machine, the pod
+//! count (`--max-pods`), the device plugins' resources; and the `v1.Node`
+//! object that describes it (what `rustlet get node` prints and cluster mode
+//! will register).
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{Node as NodeObject, NodeCondition, NodeStatus, NodeSystemInfo};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+
+use crate::device_manager::ResourceCapacity;
+use crate::pod::Allocatable;
+
+/// The kubelet's default `--max-pods`.
+pub const DEFAULT_MAX_PODS: usize = 110;
+
+/// The machine's cpu (millicores, from the cpus this process may run on)
+/// and memory (bytes, `MemTotal`), with room for `max_pods` pods. Nothing is
+/// reserved for the system: allocatable equals capacity.
+pub fn measure(max_pods: usize) -> Allocatable {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as u128;
+    Allocatable { cpu_milli: cpus * 1000, memory: mem_total().unwrap_or(0), pods: max_pods }
+}
+
+fn mem_total() -> Option<u128> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u128 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Facts for the Node object.
+pub(crate) struct NodeFacts<'a> {
+    pub(crate) name: &'a str,
+    pub(crate) allocatable: Allocatable,
+    pub(crate) devices: &'a BTreeMap<String, ResourceCapacity>,
+    pub(crate) created: jiff::Timestamp,
+    pub(crate) ready: Result<(), String>,
+}
+
+/// The node as a `v1.Node`: capacity and allocatable (device resources
+/// included), a `Ready` condition from the health checks, node info.
+pub(crate) fn node_object(facts: &NodeFacts<'_>) -> NodeObject {
+    let mut capacity = BTreeMap::new();
+    let mut allocatable = BTreeMap::new();
+    let cpu = Quantity(format_cpu(facts.allocatable.cpu_milli));
+    let memory = Quantity(format!("{}Ki", facts.allocatable.memory / 1024));
+    let pods = Quantity(facts.allocatable.pods.to_string());
+    for map in [&mut capacity, &mut allocatable] {
+        map.insert("cpu".to_owned(), cpu.clone());
+        map.insert("memory".to_owned(), memory.clone());
+        map.insert("pods".to_owned(), pods.clone());
+    }
+    for (resource, counts) in facts.devices {
+        capacity.insert(resource.clone(), Quantity(counts.capacity.to_string()));
+        allocatable.insert(resource.clone(), Quantity(counts.allocatable.to_string()));
+    }
+    let now = Time(jiff::Timestamp::now());
+    let (status, reason, message) = match &facts.ready {
+        Ok(()) => ("True", "KubeletReady", "rustlet is posting ready status".to_owned()),
+        Err(why) => ("False", "KubeletNotReady", why.clone()),
+    };
+    let uname = |file: &str| std::fs::read_to_string(format!("/proc/sys/kernel/{file}")).map(|s| s.trim().to_owned());
+    NodeObject {
+        metadata: ObjectMeta {
+            name: Some(facts.name.to_owned()),
+            creation_timestamp: Some(Time(facts.created)),
+            labels: Some(BTreeMap::from([
+                ("kubernetes.io/hostname".to_owned(), facts.name.to_owned()),
+                ("kubernetes.io/os".to_owned(), std::env::consts::OS.to_owned()),
+                ("kubernetes.io/arch".to_owned(), go_arch().to_owned()),
+                ("type".to_owned(), "rustlet".to_owned()),
+            ])),
+            ..ObjectMeta::default()
+        },
+        spec: None,
+        status: Some(NodeStatus {
+            capacity: Some(capacity),
+            allocatable: Some(allocatable),
+            conditions: Some(vec![NodeCondition {
+                type_: "Ready".into(),
+                status: status.into(),
+                reason: Some(reason.into()),
+                message: Some(message),
+                last_heartbeat_time: Some(now.clone()),
+                last_transition_time: Some(now),
+            }]),
+            node_info: Some(NodeSystemInfo {
+                architecture: go_arch().into(),
+                operating_system: std::env::consts::OS.into(),
+                kernel_version: uname("osrelease").unwrap_or_default(),
+                os_image: os_image(),
+                kubelet_version: format!("v{}-rustlet", env!("CARGO_PKG_VERSION")),
+                kube_proxy_version: String::new(),
+                container_runtime_version: "rustlet://provider".into(),
+                machine_id: std::fs::read_to_string("/etc/machine-id").map(|s| s.trim().to_owned()).unwrap_or_default(),
+                boot_id: uname("random/boot_id").unwrap_or_default(),
+                system_uuid: String::new(),
+                ..NodeSystemInfo::default()
+            }),
+            ..NodeStatus::default()
+        }),
+    }
+}
+
+fn format_cpu(milli: u128) -> String {
+    if milli.is_multiple_of(1000) { (milli / 1000).to_string() } else { format!("{milli}m") }
+}
+
+/// The architecture as Kubernetes names it (Go's `GOARCH`).
+fn go_arch() -> &'static str {
+    match std::env::consts::ARCH {
+        "x86_64" => "amd64",
+        "aarch64" => "arm64",
+        "x86" => "386",
+        other => other,
+    }
+}
+
+fn os_image() -> String {
+    let release = std::fs::read_to_string("/etc/os-release").unwrap_or_default();
+    release
+        .lines()
+        .find_map(|l| l.strip_prefix("PRETTY_NAME="))
+        .map(|v| v.trim_matches('"').to_owned())
+        .unwrap_or_else(|| "unknown".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_machine_is_measured() {
+        let measured = measure(DEFAULT_MAX_PODS);
+        assert!(measured.cpu_milli >= 1000 && measured.cpu_milli.is_multiple_of(1000));
+        assert!(measured.memory > 64 << 20, "MemTotal read: {}", measured.memory);
+        assert_eq!(measured.pods, 110);
+    }
+
+    #[test]
+    fn the_node_object_carries_devices_and_readiness() {
+        let devices =
+            BTreeMap::from([("example.com/gpu".to_owned(), ResourceCapacity { capacity: 4, allocatable: 3 })]);
+        let facts = NodeFacts {
+            name: "n1",
+            allocatable: Allocatable { cpu_milli: 2500, memory: 4 << 30, pods: 10 },
+            devices: &devices,
+            created: jiff::Timestamp::now(),
+            ready: Err("plugin-manager failed: boom".into()),
+        };
+        let node = node_object(&facts);
+        let status = node.status.expect("status");
+        let capacity = status.capacity.expect("capacity");
+        assert_eq!(capacity["cpu"].0, "2500m");
+        assert_eq!(capacity["memory"].0, "4194304Ki");
+        assert_eq!(capacity["example.com/gpu"].0, "4");
+        assert_eq!(status.allocatable.expect("allocatable")["example.com/gpu"].0, "3");
+        let ready = &status.conditions.expect("conditions")[0];
+        assert_eq!((ready.status.as_str(), ready.message.as_deref()), ("False", Some("plugin-manager failed: boom")));
+    }
+}

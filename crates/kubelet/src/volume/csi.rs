@@ -1,0 +1,646 @@
+//! CSI volumes: inline ephemeral `csi:` volumes and persistent volumes
+//! (a claim resolved to a CSI `PersistentVolume`), published through the
+//! driver registered under the volume's driver name.
+//!
+//! The sequence is the kubelet's:
+//! - the driver is resolved by name in the CSI registry; a driver that is not
+//!   registered fails with upstream's text (`driver name X not found in the
+//!   list of registered CSI drivers`) and the pod's volume stage retries as
+//!   soon as the registry changes ([`CsiVolumes::changes`]);
+//! - `NodeGetCapabilities` once per driver registration (cached);
+//! - persistent volumes of a driver with `STAGE_UNSTAGE_VOLUME`:
+//!   `NodeStageVolume` at the volume's global path
+//!   `plugins/kubernetes.io/csi/<driver>/<sha256(volume handle)>/globalmount`,
+//!   once for all the pods that use it (counted per pod);
+//! - `NodePublishVolume` at `pods/<uid>/volumes/kubernetes.io~csi/<name>/mount`
+//!   (`<name>` is the pod's volume name inline, the PV's name otherwise),
+//!   with `vol_data.json` beside it; inline volumes get the handle
+//!   `csi-<sha256(pod uid + volume name)>` and `csi.storage.k8s.io/ephemeral`;
+//!   the pod's name, namespace, UID and service account are added to the
+//!   volume context when the driver's CSIDriver asks for `podInfoOnMount`;
+//! - on removal `NodeUnpublishVolume`, then `NodeUnstageVolume` once no pod
+//!   uses the staged volume.
+//!
+//! A volume is recorded in the pod's volumes *before* it is staged or
+//! published, so a pod removed while a call is in flight still unpublishes
+//! (and unstages) it: the CSI calls are idempotent, and nothing is leaked.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, RwLock};
+
+use k8s_openapi::api::core::v1::{PersistentVolume, Pod, Volume};
+use k8s_openapi::api::storage::v1::CSIDriverSpec;
+use sha2::{Digest, Sha256};
+use tokio::sync::watch;
+
+use super::{PreparedVolume, VolumeError, VolumeKind};
+use crate::csi::{
+    AccessMode, AccessType, CsiDriver, CsiDrivers, CsiNodeClient, CsiNodeError, CsiNodeTimeouts, NodeCapabilities,
+    PublishVolume, Secrets, StageVolume, VolumeCapability,
+};
+
+/// The pod volume plugin directory of CSI volumes.
+pub const CSI_PLUGIN_DIR: &str = "kubernetes.io~csi";
+
+/// The CSIDriver objects the node knows, by driver name: whether a driver
+/// wants the pod's info on mount and which lifecycle modes it serves. Static
+/// manifests fill it when standalone; cluster mode from the API. Cheap to
+/// clone.
+#[derive(Clone, Debug, Default)]
+pub struct CsiDriverObjects {
+    specs: Arc<RwLock<BTreeMap<String, CSIDriverSpec>>>,
+}
+
+impl CsiDriverObjects {
+    /// No CSIDriver objects.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Records (or replaces) the CSIDriver object of `name`.
+    pub fn set(&self, name: &str, spec: CSIDriverSpec) {
+        self.specs.write().unwrap_or_else(|p| p.into_inner()).insert(name.to_owned(), spec);
+    }
+
+    /// Forgets the CSIDriver object of `name`.
+    pub fn remove(&self, name: &str) {
+        self.specs.write().unwrap_or_else(|p| p.into_inner()).remove(name);
+    }
+
+    /// The CSIDriver object of `name`, if any.
+    pub fn get(&self, name: &str) -> Option<CSIDriverSpec> {
+        self.specs.read().unwrap_or_else(|p| p.into_inner()).get(name).cloned()
+    }
+
+    /// The names with a CSIDriver object.
+    pub fn names(&self) -> Vec<String> {
+        self.specs.read().unwrap_or_else(|p| p.into_inner()).keys().cloned().collect()
+    }
+}
+
+/// A claim resolved to its bound volume, with the secrets its CSI source
+/// names (the resolver fetches them; the node never logs them).
+#[derive(Clone, Debug)]
+pub struct ClaimedVolume {
+    /// The bound `PersistentVolume` (its `spec.csi` is what the node uses).
+    pub volume: PersistentVolume,
+    /// The claim's `readOnly` in the pod (`persistentVolumeClaim.readOnly`).
+    pub claim_read_only: bool,
+    /// The node-stage secrets (`nodeStageSecretRef`).
+    pub stage_secrets: Secrets,
+    /// The node-publish secrets (`nodePublishSecretRef`).
+    pub publish_secrets: Secrets,
+}
+
+/// Finds the volume a pod's `persistentVolumeClaim` is bound to. Cluster
+/// mode implements it with the API; embedders and tests with what they have
+/// ([`StaticClaims`]).
+#[async_trait::async_trait]
+pub trait VolumeClaims: Send + Sync + 'static {
+    /// The volume bound to claim `claim` in `namespace`, or why there is none.
+    async fn resolve(&self, namespace: &str, claim: &str, read_only: bool) -> Result<ClaimedVolume, String>;
+}
+
+/// Claims bound to volumes by the embedder: `(namespace, claim)` → volume.
+#[derive(Clone, Debug, Default)]
+pub struct StaticClaims {
+    bound: Arc<RwLock<HashMap<(String, String), ClaimedVolume>>>,
+}
+
+impl StaticClaims {
+    /// No claims.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Binds claim `claim` in `namespace` to `volume`.
+    pub fn bind(&self, namespace: &str, claim: &str, volume: ClaimedVolume) {
+        self.bound.write().unwrap_or_else(|p| p.into_inner()).insert((namespace.to_owned(), claim.to_owned()), volume);
+    }
+}
+
+#[async_trait::async_trait]
+impl VolumeClaims for StaticClaims {
+    async fn resolve(&self, namespace: &str, claim: &str, read_only: bool) -> Result<ClaimedVolume, String> {
+        let bound = self.bound.read().unwrap_or_else(|p| p.into_inner());
+        let mut volume = bound
+            .get(&(namespace.to_owned(), claim.to_owned()))
+            .cloned()
+            .ok_or_else(|| format!("PersistentVolumeClaim {namespace}/{claim} is not bound to a volume"))?;
+        volume.claim_read_only |= read_only;
+        Ok(volume)
+    }
+}
+
+/// What a published CSI volume needs for its teardown; kept in the pod's
+/// volumes from before the first call.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CsiMount {
+    /// The driver's name.
+    pub driver_name: String,
+    /// The volume handle.
+    pub volume_handle: String,
+    /// The pod's volume name, or the PV's name.
+    pub spec_vol_id: String,
+    /// `Ephemeral` (inline) or `Persistent`.
+    pub volume_lifecycle_mode: String,
+    /// The volume's global staging path, when the driver stages it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub staging_target_path: Option<PathBuf>,
+}
+
+/// Everything one NodePublishVolume (and its staging) needs.
+struct Plan {
+    mount: CsiMount,
+    ephemeral: bool,
+    read_only: bool,
+    capability: VolumeCapability,
+    volume_context: BTreeMap<String, String>,
+    publish_context: BTreeMap<String, String>,
+    stage_secrets: Secrets,
+    publish_secrets: Secrets,
+}
+
+/// One staged volume: the pods using it, and whether the stage call was made.
+#[derive(Debug, Default)]
+struct Staging {
+    users: BTreeSet<String>,
+    staged: bool,
+}
+
+/// A connected driver and the capabilities it reported.
+#[derive(Clone)]
+struct Connected {
+    /// The registry's change count when connected: any registration or
+    /// removal since (a driver restarted on the same socket) reconnects.
+    generation: u64,
+    endpoint: String,
+    client: CsiNodeClient,
+    capabilities: NodeCapabilities,
+}
+
+/// Publishes and unpublishes CSI volumes for pods. Cheap to clone.
+#[derive(Clone)]
+pub struct CsiVolumes {
+    root_dir: PathBuf,
+    drivers: CsiDrivers,
+    objects: CsiDriverObjects,
+    claims: Option<Arc<dyn VolumeClaims>>,
+    timeouts: CsiNodeTimeouts,
+    connected: Arc<Mutex<HashMap<String, Connected>>>,
+    staged: Arc<Mutex<HashMap<PathBuf, Arc<tokio::sync::Mutex<Staging>>>>>,
+}
+
+impl std::fmt::Debug for CsiVolumes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CsiVolumes").field("root_dir", &self.root_dir).finish_non_exhaustive()
+    }
+}
+
+impl CsiVolumes {
+    /// CSI volumes under `root_dir`, through the drivers in `drivers`, with
+    /// CSIDriver objects from `objects`.
+    pub fn new(
+        root_dir: impl Into<PathBuf>,
+        drivers: CsiDrivers,
+        objects: CsiDriverObjects,
+        timeouts: CsiNodeTimeouts,
+    ) -> Self {
+        CsiVolumes {
+            root_dir: root_dir.into(),
+            drivers,
+            objects,
+            claims: None,
+            timeouts,
+            connected: Arc::default(),
+            staged: Arc::default(),
+        }
+    }
+
+    /// Resolves `persistentVolumeClaim` volumes with `claims`.
+    pub fn with_claims(mut self, claims: Arc<dyn VolumeClaims>) -> Self {
+        self.claims = Some(claims);
+        self
+    }
+
+    /// Whether claims can be resolved.
+    pub fn resolves_claims(&self) -> bool {
+        self.claims.is_some()
+    }
+
+    /// The driver `name` once registered (at most `timeout`).
+    pub async fn wait_for_driver(&self, name: &str, timeout: std::time::Duration) -> Option<CsiDriver> {
+        self.drivers.wait_for(name, timeout).await
+    }
+
+    /// Bumped whenever the registered drivers change: a pod waiting for a
+    /// driver retries then.
+    pub fn changes(&self) -> watch::Receiver<u64> {
+        self.drivers.changes()
+    }
+
+    /// The staged volumes and how many pods use each (global path → count).
+    pub fn staged_volumes(&self) -> BTreeMap<PathBuf, usize> {
+        let staged = self.staged.lock().unwrap_or_else(|p| p.into_inner());
+        staged.iter().map(|(path, entry)| (path.clone(), entry.try_lock().map_or(0, |s| s.users.len()))).collect()
+    }
+
+    fn publish_dir(&self, pod_uid: &str, spec_name: &str) -> PathBuf {
+        self.root_dir.join("pods").join(pod_uid).join("volumes").join(CSI_PLUGIN_DIR).join(spec_name)
+    }
+
+    fn staging_path(&self, driver: &str, handle: &str) -> PathBuf {
+        self.root_dir
+            .join("plugins/kubernetes.io/csi")
+            .join(driver)
+            .join(sha256_hex(handle.as_bytes()))
+            .join("globalmount")
+    }
+
+    /// Stages (if needed) and publishes `volume` for `pod`. The volume is in
+    /// `prepared` (not ready) from before the first call on.
+    pub(super) async fn prepare(
+        &self,
+        pod: &Pod,
+        volume: &Volume,
+        prepared: &mut super::PodVolumes,
+    ) -> Result<(), VolumeError> {
+        let uid = pod.metadata.uid.as_deref().unwrap_or_default();
+        let mut plan = self.plan(pod, volume).await?;
+        let driver = self.driver(&volume.name, &plan.mount.driver_name)?;
+        let connected = self.connect(&volume.name, &driver).await?;
+        let dir = self.publish_dir(uid, &plan.mount.spec_vol_id);
+        let target = dir.join("mount");
+        if connected.capabilities.stages() && !plan.ephemeral {
+            plan.mount.staging_target_path = Some(self.staging_path(&driver.name, &plan.mount.volume_handle));
+        }
+        let io = |path: &Path, source| VolumeError::Io { volume: volume.name.clone(), path: path.to_owned(), source };
+        std::fs::create_dir_all(&dir).map_err(|e| io(&dir, e))?;
+        write_json(&dir.join("vol_data.json"), &plan.mount).map_err(|e| io(&dir, e))?;
+        // Recorded before any call: a removal from here on unpublishes.
+        prepared.insert(
+            volume.name.clone(),
+            PreparedVolume {
+                host_path: target.clone(),
+                kind: VolumeKind::Csi,
+                ready: false,
+                csi: Some(plan.mount.clone()),
+            },
+        );
+        let csi_error = |source| VolumeError::Csi { volume: volume.name.clone(), source };
+        if let Some(staging) = &plan.mount.staging_target_path {
+            let entry = self.staging_entry(staging);
+            let mut state = entry.lock().await;
+            state.users.insert(uid.to_owned());
+            if !state.staged {
+                let parent = staging.parent().unwrap_or(staging);
+                std::fs::create_dir_all(parent).map_err(|e| io(parent, e))?;
+                write_json(&parent.join("vol_data.json"), &plan.mount).map_err(|e| io(parent, e))?;
+                let request = StageVolume {
+                    volume_id: plan.mount.volume_handle.clone(),
+                    staging_target_path: staging.clone(),
+                    capability: plan.capability.clone(),
+                    publish_context: plan.publish_context.clone(),
+                    volume_context: plan.volume_context.clone(),
+                    secrets: plan.stage_secrets.clone(),
+                };
+                tracing::info!(volume = %volume.name, driver = %driver.name, handle = %plan.mount.volume_handle, "NodeStageVolume");
+                self.forget_on_transport_error(&driver.name, connected.client.stage_volume(&request).await)
+                    .map_err(csi_error)?;
+                state.staged = true;
+            }
+        }
+        let mut volume_context = plan.volume_context.clone();
+        if self.objects.get(&driver.name).and_then(|s| s.pod_info_on_mount).unwrap_or(false) {
+            volume_context.extend(pod_info(pod, plan.ephemeral));
+        }
+        let request = PublishVolume {
+            volume_id: plan.mount.volume_handle.clone(),
+            staging_target_path: plan.mount.staging_target_path.clone(),
+            target_path: target.clone(),
+            capability: plan.capability,
+            read_only: plan.read_only,
+            publish_context: plan.publish_context,
+            volume_context,
+            secrets: plan.publish_secrets,
+        };
+        tracing::info!(pod.uid = %uid, volume = %volume.name, driver = %driver.name, handle = %request.volume_id, "NodePublishVolume");
+        self.forget_on_transport_error(&driver.name, connected.client.publish_volume(&request).await)
+            .map_err(csi_error)?;
+        if let Some(ready) = prepared.get_mut(&volume.name) {
+            ready.ready = true;
+        }
+        Ok(())
+    }
+
+    /// Unpublishes a pod's volume, then unstages it if no other pod uses it.
+    /// The publish directory is removed once unpublished.
+    pub(super) async fn teardown(
+        &self,
+        pod_uid: &str,
+        name: &str,
+        prepared: &PreparedVolume,
+    ) -> Result<(), VolumeError> {
+        let Some(mount) = &prepared.csi else { return Ok(()) };
+        let csi_error = |source| VolumeError::Csi { volume: name.to_owned(), source };
+        let driver = self.driver(name, &mount.driver_name)?;
+        let connected = self.connect(name, &driver).await?;
+        tracing::info!(pod.uid = %pod_uid, volume = %name, driver = %driver.name, handle = %mount.volume_handle, "NodeUnpublishVolume");
+        self.forget_on_transport_error(
+            &driver.name,
+            connected.client.unpublish_volume(&mount.volume_handle, &prepared.host_path).await,
+        )
+        .map_err(csi_error)?;
+        if let Some(dir) = prepared.host_path.parent() {
+            remove_publish_dir(name, dir)?;
+        }
+        let Some(staging) = &mount.staging_target_path else { return Ok(()) };
+        let entry = self.staging_entry(staging);
+        let mut state = entry.lock().await;
+        state.users.remove(pod_uid);
+        if !state.users.is_empty() {
+            tracing::debug!(volume = %name, users = state.users.len(), "staged volume still in use");
+            return Ok(());
+        }
+        tracing::info!(volume = %name, driver = %driver.name, handle = %mount.volume_handle, "NodeUnstageVolume");
+        let unstaged = connected.client.unstage_volume(&mount.volume_handle, staging).await;
+        if let Err(error) = self.forget_on_transport_error(&driver.name, unstaged) {
+            // Another pod may stage it again; this pod is done with it either way.
+            state.staged = true;
+            return Err(csi_error(error));
+        }
+        state.staged = false;
+        drop(state);
+        self.staged.lock().unwrap_or_else(|p| p.into_inner()).remove(staging);
+        if let Some(parent) = staging.parent() {
+            let _ = std::fs::remove_file(parent.join("vol_data.json"));
+            let _ = std::fs::remove_dir(staging);
+            let _ = std::fs::remove_dir(parent);
+        }
+        Ok(())
+    }
+
+    fn staging_entry(&self, path: &Path) -> Arc<tokio::sync::Mutex<Staging>> {
+        let mut staged = self.staged.lock().unwrap_or_else(|p| p.into_inner());
+        Arc::clone(staged.entry(path.to_owned()).or_default())
+    }
+
+    fn driver(&self, volume: &str, name: &str) -> Result<CsiDriver, VolumeError> {
+        self.drivers
+            .get(name)
+            .ok_or_else(|| VolumeError::DriverNotRegistered { volume: volume.to_owned(), driver: name.to_owned() })
+    }
+
+    /// The driver's connection and capabilities, asked once per registration.
+    async fn connect(&self, volume: &str, driver: &CsiDriver) -> Result<Connected, VolumeError> {
+        let generation = *self.drivers.changes().borrow();
+        let cached = self.connected.lock().unwrap_or_else(|p| p.into_inner()).get(&driver.name).cloned();
+        if let Some(connected) = cached.filter(|c| c.endpoint == driver.endpoint && c.generation == generation) {
+            return Ok(connected);
+        }
+        let csi_error = |source| VolumeError::Csi { volume: volume.to_owned(), source };
+        let client = CsiNodeClient::connect(driver, self.timeouts).await.map_err(csi_error)?;
+        let capabilities = client.capabilities().await.map_err(csi_error)?;
+        tracing::info!(driver = %driver.name, ?capabilities, "CSI driver capabilities");
+        let connected = Connected { generation, endpoint: driver.endpoint.clone(), client, capabilities };
+        self.connected.lock().unwrap_or_else(|p| p.into_inner()).insert(driver.name.clone(), connected.clone());
+        Ok(connected)
+    }
+
+    /// A driver that cannot be reached is dialed (and asked its
+    /// capabilities) again on the next call.
+    fn forget_on_transport_error<T>(&self, driver: &str, result: Result<T, CsiNodeError>) -> Result<T, CsiNodeError> {
+        if let Err(error) = &result
+            && matches!(error, CsiNodeError::Dial { .. })
+                | matches!(error.code(), Some(tonic::Code::Unavailable | tonic::Code::Unknown))
+        {
+            self.connected.lock().unwrap_or_else(|p| p.into_inner()).remove(driver);
+        }
+        result
+    }
+
+    /// What to publish for `volume`: inline, or the claim's bound volume.
+    async fn plan(&self, pod: &Pod, volume: &Volume) -> Result<Plan, VolumeError> {
+        let name = volume.name.as_str();
+        let invalid = |reason: String| VolumeError::InvalidSpec { volume: name.to_owned(), reason };
+        if let Some(inline) = &volume.csi {
+            if inline.node_publish_secret_ref.is_some() {
+                return Err(VolumeError::Unsupported {
+                    volume: name.to_owned(),
+                    kind: "csi with nodePublishSecretRef",
+                    reason: super::NEEDS_API,
+                });
+            }
+            self.supports_mode(name, &inline.driver, "Ephemeral")?;
+            let uid = pod.metadata.uid.as_deref().unwrap_or_default();
+            let mut volume_context: BTreeMap<String, String> =
+                inline.volume_attributes.clone().unwrap_or_default().into_iter().collect();
+            volume_context.insert("csi.storage.k8s.io/ephemeral".into(), "true".into());
+            return Ok(Plan {
+                mount: CsiMount {
+                    driver_name: inline.driver.clone(),
+                    volume_handle: format!("csi-{}", sha256_hex(format!("{uid}{name}").as_bytes())),
+                    spec_vol_id: name.to_owned(),
+                    volume_lifecycle_mode: "Ephemeral".into(),
+                    staging_target_path: None,
+                },
+                ephemeral: true,
+                read_only: inline.read_only.unwrap_or(false),
+                capability: VolumeCapability {
+                    access_type: AccessType::Mount {
+                        fs_type: inline.fs_type.clone().unwrap_or_default(),
+                        mount_flags: Vec::new(),
+                        volume_mount_group: String::new(),
+                    },
+                    access_mode: AccessMode::SingleNodeWriter,
+                },
+                volume_context,
+                publish_context: BTreeMap::new(),
+                stage_secrets: Secrets::default(),
+                publish_secrets: Secrets::default(),
+            });
+        }
+        let Some(claim) = &volume.persistent_volume_claim else {
+            return Err(invalid("not a CSI volume".into()));
+        };
+        let Some(claims) = &self.claims else {
+            return Err(VolumeError::Unsupported {
+                volume: name.to_owned(),
+                kind: "persistentVolumeClaim",
+                reason: super::NEEDS_API,
+            });
+        };
+        let namespace = pod.metadata.namespace.as_deref().unwrap_or("default");
+        let claimed =
+            claims.resolve(namespace, &claim.claim_name, claim.read_only.unwrap_or(false)).await.map_err(invalid)?;
+        let pv_name = claimed.volume.metadata.name.clone().unwrap_or_default();
+        let spec = claimed.volume.spec.clone().unwrap_or_default();
+        let Some(source) = spec.csi else {
+            return Err(invalid(format!(
+                "PersistentVolume {pv_name} is not a CSI volume (only CSI volumes are supported)"
+            )));
+        };
+        if pv_name.is_empty() {
+            return Err(invalid("the bound PersistentVolume has no name".into()));
+        }
+        self.supports_mode(name, &source.driver, "Persistent")?;
+        let block = spec.volume_mode.as_deref() == Some("Block");
+        let access_type = if block {
+            AccessType::Block
+        } else {
+            AccessType::Mount {
+                fs_type: source.fs_type.clone().unwrap_or_default(),
+                mount_flags: spec.mount_options.clone().unwrap_or_default(),
+                volume_mount_group: String::new(),
+            }
+        };
+        let access_mode = access_mode(spec.access_modes.as_deref().unwrap_or_default());
+        let mut volume_context: BTreeMap<String, String> =
+            source.volume_attributes.clone().unwrap_or_default().into_iter().collect();
+        if self.objects.get(&source.driver).and_then(|s| s.pod_info_on_mount).unwrap_or(false) {
+            volume_context.insert("csi.storage.k8s.io/ephemeral".into(), "false".into());
+        }
+        Ok(Plan {
+            mount: CsiMount {
+                driver_name: source.driver.clone(),
+                volume_handle: source.volume_handle.clone(),
+                spec_vol_id: pv_name,
+                volume_lifecycle_mode: "Persistent".into(),
+                staging_target_path: None,
+            },
+            ephemeral: false,
+            read_only: claimed.claim_read_only || source.read_only.unwrap_or(false),
+            capability: VolumeCapability { access_type, access_mode },
+            volume_context,
+            publish_context: BTreeMap::new(),
+            stage_secrets: claimed.stage_secrets,
+            publish_secrets: claimed.publish_secrets,
+        })
+    }
+
+    /// Upstream's rule: without a CSIDriver object only `Persistent` volumes
+    /// are allowed; with one, the modes it lists (default `Persistent`).
+    fn supports_mode(&self, volume: &str, driver: &str, mode: &str) -> Result<(), VolumeError> {
+        let refuse = |reason: String| VolumeError::InvalidSpec { volume: volume.to_owned(), reason };
+        match self.objects.get(driver) {
+            None if mode == "Persistent" => Ok(()),
+            None => Err(refuse(format!(
+                "volume mode {mode:?} not supported by driver {driver} (no CSIDriver object; add one with \
+                 volumeLifecycleModes: [{mode}])"
+            ))),
+            Some(spec) => {
+                let modes = spec.volume_lifecycle_modes.clone().unwrap_or_else(|| vec!["Persistent".into()]);
+                if modes.iter().any(|m| m == mode) {
+                    Ok(())
+                } else {
+                    Err(refuse(format!(
+                        "volume mode {mode:?} not supported by driver {driver} (only supports {modes:?})"
+                    )))
+                }
+            }
+        }
+    }
+}
+
+/// The CSI access mode of a PV's access modes, as the kubelet maps them.
+fn access_mode(modes: &[String]) -> AccessMode {
+    let has = |m: &str| modes.iter().any(|x| x == m);
+    if has("ReadWriteOncePod") {
+        AccessMode::SingleNodeSingleWriter
+    } else if has("ReadWriteMany") {
+        AccessMode::MultiNodeMultiWriter
+    } else if has("ReadOnlyMany") && !has("ReadWriteOnce") {
+        AccessMode::MultiNodeReaderOnly
+    } else {
+        AccessMode::SingleNodeWriter
+    }
+}
+
+/// The pod attributes upstream adds when the driver asks for pod info.
+fn pod_info(pod: &Pod, ephemeral: bool) -> BTreeMap<String, String> {
+    let meta = &pod.metadata;
+    let service_account =
+        pod.spec.as_ref().and_then(|s| s.service_account_name.clone()).unwrap_or_else(|| "default".into());
+    BTreeMap::from([
+        ("csi.storage.k8s.io/pod.name".into(), meta.name.clone().unwrap_or_default()),
+        ("csi.storage.k8s.io/pod.namespace".into(), meta.namespace.clone().unwrap_or_else(|| "default".into())),
+        ("csi.storage.k8s.io/pod.uid".into(), meta.uid.clone().unwrap_or_default()),
+        ("csi.storage.k8s.io/serviceAccount.name".into(), service_account),
+        ("csi.storage.k8s.io/ephemeral".into(), ephemeral.to_string()),
+    ])
+}
+
+/// Lower-case hex SHA-256.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn write_json(path: &Path, value: &CsiMount) -> std::io::Result<()> {
+    let bytes = serde_json::to_vec(value).map_err(std::io::Error::other)?;
+    std::fs::write(path, bytes)
+}
+
+/// Removes `<name>/` (vol_data.json and the unpublished mount dir); refuses
+/// to remove a directory that is still a mount.
+fn remove_publish_dir(volume: &str, dir: &Path) -> Result<(), VolumeError> {
+    let target = dir.join("mount");
+    if super::empty_dir::is_mount_point(&target) {
+        return Err(VolumeError::Teardown {
+            volume: volume.to_owned(),
+            reason: format!("{} is still mounted after NodeUnpublishVolume", target.display()),
+        });
+    }
+    match std::fs::remove_dir_all(dir) {
+        Err(error) if error.kind() != std::io::ErrorKind::NotFound => {
+            Err(VolumeError::Io { volume: volume.to_owned(), path: dir.to_owned(), source: error })
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The CSI volumes an earlier run of the node left published under
+/// `root_dir`, per pod UID (read from their `vol_data.json`).
+pub fn published_on_disk(root_dir: &Path) -> Vec<(String, String, PreparedVolume)> {
+    let mut found = Vec::new();
+    let Ok(pods) = std::fs::read_dir(root_dir.join("pods")) else { return found };
+    for pod in pods.flatten() {
+        let uid = pod.file_name().to_string_lossy().into_owned();
+        let Ok(volumes) = std::fs::read_dir(pod.path().join("volumes").join(CSI_PLUGIN_DIR)) else { continue };
+        for volume in volumes.flatten() {
+            let Ok(bytes) = std::fs::read(volume.path().join("vol_data.json")) else { continue };
+            let Ok(mount) = serde_json::from_slice::<CsiMount>(&bytes) else { continue };
+            let name = volume.file_name().to_string_lossy().into_owned();
+            let prepared = PreparedVolume {
+                host_path: volume.path().join("mount"),
+                kind: VolumeKind::Csi,
+                ready: false,
+                csi: Some(mount),
+            };
+            found.push((uid.clone(), name, prepared));
+        }
+    }
+    found
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn access_modes_map_as_upstream() {
+        let modes = |m: &[&str]| m.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+        assert_eq!(access_mode(&modes(&["ReadWriteOnce"])), AccessMode::SingleNodeWriter);
+        assert_eq!(access_mode(&modes(&["ReadOnlyMany"])), AccessMode::MultiNodeReaderOnly);
+        assert_eq!(access_mode(&modes(&["ReadWriteMany"])), AccessMode::MultiNodeMultiWriter);
+        assert_eq!(access_mode(&modes(&["ReadWriteOncePod"])), AccessMode::SingleNodeSingleWriter);
+        assert_eq!(access_mode(&[]), AccessMode::SingleNodeWriter);
+    }
+
+    #[test]
+    fn inline_handles_are_sha256_of_uid_and_name() {
+        // sha256("abc") is a well-known vector.
+        assert_eq!(sha256_hex(b"abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+    }
+}

@@ -1,0 +1,55 @@
+//! Talking to a running node: its endpoint is read from
+//! `<root-dir>/rustlet-endpoint`, then a plain HTTP/1.0 GET on loopback.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use kubelet::node::ENDPOINT_FILE;
+
+/// The node's answer to one request.
+pub(crate) struct Answer {
+    pub(crate) status: u16,
+    pub(crate) body: String,
+}
+
+/// `GET path` on the node whose root dir is `root_dir`.
+pub(crate) fn get(root_dir: &Path, path: &str) -> anyhow::Result<Answer> {
+    let file = root_dir.join(ENDPOINT_FILE);
+    let endpoint = std::fs::read_to_string(&file).with_context(|| {
+        format!(
+            "no running node found in root dir {} (cannot read {}); start one with `rustlet --standalone --root-dir {}` \
+             or pass --root-dir",
+            root_dir.display(),
+            file.display(),
+            root_dir.display()
+        )
+    })?;
+    let address = endpoint.trim().trim_start_matches("http://").trim_end_matches('/').to_owned();
+    let socket = address.parse().with_context(|| format!("{} holds {address:?}, not an address", file.display()))?;
+    let mut stream = TcpStream::connect_timeout(&socket, Duration::from_secs(5))
+        .with_context(|| format!("cannot reach the node at {address} (named in {}); is it running?", file.display()))?;
+    stream.set_read_timeout(Some(Duration::from_secs(30)))?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: {address}\r\nAccept: */*\r\n\r\n")?;
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).with_context(|| format!("reading the node's answer to GET {path}"))?;
+    let raw = String::from_utf8_lossy(&raw);
+    let Some((head, body)) = raw.split_once("\r\n\r\n") else { bail!("the node's answer to GET {path} is not HTTP") };
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .with_context(|| format!("the node's answer to GET {path} has no status"))?;
+    Ok(Answer { status, body: body.to_owned() })
+}
+
+/// `GET path`, failing with the node's message unless it answers 200.
+pub(crate) fn get_ok(root_dir: &Path, path: &str) -> anyhow::Result<String> {
+    let answer = get(root_dir, path)?;
+    if answer.status != 200 {
+        bail!("{}", answer.body.trim());
+    }
+    Ok(answer.body)
+}
