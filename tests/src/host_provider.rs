@@ -6,10 +6,17 @@
 //! container's log file in the CRI format. Tests see real exits, device env
 //! and files written into volumes.
 //!
-//! Not done yet: adopting processes after a restart of the node (the
-//! processes are the node's children and die with it).
+//! Two ways to run a process:
+//! - [`HostProcessProvider::new`]: the node's own children (they die with
+//!   it); fast, for most tests and the benchmark.
+//! - [`HostProcessProvider::detached`]: each container runs under the
+//!   `container-shim` binary in its own process group, with its state in a
+//!   directory (`lock` held while it runs, `exit` once it ended). It
+//!   outlives the node, and a node started again adopts it
+//!   ([`Provider::running_containers`]): the kubelet-restart tests use it.
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -27,7 +34,10 @@ use tokio::sync::watch;
 
 /// One process.
 struct Instance {
+    /// The process (in-process mode) or the shim's process group (detached).
     pid: Option<u32>,
+    /// Signals go to the process group (detached mode).
+    group: bool,
     exit: watch::Receiver<Option<ContainerExit>>,
     kill: tokio::sync::mpsc::UnboundedSender<()>,
 }
@@ -39,17 +49,157 @@ pub struct HostProcessProvider {
     next: AtomicU64,
     /// Images whose preparation fails (`image` → message).
     pub failing_images: Mutex<HashMap<String, String>>,
+    detached: Option<Detached>,
+}
+
+/// Where detached containers keep their state, and the shim that runs them.
+struct Detached {
+    shim: PathBuf,
+    state_dir: PathBuf,
+}
+
+/// What a detached container's directory says about it.
+#[derive(serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Meta {
+    pod_uid: String,
+    container_name: String,
+    restart_count: u32,
+    started_at: Timestamp,
+    group: u32,
+}
+
+/// Kills every detached container under `state_dir` (their process groups);
+/// for test cleanup.
+pub fn kill_detached(state_dir: &std::path::Path) {
+    for pod in std::fs::read_dir(state_dir).into_iter().flatten().flatten() {
+        for container in std::fs::read_dir(pod.path()).into_iter().flatten().flatten() {
+            let Ok(meta) = std::fs::read(container.path().join("meta.json")) else { continue };
+            let Ok(meta) = serde_json::from_slice::<Meta>(&meta) else { continue };
+            let _ = std::process::Command::new("kill").args(["-KILL", "--", &format!("-{}", meta.group)]).status();
+        }
+    }
 }
 
 impl HostProcessProvider {
-    /// A provider with no failing images.
+    /// A provider whose processes are the node's children.
     pub fn new() -> Self {
         Self::default()
     }
 
-    fn instance(&self, id: &ContainerId) -> Option<(Option<u32>, watch::Receiver<Option<ContainerExit>>)> {
+    /// A provider whose processes run under `shim` (the `container-shim`
+    /// binary) with their state in `state_dir`: they outlive the node and
+    /// are adopted by the next one.
+    pub fn detached(shim: impl Into<PathBuf>, state_dir: impl Into<PathBuf>) -> Self {
+        HostProcessProvider {
+            detached: Some(Detached { shim: shim.into(), state_dir: state_dir.into() }),
+            ..Self::default()
+        }
+    }
+
+    /// Follows the detached container in `dir`: its exit is reported once
+    /// the shim's lock is free (a blocking lock in a worker thread, no poll).
+    fn watch_detached(&self, id: ContainerId, dir: PathBuf, group: u32) {
+        let (exit_tx, exit) = watch::channel(None);
+        let (kill, mut kills) = tokio::sync::mpsc::unbounded_channel::<()>();
+        tokio::spawn(async move {
+            let lock_path = dir.join("lock");
+            let waited = tokio::task::spawn_blocking(move || {
+                std::fs::OpenOptions::new().write(true).open(&lock_path).and_then(|f| f.lock())
+            });
+            tokio::pin!(waited);
+            loop {
+                tokio::select! {
+                    _ = &mut waited => break,
+                    Some(()) = kills.recv() => {
+                        let _ = tokio::process::Command::new("kill").args(["-KILL", "--", &format!("-{group}")]).status().await;
+                    }
+                }
+            }
+            let exit_code = std::fs::read_to_string(dir.join("exit"))
+                .ok()
+                .and_then(|code| code.trim().parse().ok())
+                // The shim itself was killed: the container is gone too.
+                .unwrap_or(137);
+            let _ = exit_tx.send(Some(ContainerExit {
+                exit_code,
+                reason: None,
+                message: None,
+                finished_at: Timestamp::now(),
+            }));
+        });
+        self.instances.lock().expect("lock").insert(id, Instance { pid: Some(group), group: true, exit, kill });
+    }
+
+    async fn start_detached(
+        &self,
+        detached: &Detached,
+        launch: &ContainerLaunch,
+        argv: Vec<String>,
+        env: Vec<(String, String)>,
+    ) -> Result<ContainerId, ProviderError> {
+        let uid = launch.pod.metadata.uid.clone().unwrap_or_default();
+        let nonce = self.next.fetch_add(1, Ordering::Relaxed);
+        let dir = detached.state_dir.join(&uid).join(format!(
+            "{}-{}-{}-{nonce}",
+            launch.container.name,
+            launch.restart_count,
+            std::process::id()
+        ));
+        let other = |e: std::io::Error| ProviderError::new(ProviderErrorKind::Other, format!("{}: {e}", dir.display()));
+        std::fs::create_dir_all(&dir).map_err(other)?;
+        let mut command = tokio::process::Command::new(&detached.shim);
+        command
+            .arg("--dir")
+            .arg(&dir)
+            .arg("--log")
+            .arg(&launch.log_path)
+            .arg("--")
+            .args(&argv)
+            .env_clear()
+            .envs(env)
+            .process_group(0)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            // Not the node's stderr: the shim outlives the node, and would
+            // hold whatever reads the node's output open.
+            .stderr(Stdio::null())
+            .kill_on_drop(false);
+        if let Some(working_dir) = &launch.run_options.working_dir {
+            command.current_dir(working_dir);
+        }
+        let mut shim = command.spawn().map_err(|e| {
+            ProviderError::new(ProviderErrorKind::CannotRun, format!("run {}: {e}", detached.shim.display()))
+        })?;
+        let group = shim.id().unwrap_or_default();
+        let stdout = shim.stdout.take().expect("piped");
+        let mut ready = String::new();
+        let said = tokio::time::timeout(Duration::from_secs(30), BufReader::new(stdout).read_line(&mut ready)).await;
+        if !matches!(said, Ok(Ok(n)) if n > 0) {
+            let _ = shim.start_kill();
+            return Err(ProviderError::new(ProviderErrorKind::CannotRun, "the container shim did not start"));
+        }
+        let meta = Meta {
+            pod_uid: uid,
+            container_name: launch.container.name.clone(),
+            restart_count: launch.restart_count,
+            started_at: Timestamp::now(),
+            group,
+        };
+        std::fs::write(dir.join("meta.json"), serde_json::to_vec(&meta).unwrap_or_default()).map_err(other)?;
+        // The shim is reaped by the runtime once it exits; it is followed
+        // through its lock from here on.
+        drop(shim);
+        let id = ContainerId(format!("shim:{}", dir.display()));
+        self.watch_detached(id.clone(), dir, group);
+        Ok(id)
+    }
+
+    fn instance(&self, id: &ContainerId) -> Option<(Option<String>, watch::Receiver<Option<ContainerExit>>)> {
         let instances = self.instances.lock().expect("lock");
-        instances.get(id).map(|i| (i.pid, i.exit.clone()))
+        instances
+            .get(id)
+            .map(|i| (i.pid.map(|p| if i.group { format!("-{p}") } else { p.to_string() }), i.exit.clone()))
     }
 }
 
@@ -73,12 +223,8 @@ impl Provider for HostProcessProvider {
         if argv.is_empty() {
             return Err(ProviderError::new(ProviderErrorKind::Config, "the host provider needs a command"));
         }
-        let program = argv.remove(0);
-        let mut command = tokio::process::Command::new(&program);
-        command.args(&argv).env_clear().env("PATH", std::env::var("PATH").unwrap_or_default());
-        for var in &options.env {
-            command.env(&var.name, &var.value);
-        }
+        let mut env = vec![("PATH".to_owned(), std::env::var("PATH").unwrap_or_default())];
+        env.extend(options.env.iter().map(|var| (var.name.clone(), var.value.clone())));
         let mut device_mounts = 0;
         for mount in &options.mounts {
             let name = match &mount.volume {
@@ -88,8 +234,14 @@ impl Provider for HostProcessProvider {
                     format!("DEVICE_MOUNT_{device_mounts}")
                 }
             };
-            command.env(name, &mount.host_path);
+            env.push((name, mount.host_path.display().to_string()));
         }
+        if let Some(detached) = &self.detached {
+            return self.start_detached(detached, launch, argv, env).await;
+        }
+        let program = argv.remove(0);
+        let mut command = tokio::process::Command::new(&program);
+        command.args(&argv).env_clear().envs(env);
         if let Some(dir) = &options.working_dir {
             command.current_dir(dir);
         }
@@ -133,7 +285,7 @@ impl Provider for HostProcessProvider {
                 finished_at: Timestamp::now(),
             }));
         });
-        self.instances.lock().expect("lock").insert(id.clone(), Instance { pid, exit, kill });
+        self.instances.lock().expect("lock").insert(id.clone(), Instance { pid, group: false, exit, kill });
         Ok(id)
     }
 
@@ -155,7 +307,7 @@ impl Provider for HostProcessProvider {
         if let Some(pid) = pid {
             // SIGTERM first, through kill(1): the test support stays free of
             // unsafe code.
-            let _ = tokio::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status().await;
+            let _ = tokio::process::Command::new("kill").args(["-TERM", "--", &pid]).status().await;
         }
         if tokio::time::timeout(grace, exit.wait_for(Option::is_some)).await.is_err() {
             if let Some(instance) = self.instances.lock().expect("lock").get(id) {
@@ -167,10 +319,44 @@ impl Provider for HostProcessProvider {
     }
 
     async fn running_containers(&self) -> Result<Vec<RunningContainer>, ProviderError> {
-        Ok(Vec::new())
+        let Some(detached) = &self.detached else { return Ok(Vec::new()) };
+        let mut running = Vec::new();
+        for pod in std::fs::read_dir(&detached.state_dir).into_iter().flatten().flatten() {
+            for container in std::fs::read_dir(pod.path()).into_iter().flatten().flatten() {
+                let dir = container.path();
+                let Ok(meta) = std::fs::read(dir.join("meta.json")) else { continue };
+                let Ok(meta) = serde_json::from_slice::<Meta>(&meta) else { continue };
+                // Running while its shim holds the lock.
+                let held = std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(dir.join("lock"))
+                    .is_ok_and(|f| matches!(f.try_lock(), Err(std::fs::TryLockError::WouldBlock)));
+                if !held {
+                    continue;
+                }
+                let id = ContainerId(format!("shim:{}", dir.display()));
+                self.watch_detached(id.clone(), dir, meta.group);
+                running.push(RunningContainer {
+                    id,
+                    pod_uid: meta.pod_uid,
+                    container_name: meta.container_name,
+                    restart_count: meta.restart_count,
+                    started_at: meta.started_at,
+                });
+            }
+        }
+        Ok(running)
     }
 
-    async fn remove_pod(&self, _pod_uid: &str) -> Result<(), ProviderError> {
+    async fn remove_pod(&self, pod_uid: &str) -> Result<(), ProviderError> {
+        if let Some(detached) = &self.detached {
+            match std::fs::remove_dir_all(detached.state_dir.join(pod_uid)) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(ProviderError::new(ProviderErrorKind::Other, e.to_string()));
+                }
+                _ => {}
+            }
+        }
         Ok(())
     }
 }

@@ -83,6 +83,21 @@ pub enum Report {
         /// The resource.
         resource: String,
     },
+    /// A test node's pod changed (reported by the `test-node` binary).
+    PodStatus {
+        /// The pod's name.
+        name: String,
+        /// Its UID.
+        uid: String,
+        /// Its phase.
+        phase: String,
+        /// Containers in the running state.
+        running: Vec<String>,
+        /// Restarts of all its containers.
+        restarts: i32,
+        /// The pod's status message.
+        message: String,
+    },
 }
 
 /// Where reports go: a channel in-process, or stdout in the plugin binaries.

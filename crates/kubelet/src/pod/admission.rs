@@ -51,7 +51,19 @@ pub struct AdmittedPods {
 
 impl AdmittedPods {
     /// Checks `pod` against what is left and, if it fits, counts it in.
-    pub fn admit(&self, uid: &str, pod: &Pod, allocatable: Allocatable, devices: &Capacities) -> Result<(), Rejection> {
+    ///
+    /// `held(container, resource)` is how many devices of `resource` the
+    /// container already holds (from the checkpoint, after a node restart):
+    /// those need no free device, so a pod the node ran before it restarted
+    /// is admitted again before its device plugin has registered again.
+    pub fn admit(
+        &self,
+        uid: &str,
+        pod: &Pod,
+        allocatable: Allocatable,
+        devices: &Capacities,
+        held: impl Fn(&str, &str) -> usize,
+    ) -> Result<(), Rejection> {
         let requests = pod_requests(pod)
             .map_err(|e| Rejection { reason: "InvalidPod".into(), message: format!("resource requests: {e}") })?;
         let mut pods = self.pods.lock().unwrap_or_else(|p| p.into_inner());
@@ -74,7 +86,7 @@ impl AdmittedPods {
                 .map_err(|e| Rejection { reason: "InvalidPod".into(), message: format!("resource limits: {e}") })?;
             for (resource, count) in limits {
                 let allocatable = devices.get(&resource).map(|c| c.allocatable).unwrap_or(0);
-                if count > 0 && allocatable == 0 {
+                if count > 0 && allocatable == 0 && held(&container.name, &resource) < count as usize {
                     return Err(Rejection::out_of(&resource, count.into(), 0, 0));
                 }
             }

@@ -39,8 +39,15 @@ impl State<PodLifecycle> for Resources {
         let lifecycle = std::sync::Arc::clone(&ctx.machine);
         let capacities = lifecycle.devices.as_ref().map(|d| d.capacity().borrow().clone()).unwrap_or_default();
         let uid = ctx.data.id.uid.clone();
-        if let Err(rejection) = lifecycle.admitted.admit(&uid, &ctx.data.pod, lifecycle.config.allocatable, &capacities)
-        {
+        let held = |container: &str, resource: &str| {
+            lifecycle
+                .devices
+                .as_ref()
+                .and_then(|d| d.allocated(&uid, container).get(resource).map(Vec::len))
+                .unwrap_or(0)
+        };
+        let admitted = lifecycle.admitted.admit(&uid, &ctx.data.pod, lifecycle.config.allocatable, &capacities, held);
+        if let Err(rejection) = admitted {
             reject(ctx, &rejection.reason, rejection.message);
             return Transition::next(&*self, Failed);
         }
