@@ -23,6 +23,7 @@ bench:
     cargo bench -p rustlet --bench registration
     cargo bench -p rustlet --bench device_plugins
     cargo bench -p rustlet --bench device_allocation
+    cargo bench -p rustlet --bench pods
 
 # End-to-end suite against a real cluster (needs RUSTLET_E2E_KUBECONFIG).
 e2e:

@@ -442,7 +442,7 @@ mod tests {
         assert_eq!(pods(&from_json)[0].metadata.uid, Some(uid.clone()), "the decoded object is hashed, not the text");
         let elsewhere = parse_manifest(Path::new("/etc/pods/other.yaml"), WEB, "Node-A").expect("parses");
         assert_ne!(pods(&elsewhere)[0].metadata.uid, Some(uid.clone()), "the file is part of the UID");
-        let changed = parse_manifest(path, &WEB.replace("image: x", "image: y"), "Node-A").expect("parses");
+        let changed = parse_manifest(path, &WEB.replace("image: x", "image: other"), "Node-A").expect("parses");
         assert_ne!(pods(&changed)[0].metadata.uid, Some(uid), "a changed manifest is a new pod");
     }
 

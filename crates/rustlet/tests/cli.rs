@@ -182,8 +182,12 @@ async fn healthz_names_a_failing_component_until_it_recovers() {
     assert!(body.contains("exists but is not a directory"), "{body}");
 
     std::fs::remove_file(&registry).expect("rm");
-    node.line_with("watching the plugin registration directory").await;
-    assert_eq!(get(&address, "/healthz").await, (200, "ok".to_owned()));
+    let line = node.line_with("watching the plugin registration directory").await;
+    let mut rest = Vec::new();
+    while let Ok(more) = node.lines.try_recv() {
+        rest.push(more);
+    }
+    assert_eq!(get(&address, "/healthz").await, (200, "ok".to_owned()), "after {line}\nthen {rest:#?}");
 }
 
 #[tokio::test]
