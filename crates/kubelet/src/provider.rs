@@ -109,7 +109,7 @@ pub struct ContainerLaunch {
     /// What the container runs with.
     pub run_options: ContainerRunOptions,
     /// Where the container's output goes (CRI log format), under
-    /// `<root-dir>/pods/<namespace>_<name>_<uid>/<container>/<restart>.log`.
+    /// `<root-dir>/logs/pods/<namespace>_<name>_<uid>/<container>/<restart>.log`.
     pub log_path: PathBuf,
 }
 

@@ -268,3 +268,98 @@ async fn demo_runs_its_scenario_to_completion() {
         assert!(stdout.contains(needle), "missing {needle:?} in:\n{stdout}");
     }
 }
+
+/// Runs `rustlet ARGS` to completion; returns (success, stdout, stderr).
+async fn run_cli(args: &[&str]) -> (bool, String, String) {
+    let output = tokio::time::timeout(SOON, rustlet().args(args).output()).await.expect("in time").expect("run");
+    (
+        output.status.success(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+#[tokio::test]
+async fn get_and_logs_find_the_node_through_its_root_dir() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let root_dir = root.path().to_str().expect("utf8").to_owned();
+    let (ok, _, stderr) = run_cli(&["get", "pods", "--root-dir", &root_dir]).await;
+    assert!(!ok && stderr.contains("no running node found in root dir"), "{stderr}");
+
+    let manifests = root.path().join("manifests");
+    std::fs::create_dir_all(&manifests).expect("mkdir");
+    std::fs::write(
+        manifests.join("pods.yaml"),
+        "apiVersion: v1\nkind: Pod\nmetadata: {name: huge}\nspec:\n  containers:\n  - {name: main, image: x, resources: {requests: {cpu: '5000'}}}\n\
+         ---\napiVersion: v1\nkind: Pod\nmetadata: {name: duo}\nspec:\n  containers: [{name: a, image: x}, {name: b, image: x}]\n",
+    )
+    .expect("write");
+    let manifest_dir = manifests.to_str().expect("utf8").to_owned();
+    let mut node = Running::start(&[
+        "--standalone",
+        "--root-dir",
+        &root_dir,
+        "--pod-manifest-path",
+        &manifest_dir,
+        "--node-name",
+        "Cli-Node",
+        "--healthz-port",
+        "0",
+    ]);
+    node.line_with("pod rejected").await;
+    node.line_with("node started").await;
+
+    let (ok, table, stderr) = run_cli(&["get", "pods", "--root-dir", &root_dir]).await;
+    assert!(ok, "{stderr}");
+    let lines: Vec<&str> = table.lines().collect();
+    assert!(lines[0].starts_with("NAME ") && lines[0].contains("READY   STATUS") && lines[0].ends_with("AGE"), "{table}");
+    let huge = lines.iter().find(|l| l.starts_with("huge-cli-node ")).expect("the rejected pod is listed");
+    assert!(huge.contains(" 0/1 ") && huge.contains(" OutOfcpu "), "{table}");
+    assert!(lines.iter().any(|l| l.starts_with("duo-cli-node ") && l.contains(" 0/2 ")), "{table}");
+
+    let (ok, wide, _) = run_cli(&["get", "pods", "-o", "wide", "-A", "--root-dir", &root_dir]).await;
+    assert!(ok && wide.lines().next().is_some_and(|h| h.starts_with("NAMESPACE ") && h.contains(" NODE ")), "{wide}");
+    assert!(wide.contains(" Cli-Node "), "{wide}");
+    let (ok, json, _) = run_cli(&["get", "pods", "huge-cli-node", "-o", "json", "--root-dir", &root_dir]).await;
+    assert!(ok);
+    let list: serde_json::Value = serde_json::from_str(&json).expect("json");
+    assert_eq!(list["items"][0]["status"]["reason"], "OutOfcpu");
+    let (ok, _, stderr) = run_cli(&["get", "pods", "nope", "--root-dir", &root_dir]).await;
+    assert!(!ok && stderr.contains("pods \"nope\" not found"), "{stderr}");
+
+    let (ok, node_table, _) = run_cli(&["get", "node", "--root-dir", &root_dir]).await;
+    assert!(ok);
+    let row = node_table.lines().nth(1).expect("a row");
+    assert!(row.starts_with("Cli-Node ") && row.contains(" Ready "), "{node_table}");
+    let (ok, node_json, _) = run_cli(&["get", "no", "-o", "json", "--root-dir", &root_dir]).await;
+    assert!(ok);
+    let node_object: serde_json::Value = serde_json::from_str(&node_json).expect("json");
+    assert_eq!(node_object["kind"], "Node");
+    assert_eq!(node_object["status"]["capacity"]["pods"], "110");
+
+    // Logs: a container must be named when there are several; this node has
+    // no provider, so there are none yet.
+    let (ok, _, stderr) = run_cli(&["logs", "duo-cli-node", "--root-dir", &root_dir]).await;
+    assert!(!ok && stderr.contains("a container name must be specified for pod duo-cli-node, choose one of: [a b]"), "{stderr}");
+    let (ok, _, stderr) = run_cli(&["logs", "duo-cli-node", "-c", "a", "--root-dir", &root_dir]).await;
+    assert!(!ok && stderr.contains("has no logs yet"), "{stderr}");
+    let (ok, _, stderr) = run_cli(&["logs", "duo-cli-node", "-c", "zzz", "--root-dir", &root_dir]).await;
+    assert!(!ok && stderr.contains("container zzz is not valid for pod duo-cli-node"), "{stderr}");
+    // A log written in the CRI format is served as text.
+    let uid = list["items"][0]["metadata"]["uid"].as_str().expect("uid").to_owned();
+    let (ok, duo_json, _) = run_cli(&["get", "pods", "duo-cli-node", "-o", "json", "--root-dir", &root_dir]).await;
+    assert!(ok);
+    let duo: serde_json::Value = serde_json::from_str(&duo_json).expect("json");
+    let duo_uid = duo["items"][0]["metadata"]["uid"].as_str().expect("uid");
+    assert_ne!(duo_uid, uid);
+    let dir = root.path().join(format!("logs/pods/default_duo-cli-node_{duo_uid}/a"));
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    std::fs::write(dir.join("0.log"), "2026-01-01T00:00:00Z stdout F first\n2026-01-01T00:00:01Z stderr F second\n")
+        .expect("write");
+    let (ok, text, stderr) = run_cli(&["logs", "duo-cli-node", "-c", "a", "--root-dir", &root_dir]).await;
+    assert!(ok, "{stderr}");
+    assert_eq!(text, "first\nsecond\n");
+    let (ok, text, _) = run_cli(&["logs", "duo-cli-node", "-c", "a", "--tail", "1", "--root-dir", &root_dir]).await;
+    assert!(ok);
+    assert_eq!(text, "second\n");
+}
