@@ -18,7 +18,7 @@ use kubelet_api::constants::{DEVICE_PLUGIN_VERSION, DEVICE_PLUGINS_DIR, PLUGINS_
 use kubelet_api::deviceplugin::v1beta1::DevicePluginOptions;
 use rustlet_sample_plugins::csi_driver::{CsiDriverConfig, RegisteredCsiDriver};
 use rustlet_sample_plugins::device_plugin::{
-    DevicePluginBehaviour, DeviceSpec, FakeDevicePlugin, register_with_kubelet,
+    DeviceControl, DevicePluginBehaviour, DeviceSpec, FakeDevicePlugin, register_with_kubelet,
 };
 use rustlet_sample_plugins::registration::{Behaviour, Identity, RegistrationPlugin};
 use rustlet_sample_plugins::report::Reporter;
@@ -45,7 +45,7 @@ pub(crate) async fn run(args: DemoArgs, signals: HealthReporter, shutdown: Cance
         plugin_get_info_timeout: Duration::from_secs(1),
         plugin_notify_timeout: Duration::from_secs(5),
         plugin_resync_period: Duration::from_secs(30),
-        pod_manifest_path: None,
+        pod_manifest_path: Some(root.path().join("manifests")),
         max_pods: kubelet::node::DEFAULT_MAX_PODS,
     };
     let node = crate::node::start(&node_args, &signals, shutdown.clone()).await?;
@@ -98,7 +98,9 @@ pub(crate) async fn run(args: DemoArgs, signals: HealthReporter, shutdown: Cance
         println!("  -> turned down, the plugin was told: {error}");
     }
 
-    demo_device_plugin(&node, &plugins).await?;
+    let control = demo_device_plugin(&node, &plugins).await?;
+    demo_static_pod(&node).await?;
+    drop(control);
 
     println!("\nCSI drivers on this node:");
     for driver in node.csi_drivers().list() {
@@ -142,8 +144,78 @@ pub(crate) async fn run(args: DemoArgs, signals: HealthReporter, shutdown: Cance
     Ok(())
 }
 
+/// A static pod: a manifest with a device request and an inline CSI volume
+/// on the hostpath driver is admitted, gets its device and its volume, and
+/// waits for a provider; removing the manifest releases both.
+async fn demo_static_pod(node: &Node) -> anyhow::Result<()> {
+    let manifests = node.root_dir().join("manifests");
+    let manifest = manifests.join("demo.yaml");
+    std::fs::write(
+        &manifest,
+        "apiVersion: storage.k8s.io/v1
+kind: CSIDriver
+metadata: {name: hostpath.csi.rustlet.dev}
+spec: {podInfoOnMount: true, volumeLifecycleModes: [Persistent, Ephemeral]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: demo}
+spec:
+  containers:
+  - name: app
+    image: demo
+    command: [sh, -c, 'ls /data']
+    resources:
+      requests: {cpu: 100m, memory: 64Mi}
+      limits: {gpu.rustlet.dev/demo: 1}
+    volumeMounts: [{name: data, mountPath: /data}, {name: scratch, mountPath: /scratch}]
+  volumes:
+  - {name: data, csi: {driver: hostpath.csi.rustlet.dev, volumeAttributes: {size: 1Gi}}}
+  - {name: scratch, emptyDir: {}}
+",
+    )
+    .with_context(|| format!("cannot write {}", manifest.display()))?;
+    println!(
+        "
+wrote static pod manifest {}",
+        manifest.display()
+    );
+    let waiting = node
+        .pods()
+        .store()
+        .wait_for(STEP_DEADLINE, |pods| {
+            pods.values().any(|p| {
+                p.status.as_ref().and_then(|s| s.message.as_deref()) == Some(kubelet::pod::NO_PROVIDER_MESSAGE)
+            })
+        })
+        .await
+        .context("the static pod did not get its device and volumes in time")?;
+    let pod = waiting.values().next().context("no pod")?;
+    let uid = pod.metadata.uid.clone().unwrap_or_default();
+    println!("  -> pod {} (UID {uid}) admitted", pod.metadata.name.as_deref().unwrap_or_default());
+    let held = node.devices().allocated(&uid, "app").remove("gpu.rustlet.dev/demo").unwrap_or_default();
+    println!("  -> device allocated: {held:?}");
+    let published = node.root_dir().join("pods").join(&uid).join("volumes/kubernetes.io~csi/data/mount");
+    println!("  -> CSI volume published by hostpath.csi.rustlet.dev at {}", published.display());
+    println!("  -> status: {}", kubelet::pod::NO_PROVIDER_MESSAGE);
+    println!("     (from another terminal: rustlet get pods --root-dir {})", node.root_dir().display());
+    std::fs::remove_file(&manifest).context("cannot remove the manifest")?;
+    node.pods()
+        .store()
+        .wait_for(STEP_DEADLINE, |pods| pods.is_empty())
+        .await
+        .context("the static pod was not released in time")?;
+    let free = node.devices().allocated(&uid, "app").is_empty() && !published.exists();
+    println!("  -> manifest removed: volume unpublished and device freed: {free}");
+    if !free {
+        bail!("the removed pod still holds its device or volume");
+    }
+    Ok(())
+}
+
 /// A device plugin registers on kubelet.sock; one device turns unhealthy.
-async fn demo_device_plugin(node: &Node, plugins: &CancellationToken) -> anyhow::Result<()> {
+/// Returns the plugin's control (its device stream ends when it is dropped).
+async fn demo_device_plugin(node: &Node, plugins: &CancellationToken) -> anyhow::Result<DeviceControl> {
     const RESOURCE: &str = "gpu.rustlet.dev/demo";
     let socket = node.root_dir().join(DEVICE_PLUGINS_DIR).join("demo-gpu.sock");
     let devices = ["gpu-0:Healthy:0", "gpu-1:Healthy:0", "gpu-2:Healthy:1"]
@@ -187,7 +259,7 @@ async fn demo_device_plugin(node: &Node, plugins: &CancellationToken) -> anyhow:
     println!("     env {:?}, CDI devices {:?}", options.envs, options.cdi_devices);
     let freed = node.devices().free_pod("demo-pod-uid");
     println!("  -> pod removed: {freed} devices freed");
-    Ok(())
+    Ok(control)
 }
 
 async fn next_event(

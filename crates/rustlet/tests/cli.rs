@@ -312,7 +312,10 @@ async fn get_and_logs_find_the_node_through_its_root_dir() {
     let (ok, table, stderr) = run_cli(&["get", "pods", "--root-dir", &root_dir]).await;
     assert!(ok, "{stderr}");
     let lines: Vec<&str> = table.lines().collect();
-    assert!(lines[0].starts_with("NAME ") && lines[0].contains("READY   STATUS") && lines[0].ends_with("AGE"), "{table}");
+    assert!(
+        lines[0].starts_with("NAME ") && lines[0].contains("READY   STATUS") && lines[0].ends_with("AGE"),
+        "{table}"
+    );
     let huge = lines.iter().find(|l| l.starts_with("huge-cli-node ")).expect("the rejected pod is listed");
     assert!(huge.contains(" 0/1 ") && huge.contains(" OutOfcpu "), "{table}");
     assert!(lines.iter().any(|l| l.starts_with("duo-cli-node ") && l.contains(" 0/2 ")), "{table}");
@@ -340,7 +343,10 @@ async fn get_and_logs_find_the_node_through_its_root_dir() {
     // Logs: a container must be named when there are several; this node has
     // no provider, so there are none yet.
     let (ok, _, stderr) = run_cli(&["logs", "duo-cli-node", "--root-dir", &root_dir]).await;
-    assert!(!ok && stderr.contains("a container name must be specified for pod duo-cli-node, choose one of: [a b]"), "{stderr}");
+    assert!(
+        !ok && stderr.contains("a container name must be specified for pod duo-cli-node, choose one of: [a b]"),
+        "{stderr}"
+    );
     let (ok, _, stderr) = run_cli(&["logs", "duo-cli-node", "-c", "a", "--root-dir", &root_dir]).await;
     assert!(!ok && stderr.contains("has no logs yet"), "{stderr}");
     let (ok, _, stderr) = run_cli(&["logs", "duo-cli-node", "-c", "zzz", "--root-dir", &root_dir]).await;

@@ -49,6 +49,7 @@ pub use backoff::BackoffConfig;
 pub use data::{ContainerPhase, Terminated};
 pub use quantity::{QuantityError, parse_milli, parse_units};
 pub use spec::{DEFAULT_GRACE_PERIOD, PodIdentity, RestartPolicy};
+pub use states::NO_PROVIDER_MESSAGE;
 pub use status::Stage;
 pub use store::PodStore;
 

@@ -10,7 +10,7 @@ mod terminating;
 pub use admission::{Registered, Resources};
 pub use containers::{CrashLoopBackOff, Initializing, Running, Starting};
 pub use finished::{Completed, Failed};
-pub use prepare::{ImagePull, ImagePullBackOff, NoProvider, Volumes};
+pub use prepare::{ImagePull, ImagePullBackOff, NO_PROVIDER_MESSAGE, NoProvider, Volumes};
 pub use terminating::Terminating;
 
 use krator::TransitionTo;
