@@ -72,7 +72,12 @@ async fn pod_node(gpus: u64, tweak: impl FnOnce(&mut PodConfig)) -> PodNode {
         reset_after: Duration::from_secs(600),
     };
     tweak(&mut config);
-    let provider: Arc<dyn Provider> = Arc::new(HostProcessProvider::new());
+    let host = HostProcessProvider::new();
+    host.failing_images
+        .lock()
+        .expect("lock")
+        .insert("registry.example/broken:1".into(), "manifest unknown: no such image".into());
+    let provider: Arc<dyn Provider> = Arc::new(host);
     let lifecycle = PodLifecycle::new(config, Some(provider), Some(devices.clone()));
     let pods = Pods::start(lifecycle, shutdown.clone()).await;
     PodNode { root, pods, devices, _plugin: plugin, shutdown }
@@ -334,4 +339,58 @@ async fn a_host_path_of_the_wrong_type_keeps_the_pod_pending_with_the_reason() {
     );
     node.pods.delete("uid-5");
     node.wait_gone("uid-5").await;
+}
+
+fn waiting_reason(pod: &Pod, container: usize) -> Option<String> {
+    let statuses = pod.status.as_ref()?.container_statuses.as_ref()?;
+    statuses.get(container)?.state.as_ref()?.waiting.as_ref()?.reason.clone()
+}
+
+fn waiting_message(pod: &Pod, container: usize) -> String {
+    let statuses = pod.status.as_ref().and_then(|s| s.container_statuses.clone()).unwrap_or_default();
+    statuses.get(container).and_then(|c| c.state.as_ref()?.waiting.as_ref()?.message.clone()).unwrap_or_default()
+}
+
+#[tokio::test]
+async fn a_container_the_provider_cannot_start_backs_off_and_the_pod_keeps_trying() {
+    let node = pod_node(0, |_| {}).await;
+    node.pods.apply(pod(serde_json::json!({
+        "metadata": {"name": "broken-start", "uid": "uid-start"},
+        "spec": {"containers": [{"name": "main", "image": "busybox", "command": ["/nonexistent/program"]}]}
+    })));
+    let failed = node
+        .wait_pod("uid-start", "CrashLoopBackOff", |p| waiting_reason(p, 0).as_deref() == Some("CrashLoopBackOff"))
+        .await;
+    assert!(waiting_message(&failed, 0).contains("/nonexistent/program"), "{:?}", failed.status);
+    assert_eq!(phase(&failed), Some("Running"), "upstream: a container that ended and will restart");
+    let status = &failed.status.clone().expect("status").container_statuses.expect("statuses")[0];
+    let last = status.last_state.as_ref().and_then(|s| s.terminated.as_ref()).expect("last state");
+    assert_eq!((last.exit_code, last.reason.as_deref()), (128, Some("StartError")));
+    // It is tried again after each backoff and fails again; the pod is not
+    // given up on.
+    let again = node
+        .wait_pod("uid-start", "more tries", |p| {
+            p.status.as_ref().and_then(|s| s.container_statuses.as_ref()).is_some_and(|c| c[0].restart_count >= 3)
+        })
+        .await;
+    assert_ne!(phase(&again), Some("Failed"));
+    node.pods.delete("uid-start");
+    node.wait_gone("uid-start").await;
+}
+
+#[tokio::test]
+async fn an_image_that_cannot_be_pulled_backs_off_with_the_reason() {
+    let node = pod_node(0, |_| {}).await;
+    node.pods.apply(pod(serde_json::json!({
+        "metadata": {"name": "bad-image", "uid": "uid-image"},
+        "spec": {"containers": [{"name": "main", "image": "registry.example/broken:1", "command": ["true"]}]}
+    })));
+    let backing_off = node
+        .wait_pod("uid-image", "ImagePullBackOff", |p| waiting_reason(p, 0).as_deref() == Some("ImagePullBackOff"))
+        .await;
+    let message = waiting_message(&backing_off, 0);
+    assert!(message.contains("Back-off") && message.contains("registry.example/broken:1"), "{message}");
+    assert_eq!(phase(&backing_off), Some("Pending"));
+    node.pods.delete("uid-image");
+    node.wait_gone("uid-image").await;
 }

@@ -116,16 +116,37 @@ fn watch_exit(data: &mut PodData, provider: &Arc<dyn Provider>, name: &str, id: 
     });
 }
 
-/// Records a start failure: the container waits with the reason, and backs
-/// off before the next try.
+/// Records a start failure and backs off before the next try. As upstream,
+/// a provider that could not start the container counts as an attempt that
+/// ended (`lastState.terminated`: exit code 128, reason `StartError`, the
+/// provider's message; the restart count goes up and the container waits
+/// in `CrashLoopBackOff`); a failure before the provider was asked (run
+/// options, devices) leaves it waiting with that reason.
 pub fn record_start_failure(ctx: &mut Context<PodLifecycle>, name: &str, failure: &StartFailure) {
     let config = ctx.machine.config.restart_backoff;
-    if let Some(record) = ctx.data.containers.get_mut(name) {
-        tracing::warn!(pod.uid = %ctx.data.id.uid, container = name, reason = failure.reason, error = %failure.message, "container did not start");
+    let uid = ctx.data.id.uid.clone();
+    let Some(record) = ctx.data.containers.get_mut(name) else { return };
+    tracing::warn!(pod.uid = %uid, container = name, reason = failure.reason, error = %failure.message, "container did not start");
+    let now = Instant::now();
+    record.backoff.fail(&config, Duration::ZERO, now);
+    record.wants_start = failure.retry;
+    if failure.reason == "RunContainerError" && failure.retry {
+        record.last_terminated = Some(Terminated {
+            exit_code: 128,
+            reason: "StartError".into(),
+            message: Some(failure.message.clone()),
+            started_at: None,
+            finished_at: Timestamp::now(),
+            container_id: None,
+        });
+        record.restart_count += 1;
+        record.phase = ContainerPhase::Waiting {
+            reason: "CrashLoopBackOff".into(),
+            message: Some(format!("back-off restarting failed container {name}: {}", failure.message)),
+        };
+    } else {
         record.phase =
             ContainerPhase::Waiting { reason: failure.reason.to_owned(), message: Some(failure.message.clone()) };
-        record.backoff.fail(&config, Duration::ZERO, Instant::now());
-        record.wants_start = failure.retry;
     }
 }
 

@@ -42,6 +42,15 @@ pub fn pod_status(data: &PodData, stage: Stage) -> PodStatus {
     let phase = match (&data.verdict, stage) {
         (Some(verdict), _) => verdict.phase.to_owned(),
         (None, Stage::Pending) => "Pending".to_owned(),
+        // Upstream: a container that has never run (waiting, no last
+        // termination) keeps the pod Pending.
+        (None, Stage::Running | Stage::Terminating)
+            if apps
+                .iter()
+                .any(|c| matches!(c.phase, ContainerPhase::Waiting { .. }) && c.last_terminated.is_none()) =>
+        {
+            "Pending".to_owned()
+        }
         (None, Stage::Running | Stage::Terminating) => "Running".to_owned(),
         (None, Stage::Done) => {
             if apps.iter().all(|c| c.succeeded()) {
