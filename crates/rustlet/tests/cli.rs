@@ -56,6 +56,21 @@ impl Running {
         tokio::time::timeout(SOON, wait).await.unwrap_or_else(|_| panic!("no log line with {needle:?}"))
     }
 
+    /// Waits for log lines containing each of `needles`, in any order.
+    async fn lines_with_all(&mut self, needles: &[&str]) {
+        let mut missing: Vec<&str> = needles.to_vec();
+        let wait = async {
+            while let Some(line) = self.lines.recv().await {
+                missing.retain(|n| !line.contains(n));
+                if missing.is_empty() {
+                    return;
+                }
+            }
+            panic!("rustlet's log ended before {missing:?}");
+        };
+        tokio::time::timeout(SOON, wait).await.unwrap_or_else(|_| panic!("no log lines with {needles:?}"));
+    }
+
     async fn http_address(&mut self) -> String {
         let line = self.line_with("http endpoint listening").await;
         let start = line.find("address=").expect("address field") + "address=".len();
@@ -306,8 +321,7 @@ async fn get_and_logs_find_the_node_through_its_root_dir() {
         "--healthz-port",
         "0",
     ]);
-    node.line_with("pod rejected").await;
-    node.line_with("node started").await;
+    node.lines_with_all(&["pod rejected", "node started"]).await;
 
     let (ok, table, stderr) = run_cli(&["get", "pods", "--root-dir", &root_dir]).await;
     assert!(ok, "{stderr}");

@@ -78,12 +78,15 @@ impl State<PodLifecycle> for Resources {
 }
 
 /// Marks the pod rejected (upstream's phase, reason and message).
+/// The status is published before the log line, so whoever reads the line
+/// finds the pod rejected.
 fn reject(ctx: &mut Context<PodLifecycle>, reason: &str, message: String) {
-    tracing::warn!(pod = %ctx.data.id.full_name(), pod.uid = %ctx.data.id.uid, reason, %message, "pod rejected");
     ctx.data.verdict = Some(PodVerdict {
         phase: "Failed",
         reason: Some(reason.to_owned()),
         message: Some(format!("Pod was rejected: {message}")),
         rejected: true,
     });
+    ctx.report(pod_status(&ctx.data, Stage::Done));
+    tracing::warn!(pod = %ctx.data.id.full_name(), pod.uid = %ctx.data.id.uid, reason, %message, "pod rejected");
 }
