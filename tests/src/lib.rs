@@ -11,9 +11,12 @@
 //! - [`host_provider`]: a pod provider running containers as host
 //!   processes.
 //! - [`process`]: spawning the plugin binaries and reading their reports.
+//! - [`registry`]: a real OCI registry (`docker-registry`) on loopback,
+//!   installed on first use, and pushes of wasm images to it.
 
 pub use rustlet_sample_plugins::{csi_driver, device_plugin, registration, report};
 
 pub mod host_provider;
 pub mod process;
 pub mod raw_h2;
+pub mod registry;

@@ -209,6 +209,18 @@ pub trait Provider: Send + Sync + 'static {
         let _ = pod_uid;
         Ok(())
     }
+
+    /// Labels the node carries because of this provider (they override the
+    /// node's own, e.g. `kubernetes.io/arch`).
+    fn node_labels(&self) -> BTreeMap<String, String> {
+        BTreeMap::new()
+    }
+
+    /// Taints the node carries because of this provider, so that only pods
+    /// that tolerate them are scheduled to it.
+    fn node_taints(&self) -> Vec<k8s_openapi::api::core::v1::Taint> {
+        Vec::new()
+    }
 }
 
 /// One line of container output in the CRI log format:

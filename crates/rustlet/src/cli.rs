@@ -37,6 +37,44 @@ pub(crate) enum Command {
     Get(GetArgs),
     /// Print a container's log from the running node (like kubectl logs).
     Logs(LogsArgs),
+    /// Manage the node's WebAssembly image store (like `ctr images`).
+    #[command(subcommand)]
+    Images(ImagesCommand),
+}
+
+/// `rustlet images ...`.
+#[derive(Subcommand)]
+pub(crate) enum ImagesCommand {
+    /// Load an OCI image layout (a directory, or a tar of one) into the
+    /// store, for nodes that cannot reach a registry.
+    Import {
+        /// The layout: a directory with `oci-layout` and `index.json`, or a
+        /// tar (gzip or not) of one.
+        source: PathBuf,
+        /// Names images the layout gives only a tag (`registry/repository`).
+        #[arg(long)]
+        base_name: Option<String>,
+        #[command(flatten)]
+        node: NodeLocator,
+    },
+    /// List the images in the store.
+    #[command(alias = "ls")]
+    List {
+        /// Print only image names.
+        #[arg(short, long)]
+        quiet: bool,
+        #[command(flatten)]
+        node: NodeLocator,
+    },
+    /// Remove images by name or id (prefix of at least 12 characters).
+    #[command(alias = "remove", alias = "rm")]
+    Rm {
+        /// Image names or ids.
+        #[arg(required = true)]
+        images: Vec<String>,
+        #[command(flatten)]
+        node: NodeLocator,
+    },
 }
 
 /// How a command finds the running node.

@@ -144,61 +144,97 @@ pub(crate) async fn run(args: DemoArgs, signals: HealthReporter, shutdown: Cance
     Ok(())
 }
 
-/// A static pod: a manifest with a device request and an inline CSI volume
-/// on the hostpath driver is admitted, gets its device and its volume, and
-/// waits for a provider; removing the manifest releases both.
+/// The demo's image: the `hello` example module, imported into the node's
+/// store from an OCI layout (no registry needed).
+const DEMO_IMAGE: &str = "demo.rustlet.dev/wasm/hello:v1";
+
+/// A static pod: a WebAssembly module that requests a device and mounts an
+/// inline CSI volume is admitted, gets its device and its volume, runs and
+/// prints what it sees; removing its manifest releases everything.
 async fn demo_static_pod(node: &Node) -> anyhow::Result<()> {
+    let layout = node.root_dir().join("demo-layout");
+    let module = rustlet_wasi::examples::binary("hello").map_err(anyhow::Error::msg)?;
+    rustlet_wasi::import::write_layout(&layout, &[(DEMO_IMAGE, &module)]).map_err(anyhow::Error::msg)?;
+    let store = rustlet_wasi::store::ImageStore::open(node.root_dir())?;
+    let imported = rustlet_wasi::import::import(&store, &layout, None).map_err(anyhow::Error::msg)?;
+    println!(
+        "\nimported image {DEMO_IMAGE} ({} bytes of wasm) into the node's store, as `rustlet images import` does",
+        imported.first().map_or(0, |i| i.size)
+    );
     let manifests = node.root_dir().join("manifests");
     let manifest = manifests.join("demo.yaml");
     std::fs::write(
         &manifest,
-        "apiVersion: storage.k8s.io/v1
+        format!(
+            "apiVersion: storage.k8s.io/v1
 kind: CSIDriver
-metadata: {name: hostpath.csi.rustlet.dev}
-spec: {podInfoOnMount: true, volumeLifecycleModes: [Persistent, Ephemeral]}
+metadata: {{name: hostpath.csi.rustlet.dev}}
+spec: {{podInfoOnMount: true, volumeLifecycleModes: [Persistent, Ephemeral]}}
 ---
 apiVersion: v1
 kind: Pod
-metadata: {name: demo}
+metadata: {{name: demo}}
 spec:
+  restartPolicy: Never
+  tolerations: [{{key: kubernetes.io/arch, value: wasm32-wasi}}]
   containers:
   - name: app
-    image: demo
-    command: [sh, -c, 'ls /data']
+    image: {DEMO_IMAGE}
+    imagePullPolicy: IfNotPresent
+    args: [--greeting, hello]
+    env: [{{name: POD_PURPOSE, value: demo}}]
     resources:
-      requests: {cpu: 100m, memory: 64Mi}
-      limits: {gpu.rustlet.dev/demo: 1}
-    volumeMounts: [{name: data, mountPath: /data}, {name: scratch, mountPath: /scratch}]
+      requests: {{cpu: 100m, memory: 64Mi}}
+      limits: {{gpu.rustlet.dev/demo: 1, memory: 64Mi}}
+    volumeMounts: [{{name: data, mountPath: /data}}, {{name: scratch, mountPath: /scratch}}]
   volumes:
-  - {name: data, csi: {driver: hostpath.csi.rustlet.dev, volumeAttributes: {size: 1Gi}}}
-  - {name: scratch, emptyDir: {}}
-",
+  - {{name: data, csi: {{driver: hostpath.csi.rustlet.dev, volumeAttributes: {{size: 1Gi}}}}}}
+  - {{name: scratch, emptyDir: {{}}}}
+"
+        ),
     )
     .with_context(|| format!("cannot write {}", manifest.display()))?;
-    println!(
-        "
-wrote static pod manifest {}",
-        manifest.display()
-    );
-    let waiting = node
+    println!("wrote static pod manifest {}", manifest.display());
+    let done = node
         .pods()
         .store()
         .wait_for(STEP_DEADLINE, |pods| {
-            pods.values().any(|p| {
-                p.status.as_ref().and_then(|s| s.message.as_deref()) == Some(kubelet::pod::NO_PROVIDER_MESSAGE)
-            })
+            pods.values()
+                .any(|p| matches!(p.status.as_ref().and_then(|s| s.phase.as_deref()), Some("Succeeded" | "Failed")))
         })
         .await
-        .context("the static pod did not get its device and volumes in time")?;
-    let pod = waiting.values().next().context("no pod")?;
+        .context("the static pod did not run to completion in time")?;
+    let pod = done.values().next().context("no pod")?;
     let uid = pod.metadata.uid.clone().unwrap_or_default();
-    println!("  -> pod {} (UID {uid}) admitted", pod.metadata.name.as_deref().unwrap_or_default());
+    let name = pod.metadata.name.clone().unwrap_or_default();
+    let status = pod.status.clone().unwrap_or_default();
+    println!("  -> pod {name} (UID {uid}) admitted");
     let held = node.devices().allocated(&uid, "app").remove("gpu.rustlet.dev/demo").unwrap_or_default();
     println!("  -> device allocated: {held:?}");
     let published = node.root_dir().join("pods").join(&uid).join("volumes/kubernetes.io~csi/data/mount");
     println!("  -> CSI volume published by hostpath.csi.rustlet.dev at {}", published.display());
-    println!("  -> status: {}", kubelet::pod::NO_PROVIDER_MESSAGE);
+    let app = status.container_statuses.unwrap_or_default().into_iter().next().context("no container status")?;
+    println!("  -> image ready: {}", app.image_id);
+    let exit = app.state.and_then(|s| s.terminated).context("the container did not end")?;
+    println!(
+        "  -> module ran under wasmtime and exited {} ({}); pod {}",
+        exit.exit_code,
+        exit.reason.unwrap_or_default(),
+        status.phase.unwrap_or_default()
+    );
+    let log_path = kubelet::pod::pod_log_dir(node.root_dir(), "default", &name, &uid).join("app/0.log");
+    let log = std::fs::read_to_string(&log_path).with_context(|| format!("cannot read {}", log_path.display()))?;
+    println!("  -> its output (rustlet logs {name} --root-dir {}):", node.root_dir().display());
+    for line in kubelet::provider::decode_cri_log(&log) {
+        print!("       {line}");
+    }
+    let written = std::fs::read_to_string(published.join("hello.txt"))
+        .context("the module did not write hello.txt into its CSI volume")?;
+    println!("  -> the file it wrote into the CSI volume says: {}", written.trim_end());
     println!("     (from another terminal: rustlet get pods --root-dir {})", node.root_dir().display());
+    if exit.exit_code != 0 || !log.contains("env: FAKE_DEVICES=") {
+        bail!("the demo module did not run as expected (exit {}):\n{log}", exit.exit_code);
+    }
     std::fs::remove_file(&manifest).context("cannot remove the manifest")?;
     node.pods()
         .store()

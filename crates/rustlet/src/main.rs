@@ -8,6 +8,7 @@ mod cli;
 mod client;
 mod demo;
 mod get;
+mod images;
 mod node;
 
 use std::process::ExitCode;
@@ -25,6 +26,7 @@ fn main() -> ExitCode {
     let command = match cli.command.take() {
         Some(Command::Get(args)) => return client_exit(get::get(&args)),
         Some(Command::Logs(args)) => return client_exit(get::logs(&args)),
+        Some(Command::Images(command)) => return client_exit(images::run(command)),
         other => other,
     };
     init_logging(cli.log_format);
@@ -42,6 +44,7 @@ fn main() -> ExitCode {
             Some(Command::Demo(args)) => demo::run(args, signals, shutdown).await,
             Some(Command::Get(args)) => get::get(&args),
             Some(Command::Logs(args)) => get::logs(&args),
+            Some(Command::Images(command)) => images::run(command),
             None => node::run(cli.node, signals, shutdown).await,
         }
     });

@@ -37,7 +37,13 @@ pub(crate) async fn start(
     if let Err(error) = rlimit::increase_nofile_limit(u64::MAX) {
         tracing::warn!(%error, "cannot raise the open-file limit");
     }
-    let node = NodeBuilder::new(config(args)).health_check("signal-handler", signals).start(shutdown).await?;
+    let provider = rustlet_wasi::WasiProvider::new(rustlet_wasi::WasiConfig::new(&args.root_dir))
+        .map_err(|e| anyhow::anyhow!("the WebAssembly provider cannot start: {e}"))?;
+    let node = NodeBuilder::new(config(args))
+        .provider(std::sync::Arc::new(provider))
+        .health_check("signal-handler", signals)
+        .start(shutdown)
+        .await?;
     Ok(node)
 }
 

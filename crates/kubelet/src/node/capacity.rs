@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{Node as NodeObject, NodeCondition, NodeStatus, NodeSystemInfo};
+use k8s_openapi::api::core::v1::{Node as NodeObject, NodeCondition, NodeSpec, NodeStatus, NodeSystemInfo, Taint};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 
@@ -37,6 +37,10 @@ pub(crate) struct NodeFacts<'a> {
     pub(crate) devices: &'a BTreeMap<String, ResourceCapacity>,
     pub(crate) created: jiff::Timestamp,
     pub(crate) ready: Result<(), String>,
+    /// Labels from the provider (over the node's own).
+    pub(crate) labels: &'a BTreeMap<String, String>,
+    /// Taints from the provider.
+    pub(crate) taints: &'a [Taint],
 }
 
 /// The node as a `v1.Node`: capacity and allocatable (device resources
@@ -61,20 +65,23 @@ pub(crate) fn node_object(facts: &NodeFacts<'_>) -> NodeObject {
         Ok(()) => ("True", "KubeletReady", "rustlet is posting ready status".to_owned()),
         Err(why) => ("False", "KubeletNotReady", why.clone()),
     };
+    let mut labels = BTreeMap::from([
+        ("kubernetes.io/hostname".to_owned(), facts.name.to_owned()),
+        ("kubernetes.io/os".to_owned(), std::env::consts::OS.to_owned()),
+        ("kubernetes.io/arch".to_owned(), go_arch().to_owned()),
+        ("type".to_owned(), "rustlet".to_owned()),
+    ]);
+    labels.extend(facts.labels.iter().map(|(k, v)| (k.clone(), v.clone())));
     let uname = |file: &str| std::fs::read_to_string(format!("/proc/sys/kernel/{file}")).map(|s| s.trim().to_owned());
     NodeObject {
         metadata: ObjectMeta {
             name: Some(facts.name.to_owned()),
             creation_timestamp: Some(Time(facts.created)),
-            labels: Some(BTreeMap::from([
-                ("kubernetes.io/hostname".to_owned(), facts.name.to_owned()),
-                ("kubernetes.io/os".to_owned(), std::env::consts::OS.to_owned()),
-                ("kubernetes.io/arch".to_owned(), go_arch().to_owned()),
-                ("type".to_owned(), "rustlet".to_owned()),
-            ])),
+            labels: Some(labels),
             ..ObjectMeta::default()
         },
-        spec: None,
+        spec: (!facts.taints.is_empty())
+            .then(|| NodeSpec { taints: Some(facts.taints.to_vec()), ..NodeSpec::default() }),
         status: Some(NodeStatus {
             capacity: Some(capacity),
             allocatable: Some(allocatable),
@@ -149,8 +156,20 @@ mod tests {
             devices: &devices,
             created: jiff::Timestamp::now(),
             ready: Err("plugin-manager failed: boom".into()),
+            labels: &BTreeMap::from([("kubernetes.io/arch".to_owned(), "wasm32-wasi".to_owned())]),
+            taints: &[Taint {
+                key: "kubernetes.io/arch".into(),
+                value: Some("wasm32-wasi".into()),
+                effect: "NoExecute".into(),
+                time_added: None,
+            }],
         };
         let node = node_object(&facts);
+        let labels = node.metadata.labels.clone().unwrap_or_default();
+        assert_eq!(labels["kubernetes.io/arch"], "wasm32-wasi", "the provider's label wins");
+        assert_eq!(labels["kubernetes.io/hostname"], "n1");
+        let taints = node.spec.clone().and_then(|s| s.taints).unwrap_or_default();
+        assert_eq!(taints.len(), 1);
         let status = node.status.expect("status");
         let capacity = status.capacity.expect("capacity");
         assert_eq!(capacity["cpu"].0, "2500m");

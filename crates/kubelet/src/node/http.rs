@@ -51,6 +51,8 @@ pub(super) struct HttpState {
     pub(super) allocatable: Allocatable,
     pub(super) created: jiff::Timestamp,
     pub(super) root_dir: std::path::PathBuf,
+    pub(super) labels: std::collections::BTreeMap<String, String>,
+    pub(super) taints: Vec<k8s_openapi::api::core::v1::Taint>,
 }
 
 /// Binds `address` and serves until `shutdown`. Returns the bound address
@@ -176,6 +178,8 @@ async fn node(State(state): State<HttpState>) -> Response {
         devices: &devices,
         created: state.created,
         ready: if failing.is_empty() { Ok(()) } else { Err(failing.join("; ")) },
+        labels: &state.labels,
+        taints: &state.taints,
     };
     let mut object = serde_json::to_value(super::capacity::node_object(&facts)).unwrap_or_default();
     if let Some(map) = object.as_object_mut() {

@@ -277,6 +277,8 @@ impl NodeBuilder {
         if let Some(claims) = claims {
             csi_volumes = csi_volumes.with_claims(claims);
         }
+        let provider_labels = provider.as_ref().map(|p| p.node_labels()).unwrap_or_default();
+        let provider_taints = provider.as_ref().map(|p| p.node_taints()).unwrap_or_default();
         if provider.is_none() {
             tracing::warn!(
                 "no provider: pods are admitted and get their devices and volumes, but their containers wait"
@@ -317,6 +319,8 @@ impl NodeBuilder {
                     allocatable,
                     created,
                     root_dir: root_dir.clone(),
+                    labels: provider_labels.clone(),
+                    taints: provider_taints.clone(),
                 };
                 let (bound, task) = http::serve(address, state, shutdown.clone()).await?;
                 supervise(&tasks, &healthz, "http-endpoint", task, shutdown.clone());

@@ -1,0 +1,171 @@
+//! Small WebAssembly programs, written in WebAssembly text (WAT) and
+//! compiled with `wat` when asked for: what the demo runs and what the tests
+//! push to registries. Each is a WASI preview 1 command (`_start`) unless
+//! said otherwise.
+//!
+//! | name | does |
+//! |---|---|
+//! | `hello` | prints its args and env (`arg: ...`, `env: K=V`), writes `hello.txt` into its first preopened directory, exits 0 (1 when it cannot write) |
+//! | `sleep` | prints `sleeping`, then sleeps an hour at a time, forever |
+//! | `spin` | prints `spinning`, then loops forever without a host call |
+//! | `exit3` | prints `exiting with 3` on stderr, exits 3 |
+//! | `trap` | prints `about to trap`, executes `unreachable` |
+//! | `hog` | prints `allocating`, grows its memory until refused, then traps |
+//! | `component-ok` / `component-err` | preview 2 components whose `wasi:cli/run` returns ok / err |
+
+/// WASI imports, memory and the helpers every module shares.
+const PRELUDE: &str = r#"
+  (import "wasi_snapshot_preview1" "fd_write" (func $fd_write (param i32 i32 i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "args_sizes_get" (func $args_sizes_get (param i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "args_get" (func $args_get (param i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "environ_sizes_get" (func $environ_sizes_get (param i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "environ_get" (func $environ_get (param i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "path_open" (func $path_open (param i32 i32 i32 i32 i32 i64 i64 i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "fd_close" (func $fd_close (param i32) (result i32)))
+  (import "wasi_snapshot_preview1" "poll_oneoff" (func $poll_oneoff (param i32 i32 i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "proc_exit" (func $proc_exit (param i32)))
+  (memory (export "memory") 3)
+  ;; 0: iovec, 8: nwritten, 16/20: sizes, 24: opened fd, 64..1024: text,
+  ;; 1024: argv pointers, 2048: argv text, 16384: env pointers, 32768: env text.
+  (data (i32.const 64) "\n")
+  (func $write (param $fd i32) (param $ptr i32) (param $len i32)
+    (i32.store (i32.const 0) (local.get $ptr))
+    (i32.store (i32.const 4) (local.get $len))
+    (drop (call $fd_write (local.get $fd) (i32.const 0) (i32.const 1) (i32.const 8))))
+  (func $strlen (param $p i32) (result i32) (local $n i32)
+    (block $done
+      (loop $next
+        (br_if $done (i32.eqz (i32.load8_u (i32.add (local.get $p) (local.get $n)))))
+        (local.set $n (i32.add (local.get $n) (i32.const 1)))
+        (br $next)))
+    (local.get $n))
+  (func $print_list (param $prefix i32) (param $prefix_len i32) (param $ptrs i32) (param $count i32)
+    (local $i i32) (local $s i32)
+    (block $done
+      (loop $next
+        (br_if $done (i32.ge_u (local.get $i) (local.get $count)))
+        (local.set $s (i32.load (i32.add (local.get $ptrs) (i32.shl (local.get $i) (i32.const 2)))))
+        (call $write (i32.const 1) (local.get $prefix) (local.get $prefix_len))
+        (call $write (i32.const 1) (local.get $s) (call $strlen (local.get $s)))
+        (call $write (i32.const 1) (i32.const 64) (i32.const 1))
+        (local.set $i (i32.add (local.get $i) (i32.const 1)))
+        (br $next))))
+"#;
+
+fn module(body: &str) -> String {
+    format!("(module {PRELUDE} {body})")
+}
+
+/// The WAT text of the example `name`.
+pub fn text(name: &str) -> Option<String> {
+    let text = match name {
+        "hello" => module(
+            r#"
+  (data (i32.const 80) "arg: ")
+  (data (i32.const 88) "env: ")
+  (data (i32.const 96) "hello.txt")
+  (data (i32.const 112) "hello from a WebAssembly module\n")
+  (data (i32.const 160) "wrote hello.txt into my first volume\n")
+  (data (i32.const 208) "cannot write hello.txt into my first volume\n")
+  (func (export "_start") (local $fd i32)
+    (drop (call $args_sizes_get (i32.const 16) (i32.const 20)))
+    (drop (call $args_get (i32.const 1024) (i32.const 2048)))
+    (call $print_list (i32.const 80) (i32.const 5) (i32.const 1024) (i32.load (i32.const 16)))
+    (drop (call $environ_sizes_get (i32.const 16) (i32.const 20)))
+    (drop (call $environ_get (i32.const 16384) (i32.const 32768)))
+    (call $print_list (i32.const 88) (i32.const 5) (i32.const 16384) (i32.load (i32.const 16)))
+    ;; O_CREAT|O_TRUNC, rights: datasync..write
+    (if (call $path_open (i32.const 3) (i32.const 0) (i32.const 96) (i32.const 9) (i32.const 9)
+                         (i64.const 0x7f) (i64.const 0) (i32.const 0) (i32.const 24))
+      (then
+        (call $write (i32.const 2) (i32.const 208) (i32.const 44))
+        (call $proc_exit (i32.const 1))))
+    (local.set $fd (i32.load (i32.const 24)))
+    (call $write (local.get $fd) (i32.const 112) (i32.const 32))
+    (drop (call $fd_close (local.get $fd)))
+    (call $write (i32.const 1) (i32.const 160) (i32.const 37)))
+"#,
+        ),
+        "sleep" => module(
+            r#"
+  (data (i32.const 80) "sleeping\n")
+  (func (export "_start")
+    (call $write (i32.const 1) (i32.const 80) (i32.const 9))
+    ;; one clock subscription at 256: monotonic, relative, one hour
+    (i32.store8 (i32.const 264) (i32.const 0))
+    (i32.store (i32.const 272) (i32.const 1))
+    (i64.store (i32.const 280) (i64.const 3600000000000))
+    (loop $forever
+      (drop (call $poll_oneoff (i32.const 256) (i32.const 512) (i32.const 1) (i32.const 600)))
+      (br $forever)))
+"#,
+        ),
+        "spin" => module(
+            r#"
+  (data (i32.const 80) "spinning\n")
+  (func (export "_start")
+    (call $write (i32.const 1) (i32.const 80) (i32.const 9))
+    (loop $forever (br $forever)))
+"#,
+        ),
+        "exit3" => module(
+            r#"
+  (data (i32.const 80) "exiting with 3\n")
+  (func (export "_start")
+    (call $write (i32.const 2) (i32.const 80) (i32.const 15))
+    (call $proc_exit (i32.const 3)))
+"#,
+        ),
+        "trap" => module(
+            r#"
+  (data (i32.const 80) "about to trap\n")
+  (func (export "_start")
+    (call $write (i32.const 1) (i32.const 80) (i32.const 14))
+    unreachable)
+"#,
+        ),
+        "hog" => module(
+            r#"
+  (data (i32.const 80) "allocating\n")
+  (func (export "_start")
+    (call $write (i32.const 1) (i32.const 80) (i32.const 11))
+    (loop $more
+      (br_if $more (i32.ne (memory.grow (i32.const 16)) (i32.const -1))))
+    unreachable)
+"#,
+        ),
+        "component-ok" | "component-err" => {
+            let result = if name == "component-ok" { 0 } else { 1 };
+            format!(
+                r#"(component
+  (core module $m (func (export "run") (result i32) i32.const {result}))
+  (core instance $i (instantiate $m))
+  (func $run (result (result)) (canon lift (core func $i "run")))
+  (instance $run_instance (export "run" (func $run)))
+  (export "wasi:cli/run@0.2.0" (instance $run_instance)))"#
+            )
+        }
+        _ => return None,
+    };
+    Some(text)
+}
+
+/// The binary of the example `name`.
+pub fn binary(name: &str) -> Result<Vec<u8>, String> {
+    let text = text(name).ok_or_else(|| format!("no example module {name:?}"))?;
+    wat::parse_str(&text).map_err(|e| format!("example {name}: {e}"))
+}
+
+/// Every example's name.
+pub const NAMES: &[&str] = &["hello", "sleep", "spin", "exit3", "trap", "hog", "component-ok", "component-err"];
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn every_example_assembles() {
+        for name in super::NAMES {
+            let binary = super::binary(name).expect("assembles");
+            assert!(crate::store::ModuleKind::detect(&binary).is_some(), "{name}");
+        }
+    }
+}

@@ -1,0 +1,395 @@
+//! Rustlet's WebAssembly provider: pods whose containers are WebAssembly
+//! modules (WASI preview 1) or components (WASI preview 2 CLI world),
+//! pulled from OCI registries into a content-addressed store under the
+//! node's root dir and run under wasmtime.
+//!
+//! ```no_run
+//! # async fn example() -> Result<(), String> {
+//! use std::sync::Arc;
+//! use kubelet::node::{NodeBuilder, NodeConfig};
+//! use rustlet_wasi::{WasiConfig, WasiProvider};
+//!
+//! let config = NodeConfig::new("/tmp/rustlet", "node-a");
+//! let provider = WasiProvider::new(WasiConfig::new(&config.root_dir))?;
+//! let builder = NodeBuilder::new(config).provider(Arc::new(provider));
+//! # let _ = builder; Ok(()) }
+//! ```
+//!
+//! What a container gets:
+//! - argv: `command` + `args` (argv\[0\] is `command[0]`, else the
+//!   container's name followed by `args`, else the image's entrypoint);
+//! - env: the run options' (device env included);
+//! - every volume and directory device mount preopened at its container
+//!   path (`readOnly` honoured), `workingDir` as the initial directory;
+//! - stdout and stderr in its CRI log file;
+//! - `resources.limits.memory` as a cap on each linear memory (exceeding it
+//!   ends the container with reason `OOMKilled`).
+
+pub mod examples;
+pub mod import;
+pub mod logs;
+pub mod pull;
+pub mod runtime;
+pub mod store;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use k8s_openapi::api::core::v1::{Container, Pod, Taint};
+use k8s_openapi::jiff::Timestamp;
+use kubelet::provider::{
+    ContainerExit, ContainerId, ContainerLaunch, PreparedImage, Provider, ProviderError, ProviderErrorKind,
+    RunningContainer,
+};
+use tokio::sync::watch;
+
+use crate::logs::CriLog;
+use crate::pull::{PullPolicy, Puller};
+use crate::runtime::{Ended, RunSpec, Runtime, STOPPED_EXIT_CODE};
+use crate::store::ImageStore;
+
+/// The node label (and taint) value that marks a WebAssembly node, as
+/// Krustlet did.
+pub const WASM_ARCH: &str = "wasm32-wasi";
+
+/// The provider's settings.
+#[derive(Clone, Debug)]
+pub struct WasiConfig {
+    /// The node's root dir (images go under `images/`).
+    pub root_dir: PathBuf,
+    /// Registry credentials: a docker `config.json` (default
+    /// `<root-dir>/config.json`, where the kubelet looks too).
+    pub credentials_file: PathBuf,
+    /// Pulled images unused for this long are removed (upstream's image
+    /// minimum GC age is 2 minutes); imported images are kept.
+    pub image_gc_min_age: Duration,
+    /// How often unused images are looked for.
+    pub image_gc_period: Duration,
+    /// Threads that run modules (default: one per cpu).
+    pub threads: usize,
+}
+
+impl WasiConfig {
+    /// Defaults for a node rooted at `root_dir`.
+    pub fn new(root_dir: &Path) -> WasiConfig {
+        WasiConfig {
+            root_dir: root_dir.to_path_buf(),
+            credentials_file: root_dir.join("config.json"),
+            image_gc_min_age: Duration::from_secs(120),
+            image_gc_period: Duration::from_secs(60),
+            threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
+        }
+    }
+}
+
+struct Instance {
+    pod_uid: String,
+    exit: watch::Receiver<Option<ContainerExit>>,
+    stop: watch::Sender<bool>,
+}
+
+/// Runs WebAssembly containers.
+pub struct WasiProvider {
+    store: ImageStore,
+    puller: Arc<Puller>,
+    runtime: Arc<Runtime>,
+    threads: Option<tokio::runtime::Runtime>,
+    instances: Mutex<HashMap<ContainerId, Instance>>,
+    /// Image names each pod uses (they are not garbage-collected).
+    pod_images: Arc<Mutex<HashMap<String, HashSet<String>>>>,
+    next: AtomicU64,
+}
+
+impl Drop for WasiProvider {
+    fn drop(&mut self) {
+        if let Some(threads) = self.threads.take() {
+            threads.shutdown_background();
+        }
+    }
+}
+
+impl WasiProvider {
+    /// A provider with `config`: opens the image store, starts the wasm
+    /// threads and the image garbage collector.
+    pub fn new(config: WasiConfig) -> Result<WasiProvider, String> {
+        let store = ImageStore::open(&config.root_dir).map_err(|e| e.to_string())?;
+        let puller = Arc::new(Puller::new(store.clone(), config.credentials_file.clone()));
+        let runtime = Arc::new(Runtime::new()?);
+        let threads = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(config.threads.max(1))
+            .thread_name("wasm")
+            .enable_all()
+            .build()
+            .map_err(|e| format!("wasm threads: {e}"))?;
+        let pod_images: Arc<Mutex<HashMap<String, HashSet<String>>>> = Arc::default();
+        let collector = (store.clone(), runtime.clone(), pod_images.clone());
+        threads.spawn(async move {
+            let (store, runtime, pod_images) = collector;
+            loop {
+                tokio::time::sleep(config.image_gc_period).await;
+                collect_garbage(&store, &runtime, &pod_images, config.image_gc_min_age);
+            }
+        });
+        Ok(WasiProvider {
+            store,
+            puller,
+            runtime,
+            threads: Some(threads),
+            instances: Mutex::new(HashMap::new()),
+            pod_images,
+            next: AtomicU64::new(0),
+        })
+    }
+
+    /// The image store.
+    pub fn images(&self) -> &ImageStore {
+        &self.store
+    }
+
+    /// How many pulls reached a registry.
+    pub fn pull_count(&self) -> u64 {
+        self.puller.pull_count()
+    }
+
+    /// How many modules were compiled.
+    pub fn compilations(&self) -> u64 {
+        self.runtime.compilations()
+    }
+
+    /// Removes unused pulled images now (as the periodic collector does).
+    pub fn collect_garbage(&self, min_age: Duration) {
+        collect_garbage(&self.store, &self.runtime, &self.pod_images, min_age);
+    }
+
+    fn threads(&self) -> &tokio::runtime::Handle {
+        self.threads.as_ref().expect("present until drop").handle()
+    }
+}
+
+fn collect_garbage(
+    store: &ImageStore,
+    runtime: &Runtime,
+    pod_images: &Mutex<HashMap<String, HashSet<String>>>,
+    min_age: Duration,
+) {
+    let in_use: HashSet<String> = pod_images.lock().expect("lock").values().flatten().cloned().collect();
+    let cutoff = Timestamp::now() - jiff::SignedDuration::try_from(min_age).unwrap_or_default();
+    match store.collect_garbage(&in_use, cutoff) {
+        Ok(removed) => {
+            for image in removed {
+                tracing::info!(image = %image.name, id = %image.id, "unused image removed");
+            }
+        }
+        Err(error) => tracing::warn!(%error, "image garbage collection failed"),
+    }
+    if let Ok(images) = store.list() {
+        runtime.forget_except(&images.into_iter().map(|i| i.module).collect());
+    }
+}
+
+/// The node-side name of a container's image.
+fn image_of(container: &Container) -> Result<&str, ProviderError> {
+    container.image.as_deref().filter(|i| !i.trim().is_empty()).ok_or_else(|| {
+        ProviderError::new(ProviderErrorKind::Config, format!("container {:?} names no image", container.name))
+    })
+}
+
+fn pull_error(error: pull::PullError) -> ProviderError {
+    ProviderError::new(ProviderErrorKind::ImagePull, error.message)
+}
+
+/// argv for a container: `command` + `args`; with no `command`, the
+/// container's name as argv\[0\], then `args`, else the image's default
+/// arguments after its entrypoint.
+fn argv(container: &Container, launch: &ContainerLaunch, default_args: &[String]) -> Vec<String> {
+    let options = &launch.run_options;
+    if !options.command.is_empty() {
+        return options.command.iter().chain(options.args.iter()).cloned().collect();
+    }
+    let program = default_args.first().cloned().unwrap_or_else(|| container.name.clone());
+    let rest: Vec<String> =
+        if options.args.is_empty() { default_args.iter().skip(1).cloned().collect() } else { options.args.clone() };
+    std::iter::once(program).chain(rest).collect()
+}
+
+#[async_trait]
+impl Provider for WasiProvider {
+    async fn prepare_image(&self, pod: &Pod, container: &Container) -> Result<PreparedImage, ProviderError> {
+        let image = image_of(container)?;
+        let policy = PullPolicy::of(container.image_pull_policy.as_deref(), image);
+        let puller = self.puller.clone();
+        let owned = image.to_owned();
+        // On the provider's threads: a slow registry never holds the node's.
+        let record = self
+            .threads()
+            .spawn(async move { puller.ensure(&owned, policy).await })
+            .await
+            .map_err(|e| ProviderError::new(ProviderErrorKind::Other, e.to_string()))?
+            .map_err(pull_error)?;
+        if let Err(error) = self.store.touch(&record) {
+            tracing::warn!(%error, "cannot record the image's use");
+        }
+        let uid = pod.metadata.uid.clone().unwrap_or_default();
+        self.pod_images.lock().expect("lock").entry(uid).or_default().insert(record.name.clone());
+        Ok(PreparedImage { image_id: format!("{}@{}", record.name.split('@').next().unwrap_or_default(), record.id) })
+    }
+
+    async fn start_container(&self, launch: &ContainerLaunch) -> Result<ContainerId, ProviderError> {
+        let container = &launch.container;
+        let image = image_of(container)?;
+        let name = pull::parse_reference(image).map_err(pull_error)?.whole();
+        let cannot_run = |message: String| ProviderError::new(ProviderErrorKind::CannotRun, message);
+        let record = self
+            .store
+            .get(&name)
+            .map_err(|e| cannot_run(e.to_string()))?
+            .ok_or_else(|| cannot_run(format!("image \"{image}\" is not in the image store")))?;
+        let store = self.store.clone();
+        let module = record.module.clone();
+        let compiled = self
+            .runtime
+            .compiled(&record.module, record.kind, move || store.read_blob(&module).map_err(|e| e.to_string()))
+            .await
+            .map_err(|e| cannot_run(format!("image \"{image}\": {e}")))?;
+
+        let options = &launch.run_options;
+        let mut preopens = Vec::new();
+        for mount in &options.mounts {
+            let what = match &mount.volume {
+                Some(volume) => format!("volume {volume:?}"),
+                None => "device mount".to_owned(),
+            };
+            match std::fs::metadata(&mount.host_path) {
+                Ok(meta) if meta.is_dir() => {
+                    preopens.push((mount.host_path.clone(), mount.container_path.clone(), mount.read_only))
+                }
+                // A device plugin's mount that is not a directory (a
+                // device node, a socket, nothing yet): WASI cannot preopen
+                // it, and the module still gets the device's env.
+                _ if mount.volume.is_none() => {
+                    tracing::debug!(path = %mount.host_path.display(), "device mount is not a directory; not preopened");
+                }
+                Ok(_) => {
+                    return Err(cannot_run(format!(
+                        "{what} at {}: host path {} is not a directory (WASI preopens directories only)",
+                        mount.container_path,
+                        mount.host_path.display()
+                    )));
+                }
+                Err(e) => {
+                    return Err(cannot_run(format!(
+                        "{what} at {}: host path {}: {e}",
+                        mount.container_path,
+                        mount.host_path.display()
+                    )));
+                }
+            }
+        }
+        let memory_limit = container
+            .resources
+            .as_ref()
+            .and_then(|r| r.limits.as_ref())
+            .and_then(|l| l.get("memory"))
+            .map(|q| kubelet::pod::parse_units(&q.0))
+            .transpose()
+            .map_err(|e| ProviderError::new(ProviderErrorKind::Config, format!("memory limit: {e}")))?
+            .map(|bytes| bytes.min(u128::from(u64::MAX)) as u64);
+        let log = CriLog::open(&launch.log_path).map_err(|e| {
+            ProviderError::new(ProviderErrorKind::Other, format!("log {}: {e}", launch.log_path.display()))
+        })?;
+        let spec = RunSpec {
+            args: argv(container, launch, &record.default_args),
+            env: options.env.iter().map(|v| (v.name.clone(), v.value.clone())).collect(),
+            preopens,
+            cwd: options.working_dir.clone(),
+            memory_limit,
+            log: log.clone(),
+        };
+        let pod_uid = launch.pod.metadata.uid.clone().unwrap_or_default();
+        let id = ContainerId(format!(
+            "wasm-{}-{}-{}",
+            &pod_uid.get(..8).unwrap_or(&pod_uid),
+            container.name,
+            self.next.fetch_add(1, Ordering::Relaxed)
+        ));
+        let (exit_tx, exit) = watch::channel(None);
+        let (stop, mut stopped) = watch::channel(false);
+        let runtime = self.runtime.clone();
+        let task_id = id.clone();
+        self.threads().spawn(async move {
+            let ended = tokio::select! {
+                ended = runtime.run(compiled, spec) => ended,
+                _ = stopped.wait_for(|s| *s) => {
+                    log.finish();
+                    Ended { exit_code: STOPPED_EXIT_CODE, reason: None, message: Some("stopped by the node".into()) }
+                }
+            };
+            tracing::debug!(container = %task_id, exit_code = ended.exit_code, "module ended");
+            let _ = exit_tx.send(Some(ContainerExit {
+                exit_code: ended.exit_code,
+                reason: ended.reason,
+                message: ended.message,
+                finished_at: Timestamp::now(),
+            }));
+        });
+        self.instances.lock().expect("lock").insert(id.clone(), Instance { pod_uid, exit, stop });
+        Ok(id)
+    }
+
+    async fn wait_container(&self, id: &ContainerId) -> Result<ContainerExit, ProviderError> {
+        let exit = self.instances.lock().expect("lock").get(id).map(|i| i.exit.clone());
+        let Some(mut exit) = exit else {
+            return Err(ProviderError::new(ProviderErrorKind::NotFound, format!("no container {id}")));
+        };
+        let ended = exit
+            .wait_for(Option::is_some)
+            .await
+            .map_err(|_| ProviderError::new(ProviderErrorKind::Other, format!("container {id}: its task is gone")))?;
+        Ok(ended.clone().expect("waited for Some"))
+    }
+
+    async fn stop_container(&self, id: &ContainerId, _grace: Duration) -> Result<(), ProviderError> {
+        // A module cannot handle SIGTERM: it is interrupted at its next
+        // epoch tick, well within any grace period.
+        let exit = {
+            let instances = self.instances.lock().expect("lock");
+            let Some(instance) = instances.get(id) else { return Ok(()) };
+            let _ = instance.stop.send(true);
+            instance.exit.clone()
+        };
+        let mut exit = exit;
+        let _ = exit.wait_for(Option::is_some).await;
+        Ok(())
+    }
+
+    async fn running_containers(&self) -> Result<Vec<RunningContainer>, ProviderError> {
+        // Modules run inside the node's process: none outlives it.
+        Ok(Vec::new())
+    }
+
+    async fn remove_pod(&self, pod_uid: &str) -> Result<(), ProviderError> {
+        self.instances.lock().expect("lock").retain(|_, i| i.pod_uid != pod_uid);
+        self.pod_images.lock().expect("lock").remove(pod_uid);
+        Ok(())
+    }
+
+    fn node_labels(&self) -> BTreeMap<String, String> {
+        BTreeMap::from([("kubernetes.io/arch".to_owned(), WASM_ARCH.to_owned())])
+    }
+
+    fn node_taints(&self) -> Vec<Taint> {
+        ["NoSchedule", "NoExecute"]
+            .into_iter()
+            .map(|effect| Taint {
+                key: "kubernetes.io/arch".into(),
+                value: Some(WASM_ARCH.into()),
+                effect: effect.into(),
+                time_added: None,
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,312 @@
+//! Running modules: one wasmtime engine with an epoch ticker, compiled
+//! modules cached by digest, one store per container.
+//!
+//! - Preview 1 modules run `_start`; preview 2 components run
+//!   `wasi:cli/run`.
+//! - Every store yields to the executor at each epoch tick (10 ms), so a
+//!   module that loops forever shares its threads, and dropping its future
+//!   (a stop) ends it within a tick.
+//! - A memory limit caps each linear memory; a module that hits it ends
+//!   with `OOMKilled`.
+//! - Containers run on the provider's own threads, apart from the node's
+//!   control loops.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::OnceCell;
+use wasmtime::component::{Component, ResourceTable};
+use wasmtime::{Config, Engine, Linker, Module, Store, UpdateDeadline};
+use wasmtime_wasi::p1::WasiP1Ctx;
+use wasmtime_wasi::p2::bindings::CommandPre;
+use wasmtime_wasi::{FsPerms, I32Exit, WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
+
+use crate::logs::CriLog;
+use crate::store::ModuleKind;
+
+/// How often the epoch advances (each store yields, and a stop lands, at
+/// this granularity).
+pub const EPOCH_TICK: Duration = Duration::from_millis(10);
+
+/// The exit code of a module that trapped (as `wasmtime run` reports a
+/// trap: 128 + SIGABRT).
+pub const TRAP_EXIT_CODE: i32 = 134;
+/// The exit code of a module stopped by the node (128 + SIGTERM: a module
+/// cannot handle the signal, so it ends at once).
+pub const STOPPED_EXIT_CODE: i32 = 143;
+/// The exit code of a module that went over its memory limit (128 +
+/// SIGKILL, as the kernel's OOM killer).
+pub const OOM_EXIT_CODE: i32 = 137;
+
+/// A compiled module, ready to instantiate.
+#[derive(Clone)]
+pub enum Compiled {
+    /// A core module.
+    Module(wasmtime::InstancePre<P1State>),
+    /// A component.
+    Component(CommandPre<P2State>),
+}
+
+/// What a container runs with.
+pub struct RunSpec {
+    /// argv, `argv[0]` first.
+    pub args: Vec<String>,
+    /// Environment.
+    pub env: Vec<(String, String)>,
+    /// Preopened directories: host path, guest path, read-only.
+    pub preopens: Vec<(PathBuf, String, bool)>,
+    /// Initial working directory.
+    pub cwd: Option<String>,
+    /// The memory limit in bytes (each linear memory).
+    pub memory_limit: Option<u64>,
+    /// Where stdout and stderr go.
+    pub log: CriLog,
+}
+
+/// How a module ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Ended {
+    /// Its exit code.
+    pub exit_code: i32,
+    /// `OOMKilled` when it hit its memory limit.
+    pub reason: Option<String>,
+    /// What happened (a trap, an instantiation error).
+    pub message: Option<String>,
+}
+
+/// Tracks memory growth against the limit.
+pub struct MemLimiter {
+    max: Option<usize>,
+    hit: bool,
+}
+
+impl wasmtime::ResourceLimiter for MemLimiter {
+    fn memory_growing(&mut self, _current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
+        match self.max {
+            Some(max) if desired > max => {
+                self.hit = true;
+                Ok(false)
+            }
+            _ => Ok(true),
+        }
+    }
+
+    fn table_growing(&mut self, _current: usize, _desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
+        Ok(true)
+    }
+}
+
+/// A preview 1 store's data.
+pub struct P1State {
+    wasi: WasiP1Ctx,
+    limiter: MemLimiter,
+}
+
+/// A preview 2 store's data.
+pub struct P2State {
+    ctx: WasiCtx,
+    table: ResourceTable,
+    limiter: MemLimiter,
+}
+
+impl WasiView for P2State {
+    fn ctx(&mut self) -> WasiCtxView<'_> {
+        WasiCtxView { ctx: &mut self.ctx, table: &mut self.table }
+    }
+}
+
+/// The engine, the linkers and the compiled-module cache.
+pub struct Runtime {
+    engine: Engine,
+    p1: Linker<P1State>,
+    p2: wasmtime::component::Linker<P2State>,
+    compiled: Mutex<HashMap<String, Arc<OnceCell<Compiled>>>>,
+    compilations: std::sync::atomic::AtomicU64,
+    ticker_stop: Arc<AtomicBool>,
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        self.ticker_stop.store(true, Ordering::Relaxed);
+    }
+}
+
+impl Runtime {
+    /// A runtime with its epoch ticker running.
+    pub fn new() -> Result<Runtime, String> {
+        let mut config = Config::new();
+        config.epoch_interruption(true);
+        let engine = Engine::new(&config).map_err(|e| format!("wasmtime engine: {e}"))?;
+        let mut p1 = Linker::new(&engine);
+        wasmtime_wasi::p1::add_to_linker_async(&mut p1, |s: &mut P1State| &mut s.wasi)
+            .map_err(|e| format!("WASI preview 1: {e}"))?;
+        let mut p2 = wasmtime::component::Linker::new(&engine);
+        wasmtime_wasi::p2::add_to_linker_async(&mut p2).map_err(|e| format!("WASI preview 2: {e}"))?;
+        let ticker_stop = Arc::new(AtomicBool::new(false));
+        let weak = engine.weak();
+        let stop = ticker_stop.clone();
+        std::thread::Builder::new()
+            .name("wasm-epoch".into())
+            .spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    std::thread::sleep(EPOCH_TICK);
+                    match weak.upgrade() {
+                        Some(engine) => engine.increment_epoch(),
+                        None => break,
+                    }
+                }
+            })
+            .map_err(|e| format!("epoch ticker: {e}"))?;
+        Ok(Runtime {
+            engine,
+            p1,
+            p2,
+            compiled: Mutex::new(HashMap::new()),
+            compilations: std::sync::atomic::AtomicU64::new(0),
+            ticker_stop,
+        })
+    }
+
+    /// How many modules were compiled so far (a second pod of one image
+    /// compiles nothing).
+    pub fn compilations(&self) -> u64 {
+        self.compilations.load(Ordering::Relaxed)
+    }
+
+    /// The compiled module with digest `digest`, compiling `bytes()` once
+    /// (concurrent callers share the compilation).
+    pub async fn compiled(
+        &self,
+        digest: &str,
+        kind: ModuleKind,
+        bytes: impl FnOnce() -> Result<Vec<u8>, String> + Send + 'static,
+    ) -> Result<Compiled, String> {
+        let cell = self.compiled.lock().expect("lock").entry(digest.to_owned()).or_default().clone();
+        let compiled = cell
+            .get_or_try_init(|| async {
+                let engine = self.engine.clone();
+                let p1 = self.p1.clone();
+                let p2 = self.p2.clone();
+                self.compilations.fetch_add(1, Ordering::Relaxed);
+                let digest = digest.to_owned();
+                tokio::task::spawn_blocking(move || {
+                    let bytes = bytes()?;
+                    let started = std::time::Instant::now();
+                    let compiled = match kind {
+                        ModuleKind::Module => {
+                            let module = Module::new(&engine, &bytes).map_err(|e| format!("invalid module: {e}"))?;
+                            let pre = p1.instantiate_pre(&module).map_err(|e| format!("cannot link: {e}"))?;
+                            Compiled::Module(pre)
+                        }
+                        ModuleKind::Component => {
+                            let component =
+                                Component::new(&engine, &bytes).map_err(|e| format!("invalid component: {e}"))?;
+                            let pre = p2.instantiate_pre(&component).map_err(|e| format!("cannot link: {e}"))?;
+                            Compiled::Component(
+                                CommandPre::new(pre).map_err(|e| format!("not a wasi:cli command component: {e}"))?,
+                            )
+                        }
+                    };
+                    tracing::info!(%digest, elapsed = ?started.elapsed(), "module compiled");
+                    Ok::<_, String>(compiled)
+                })
+                .await
+                .map_err(|e| format!("compilation task: {e}"))?
+            })
+            .await?;
+        Ok(compiled.clone())
+    }
+
+    /// Drops compiled modules whose digest is not in `keep`.
+    pub fn forget_except(&self, keep: &std::collections::HashSet<String>) {
+        self.compiled.lock().expect("lock").retain(|digest, _| keep.contains(digest));
+    }
+
+    /// Runs `compiled` with `spec` until it ends.
+    pub async fn run(&self, compiled: Compiled, spec: RunSpec) -> Ended {
+        let mut builder = WasiCtxBuilder::new();
+        builder.args(&spec.args);
+        for (name, value) in &spec.env {
+            builder.env(name, value);
+        }
+        builder.stdout(spec.log.stream("stdout")).stderr(spec.log.stream("stderr"));
+        for (host, guest, read_only) in &spec.preopens {
+            let perms = if *read_only { FsPerms::ReadOnly } else { FsPerms::ReadWrite };
+            if let Err(e) = builder.preopened_dir(host, guest, perms) {
+                return Ended {
+                    exit_code: 128,
+                    reason: Some("StartError".into()),
+                    message: Some(format!("cannot open {} for {guest}: {e}", host.display())),
+                };
+            }
+        }
+        if let Some(cwd) = &spec.cwd {
+            builder.initial_cwd(cwd);
+        }
+        let limiter = MemLimiter { max: spec.memory_limit.map(|m| m.min(usize::MAX as u64) as usize), hit: false };
+        let ended = match compiled {
+            Compiled::Module(pre) => {
+                let mut store = Store::new(&self.engine, P1State { wasi: builder.build_p1(), limiter });
+                prepare(&mut store, |s| &mut s.limiter);
+                let result = async {
+                    let instance = pre.instantiate_async(&mut store).await?;
+                    let start = instance.get_typed_func::<(), ()>(&mut store, "_start")?;
+                    start.call_async(&mut store, ()).await
+                }
+                .await;
+                outcome(result.map(|()| 0), store.data().limiter.hit)
+            }
+            Compiled::Component(pre) => {
+                let state = P2State { ctx: builder.build(), table: ResourceTable::new(), limiter };
+                let mut store = Store::new(&self.engine, state);
+                prepare(&mut store, |s| &mut s.limiter);
+                let result = async {
+                    let command = pre.instantiate_async(&mut store).await?;
+                    command.wasi_cli_run().call_run(&mut store).await
+                }
+                .await;
+                outcome(result.map(|r| if r.is_ok() { 0 } else { 1 }), store.data().limiter.hit)
+            }
+        };
+        spec.log.finish();
+        ended
+    }
+}
+
+/// Memory limit, and a yield at every epoch tick.
+fn prepare<T: 'static>(store: &mut Store<T>, limiter: fn(&mut T) -> &mut MemLimiter) {
+    store.limiter(move |s| limiter(s) as &mut dyn wasmtime::ResourceLimiter);
+    store.set_epoch_deadline(1);
+    store.epoch_deadline_callback(|_| Ok(UpdateDeadline::Yield(1)));
+}
+
+fn outcome(result: wasmtime::Result<i32>, memory_limit_hit: bool) -> Ended {
+    let oom = || Ended {
+        exit_code: OOM_EXIT_CODE,
+        reason: Some("OOMKilled".into()),
+        message: Some("the module went over its memory limit".into()),
+    };
+    match result {
+        Ok(code) if memory_limit_hit && code != 0 => oom(),
+        Ok(code) => Ended { exit_code: code, reason: None, message: None },
+        Err(e) => {
+            if let Some(exit) = e.downcast_ref::<I32Exit>() {
+                if memory_limit_hit && exit.0 != 0 {
+                    return oom();
+                }
+                return Ended { exit_code: exit.0, reason: None, message: None };
+            }
+            if memory_limit_hit {
+                return oom();
+            }
+            let message = match e.downcast_ref::<wasmtime::Trap>() {
+                Some(trap) => format!("wasm trap: {trap}"),
+                None => format!("{e:?}").lines().next().unwrap_or_default().to_owned(),
+            };
+            Ended { exit_code: TRAP_EXIT_CODE, reason: None, message: Some(message) }
+        }
+    }
+}

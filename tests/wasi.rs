@@ -1,0 +1,483 @@
+//! The WebAssembly provider end to end: real wasm modules (assembled from
+//! WAT) run under wasmtime through the pod lifecycle, imported from OCI
+//! layouts or pulled from a real registry (`docker-registry` on loopback),
+//! with a real device plugin process where devices matter.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use k8s_openapi::api::core::v1::Pod;
+use kubelet::device_manager::{DeviceManager, DeviceManagerConfig};
+use kubelet::pod::{Allocatable, BackoffConfig, PodConfig, PodLifecycle, Pods};
+use kubelet::provider::Provider;
+use rustlet_testkit::process::PluginProcess;
+use rustlet_testkit::registry::{Registry, registry_or_skip};
+use rustlet_testkit::report::Report;
+use rustlet_wasi::{WasiConfig, WasiProvider, examples};
+use tempfile::TempDir;
+use tokio_util::sync::CancellationToken;
+
+const GPU: &str = "vendor.example.com/gpu";
+
+struct WasmNode {
+    root: TempDir,
+    pods: Pods,
+    devices: DeviceManager,
+    provider: Arc<WasiProvider>,
+    _plugin: Option<PluginProcess>,
+    shutdown: CancellationToken,
+}
+
+impl Drop for WasmNode {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+fn fast_backoff() -> BackoffConfig {
+    BackoffConfig {
+        initial: Duration::from_millis(50),
+        max: Duration::from_millis(400),
+        reset_after: Duration::from_secs(600),
+    }
+}
+
+/// A node running the wasi provider, with `gpus` fake devices.
+async fn wasm_node(gpus: u64) -> WasmNode {
+    let root = tempfile::Builder::new().prefix("rustlet-wasi-").tempdir().expect("tempdir");
+    let shutdown = CancellationToken::new();
+    let device_dir = root.path().join("device-plugins");
+    let devices = DeviceManager::start(DeviceManagerConfig::new(&device_dir), shutdown.clone()).expect("devices");
+    let plugin = if gpus > 0 {
+        let socket = device_dir.join("gpu.sock").display().to_string();
+        let count = gpus.to_string();
+        let mut plugin =
+            PluginProcess::spawn(device_plugin_bin(), ["--socket", &socket, "--resource", GPU, "--count", &count])
+                .await
+                .expect("start fake-device-plugin");
+        plugin.wait_for(SOON, |r| matches!(r, Report::DeviceRegistered { .. })).await.expect("registered");
+        let mut capacity = devices.capacity();
+        tokio::time::timeout(SOON, capacity.wait_for(|c| c.get(GPU).is_some_and(|c| c.allocatable == gpus)))
+            .await
+            .expect("devices advertised in time")
+            .expect("device manager alive");
+        Some(plugin)
+    } else {
+        None
+    };
+    let mut config = PodConfig::new(root.path(), Allocatable { cpu_milli: 4000, memory: 8 << 30, pods: 500 });
+    config.restart_backoff = fast_backoff();
+    config.image_backoff = fast_backoff();
+    let provider = Arc::new(WasiProvider::new(WasiConfig::new(root.path())).expect("wasi provider"));
+    let dyn_provider: Arc<dyn Provider> = provider.clone();
+    let lifecycle = PodLifecycle::new(config, Some(dyn_provider), Some(devices.clone()));
+    let pods = Pods::start(lifecycle, shutdown.clone()).await;
+    WasmNode { root, pods, devices, provider, _plugin: plugin, shutdown }
+}
+
+fn pod(value: serde_json::Value) -> Pod {
+    serde_json::from_value(value).expect("a valid Pod")
+}
+
+fn phase(pod: &Pod) -> Option<&str> {
+    pod.status.as_ref().and_then(|s| s.phase.as_deref())
+}
+
+/// The first container's state: (waiting reason, terminated (exit code,
+/// reason), every message in its state and last state).
+/// (waiting reason, terminated (exit code, reason), messages).
+type ContainerState = (Option<String>, Option<(i32, Option<String>)>, Option<String>);
+
+fn container_state(pod: &Pod) -> ContainerState {
+    let status = pod.status.as_ref().and_then(|s| s.container_statuses.as_ref()).and_then(|s| s.first());
+    let state = status.and_then(|s| s.state.as_ref());
+    let last = status.and_then(|s| s.last_state.as_ref()).and_then(|s| s.terminated.as_ref());
+    let waiting = state.and_then(|s| s.waiting.as_ref());
+    let terminated = state.and_then(|s| s.terminated.as_ref());
+    let messages: Vec<String> = [
+        waiting.and_then(|w| w.message.clone()),
+        terminated.and_then(|t| t.message.clone()),
+        last.and_then(|t| t.message.clone()),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    (
+        waiting.and_then(|w| w.reason.clone()),
+        terminated.map(|t| (t.exit_code, t.reason.clone())),
+        (!messages.is_empty()).then(|| messages.join(" | ")),
+    )
+}
+
+impl WasmNode {
+    async fn wait_pod(&self, uid: &str, what: &str, mut pred: impl FnMut(&Pod) -> bool) -> Pod {
+        let found = self.pods.store().wait_for(SOON, |pods| pods.get(uid).is_some_and(&mut pred)).await;
+        match found {
+            Some(pods) => pods[uid].clone(),
+            None => {
+                panic!("timed out waiting for {what}; pod now: {:#?}", self.pods.store().get(uid).map(|p| p.status))
+            }
+        }
+    }
+
+    async fn wait_gone(&self, uid: &str) {
+        let gone = self.pods.store().wait_for(SOON, |pods| !pods.contains_key(uid)).await;
+        assert!(gone.is_some(), "pod {uid} still present");
+    }
+
+    fn host_dir(&self, name: &str) -> std::path::PathBuf {
+        let dir = self.root.path().join("host").join(name);
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        dir
+    }
+
+    /// Imports the example modules as `example.com/wasm/<name>:v1`.
+    fn import_examples(&self) {
+        let layout = self.root.path().join("layout");
+        let binaries: Vec<(String, Vec<u8>)> = examples::NAMES
+            .iter()
+            .map(|n| (format!("example.com/wasm/{n}:v1"), examples::binary(n).expect("assemble")))
+            .collect();
+        let images: Vec<(&str, &[u8])> = binaries.iter().map(|(n, b)| (n.as_str(), b.as_slice())).collect();
+        rustlet_wasi::import::write_layout(&layout, &images).expect("layout");
+        rustlet_wasi::import::import(self.provider.images(), &layout, None).expect("import");
+    }
+
+    /// The text of container `container`'s log (restart `restart`).
+    fn log(&self, name: &str, uid: &str, container: &str, restart: u32) -> String {
+        let path = kubelet::pod::pod_log_dir(self.root.path(), "default", name, uid)
+            .join(container)
+            .join(format!("{restart}.log"));
+        kubelet::provider::decode_cri_log(&std::fs::read_to_string(&path).unwrap_or_default()).concat()
+    }
+}
+
+fn simple_pod(name: &str, uid: &str, image: &str, restart_policy: &str) -> Pod {
+    pod(serde_json::json!({
+        "metadata": {"name": name, "namespace": "default", "uid": uid},
+        "spec": {"restartPolicy": restart_policy, "containers": [{"name": "main", "image": image}]}
+    }))
+}
+
+#[tokio::test]
+async fn a_module_sees_its_args_env_device_and_volume_and_its_output_is_logged() {
+    let node = wasm_node(1).await;
+    node.import_examples();
+    let out = node.host_dir("out");
+    node.pods.apply(pod(serde_json::json!({
+        "metadata": {"name": "hello", "namespace": "default", "uid": "uid-hello"},
+        "spec": {
+            "restartPolicy": "Never",
+            "containers": [{
+                "name": "main",
+                "image": "example.com/wasm/hello:v1",
+                "command": ["hello.wasm", "first"],
+                "args": ["second"],
+                "env": [{"name": "GREETING", "value": "hi"}],
+                "resources": {"limits": {GPU: "1"}},
+                "volumeMounts": [{"name": "out", "mountPath": "/out"}]
+            }],
+            "volumes": [{"name": "out", "hostPath": {"path": out.display().to_string(), "type": "Directory"}}]
+        }
+    })));
+    let done = node.wait_pod("uid-hello", "Succeeded", |p| phase(p) == Some("Succeeded")).await;
+    assert_eq!(container_state(&done).1, Some((0, Some("Completed".into()))));
+    let device = node.devices.allocated("uid-hello", "main")[GPU].join(",");
+    let log = node.log("hello", "uid-hello", "main", 0);
+    for line in ["arg: hello.wasm\n", "arg: first\n", "arg: second\n", "env: GREETING=hi\n", "wrote hello.txt"] {
+        assert!(log.contains(line), "{line:?} missing from the log:\n{log}");
+    }
+    assert!(log.contains(&format!("env: FAKE_DEVICES={device}\n")), "device env missing:\n{log}");
+    assert_eq!(std::fs::read_to_string(out.join("hello.txt")).expect("written"), "hello from a WebAssembly module\n");
+    let image_id = done.status.and_then(|s| s.container_statuses).expect("statuses")[0].image_id.clone();
+    assert!(image_id.starts_with("example.com/wasm/hello:v1@sha256:"), "{image_id}");
+    node.pods.delete("uid-hello");
+    node.wait_gone("uid-hello").await;
+    assert!(node.devices.allocated("uid-hello", "main").is_empty());
+}
+
+#[tokio::test]
+async fn a_read_only_volume_cannot_be_written() {
+    let node = wasm_node(0).await;
+    node.import_examples();
+    let out = node.host_dir("ro");
+    node.pods.apply(pod(serde_json::json!({
+        "metadata": {"name": "ro", "namespace": "default", "uid": "uid-ro"},
+        "spec": {
+            "restartPolicy": "Never",
+            "containers": [{
+                "name": "main", "image": "example.com/wasm/hello:v1",
+                "volumeMounts": [{"name": "out", "mountPath": "/out", "readOnly": true}]
+            }],
+            "volumes": [{"name": "out", "hostPath": {"path": out.display().to_string()}}]
+        }
+    })));
+    let done = node.wait_pod("uid-ro", "Failed", |p| phase(p) == Some("Failed")).await;
+    assert_eq!(container_state(&done).1, Some((1, Some("Error".into()))));
+    assert!(node.log("ro", "uid-ro", "main", 0).contains("cannot write hello.txt"));
+    assert!(!out.join("hello.txt").exists());
+}
+
+#[tokio::test]
+async fn exit_codes_and_traps_end_the_container() {
+    let node = wasm_node(0).await;
+    node.import_examples();
+    node.pods.apply(simple_pod("exit3", "uid-exit3", "example.com/wasm/exit3:v1", "Never"));
+    node.pods.apply(simple_pod("trap", "uid-trap", "example.com/wasm/trap:v1", "Never"));
+    let exited = node.wait_pod("uid-exit3", "Failed", |p| phase(p) == Some("Failed")).await;
+    assert_eq!(container_state(&exited).1, Some((3, Some("Error".into()))));
+    assert!(node.log("exit3", "uid-exit3", "main", 0).contains("exiting with 3"));
+    let trapped = node.wait_pod("uid-trap", "Failed", |p| phase(p) == Some("Failed")).await;
+    let (_, terminated, message) = container_state(&trapped);
+    assert_eq!(terminated, Some((134, Some("Error".into()))));
+    assert!(message.as_deref().is_some_and(|m| m.contains("unreachable")), "{message:?}");
+    assert!(node.log("trap", "uid-trap", "main", 0).contains("about to trap"));
+}
+
+#[tokio::test]
+async fn components_run_through_wasi_cli_run() {
+    let node = wasm_node(0).await;
+    node.import_examples();
+    node.pods.apply(simple_pod("ok", "uid-ok", "example.com/wasm/component-ok:v1", "Never"));
+    node.pods.apply(simple_pod("err", "uid-err", "example.com/wasm/component-err:v1", "Never"));
+    let ok = node.wait_pod("uid-ok", "Succeeded", |p| phase(p) == Some("Succeeded")).await;
+    assert_eq!(container_state(&ok).1, Some((0, Some("Completed".into()))));
+    let err = node.wait_pod("uid-err", "Failed", |p| phase(p) == Some("Failed")).await;
+    assert_eq!(container_state(&err).1, Some((1, Some("Error".into()))));
+}
+
+#[tokio::test]
+async fn a_module_that_loops_forever_is_stopped_when_its_pod_goes() {
+    let node = wasm_node(0).await;
+    node.import_examples();
+    node.pods.apply(pod(serde_json::json!({
+        "metadata": {"name": "spin", "namespace": "default", "uid": "uid-spin"},
+        "spec": {"terminationGracePeriodSeconds": 30, "containers": [{"name": "main", "image": "example.com/wasm/spin:v1"}]}
+    })));
+    node.wait_pod("uid-spin", "Running", |p| phase(p) == Some("Running")).await;
+    // Removal interrupts it at an epoch tick: far sooner than its 30 s
+    // grace period, which would otherwise bound SOON.
+    node.pods.delete("uid-spin");
+    node.wait_gone("uid-spin").await;
+}
+
+#[tokio::test]
+async fn a_module_over_its_memory_limit_is_oom_killed() {
+    let node = wasm_node(0).await;
+    node.import_examples();
+    node.pods.apply(pod(serde_json::json!({
+        "metadata": {"name": "hog", "namespace": "default", "uid": "uid-hog"},
+        "spec": {
+            "restartPolicy": "Never",
+            "containers": [{"name": "main", "image": "example.com/wasm/hog:v1", "resources": {"limits": {"memory": "16Mi"}}}]
+        }
+    })));
+    let done = node.wait_pod("uid-hog", "Failed", |p| phase(p) == Some("Failed")).await;
+    assert_eq!(container_state(&done).1, Some((137, Some("OOMKilled".into()))));
+    assert!(node.log("hog", "uid-hog", "main", 0).contains("allocating"));
+}
+
+#[tokio::test]
+async fn a_missing_volume_path_is_a_clear_start_error_until_it_exists() {
+    let node = wasm_node(0).await;
+    node.import_examples();
+    let missing = node.root.path().join("host/not-yet");
+    node.pods.apply(pod(serde_json::json!({
+        "metadata": {"name": "late", "namespace": "default", "uid": "uid-late"},
+        "spec": {
+            "restartPolicy": "OnFailure",
+            "containers": [{"name": "main", "image": "example.com/wasm/hello:v1",
+                            "volumeMounts": [{"name": "out", "mountPath": "/out"}]}],
+            "volumes": [{"name": "out", "hostPath": {"path": missing.display().to_string()}}]
+        }
+    })));
+    let waiting = node
+        .wait_pod("uid-late", "a start error naming the path", |p| {
+            container_state(p).2.is_some_and(|m| m.contains(&missing.display().to_string()))
+        })
+        .await;
+    // Never ran; restarting (as upstream, a container with a last
+    // termination counts as running for the phase).
+    assert_ne!(phase(&waiting), Some("Succeeded"));
+    std::fs::create_dir_all(&missing).expect("mkdir");
+    node.wait_pod("uid-late", "Succeeded once the path exists", |p| phase(p) == Some("Succeeded")).await;
+    assert!(missing.join("hello.txt").exists());
+}
+
+#[tokio::test]
+async fn a_second_pod_of_an_image_does_not_compile_it_again() {
+    let node = wasm_node(0).await;
+    node.import_examples();
+    node.pods.apply(simple_pod("a", "uid-a", "example.com/wasm/sleep:v1", "Always"));
+    node.wait_pod("uid-a", "Running", |p| phase(p) == Some("Running")).await;
+    let compiled = node.provider.compilations();
+    node.pods.apply(simple_pod("b", "uid-b", "example.com/wasm/sleep:v1", "Always"));
+    node.wait_pod("uid-b", "Running", |p| phase(p) == Some("Running")).await;
+    assert_eq!(node.provider.compilations(), compiled, "the second pod compiled the module again");
+    assert_eq!(compiled, 1);
+}
+
+#[tokio::test]
+async fn an_image_never_pulled_under_policy_never_waits_with_upstreams_message() {
+    let node = wasm_node(0).await;
+    node.pods.apply(pod(serde_json::json!({
+        "metadata": {"name": "never", "namespace": "default", "uid": "uid-never"},
+        "spec": {"containers": [{"name": "main", "image": "example.com/wasm/absent:v1", "imagePullPolicy": "Never"}]}
+    })));
+    let waiting =
+        node.wait_pod("uid-never", "ErrImagePull", |p| container_state(p).2.is_some_and(|m| m.contains("Never"))).await;
+    let message = container_state(&waiting).2.unwrap_or_default();
+    assert!(message.contains("is not present with pull policy of Never"), "{message}");
+}
+
+// --- pulls from a real registry --------------------------------------------
+
+async fn registry_node(test: &str, credentials: Option<(&str, &str)>) -> Option<(WasmNode, Registry)> {
+    let registry = registry_or_skip(test, credentials).await?;
+    Some((wasm_node(0).await, registry))
+}
+
+#[tokio::test]
+async fn images_in_every_accepted_layout_are_pulled_and_run() {
+    let Some((node, registry)) = registry_node("layouts", None).await else { return };
+    let hello = examples::binary("hello").expect("assemble");
+    registry.push_wasm("wasm/cncf", "v1", &hello).await.expect("push cncf");
+    registry.push_wasm_to_oci("wasm/wasm-to-oci", "v1", &hello).await.expect("push wasm-to-oci");
+    registry
+        .push_image("wasm/plain", "v1", "wasip1", "wasm", &[("app/hello.wasm", &hello)], &["/app/hello.wasm"])
+        .await
+        .expect("push plain image");
+    let out = node.host_dir("out");
+    for (n, repository) in ["wasm/cncf", "wasm/wasm-to-oci", "wasm/plain"].iter().enumerate() {
+        let uid = format!("uid-{n}");
+        let dir = out.join(n.to_string());
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        node.pods.apply(pod(serde_json::json!({
+            "metadata": {"name": format!("p{n}"), "namespace": "default", "uid": uid},
+            "spec": {
+                "restartPolicy": "Never",
+                "containers": [{"name": "main", "image": registry.reference(repository, "v1"),
+                                "volumeMounts": [{"name": "out", "mountPath": "/out"}]}],
+                "volumes": [{"name": "out", "hostPath": {"path": dir.display().to_string()}}]
+            }
+        })));
+        node.wait_pod(&uid, &format!("{repository} Succeeded"), |p| phase(p) == Some("Succeeded")).await;
+        assert!(dir.join("hello.txt").exists(), "{repository}");
+    }
+    // The plain image runs its entrypoint as argv[0].
+    assert!(node.log("p2", "uid-2", "main", 0).contains("arg: /app/hello.wasm\n"));
+}
+
+#[tokio::test]
+async fn a_linux_image_and_a_non_wasm_layer_are_refused_with_a_reason() {
+    let Some((node, registry)) = registry_node("linux image", None).await else { return };
+    registry
+        .push_image(
+            "library/busybox",
+            "1",
+            "linux",
+            "amd64",
+            &[("bin/busybox", b"\x7fELF\x02\x01\x01\0")],
+            &["/bin/sh"],
+        )
+        .await
+        .expect("push linux image");
+    registry.push_wasm("wasm/elf", "v1", b"\x7fELF\x02\x01\x01\0 not wasm").await.expect("push");
+    node.pods.apply(simple_pod("linux", "uid-linux", &registry.reference("library/busybox", "1"), "Never"));
+    node.pods.apply(simple_pod("elf", "uid-elf", &registry.reference("wasm/elf", "v1"), "Never"));
+    let linux = node
+        .wait_pod("uid-linux", "a pull error", |p| container_state(p).2.is_some_and(|m| m.contains("linux/amd64")))
+        .await;
+    let message = container_state(&linux).2.unwrap_or_default();
+    assert!(message.contains("not a WebAssembly image"), "{message}");
+    let elf = node
+        .wait_pod("uid-elf", "a pull error", |p| {
+            container_state(p).2.is_some_and(|m| m.contains("not a WebAssembly binary"))
+        })
+        .await;
+    assert!(matches!(container_state(&elf).0.as_deref(), Some("ErrImagePull" | "ImagePullBackOff")));
+}
+
+#[tokio::test]
+async fn pull_errors_back_off_and_recover() {
+    let Some((node, mut registry)) = registry_node("pull errors", None).await else { return };
+    let hello = examples::binary("hello").expect("assemble");
+    // Unknown repository.
+    node.pods.apply(simple_pod("unknown", "uid-unknown", &registry.reference("wasm/nothing", "v1"), "Never"));
+    let unknown = node
+        .wait_pod("uid-unknown", "ImagePullBackOff", |p| container_state(p).0.as_deref() == Some("ImagePullBackOff"))
+        .await;
+    assert!(container_state(&unknown).2.is_some_and(|m| m.contains("Back-off")));
+    let seen = node
+        .wait_pod("uid-unknown", "ErrImagePull naming not found", |p| {
+            container_state(p).2.is_some_and(|m| m.contains("not found"))
+        })
+        .await;
+    assert_eq!(container_state(&seen).0.as_deref(), Some("ErrImagePull"));
+    // Pushed later: the backoff's next try pulls it.
+    registry.push_wasm("wasm/nothing", "v1", &hello).await.expect("push");
+    node.wait_pod("uid-unknown", "the module ran once pushed", |p| container_state(p).1.is_some()).await;
+
+    // Registry down, then back.
+    registry.push_wasm("wasm/later", "v1", &hello).await.expect("push");
+    registry.stop().await;
+    node.pods.apply(simple_pod("down", "uid-down", &registry.reference("wasm/later", "v1"), "Never"));
+    node.wait_pod("uid-down", "unreachable", |p| container_state(p).2.is_some_and(|m| m.contains("cannot be reached")))
+        .await;
+    registry.restart().await.expect("registry back");
+    node.wait_pod("uid-down", "the module ran once the registry is back", |p| container_state(p).1.is_some()).await;
+}
+
+#[tokio::test]
+async fn a_digest_mismatch_is_refused_and_nothing_is_stored() {
+    let Some((node, registry)) = registry_node("digest mismatch", None).await else { return };
+    let hello = examples::binary("hello").expect("assemble");
+    let (_, layer) = registry.push_wasm("wasm/tampered", "v1", &hello).await.expect("push");
+    let mut tampered = hello.clone();
+    tampered.extend_from_slice(b"extra");
+    std::fs::write(registry.blob_data(&layer), &tampered).expect("tamper");
+    node.pods.apply(simple_pod("t", "uid-t", &registry.reference("wasm/tampered", "v1"), "Never"));
+    let failed = node
+        .wait_pod("uid-t", "a digest mismatch", |p| container_state(p).2.is_some_and(|m| m.contains("digest mismatch")))
+        .await;
+    assert_eq!(phase(&failed), Some("Pending"));
+    assert!(!node.provider.images().has_blob(&layer));
+    let leftovers = std::fs::read_dir(node.provider.images().dir().join("tmp")).expect("tmp").count();
+    assert_eq!(leftovers, 0, "a partial download was left behind");
+}
+
+#[tokio::test]
+async fn a_registry_that_requires_auth_is_pulled_with_the_nodes_credentials() {
+    let Some((node, registry)) = registry_node("auth", Some(("puller", "s3cret"))).await else { return };
+    let hello = examples::binary("hello").expect("assemble");
+    registry.push_wasm("wasm/private", "v1", &hello).await.expect("push");
+    node.pods.apply(simple_pod("private", "uid-p", &registry.reference("wasm/private", "v1"), "Never"));
+    node.wait_pod("uid-p", "refused access", |p| container_state(p).2.is_some_and(|m| m.contains("refused access")))
+        .await;
+    // The kubelet reads <root-dir>/config.json (docker's format).
+    let config = serde_json::json!({"auths": {registry.host(): {"username": "puller", "password": "s3cret"}}});
+    std::fs::write(node.root.path().join("config.json"), config.to_string()).expect("config.json");
+    // Pulled and run (hello exits 1 here: it has no volume to write to).
+    node.wait_pod("uid-p", "the module ran with credentials", |p| container_state(p).1.is_some()).await;
+    assert!(node.log("private", "uid-p", "main", 0).contains("hello"), "the module's output");
+}
+
+#[tokio::test]
+async fn pods_pulling_one_image_at_once_make_one_pull() {
+    let Some((node, registry)) = registry_node("concurrent pulls", None).await else { return };
+    let sleep = examples::binary("sleep").expect("assemble");
+    let (_, layer) = registry.push_wasm("wasm/shared", "v1", &sleep).await.expect("push");
+    let image = registry.reference("wasm/shared", "v1");
+    for n in 0..5 {
+        node.pods.apply(simple_pod(&format!("s{n}"), &format!("uid-s{n}"), &image, "Always"));
+    }
+    for n in 0..5 {
+        node.wait_pod(&format!("uid-s{n}"), "Running", |p| phase(p) == Some("Running")).await;
+    }
+    assert_eq!(registry.blob_downloads(&layer), 1, "registry log:\n{}", registry.log());
+    assert_eq!(node.provider.pull_count(), 1);
+    assert_eq!(node.provider.compilations(), 1);
+}
