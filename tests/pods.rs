@@ -16,7 +16,6 @@ use kubelet::pod::{Allocatable, BackoffConfig, PodConfig, PodLifecycle, Pods};
 use kubelet::provider::Provider;
 use rustlet_testkit::host_provider::HostProcessProvider;
 use rustlet_testkit::process::PluginProcess;
-use rustlet_testkit::report::Report;
 use tempfile::TempDir;
 use tokio_util::sync::CancellationToken;
 
@@ -48,23 +47,7 @@ async fn pod_node(gpus: u64, tweak: impl FnOnce(&mut PodConfig)) -> PodNode {
     let mut device_config = DeviceManagerConfig::new(&device_dir);
     device_config.call_timeout = LIVENESS_DEADLINE;
     let devices = DeviceManager::start(device_config, shutdown.clone()).expect("device manager");
-    let plugin = if gpus > 0 {
-        let socket = device_dir.join("gpu.sock").display().to_string();
-        let count = gpus.to_string();
-        let mut plugin =
-            PluginProcess::spawn(device_plugin_bin(), ["--socket", &socket, "--resource", GPU, "--count", &count])
-                .await
-                .expect("start fake-device-plugin");
-        plugin.wait_for(SOON, |r| matches!(r, Report::DeviceRegistered { .. })).await.expect("registered");
-        let mut capacity = devices.capacity();
-        tokio::time::timeout(SOON, capacity.wait_for(|c| c.get(GPU).is_some_and(|c| c.allocatable == gpus)))
-            .await
-            .expect("devices advertised in time")
-            .expect("device manager alive");
-        Some(plugin)
-    } else {
-        None
-    };
+    let plugin = if gpus > 0 { Some(gpu_plugin(&devices, &device_dir, GPU, gpus).await) } else { None };
     let mut config = PodConfig::new(root.path(), allocatable());
     config.restart_backoff = BackoffConfig {
         initial: Duration::from_millis(50),

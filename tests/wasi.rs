@@ -15,7 +15,6 @@ use kubelet::pod::{Allocatable, BackoffConfig, PodConfig, PodLifecycle, Pods};
 use kubelet::provider::Provider;
 use rustlet_testkit::process::PluginProcess;
 use rustlet_testkit::registry::{Registry, registry_or_skip};
-use rustlet_testkit::report::Report;
 use rustlet_wasi::{WasiConfig, WasiProvider, examples};
 use tempfile::TempDir;
 use tokio_util::sync::CancellationToken;
@@ -51,23 +50,7 @@ async fn wasm_node(gpus: u64) -> WasmNode {
     let shutdown = CancellationToken::new();
     let device_dir = root.path().join("device-plugins");
     let devices = DeviceManager::start(DeviceManagerConfig::new(&device_dir), shutdown.clone()).expect("devices");
-    let plugin = if gpus > 0 {
-        let socket = device_dir.join("gpu.sock").display().to_string();
-        let count = gpus.to_string();
-        let mut plugin =
-            PluginProcess::spawn(device_plugin_bin(), ["--socket", &socket, "--resource", GPU, "--count", &count])
-                .await
-                .expect("start fake-device-plugin");
-        plugin.wait_for(SOON, |r| matches!(r, Report::DeviceRegistered { .. })).await.expect("registered");
-        let mut capacity = devices.capacity();
-        tokio::time::timeout(SOON, capacity.wait_for(|c| c.get(GPU).is_some_and(|c| c.allocatable == gpus)))
-            .await
-            .expect("devices advertised in time")
-            .expect("device manager alive");
-        Some(plugin)
-    } else {
-        None
-    };
+    let plugin = if gpus > 0 { Some(gpu_plugin(&devices, &device_dir, GPU, gpus).await) } else { None };
     let mut config = PodConfig::new(root.path(), Allocatable { cpu_milli: 4000, memory: 8 << 30, pods: 500 });
     config.restart_backoff = fast_backoff();
     config.image_backoff = fast_backoff();

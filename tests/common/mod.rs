@@ -37,6 +37,33 @@ pub fn csi_driver_bin() -> &'static str {
     env!("CARGO_BIN_EXE_fake-csi-driver")
 }
 
+/// Starts the fake device plugin serving `count` devices of `resource` on
+/// `<device_dir>/gpu.sock` and waits until it registered and `devices`
+/// advertises them all.
+pub async fn gpu_plugin(
+    devices: &kubelet::device_manager::DeviceManager,
+    device_dir: &Path,
+    resource: &str,
+    count: u64,
+) -> PluginProcess {
+    let socket = device_dir.join("gpu.sock").display().to_string();
+    let count_arg = count.to_string();
+    let mut plugin =
+        PluginProcess::spawn(device_plugin_bin(), ["--socket", &socket, "--resource", resource, "--count", &count_arg])
+            .await
+            .expect("start fake-device-plugin");
+    plugin
+        .wait_for(SOON, |r| matches!(r, rustlet_testkit::report::Report::DeviceRegistered { .. }))
+        .await
+        .expect("registered");
+    let mut capacity = devices.capacity();
+    tokio::time::timeout(SOON, capacity.wait_for(|c| c.get(resource).is_some_and(|c| c.allocatable == count)))
+        .await
+        .expect("devices advertised in time")
+        .expect("device manager alive");
+    plugin
+}
+
 /// Starts the registration plugin binary with `args`.
 pub async fn registration_plugin(args: &[&str]) -> PluginProcess {
     PluginProcess::spawn(registration_plugin_bin(), args).await.expect("start fake-registration-plugin")

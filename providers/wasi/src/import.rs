@@ -14,7 +14,7 @@ use std::path::Path;
 use jiff::Timestamp;
 use oci_client::manifest::{OciImageIndex, OciImageManifest};
 
-use crate::pull::{ImageConfig, extract_module, parse_reference, wasm_layer};
+use crate::pull::{extract_module, is_wasm_platform, parse_reference, plain_image_layer, wasm_layer};
 use crate::store::{ImageRecord, ImageStore, ModuleKind, digest_of};
 
 const IMAGE_NAME: &str = "io.containerd.image.name";
@@ -90,12 +90,7 @@ fn import_dir(store: &ImageStore, dir: &Path, base_name: Option<&str>) -> Result
             && !nested.manifests.is_empty()
             && nested.media_type.as_deref().is_none_or(|t| t.contains("index") || t.contains("list"))
         {
-            let wasm = nested.manifests.iter().find(|m| {
-                m.platform.as_ref().is_some_and(|p| {
-                    p.architecture.to_string() == "wasm"
-                        || matches!(p.os.to_string().as_str(), "wasi" | "wasip1" | "wasip2")
-                })
-            });
+            let wasm = nested.manifests.iter().find(|m| m.platform.as_ref().is_some_and(is_wasm_platform));
             let wasm = wasm.ok_or_else(|| format!("image {name}: its index has no wasm platform"))?;
             digest = wasm.digest.clone();
             manifest_bytes = read_blob(dir, &digest)?;
@@ -106,21 +101,9 @@ fn import_dir(store: &ImageStore, dir: &Path, base_name: Option<&str>) -> Result
         let (bytes, default_args) = match layer {
             Some(layer) => (read_blob(dir, &layer.digest)?, Vec::new()),
             None => {
-                let config: ImageConfig = serde_json::from_slice(&read_blob(dir, &manifest.config.digest)?)
-                    .map_err(|e| format!("image {name}: config: {e}"))?;
-                if config.architecture != "wasm" {
-                    return Err(format!(
-                        "image {name} is a {}/{} container image, not a WebAssembly image",
-                        config.os, config.architecture
-                    ));
-                }
-                let [layer] = manifest.layers.as_slice() else {
-                    return Err(format!("image {name}: a wasm image must have one layer"));
-                };
+                let config = read_blob(dir, &manifest.config.digest)?;
+                let (layer, args) = plain_image_layer(&name, &config, &manifest).map_err(|e| e.message)?;
                 read_blob(dir, &layer.digest)?;
-                let exec = config.config.unwrap_or_default();
-                let mut args = exec.entrypoint.unwrap_or_default();
-                args.extend(exec.cmd.unwrap_or_default());
                 let path = dir.join("blobs/sha256").join(layer.digest.trim_start_matches("sha256:"));
                 let module =
                     extract_module(&path, layer.media_type.ends_with("gzip"), args.first().map(String::as_str))

@@ -49,7 +49,7 @@ use tokio::sync::watch;
 
 use crate::logs::CriLog;
 use crate::pull::{PullPolicy, Puller};
-use crate::runtime::{Ended, RunSpec, Runtime, STOPPED_EXIT_CODE};
+use crate::runtime::{RunSpec, Runtime, STOPPED_EXIT_CODE, ended};
 use crate::store::ImageStore;
 
 /// The node label (and taint) value that marks a WebAssembly node, as
@@ -321,20 +321,15 @@ impl Provider for WasiProvider {
         let runtime = self.runtime.clone();
         let task_id = id.clone();
         self.threads().spawn(async move {
-            let ended = tokio::select! {
-                ended = runtime.run(compiled, spec) => ended,
+            let exit = tokio::select! {
+                exit = runtime.run(compiled, spec) => exit,
                 _ = stopped.wait_for(|s| *s) => {
                     log.finish();
-                    Ended { exit_code: STOPPED_EXIT_CODE, reason: None, message: Some("stopped by the node".into()) }
+                    ended(STOPPED_EXIT_CODE, None, Some("stopped by the node".into()))
                 }
             };
-            tracing::debug!(container = %task_id, exit_code = ended.exit_code, "module ended");
-            let _ = exit_tx.send(Some(ContainerExit {
-                exit_code: ended.exit_code,
-                reason: ended.reason,
-                message: ended.message,
-                finished_at: Timestamp::now(),
-            }));
+            tracing::debug!(container = %task_id, exit_code = exit.exit_code, "module ended");
+            let _ = exit_tx.send(Some(exit));
         });
         self.instances.lock().expect("lock").insert(id.clone(), Instance { pod_uid, exit, stop });
         Ok(id)

@@ -270,12 +270,6 @@ impl Puller {
             protocol,
             connect_timeout: Some(self.timeout),
             read_timeout: Some(self.timeout),
-            platform_resolver: Some(Box::new(|entries| {
-                entries
-                    .iter()
-                    .find(|e| e.platform.as_ref().is_some_and(|p| p.architecture.to_string() == "wasm"))
-                    .map(|e| e.digest.clone())
-            })),
             ..ClientConfig::default()
         })
     }
@@ -294,11 +288,7 @@ impl Puller {
         let (manifest, digest) = match manifest {
             OciManifest::Image(manifest) => (manifest, digest),
             OciManifest::ImageIndex(index) => {
-                let entry = index.manifests.iter().find(|e| {
-                    e.platform
-                        .as_ref()
-                        .is_some_and(|p| p.architecture.to_string() == "wasm" || is_wasi(&p.os.to_string()))
-                });
+                let entry = index.manifests.iter().find(|e| e.platform.as_ref().is_some_and(is_wasm_platform));
                 let Some(entry) = entry else {
                     let platforms: Vec<String> = index
                         .manifests
@@ -421,24 +411,7 @@ impl Puller {
         client.store_auth_if_needed(reference.resolve_registry(), auth).await;
         let mut config = Vec::new();
         client.pull_blob(reference, &manifest.config, &mut config).await.map_err(|e| classify(&image, e))?;
-        let config: ImageConfig = serde_json::from_slice(&config).map_err(|e| {
-            PullError::new(PullErrorKind::NotWasm, format!("image \"{image}\": its config is not an image config: {e}"))
-        })?;
-        if config.architecture != "wasm" {
-            return Err(not_wasm(&image, &format!("a {}/{} container image", config.os, config.architecture)));
-        }
-        let [layer] = manifest.layers.as_slice() else {
-            return Err(not_wasm(
-                &image,
-                &format!(
-                    "a wasm image with {} layers (Rustlet takes the module from a single layer)",
-                    manifest.layers.len()
-                ),
-            ));
-        };
-        let exec = config.config.unwrap_or_default();
-        let mut default_args: Vec<String> = exec.entrypoint.unwrap_or_default();
-        default_args.extend(exec.cmd.unwrap_or_default());
+        let (layer, default_args) = plain_image_layer(&image, &config, manifest)?;
         let temp = self.fetch_blob(client, reference, layer).await?;
         let gzip = layer.media_type.ends_with("gzip");
         let wanted = default_args.first().cloned();
@@ -457,27 +430,58 @@ impl Puller {
     }
 }
 
-fn is_wasi(os: &str) -> bool {
-    matches!(os, "wasi" | "wasip1" | "wasip2")
+/// An image index entry's platform that runs here (`wasm`, or a WASI os).
+pub(crate) fn is_wasm_platform(platform: &oci_client::manifest::Platform) -> bool {
+    platform.architecture.to_string() == "wasm"
+        || matches!(platform.os.to_string().as_str(), "wasi" | "wasip1" | "wasip2")
+}
+
+/// A plain image (module in a tar layer): checks that its config (`config`,
+/// the blob's bytes) says `architecture: wasm` and that it has one layer;
+/// returns that layer and the image's `Entrypoint` + `Cmd`.
+pub(crate) fn plain_image_layer<'m>(
+    image: &str,
+    config: &[u8],
+    manifest: &'m OciImageManifest,
+) -> Result<(&'m OciDescriptor, Vec<String>), PullError> {
+    let config: ImageConfig = serde_json::from_slice(config).map_err(|e| {
+        PullError::new(PullErrorKind::NotWasm, format!("image \"{image}\": its config is not an image config: {e}"))
+    })?;
+    if config.architecture != "wasm" {
+        return Err(not_wasm(image, &format!("a {}/{} container image", config.os, config.architecture)));
+    }
+    let [layer] = manifest.layers.as_slice() else {
+        return Err(not_wasm(
+            image,
+            &format!(
+                "a wasm image with {} layers (Rustlet takes the module from a single layer)",
+                manifest.layers.len()
+            ),
+        ));
+    };
+    let exec = config.config.unwrap_or_default();
+    let mut args = exec.entrypoint.unwrap_or_default();
+    args.extend(exec.cmd.unwrap_or_default());
+    Ok((layer, args))
 }
 
 /// The subset of an OCI image config Rustlet reads.
 #[derive(serde::Deserialize, Default)]
-pub(crate) struct ImageConfig {
+struct ImageConfig {
     #[serde(default)]
-    pub(crate) architecture: String,
+    architecture: String,
     #[serde(default)]
-    pub(crate) os: String,
+    os: String,
     #[serde(default)]
-    pub(crate) config: Option<ExecConfig>,
+    config: Option<ExecConfig>,
 }
 
 #[derive(serde::Deserialize, Default)]
-pub(crate) struct ExecConfig {
+struct ExecConfig {
     #[serde(rename = "Entrypoint", default)]
-    pub(crate) entrypoint: Option<Vec<String>>,
+    entrypoint: Option<Vec<String>>,
     #[serde(rename = "Cmd", default)]
-    pub(crate) cmd: Option<Vec<String>>,
+    cmd: Option<Vec<String>>,
 }
 
 /// The layer holding the module, and the format's name; `None` for a plain

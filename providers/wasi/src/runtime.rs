@@ -24,6 +24,8 @@ use wasmtime_wasi::p1::WasiP1Ctx;
 use wasmtime_wasi::p2::bindings::CommandPre;
 use wasmtime_wasi::{FsPerms, I32Exit, WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
+use kubelet::provider::ContainerExit;
+
 use crate::logs::CriLog;
 use crate::store::ModuleKind;
 
@@ -64,17 +66,6 @@ pub struct RunSpec {
     pub memory_limit: Option<u64>,
     /// Where stdout and stderr go.
     pub log: CriLog,
-}
-
-/// How a module ended.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Ended {
-    /// Its exit code.
-    pub exit_code: i32,
-    /// `OOMKilled` when it hit its memory limit.
-    pub reason: Option<String>,
-    /// What happened (a trap, an instantiation error).
-    pub message: Option<String>,
 }
 
 /// Tracks memory growth against the limit.
@@ -226,7 +217,7 @@ impl Runtime {
     }
 
     /// Runs `compiled` with `spec` until it ends.
-    pub async fn run(&self, compiled: Compiled, spec: RunSpec) -> Ended {
+    pub async fn run(&self, compiled: Compiled, spec: RunSpec) -> ContainerExit {
         let mut builder = WasiCtxBuilder::new();
         builder.args(&spec.args);
         for (name, value) in &spec.env {
@@ -236,11 +227,11 @@ impl Runtime {
         for (host, guest, read_only) in &spec.preopens {
             let perms = if *read_only { FsPerms::ReadOnly } else { FsPerms::ReadWrite };
             if let Err(e) = builder.preopened_dir(host, guest, perms) {
-                return Ended {
-                    exit_code: 128,
-                    reason: Some("StartError".into()),
-                    message: Some(format!("cannot open {} for {guest}: {e}", host.display())),
-                };
+                return ended(
+                    128,
+                    Some("StartError"),
+                    Some(format!("cannot open {} for {guest}: {e}", host.display())),
+                );
             }
         }
         if let Some(cwd) = &spec.cwd {
@@ -283,21 +274,22 @@ fn prepare<T: 'static>(store: &mut Store<T>, limiter: fn(&mut T) -> &mut MemLimi
     store.epoch_deadline_callback(|_| Ok(UpdateDeadline::Yield(1)));
 }
 
-fn outcome(result: wasmtime::Result<i32>, memory_limit_hit: bool) -> Ended {
-    let oom = || Ended {
-        exit_code: OOM_EXIT_CODE,
-        reason: Some("OOMKilled".into()),
-        message: Some("the module went over its memory limit".into()),
-    };
+/// A container exit now.
+pub(crate) fn ended(exit_code: i32, reason: Option<&str>, message: Option<String>) -> ContainerExit {
+    ContainerExit { exit_code, reason: reason.map(str::to_owned), message, finished_at: jiff::Timestamp::now() }
+}
+
+fn outcome(result: wasmtime::Result<i32>, memory_limit_hit: bool) -> ContainerExit {
+    let oom = || ended(OOM_EXIT_CODE, Some("OOMKilled"), Some("the module went over its memory limit".into()));
     match result {
         Ok(code) if memory_limit_hit && code != 0 => oom(),
-        Ok(code) => Ended { exit_code: code, reason: None, message: None },
+        Ok(code) => ended(code, None, None),
         Err(e) => {
             if let Some(exit) = e.downcast_ref::<I32Exit>() {
                 if memory_limit_hit && exit.0 != 0 {
                     return oom();
                 }
-                return Ended { exit_code: exit.0, reason: None, message: None };
+                return ended(exit.0, None, None);
             }
             if memory_limit_hit {
                 return oom();
@@ -306,7 +298,7 @@ fn outcome(result: wasmtime::Result<i32>, memory_limit_hit: bool) -> Ended {
                 Some(trap) => format!("wasm trap: {trap}"),
                 None => format!("{e:?}").lines().next().unwrap_or_default().to_owned(),
             };
-            Ended { exit_code: TRAP_EXIT_CODE, reason: None, message: Some(message) }
+            ended(TRAP_EXIT_CODE, None, Some(message))
         }
     }
 }
