@@ -245,17 +245,30 @@ pub(crate) fn prepare_dir(root: &Path) -> Result<(), WatcherError> {
         }
         Ok(_) => {}
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
-            std::fs::create_dir_all(root)
+            if let Err(source) = std::fs::create_dir_all(root)
                 .and_then(|()| std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o755)))
-                .map_err(|source| WatcherError::Create { path: root.to_path_buf(), source })?;
+            {
+                // Something appeared at the path between the look and the
+                // create: report what it is, not the create's EEXIST.
+                let appeared_not_dir = std::fs::symlink_metadata(root).is_ok_and(|meta| !meta.is_dir());
+                if source.kind() == io::ErrorKind::AlreadyExists && appeared_not_dir {
+                    return Err(WatcherError::NotADirectory { path: root.to_path_buf() });
+                }
+                return Err(WatcherError::Create { path: root.to_path_buf(), source });
+            }
         }
         Err(source) => return Err(WatcherError::Create { path: root.to_path_buf(), source }),
     }
     // A hidden probe file: the watcher ignores names starting with '.'.
     let probe = root.join(format!(".rustlet-write-probe-{}", std::process::id()));
-    std::fs::write(&probe, b"")
-        .and_then(|()| std::fs::remove_file(&probe))
-        .map_err(|source| WatcherError::NotWritable { path: root.to_path_buf(), source })
+    std::fs::write(&probe, b"").and_then(|()| std::fs::remove_file(&probe)).map_err(|source| {
+        // The directory may have been replaced since it was checked.
+        if std::fs::symlink_metadata(root).is_ok_and(|meta| !meta.is_dir()) {
+            WatcherError::NotADirectory { path: root.to_path_buf() }
+        } else {
+            WatcherError::NotWritable { path: root.to_path_buf(), source }
+        }
+    })
 }
 
 /// Starts watching `root` (subdirectories are added as they are read) and
