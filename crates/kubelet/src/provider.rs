@@ -232,25 +232,62 @@ pub fn cri_log_line(stream: &str, line: &str) -> String {
 /// The text of a CRI-format log: each entry's message, partial entries
 /// (`P`) joined to the next; a line that is not CRI-formatted is kept as is.
 pub fn decode_cri_log(raw: &str) -> Vec<String> {
-    let mut lines = Vec::new();
-    let mut pending = String::new();
-    for entry in raw.lines() {
+    let mut decoder = CriLogDecoder::default();
+    let mut lines = decoder.feed(raw.as_bytes());
+    lines.extend(decoder.finish());
+    lines
+}
+
+/// Decodes a CRI-format log as it grows: `feed` takes whatever bytes were
+/// appended and returns the lines completed by them; an entry not yet ended
+/// by a newline, and partial (`P`) entries, wait for the rest.
+#[derive(Debug, Default)]
+pub struct CriLogDecoder {
+    /// Raw bytes after the last newline seen (maybe part of a character).
+    raw: Vec<u8>,
+    /// Messages of `P` entries waiting for their `F`.
+    pending: String,
+}
+
+impl CriLogDecoder {
+    /// Takes appended bytes; returns the lines they complete.
+    pub fn feed(&mut self, appended: &[u8]) -> Vec<String> {
+        self.raw.extend_from_slice(appended);
+        let Some(end) = self.raw.iter().rposition(|&b| b == b'\n') else { return Vec::new() };
+        let complete: Vec<u8> = self.raw.drain(..=end).collect();
+        let mut lines = Vec::new();
+        for entry in String::from_utf8_lossy(&complete).lines() {
+            self.entry(entry, &mut lines);
+        }
+        lines
+    }
+
+    /// The log ended: whatever is left, as the last line.
+    pub fn finish(&mut self) -> Vec<String> {
+        let mut lines = Vec::new();
+        let rest = std::mem::take(&mut self.raw);
+        if !rest.is_empty() {
+            self.entry(&String::from_utf8_lossy(&rest), &mut lines);
+        }
+        if !self.pending.is_empty() {
+            lines.push(std::mem::take(&mut self.pending));
+        }
+        lines
+    }
+
+    fn entry(&mut self, entry: &str, lines: &mut Vec<String>) {
         let mut fields = entry.splitn(4, ' ');
         let (_time, _stream, tag, message) = (fields.next(), fields.next(), fields.next(), fields.next());
         match (tag, message) {
-            (Some("P"), Some(message)) => pending.push_str(message),
+            (Some("P"), Some(message)) => self.pending.push_str(message),
             (Some("F"), message) => {
-                pending.push_str(message.unwrap_or_default());
-                pending.push('\n');
-                lines.push(std::mem::take(&mut pending));
+                self.pending.push_str(message.unwrap_or_default());
+                self.pending.push('\n');
+                lines.push(std::mem::take(&mut self.pending));
             }
             _ => lines.push(format!("{entry}\n")),
         }
     }
-    if !pending.is_empty() {
-        lines.push(pending);
-    }
-    lines
 }
 
 #[cfg(test)]
@@ -265,5 +302,27 @@ mod tests {
             cri_log_line("stderr", "")
         );
         assert_eq!(decode_cri_log(&raw), ["hello world\n", "\n", "part-two\n", "not cri\n"]);
+    }
+
+    #[test]
+    fn cri_logs_decode_as_they_grow() {
+        let raw = format!(
+            "{}2024-01-01T00:00:00Z stdout P part-\n2024-01-01T00:00:00Z stdout F two\nlast",
+            cri_log_line("stdout", "oné")
+        );
+        // Fed one byte at a time, each line comes out as it is completed.
+        let mut decoder = CriLogDecoder::default();
+        let mut seen = Vec::new();
+        for (i, byte) in raw.bytes().enumerate() {
+            for line in decoder.feed(&[byte]) {
+                seen.push((i, line));
+            }
+        }
+        let first_end = raw.find('\n').expect("newline");
+        // A character split across two reads is kept whole.
+        assert_eq!(seen[0], (first_end, "oné\n".to_owned()));
+        assert_eq!(seen[1].1, "part-two\n");
+        assert_eq!(seen.len(), 2);
+        assert_eq!(decoder.finish(), ["last\n"]);
     }
 }

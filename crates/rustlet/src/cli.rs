@@ -67,7 +67,7 @@ pub(crate) enum ImagesCommand {
         node: NodeLocator,
     },
     /// Remove images by name or id (prefix of at least 12 characters).
-    #[command(alias = "remove", alias = "rm")]
+    #[command(alias = "remove")]
     Rm {
         /// Image names or ids.
         #[arg(required = true)]
@@ -143,6 +143,9 @@ pub(crate) struct LogsArgs {
     /// Only the last N lines.
     #[arg(long)]
     pub(crate) tail: Option<usize>,
+    /// Keep printing lines as the container writes them, until it ends.
+    #[arg(short, long)]
+    pub(crate) follow: bool,
     #[command(flatten)]
     pub(crate) node: NodeLocator,
 }
@@ -211,6 +214,15 @@ pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// clap's own consistency checks over every subcommand (duplicate
+    /// names or aliases, bad defaults), which otherwise only fire when that
+    /// subcommand is run from a debug build.
+    #[test]
+    fn the_command_line_is_consistent() {
+        use clap::CommandFactory as _;
+        Cli::command().debug_assert();
+    }
 
     #[test]
     fn durations_parse_as_kubelet_flags_do() {

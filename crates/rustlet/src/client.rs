@@ -1,7 +1,7 @@
 //! Talking to a running node: its endpoint is read from
 //! `<root-dir>/rustlet-endpoint`, then a plain HTTP/1.0 GET on loopback.
 
-use std::io::{Read, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::Path;
 use std::time::Duration;
@@ -15,8 +15,9 @@ pub(crate) struct Answer {
     pub(crate) body: String,
 }
 
-/// `GET path` on the node whose root dir is `root_dir`.
-pub(crate) fn get(root_dir: &Path, path: &str) -> anyhow::Result<Answer> {
+/// Opens a connection to the node whose root dir is `root_dir` and sends
+/// `GET path`.
+fn request(root_dir: &Path, path: &str, read_timeout: Option<Duration>) -> anyhow::Result<TcpStream> {
     let file = root_dir.join(ENDPOINT_FILE);
     let endpoint = std::fs::read_to_string(&file).with_context(|| {
         format!(
@@ -31,18 +32,61 @@ pub(crate) fn get(root_dir: &Path, path: &str) -> anyhow::Result<Answer> {
     let socket = address.parse().with_context(|| format!("{} holds {address:?}, not an address", file.display()))?;
     let mut stream = TcpStream::connect_timeout(&socket, Duration::from_secs(5))
         .with_context(|| format!("cannot reach the node at {address} (named in {}); is it running?", file.display()))?;
-    stream.set_read_timeout(Some(Duration::from_secs(30)))?;
+    stream.set_read_timeout(read_timeout)?;
     write!(stream, "GET {path} HTTP/1.0\r\nHost: {address}\r\nAccept: */*\r\n\r\n")?;
+    Ok(stream)
+}
+
+/// The status code in an HTTP answer's head.
+fn status_of(head: &str, path: &str) -> anyhow::Result<u16> {
+    head.split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .with_context(|| format!("the node's answer to GET {path} has no status"))
+}
+
+/// `GET path` on the node whose root dir is `root_dir`.
+pub(crate) fn get(root_dir: &Path, path: &str) -> anyhow::Result<Answer> {
+    let mut stream = request(root_dir, path, Some(Duration::from_secs(30)))?;
     let mut raw = Vec::new();
     stream.read_to_end(&mut raw).with_context(|| format!("reading the node's answer to GET {path}"))?;
     let raw = String::from_utf8_lossy(&raw);
     let Some((head, body)) = raw.split_once("\r\n\r\n") else { bail!("the node's answer to GET {path} is not HTTP") };
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|code| code.parse().ok())
-        .with_context(|| format!("the node's answer to GET {path} has no status"))?;
-    Ok(Answer { status, body: body.to_owned() })
+    Ok(Answer { status: status_of(head, path)?, body: body.to_owned() })
+}
+
+/// `GET path`, copying the body to `out` as it arrives (for answers that
+/// stay open, like a followed log); fails with the node's message unless it
+/// answers 200.
+pub(crate) fn stream_to(root_dir: &Path, path: &str, out: &mut impl Write) -> anyhow::Result<()> {
+    let stream = request(root_dir, path, None)?;
+    let mut reader = BufReader::new(stream);
+    let mut head = String::new();
+    loop {
+        let mut line = String::new();
+        if reader.read_line(&mut line).with_context(|| format!("reading the node's answer to GET {path}"))? == 0 {
+            bail!("the node's answer to GET {path} is not HTTP");
+        }
+        if line == "\r\n" {
+            break;
+        }
+        head.push_str(&line);
+    }
+    let status = status_of(&head, path)?;
+    if status != 200 {
+        let mut body = String::new();
+        reader.read_to_string(&mut body)?;
+        bail!("{}", body.trim());
+    }
+    let mut chunk = [0u8; 16 * 1024];
+    loop {
+        let n = reader.read(&mut chunk).with_context(|| format!("reading the node's answer to GET {path}"))?;
+        if n == 0 {
+            return Ok(());
+        }
+        out.write_all(&chunk[..n])?;
+        out.flush()?;
+    }
 }
 
 /// `GET path`, failing with the node's message unless it answers 200.

@@ -95,8 +95,14 @@ pub(crate) fn logs(args: &LogsArgs) -> anyhow::Result<()> {
     if let Some(tail) = args.tail {
         query.push(format!("tailLines={tail}"));
     }
+    if args.follow {
+        query.push("follow=true".to_owned());
+    }
     if !query.is_empty() {
         path = format!("{path}?{}", query.join("&"));
+    }
+    if args.follow {
+        return client::stream_to(root, &path, &mut std::io::stdout().lock());
     }
     print!("{}", client::get_ok(root, &path)?);
     Ok(())

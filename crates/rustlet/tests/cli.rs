@@ -383,3 +383,73 @@ async fn get_and_logs_find_the_node_through_its_root_dir() {
     assert!(ok);
     assert_eq!(text, "second\n");
 }
+
+/// `rustlet logs -f` prints what the container wrote, then each line as it
+/// is written, and ends when the container does. The module (`wait`) prints
+/// a line, waits for a file the test creates in its volume, prints another
+/// and exits.
+#[tokio::test]
+async fn logs_follow_prints_lines_as_written_until_the_container_ends() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let root_dir = root.path().to_str().expect("utf8").to_owned();
+    let layout = root.path().join("layout");
+    let module = rustlet_wasi::examples::binary("wait").expect("module");
+    rustlet_wasi::import::write_layout(&layout, &[("example.com/test/wait:v1", &module)]).expect("layout");
+    let (ok, _, stderr) = run_cli(&["images", "import", layout.to_str().expect("utf8"), "--root-dir", &root_dir]).await;
+    assert!(ok, "{stderr}");
+    let (ok, listed, stderr) = run_cli(&["images", "list", "-q", "--root-dir", &root_dir]).await;
+    assert!(ok, "{stderr}");
+    assert_eq!(listed, "example.com/test/wait:v1\n");
+
+    let signal = root.path().join("signal");
+    let manifests = root.path().join("manifests");
+    std::fs::create_dir_all(&signal).expect("mkdir");
+    std::fs::create_dir_all(&manifests).expect("mkdir");
+    std::fs::write(
+        manifests.join("waiter.yaml"),
+        format!(
+            "apiVersion: v1\nkind: Pod\nmetadata: {{name: waiter}}\nspec:\n  restartPolicy: Never\n  containers:\n  \
+             - name: main\n    image: example.com/test/wait:v1\n    imagePullPolicy: Never\n    \
+             volumeMounts: [{{name: signal, mountPath: /signal}}]\n  volumes:\n  \
+             - {{name: signal, hostPath: {{path: {}, type: Directory}}}}\n",
+            signal.display()
+        ),
+    )
+    .expect("write");
+    let manifest_dir = manifests.to_str().expect("utf8").to_owned();
+    let mut node = Running::start(&[
+        "--standalone",
+        "--root-dir",
+        &root_dir,
+        "--pod-manifest-path",
+        &manifest_dir,
+        "--node-name",
+        "n1",
+        "--healthz-port",
+        "0",
+    ]);
+    node.line_with("container started").await;
+
+    let mut follow = rustlet()
+        .args(["logs", "waiter-n1", "-f", "--root-dir", &root_dir])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let mut out = BufReader::new(follow.stdout.take().expect("stdout")).lines();
+    let mut next_line =
+        async || tokio::time::timeout(SOON, out.next_line()).await.expect("a line in time").expect("read");
+    assert_eq!(next_line().await.as_deref(), Some("waiting for go"));
+    // Still following: the container runs until the file appears.
+    assert!(follow.try_wait().expect("try_wait").is_none());
+    std::fs::write(signal.join("go"), b"").expect("write");
+    assert_eq!(next_line().await.as_deref(), Some("got go"));
+    assert_eq!(next_line().await, None, "the follow ends with the container");
+    let status = tokio::time::timeout(SOON, follow.wait()).await.expect("exits in time").expect("wait");
+    assert!(status.success(), "{status}");
+
+    // Following a container that has ended prints its log and returns.
+    let (ok, text, stderr) = run_cli(&["logs", "waiter-n1", "--follow", "--root-dir", &root_dir]).await;
+    assert!(ok, "{stderr}");
+    assert_eq!(text, "waiting for go\ngot go\n");
+}

@@ -7,6 +7,7 @@
 //! |---|---|
 //! | `hello` | prints its args and env (`arg: ...`, `env: K=V`), writes `hello.txt` into its first preopened directory, exits 0 (1 when it cannot write) |
 //! | `sleep` | prints `sleeping`, then sleeps an hour at a time, forever |
+//! | `wait` | prints `waiting for go`, looks for a file `go` in its first preopened directory every 10 ms, then prints `got go` and exits 0 |
 //! | `spin` | prints `spinning`, then loops forever without a host call |
 //! | `exit3` | prints `exiting with 3` on stderr, exits 3 |
 //! | `trap` | prints `about to trap`, executes `unreachable` |
@@ -100,6 +101,27 @@ pub fn text(name: &str) -> Option<String> {
       (br $forever)))
 "#,
         ),
+        "wait" => module(
+            r#"
+  (data (i32.const 80) "waiting for go\n")
+  (data (i32.const 96) "go")
+  (data (i32.const 112) "got go\n")
+  (func (export "_start")
+    (call $write (i32.const 1) (i32.const 80) (i32.const 15))
+    ;; one clock subscription at 256: monotonic, relative, 10 ms
+    (i32.store8 (i32.const 264) (i32.const 0))
+    (i32.store (i32.const 272) (i32.const 1))
+    (i64.store (i32.const 280) (i64.const 10000000))
+    ;; path_open answers 0 once the file is there
+    (block $found
+      (loop $again
+        (br_if $found (i32.eqz (call $path_open (i32.const 3) (i32.const 0) (i32.const 96) (i32.const 2)
+                                                (i32.const 0) (i64.const 0) (i64.const 0) (i32.const 0) (i32.const 24))))
+        (drop (call $poll_oneoff (i32.const 256) (i32.const 512) (i32.const 1) (i32.const 600)))
+        (br $again)))
+    (call $write (i32.const 1) (i32.const 112) (i32.const 7)))
+"#,
+        ),
         "spin" => module(
             r#"
   (data (i32.const 80) "spinning\n")
@@ -157,7 +179,7 @@ pub fn binary(name: &str) -> Result<Vec<u8>, String> {
 }
 
 /// Every example's name.
-pub const NAMES: &[&str] = &["hello", "sleep", "spin", "exit3", "trap", "hog", "component-ok", "component-err"];
+pub const NAMES: &[&str] = &["hello", "sleep", "wait", "spin", "exit3", "trap", "hog", "component-ok", "component-err"];
 
 #[cfg(test)]
 mod tests {

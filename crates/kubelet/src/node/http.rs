@@ -4,8 +4,8 @@
 //! Kubernetes' camelCase), `/pods` (a `v1.PodList` of the node's pods with
 //! their statuses, as the kubelet's `/pods`), `/node` (the `v1.Node` this
 //! node would register) and `/containerLogs/<namespace>/<pod>/<container>`
-//! (the container's log text, as the kubelet serves it; `?previous=true`
-//! for the run before, `?tailLines=N` for the last lines).
+//! (the container's log text, as the kubelet serves it; see the `logs`
+//! module for its parameters).
 //!
 //! `/healthz` follows the kubelet's semantics: `200 ok` when every check
 //! passes; otherwise `500` with one line per check (`[+]name ok` or
@@ -72,7 +72,7 @@ pub(super) async fn serve(
         .route("/status", get(status))
         .route("/pods", get(pods))
         .route("/node", get(node))
-        .route("/containerLogs/{namespace}/{pod}/{container}", get(container_logs))
+        .route("/containerLogs/{namespace}/{pod}/{container}", get(super::logs::container_logs))
         .with_state(state);
     tracing::info!(address = %bound, "http endpoint listening (/healthz, /metrics, /status, /pods, /node, /containerLogs)");
     let span = tracing::info_span!("http_endpoint", address = %bound);
@@ -88,7 +88,7 @@ pub(super) async fn serve(
     Ok((bound, task))
 }
 
-fn text(code: StatusCode, body: String) -> Response {
+pub(super) fn text(code: StatusCode, body: String) -> Response {
     (code, [(header::CONTENT_TYPE, "text/plain; charset=utf-8")], body).into_response()
 }
 
@@ -187,73 +187,4 @@ async fn node(State(state): State<HttpState>) -> Response {
         map.insert("kind".into(), "Node".into());
     }
     Json(object).into_response()
-}
-
-/// `?previous=true&tailLines=N`.
-struct LogQuery {
-    previous: bool,
-    tail_lines: Option<usize>,
-}
-
-impl LogQuery {
-    fn parse(query: Option<&str>) -> Result<LogQuery, String> {
-        let mut parsed = LogQuery { previous: false, tail_lines: None };
-        for pair in query.unwrap_or_default().split('&').filter(|p| !p.is_empty()) {
-            let (key, value) = pair.split_once('=').unwrap_or((pair, "true"));
-            match key {
-                "previous" => parsed.previous = value == "true" || value == "1",
-                "tailLines" => {
-                    parsed.tail_lines = Some(value.parse().map_err(|_| format!("tailLines={value} is not a number"))?)
-                }
-                _ => {}
-            }
-        }
-        Ok(parsed)
-    }
-}
-
-async fn container_logs(
-    State(state): State<HttpState>,
-    Path((namespace, name, container)): Path<(String, String, String)>,
-    RawQuery(query): RawQuery,
-) -> Response {
-    let query = match LogQuery::parse(query.as_deref()) {
-        Ok(query) => query,
-        Err(error) => return text(StatusCode::BAD_REQUEST, format!("{error}\n")),
-    };
-    let found = state.pods.store().list().into_iter().find(|p| {
-        p.metadata.namespace.as_deref() == Some(namespace.as_str()) && p.metadata.name.as_deref() == Some(name.as_str())
-    });
-    let Some(pod) = found else {
-        return text(StatusCode::NOT_FOUND, format!("pod \"{name}\" not found in namespace \"{namespace}\"\n"));
-    };
-    let spec = pod.spec.as_ref();
-    let known = spec
-        .into_iter()
-        .flat_map(|s| s.init_containers.iter().flatten().chain(s.containers.iter()))
-        .any(|c| c.name == container);
-    if !known {
-        return text(StatusCode::BAD_REQUEST, format!("container {container} is not valid for pod {name}\n"));
-    }
-    let uid = pod.metadata.uid.as_deref().unwrap_or_default();
-    let dir = crate::pod::pod_log_dir(&state.root_dir, &namespace, &name, uid).join(&container);
-    let mut runs: Vec<u32> = std::fs::read_dir(&dir)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.strip_suffix(".log")?.parse().ok())
-        .collect();
-    runs.sort_unstable();
-    let pick = if query.previous { runs.len().checked_sub(2) } else { runs.len().checked_sub(1) };
-    let Some(run) = pick.map(|i| runs[i]) else {
-        let why = if query.previous { "previous terminated container" } else { "container" };
-        return text(StatusCode::BAD_REQUEST, format!("{why} \"{container}\" in pod \"{name}\" has no logs yet\n"));
-    };
-    let raw = match tokio::fs::read_to_string(dir.join(format!("{run}.log"))).await {
-        Ok(raw) => raw,
-        Err(error) => return text(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot read the log: {error}\n")),
-    };
-    let lines = crate::provider::decode_cri_log(&raw);
-    let skip = query.tail_lines.map_or(0, |n| lines.len().saturating_sub(n));
-    text(StatusCode::OK, lines[skip..].concat())
 }

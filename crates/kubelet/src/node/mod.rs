@@ -34,6 +34,7 @@
 
 mod capacity;
 mod http;
+mod logs;
 
 pub use capacity::{DEFAULT_MAX_PODS, measure};
 
