@@ -453,3 +453,58 @@ async fn logs_follow_prints_lines_as_written_until_the_container_ends() {
     assert!(ok, "{stderr}");
     assert_eq!(text, "waiting for go\ngot go\n");
 }
+
+/// The node process's CPU time (user + system), from `/proc/<pid>/stat`.
+fn process_cpu(pid: u32) -> Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("stat");
+    // Fields after the command name (which is in parentheses): utime and
+    // stime are the 12th and 13th, in clock ticks.
+    let rest = &stat[stat.rfind(')').expect("comm") + 2..];
+    let fields: Vec<u64> = rest.split(' ').skip(11).take(2).map(|f| f.parse().expect("ticks")).collect();
+    Duration::from_secs_f64((fields[0] + fields[1]) as f64 / CLOCK_TICKS_PER_SECOND)
+}
+
+/// `sysconf(_SC_CLK_TCK)`: 100 on every architecture Linux runs Rust on.
+const CLOCK_TICKS_PER_SECOND: f64 = 100.0;
+
+/// A module that never stops computing, limited to 200m, uses about a fifth
+/// of a CPU: the node process, which runs nothing else, is measured over a
+/// few seconds from outside.
+#[tokio::test]
+async fn a_cpu_limit_caps_a_busy_module() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let root_dir = root.path().to_str().expect("utf8").to_owned();
+    let layout = root.path().join("layout");
+    let module = rustlet_wasi::examples::binary("spin").expect("module");
+    rustlet_wasi::import::write_layout(&layout, &[("example.com/test/spin:v1", &module)]).expect("layout");
+    let (ok, _, stderr) = run_cli(&["images", "import", layout.to_str().expect("utf8"), "--root-dir", &root_dir]).await;
+    assert!(ok, "{stderr}");
+    let manifests = root.path().join("manifests");
+    std::fs::create_dir_all(&manifests).expect("mkdir");
+    std::fs::write(
+        manifests.join("spin.yaml"),
+        "apiVersion: v1\nkind: Pod\nmetadata: {name: spin}\nspec:\n  containers:\n  - name: main\n    \
+         image: example.com/test/spin:v1\n    imagePullPolicy: Never\n    resources: {limits: {cpu: 200m}}\n",
+    )
+    .expect("write");
+    let manifest_dir = manifests.to_str().expect("utf8").to_owned();
+    let mut node = Running::start(&[
+        "--standalone",
+        "--root-dir",
+        &root_dir,
+        "--pod-manifest-path",
+        &manifest_dir,
+        "--healthz-port",
+        "0",
+    ]);
+    node.line_with("container started").await;
+    let pid = node.child.id().expect("pid");
+    // A measuring window, not a wait for an event: the rate is what is
+    // checked. A busy machine can only lower the share the module gets.
+    let (cpu0, wall0) = (process_cpu(pid), std::time::Instant::now());
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (cpu1, wall1) = (process_cpu(pid), std::time::Instant::now());
+    let share = (cpu1 - cpu0).as_secs_f64() / (wall1 - wall0).as_secs_f64();
+    eprintln!("the node used {share:.3} of a CPU with a module limited to 0.2");
+    assert!(share < 0.35, "a module limited to 200m made the node use {share:.3} of a CPU");
+}

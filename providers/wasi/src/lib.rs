@@ -25,6 +25,7 @@
 //! - `resources.limits.memory` as a cap on each linear memory (exceeding it
 //!   ends the container with reason `OOMKilled`).
 
+pub mod cpu;
 pub mod examples;
 pub mod import;
 pub mod logs;
@@ -84,6 +85,19 @@ impl WasiConfig {
             threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
         }
     }
+}
+
+/// The container's limit on `resource`, parsed by `parse`.
+fn limit(
+    container: &k8s_openapi::api::core::v1::Container,
+    resource: &str,
+    parse: fn(&str) -> Result<u128, kubelet::pod::QuantityError>,
+) -> Result<Option<u64>, ProviderError> {
+    let quantity = container.resources.as_ref().and_then(|r| r.limits.as_ref()).and_then(|l| l.get(resource));
+    let Some(quantity) = quantity else { return Ok(None) };
+    let value = parse(&quantity.0)
+        .map_err(|e| ProviderError::new(ProviderErrorKind::Config, format!("{resource} limit: {e}")))?;
+    Ok(Some(u64::try_from(value).unwrap_or(u64::MAX)))
 }
 
 struct Instance {
@@ -289,15 +303,8 @@ impl Provider for WasiProvider {
                 }
             }
         }
-        let memory_limit = container
-            .resources
-            .as_ref()
-            .and_then(|r| r.limits.as_ref())
-            .and_then(|l| l.get("memory"))
-            .map(|q| kubelet::pod::parse_units(&q.0))
-            .transpose()
-            .map_err(|e| ProviderError::new(ProviderErrorKind::Config, format!("memory limit: {e}")))?
-            .map(|bytes| bytes.min(u128::from(u64::MAX)) as u64);
+        let memory_limit = limit(container, "memory", kubelet::pod::parse_units)?;
+        let cpu_limit_milli = limit(container, "cpu", kubelet::pod::parse_milli)?;
         let log = CriLog::open(&launch.log_path).map_err(|e| {
             ProviderError::new(ProviderErrorKind::Other, format!("log {}: {e}", launch.log_path.display()))
         })?;
@@ -307,6 +314,8 @@ impl Provider for WasiProvider {
             preopens,
             cwd: options.working_dir.clone(),
             memory_limit,
+            cpu_limit_milli,
+            cpu: Arc::default(),
             log: log.clone(),
         };
         let pod_uid = launch.pod.metadata.uid.clone().unwrap_or_default();

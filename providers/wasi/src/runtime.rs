@@ -26,6 +26,7 @@ use wasmtime_wasi::{FsPerms, I32Exit, WasiCtx, WasiCtxBuilder, WasiCtxView, Wasi
 
 use kubelet::provider::ContainerExit;
 
+use crate::cpu::{CpuMeter, Metered, Throttle};
 use crate::logs::CriLog;
 use crate::store::ModuleKind;
 
@@ -64,6 +65,10 @@ pub struct RunSpec {
     pub cwd: Option<String>,
     /// The memory limit in bytes (each linear memory).
     pub memory_limit: Option<u64>,
+    /// The CPU limit in thousandths of a CPU.
+    pub cpu_limit_milli: Option<u64>,
+    /// Where the container's CPU time is counted.
+    pub cpu: Arc<CpuMeter>,
     /// Where stdout and stderr go.
     pub log: CriLog,
 }
@@ -238,26 +243,33 @@ impl Runtime {
             builder.initial_cwd(cwd);
         }
         let limiter = MemLimiter { max: spec.memory_limit.map(|m| m.min(usize::MAX as u64) as usize), hit: false };
+        let throttle = spec.cpu_limit_milli.map(|milli| Throttle::new(spec.cpu.clone(), milli));
         let ended = match compiled {
             Compiled::Module(pre) => {
                 let mut store = Store::new(&self.engine, P1State { wasi: builder.build_p1(), limiter });
-                prepare(&mut store, |s| &mut s.limiter);
-                let result = async {
-                    let instance = pre.instantiate_async(&mut store).await?;
-                    let start = instance.get_typed_func::<(), ()>(&mut store, "_start")?;
-                    start.call_async(&mut store, ()).await
-                }
+                prepare(&mut store, |s| &mut s.limiter, throttle);
+                let result = Metered::new(
+                    async {
+                        let instance = pre.instantiate_async(&mut store).await?;
+                        let start = instance.get_typed_func::<(), ()>(&mut store, "_start")?;
+                        start.call_async(&mut store, ()).await
+                    },
+                    spec.cpu.clone(),
+                )
                 .await;
                 outcome(result.map(|()| 0), store.data().limiter.hit)
             }
             Compiled::Component(pre) => {
                 let state = P2State { ctx: builder.build(), table: ResourceTable::new(), limiter };
                 let mut store = Store::new(&self.engine, state);
-                prepare(&mut store, |s| &mut s.limiter);
-                let result = async {
-                    let command = pre.instantiate_async(&mut store).await?;
-                    command.wasi_cli_run().call_run(&mut store).await
-                }
+                prepare(&mut store, |s| &mut s.limiter, throttle);
+                let result = Metered::new(
+                    async {
+                        let command = pre.instantiate_async(&mut store).await?;
+                        command.wasi_cli_run().call_run(&mut store).await
+                    },
+                    spec.cpu.clone(),
+                )
                 .await;
                 outcome(result.map(|r| if r.is_ok() { 0 } else { 1 }), store.data().limiter.hit)
             }
@@ -267,11 +279,17 @@ impl Runtime {
     }
 }
 
-/// Memory limit, and a yield at every epoch tick.
-fn prepare<T: 'static>(store: &mut Store<T>, limiter: fn(&mut T) -> &mut MemLimiter) {
+/// Memory limit, and a yield at every epoch tick: a pause there instead
+/// when the module is over its CPU limit.
+fn prepare<T: 'static>(store: &mut Store<T>, limiter: fn(&mut T) -> &mut MemLimiter, mut throttle: Option<Throttle>) {
     store.limiter(move |s| limiter(s) as &mut dyn wasmtime::ResourceLimiter);
     store.set_epoch_deadline(1);
-    store.epoch_deadline_callback(|_| Ok(UpdateDeadline::Yield(1)));
+    store.epoch_deadline_callback(move |_| {
+        Ok(match throttle.as_mut().and_then(Throttle::settle) {
+            Some(pause) => UpdateDeadline::YieldCustom(1, Box::pin(tokio::time::sleep(pause))),
+            None => UpdateDeadline::Yield(1),
+        })
+    });
 }
 
 /// A container exit now.
