@@ -24,6 +24,7 @@ bench:
     cargo bench -p rustlet --bench device_plugins
     cargo bench -p rustlet --bench device_allocation
     cargo bench -p rustlet --bench pods
+    cargo bench -p rustlet --bench wasm
 
 # End-to-end suite against a real cluster (needs RUSTLET_E2E_KUBECONFIG).
 e2e:
