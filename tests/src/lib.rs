@@ -16,6 +16,7 @@
 
 pub use rustlet_sample_plugins::{csi_driver, device_plugin, registration, report};
 
+pub mod apiserver;
 pub mod host_provider;
 pub mod process;
 pub mod raw_h2;

@@ -1,0 +1,219 @@
+//! Who may do what: an administrator may do anything; a node identity
+//! (`system:node:<name>`, group `system:nodes`) gets what the Node
+//! authorizer, the `system:node` role and the NodeRestriction admission
+//! plugin give it:
+//! - nodes: read all; create, change and delete only its own;
+//! - leases: only its own, in `kube-node-lease`;
+//! - pods: read all; change the status of, and delete, pods bound to it;
+//!   create only mirror pods bound to it;
+//! - secrets, configmaps, persistentvolumeclaims, persistentvolumes and
+//!   service account tokens: only those referenced by pods bound to it
+//!   (reading one object, or listing or watching with
+//!   `metadata.name=<that object>`);
+//! - csinodes: its own; csidrivers: read; events: create and patch.
+
+use std::collections::HashSet;
+
+use serde_json::Value;
+
+use super::store::{ApiError, Resource, Store};
+
+/// Who a request comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Identity {
+    /// May do anything.
+    Admin,
+    /// `system:node:<name>`.
+    Node(String),
+}
+
+impl Identity {
+    /// The user name, as upstream's messages print it.
+    pub fn user(&self) -> String {
+        match self {
+            Identity::Admin => "admin".to_owned(),
+            Identity::Node(name) => format!("system:node:{name}"),
+        }
+    }
+}
+
+/// A request, as the authorizer sees it.
+#[derive(Debug)]
+pub struct Request<'a> {
+    /// `get`, `list`, `watch`, `create`, `update`, `patch`, `delete`.
+    pub verb: &'a str,
+    /// The resource.
+    pub resource: Resource,
+    /// `status`, `token` or none.
+    pub subresource: Option<&'a str>,
+    /// The namespace ("" for cluster scope).
+    pub namespace: &'a str,
+    /// The object's name (from the URL, the body of a create, or a
+    /// `metadata.name=` field selector).
+    pub name: Option<&'a str>,
+    /// The body of a create.
+    pub body: Option<&'a Value>,
+}
+
+fn forbidden(identity: &Identity, request: &Request<'_>, why: &str) -> ApiError {
+    let name = request.name.map(|n| format!(" \"{n}\"")).unwrap_or_default();
+    let resource = match request.subresource {
+        Some(sub) => format!("{}/{sub}", request.resource.plural),
+        None => request.resource.plural.to_owned(),
+    };
+    let scope = if request.namespace.is_empty() {
+        "at the cluster scope".to_owned()
+    } else {
+        format!("in the namespace \"{}\"", request.namespace)
+    };
+    ApiError::new(
+        403,
+        "Forbidden",
+        format!(
+            "{}{name} is forbidden: User \"{}\" cannot {} resource \"{resource}\" in API group \"{}\" {scope}: {why}",
+            request.resource.plural,
+            identity.user(),
+            request.verb,
+            request.resource.group,
+        ),
+    )
+}
+
+/// Allows or refuses `request` from `identity`.
+pub fn authorize(identity: &Identity, request: &Request<'_>, store: &Store) -> Result<(), ApiError> {
+    let Identity::Node(node) = identity else { return Ok(()) };
+    let reading = matches!(request.verb, "get" | "list" | "watch");
+    let own = request.name == Some(node.as_str());
+    let deny = |why: &str| Err(forbidden(identity, request, why));
+    match request.resource.plural {
+        "nodes" if reading || own => Ok(()),
+        "nodes" => deny(&format!("node '{node}' cannot modify node '{}'", request.name.unwrap_or_default())),
+        "leases" if own && request.namespace == "kube-node-lease" && request.verb != "list" => Ok(()),
+        "leases" => deny("can only access its own lease"),
+        "csinodes" if own && request.verb != "list" => Ok(()),
+        "csinodes" => deny(&format!("can only access CSINode with the same name as the requesting node '{node}'")),
+        "csidrivers" if reading => Ok(()),
+        "events" if matches!(request.verb, "create" | "patch" | "update") => Ok(()),
+        "namespaces" if request.verb == "get" => Ok(()),
+        "pods" => authorize_pod(identity, request, store, node),
+        "secrets" | "configmaps" | "persistentvolumeclaims" | "persistentvolumes" | "serviceaccounts" => {
+            let allowed_verb = match (request.resource.plural, request.subresource) {
+                ("serviceaccounts", Some("token")) => request.verb == "create",
+                ("serviceaccounts", _) => request.verb == "get",
+                _ => reading,
+            };
+            let Some(name) = request.name else {
+                return deny("no relationship found between node and this object (a node may not list all of them)");
+            };
+            if !allowed_verb {
+                return deny("a node may only read this object");
+            }
+            if references(store, node).contains(&(
+                request.resource.plural,
+                request.namespace.to_owned(),
+                name.to_owned(),
+            )) {
+                Ok(())
+            } else {
+                deny(&format!("no relationship found between node '{node}' and this object"))
+            }
+        }
+        _ => deny("not allowed for nodes"),
+    }
+}
+
+fn authorize_pod(identity: &Identity, request: &Request<'_>, store: &Store, node: &str) -> Result<(), ApiError> {
+    let deny = |why: &str| Err(forbidden(identity, request, why));
+    let bound_here = |pod: &Value| pod.pointer("/spec/nodeName").and_then(Value::as_str) == Some(node);
+    match (request.verb, request.subresource) {
+        ("get" | "list" | "watch", _) => Ok(()),
+        ("create", None) => {
+            let body = request.body.cloned().unwrap_or(Value::Null);
+            let mirror = body.pointer("/metadata/annotations/kubernetes.io~1config.mirror").is_some();
+            if mirror && bound_here(&body) {
+                Ok(())
+            } else {
+                deny("pod does not have \"kubernetes.io/config.mirror\" annotation or is not bound to this node")
+            }
+        }
+        ("update" | "patch", Some("status")) | ("delete", None) => {
+            let key = super::store::Key::new(request.resource, request.namespace, request.name.unwrap_or_default());
+            match store.get(&key) {
+                Some(pod) if bound_here(pod) => Ok(()),
+                // Not there: let the handler answer 404.
+                None => Ok(()),
+                Some(_) => deny(&format!("node '{node}' can only modify pods bound to it")),
+            }
+        }
+        _ => deny("a node may not change pods' specs"),
+    }
+}
+
+/// Objects referenced by pods bound to `node`: (plural, namespace, name).
+fn references(store: &Store, node: &str) -> HashSet<(&'static str, String, String)> {
+    let pods = super::store::resource("", "v1", "pods").expect("pods");
+    let mut found = HashSet::new();
+    let mut claims = Vec::new();
+    for pod in store.list(pods, None) {
+        if pod.pointer("/spec/nodeName").and_then(Value::as_str) != Some(node) {
+            continue;
+        }
+        let ns = pod.pointer("/metadata/namespace").and_then(Value::as_str).unwrap_or("default").to_owned();
+        let spec = pod.get("spec").cloned().unwrap_or(Value::Null);
+        let sa = spec.get("serviceAccountName").and_then(Value::as_str).unwrap_or("default");
+        found.insert(("serviceaccounts", ns.clone(), sa.to_owned()));
+        let mut add = |plural: &'static str, name: Option<&Value>| {
+            if let Some(name) = name.and_then(Value::as_str) {
+                found.insert((plural, ns.clone(), name.to_owned()));
+            }
+        };
+        for secret in spec.get("imagePullSecrets").and_then(Value::as_array).into_iter().flatten() {
+            add("secrets", secret.get("name"));
+        }
+        for volume in spec.get("volumes").and_then(Value::as_array).into_iter().flatten() {
+            add("secrets", volume.pointer("/secret/secretName"));
+            add("configmaps", volume.pointer("/configMap/name"));
+            add("secrets", volume.pointer("/csi/nodePublishSecretRef/name"));
+            if let Some(claim) = volume.pointer("/persistentVolumeClaim/claimName").and_then(Value::as_str) {
+                claims.push((ns.clone(), claim.to_owned()));
+            }
+            for source in volume.pointer("/projected/sources").and_then(Value::as_array).into_iter().flatten() {
+                add("secrets", source.pointer("/secret/name"));
+                add("configmaps", source.pointer("/configMap/name"));
+            }
+        }
+        let containers = ["initContainers", "containers", "ephemeralContainers"]
+            .into_iter()
+            .flat_map(|field| spec.get(field).and_then(Value::as_array).cloned().unwrap_or_default());
+        for container in containers {
+            for env in container.get("env").and_then(Value::as_array).into_iter().flatten() {
+                add("secrets", env.pointer("/valueFrom/secretKeyRef/name"));
+                add("configmaps", env.pointer("/valueFrom/configMapKeyRef/name"));
+            }
+            for from in container.get("envFrom").and_then(Value::as_array).into_iter().flatten() {
+                add("secrets", from.pointer("/secretRef/name"));
+                add("configmaps", from.pointer("/configMapRef/name"));
+            }
+        }
+    }
+    let pvcs = super::store::resource("", "v1", "persistentvolumeclaims").expect("pvcs");
+    let pvs = super::store::resource("", "v1", "persistentvolumes").expect("pvs");
+    for (ns, claim) in claims {
+        found.insert(("persistentvolumeclaims", ns.clone(), claim.clone()));
+        let key = super::store::Key::new(pvcs, &ns, &claim);
+        let Some(volume) = store.get(&key).and_then(|c| c.pointer("/spec/volumeName")).and_then(Value::as_str) else {
+            continue;
+        };
+        found.insert(("persistentvolumes", String::new(), volume.to_owned()));
+        if let Some(pv) = store.get(&super::store::Key::new(pvs, "", volume)) {
+            for secret in ["nodeStageSecretRef", "nodePublishSecretRef", "nodeExpandSecretRef"] {
+                let name = pv.pointer(&format!("/spec/csi/{secret}/name")).and_then(Value::as_str);
+                let namespace = pv.pointer(&format!("/spec/csi/{secret}/namespace")).and_then(Value::as_str);
+                if let (Some(name), Some(namespace)) = (name, namespace) {
+                    found.insert(("secrets", namespace.to_owned(), name.to_owned()));
+                }
+            }
+        }
+    }
+    found
+}

@@ -1,0 +1,706 @@
+//! A small Kubernetes API server, in process, for cluster-mode tests where
+//! no real one can be installed. It speaks the real HTTP API (JSON) for the
+//! resources a node uses (see `store::RESOURCES`) with the semantics a
+//! client depends on:
+//! - one resourceVersion counter; every write makes a new version; a write
+//!   that changes nothing does not;
+//! - create (409 `AlreadyExists`, `generateName`), get, list (label and
+//!   field selectors), watch (from a resourceVersion, resumed from a
+//!   bounded history; 410 `Expired` once compacted; from no version, the
+//!   current objects as `ADDED` first), replace (409 `Conflict` on a stale
+//!   resourceVersion), merge patch and JSON patch (a `test` operation or a
+//!   `metadata.resourceVersion` in a merge patch is a precondition),
+//!   status subresources, delete (preconditions on uid and
+//!   resourceVersion; pods bound to a node are marked terminating with
+//!   their grace period unless it is 0), service account tokens;
+//! - bearer-token identities, with the Node authorizer's rules for node
+//!   identities (`auth`);
+//! - fault injection: answers with a chosen status, slow answers, dropped
+//!   watches, compaction.
+//!
+//! Strategic merge patch and server-side apply are refused with 415: the
+//! node must not rely on them.
+
+pub mod auth;
+pub mod store;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
+use axum::response::{IntoResponse, Response};
+use serde_json::{Value, json};
+use tokio::sync::{broadcast, mpsc, watch};
+use tokio_util::sync::CancellationToken;
+
+pub use auth::Identity;
+use store::{ApiError, Change, EventType, Key, Resource, Selector, Store, rv_of};
+
+/// An injected fault: requests whose method and path match are answered
+/// with `status` (after `delay`), `times` times.
+#[derive(Debug, Clone)]
+pub struct Fault {
+    /// Only this method (any when `None`).
+    pub method: Option<Method>,
+    /// Only paths containing this.
+    pub path_contains: String,
+    /// The status to answer with (0: answer normally, after the delay).
+    pub status: u16,
+    /// A delay before answering.
+    pub delay: Duration,
+    /// How many requests it applies to.
+    pub times: usize,
+}
+
+impl Fault {
+    /// Answers `times` requests matching `method` and `path_contains` with `status`.
+    pub fn status(method: Option<Method>, path_contains: &str, status: u16, times: usize) -> Fault {
+        Fault { method, path_contains: path_contains.to_owned(), status, delay: Duration::ZERO, times }
+    }
+
+    /// Delays `times` matching requests by `delay`, then answers them normally.
+    pub fn slow(method: Option<Method>, path_contains: &str, delay: Duration, times: usize) -> Fault {
+        Fault { method, path_contains: path_contains.to_owned(), status: 0, delay, times }
+    }
+}
+
+/// One request the server received.
+#[derive(Debug, Clone)]
+pub struct Logged {
+    /// Method.
+    pub method: Method,
+    /// Path and query.
+    pub uri: String,
+    /// The status answered.
+    pub status: u16,
+}
+
+struct Shared {
+    store: Mutex<Store>,
+    faults: Mutex<Vec<Fault>>,
+    tokens: Mutex<HashMap<String, Identity>>,
+    drop_watches: watch::Sender<u64>,
+    log: Mutex<Vec<Logged>>,
+    token_serial: AtomicU64,
+}
+
+impl Shared {
+    fn store(&self) -> std::sync::MutexGuard<'_, Store> {
+        self.store.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A running fake API server.
+pub struct ApiServer {
+    address: SocketAddr,
+    shared: Arc<Shared>,
+    shutdown: CancellationToken,
+    admin_token: String,
+}
+
+impl Drop for ApiServer {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+fn status_response(error: &ApiError) -> Response {
+    let code = StatusCode::from_u16(error.code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    (code, [(header::CONTENT_TYPE, "application/json")], error.status().to_string()).into_response()
+}
+
+fn object_response(code: StatusCode, object: &Value) -> Response {
+    (code, [(header::CONTENT_TYPE, "application/json")], object.to_string()).into_response()
+}
+
+impl ApiServer {
+    /// Starts a server on a free loopback port.
+    pub async fn start() -> std::io::Result<ApiServer> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let address = listener.local_addr()?;
+        let admin_token = "admin-token".to_owned();
+        let shared = Arc::new(Shared {
+            store: Mutex::new(Store::default()),
+            faults: Mutex::default(),
+            tokens: Mutex::new(HashMap::from([(admin_token.clone(), Identity::Admin)])),
+            drop_watches: watch::channel(0).0,
+            log: Mutex::default(),
+            token_serial: AtomicU64::new(0),
+        });
+        let shutdown = CancellationToken::new();
+        let app = axum::Router::new().fallback(handle).with_state(shared.clone());
+        let stop = shutdown.clone();
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app).with_graceful_shutdown(stop.cancelled_owned()).await;
+        });
+        let server = ApiServer { address, shared, shutdown, admin_token };
+        server.seed();
+        Ok(server)
+    }
+
+    /// What a fresh cluster has: the namespaces the node uses.
+    fn seed(&self) {
+        let namespaces = store::resource("", "v1", "namespaces").expect("namespaces");
+        let mut store = self.shared.store();
+        for name in ["default", "kube-system", "kube-node-lease"] {
+            let _ = store.create(namespaces, "", json!({"metadata": {"name": name}, "status": {"phase": "Active"}}));
+        }
+    }
+
+    /// `http://127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.address)
+    }
+
+    /// The administrator's bearer token.
+    pub fn admin_token(&self) -> &str {
+        &self.admin_token
+    }
+
+    /// A bearer token for the node identity `system:node:<node>`.
+    pub fn node_token(&self, node: &str) -> String {
+        let token = format!("node-token-{node}");
+        self.shared.tokens.lock().expect("lock").insert(token.clone(), Identity::Node(node.to_owned()));
+        token
+    }
+
+    /// Writes a kubeconfig for `token` at `path`.
+    pub fn write_kubeconfig(&self, path: &Path, token: &str) -> std::io::Result<()> {
+        std::fs::write(
+            path,
+            format!(
+                "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {}\nusers:\n- name: user\n  \
+                 user:\n    token: {token}\ncontexts:\n- name: fake\n  context:\n    cluster: fake\n    user: user\n\
+                 current-context: fake\n",
+                self.url()
+            ),
+        )
+    }
+
+    /// Adds a fault.
+    pub fn inject(&self, fault: Fault) {
+        self.shared.faults.lock().expect("lock").push(fault);
+    }
+
+    /// Removes every fault.
+    pub fn clear_faults(&self) {
+        self.shared.faults.lock().expect("lock").clear();
+    }
+
+    /// Ends every open watch (clients see the stream close).
+    pub fn drop_watches(&self) {
+        self.shared.drop_watches.send_modify(|g| *g += 1);
+    }
+
+    /// Forgets the history: a watch resumed from any current version gets
+    /// 410, as after an etcd compaction.
+    pub fn compact(&self) {
+        self.shared.store().compact();
+        self.drop_watches();
+    }
+
+    /// The requests received so far.
+    pub fn requests(&self) -> Vec<Logged> {
+        self.shared.log.lock().expect("lock").clone()
+    }
+
+    /// The object `name` of `plural` (in `group`; `namespace` "" when
+    /// cluster-scoped), read directly.
+    pub fn object(&self, group: &str, plural: &str, namespace: &str, name: &str) -> Option<Value> {
+        let resource = store::RESOURCES.iter().copied().find(|r| r.group == group && r.plural == plural)?;
+        self.shared.store().get(&Key::new(resource, namespace, name)).cloned()
+    }
+
+    /// Waits until `pred` holds for the object (`None`: absent), up to
+    /// `timeout`; returns what it last saw and whether it held.
+    pub async fn wait_object(
+        &self,
+        (group, plural, namespace, name): (&str, &str, &str, &str),
+        timeout: Duration,
+        mut pred: impl FnMut(Option<&Value>) -> bool,
+    ) -> Result<Option<Value>, Option<Value>> {
+        let mut changes = self.shared.store().subscribe();
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let seen = self.object(group, plural, namespace, name);
+            if pred(seen.as_ref()) {
+                return Ok(seen);
+            }
+            match tokio::time::timeout_at(deadline, changes.recv()).await {
+                Err(_) => return Err(seen),
+                Ok(Err(broadcast::error::RecvError::Closed)) => return Err(seen),
+                Ok(_) => {}
+            }
+        }
+    }
+
+    /// Every change from now on, as watches see them.
+    pub fn changes(&self) -> broadcast::Receiver<Change> {
+        self.shared.store().subscribe()
+    }
+}
+
+/// Decodes `%XX` escapes and `+`.
+fn decode(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let escaped = (bytes[i] == b'%' && i + 2 < bytes.len())
+            .then(|| std::str::from_utf8(&bytes[i + 1..i + 3]).ok().and_then(|h| u8::from_str_radix(h, 16).ok()))
+            .flatten();
+        match (escaped, bytes[i]) {
+            (Some(byte), _) => {
+                out.push(byte);
+                i += 3;
+            }
+            (None, b'+') => {
+                out.push(b' ');
+                i += 1;
+            }
+            (None, byte) => {
+                out.push(byte);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn query_map(uri: &Uri) -> HashMap<String, String> {
+    uri.query()
+        .unwrap_or_default()
+        .split('&')
+        .filter(|p| !p.is_empty())
+        .map(|pair| {
+            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+            (decode(k), decode(v))
+        })
+        .collect()
+}
+
+/// What a path names.
+struct Route {
+    resource: Resource,
+    namespace: Option<String>,
+    name: Option<String>,
+    subresource: Option<String>,
+}
+
+fn route(path: &str) -> Result<Route, ApiError> {
+    let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
+    let not_found =
+        || ApiError::new(404, "NotFound", format!("the server could not find the requested resource ({path})"));
+    let (group, version, rest) = match parts.as_slice() {
+        ["api", version, rest @ ..] => ("", *version, rest),
+        ["apis", group, version, rest @ ..] => (*group, *version, rest),
+        _ => return Err(not_found()),
+    };
+    let lookup = |plural: &str| store::resource(group, version, plural).ok_or_else(not_found);
+    let (namespace, rest) = match rest {
+        ["namespaces", ns, more @ ..] if !more.is_empty() => (Some((*ns).to_owned()), more),
+        _ => (None, rest),
+    };
+    let (plural, name, sub) = match rest {
+        [plural] => (*plural, None, None),
+        [plural, name] => (*plural, Some((*name).to_owned()), None),
+        [plural, name, sub] => (*plural, Some((*name).to_owned()), Some((*sub).to_owned())),
+        _ => return Err(not_found()),
+    };
+    let resource = lookup(plural)?;
+    if !resource.namespaced && namespace.is_some() {
+        return Err(not_found());
+    }
+    if resource.namespaced && namespace.is_none() && name.is_some() {
+        return Err(not_found());
+    }
+    Ok(Route { resource, namespace, name, subresource: sub })
+}
+
+async fn handle(
+    State(shared): State<Arc<Shared>>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let response = answer(&shared, &method, &uri, &headers, &body).await;
+    shared.log.lock().expect("lock").push(Logged {
+        method,
+        uri: uri.path_and_query().map(ToString::to_string).unwrap_or_default(),
+        status: response.status().as_u16(),
+    });
+    response
+}
+
+async fn answer(shared: &Arc<Shared>, method: &Method, uri: &Uri, headers: &HeaderMap, body: &Bytes) -> Response {
+    let fault = {
+        let mut faults = shared.faults.lock().expect("lock");
+        let path = uri.path();
+        let found = faults
+            .iter_mut()
+            .find(|f| f.times > 0 && f.method.as_ref().is_none_or(|m| m == method) && path.contains(&f.path_contains));
+        found.map(|f| {
+            f.times -= 1;
+            (f.status, f.delay)
+        })
+    };
+    if let Some((status, delay)) = fault {
+        tokio::time::sleep(delay).await;
+        if status != 0 {
+            let reason = match status {
+                429 => "TooManyRequests",
+                500 => "InternalError",
+                503 => "ServiceUnavailable",
+                _ => "InternalError",
+            };
+            let mut response = status_response(&ApiError::new(status, reason, format!("injected fault {status}")));
+            if status == 429 {
+                response.headers_mut().insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+            }
+            return response;
+        }
+    }
+    let token = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::to_owned);
+    let identity = token.and_then(|t| shared.tokens.lock().expect("lock").get(&t).cloned());
+    let Some(identity) = identity else {
+        return status_response(&ApiError::new(401, "Unauthorized", "Unauthorized"));
+    };
+    match serve(shared, &identity, method, uri, headers, body).await {
+        Ok(response) => response,
+        Err(error) => status_response(&error),
+    }
+}
+
+fn parse_body(body: &Bytes) -> Result<Value, ApiError> {
+    if body.is_empty() {
+        return Ok(Value::Null);
+    }
+    serde_json::from_slice(body).map_err(|e| ApiError::new(400, "BadRequest", format!("the body is not JSON: {e}")))
+}
+
+async fn serve(
+    shared: &Arc<Shared>,
+    identity: &Identity,
+    method: &Method,
+    uri: &Uri,
+    headers: &HeaderMap,
+    body: &Bytes,
+) -> Result<Response, ApiError> {
+    let route = route(uri.path())?;
+    let query = query_map(uri);
+    let resource = route.resource;
+    let namespace = route.namespace.clone().unwrap_or_default();
+    let sub = route.subresource.as_deref();
+    let fields = Selector::parse(query.get("fieldSelector").map(String::as_str).unwrap_or_default())?;
+    let labels = Selector::parse(query.get("labelSelector").map(String::as_str).unwrap_or_default())?;
+    let watching = query.get("watch").is_some_and(|w| w == "true" || w == "1");
+    let verb = match (method.as_str(), route.name.is_some()) {
+        ("GET", false) if watching => "watch",
+        ("GET", false) => "list",
+        ("GET", true) => "get",
+        ("POST", _) => "create",
+        ("PUT", true) => "update",
+        ("PATCH", true) => "patch",
+        ("DELETE", true) => "delete",
+        _ => return Err(ApiError::new(405, "MethodNotAllowed", format!("{method} is not supported here"))),
+    };
+    let body_value = parse_body(body)?;
+    let selected_name = query
+        .get("fieldSelector")
+        .and_then(|f| f.split(',').find_map(|t| t.strip_prefix("metadata.name=")))
+        .map(str::to_owned);
+    let create_name = body_value.pointer("/metadata/name").and_then(Value::as_str).map(str::to_owned);
+    let name_for_auth = match verb {
+        "create" if route.name.is_none() => create_name.as_deref(),
+        "list" | "watch" => selected_name.as_deref(),
+        _ => route.name.as_deref(),
+    };
+    {
+        let store = shared.store();
+        let request = auth::Request {
+            verb,
+            resource,
+            subresource: sub,
+            namespace: &namespace,
+            name: name_for_auth,
+            body: (verb == "create").then_some(&body_value),
+        };
+        auth::authorize(identity, &request, &store)?;
+    }
+    let matches = |object: &Value| fields.matches_fields(object) && labels.matches_labels(object);
+    match verb {
+        "watch" => {
+            let since = query.get("resourceVersion").and_then(|rv| rv.parse::<u64>().ok()).filter(|rv| *rv > 0);
+            let timeout = query.get("timeoutSeconds").and_then(|t| t.parse::<u64>().ok()).map(Duration::from_secs);
+            let (fields, labels) = (fields.clone(), labels.clone());
+            let filter: Filter = Box::new(move |o| fields.matches_fields(o) && labels.matches_labels(o));
+            Ok(watch_stream(shared, resource, route.namespace.clone(), since, timeout, filter))
+        }
+        "list" => {
+            let store = shared.store();
+            let items: Vec<Value> =
+                store.list(resource, route.namespace.as_deref()).into_iter().filter(|o| matches(o)).collect();
+            Ok(object_response(
+                StatusCode::OK,
+                &json!({
+                    "kind": format!("{}List", resource.kind), "apiVersion": resource.api_version(),
+                    "metadata": {"resourceVersion": store.rv().to_string()}, "items": items,
+                }),
+            ))
+        }
+        "get" => {
+            let key = Key::new(resource, &namespace, route.name.as_deref().unwrap_or_default());
+            let store = shared.store();
+            let object = store.get(&key).ok_or_else(|| ApiError::not_found(resource, &key.name))?;
+            Ok(object_response(StatusCode::OK, object))
+        }
+        "create" if sub == Some("token") && resource.plural == "serviceaccounts" => {
+            let name = route.name.clone().unwrap_or_default();
+            let key = Key::new(resource, &namespace, &name);
+            if shared.store().get(&key).is_none() {
+                return Err(ApiError::not_found(resource, &name));
+            }
+            let seconds = body_value.pointer("/spec/expirationSeconds").and_then(Value::as_i64).unwrap_or(3600);
+            let expires = jiff::Timestamp::now()
+                .checked_add(jiff::SignedDuration::from_secs(seconds))
+                .unwrap_or_else(|_| jiff::Timestamp::now())
+                .round(jiff::Unit::Second)
+                .unwrap_or_else(|_| jiff::Timestamp::now());
+            let audiences: Vec<String> = body_value
+                .pointer("/spec/audiences")
+                .and_then(Value::as_array)
+                .map(|a| a.iter().filter_map(|v| v.as_str().map(str::to_owned)).collect())
+                .unwrap_or_default();
+            let serial = shared.token_serial.fetch_add(1, Ordering::Relaxed);
+            let token =
+                format!("fake-token.{namespace}.{name}.{}.{}.{serial}", audiences.join("+"), expires.as_second());
+            let mut answer = body_value.clone();
+            if !answer.is_object() {
+                answer = json!({});
+            }
+            answer["apiVersion"] = "authentication.k8s.io/v1".into();
+            answer["kind"] = "TokenRequest".into();
+            answer["status"] = json!({"token": token, "expirationTimestamp": expires.to_string()});
+            Ok(object_response(StatusCode::CREATED, &answer))
+        }
+        "create" => {
+            if route.name.is_some() {
+                return Err(ApiError::new(405, "MethodNotAllowed", "POST to a named object"));
+            }
+            let body_ns = body_value.pointer("/metadata/namespace").and_then(Value::as_str);
+            if resource.namespaced && body_ns.is_some_and(|ns| ns != namespace) {
+                return Err(ApiError::new(
+                    400,
+                    "BadRequest",
+                    "the namespace of the provided object does not match the namespace sent on the request",
+                ));
+            }
+            if resource.namespaced && namespace.is_empty() {
+                return Err(ApiError::new(404, "NotFound", "a namespaced object is created in its namespace's path"));
+            }
+            let created = shared.store().create(resource, &namespace, body_value)?;
+            Ok(object_response(StatusCode::CREATED, &created))
+        }
+        "update" => {
+            let key = Key::new(resource, &namespace, route.name.as_deref().unwrap_or_default());
+            let written = shared.store().replace(resource, &key, body_value, sub == Some("status"))?;
+            Ok(object_response(StatusCode::OK, &written))
+        }
+        "patch" => {
+            let key = Key::new(resource, &namespace, route.name.as_deref().unwrap_or_default());
+            let content_type = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or_default();
+            let mut store = shared.store();
+            let current = store.get(&key).cloned().ok_or_else(|| ApiError::not_found(resource, &key.name))?;
+            let mut patched = current.clone();
+            match content_type.split(';').next().unwrap_or_default().trim() {
+                "application/merge-patch+json" => store::merge_patch(&mut patched, &body_value),
+                "application/json-patch+json" => store::json_patch(&mut patched, &body_value)?,
+                other => {
+                    return Err(ApiError::new(
+                        415,
+                        "UnsupportedMediaType",
+                        format!("the fake API server takes merge and JSON patches only, not {other:?}"),
+                    ));
+                }
+            }
+            // A resourceVersion the patch sets is a precondition; otherwise
+            // the patch applies to the current version.
+            let wanted = body_value.pointer("/metadata/resourceVersion").and_then(Value::as_str);
+            if wanted.is_none() {
+                patched["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"].clone();
+            }
+            let written = store.replace(resource, &key, patched, sub == Some("status"))?;
+            Ok(object_response(StatusCode::OK, &written))
+        }
+        "delete" => {
+            let key = Key::new(resource, &namespace, route.name.as_deref().unwrap_or_default());
+            let mut store = shared.store();
+            let current = store.get(&key).cloned().ok_or_else(|| ApiError::not_found(resource, &key.name))?;
+            let uid = current.pointer("/metadata/uid").and_then(Value::as_str).unwrap_or_default();
+            if let Some(want) = body_value.pointer("/preconditions/uid").and_then(Value::as_str)
+                && want != uid
+            {
+                return Err(ApiError::new(
+                    409,
+                    "Conflict",
+                    format!("Precondition failed: UID in precondition: {want}, UID in object meta: {uid}"),
+                ));
+            }
+            if let Some(want) = body_value.pointer("/preconditions/resourceVersion").and_then(Value::as_str)
+                && Some(want.parse::<u64>().unwrap_or(0)) != rv_of(&current)
+            {
+                return Err(ApiError::new(
+                    409,
+                    "Conflict",
+                    format!(
+                        "Precondition failed: ResourceVersion in precondition: {want}, ResourceVersion in object meta: {}",
+                        rv_of(&current).unwrap_or(0)
+                    ),
+                ));
+            }
+            let bound = current.pointer("/spec/nodeName").and_then(Value::as_str).is_some_and(|n| !n.is_empty());
+            let default_grace =
+                current.pointer("/spec/terminationGracePeriodSeconds").and_then(Value::as_i64).unwrap_or(30);
+            let grace = body_value
+                .get("gracePeriodSeconds")
+                .and_then(Value::as_i64)
+                .or_else(|| query.get("gracePeriodSeconds").and_then(|g| g.parse().ok()))
+                .unwrap_or(default_grace);
+            let finished = current
+                .pointer("/status/phase")
+                .and_then(Value::as_str)
+                .is_some_and(|p| p == "Succeeded" || p == "Failed");
+            let object = if resource.plural == "pods" && bound && grace > 0 && !finished {
+                store.mark_deleting(resource, &key, grace)?
+            } else {
+                store.remove(resource, &key)?
+            };
+            Ok(object_response(StatusCode::OK, &object))
+        }
+        _ => Err(ApiError::new(405, "MethodNotAllowed", format!("{verb} is not supported"))),
+    }
+}
+
+type Filter = Box<dyn Fn(&Value) -> bool + Send + Sync>;
+
+fn event(kind: &str, object: &Value) -> String {
+    format!("{}\n", json!({"type": kind, "object": object}))
+}
+
+/// A watch: newline-separated JSON events until the client goes, the
+/// timeout passes, or the server drops its watches.
+fn watch_stream(
+    shared: &Arc<Shared>,
+    resource: Resource,
+    namespace: Option<String>,
+    since: Option<u64>,
+    timeout: Option<Duration>,
+    filter: Filter,
+) -> Response {
+    let (tx, rx) = mpsc::channel::<Result<String, std::io::Error>>(256);
+    let in_scope = move |key: &Key| {
+        key.group == resource.group
+            && key.plural == resource.plural
+            && namespace.as_deref().is_none_or(|ns| key.namespace == ns)
+    };
+    let (initial, mut changes, start) = {
+        let store = shared.store();
+        let changes = store.subscribe();
+        let initial: Result<Vec<String>, ApiError> = match since {
+            Some(rv) if rv < store.floor() => {
+                Err(ApiError::new(410, "Expired", format!("too old resource version: {rv} ({})", store.floor())))
+            }
+            Some(rv) => Ok(store
+                .since(rv)
+                .into_iter()
+                .filter(|c| in_scope(&c.key) && filter(&c.object))
+                .map(|c| event(c.kind.wire(), &c.object))
+                .collect()),
+            None => {
+                let mut all = Vec::new();
+                for (key, object) in store_objects(&store, resource) {
+                    if in_scope(&key) && filter(&object) {
+                        all.push(event("ADDED", &object));
+                    }
+                }
+                Ok(all)
+            }
+        };
+        (initial, changes, store.rv())
+    };
+    let mut dropped = shared.drop_watches.subscribe();
+    dropped.borrow_and_update();
+    tokio::spawn(async move {
+        let initial = match initial {
+            Ok(initial) => initial,
+            Err(error) => {
+                let _ = tx.send(Ok(event("ERROR", &error.status()))).await;
+                return;
+            }
+        };
+        for line in initial {
+            if tx.send(Ok(line)).await.is_err() {
+                return;
+            }
+        }
+        let deadline = tokio::time::sleep(timeout.unwrap_or(Duration::from_secs(3600)));
+        tokio::pin!(deadline);
+        loop {
+            tokio::select! {
+                change = changes.recv() => match change {
+                    Ok(change) => {
+                        if change.rv <= start || !in_scope(&change.key) {
+                            continue;
+                        }
+                        let was_in = change.before.as_ref().is_some_and(&filter);
+                        let line = match (change.kind, filter(&change.object)) {
+                            // Entering or leaving a selection is an addition
+                            // or a deletion for that watch, as upstream.
+                            (EventType::Modified, true) if !was_in => event("ADDED", &change.object),
+                            (EventType::Modified, false) if was_in => event("DELETED", &change.object),
+                            (kind, true) => event(kind.wire(), &change.object),
+                            (_, false) => continue,
+                        };
+                        if tx.send(Ok(line)).await.is_err() {
+                            return;
+                        }
+                    }
+                    // Too slow a reader: the watch ends, the client resumes.
+                    Err(_) => return,
+                },
+                _ = dropped.changed() => return,
+                () = &mut deadline => return,
+                () = tx.closed() => return,
+            }
+        }
+    });
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "application/json")],
+        Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx)),
+    )
+        .into_response()
+}
+
+fn store_objects(store: &Store, resource: Resource) -> Vec<(Key, Value)> {
+    store
+        .list(resource, None)
+        .into_iter()
+        .map(|object| {
+            let namespace = object.pointer("/metadata/namespace").and_then(Value::as_str).unwrap_or_default();
+            let name = object.pointer("/metadata/name").and_then(Value::as_str).unwrap_or_default();
+            (Key::new(resource, namespace, name), object)
+        })
+        .collect()
+}
