@@ -6,21 +6,15 @@ use std::time::Duration;
 
 use futures_util::{StreamExt as _, TryStreamExt as _};
 use k8s_openapi::api::core::v1::{Node, Pod, Secret};
+use kube::Client;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions, WatchEvent, WatchParams};
-use kube::config::{KubeConfigOptions, Kubeconfig};
-use kube::{Client, Config};
 use rustlet_testkit::apiserver::{ApiServer, Fault};
 use serde_json::json;
 
 const SOON: Duration = Duration::from_secs(20);
 
 async fn client(server: &ApiServer, token: &str) -> Client {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let path = dir.path().join("kubeconfig");
-    server.write_kubeconfig(&path, token).expect("kubeconfig");
-    let kubeconfig = Kubeconfig::read_from(&path).expect("read");
-    let config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default()).await.expect("config");
-    Client::try_from(config).expect("client")
+    server.client(token).await.expect("client")
 }
 
 fn api_error(error: kube::Error) -> (u16, String, String) {

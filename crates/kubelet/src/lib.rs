@@ -18,6 +18,7 @@
 //! The pod lifecycle and the `Provider` trait come next (see
 //! `docs/architecture.md`).
 
+pub mod cluster;
 pub mod csi;
 pub mod device_manager;
 pub mod health;

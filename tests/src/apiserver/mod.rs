@@ -183,6 +183,18 @@ impl ApiServer {
         )
     }
 
+    /// A kube-rs client with `token`, configured from a kubeconfig file as
+    /// a user would give one.
+    pub async fn client(&self, token: &str) -> Result<kube::Client, String> {
+        let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+        let path = dir.path().join("kubeconfig");
+        self.write_kubeconfig(&path, token).map_err(|e| e.to_string())?;
+        let kubeconfig = kube::config::Kubeconfig::read_from(&path).map_err(|e| e.to_string())?;
+        let options = kube::config::KubeConfigOptions::default();
+        let config = kube::Config::from_custom_kubeconfig(kubeconfig, &options).await.map_err(|e| e.to_string())?;
+        kube::Client::try_from(config).map_err(|e| e.to_string())
+    }
+
     /// Adds a fault.
     pub fn inject(&self, fault: Fault) {
         self.shared.faults.lock().expect("lock").push(fault);

@@ -1,0 +1,439 @@
+//! The node's own objects in the cluster: the `Node` (created, or adopted
+//! when one of the same name exists; created again if an administrator
+//! deletes it), its status, and its `Lease` heartbeat in `kube-node-lease`.
+//!
+//! - The status is a merge patch of the whole `status` (capacity,
+//!   allocatable, conditions with heartbeat times, node info). It is sent
+//!   when what the node reports changes (changes arriving together are
+//!   coalesced into one patch) and at least every `report_interval`
+//!   (upstream's `nodeStatusReportFrequency`, 5 min). A failed patch is
+//!   retried with backoff and counted; nothing panics.
+//! - A condition keeps its `lastTransitionTime` while its status stays.
+//! - The lease is renewed every `renew_interval` (10 s, a quarter of its 40
+//!   s duration), holder = the node name, owned by the Node.
+//! - Deletion of the Node is seen through a watch on it (event-driven, no
+//!   poll) and answered by creating it again.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use futures_util::StreamExt as _;
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::api::core::v1::{Node, NodeCondition};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, OwnerReference, Time};
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::runtime::watcher;
+use serde_json::json;
+use tokio::sync::{Notify, watch};
+use tokio_util::sync::CancellationToken;
+
+/// The namespace of node leases.
+pub const LEASE_NAMESPACE: &str = "kube-node-lease";
+
+/// Timings of the node's writes.
+#[derive(Debug, Clone)]
+pub struct NodeSyncConfig {
+    /// The node's name.
+    pub node_name: String,
+    /// `leaseDurationSeconds` (upstream: 40 s).
+    pub lease_duration: Duration,
+    /// How often the lease is renewed (upstream: a quarter of the duration).
+    pub renew_interval: Duration,
+    /// The longest time between two status patches (upstream: 5 min).
+    pub report_interval: Duration,
+    /// How long changes are gathered into one patch.
+    pub coalesce: Duration,
+    /// The first retry delay after a failure (doubling up to `retry_max`).
+    pub retry_initial: Duration,
+    /// The longest retry delay.
+    pub retry_max: Duration,
+}
+
+impl NodeSyncConfig {
+    /// Upstream's timings for node `node_name`.
+    pub fn new(node_name: &str) -> NodeSyncConfig {
+        NodeSyncConfig {
+            node_name: node_name.to_owned(),
+            lease_duration: Duration::from_secs(40),
+            renew_interval: Duration::from_secs(10),
+            report_interval: Duration::from_secs(300),
+            coalesce: Duration::from_millis(20),
+            retry_initial: Duration::from_millis(200),
+            retry_max: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Counters of what the sync did.
+#[derive(Debug, Default)]
+pub struct NodeSyncStats {
+    /// Node objects created (1, plus one per recreation).
+    pub registrations: AtomicU64,
+    /// Status patches that succeeded.
+    pub status_patches: AtomicU64,
+    /// API calls that failed (and were retried).
+    pub failures: AtomicU64,
+    /// Lease renewals that succeeded (creation included).
+    pub lease_renewals: AtomicU64,
+}
+
+/// A running node sync.
+#[derive(Debug, Clone)]
+pub struct NodeSync {
+    stats: Arc<NodeSyncStats>,
+    registered: watch::Receiver<Option<String>>,
+}
+
+impl NodeSync {
+    /// What it did so far.
+    pub fn stats(&self) -> &NodeSyncStats {
+        &self.stats
+    }
+
+    /// The UID of the Node object once it is registered (changes when it
+    /// is created again).
+    pub fn registered(&self) -> watch::Receiver<Option<String>> {
+        self.registered.clone()
+    }
+}
+
+/// Doubling delays, reset after a success.
+struct Backoff {
+    next: Duration,
+    initial: Duration,
+    max: Duration,
+}
+
+impl Backoff {
+    fn new(config: &NodeSyncConfig) -> Backoff {
+        Backoff { next: config.retry_initial, initial: config.retry_initial, max: config.retry_max }
+    }
+
+    fn fail(&mut self) -> Duration {
+        let now = self.next;
+        self.next = (self.next * 2).min(self.max);
+        now
+    }
+
+    fn reset(&mut self) {
+        self.next = self.initial;
+    }
+}
+
+/// Starts keeping the Node (as `desired` describes it) and its Lease in
+/// the cluster, until `shutdown`.
+pub fn start(
+    client: kube::Client,
+    config: NodeSyncConfig,
+    desired: watch::Receiver<Node>,
+    shutdown: CancellationToken,
+) -> NodeSync {
+    let stats = Arc::new(NodeSyncStats::default());
+    let (registered_tx, registered) = watch::channel(None);
+    let deleted = Arc::new(Notify::new());
+    let sync = StatusSync {
+        nodes: Api::all(client.clone()),
+        config: config.clone(),
+        desired,
+        stats: stats.clone(),
+        registered: registered_tx,
+        deleted: deleted.clone(),
+        conditions: BTreeMap::new(),
+    };
+    tokio::spawn(run_until(shutdown.clone(), sync.run()));
+    let watch = watch_deletion(client.clone(), config.node_name.clone(), deleted, registered.clone());
+    tokio::spawn(run_until(shutdown.clone(), watch));
+    let lease = LeaseSync {
+        leases: Api::namespaced(client, LEASE_NAMESPACE),
+        config,
+        stats: stats.clone(),
+        registered: registered.clone(),
+    };
+    tokio::spawn(run_until(shutdown, lease.run()));
+    NodeSync { stats, registered }
+}
+
+async fn run_until(shutdown: CancellationToken, work: impl std::future::Future<Output = ()>) {
+    tokio::select! {
+        () = shutdown.cancelled() => {}
+        () = work => {}
+    }
+}
+
+fn describe(error: &kube::Error) -> String {
+    match error {
+        kube::Error::Api(status) => format!("{} {}: {}", status.code, status.reason, status.message),
+        other => other.to_string(),
+    }
+}
+
+fn is_code(error: &kube::Error, code: u16) -> bool {
+    matches!(error, kube::Error::Api(status) if status.code == code)
+}
+
+struct StatusSync {
+    nodes: Api<Node>,
+    config: NodeSyncConfig,
+    desired: watch::Receiver<Node>,
+    stats: Arc<NodeSyncStats>,
+    registered: watch::Sender<Option<String>>,
+    deleted: Arc<Notify>,
+    /// The conditions last sent, by type: their transition times are kept
+    /// while their status stays.
+    conditions: BTreeMap<String, NodeCondition>,
+}
+
+impl StatusSync {
+    async fn run(mut self) {
+        let mut backoff = Backoff::new(&self.config);
+        loop {
+            let uid = loop {
+                match self.register().await {
+                    Ok(uid) => break uid,
+                    Err(error) => {
+                        self.stats.failures.fetch_add(1, Ordering::Relaxed);
+                        let delay = backoff.fail();
+                        tracing::warn!(node = %self.config.node_name, error = %describe(&error), retry_in = ?delay, "cannot register the node; retrying");
+                        tokio::time::sleep(delay).await;
+                    }
+                }
+            };
+            backoff.reset();
+            let _ = self.registered.send(Some(uid));
+            self.keep_status(&mut backoff).await;
+            // The node is gone: register it again.
+        }
+    }
+
+    /// Creates the Node, or adopts the existing one; returns its UID.
+    async fn register(&mut self) -> Result<String, kube::Error> {
+        let mut node = self.desired.borrow().clone();
+        node.metadata.creation_timestamp = None;
+        node.metadata.resource_version = None;
+        node.metadata.uid = None;
+        self.stamp(&mut node);
+        let name = &self.config.node_name;
+        match self.nodes.create(&PostParams::default(), &node).await {
+            Ok(created) => {
+                self.stats.registrations.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(node = %name, "node registered");
+                // A new object's status may have been reset: send it.
+                self.patch_status().await?;
+                Ok(created.metadata.uid.unwrap_or_default())
+            }
+            Err(error) if is_code(&error, 409) => {
+                // Adopt it: our labels over its own, then the status.
+                let labels = node.metadata.labels.clone().unwrap_or_default();
+                let patch = json!({"metadata": {"labels": labels}});
+                let adopted = self.nodes.patch(name, &PatchParams::default(), &Patch::Merge(&patch)).await?;
+                tracing::info!(node = %name, "node object exists; adopted it");
+                self.patch_status().await?;
+                Ok(adopted.metadata.uid.unwrap_or_default())
+            }
+            Err(error) => Err(error),
+        }
+    }
+
+    /// Sets heartbeat times, and transition times where a status changed.
+    fn stamp(&mut self, node: &mut Node) {
+        let now = Time(jiff::Timestamp::now());
+        let Some(conditions) = node.status.as_mut().and_then(|s| s.conditions.as_mut()) else { return };
+        add_pressure_conditions(conditions);
+        for condition in conditions.iter_mut() {
+            condition.last_heartbeat_time = Some(now.clone());
+            let kept = self
+                .conditions
+                .get(&condition.type_)
+                .filter(|previous| previous.status == condition.status)
+                .and_then(|previous| previous.last_transition_time.clone());
+            condition.last_transition_time = Some(kept.unwrap_or_else(|| now.clone()));
+            self.conditions.insert(condition.type_.clone(), condition.clone());
+        }
+    }
+
+    async fn patch_status(&mut self) -> Result<(), kube::Error> {
+        let mut node = self.desired.borrow_and_update().clone();
+        self.stamp(&mut node);
+        let status = serde_json::to_value(&node.status).unwrap_or_default();
+        let patch = json!({"status": status});
+        self.nodes.patch_status(&self.config.node_name, &PatchParams::default(), &Patch::Merge(&patch)).await?;
+        self.stats.status_patches.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Patches the status on changes and at the report interval until the
+    /// node is found gone.
+    async fn keep_status(&mut self, backoff: &mut Backoff) {
+        let mut due = false;
+        loop {
+            if !due {
+                tokio::select! {
+                    changed = self.desired.changed() => {
+                        if changed.is_err() {
+                            // The node is stopping.
+                            std::future::pending::<()>().await;
+                        }
+                        // Let changes that come together make one patch.
+                        tokio::time::sleep(self.config.coalesce).await;
+                    }
+                    () = tokio::time::sleep(self.config.report_interval) => {}
+                    () = self.deleted.notified() => {
+                        tracing::warn!(node = %self.config.node_name, "node object deleted; registering it again");
+                        return;
+                    }
+                }
+            }
+            match self.patch_status().await {
+                Ok(()) => {
+                    backoff.reset();
+                    due = false;
+                }
+                Err(error) if is_code(&error, 404) => {
+                    tracing::warn!(node = %self.config.node_name, "node object gone; registering it again");
+                    return;
+                }
+                Err(error) => {
+                    self.stats.failures.fetch_add(1, Ordering::Relaxed);
+                    let delay = backoff.fail();
+                    tracing::warn!(node = %self.config.node_name, error = %describe(&error), retry_in = ?delay, "node status patch failed; retrying");
+                    due = true;
+                    tokio::select! {
+                        () = tokio::time::sleep(delay) => {}
+                        () = self.deleted.notified() => return,
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The pressure conditions the kubelet reports, when the node reports
+/// none of its own.
+fn add_pressure_conditions(conditions: &mut Vec<NodeCondition>) {
+    let defaults = [
+        ("MemoryPressure", "KubeletHasSufficientMemory", "kubelet has sufficient memory available"),
+        ("DiskPressure", "KubeletHasNoDiskPressure", "kubelet has no disk pressure"),
+        ("PIDPressure", "KubeletHasSufficientPID", "kubelet has sufficient PID available"),
+    ];
+    for (type_, reason, message) in defaults {
+        if !conditions.iter().any(|c| c.type_ == type_) {
+            conditions.push(NodeCondition {
+                type_: type_.into(),
+                status: "False".into(),
+                reason: Some(reason.into()),
+                message: Some(message.into()),
+                ..NodeCondition::default()
+            });
+        }
+    }
+}
+
+/// Wakes `deleted` when the registered Node object goes (or is missing
+/// after a relist).
+async fn watch_deletion(
+    client: kube::Client,
+    name: String,
+    deleted: Arc<Notify>,
+    registered: watch::Receiver<Option<String>>,
+) {
+    let nodes: Api<Node> = Api::all(client);
+    let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
+    let mut events = watcher(nodes, config).boxed();
+    let mut seen_in_list = false;
+    while let Some(event) = events.next().await {
+        match event {
+            // Only the object this node registered counts: before the
+            // first registration, a missing node is not news.
+            Ok(watcher::Event::Delete(node)) if node.metadata.uid == *registered.borrow() => deleted.notify_one(),
+            Ok(watcher::Event::Init) => seen_in_list = false,
+            Ok(watcher::Event::InitApply(_)) => seen_in_list = true,
+            Ok(watcher::Event::InitDone) if !seen_in_list && registered.borrow().is_some() => deleted.notify_one(),
+            Ok(_) => {}
+            Err(error) => {
+                // The watcher retries by itself; a pause keeps a failing
+                // API from being asked in a tight loop.
+                tracing::debug!(%error, "node watch failed; resuming");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+    }
+}
+
+struct LeaseSync {
+    leases: Api<Lease>,
+    config: NodeSyncConfig,
+    stats: Arc<NodeSyncStats>,
+    registered: watch::Receiver<Option<String>>,
+}
+
+impl LeaseSync {
+    async fn run(mut self) {
+        let mut backoff = Backoff::new(&self.config);
+        loop {
+            // The lease is owned by the Node: wait until it exists.
+            let uid = match self.registered.wait_for(Option::is_some).await {
+                Ok(uid) => uid.clone().unwrap_or_default(),
+                Err(_) => return,
+            };
+            let delay = match self.renew(&uid).await {
+                Ok(()) => {
+                    self.stats.lease_renewals.fetch_add(1, Ordering::Relaxed);
+                    backoff.reset();
+                    self.config.renew_interval
+                }
+                Err(error) => {
+                    self.stats.failures.fetch_add(1, Ordering::Relaxed);
+                    let delay = backoff.fail().min(self.config.renew_interval);
+                    tracing::warn!(node = %self.config.node_name, error = %describe(&error), retry_in = ?delay, "cannot renew the node lease; retrying");
+                    delay
+                }
+            };
+            tokio::select! {
+                () = tokio::time::sleep(delay) => {}
+                // A new Node object: its lease must name it at once.
+                _ = self.registered.changed() => {}
+            }
+        }
+    }
+
+    async fn renew(&self, node_uid: &str) -> Result<(), kube::Error> {
+        let name = &self.config.node_name;
+        let owner = OwnerReference {
+            api_version: "v1".into(),
+            kind: "Node".into(),
+            name: name.clone(),
+            uid: node_uid.to_owned(),
+            ..OwnerReference::default()
+        };
+        let spec = LeaseSpec {
+            holder_identity: Some(name.clone()),
+            lease_duration_seconds: Some(i32::try_from(self.config.lease_duration.as_secs()).unwrap_or(40)),
+            renew_time: Some(MicroTime(jiff::Timestamp::now())),
+            ..LeaseSpec::default()
+        };
+        match self.leases.get_opt(name).await? {
+            None => {
+                let lease = Lease {
+                    metadata: ObjectMeta {
+                        name: Some(name.clone()),
+                        namespace: Some(LEASE_NAMESPACE.into()),
+                        owner_references: Some(vec![owner]),
+                        ..ObjectMeta::default()
+                    },
+                    spec: Some(spec),
+                };
+                self.leases.create(&PostParams::default(), &lease).await?;
+            }
+            Some(mut lease) => {
+                lease.spec = Some(spec);
+                lease.metadata.owner_references = Some(vec![owner]);
+                // The version read above is a precondition: on a conflict
+                // the next try reads the lease again.
+                self.leases.replace(name, &PostParams::default(), &lease).await?;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,210 @@
+//! Cluster mode, the node's own objects: the Node (created, adopted,
+//! recreated after an administrator deletes it), its status, and its Lease,
+//! against the in-process API server through kube-rs with a node identity.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Node;
+use kube::Client;
+use kube::api::{Api, DeleteParams, PostParams};
+use kubelet::cluster::{NodeSyncConfig, node_sync};
+use rustlet_testkit::apiserver::{ApiServer, Fault};
+use serde_json::{Value, json};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+/// A liveness bound: these take milliseconds.
+const SOON: Duration = Duration::from_secs(20);
+
+async fn client(server: &ApiServer, token: &str) -> Client {
+    server.client(token).await.expect("client")
+}
+
+fn desired(name: &str, gpus: u32) -> Node {
+    serde_json::from_value(json!({
+        "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, "kubernetes.io/arch": "wasm32-wasi"}},
+        "spec": {"taints": [{"key": "kubernetes.io/arch", "value": "wasm32-wasi", "effect": "NoSchedule"}]},
+        "status": {
+            "capacity": {"cpu": "2", "pods": "110", "example.com/gpu": gpus.to_string()},
+            "allocatable": {"cpu": "2", "pods": "110", "example.com/gpu": gpus.to_string()},
+            "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "rustlet is posting ready status"}]
+        }
+    }))
+    .expect("node")
+}
+
+/// Fast timings so the tests see several renewals; the behaviour is the
+/// same at upstream's.
+fn config(name: &str) -> NodeSyncConfig {
+    NodeSyncConfig {
+        renew_interval: Duration::from_millis(100),
+        retry_initial: Duration::from_millis(10),
+        retry_max: Duration::from_millis(100),
+        ..NodeSyncConfig::new(name)
+    }
+}
+
+const NODE: (&str, &str, &str, &str) = ("", "nodes", "", "n1");
+const LEASE: (&str, &str, &str, &str) = ("coordination.k8s.io", "leases", "kube-node-lease", "n1");
+
+fn condition<'a>(node: &'a Value, type_: &str) -> &'a Value {
+    node["status"]["conditions"]
+        .as_array()
+        .and_then(|c| c.iter().find(|c| c["type"] == type_))
+        .unwrap_or_else(|| panic!("no {type_} condition in {node}"))
+}
+
+#[tokio::test]
+async fn the_node_registers_with_its_status_and_keeps_its_lease() {
+    let server = ApiServer::start().await.expect("start");
+    let client = client(&server, &server.node_token("n1")).await;
+    let (_tx, rx) = watch::channel(desired("n1", 4));
+    let shutdown = CancellationToken::new();
+    let sync = node_sync::start(client, config("n1"), rx, shutdown.clone());
+
+    let node = server
+        .wait_object(NODE, SOON, |n| n.is_some_and(|n| n["status"]["conditions"].is_array()))
+        .await
+        .expect("registered")
+        .expect("node");
+    assert_eq!(node["metadata"]["labels"]["kubernetes.io/arch"], "wasm32-wasi");
+    assert_eq!(node["spec"]["taints"][0]["effect"], "NoSchedule");
+    assert_eq!(node["status"]["allocatable"]["example.com/gpu"], "4");
+    let ready = condition(&node, "Ready");
+    assert_eq!((ready["status"].as_str(), ready["reason"].as_str()), (Some("True"), Some("KubeletReady")));
+    assert!(ready["lastHeartbeatTime"].is_string() && ready["lastTransitionTime"].is_string());
+    for (type_, reason) in [
+        ("MemoryPressure", "KubeletHasSufficientMemory"),
+        ("DiskPressure", "KubeletHasNoDiskPressure"),
+        ("PIDPressure", "KubeletHasSufficientPID"),
+    ] {
+        let c = condition(&node, type_);
+        assert_eq!((c["status"].as_str(), c["reason"].as_str()), (Some("False"), Some(reason)));
+    }
+
+    let lease = server.wait_object(LEASE, SOON, |l| l.is_some()).await.expect("lease").expect("lease");
+    assert_eq!(lease["spec"]["holderIdentity"], "n1");
+    assert_eq!(lease["spec"]["leaseDurationSeconds"], 40);
+    assert_eq!(lease["metadata"]["ownerReferences"][0]["kind"], "Node");
+    assert_eq!(lease["metadata"]["ownerReferences"][0]["uid"], node["metadata"]["uid"]);
+    // Renewed: its version moves on (three more renewals).
+    let first = lease["metadata"]["resourceVersion"].as_str().expect("rv").parse::<u64>().expect("rv");
+    let renewals = sync.stats().lease_renewals.load(Ordering::Relaxed);
+    server
+        .wait_object(LEASE, SOON, |l| {
+            l.and_then(|l| l["metadata"]["resourceVersion"].as_str()?.parse::<u64>().ok()).is_some_and(|rv| rv > first)
+                && sync.stats().lease_renewals.load(Ordering::Relaxed) >= renewals + 3
+        })
+        .await
+        .expect("renewed");
+    assert_eq!(sync.stats().registrations.load(Ordering::Relaxed), 1);
+    shutdown.cancel();
+}
+
+#[tokio::test]
+async fn changes_reach_the_node_coalesced_and_transition_times_hold() {
+    let server = ApiServer::start().await.expect("start");
+    let client = client(&server, &server.node_token("n1")).await;
+    let (tx, rx) = watch::channel(desired("n1", 4));
+    let shutdown = CancellationToken::new();
+    let sync = node_sync::start(
+        client,
+        NodeSyncConfig { coalesce: Duration::from_millis(50), ..config("n1") },
+        rx,
+        shutdown.clone(),
+    );
+    let node = server
+        .wait_object(NODE, SOON, |n| n.is_some_and(|n| n["status"]["conditions"].is_array()))
+        .await
+        .expect("registered")
+        .expect("node");
+    let transition = condition(&node, "Ready")["lastTransitionTime"].clone();
+    let patches = sync.stats().status_patches.load(Ordering::Relaxed);
+    // Ten changes in a burst (a device plugin's devices coming and going).
+    for gpus in 0..10 {
+        tx.send_replace(desired("n1", gpus));
+    }
+    let node = server
+        .wait_object(NODE, SOON, |n| n.is_some_and(|n| n["status"]["allocatable"]["example.com/gpu"] == "9"))
+        .await
+        .expect("the last change arrives")
+        .expect("node");
+    let made = sync.stats().status_patches.load(Ordering::Relaxed) - patches;
+    assert!(made <= 2, "ten changes in a burst made {made} patches");
+    assert_eq!(condition(&node, "Ready")["lastTransitionTime"], transition, "Ready stayed True");
+
+    // Not ready: the condition changes, with a new transition time.
+    let mut not_ready = desired("n1", 9);
+    let conditions = not_ready.status.as_mut().and_then(|s| s.conditions.as_mut()).expect("conditions");
+    conditions[0].status = "False".into();
+    conditions[0].reason = Some("KubeletNotReady".into());
+    conditions[0].message = Some("plugin-manager failed: boom".into());
+    tx.send_replace(not_ready);
+    let node = server
+        .wait_object(NODE, SOON, |n| n.is_some_and(|n| condition(n, "Ready")["status"] == "False"))
+        .await
+        .expect("not ready arrives")
+        .expect("node");
+    assert_eq!(condition(&node, "Ready")["message"], "plugin-manager failed: boom");
+    shutdown.cancel();
+}
+
+#[tokio::test]
+async fn an_existing_node_is_adopted_and_a_deleted_one_recreated() {
+    let server = ApiServer::start().await.expect("start");
+    let admin = client(&server, server.admin_token()).await;
+    let existing: Node =
+        serde_json::from_value(json!({"metadata": {"name": "n1", "labels": {"team": "a"}}})).expect("node");
+    let created = Api::<Node>::all(admin.clone()).create(&PostParams::default(), &existing).await.expect("create");
+    let client = client(&server, &server.node_token("n1")).await;
+    let (_tx, rx) = watch::channel(desired("n1", 1));
+    let shutdown = CancellationToken::new();
+    let sync = node_sync::start(client, config("n1"), rx, shutdown.clone());
+    let mut registered = sync.registered();
+    let uid = registered.wait_for(Option::is_some).await.expect("registered").clone();
+    assert_eq!(uid, created.metadata.uid, "the existing object is adopted, not replaced");
+    let node = server.object("", "nodes", "", "n1").expect("node");
+    assert_eq!(node["metadata"]["labels"]["team"], "a", "its labels stay");
+    assert_eq!(node["metadata"]["labels"]["kubernetes.io/arch"], "wasm32-wasi", "ours are added");
+    assert_eq!(sync.stats().registrations.load(Ordering::Relaxed), 0);
+
+    // An administrator deletes it: it is created again, with a new UID, and
+    // the lease is owned by the new object.
+    Api::<Node>::all(admin).delete("n1", &DeleteParams::default()).await.expect("delete");
+    let node = server
+        .wait_object(NODE, SOON, |n| n.is_some_and(|n| n["metadata"]["uid"].as_str() != uid.as_deref()))
+        .await
+        .expect("recreated")
+        .expect("node");
+    let new_uid = node["metadata"]["uid"].clone();
+    server
+        .wait_object(LEASE, SOON, |l| l.is_some_and(|l| l["metadata"]["ownerReferences"][0]["uid"] == new_uid))
+        .await
+        .expect("the lease follows the new node");
+    assert_eq!(sync.stats().registrations.load(Ordering::Relaxed), 1);
+    shutdown.cancel();
+}
+
+#[tokio::test]
+async fn api_errors_are_retried_with_backoff_and_counted() {
+    let server = ApiServer::start().await.expect("start");
+    server.inject(Fault::status(Some(http::Method::POST), "/api/v1/nodes", 500, 3));
+    server.inject(Fault::status(Some(http::Method::PATCH), "/api/v1/nodes/n1/status", 500, 2));
+    let client = client(&server, &server.node_token("n1")).await;
+    let (_tx, rx) = watch::channel(desired("n1", 2));
+    let shutdown = CancellationToken::new();
+    let sync = node_sync::start(client, config("n1"), rx, shutdown.clone());
+    // Registered and its status patched in the end (lease renewals keep
+    // the store changing, so the counters are looked at again).
+    server
+        .wait_object(NODE, SOON, |n| n.is_some() && sync.stats().status_patches.load(Ordering::Relaxed) >= 1)
+        .await
+        .expect("registered in the end");
+    assert!(sync.stats().failures.load(Ordering::Relaxed) >= 5, "{:?}", sync.stats());
+    // A node identity may not touch another node's objects: its own work
+    // needs nothing more than the Node authorizer gives.
+    let forbidden = server.requests().iter().filter(|r| r.status == 403).count();
+    assert_eq!(forbidden, 0, "{:?}", server.requests());
+    shutdown.cancel();
+}
