@@ -1,0 +1,138 @@
+//! Cluster mode, pods: pods bound to the node in the API run through the
+//! lifecycle (real host processes), their statuses reach the API, and a
+//! deletion is finished the kubelet's way. Against the in-process API
+//! server through kube-rs with the node's identity.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, DeleteParams, PostParams};
+use kubelet::cluster::{PodSyncConfig, pod_sync};
+use kubelet::pod::{Allocatable, PodConfig, PodLifecycle, Pods};
+use kubelet::provider::Provider;
+use rustlet_testkit::apiserver::{ApiServer, Fault};
+use rustlet_testkit::host_provider::HostProcessProvider;
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+/// A liveness bound: these take milliseconds.
+const SOON: Duration = Duration::from_secs(20);
+
+struct ClusterNode {
+    server: ApiServer,
+    admin: Api<Pod>,
+    sync: pod_sync::PodSync,
+    shutdown: CancellationToken,
+    _root: tempfile::TempDir,
+}
+
+impl Drop for ClusterNode {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+async fn cluster_node() -> ClusterNode {
+    let server = ApiServer::start().await.expect("start");
+    let root = tempfile::tempdir().expect("tempdir");
+    let shutdown = CancellationToken::new();
+    let provider: Arc<dyn Provider> = Arc::new(HostProcessProvider::new());
+    let config = PodConfig::new(root.path(), Allocatable { cpu_milli: 2000, memory: 4 << 30, pods: 110 });
+    let pods = Pods::start(PodLifecycle::new(config, Some(provider), None), shutdown.clone()).await;
+    let node_client = server.client(&server.node_token("n1")).await.expect("client");
+    let sync_config = PodSyncConfig {
+        retry_initial: Duration::from_millis(10),
+        retry_max: Duration::from_millis(100),
+        ..PodSyncConfig::new("n1")
+    };
+    let sync = pod_sync::start(node_client, sync_config, pods, shutdown.clone());
+    let admin = Api::namespaced(server.client(server.admin_token()).await.expect("client"), "default");
+    ClusterNode { server, admin, sync, shutdown, _root: root }
+}
+
+fn pod(name: &str, node: &str, cpu: &str) -> Pod {
+    serde_json::from_value(json!({
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "nodeName": node,
+            "terminationGracePeriodSeconds": 10,
+            "containers": [{"name": "main", "image": "busybox", "command": ["sleep", "600"],
+                            "resources": {"requests": {"cpu": cpu}}}]
+        }
+    }))
+    .expect("pod")
+}
+
+fn pod_key(name: &str) -> (&'static str, &'static str, &'static str, &str) {
+    ("", "pods", "default", name)
+}
+
+fn running(pod: &Value) -> bool {
+    pod["status"]["phase"] == "Running" && pod["status"]["containerStatuses"][0]["state"]["running"].is_object()
+}
+
+#[tokio::test]
+async fn a_bound_pod_runs_and_its_status_reaches_the_api() {
+    let node = cluster_node().await;
+    node.admin.create(&PostParams::default(), &pod("web", "n1", "100m")).await.expect("create");
+    node.admin.create(&PostParams::default(), &pod("other", "n2", "100m")).await.expect("create");
+    let web = node
+        .server
+        .wait_object(pod_key("web"), SOON, |p| p.is_some_and(running))
+        .await
+        .unwrap_or_else(|seen| panic!("web never Running in the API: {seen:?}"))
+        .expect("pod");
+    let conditions = web["status"]["conditions"].as_array().expect("conditions");
+    assert!(conditions.iter().any(|c| c["type"] == "Ready" && c["status"] == "True"), "{web}");
+    // A pod bound to another node is not this node's business.
+    let other = node.server.object("", "pods", "default", "other").expect("other");
+    assert_eq!(other["status"]["phase"], "Pending");
+    assert!(other["status"]["containerStatuses"].is_null());
+}
+
+#[tokio::test]
+async fn a_rejected_pod_is_failed_with_its_reason_in_the_api() {
+    let node = cluster_node().await;
+    node.admin.create(&PostParams::default(), &pod("huge", "n1", "5")).await.expect("create");
+    let huge = node
+        .server
+        .wait_object(pod_key("huge"), SOON, |p| p.is_some_and(|p| p["status"]["phase"] == "Failed"))
+        .await
+        .unwrap_or_else(|seen| panic!("never Failed: {seen:?}"))
+        .expect("pod");
+    assert_eq!(huge["status"]["reason"], "OutOfcpu");
+    let message = huge["status"]["message"].as_str().expect("message");
+    assert!(message.starts_with("Pod was rejected: Node didn't have enough resource: cpu"), "{message}");
+}
+
+#[tokio::test]
+async fn a_deleted_pod_is_stopped_released_and_deleted_for_good() {
+    let node = cluster_node().await;
+    let created = node.admin.create(&PostParams::default(), &pod("web", "n1", "100m")).await.expect("create");
+    node.server.wait_object(pod_key("web"), SOON, |p| p.is_some_and(running)).await.expect("running");
+    // A status patch fails twice on the way: retried, counted.
+    node.server.inject(Fault::status(Some(http::Method::PATCH), "/pods/web/status", 500, 2));
+    // The user deletes it: the API marks it, the node stops it within its
+    // grace period and deletes it with grace 0 and its UID.
+    node.admin.delete("web", &DeleteParams::default()).await.expect("delete");
+    node.server
+        .wait_object(pod_key("web"), SOON, |p| p.is_none())
+        .await
+        .unwrap_or_else(|seen| panic!("the pod stayed: {seen:?}"));
+    let final_delete = node
+        .server
+        .requests()
+        .into_iter()
+        .filter(|r| {
+            r.method == http::Method::DELETE && r.uri.trim_end_matches('?').ends_with("/pods/web") && r.status == 200
+        })
+        .count();
+    assert_eq!(final_delete, 2, "the user's delete and the node's: {:?}", node.server.requests());
+    // A new pod of the same name is a different pod: it runs.
+    let again = node.admin.create(&PostParams::default(), &pod("web", "n1", "100m")).await.expect("create");
+    assert_ne!(again.metadata.uid, created.metadata.uid);
+    node.server.wait_object(pod_key("web"), SOON, |p| p.is_some_and(running)).await.expect("the new one runs");
+    // Counted before the new pod's status went out (one task sends both).
+    assert_eq!(node.sync.stats().deletions.load(std::sync::atomic::Ordering::Relaxed), 1);
+}
