@@ -18,6 +18,7 @@ pub use rustlet_sample_plugins::{csi_driver, device_plugin, registration, report
 
 pub mod apiserver;
 pub mod host_provider;
+pub mod node_process;
 pub mod process;
 pub mod raw_h2;
 pub mod registry;

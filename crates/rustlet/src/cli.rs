@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use k8s_openapi::api::core::v1::Taint;
 
 /// Rustlet: a Kubernetes node agent in Rust.
 #[derive(Parser)]
@@ -153,9 +154,27 @@ pub(crate) struct LogsArgs {
 /// Flags of the node itself.
 #[derive(Args, Clone)]
 pub(crate) struct NodeArgs {
-    /// Run without an API server (the only mode implemented so far).
-    #[arg(long)]
+    /// Run without an API server.
+    #[arg(long, conflicts_with = "kubeconfig")]
     pub(crate) standalone: bool,
+    /// Join the cluster of this kubeconfig's current context as a node
+    /// (use a node identity: `system:node:<name>` in `system:nodes`). A
+    /// missing or unusable file is retried with backoff; the node's
+    /// standalone parts run meanwhile.
+    #[arg(long)]
+    pub(crate) kubeconfig: Option<PathBuf>,
+    /// Labels for the Node, `key=value,...` (cluster mode).
+    #[arg(long, value_delimiter = ',', value_parser = parse_label)]
+    pub(crate) node_labels: Vec<(String, String)>,
+    /// Taints the Node registers with, `key[=value]:Effect,...` with Effect
+    /// one of NoSchedule, PreferNoSchedule, NoExecute (cluster mode).
+    #[arg(long, value_delimiter = ',', value_parser = parse_taint)]
+    pub(crate) register_with_taints: Vec<Taint>,
+    /// The node's IPs (one, or one per family), comma-separated: the Node's
+    /// InternalIP addresses and the pods' hostIP/podIP. Default in cluster
+    /// mode: the address of the host name, else of the default route.
+    #[arg(long, value_delimiter = ',', num_args = 1)]
+    pub(crate) node_ip: Vec<IpAddr>,
     /// Directory for the node's files; plugins register under
     /// `<root-dir>/plugins_registry`.
     #[arg(long, env = "RUSTLET_ROOT_DIR", default_value = kubelet_api::constants::DEFAULT_ROOT_DIR)]
@@ -211,6 +230,34 @@ pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
     Ok(value)
 }
 
+/// Parses `key=value` as a Node label.
+pub(crate) fn parse_label(s: &str) -> Result<(String, String), String> {
+    let (key, value) = s.split_once('=').ok_or_else(|| format!("{s:?} is not a label: expected key=value"))?;
+    let key = key.trim();
+    if key.is_empty() || key.contains(char::is_whitespace) {
+        return Err(format!("{s:?} is not a label: the key must be non-empty, without spaces"));
+    }
+    Ok((key.to_owned(), value.trim().to_owned()))
+}
+
+/// Parses `key[=value]:Effect` as a taint (the kubelet's
+/// `--register-with-taints` syntax).
+pub(crate) fn parse_taint(s: &str) -> Result<Taint, String> {
+    let (key_value, effect) =
+        s.rsplit_once(':').ok_or_else(|| format!("{s:?} is not a taint: expected key[=value]:Effect"))?;
+    if !matches!(effect, "NoSchedule" | "PreferNoSchedule" | "NoExecute") {
+        return Err(format!("{s:?}: the effect must be NoSchedule, PreferNoSchedule or NoExecute, not {effect:?}"));
+    }
+    let (key, value) = match key_value.split_once('=') {
+        Some((key, value)) => (key, Some(value.to_owned())),
+        None => (key_value, None),
+    };
+    if key.is_empty() {
+        return Err(format!("{s:?} is not a taint: the key is empty"));
+    }
+    Ok(Taint { key: key.to_owned(), value, effect: effect.to_owned(), time_added: None })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -222,6 +269,29 @@ mod tests {
     fn the_command_line_is_consistent() {
         use clap::CommandFactory as _;
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn labels_and_taints_parse_as_kubelet_flags_do() {
+        assert_eq!(parse_label("zone=a"), Ok(("zone".into(), "a".into())));
+        assert_eq!(parse_label("empty="), Ok(("empty".into(), String::new())));
+        assert!(parse_label("novalue").expect_err("no =").contains("key=value"));
+        assert!(parse_label("=x").expect_err("no key").contains("non-empty"));
+        let taint = parse_taint("dedicated=gpu:NoSchedule").expect("taint");
+        assert_eq!(
+            (taint.key.as_str(), taint.value.as_deref(), taint.effect.as_str()),
+            ("dedicated", Some("gpu"), "NoSchedule")
+        );
+        let taint = parse_taint("example.com/special:NoExecute").expect("taint without value");
+        assert_eq!(
+            (taint.key.as_str(), taint.value, taint.effect.as_str()),
+            ("example.com/special", None, "NoExecute")
+        );
+        assert!(
+            parse_taint("k=v:Sometimes").expect_err("effect").contains("NoSchedule, PreferNoSchedule or NoExecute")
+        );
+        assert!(parse_taint("k=v").expect_err("no effect").contains("key[=value]:Effect"));
+        assert!(parse_taint(":NoSchedule").expect_err("no key").contains("key is empty"));
     }
 
     #[test]

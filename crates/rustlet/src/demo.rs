@@ -47,6 +47,10 @@ pub(crate) async fn run(args: DemoArgs, signals: HealthReporter, shutdown: Cance
         plugin_resync_period: Duration::from_secs(30),
         pod_manifest_path: Some(root.path().join("manifests")),
         max_pods: kubelet::node::DEFAULT_MAX_PODS,
+        kubeconfig: None,
+        node_labels: Vec::new(),
+        register_with_taints: Vec::new(),
+        node_ip: Vec::new(),
     };
     let node = crate::node::start(&node_args, &signals, shutdown.clone()).await?;
     let mut events = node.plugins().subscribe();

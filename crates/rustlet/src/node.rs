@@ -1,9 +1,11 @@
-//! `rustlet --standalone`: the flags become a [`NodeConfig`], the library
-//! runs the node until a signal.
+//! `rustlet --standalone` or `rustlet --kubeconfig FILE`: the flags become
+//! a [`NodeConfig`] (and [`ClusterSettings`]), the library runs the node
+//! until a signal.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 
 use anyhow::bail;
+use kubelet::cluster::{ApiSource, ClusterSettings};
 use kubelet::health::HealthReporter;
 use kubelet::node::{Node, NodeBuilder, NodeConfig};
 use tokio_util::sync::CancellationToken;
@@ -21,7 +23,39 @@ pub(crate) fn config(args: &NodeArgs) -> NodeConfig {
     config.plugins.resync_period = args.plugin_resync_period;
     config.pods.manifest_dir = args.pod_manifest_path.clone();
     config.pods.max_pods = args.max_pods;
+    config.node_ips = args.node_ip.clone();
+    if config.node_ips.is_empty() && args.kubeconfig.is_some() {
+        config.node_ips = detect_node_ip().into_iter().collect();
+    }
     config
+}
+
+/// Cluster mode's settings from the command line, if it is asked for.
+pub(crate) fn cluster(args: &NodeArgs) -> Option<ClusterSettings> {
+    let path = args.kubeconfig.clone()?;
+    let mut settings = ClusterSettings::new(ApiSource::Kubeconfig(path));
+    settings.node_labels = args.node_labels.iter().cloned().collect();
+    settings.taints = args.register_with_taints.clone();
+    Some(settings)
+}
+
+/// The node's IP when `--node-ip` is not given, as the kubelet finds it:
+/// the host name's address if it is not a loopback one, else the address
+/// the default route leaves from (a UDP "connect" sends nothing).
+fn detect_node_ip() -> Option<IpAddr> {
+    use std::net::ToSocketAddrs as _;
+    let by_name = (host_name().as_str(), 0)
+        .to_socket_addrs()
+        .ok()
+        .into_iter()
+        .flatten()
+        .map(|a| a.ip())
+        .find(|ip| !ip.is_loopback() && !ip.is_unspecified());
+    by_name.or_else(|| {
+        let socket = std::net::UdpSocket::bind("0.0.0.0:0").ok()?;
+        socket.connect("192.0.2.1:9").ok()?;
+        socket.local_addr().ok().map(|a| a.ip()).filter(|ip| !ip.is_unspecified())
+    })
 }
 
 /// Starts the node described by `args`.
@@ -30,8 +64,8 @@ pub(crate) async fn start(
     signals: &HealthReporter,
     shutdown: CancellationToken,
 ) -> anyhow::Result<Node> {
-    if !args.standalone {
-        bail!("cluster mode is not implemented yet; run with --standalone (see README.md)");
+    if !args.standalone && args.kubeconfig.is_none() {
+        bail!("say how the node runs: --standalone (no API server) or --kubeconfig FILE (join a cluster)");
     }
     // Many plugins mean many sockets; the default soft limit (often 1024) is too low.
     if let Err(error) = rlimit::increase_nofile_limit(u64::MAX) {
@@ -39,11 +73,12 @@ pub(crate) async fn start(
     }
     let provider = rustlet_wasi::WasiProvider::new(rustlet_wasi::WasiConfig::new(&args.root_dir))
         .map_err(|e| anyhow::anyhow!("the WebAssembly provider cannot start: {e}"))?;
-    let node = NodeBuilder::new(config(args))
-        .provider(std::sync::Arc::new(provider))
-        .health_check("signal-handler", signals)
-        .start(shutdown)
-        .await?;
+    let mut builder =
+        NodeBuilder::new(config(args)).provider(std::sync::Arc::new(provider)).health_check("signal-handler", signals);
+    if let Some(settings) = cluster(args) {
+        builder = builder.cluster(settings);
+    }
+    let node = builder.start(shutdown).await?;
     Ok(node)
 }
 

@@ -6,13 +6,12 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use rustlet_testkit::csi_driver::{CsiDriverConfig, RegisteredCsiDriver};
+use rustlet_testkit::node_process::{NodeProcess, SOON, http_get as get};
 use rustlet_testkit::report::{Report, Reporter};
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::process::{Child, Command};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::Command;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
-
-const SOON: Duration = Duration::from_secs(30);
 
 fn rustlet() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_rustlet"));
@@ -20,73 +19,11 @@ fn rustlet() -> Command {
     cmd
 }
 
-/// A running `rustlet` whose log lines arrive on a channel.
-struct Running {
-    child: Child,
-    lines: mpsc::UnboundedReceiver<String>,
-}
-
-impl Running {
-    fn start(args: &[&str]) -> Running {
-        let mut child = rustlet().args(args).stderr(Stdio::piped()).stdout(Stdio::null()).spawn().expect("spawn");
-        let stderr = child.stderr.take().expect("stderr");
-        let (tx, lines) = mpsc::unbounded_channel();
-        tokio::spawn(async move {
-            let mut reader = BufReader::new(stderr).lines();
-            while let Ok(Some(line)) = reader.next_line().await {
-                eprintln!("rustlet: {line}");
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        Running { child, lines }
-    }
-
-    /// Waits for a log line containing `needle`.
-    async fn line_with(&mut self, needle: &str) -> String {
-        let wait = async {
-            while let Some(line) = self.lines.recv().await {
-                if line.contains(needle) {
-                    return line;
-                }
-            }
-            panic!("rustlet's log ended before {needle:?}");
-        };
-        tokio::time::timeout(SOON, wait).await.unwrap_or_else(|_| panic!("no log line with {needle:?}"))
-    }
-
-    /// Waits for log lines containing each of `needles`, in any order.
-    async fn lines_with_all(&mut self, needles: &[&str]) {
-        let mut missing: Vec<&str> = needles.to_vec();
-        let wait = async {
-            while let Some(line) = self.lines.recv().await {
-                missing.retain(|n| !line.contains(n));
-                if missing.is_empty() {
-                    return;
-                }
-            }
-            panic!("rustlet's log ended before {missing:?}");
-        };
-        tokio::time::timeout(SOON, wait).await.unwrap_or_else(|_| panic!("no log lines with {needles:?}"));
-    }
-
-    async fn http_address(&mut self) -> String {
-        let line = self.line_with("http endpoint listening").await;
-        let start = line.find("address=").expect("address field") + "address=".len();
-        line[start..].split_whitespace().next().expect("address").to_owned()
-    }
-}
-
-async fn get(address: &str, path: &str) -> (u16, String) {
-    let mut stream = tokio::net::TcpStream::connect(address).await.expect("connect");
-    let request = format!("GET {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n");
-    stream.write_all(request.as_bytes()).await.expect("write");
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await.expect("read");
-    let code = response.split_whitespace().nth(1).and_then(|c| c.parse().ok()).expect("status code");
-    let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
-    (code, body)
+/// A running `rustlet` with `args`.
+fn running(args: &[&str]) -> NodeProcess {
+    let mut command = rustlet();
+    command.args(args);
+    NodeProcess::start(command)
 }
 
 fn start_csi_driver(root: &Path, name: &str, reports: mpsc::UnboundedSender<Report>) -> CancellationToken {
@@ -104,8 +41,7 @@ fn start_csi_driver(root: &Path, name: &str, reports: mpsc::UnboundedSender<Repo
 async fn standalone_node_registers_plugins_and_serves_healthz_metrics_and_status() {
     let root = tempfile::tempdir().expect("tempdir");
     let root_str = root.path().to_str().expect("utf8");
-    let mut node =
-        Running::start(&["--standalone", "--root-dir", root_str, "--healthz-port", "0", "--node-name", "n1"]);
+    let mut node = running(&["--standalone", "--root-dir", root_str, "--healthz-port", "0", "--node-name", "n1"]);
     let address = node.http_address().await;
     assert_eq!(get(&address, "/healthz").await, (200, "ok".to_owned()));
 
@@ -164,7 +100,7 @@ async fn healthz_names_a_failing_component_until_it_recovers() {
         "--plugin-resync-period",
         "1s",
     ];
-    let mut node = Running::start(&args);
+    let mut node = running(&args);
     let address = node.http_address().await;
     let (code, body) = get(&address, "/healthz?verbose").await;
     assert_eq!(code, 200, "{body}");
@@ -208,8 +144,7 @@ async fn healthz_names_a_failing_component_until_it_recovers() {
 #[tokio::test]
 async fn sigterm_stops_the_node_gracefully() {
     let root = tempfile::tempdir().expect("tempdir");
-    let mut node =
-        Running::start(&["--standalone", "--root-dir", root.path().to_str().expect("utf8"), "--healthz-port", "0"]);
+    let mut node = running(&["--standalone", "--root-dir", root.path().to_str().expect("utf8"), "--healthz-port", "0"]);
     node.line_with("node started").await;
     let pid = node.child.id().expect("pid").to_string();
     let status = std::process::Command::new("kill").args(["-TERM", &pid]).status().expect("kill");
@@ -239,14 +174,18 @@ async fn registration_dir_that_is_a_file_is_a_clear_start_up_error() {
 }
 
 #[tokio::test]
-async fn cluster_mode_is_refused_with_a_pointer_to_standalone() {
+async fn the_mode_must_be_chosen() {
     let root = tempfile::tempdir().expect("tempdir");
     let output = rustlet().args(["--root-dir", root.path().to_str().expect("utf8")]).output().await.expect("run");
     assert_eq!(output.status.code(), Some(1));
     assert!(
-        String::from_utf8_lossy(&output.stderr).contains("cluster mode is not implemented yet; run with --standalone"),
+        String::from_utf8_lossy(&output.stderr)
+            .contains("say how the node runs: --standalone (no API server) or --kubeconfig FILE (join a cluster)"),
         "{output:?}"
     );
+    let output = rustlet().args(["--standalone", "--kubeconfig", "/nonexistent"]).output().await.expect("run");
+    assert_eq!(output.status.code(), Some(2), "both modes at once is a usage error");
+    assert!(String::from_utf8_lossy(&output.stderr).contains("cannot be used with"), "{output:?}");
 }
 
 #[tokio::test]
@@ -310,7 +249,7 @@ async fn get_and_logs_find_the_node_through_its_root_dir() {
     )
     .expect("write");
     let manifest_dir = manifests.to_str().expect("utf8").to_owned();
-    let mut node = Running::start(&[
+    let mut node = running(&[
         "--standalone",
         "--root-dir",
         &root_dir,
@@ -417,7 +356,7 @@ async fn logs_follow_prints_lines_as_written_until_the_container_ends() {
     )
     .expect("write");
     let manifest_dir = manifests.to_str().expect("utf8").to_owned();
-    let mut node = Running::start(&[
+    let mut node = running(&[
         "--standalone",
         "--root-dir",
         &root_dir,
@@ -488,7 +427,7 @@ async fn a_cpu_limit_caps_a_busy_module() {
     )
     .expect("write");
     let manifest_dir = manifests.to_str().expect("utf8").to_owned();
-    let mut node = Running::start(&[
+    let mut node = running(&[
         "--standalone",
         "--root-dir",
         &root_dir,

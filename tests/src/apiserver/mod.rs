@@ -110,6 +110,20 @@ impl Drop for ApiServer {
     }
 }
 
+/// Writes a kubeconfig for the API at `url` with bearer `token` at `path`
+/// (tokens are `node-token-<node>` for node identities, see
+/// [`ApiServer::node_token`]).
+pub fn write_kubeconfig(path: &Path, url: &str, token: &str) -> std::io::Result<()> {
+    std::fs::write(
+        path,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {url}\nusers:\n- name: user\n  \
+             user:\n    token: {token}\ncontexts:\n- name: fake\n  context:\n    cluster: fake\n    user: user\n\
+             current-context: fake\n"
+        ),
+    )
+}
+
 fn status_response(error: &ApiError) -> Response {
     let code = StatusCode::from_u16(error.code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     (code, [(header::CONTENT_TYPE, "application/json")], error.status().to_string()).into_response()
@@ -122,7 +136,13 @@ fn object_response(code: StatusCode, object: &Value) -> Response {
 impl ApiServer {
     /// Starts a server on a free loopback port.
     pub async fn start() -> std::io::Result<ApiServer> {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        ApiServer::start_on(SocketAddr::from(([127, 0, 0, 1], 0))).await
+    }
+
+    /// Starts a server on `address` (say, one a node was told about before
+    /// the API came up).
+    pub async fn start_on(address: SocketAddr) -> std::io::Result<ApiServer> {
+        let listener = tokio::net::TcpListener::bind(address).await?;
         let address = listener.local_addr()?;
         let admin_token = "admin-token".to_owned();
         let shared = Arc::new(Shared {
@@ -172,15 +192,7 @@ impl ApiServer {
 
     /// Writes a kubeconfig for `token` at `path`.
     pub fn write_kubeconfig(&self, path: &Path, token: &str) -> std::io::Result<()> {
-        std::fs::write(
-            path,
-            format!(
-                "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {}\nusers:\n- name: user\n  \
-                 user:\n    token: {token}\ncontexts:\n- name: fake\n  context:\n    cluster: fake\n    user: user\n\
-                 current-context: fake\n",
-                self.url()
-            ),
-        )
+        write_kubeconfig(path, &self.url(), token)
     }
 
     /// A kube-rs client with `token`, configured from a kubeconfig file as

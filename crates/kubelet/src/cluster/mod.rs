@@ -1,14 +1,276 @@
 //! Cluster mode: the node in a Kubernetes cluster, through kube-rs.
 //!
-//! Built so far: the Node object, its status and its Lease
-//! (`node_sync`); pods bound to the node run through the lifecycle, their
-//! statuses patched and their deletion finished (`pod_sync`). Not yet:
-//! mirror pods, volumes from API objects, CSI node info on the Node and
-//! CSINode. The `rustlet`
-//! binary still refuses cluster mode until pods run through it.
+//! [`crate::node::NodeBuilder::cluster`] turns it on. Once the API client
+//! is ready (from a client the embedder gives, or read from a kubeconfig,
+//! retried with backoff while the file is missing or invalid), these run
+//! beside the standalone parts, which never wait on the API:
+//!
+//! - `node_sync`: the Node object (created or adopted, created again after
+//!   an administrator deletes it), its status (capacity and allocatable
+//!   with every device-plugin resource, conditions, addresses, node info;
+//!   patched on change, coalesced) and its Lease.
+//! - `pod_sync`: pods bound to the node run through the lifecycle; their
+//!   statuses are patched; their deletion is finished with grace period 0
+//!   and a UID precondition.
+//! - `csi_info`: CSI drivers' node IDs, topology labels and the CSINode.
+//!
+//! Not yet: mirror pods for static pods, volumes from API objects
+//! (configMap, secret, projected, PVC), image pull secrets, events.
 
+pub mod csi_info;
 pub mod node_sync;
 pub mod pod_sync;
 
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Node, Taint};
+use tokio::sync::{Notify, watch};
+use tokio_util::sync::CancellationToken;
+
+pub use csi_info::{ApiNodeInfo, CsiInfoStats};
 pub use node_sync::{LEASE_NAMESPACE, NodeSync, NodeSyncConfig, NodeSyncStats};
 pub use pod_sync::{PodSync, PodSyncConfig, PodSyncStats};
+
+use crate::device_manager::DeviceManager;
+use crate::health::Healthz;
+use crate::node::NodeDescription;
+use crate::pod::Pods;
+
+/// Where the API client comes from.
+#[derive(Clone)]
+pub enum ApiSource {
+    /// A client the embedder built.
+    Client(kube::Client),
+    /// A kubeconfig file (its current context), read when the node starts
+    /// and again with backoff while it is missing or unusable.
+    Kubeconfig(PathBuf),
+}
+
+impl std::fmt::Debug for ApiSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ApiSource::Client(_) => f.write_str("Client(..)"),
+            ApiSource::Kubeconfig(path) => f.debug_tuple("Kubeconfig").field(path).finish(),
+        }
+    }
+}
+
+/// Settings of cluster mode.
+#[derive(Clone, Debug)]
+pub struct ClusterSettings {
+    /// The API client.
+    pub api: ApiSource,
+    /// Labels the Node gets (`--node-labels`), over the node's own.
+    pub node_labels: BTreeMap<String, String>,
+    /// Taints the Node is registered with (`--register-with-taints`),
+    /// besides the provider's.
+    pub taints: Vec<Taint>,
+    /// Timings of the Node and Lease writes (its `node_name` is replaced by
+    /// the node's).
+    pub node_sync: NodeSyncConfig,
+    /// Timings of the pod writes (its `node_name` is replaced by the node's).
+    pub pod_sync: PodSyncConfig,
+    /// The first delay before the kubeconfig is read again (doubling up to
+    /// a minute).
+    pub kubeconfig_retry: Duration,
+}
+
+impl ClusterSettings {
+    /// Upstream's timings, with the client from `api`.
+    pub fn new(api: ApiSource) -> ClusterSettings {
+        ClusterSettings {
+            api,
+            node_labels: BTreeMap::new(),
+            taints: Vec::new(),
+            node_sync: NodeSyncConfig::new(""),
+            pod_sync: PodSyncConfig::new(""),
+            kubeconfig_retry: Duration::from_millis(500),
+        }
+    }
+}
+
+/// The parts of a running cluster mode, once the client is ready.
+#[derive(Clone, Debug)]
+pub struct Connected {
+    /// The Node and Lease writer.
+    pub node: NodeSync,
+    /// The pod watcher and status writer.
+    pub pods: PodSync,
+}
+
+/// A node's cluster mode. Cheap to clone.
+#[derive(Clone)]
+pub struct Cluster {
+    connected: watch::Receiver<Option<Connected>>,
+    csi: ApiNodeInfo,
+}
+
+impl Cluster {
+    /// The running parts, once the API client is ready (`None` while the
+    /// kubeconfig cannot be used).
+    pub fn connected(&self) -> Option<Connected> {
+        self.connected.borrow().clone()
+    }
+
+    /// Waits until the API client is ready.
+    pub async fn wait_connected(&self) -> Option<Connected> {
+        let mut connected = self.connected.clone();
+        connected.wait_for(Option::is_some).await.ok().and_then(|c| c.clone())
+    }
+
+    /// The CSI node info writer.
+    pub fn csi_info(&self) -> &ApiNodeInfo {
+        &self.csi
+    }
+}
+
+/// What cluster mode reads from the node.
+pub(crate) struct NodeParts {
+    pub(crate) description: NodeDescription,
+    pub(crate) devices: DeviceManager,
+    pub(crate) healthz: Healthz,
+    pub(crate) pods: Pods,
+    pub(crate) csi: ApiNodeInfo,
+}
+
+/// Starts cluster mode for a started node; nothing here blocks the node.
+pub(crate) fn start(settings: ClusterSettings, parts: NodeParts, shutdown: CancellationToken) -> Cluster {
+    let (connected_tx, connected) = watch::channel(None);
+    let cluster = Cluster { connected, csi: parts.csi.clone() };
+    let mut description = parts.description;
+    description.labels.extend(settings.node_labels.clone());
+    description.taints.extend(settings.taints.iter().cloned());
+    let name = description.name.clone();
+    let desired = follow_node(description, parts.devices, parts.healthz, shutdown.clone());
+    tokio::spawn(async move {
+        let client = tokio::select! {
+            () = shutdown.cancelled() => return,
+            client = client(&settings) => client,
+        };
+        tracing::info!(node = %name, "API client ready; joining the cluster");
+        let node = node_sync::start(
+            client.clone(),
+            NodeSyncConfig { node_name: name.clone(), ..settings.node_sync },
+            desired,
+            shutdown.clone(),
+        );
+        parts.csi.start(client.clone(), &name, node.registered(), shutdown.clone());
+        let pods = pod_sync::start(
+            client,
+            PodSyncConfig { node_name: name.clone(), ..settings.pod_sync },
+            parts.pods,
+            shutdown,
+        );
+        connected_tx.send_replace(Some(Connected { node, pods }));
+    });
+    cluster
+}
+
+/// The API client: the given one, or one from the kubeconfig, read again
+/// with backoff until it works.
+async fn client(settings: &ClusterSettings) -> kube::Client {
+    let path = match &settings.api {
+        ApiSource::Client(client) => return client.clone(),
+        ApiSource::Kubeconfig(path) => path,
+    };
+    let mut delay = settings.kubeconfig_retry;
+    loop {
+        match from_kubeconfig(path).await {
+            Ok(client) => return client,
+            Err(error) => {
+                tracing::error!(
+                    kubeconfig = %path.display(),
+                    %error,
+                    retry_in = ?delay,
+                    "cannot connect to the cluster; the node keeps running standalone parts and retries"
+                );
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(60));
+            }
+        }
+    }
+}
+
+/// Why a kubeconfig cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum KubeconfigError {
+    /// The file is missing or not a kubeconfig.
+    #[error("cannot read the kubeconfig: {0}")]
+    Read(String),
+    /// Its current context does not make a client.
+    #[error("the kubeconfig does not make an API client: {0}")]
+    Client(String),
+}
+
+/// A client from the current context of the kubeconfig at `path`.
+pub async fn from_kubeconfig(path: &std::path::Path) -> Result<kube::Client, KubeconfigError> {
+    let kubeconfig = kube::config::Kubeconfig::read_from(path).map_err(|e| KubeconfigError::Read(error_chain(&e)))?;
+    let options = kube::config::KubeConfigOptions::default();
+    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &options)
+        .await
+        .map_err(|e| KubeconfigError::Client(error_chain(&e)))?;
+    kube::Client::try_from(config).map_err(|e| KubeconfigError::Client(error_chain(&e)))
+}
+
+fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+/// The Node as the node describes it now, recomputed when a device
+/// resource or a health check changes.
+fn follow_node(
+    description: NodeDescription,
+    devices: DeviceManager,
+    healthz: Healthz,
+    shutdown: CancellationToken,
+) -> watch::Receiver<Node> {
+    let mut capacity = devices.capacity();
+    let (tx, rx) = watch::channel(description.object(&capacity.borrow_and_update(), &healthz));
+    let health_changed = Arc::new(Notify::new());
+    for check in healthz.report() {
+        let Some(mut changes) = healthz.watch(&check.name) else { continue };
+        let notify = health_changed.clone();
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    changed = changes.changed() => if changed.is_err() { return },
+                }
+                notify.notify_one();
+            }
+        });
+    }
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                changed = capacity.changed() => if changed.is_err() { return },
+                () = health_changed.notified() => {}
+            }
+            let node = description.object(&capacity.borrow_and_update(), &healthz);
+            tx.send_replace(node);
+        }
+    });
+    rx
+}
+
+pub(crate) fn describe(error: &kube::Error) -> String {
+    match error {
+        kube::Error::Api(status) => format!("{} {}: {}", status.code, status.reason, status.message),
+        other => error_chain(other),
+    }
+}

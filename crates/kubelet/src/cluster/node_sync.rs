@@ -29,6 +29,9 @@ use serde_json::json;
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
+use super::describe;
+use crate::health::{HealthCheck, HealthReporter};
+
 /// The namespace of node leases.
 pub const LEASE_NAMESPACE: &str = "kube-node-lease";
 
@@ -84,6 +87,7 @@ pub struct NodeSyncStats {
 pub struct NodeSync {
     stats: Arc<NodeSyncStats>,
     registered: watch::Receiver<Option<String>>,
+    health: HealthReporter,
 }
 
 impl NodeSync {
@@ -96,6 +100,12 @@ impl NodeSync {
     /// is created again).
     pub fn registered(&self) -> watch::Receiver<Option<String>> {
         self.registered.clone()
+    }
+
+    /// Failing (with the API's answer) while the Node cannot be registered
+    /// or its status cannot be patched; healthy once a call succeeds.
+    pub fn health(&self) -> HealthCheck {
+        self.health.check()
     }
 }
 
@@ -133,7 +143,9 @@ pub fn start(
     let stats = Arc::new(NodeSyncStats::default());
     let (registered_tx, registered) = watch::channel(None);
     let deleted = Arc::new(Notify::new());
+    let health = HealthReporter::new();
     let sync = StatusSync {
+        health: health.clone(),
         nodes: Api::all(client.clone()),
         config: config.clone(),
         desired,
@@ -152,20 +164,13 @@ pub fn start(
         registered: registered.clone(),
     };
     tokio::spawn(run_until(shutdown, lease.run()));
-    NodeSync { stats, registered }
+    NodeSync { stats, registered, health }
 }
 
 async fn run_until(shutdown: CancellationToken, work: impl std::future::Future<Output = ()>) {
     tokio::select! {
         () = shutdown.cancelled() => {}
         () = work => {}
-    }
-}
-
-fn describe(error: &kube::Error) -> String {
-    match error {
-        kube::Error::Api(status) => format!("{} {}: {}", status.code, status.reason, status.message),
-        other => other.to_string(),
     }
 }
 
@@ -180,6 +185,7 @@ struct StatusSync {
     stats: Arc<NodeSyncStats>,
     registered: watch::Sender<Option<String>>,
     deleted: Arc<Notify>,
+    health: HealthReporter,
     /// The conditions last sent, by type: their transition times are kept
     /// while their status stays.
     conditions: BTreeMap<String, NodeCondition>,
@@ -195,12 +201,15 @@ impl StatusSync {
                     Err(error) => {
                         self.stats.failures.fetch_add(1, Ordering::Relaxed);
                         let delay = backoff.fail();
-                        tracing::warn!(node = %self.config.node_name, error = %describe(&error), retry_in = ?delay, "cannot register the node; retrying");
+                        let error = describe(&error);
+                        self.health.failing(format!("cannot register node {}: {error}", self.config.node_name));
+                        tracing::warn!(node = %self.config.node_name, %error, retry_in = ?delay, "cannot register the node; retrying");
                         tokio::time::sleep(delay).await;
                     }
                 }
             };
             backoff.reset();
+            self.health.healthy();
             let _ = self.registered.send(Some(uid));
             self.keep_status(&mut backoff).await;
             // The node is gone: register it again.
@@ -288,6 +297,7 @@ impl StatusSync {
             match self.patch_status().await {
                 Ok(()) => {
                     backoff.reset();
+                    self.health.healthy();
                     due = false;
                 }
                 Err(error) if is_code(&error, 404) => {
@@ -297,7 +307,9 @@ impl StatusSync {
                 Err(error) => {
                     self.stats.failures.fetch_add(1, Ordering::Relaxed);
                     let delay = backoff.fail();
-                    tracing::warn!(node = %self.config.node_name, error = %describe(&error), retry_in = ?delay, "node status patch failed; retrying");
+                    let error = describe(&error);
+                    self.health.failing(format!("cannot patch the status of node {}: {error}", self.config.node_name));
+                    tracing::warn!(node = %self.config.node_name, %error, retry_in = ?delay, "node status patch failed; retrying");
                     due = true;
                     tokio::select! {
                         () = tokio::time::sleep(delay) => {}

@@ -24,6 +24,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::pod::Pods;
 
+/// The annotation that marks a mirror pod (its value: the static pod's
+/// config hash).
+pub const MIRROR_ANNOTATION: &str = "kubernetes.io/config.mirror";
+
 /// Settings of the pod sync.
 #[derive(Debug, Clone)]
 pub struct PodSyncConfig {
@@ -144,6 +148,10 @@ async fn follow_pods(client: kube::Client, node: String, pods: Pods, table: Tabl
 /// for deletion.
 fn take(pods: &Pods, table: &Table, pod: Pod) {
     let Some(uid) = pod.metadata.uid.clone() else { return };
+    // A mirror pod stands for a static pod the node already runs.
+    if pod.metadata.annotations.as_ref().is_some_and(|a| a.contains_key(MIRROR_ANNOTATION)) {
+        return;
+    }
     let deleting = pod.metadata.deletion_timestamp.is_some();
     {
         let mut table = lock(table);

@@ -4,12 +4,16 @@
 //! will register).
 
 use std::collections::BTreeMap;
+use std::net::IpAddr;
 
-use k8s_openapi::api::core::v1::{Node as NodeObject, NodeCondition, NodeSpec, NodeStatus, NodeSystemInfo, Taint};
+use k8s_openapi::api::core::v1::{
+    Node as NodeObject, NodeAddress, NodeCondition, NodeSpec, NodeStatus, NodeSystemInfo, Taint,
+};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 
 use crate::device_manager::ResourceCapacity;
+use crate::health::{ComponentHealth, Healthz};
 use crate::pod::Allocatable;
 
 /// The kubelet's default `--max-pods`.
@@ -39,8 +43,50 @@ pub(crate) struct NodeFacts<'a> {
     pub(crate) ready: Result<(), String>,
     /// Labels from the provider (over the node's own).
     pub(crate) labels: &'a BTreeMap<String, String>,
-    /// Taints from the provider.
+    /// Taints from the provider and the command line.
     pub(crate) taints: &'a [Taint],
+    /// The node's IPs (`InternalIP` addresses).
+    pub(crate) addresses: &'a [IpAddr],
+}
+
+/// What describes the node besides its devices and health.
+#[derive(Clone, Debug)]
+pub(crate) struct NodeDescription {
+    pub(crate) name: String,
+    pub(crate) allocatable: Allocatable,
+    pub(crate) created: jiff::Timestamp,
+    pub(crate) labels: BTreeMap<String, String>,
+    pub(crate) taints: Vec<Taint>,
+    pub(crate) addresses: Vec<IpAddr>,
+}
+
+impl NodeDescription {
+    /// The `v1.Node` with these devices, Ready from `healthz`.
+    pub(crate) fn object(&self, devices: &BTreeMap<String, ResourceCapacity>, healthz: &Healthz) -> NodeObject {
+        node_object(&NodeFacts {
+            name: &self.name,
+            allocatable: self.allocatable,
+            devices,
+            created: self.created,
+            ready: readiness(healthz),
+            labels: &self.labels,
+            taints: &self.taints,
+            addresses: &self.addresses,
+        })
+    }
+}
+
+/// `Ok` when every check passes; otherwise the failing checks, named.
+pub(crate) fn readiness(healthz: &Healthz) -> Result<(), String> {
+    let failing: Vec<String> = healthz
+        .report()
+        .into_iter()
+        .filter_map(|c| match c.health {
+            ComponentHealth::Healthy => None,
+            ComponentHealth::Failing { reason } => Some(format!("{} failed: {reason}", c.name)),
+        })
+        .collect();
+    if failing.is_empty() { Ok(()) } else { Err(failing.join("; ")) }
 }
 
 /// The node as a `v1.Node`: capacity and allocatable (device resources
@@ -106,9 +152,18 @@ pub(crate) fn node_object(facts: &NodeFacts<'_>) -> NodeObject {
                 system_uuid: String::new(),
                 ..NodeSystemInfo::default()
             }),
+            addresses: Some(addresses(facts)),
             ..NodeStatus::default()
         }),
     }
+}
+
+/// `InternalIP` per node IP, then `Hostname`, as the kubelet lists them.
+fn addresses(facts: &NodeFacts<'_>) -> Vec<NodeAddress> {
+    let mut addresses: Vec<NodeAddress> =
+        facts.addresses.iter().map(|ip| NodeAddress { type_: "InternalIP".into(), address: ip.to_string() }).collect();
+    addresses.push(NodeAddress { type_: "Hostname".into(), address: facts.name.to_owned() });
+    addresses
 }
 
 fn format_cpu(milli: u128) -> String {
@@ -163,6 +218,7 @@ mod tests {
                 effect: "NoExecute".into(),
                 time_added: None,
             }],
+            addresses: &["10.1.2.3".parse().expect("ip")],
         };
         let node = node_object(&facts);
         let labels = node.metadata.labels.clone().unwrap_or_default();
@@ -176,6 +232,9 @@ mod tests {
         assert_eq!(capacity["memory"].0, "4194304Ki");
         assert_eq!(capacity["example.com/gpu"].0, "4");
         assert_eq!(status.allocatable.expect("allocatable")["example.com/gpu"].0, "3");
+        let addresses = status.addresses.clone().unwrap_or_default();
+        assert_eq!((addresses[0].type_.as_str(), addresses[0].address.as_str()), ("InternalIP", "10.1.2.3"));
+        assert_eq!((addresses[1].type_.as_str(), addresses[1].address.as_str()), ("Hostname", "n1"));
         let ready = &status.conditions.expect("conditions")[0];
         assert_eq!((ready.status.as_str(), ready.message.as_deref()), ("False", Some("plugin-manager failed: boom")));
     }

@@ -33,7 +33,7 @@ use crate::csi::{CsiDriverRegistry, InMemoryNodeInfo};
 use crate::device_manager::DeviceManager;
 use crate::health::{ComponentHealth, Healthz};
 use crate::plugin_manager::PluginManagerHandle;
-use crate::pod::{Allocatable, Pods};
+use crate::pod::Pods;
 use crate::static_pods::StaticPods;
 
 /// What the handlers read.
@@ -48,11 +48,8 @@ pub(super) struct HttpState {
     pub(super) healthz: Healthz,
     pub(super) pods: Pods,
     pub(super) static_pods: Option<StaticPods>,
-    pub(super) allocatable: Allocatable,
-    pub(super) created: jiff::Timestamp,
+    pub(super) description: super::capacity::NodeDescription,
     pub(super) root_dir: std::path::PathBuf,
-    pub(super) labels: std::collections::BTreeMap<String, String>,
-    pub(super) taints: Vec<k8s_openapi::api::core::v1::Taint>,
 }
 
 /// Binds `address` and serves until `shutdown`. Returns the bound address
@@ -162,26 +159,8 @@ async fn pods(State(state): State<HttpState>) -> Response {
 }
 
 async fn node(State(state): State<HttpState>) -> Response {
-    let failing: Vec<String> = state
-        .healthz
-        .report()
-        .into_iter()
-        .filter_map(|c| match c.health {
-            ComponentHealth::Healthy => None,
-            ComponentHealth::Failing { reason } => Some(format!("{} failed: {reason}", c.name)),
-        })
-        .collect();
     let devices = state.devices.capacity().borrow().clone();
-    let facts = super::capacity::NodeFacts {
-        name: &state.node_name,
-        allocatable: state.allocatable,
-        devices: &devices,
-        created: state.created,
-        ready: if failing.is_empty() { Ok(()) } else { Err(failing.join("; ")) },
-        labels: &state.labels,
-        taints: &state.taints,
-    };
-    let mut object = serde_json::to_value(super::capacity::node_object(&facts)).unwrap_or_default();
+    let mut object = serde_json::to_value(state.description.object(&devices, &state.healthz)).unwrap_or_default();
     if let Some(map) = object.as_object_mut() {
         map.insert("apiVersion".into(), "v1".into());
         map.insert("kind".into(), "Node".into());

@@ -36,9 +36,10 @@ mod capacity;
 mod http;
 mod logs;
 
+pub(crate) use capacity::NodeDescription;
 pub use capacity::{DEFAULT_MAX_PODS, measure};
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -50,7 +51,10 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
-use crate::csi::{CsiDriverRegistry, CsiHandlerConfig, CsiNodeTimeouts, CsiPluginHandler, InMemoryNodeInfo};
+use crate::cluster::{self, ApiNodeInfo, Cluster, ClusterSettings};
+use crate::csi::{
+    CsiDriverRegistry, CsiHandlerConfig, CsiNodeTimeouts, CsiPluginHandler, InMemoryNodeInfo, NodeInfoPublisher,
+};
 use crate::device_manager::{DeviceManager, DeviceManagerConfig, DeviceManagerError};
 use crate::health::{HealthReporter, Healthz};
 use crate::plugin_manager::{
@@ -119,6 +123,10 @@ pub struct NodeConfig {
     pub pods: PodSettings,
     /// How long [`Node::stopped`] waits for the components after shutdown.
     pub shutdown_grace: Duration,
+    /// The node's IPs (`--node-ip`): the Node's `InternalIP` addresses and
+    /// the pods' `hostIP`/`podIP` (the WebAssembly provider runs modules in
+    /// the node's network, as host-network pods). Empty: none reported.
+    pub node_ips: Vec<IpAddr>,
 }
 
 impl NodeConfig {
@@ -134,6 +142,7 @@ impl NodeConfig {
             node_name: node_name.into(),
             http_address: Some(SocketAddr::from(([127, 0, 0, 1], 10248))),
             shutdown_grace: Duration::from_secs(10),
+            node_ips: Vec::new(),
             root_dir,
         }
     }
@@ -189,6 +198,7 @@ pub struct NodeBuilder {
     healthz: Healthz,
     provider: Option<Arc<dyn Provider>>,
     claims: Option<Arc<dyn VolumeClaims>>,
+    cluster: Option<ClusterSettings>,
 }
 
 impl NodeBuilder {
@@ -201,7 +211,16 @@ impl NodeBuilder {
             healthz: Healthz::new(),
             provider: None,
             claims: None,
+            cluster: None,
         }
+    }
+
+    /// Joins a cluster (see [`crate::cluster`]): registers the Node and its
+    /// Lease, runs the pods bound to it, writes CSI node info. Without it
+    /// the node is standalone.
+    pub fn cluster(mut self, settings: ClusterSettings) -> Self {
+        self.cluster = Some(settings);
+        self
     }
 
     /// Runs pods' containers with `provider`. Without one, pods are
@@ -240,14 +259,22 @@ impl NodeBuilder {
     /// Starts every component; returns once they all serve. Everything stops
     /// when `shutdown` is cancelled; await [`Node::stopped`] afterwards.
     pub async fn start(self, shutdown: CancellationToken) -> Result<Node, NodeError> {
-        let NodeBuilder { config, handlers, mut metrics, healthz, provider, claims } = self;
+        let NodeBuilder { config, handlers, mut metrics, healthz, provider, claims, cluster } = self;
         let created = jiff::Timestamp::now();
         let root_dir = config.root_dir.clone();
         let tasks = TaskTracker::new();
 
         let csi_drivers = CsiDriverRegistry::new();
-        let node_info = InMemoryNodeInfo::new();
-        let csi = CsiPluginHandler::new(csi_drivers.clone(), Arc::new(node_info.clone()), config.csi);
+        // In a cluster the CSI node info also goes to the API.
+        let api_node_info = cluster.as_ref().map(|_| ApiNodeInfo::new());
+        let (node_info, publisher): (InMemoryNodeInfo, Arc<dyn NodeInfoPublisher>) = match &api_node_info {
+            Some(api) => (api.memory().clone(), Arc::new(api.clone())),
+            None => {
+                let memory = InMemoryNodeInfo::new();
+                (memory.clone(), Arc::new(memory))
+            }
+        };
+        let csi = CsiPluginHandler::new(csi_drivers.clone(), publisher, config.csi);
 
         let devices = DeviceManager::start(config.devices.clone(), shutdown.clone())
             .map_err(|source| NodeError::DeviceManager { root_dir: root_dir.clone(), source })?;
@@ -272,6 +299,7 @@ impl NodeBuilder {
         let mut pod_config = PodConfig::new(&root_dir, allocatable);
         pod_config.restart_backoff = config.pods.restart_backoff;
         pod_config.image_backoff = config.pods.image_backoff;
+        pod_config.host_ips = config.node_ips.clone();
         let csi_objects = CsiDriverObjects::new();
         let mut csi_volumes =
             CsiVolumes::new(&root_dir, csi_drivers.view(), csi_objects.clone(), config.pods.csi_timeouts);
@@ -304,6 +332,14 @@ impl NodeBuilder {
         // pods that are gone (containers, devices, volumes) is released.
         pods.release_orphans().await;
 
+        let description = NodeDescription {
+            name: config.node_name.clone(),
+            allocatable,
+            created,
+            labels: provider_labels,
+            taints: provider_taints,
+            addresses: config.node_ips.clone(),
+        };
         let http_address = match config.http_address {
             None => None,
             Some(address) => {
@@ -317,11 +353,8 @@ impl NodeBuilder {
                     healthz: healthz.clone(),
                     pods: pods.clone(),
                     static_pods: static_pods.clone(),
-                    allocatable,
-                    created,
+                    description: description.clone(),
                     root_dir: root_dir.clone(),
-                    labels: provider_labels.clone(),
-                    taints: provider_taints.clone(),
                 };
                 let (bound, task) = http::serve(address, state, shutdown.clone()).await?;
                 supervise(&tasks, &healthz, "http-endpoint", task, shutdown.clone());
@@ -329,7 +362,20 @@ impl NodeBuilder {
                 Some(bound)
             }
         };
-        tracing::info!(node = %config.node_name, root_dir = %root_dir.display(), ?allocatable, "node started");
+        let cluster = match (cluster, api_node_info) {
+            (Some(settings), Some(csi)) => {
+                let parts = cluster::NodeParts {
+                    description,
+                    devices: devices.clone(),
+                    healthz: healthz.clone(),
+                    pods: pods.clone(),
+                    csi,
+                };
+                Some(cluster::start(settings, parts, shutdown.clone()))
+            }
+            _ => None,
+        };
+        tracing::info!(node = %config.node_name, root_dir = %root_dir.display(), ?allocatable, cluster = cluster.is_some(), "node started");
         Ok(Node {
             config,
             plugins,
@@ -343,6 +389,7 @@ impl NodeBuilder {
             pods,
             static_pods,
             allocatable,
+            cluster,
         })
     }
 }
@@ -411,9 +458,15 @@ pub struct Node {
     pods: Pods,
     static_pods: Option<StaticPods>,
     allocatable: Allocatable,
+    cluster: Option<Cluster>,
 }
 
 impl Node {
+    /// Cluster mode, if the node joined a cluster.
+    pub fn cluster(&self) -> Option<&Cluster> {
+        self.cluster.as_ref()
+    }
+
     /// The node's name.
     pub fn name(&self) -> &str {
         &self.config.node_name

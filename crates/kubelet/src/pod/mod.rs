@@ -78,6 +78,9 @@ pub struct PodConfig {
     pub image_backoff: BackoffConfig,
     /// Volume preparation retries.
     pub volume_backoff: BackoffConfig,
+    /// The node's IPs: every pod's `hostIPs`, and its `podIPs` (pods run in
+    /// the node's network). Empty: none reported.
+    pub host_ips: Vec<std::net::IpAddr>,
 }
 
 impl PodConfig {
@@ -93,6 +96,7 @@ impl PodConfig {
                 max: std::time::Duration::from_secs(120),
                 reset_after: std::time::Duration::MAX,
             },
+            host_ips: Vec::new(),
         }
     }
 }
@@ -161,7 +165,8 @@ impl Machine for PodLifecycle {
         Box::new(states::Terminating)
     }
 
-    fn status(&self, key: &String, status: PodStatus) {
+    fn status(&self, key: &String, mut status: PodStatus) {
+        status::add_ips(&mut status, &self.config.host_ips);
         self.store.put_status(key, status);
     }
 

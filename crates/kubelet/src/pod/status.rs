@@ -2,8 +2,8 @@
 //! statuses. This is the value cluster mode patches to the API server.
 
 use k8s_openapi::api::core::v1::{
-    ContainerState, ContainerStateRunning, ContainerStateTerminated, ContainerStateWaiting, ContainerStatus,
-    PodCondition, PodStatus,
+    ContainerState, ContainerStateRunning, ContainerStateTerminated, ContainerStateWaiting, ContainerStatus, HostIP,
+    PodCondition, PodIP, PodStatus,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
@@ -22,6 +22,20 @@ pub enum Stage {
     Done,
     /// Being removed.
     Terminating,
+}
+
+/// Fills `hostIP(s)` and `podIP(s)` with the node's IPs (pods run in the
+/// node's network), unless the status names its own.
+pub fn add_ips(status: &mut PodStatus, ips: &[std::net::IpAddr]) {
+    let Some(first) = ips.first() else { return };
+    if status.host_ip.is_none() {
+        status.host_ip = Some(first.to_string());
+        status.host_ips = Some(ips.iter().map(|ip| HostIP { ip: ip.to_string() }).collect());
+    }
+    if status.pod_ip.is_none() {
+        status.pod_ip = Some(first.to_string());
+        status.pod_ips = Some(ips.iter().map(|ip| PodIP { ip: ip.to_string() }).collect());
+    }
 }
 
 /// Computes the pod's status from its data.

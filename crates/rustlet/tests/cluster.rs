@@ -1,0 +1,230 @@
+//! `rustlet --kubeconfig` as a user runs it: the binary joins a cluster (the
+//! in-process API server, with a node identity under the Node authorizer),
+//! registers its Node with labels, taints, addresses and a device plugin's
+//! resource, runs a pod bound to it, and keeps going when the kubeconfig is
+//! missing or the API unreachable at start.
+
+use std::path::Path;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, DeleteParams, PostParams};
+use kubelet_api::constants::{DEVICE_PLUGIN_VERSION, DEVICE_PLUGINS_DIR, KUBELET_SOCKET};
+use kubelet_api::deviceplugin::v1beta1::DevicePluginOptions;
+use rustlet_sample_plugins::device_plugin::{
+    DeviceControl, DevicePluginBehaviour, DeviceSpec, FakeDevicePlugin, register_with_kubelet,
+};
+use rustlet_sample_plugins::report::Reporter;
+use rustlet_testkit::apiserver::{ApiServer, write_kubeconfig};
+use rustlet_testkit::node_process::{NodeProcess, http_get};
+use serde_json::{Value, json};
+use tokio::process::Command;
+use tokio_util::sync::CancellationToken;
+
+/// A liveness bound for API objects to reach a state.
+const SOON: Duration = Duration::from_secs(30);
+const RESOURCE: &str = "example.com/gpu";
+
+fn rustlet(root: &Path, kubeconfig: &Path, extra: &[&str]) -> NodeProcess {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_rustlet"));
+    command
+        .env("RUSTLET_LOG", "info")
+        .env_remove("RUSTLET_ROOT_DIR")
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .arg("--root-dir")
+        .arg(root)
+        .args(["--node-name", "n1", "--healthz-port", "0"])
+        .args(extra);
+    NodeProcess::start(command)
+}
+
+/// Loads the example module `name` as `example.com/test/<name>:v1`.
+async fn import_example(root: &Path, name: &str) {
+    let layout = root.join(format!("layout-{name}"));
+    let module = rustlet_wasi::examples::binary(name).expect("module");
+    let image = format!("example.com/test/{name}:v1");
+    rustlet_wasi::import::write_layout(&layout, &[(image.as_str(), &module)]).expect("layout");
+    let output = Command::new(env!("CARGO_BIN_EXE_rustlet"))
+        .args(["images", "import"])
+        .arg(&layout)
+        .arg("--root-dir")
+        .arg(root)
+        .output()
+        .await
+        .expect("run");
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+}
+
+/// A device plugin with `healthy` healthy devices, registered on the node;
+/// its device stream lasts as long as the returned control.
+async fn device_plugin(root: &Path, healthy: usize, stop: &CancellationToken) -> DeviceControl {
+    let devices: Vec<DeviceSpec> =
+        (0..healthy).map(|i| format!("gpu-{i}:Healthy:0").parse().expect("device")).collect();
+    let options = DevicePluginOptions::default();
+    let (plugin, control) =
+        FakeDevicePlugin::new(RESOURCE, devices, options, DevicePluginBehaviour::Normal, Reporter::Discard);
+    let socket = root.join(DEVICE_PLUGINS_DIR).join("gpu.sock");
+    plugin.spawn(&socket, stop.child_token()).expect("plugin");
+    register_with_kubelet(
+        &root.join(DEVICE_PLUGINS_DIR).join(KUBELET_SOCKET),
+        DEVICE_PLUGIN_VERSION,
+        "gpu.sock",
+        RESOURCE,
+        options,
+    )
+    .await
+    .expect("register");
+    control
+}
+
+fn text<'a>(value: &'a Value, pointer: &str) -> Option<&'a str> {
+    value.pointer(pointer).and_then(Value::as_str)
+}
+
+fn condition(node: &Value, type_: &str) -> Option<String> {
+    node.pointer("/status/conditions")?
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == type_)
+        .and_then(|c| c["status"].as_str().map(str::to_owned))
+}
+
+async fn ready_node(server: &ApiServer) -> Value {
+    let ready = server
+        .wait_object(("", "nodes", "", "n1"), SOON, |node| {
+            node.is_some_and(|n| condition(n, "Ready").as_deref() == Some("True"))
+        })
+        .await;
+    ready.unwrap_or_else(|seen| panic!("node n1 not Ready in time; last seen: {seen:#?}")).expect("node")
+}
+
+#[tokio::test]
+async fn the_binary_joins_a_cluster_as_a_node_and_runs_a_bound_pod() {
+    let root = tempfile::tempdir().expect("tempdir");
+    import_example(root.path(), "sleep").await;
+    let server = ApiServer::start().await.expect("api server");
+    let kubeconfig = root.path().join("kubeconfig");
+    server.write_kubeconfig(&kubeconfig, &server.node_token("n1")).expect("kubeconfig");
+    let mut node = rustlet(
+        root.path(),
+        &kubeconfig,
+        &[
+            "--node-labels",
+            "zone=z1,tier=edge",
+            "--register-with-taints",
+            "dedicated=wasm:NoSchedule",
+            "--node-ip",
+            "10.9.8.7",
+        ],
+    );
+    let address = node.http_address().await;
+    node.line_with("node started").await;
+    let plugins = CancellationToken::new();
+    let _devices = device_plugin(root.path(), 2, &plugins).await;
+
+    // The Node: labels (own, provider's, flags'), taints, address, the
+    // device resource, Ready.
+    let with_devices = server
+        .wait_object(("", "nodes", "", "n1"), SOON, |node| {
+            node.and_then(|n| text(n, &format!("/status/allocatable/{}", RESOURCE.replace('/', "~1")))) == Some("2")
+        })
+        .await;
+    let node_object = with_devices.unwrap_or_else(|seen| panic!("no {RESOURCE} on the node: {seen:#?}")).expect("node");
+    let labels = &node_object["metadata"]["labels"];
+    assert_eq!(labels["zone"], "z1");
+    assert_eq!(labels["tier"], "edge");
+    assert_eq!(labels["kubernetes.io/hostname"], "n1");
+    assert_eq!(labels["kubernetes.io/arch"], "wasm32-wasi", "the WebAssembly provider's label");
+    let taints = node_object["spec"]["taints"].as_array().cloned().unwrap_or_default();
+    assert!(
+        taints.iter().any(|t| t["key"] == "dedicated" && t["value"] == "wasm" && t["effect"] == "NoSchedule"),
+        "{taints:?}"
+    );
+    let addresses = node_object["status"]["addresses"].as_array().cloned().unwrap_or_default();
+    assert_eq!(addresses[0], json!({"type": "InternalIP", "address": "10.9.8.7"}), "{addresses:?}");
+    let node_object = ready_node(&server).await;
+    for pressure in ["MemoryPressure", "DiskPressure", "PIDPressure"] {
+        assert_eq!(condition(&node_object, pressure).as_deref(), Some("False"), "{pressure}");
+    }
+    let lease = server
+        .wait_object(("coordination.k8s.io", "leases", "kube-node-lease", "n1"), SOON, |lease| {
+            lease.is_some_and(|l| text(l, "/spec/holderIdentity") == Some("n1"))
+        })
+        .await;
+    assert!(lease.is_ok(), "no lease held by n1: {lease:?}");
+
+    // A pod bound to the node that asks for a device runs, and its status
+    // reaches the API.
+    let admin = server.client(server.admin_token()).await.expect("admin");
+    let pods: Api<Pod> = Api::namespaced(admin, "default");
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "sleeper", "namespace": "default"},
+        "spec": {
+            "nodeName": "n1",
+            "terminationGracePeriodSeconds": 5,
+            "containers": [{
+                "name": "main",
+                "image": "example.com/test/sleep:v1",
+                "imagePullPolicy": "Never",
+                "resources": {"limits": {RESOURCE: "1"}},
+            }],
+        },
+    }))
+    .expect("pod");
+    let created = pods.create(&PostParams::default(), &pod).await.expect("create");
+    let running = server
+        .wait_object(("", "pods", "default", "sleeper"), SOON, |pod| {
+            pod.is_some_and(|p| {
+                text(p, "/status/phase") == Some("Running")
+                    && p.pointer("/status/containerStatuses/0/state/running").is_some()
+            })
+        })
+        .await;
+    let running = running.unwrap_or_else(|seen| panic!("pod not Running in time: {seen:#?}")).expect("pod");
+    assert_eq!(text(&running, "/status/hostIP"), Some("10.9.8.7"));
+    assert_eq!(text(&running, "/status/podIP"), Some("10.9.8.7"));
+    assert!(text(&running, "/status/startTime").is_some());
+
+    // Deleting it: the node stops it, frees its device and deletes it for good.
+    pods.delete("sleeper", &DeleteParams::default()).await.expect("delete");
+    let gone = server.wait_object(("", "pods", "default", "sleeper"), SOON, |pod| pod.is_none()).await;
+    assert!(gone.is_ok(), "pod still in the API: {gone:?}");
+    let uid = created.metadata.uid.expect("uid");
+    let (_, body) = http_get(&address, "/pods").await;
+    assert!(!body.contains(&uid), "the node still has the pod: {body}");
+    plugins.cancel();
+}
+
+#[tokio::test]
+async fn a_missing_kubeconfig_is_retried_while_the_node_serves() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let kubeconfig = root.path().join("later").join("kubeconfig");
+    let mut node = rustlet(root.path(), &kubeconfig, &[]);
+    let address = node.http_address().await;
+    let error = node.line_with("cannot connect to the cluster").await;
+    assert!(error.contains(&kubeconfig.display().to_string()), "the error names the file: {error}");
+    assert!(error.contains("retry_in"), "the error says it retries: {error}");
+    assert_eq!(http_get(&address, "/healthz").await, (200, "ok".to_owned()), "standalone parts serve meanwhile");
+
+    let server = ApiServer::start().await.expect("api server");
+    std::fs::create_dir_all(kubeconfig.parent().expect("dir")).expect("mkdir");
+    server.write_kubeconfig(&kubeconfig, &server.node_token("n1")).expect("kubeconfig");
+    ready_node(&server).await;
+}
+
+#[tokio::test]
+async fn an_unreachable_api_is_retried_until_it_answers() {
+    let root = tempfile::tempdir().expect("tempdir");
+    // An address with nothing listening (yet).
+    let address = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("address");
+    let kubeconfig = root.path().join("kubeconfig");
+    write_kubeconfig(&kubeconfig, &format!("http://{address}"), "node-token-n1").expect("kubeconfig");
+    let mut node = rustlet(root.path(), &kubeconfig, &[]);
+    let error = node.line_with("cannot register the node; retrying").await;
+    assert!(error.contains("n1"), "{error}");
+
+    let server = ApiServer::start_on(address).await.expect("api server on the address");
+    assert_eq!(server.node_token("n1"), "node-token-n1");
+    ready_node(&server).await;
+}

@@ -1,0 +1,89 @@
+//! A running `rustlet` binary as a test drives it: its log lines (stderr)
+//! arrive on a channel and can be waited for, each with a deadline; plus a
+//! one-shot HTTP GET for its endpoint.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::process::{Child, Command};
+use tokio::sync::mpsc;
+
+/// How long a test waits for a log line.
+pub const SOON: Duration = Duration::from_secs(30);
+
+/// A running node process; killed when dropped.
+pub struct NodeProcess {
+    /// The process.
+    pub child: Child,
+    /// Its stderr, line by line (each line is also echoed to the test's
+    /// stderr with a `rustlet:` prefix).
+    pub lines: mpsc::UnboundedReceiver<String>,
+}
+
+impl NodeProcess {
+    /// Starts `command` (stdout discarded, stderr captured).
+    pub fn start(mut command: Command) -> NodeProcess {
+        let mut child =
+            command.stderr(Stdio::piped()).stdout(Stdio::null()).kill_on_drop(true).spawn().expect("spawn rustlet");
+        let stderr = child.stderr.take().expect("stderr");
+        let (tx, lines) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            let mut reader = BufReader::new(stderr).lines();
+            while let Ok(Some(line)) = reader.next_line().await {
+                eprintln!("rustlet: {line}");
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        NodeProcess { child, lines }
+    }
+
+    /// Waits for a log line containing `needle`.
+    pub async fn line_with(&mut self, needle: &str) -> String {
+        let wait = async {
+            while let Some(line) = self.lines.recv().await {
+                if line.contains(needle) {
+                    return line;
+                }
+            }
+            panic!("rustlet's log ended before {needle:?}");
+        };
+        tokio::time::timeout(SOON, wait).await.unwrap_or_else(|_| panic!("no log line with {needle:?}"))
+    }
+
+    /// Waits for log lines containing each of `needles`, in any order.
+    pub async fn lines_with_all(&mut self, needles: &[&str]) {
+        let mut missing: Vec<&str> = needles.to_vec();
+        let wait = async {
+            while let Some(line) = self.lines.recv().await {
+                missing.retain(|n| !line.contains(n));
+                if missing.is_empty() {
+                    return;
+                }
+            }
+            panic!("rustlet's log ended before {missing:?}");
+        };
+        tokio::time::timeout(SOON, wait).await.unwrap_or_else(|_| panic!("no log lines with {needles:?}"));
+    }
+
+    /// The HTTP endpoint's address, from the start-up log line.
+    pub async fn http_address(&mut self) -> String {
+        let line = self.line_with("http endpoint listening").await;
+        let start = line.find("address=").expect("address field") + "address=".len();
+        line[start..].split_whitespace().next().expect("address").to_owned()
+    }
+}
+
+/// `GET path` on `address`: the status code and body.
+pub async fn http_get(address: &str, path: &str) -> (u16, String) {
+    let mut stream = tokio::net::TcpStream::connect(address).await.expect("connect");
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.expect("write");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.expect("read");
+    let code = response.split_whitespace().nth(1).and_then(|c| c.parse().ok()).expect("status code");
+    let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+    (code, body)
+}
