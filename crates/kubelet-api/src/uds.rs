@@ -154,13 +154,17 @@ async fn connect_unix(path: &Path, grace: Duration) -> io::Result<UnixStream> {
 }
 
 /// An error and its causes, joined by `: ` (tonic's transport error alone
-/// says only "transport error").
+/// says only "transport error"); a cause the text already holds is not
+/// repeated.
 pub fn error_chain(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
     let mut source = error.source();
     while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
         source = cause.source();
     }
     text

@@ -12,6 +12,7 @@
 //! An image index is resolved to its wasm entry. Anything else, an ordinary
 //! Linux image above all, is refused with a message saying what it is.
 
+use kubelet_api::uds::error_chain;
 use std::collections::HashMap;
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -611,20 +612,6 @@ fn classify(image: &str, error: OciDistributionError) -> PullError {
         _ => (PullErrorKind::Other, error_chain(&error)),
     };
     PullError::new(kind, format!("pulling image \"{image}\": {what}"))
-}
-
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        let cause_text = cause.to_string();
-        if !text.contains(&cause_text) {
-            text.push_str(": ");
-            text.push_str(&cause_text);
-        }
-        source = cause.source();
-    }
-    text
 }
 
 #[cfg(test)]

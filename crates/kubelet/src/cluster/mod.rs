@@ -34,6 +34,8 @@ pub use csi_info::{ApiNodeInfo, CsiInfoStats};
 pub use node_sync::{LEASE_NAMESPACE, NodeSync, NodeSyncConfig, NodeSyncStats};
 pub use pod_sync::{PodSync, PodSyncConfig, PodSyncStats};
 
+use kubelet_api::uds::error_chain;
+
 use crate::device_manager::DeviceManager;
 use crate::health::Healthz;
 use crate::node::NodeDescription;
@@ -213,20 +215,6 @@ pub async fn from_kubeconfig(path: &std::path::Path) -> Result<kube::Client, Kub
         .await
         .map_err(|e| KubeconfigError::Client(error_chain(&e)))?;
     kube::Client::try_from(config).map_err(|e| KubeconfigError::Client(error_chain(&e)))
-}
-
-fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        let cause_text = cause.to_string();
-        if !text.contains(&cause_text) {
-            text.push_str(": ");
-            text.push_str(&cause_text);
-        }
-        source = cause.source();
-    }
-    text
 }
 
 /// The Node as the node describes it now, recomputed when a device

@@ -1,0 +1,225 @@
+//! Cluster mode, CSI node info: the Node annotation
+//! `csi.volume.kubernetes.io/nodeid`, topology labels and the CSINode stay
+//! exact under many concurrent registrations and removals, other writers'
+//! conflicts and API errors; real CSI drivers registering through a node's
+//! `plugins_registry` reach the API; a recreated Node gets its CSI facts
+//! back. Against the in-process API server with the node's identity.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use axum::http::Method;
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::storage::v1::CSINode;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kubelet::cluster::{ApiNodeInfo, ApiSource, ClusterSettings};
+use kubelet::csi::{CsiNodeDriver, NodeInfoPublisher};
+use kubelet::node::{NodeBuilder, NodeConfig};
+use rustlet_testkit::apiserver::{ApiServer, Fault};
+use rustlet_testkit::csi_driver::{CsiDriverConfig, RegisteredCsiDriver};
+use rustlet_testkit::report::Reporter;
+use serde_json::{Value, json};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+/// A liveness bound: these take milliseconds.
+const SOON: Duration = Duration::from_secs(30);
+const ANNOTATION: &str = "csi.volume.kubernetes.io/nodeid";
+
+fn driver(i: usize) -> CsiNodeDriver {
+    CsiNodeDriver {
+        name: format!("d{i:03}.csi.example.com"),
+        node_id: format!("n1-{i}"),
+        topology_keys: Vec::new(),
+        allocatable_count: Some(10),
+        topology: BTreeMap::from([(format!("topology.d{i:03}/zone"), "z1".to_owned())]),
+    }
+}
+
+/// The driver → node ID map of the Node's annotation.
+fn annotation(node: &Value) -> BTreeMap<String, String> {
+    node.pointer(&format!("/metadata/annotations/{}", ANNOTATION.replace('/', "~1")))
+        .and_then(Value::as_str)
+        .map(|text| serde_json::from_str(text).expect("the annotation is a JSON map"))
+        .unwrap_or_default()
+}
+
+fn csi_node_drivers(csi_node: &Value) -> BTreeMap<String, String> {
+    csi_node["spec"]["drivers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|d| {
+            (d["name"].as_str().unwrap_or_default().to_owned(), d["nodeID"].as_str().unwrap_or_default().to_owned())
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn node_info_stays_exact_under_concurrent_registrations_removals_and_conflicts() {
+    let server = ApiServer::start().await.expect("start");
+    let client = server.client(&server.node_token("n1")).await.expect("client");
+    let nodes: Api<Node> = Api::all(client.clone());
+    let node: Node = serde_json::from_value(json!({"metadata": {"name": "n1"}})).expect("node");
+    let uid = nodes.create(&PostParams::default(), &node).await.expect("create").metadata.uid.expect("uid");
+    let shutdown = CancellationToken::new();
+    let _stop = shutdown.clone().drop_guard();
+    let info = ApiNodeInfo::new();
+    let (_registered_tx, registered) = watch::channel(Some(uid));
+    info.start(client, "n1", registered, shutdown.clone());
+    info.add_driver(driver(0)).await.expect("add");
+    tokio::time::timeout(SOON, info.synced()).await.expect("the CSINode is created in time");
+    // Failures on the way: the writer retries until stored.
+    server.inject(Fault::status(Some(Method::PUT), "/csinodes/n1", 500, 3));
+    server.inject(Fault::status(Some(Method::PATCH), "/nodes/n1", 500, 2));
+    // Conflicts the other writer may not happen to cause.
+    server.inject(Fault::status(Some(Method::PUT), "/csinodes/n1", 409, 2));
+
+    // Another writer changes the CSINode meanwhile: real 409s for us.
+    let admin: Api<CSINode> = Api::all(server.client(server.admin_token()).await.expect("admin"));
+    let meddler = tokio::spawn(async move {
+        let mut changed = 0;
+        for i in 0..50 {
+            let patch = json!({"metadata": {"labels": {"meddled": i.to_string()}}});
+            if admin.patch("n1", &PatchParams::default(), &Patch::Merge(&patch)).await.is_ok() {
+                changed += 1;
+            }
+            tokio::task::yield_now().await;
+        }
+        changed
+    });
+
+    let adds: Vec<_> = (1..100)
+        .map(|i| {
+            let info = info.clone();
+            tokio::spawn(async move { info.add_driver(driver(i)).await })
+        })
+        .collect();
+    for add in adds {
+        add.await.expect("task").expect("add");
+    }
+    let removes: Vec<_> = (7..100)
+        .map(|i| {
+            let info = info.clone();
+            tokio::spawn(async move { info.remove_driver(&driver(i).name).await })
+        })
+        .collect();
+    for remove in removes {
+        remove.await.expect("task");
+    }
+    let meddled = meddler.await.expect("meddler");
+    tokio::time::timeout(SOON, info.synced()).await.expect("stored in time");
+
+    let want: BTreeMap<String, String> = (0..7).map(|i| (driver(i).name, driver(i).node_id)).collect();
+    let node = server.object("", "nodes", "", "n1").expect("node");
+    assert_eq!(annotation(&node), want, "the annotation holds exactly the registered drivers");
+    for i in [0, 50, 99] {
+        let label = format!("topology.d{i:03}/zone");
+        assert_eq!(node["metadata"]["labels"][&label], "z1", "topology labels stay, as upstream ({label})");
+    }
+    let csi_node = server.object("storage.k8s.io", "csinodes", "", "n1").expect("csinode");
+    assert_eq!(csi_node_drivers(&csi_node), want, "CSINode holds exactly the registered drivers");
+    assert_eq!(csi_node["spec"]["drivers"][0]["allocatable"]["count"], 10);
+    assert_eq!(csi_node["spec"]["drivers"][0]["topologyKeys"], json!(["topology.d000/zone"]));
+    let owner = &csi_node["metadata"]["ownerReferences"][0];
+    assert_eq!((owner["kind"].as_str(), owner["name"].as_str()), (Some("Node"), Some("n1")));
+    let stats = info.stats();
+    eprintln!(
+        "stored {} times, {} conflicts, {} failures; the other writer changed the CSINode {meddled} times",
+        stats.stored.load(std::sync::atomic::Ordering::Relaxed),
+        stats.conflicts.load(std::sync::atomic::Ordering::Relaxed),
+        stats.failures.load(std::sync::atomic::Ordering::Relaxed),
+    );
+    assert!(stats.failures.load(std::sync::atomic::Ordering::Relaxed) >= 5, "the injected errors were met and retried");
+    assert!(stats.conflicts.load(std::sync::atomic::Ordering::Relaxed) >= 2, "the conflicts were met and retried");
+
+    // The last driver goes: the annotation key goes with it.
+    for i in 0..7 {
+        info.remove_driver(&driver(i).name).await;
+    }
+    tokio::time::timeout(SOON, info.synced()).await.expect("stored in time");
+    let node = server.object("", "nodes", "", "n1").expect("node");
+    assert!(node.pointer("/metadata/annotations").and_then(|a| a.get(ANNOTATION)).is_none(), "{node:#}");
+    let csi_node = server.object("storage.k8s.io", "csinodes", "", "n1").expect("csinode");
+    assert!(csi_node_drivers(&csi_node).is_empty(), "{csi_node:#}");
+}
+
+#[tokio::test]
+async fn drivers_registering_through_the_node_reach_the_api_and_survive_node_recreation() {
+    let server = ApiServer::start().await.expect("start");
+    let root = tempfile::tempdir().expect("tempdir");
+    let mut config = NodeConfig::new(root.path(), "n1");
+    config.http_address = None;
+    let client = server.client(&server.node_token("n1")).await.expect("client");
+    let mut settings = ClusterSettings::new(ApiSource::Client(client));
+    settings.node_sync.retry_initial = Duration::from_millis(10);
+    settings.node_sync.retry_max = Duration::from_millis(100);
+    let shutdown = CancellationToken::new();
+    let _stop = shutdown.clone().drop_guard();
+    let node = NodeBuilder::new(config).cluster(settings).start(shutdown.clone()).await.expect("node");
+
+    let drivers = CancellationToken::new();
+    let mut stops = Vec::new();
+    let mut registrations: Vec<std::path::PathBuf> = Vec::new();
+    for (name, zone) in [("a.csi.example.com", "za"), ("b.csi.example.com", "zb")] {
+        let stop = drivers.child_token();
+        let config = CsiDriverConfig {
+            name: name.into(),
+            node_id: format!("{name}-n1"),
+            topology: [("topology.example.com/zone".to_owned(), zone.to_owned())].into(),
+            ..CsiDriverConfig::default()
+        };
+        let registration = root.path().join("plugins_registry").join(format!("{name}.sock"));
+        let endpoint = root.path().join("plugins").join(name).join("csi.sock");
+        RegisteredCsiDriver::new(&registration, &endpoint, config)
+            .spawn(Reporter::Discard, stop.clone())
+            .expect("driver");
+        stops.push(stop);
+        registrations.push(registration);
+    }
+    let both = server
+        .wait_object(("storage.k8s.io", "csinodes", "", "n1"), SOON, |csi_node| {
+            csi_node.is_some_and(|c| csi_node_drivers(c).len() == 2)
+        })
+        .await;
+    let csi_node = both.unwrap_or_else(|seen| panic!("CSINode without both drivers: {seen:#?}")).expect("csinode");
+    assert_eq!(csi_node_drivers(&csi_node)["a.csi.example.com"], "a.csi.example.com-n1");
+    let node_object = server
+        .wait_object(("", "nodes", "", "n1"), SOON, |n| n.is_some_and(|n| annotation(n).len() == 2))
+        .await
+        .unwrap_or_else(|seen| panic!("annotation incomplete: {seen:#?}"))
+        .expect("node");
+    assert!(node_object["metadata"]["labels"]["topology.example.com/zone"].is_string());
+
+    // One driver goes away (its registration socket removed): its CSINode
+    // entry and annotation key go.
+    stops[1].cancel();
+    std::fs::remove_file(&registrations[1]).expect("rm");
+    let one = server
+        .wait_object(("storage.k8s.io", "csinodes", "", "n1"), SOON, |c| {
+            c.is_some_and(|c| csi_node_drivers(c).keys().eq(["a.csi.example.com"]))
+        })
+        .await;
+    assert!(one.is_ok(), "b's entry stays: {one:?}");
+
+    // An administrator deletes the Node: recreated, with the annotation back.
+    let admin: Api<Node> = Api::all(server.client(server.admin_token()).await.expect("admin"));
+    let old_uid = node_object["metadata"]["uid"].as_str().expect("uid").to_owned();
+    admin.delete("n1", &DeleteParams::default()).await.expect("delete");
+    let back = server
+        .wait_object(("", "nodes", "", "n1"), SOON, |n| {
+            n.is_some_and(|n| n["metadata"]["uid"] != old_uid.as_str() && annotation(n).len() == 1)
+        })
+        .await;
+    let back =
+        back.unwrap_or_else(|seen| panic!("node not recreated with its CSI annotation: {seen:#?}")).expect("node");
+    assert_eq!(annotation(&back)["a.csi.example.com"], "a.csi.example.com-n1");
+    let owned = server
+        .wait_object(("storage.k8s.io", "csinodes", "", "n1"), SOON, |c| {
+            c.is_some_and(|c| c["metadata"]["ownerReferences"][0]["uid"] == back["metadata"]["uid"])
+        })
+        .await;
+    assert!(owned.is_ok(), "the CSINode is owned by the new Node: {owned:?}");
+    assert!(node.cluster().is_some());
+    drivers.cancel();
+}
