@@ -228,3 +228,61 @@ async fn an_unreachable_api_is_retried_until_it_answers() {
     assert_eq!(server.node_token("n1"), "node-token-n1");
     ready_node(&server).await;
 }
+
+#[tokio::test]
+async fn static_pods_get_mirror_pods() {
+    let root = tempfile::tempdir().expect("tempdir");
+    import_example(root.path(), "sleep").await;
+    let manifests = root.path().join("manifests");
+    std::fs::create_dir_all(&manifests).expect("mkdir");
+    let manifest = manifests.join("sleeper.yaml");
+    std::fs::write(
+        &manifest,
+        "apiVersion: v1\nkind: Pod\nmetadata: {name: sleeper, labels: {app: sleeper}}\nspec:\n  \
+         terminationGracePeriodSeconds: 2\n  containers:\n  - name: main\n    \
+         image: example.com/test/sleep:v1\n    imagePullPolicy: Never\n",
+    )
+    .expect("manifest");
+    let server = ApiServer::start().await.expect("api server");
+    let kubeconfig = root.path().join("kubeconfig");
+    server.write_kubeconfig(&kubeconfig, &server.node_token("n1")).expect("kubeconfig");
+    let _node = rustlet(root.path(), &kubeconfig, &["--pod-manifest-path", manifests.to_str().expect("utf8")]);
+
+    // The mirror pod: the static pod's name (with the node's suffix),
+    // labels, the mirror annotation, and the static pod's status.
+    const MIRROR: (&str, &str, &str, &str) = ("", "pods", "default", "sleeper-n1");
+    let running =
+        server.wait_object(MIRROR, SOON, |pod| pod.is_some_and(|p| text(p, "/status/phase") == Some("Running"))).await;
+    let mirror = running.unwrap_or_else(|seen| panic!("no Running mirror pod: {seen:#?}")).expect("pod");
+    let annotations = &mirror["metadata"]["annotations"];
+    assert_eq!(annotations["kubernetes.io/config.mirror"], annotations["kubernetes.io/config.hash"]);
+    assert_eq!(annotations["kubernetes.io/config.source"], "file");
+    assert_eq!(mirror["metadata"]["labels"]["app"], "sleeper");
+    assert_eq!(text(&mirror, "/spec/nodeName"), Some("n1"));
+
+    // An administrator deletes it: it comes back (a new object), and the
+    // static pod never stopped.
+    let admin: Api<Pod> = Api::namespaced(server.client(server.admin_token()).await.expect("admin"), "default");
+    let first_uid = text(&mirror, "/metadata/uid").expect("uid").to_owned();
+    admin.delete("sleeper-n1", &DeleteParams::default()).await.expect("delete");
+    let back = server
+        .wait_object(MIRROR, SOON, |pod| {
+            pod.is_some_and(|p| {
+                text(p, "/metadata/uid") != Some(first_uid.as_str())
+                    && p.pointer("/metadata/deletionTimestamp").is_none()
+                    && text(p, "/status/phase") == Some("Running")
+            })
+        })
+        .await;
+    let back = back.unwrap_or_else(|seen| panic!("mirror pod not recreated: {seen:#?}")).expect("pod");
+    assert_eq!(
+        back.pointer("/status/containerStatuses/0/restartCount"),
+        Some(&json!(0)),
+        "the static pod kept running"
+    );
+
+    // The manifest goes: the mirror pod goes with the static pod.
+    std::fs::remove_file(&manifest).expect("rm");
+    let gone = server.wait_object(MIRROR, SOON, |pod| pod.is_none()).await;
+    assert!(gone.is_ok(), "mirror pod still there: {gone:?}");
+}

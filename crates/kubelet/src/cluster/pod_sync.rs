@@ -9,6 +9,15 @@
 //! Status patches are driven by the pod store's change signal (no poll):
 //! each pod's status is sent when it differs from the last one sent, and a
 //! failed patch is retried with backoff and counted.
+//!
+//! Static pods (from the manifest directory) get mirror pods, as upstream:
+//! an API pod of the same name, namespace, labels and spec, bound to the
+//! node, annotated `kubernetes.io/config.mirror: <config hash>`; the static
+//! pod's status is patched onto it. A mirror pod deleted by someone else is
+//! created again; one left from an earlier run with the same hash is
+//! adopted (another hash: replaced); the mirror pod is deleted when its
+//! static pod goes. Mirror pods from the watch are never run (the node runs
+//! the static pod itself).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -17,9 +26,11 @@ use std::time::Duration;
 
 use futures_util::StreamExt as _;
 use k8s_openapi::api::core::v1::{Pod, PodStatus};
-use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::watcher;
 use serde_json::json;
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::pod::Pods;
@@ -27,6 +38,8 @@ use crate::pod::Pods;
 /// The annotation that marks a mirror pod (its value: the static pod's
 /// config hash).
 pub const MIRROR_ANNOTATION: &str = "kubernetes.io/config.mirror";
+const CONFIG_SOURCE: &str = "kubernetes.io/config.source";
+const CONFIG_HASH: &str = "kubernetes.io/config.hash";
 
 /// Settings of the pod sync.
 #[derive(Debug, Clone)]
@@ -62,17 +75,29 @@ pub struct PodSyncStats {
     pub deletions: AtomicU64,
     /// API calls that failed (and were retried).
     pub failures: AtomicU64,
+    /// Mirror pods created or adopted.
+    pub mirror_pods: AtomicU64,
 }
 
-/// What the sync knows of one API pod.
+/// What the sync knows of one API pod (by the UID of the pod the node
+/// runs: for a mirror pod, its static pod's UID).
 #[derive(Debug, Clone)]
 struct Known {
     namespace: String,
     name: String,
-    /// The API marked it for deletion (or it is gone from the API).
+    /// The API marked it for deletion (or it is gone from the API); for a
+    /// mirror pod: its static pod is gone.
     deleting: bool,
     /// The last status sent.
     sent: Option<PodStatus>,
+    /// For a static pod: its mirror pod (config hash, whether it exists).
+    mirror: Option<Mirror>,
+}
+
+#[derive(Debug, Clone)]
+struct Mirror {
+    hash: String,
+    exists: bool,
 }
 
 /// A running pod sync.
@@ -90,12 +115,14 @@ impl PodSync {
 
 type Table = Arc<Mutex<HashMap<String, Known>>>;
 
-/// Starts running the pods the API binds to this node.
+/// Starts running the pods the API binds to this node (and mirroring its
+/// static pods).
 pub fn start(client: kube::Client, config: PodSyncConfig, pods: Pods, shutdown: CancellationToken) -> PodSync {
     let stats = Arc::new(PodSyncStats::default());
     let table: Table = Arc::default();
-    let source = follow_pods(client.clone(), config.node_name.clone(), pods.clone(), table.clone());
-    let status = send_statuses(client, config, pods, table, stats.clone());
+    let poke = Arc::new(Notify::new());
+    let source = follow_pods(client.clone(), config.node_name.clone(), pods.clone(), table.clone(), poke.clone());
+    let status = send_statuses(client, config, pods, table, stats.clone(), poke);
     tokio::spawn(until(shutdown.clone(), source));
     tokio::spawn(until(shutdown, status));
     PodSync { stats }
@@ -113,28 +140,51 @@ fn lock(table: &Table) -> std::sync::MutexGuard<'_, HashMap<String, Known>> {
 }
 
 /// Feeds the lifecycle from the watch.
-async fn follow_pods(client: kube::Client, node: String, pods: Pods, table: Table) {
+async fn follow_pods(client: kube::Client, node: String, pods: Pods, table: Table, poke: Arc<Notify>) {
     let api: Api<Pod> = Api::all(client);
     let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
     let mut events = watcher(api, config).boxed();
     let mut listed: HashSet<String> = HashSet::new();
     while let Some(event) = events.next().await {
         match event {
+            Ok(watcher::Event::Apply(pod) | watcher::Event::InitApply(pod))
+                if is_mirror(&pod) && pod.metadata.deletion_timestamp.is_some() =>
+            {
+                // Someone is deleting a mirror pod: finish it, then create it again.
+                mirror_gone(&table, &pod);
+                poke.notify_one();
+            }
             Ok(watcher::Event::Apply(pod) | watcher::Event::InitApply(pod)) => {
                 if let Some(uid) = pod.metadata.uid.clone() {
                     listed.insert(uid);
                 }
                 take(&pods, &table, pod);
             }
+            Ok(watcher::Event::Delete(pod)) if is_mirror(&pod) => {
+                // Someone deleted a mirror pod: it is created again.
+                mirror_gone(&table, &pod);
+                poke.notify_one();
+            }
             Ok(watcher::Event::Delete(pod)) => gone(&pods, &table, pod.metadata.uid.as_deref().unwrap_or_default()),
             Ok(watcher::Event::Init) => listed.clear(),
             Ok(watcher::Event::InitDone) => {
                 // Pods deleted while the watch was down.
-                let missing: Vec<String> =
-                    lock(&table).iter().filter(|(uid, _)| !listed.contains(*uid)).map(|(uid, _)| uid.clone()).collect();
+                let missing: Vec<String> = lock(&table)
+                    .iter()
+                    .filter(|(uid, known)| known.mirror.is_none() && !listed.contains(*uid))
+                    .map(|(uid, _)| uid.clone())
+                    .collect();
                 for uid in missing {
                     gone(&pods, &table, &uid);
                 }
+                // Mirror pods may have gone while the watch was down: check
+                // (create, or adopt what is there) again.
+                for known in lock(&table).values_mut() {
+                    if let Some(mirror) = known.mirror.as_mut() {
+                        mirror.exists = false;
+                    }
+                }
+                poke.notify_one();
             }
             Err(error) => {
                 tracing::warn!(%error, "pod watch failed; resuming");
@@ -149,7 +199,7 @@ async fn follow_pods(client: kube::Client, node: String, pods: Pods, table: Tabl
 fn take(pods: &Pods, table: &Table, pod: Pod) {
     let Some(uid) = pod.metadata.uid.clone() else { return };
     // A mirror pod stands for a static pod the node already runs.
-    if pod.metadata.annotations.as_ref().is_some_and(|a| a.contains_key(MIRROR_ANNOTATION)) {
+    if is_mirror(&pod) {
         return;
     }
     let deleting = pod.metadata.deletion_timestamp.is_some();
@@ -160,6 +210,7 @@ fn take(pods: &Pods, table: &Table, pod: Pod) {
             name: pod.metadata.name.clone().unwrap_or_default(),
             deleting: false,
             sent: None,
+            mirror: None,
         });
         if known.deleting {
             return;
@@ -172,6 +223,117 @@ fn take(pods: &Pods, table: &Table, pod: Pod) {
     } else {
         pods.apply(pod);
     }
+}
+
+fn is_mirror(pod: &Pod) -> bool {
+    pod.metadata.annotations.as_ref().is_some_and(|a| a.contains_key(MIRROR_ANNOTATION))
+}
+
+/// The static pod's config hash, if `pod` is a static pod.
+fn static_hash(pod: &Pod) -> Option<String> {
+    let annotations = pod.metadata.annotations.as_ref()?;
+    if annotations.get(CONFIG_SOURCE).map(String::as_str) != Some("file") {
+        return None;
+    }
+    annotations.get(CONFIG_HASH).cloned()
+}
+
+/// A mirror pod left the API: its static pod needs a new one.
+fn mirror_gone(table: &Table, pod: &Pod) {
+    let (namespace, name) = (pod.metadata.namespace.as_deref(), pod.metadata.name.as_deref());
+    for known in lock(table).values_mut() {
+        let here = Some(known.namespace.as_str()) == namespace && Some(known.name.as_str()) == name;
+        if here && let Some(mirror) = known.mirror.as_mut().filter(|_| !known.deleting) {
+            tracing::info!(pod = %known.name, "mirror pod deleted; creating it again");
+            mirror.exists = false;
+            known.sent = None;
+        }
+    }
+}
+
+/// Static pods the table does not know yet get a mirror entry; entries
+/// whose static pod is gone are marked for deletion.
+fn follow_static(pods: &Pods, table: &Table) {
+    let local = pods.store().list();
+    let mut table = lock(table);
+    for pod in &local {
+        let (Some(uid), Some(hash)) = (pod.metadata.uid.as_ref(), static_hash(pod)) else { continue };
+        if pod.metadata.deletion_timestamp.is_some() {
+            continue;
+        }
+        table.entry(uid.clone()).or_insert_with(|| Known {
+            namespace: pod.metadata.namespace.clone().unwrap_or_else(|| "default".into()),
+            name: pod.metadata.name.clone().unwrap_or_default(),
+            deleting: false,
+            sent: None,
+            mirror: Some(Mirror { hash, exists: false }),
+        });
+    }
+    for (uid, known) in table.iter_mut() {
+        if known.mirror.is_some() && !local.iter().any(|p| p.metadata.uid.as_ref() == Some(uid)) {
+            known.deleting = true;
+        }
+    }
+}
+
+/// The mirror pod of static pod `pod`.
+fn mirror_of(pod: &Pod, hash: &str, node: &str) -> Pod {
+    let mut annotations = pod.metadata.annotations.clone().unwrap_or_default();
+    annotations.insert(MIRROR_ANNOTATION.to_owned(), hash.to_owned());
+    let mut spec = pod.spec.clone();
+    if let Some(spec) = spec.as_mut() {
+        spec.node_name = Some(node.to_owned());
+    }
+    Pod {
+        metadata: ObjectMeta {
+            name: pod.metadata.name.clone(),
+            namespace: pod.metadata.namespace.clone(),
+            labels: pod.metadata.labels.clone(),
+            annotations: Some(annotations),
+            ..ObjectMeta::default()
+        },
+        spec,
+        status: None,
+    }
+}
+
+/// Makes sure the mirror pod of static pod `uid` exists: creates it, or
+/// adopts one of the same hash (one of another hash is deleted first).
+async fn ensure_mirror(api: &Api<Pod>, pods: &Pods, uid: &str, known: &Known, node: &str) -> Result<(), kube::Error> {
+    let (Some(mirror), Some(local)) = (known.mirror.as_ref(), pods.store().get(uid)) else { return Ok(()) };
+    let object = mirror_of(&local, &mirror.hash, node);
+    match api.create(&PostParams::default(), &object).await {
+        Ok(_) => {
+            tracing::info!(pod = %known.name, "mirror pod created");
+            Ok(())
+        }
+        Err(error) if is_code(&error, 409) => {
+            let Some(existing) = api.get_opt(&known.name).await? else {
+                // Gone meanwhile: the next pass creates it.
+                return Err(error);
+            };
+            let hash = existing.metadata.annotations.as_ref().and_then(|a| a.get(MIRROR_ANNOTATION));
+            if hash == Some(&mirror.hash) && existing.metadata.deletion_timestamp.is_none() {
+                tracing::info!(pod = %known.name, "mirror pod from an earlier run adopted");
+                return Ok(());
+            }
+            // Being deleted, of another hash, or not a mirror pod: replace it.
+            let params = DeleteParams {
+                grace_period_seconds: Some(0),
+                preconditions: Some(Preconditions { uid: existing.metadata.uid.clone(), resource_version: None }),
+                ..DeleteParams::default()
+            };
+            api.delete(&known.name, &params).await?;
+            api.create(&PostParams::default(), &object).await?;
+            tracing::info!(pod = %known.name, "stale mirror pod replaced");
+            Ok(())
+        }
+        Err(error) => Err(error),
+    }
+}
+
+fn is_code(error: &kube::Error, code: u16) -> bool {
+    matches!(error, kube::Error::Api(status) if status.code == code)
 }
 
 /// The pod is gone from the API: stop it; nothing is sent back.
@@ -189,16 +351,19 @@ async fn send_statuses(
     pods: Pods,
     table: Table,
     stats: Arc<PodSyncStats>,
+    poke: Arc<Notify>,
 ) {
     let mut changes = pods.store().changes();
     let mut delay = config.retry_initial;
     loop {
         changes.borrow_and_update();
-        let all_sent = sync_once(&client, &pods, &table, &stats).await;
+        follow_static(&pods, &table);
+        let all_sent = sync_once(&client, &config.node_name, &pods, &table, &stats).await;
         if all_sent {
             delay = config.retry_initial;
-            if changes.changed().await.is_err() {
-                return;
+            tokio::select! {
+                changed = changes.changed() => if changed.is_err() { return },
+                () = poke.notified() => {}
             }
             // Let changes that come together make one patch per pod.
             tokio::time::sleep(config.coalesce).await;
@@ -214,12 +379,45 @@ async fn send_statuses(
 }
 
 /// One pass over the API pods; returns whether every call succeeded.
-async fn sync_once(client: &kube::Client, pods: &Pods, table: &Table, stats: &PodSyncStats) -> bool {
+async fn sync_once(client: &kube::Client, node: &str, pods: &Pods, table: &Table, stats: &PodSyncStats) -> bool {
     let snapshot: Vec<(String, Known)> = lock(table).iter().map(|(uid, k)| (uid.clone(), k.clone())).collect();
     let mut ok = true;
     for (uid, known) in snapshot {
         let api: Api<Pod> = Api::namespaced(client.clone(), &known.namespace);
         let local = pods.store().get(&uid);
+        if let Some(mirror) = known.mirror.as_ref().filter(|_| !known.deleting) {
+            if !mirror.exists {
+                match ensure_mirror(&api, pods, &uid, &known, node).await {
+                    Ok(()) => {
+                        if let Some(Known { mirror: Some(m), .. }) = lock(table).get_mut(&uid) {
+                            m.exists = true;
+                        }
+                        stats.mirror_pods.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(error) => {
+                        stats.failures.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(pod = %known.name, %error, "cannot create the mirror pod; retrying");
+                        ok = false;
+                        continue;
+                    }
+                }
+            }
+        } else if known.mirror.is_some() {
+            // The static pod is gone: its mirror pod goes too.
+            let params = DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() };
+            match api.delete(&known.name, &params).await {
+                Ok(_) => tracing::info!(pod = %known.name, "mirror pod deleted with its static pod"),
+                Err(error) if is_code(&error, 404) => {}
+                Err(error) => {
+                    stats.failures.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(pod = %known.name, %error, "cannot delete the mirror pod; retrying");
+                    ok = false;
+                    continue;
+                }
+            }
+            lock(table).remove(&uid);
+            continue;
+        }
         let result = match local {
             Some(local) => {
                 let status = local.status.unwrap_or_default();
