@@ -223,3 +223,140 @@ async fn drivers_registering_through_the_node_reach_the_api_and_survive_node_rec
     assert!(node.cluster().is_some());
     drivers.cancel();
 }
+
+/// A persistentVolumeClaim volume through the API: the pod waits (saying
+/// why) while its claim is unbound, then the PV's CSI source is staged and
+/// published with its attributes; the CSIDriver object from the API asks
+/// for the pod's info on mount; an inline CSI volume of the same driver is
+/// published too.
+#[tokio::test]
+async fn claims_resolve_through_the_api_and_csi_driver_objects_apply() {
+    use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod, Secret};
+    use k8s_openapi::api::storage::v1::CSIDriver;
+    use rustlet_testkit::host_provider::HostProcessProvider;
+    use rustlet_testkit::report::Report;
+
+    let server = ApiServer::start().await.expect("start");
+    let root = tempfile::tempdir().expect("tempdir");
+    let mut config = NodeConfig::new(root.path(), "n1");
+    config.http_address = None;
+    let client = server.client(&server.node_token("n1")).await.expect("client");
+    let shutdown = CancellationToken::new();
+    let _stop = shutdown.clone().drop_guard();
+    let _node = NodeBuilder::new(config)
+        .provider(std::sync::Arc::new(HostProcessProvider::new()))
+        .cluster(ClusterSettings::new(ApiSource::Client(client)))
+        .start(shutdown.clone())
+        .await
+        .expect("node");
+    let (reports, mut calls) = tokio::sync::mpsc::unbounded_channel();
+    // One driver stages (for the claim), one serves inline volumes (which
+    // are never staged).
+    for (name, stage_unstage) in [("vol.csi.example.com", true), ("eph.csi.example.com", false)] {
+        let driver_config = CsiDriverConfig {
+            name: name.into(),
+            node_id: format!("n1-{name}"),
+            stage_unstage,
+            ..CsiDriverConfig::default()
+        };
+        RegisteredCsiDriver::new(
+            root.path().join("plugins_registry").join(format!("{name}.sock")),
+            root.path().join("plugins").join(name).join("csi.sock"),
+            driver_config,
+        )
+        .spawn(Reporter::Channel(reports.clone()), shutdown.child_token())
+        .expect("driver");
+    }
+
+    let admin = server.client(server.admin_token()).await.expect("admin");
+    for (name, modes) in [("vol.csi.example.com", json!(["Persistent"])), ("eph.csi.example.com", json!(["Ephemeral"]))]
+    {
+        let driver_object: CSIDriver = serde_json::from_value(json!({
+            "metadata": {"name": name},
+            "spec": {"podInfoOnMount": true, "volumeLifecycleModes": modes},
+        }))
+        .expect("csidriver");
+        Api::<CSIDriver>::all(admin.clone()).create(&PostParams::default(), &driver_object).await.expect("csidriver");
+    }
+    let secret: Secret = serde_json::from_value(json!({
+        "metadata": {"name": "publish", "namespace": "default"},
+        "data": {"password": "aHVudGVyMg=="},
+    }))
+    .expect("secret");
+    Api::<Secret>::namespaced(admin.clone(), "default").create(&PostParams::default(), &secret).await.expect("secret");
+    let volume: PersistentVolume = serde_json::from_value(json!({
+        "metadata": {"name": "pv-1"},
+        "spec": {
+            "capacity": {"storage": "1Gi"},
+            "accessModes": ["ReadWriteOnce"],
+            "csi": {
+                "driver": "vol.csi.example.com",
+                "volumeHandle": "handle-1",
+                "fsType": "ext4",
+                "volumeAttributes": {"tier": "gold"},
+                "nodePublishSecretRef": {"name": "publish", "namespace": "default"},
+            },
+        },
+    }))
+    .expect("pv");
+    Api::<PersistentVolume>::all(admin.clone()).create(&PostParams::default(), &volume).await.expect("pv");
+    let claim: PersistentVolumeClaim = serde_json::from_value(json!({
+        "metadata": {"name": "data", "namespace": "default"},
+        "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}},
+    }))
+    .expect("pvc");
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(admin.clone(), "default");
+    claims.create(&PostParams::default(), &claim).await.expect("pvc");
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "user", "namespace": "default"},
+        "spec": {
+            "nodeName": "n1",
+            "terminationGracePeriodSeconds": 2,
+            "containers": [{"name": "main", "image": "busybox", "command": ["sleep", "600"]}],
+            "volumes": [
+                {"name": "data", "persistentVolumeClaim": {"claimName": "data"}},
+                {"name": "scratch", "csi": {"driver": "eph.csi.example.com", "volumeAttributes": {"size": "1"}}},
+            ],
+        },
+    }))
+    .expect("pod");
+    Api::<Pod>::namespaced(admin.clone(), "default").create(&PostParams::default(), &pod).await.expect("pod");
+
+    const POD: (&str, &str, &str, &str) = ("", "pods", "default", "user");
+    let waiting = server
+        .wait_object(POD, SOON, |p| {
+            p.and_then(|p| p.pointer("/status/message"))
+                .and_then(Value::as_str)
+                .is_some_and(|m| m.contains("is not bound"))
+        })
+        .await;
+    let waiting = waiting.unwrap_or_else(|seen| panic!("no message about the unbound claim: {seen:#?}")).expect("pod");
+    assert_eq!(waiting["status"]["phase"], "Pending");
+    eprintln!("while unbound: {}", waiting["status"]["message"]);
+
+    // The binder's work, done by hand.
+    let mut bound = claims.get("data").await.expect("pvc");
+    bound.spec.as_mut().expect("spec").volume_name = Some("pv-1".into());
+    let bound = claims.replace("data", &PostParams::default(), &bound).await.expect("bind");
+    let mut status = bound;
+    status.status = Some(serde_json::from_value(json!({"phase": "Bound"})).expect("status"));
+    claims.replace_status("data", &PostParams::default(), &status).await.expect("status");
+
+    let running = server.wait_object(POD, SOON, |p| p.is_some_and(|p| p["status"]["phase"] == "Running")).await;
+    assert!(running.is_ok(), "pod not Running after its claim was bound: {running:?}");
+    let mut published = BTreeMap::new();
+    while published.len() < 2 {
+        let report = tokio::time::timeout(SOON, calls.recv()).await.expect("calls in time").expect("driver alive");
+        if let Report::VolumeCall { rpc, volume_id, volume_context, .. } = report
+            && rpc == "NodePublishVolume"
+        {
+            published.insert(volume_id, volume_context.into_iter().collect::<BTreeMap<_, _>>());
+        }
+    }
+    let persistent = &published["handle-1"];
+    assert_eq!(persistent["tier"], "gold", "the PV's volumeAttributes");
+    assert_eq!(persistent["csi.storage.k8s.io/pod.name"], "user", "podInfoOnMount from the API's CSIDriver");
+    let inline = published.iter().find(|(id, _)| *id != "handle-1").map(|(_, c)| c).expect("the inline volume");
+    assert_eq!(inline["csi.storage.k8s.io/ephemeral"], "true");
+    assert_eq!(inline["size"], "1");
+}

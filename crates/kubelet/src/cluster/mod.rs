@@ -12,14 +12,18 @@
 //! - `pod_sync`: pods bound to the node run through the lifecycle; their
 //!   statuses are patched; their deletion is finished with grace period 0
 //!   and a UID precondition.
+//!   Static pods get mirror pods.
 //! - `csi_info`: CSI drivers' node IDs, topology labels and the CSINode.
+//! - `volumes`: CSIDriver objects (watched) and `persistentVolumeClaim`
+//!   volumes resolved through the API (claim → PV → CSI, with secrets).
 //!
-//! Not yet: mirror pods for static pods, volumes from API objects
-//! (configMap, secret, projected, PVC), image pull secrets, events.
+//! Not yet: configMap, secret and projected volumes, env from configMap and
+//! secret refs, image pull secrets, events.
 
 pub mod csi_info;
 pub mod node_sync;
 pub mod pod_sync;
+pub mod volumes;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -40,6 +44,7 @@ use crate::device_manager::DeviceManager;
 use crate::health::Healthz;
 use crate::node::NodeDescription;
 use crate::pod::Pods;
+use crate::volume::CsiDriverObjects;
 
 /// Where the API client comes from.
 #[derive(Clone)]
@@ -136,6 +141,9 @@ pub(crate) struct NodeParts {
     pub(crate) healthz: Healthz,
     pub(crate) pods: Pods,
     pub(crate) csi: ApiNodeInfo,
+    pub(crate) csi_objects: CsiDriverObjects,
+    /// Gets the client once it is ready (for [`volumes::ApiClaims`]).
+    pub(crate) client: watch::Sender<Option<kube::Client>>,
 }
 
 /// Starts cluster mode for a started node; nothing here blocks the node.
@@ -160,6 +168,15 @@ pub(crate) fn start(settings: ClusterSettings, parts: NodeParts, shutdown: Cance
             shutdown.clone(),
         );
         parts.csi.start(client.clone(), &name, node.registered(), shutdown.clone());
+        parts.client.send_replace(Some(client.clone()));
+        let drivers = volumes::follow_csi_drivers(client.clone(), parts.csi_objects);
+        let stop = shutdown.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                () = stop.cancelled() => {}
+                () = drivers => {}
+            }
+        });
         let pods = pod_sync::start(
             client,
             PodSyncConfig { node_name: name.clone(), ..settings.pod_sync },

@@ -303,6 +303,11 @@ impl NodeBuilder {
         let csi_objects = CsiDriverObjects::new();
         let mut csi_volumes =
             CsiVolumes::new(&root_dir, csi_drivers.view(), csi_objects.clone(), config.pods.csi_timeouts);
+        // In a cluster, claims resolve through the API once it is connected.
+        let (api_client, api_client_rx) = tokio::sync::watch::channel(None);
+        let claims = claims.or_else(|| {
+            cluster.as_ref().map(|_| Arc::new(cluster::volumes::ApiClaims::new(api_client_rx)) as Arc<dyn VolumeClaims>)
+        });
         if let Some(claims) = claims {
             csi_volumes = csi_volumes.with_claims(claims);
         }
@@ -370,6 +375,8 @@ impl NodeBuilder {
                     healthz: healthz.clone(),
                     pods: pods.clone(),
                     csi,
+                    csi_objects: csi_objects.clone(),
+                    client: api_client,
                 };
                 Some(cluster::start(settings, parts, shutdown.clone()))
             }

@@ -1,0 +1,118 @@
+//! Volume facts from the API: the CSIDriver objects (watched, as the
+//! kubelet's informer does: `podInfoOnMount`, `volumeLifecycleModes`) and
+//! `persistentVolumeClaim` volumes resolved through the claim to its bound
+//! PersistentVolume and the secrets its CSI source names.
+//!
+//! A claim that is not bound yet is an error with a message saying so; the
+//! lifecycle retries the pod's volumes with backoff and shows the message
+//! in the pod's status meanwhile.
+
+use std::collections::BTreeMap;
+
+use futures_util::StreamExt as _;
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Secret, SecretReference};
+use k8s_openapi::api::storage::v1::CSIDriver;
+use kube::api::Api;
+use kube::runtime::watcher;
+use tokio::sync::watch;
+
+use super::describe;
+use crate::csi::Secrets;
+use crate::volume::{ClaimedVolume, CsiDriverObjects, VolumeClaims};
+
+/// Keeps `objects` equal to the cluster's CSIDriver objects until the
+/// stream ends (run it under the node's shutdown).
+pub async fn follow_csi_drivers(client: kube::Client, objects: CsiDriverObjects) {
+    let api: Api<CSIDriver> = Api::all(client);
+    let mut events = watcher(api, watcher::Config::default()).boxed();
+    let mut listed: Vec<String> = Vec::new();
+    while let Some(event) = events.next().await {
+        match event {
+            Ok(watcher::Event::Apply(driver) | watcher::Event::InitApply(driver)) => {
+                let name = driver.metadata.name.clone().unwrap_or_default();
+                tracing::debug!(driver = %name, "CSIDriver object seen");
+                listed.push(name.clone());
+                objects.set(&name, driver.spec);
+            }
+            Ok(watcher::Event::Delete(driver)) => objects.remove(driver.metadata.name.as_deref().unwrap_or_default()),
+            Ok(watcher::Event::Init) => listed.clear(),
+            Ok(watcher::Event::InitDone) => {
+                // Objects deleted while the watch was down.
+                for name in objects.names() {
+                    if !listed.contains(&name) {
+                        objects.remove(&name);
+                    }
+                }
+            }
+            Err(error) => {
+                tracing::warn!(%error, "CSIDriver watch failed; resuming");
+                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+            }
+        }
+    }
+}
+
+/// [`VolumeClaims`] from the API: claim → bound PersistentVolume → its
+/// CSI source's secrets. Works once cluster mode has its client.
+#[derive(Clone)]
+pub struct ApiClaims {
+    client: watch::Receiver<Option<kube::Client>>,
+}
+
+impl ApiClaims {
+    /// Resolves with the client `client` holds once it holds one.
+    pub fn new(client: watch::Receiver<Option<kube::Client>>) -> ApiClaims {
+        ApiClaims { client }
+    }
+}
+
+#[async_trait::async_trait]
+impl VolumeClaims for ApiClaims {
+    async fn resolve(&self, namespace: &str, claim: &str, read_only: bool) -> Result<ClaimedVolume, String> {
+        let client = self.client.borrow().clone().ok_or("not connected to the API server yet")?;
+        let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), namespace);
+        let found = claims
+            .get_opt(claim)
+            .await
+            .map_err(|e| format!("cannot read PersistentVolumeClaim {namespace}/{claim}: {}", describe(&e)))?
+            .ok_or_else(|| format!("PersistentVolumeClaim {namespace}/{claim} not found"))?;
+        let phase = found.status.as_ref().and_then(|s| s.phase.clone()).unwrap_or_else(|| "Pending".into());
+        let volume_name = found.spec.as_ref().and_then(|s| s.volume_name.clone()).filter(|v| !v.is_empty());
+        let Some(volume_name) = volume_name.filter(|_| phase == "Bound") else {
+            return Err(format!(
+                "PersistentVolumeClaim {namespace}/{claim} is not bound to a volume yet (phase {phase})"
+            ));
+        };
+        let volumes: Api<PersistentVolume> = Api::all(client.clone());
+        let volume = volumes
+            .get(&volume_name)
+            .await
+            .map_err(|e| format!("cannot read PersistentVolume {volume_name}: {}", describe(&e)))?;
+        let csi = volume.spec.as_ref().and_then(|s| s.csi.clone()).ok_or_else(|| {
+            format!("PersistentVolume {volume_name} (claim {namespace}/{claim}) is not a CSI volume; only CSI volumes are supported")
+        })?;
+        let stage_secrets = secrets(&client, csi.node_stage_secret_ref.as_ref()).await?;
+        let publish_secrets = secrets(&client, csi.node_publish_secret_ref.as_ref()).await?;
+        Ok(ClaimedVolume { volume, claim_read_only: read_only, stage_secrets, publish_secrets })
+    }
+}
+
+/// The data of the secret `reference` names (none: empty).
+async fn secrets(client: &kube::Client, reference: Option<&SecretReference>) -> Result<Secrets, String> {
+    let Some(reference) = reference else { return Ok(Secrets::default()) };
+    let name = reference.name.clone().unwrap_or_default();
+    let namespace = reference.namespace.clone().unwrap_or_else(|| "default".into());
+    let api: Api<Secret> = Api::namespaced(client.clone(), &namespace);
+    let secret =
+        api.get(&name).await.map_err(|e| format!("cannot read Secret {namespace}/{name}: {}", describe(&e)))?;
+    let mut values = BTreeMap::new();
+    for (key, value) in secret.data.unwrap_or_default() {
+        let text =
+            String::from_utf8(value.0).map_err(|_| format!("Secret {namespace}/{name}: key {key} is not UTF-8"))?;
+        values.insert(key, text);
+    }
+    for (key, value) in secret.string_data.unwrap_or_default() {
+        values.insert(key, value);
+    }
+    Ok(Secrets(values))
+}
