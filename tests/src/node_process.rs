@@ -87,3 +87,22 @@ pub async fn http_get(address: &str, path: &str) -> (u16, String) {
     let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
     (code, body)
 }
+
+/// Loads the built-in example module `name` into the image store of the
+/// node at `root` as `<repository>/<name>:v1`, with `rustlet images import`
+/// (`rustlet` is the binary's path).
+pub async fn import_example(rustlet: &std::path::Path, root: &std::path::Path, repository: &str, name: &str) {
+    let layout = root.join(format!("layout-{name}"));
+    let module = rustlet_wasi::examples::binary(name).expect("module");
+    let image = format!("{repository}/{name}:v1");
+    rustlet_wasi::import::write_layout(&layout, &[(image.as_str(), &module)]).expect("layout");
+    let output = Command::new(rustlet)
+        .args(["images", "import"])
+        .arg(&layout)
+        .arg("--root-dir")
+        .arg(root)
+        .output()
+        .await
+        .expect("run");
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+}

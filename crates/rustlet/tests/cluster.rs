@@ -39,21 +39,14 @@ fn rustlet(root: &Path, kubeconfig: &Path, extra: &[&str]) -> NodeProcess {
     NodeProcess::start(command)
 }
 
-/// Loads the example module `name` as `example.com/test/<name>:v1`.
 async fn import_example(root: &Path, name: &str) {
-    let layout = root.join(format!("layout-{name}"));
-    let module = rustlet_wasi::examples::binary(name).expect("module");
-    let image = format!("example.com/test/{name}:v1");
-    rustlet_wasi::import::write_layout(&layout, &[(image.as_str(), &module)]).expect("layout");
-    let output = Command::new(env!("CARGO_BIN_EXE_rustlet"))
-        .args(["images", "import"])
-        .arg(&layout)
-        .arg("--root-dir")
-        .arg(root)
-        .output()
-        .await
-        .expect("run");
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    rustlet_testkit::node_process::import_example(
+        Path::new(env!("CARGO_BIN_EXE_rustlet")),
+        root,
+        "example.com/test",
+        name,
+    )
+    .await;
 }
 
 /// A device plugin with `healthy` healthy devices, registered on the node;

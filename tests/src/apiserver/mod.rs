@@ -164,12 +164,15 @@ impl ApiServer {
         Ok(server)
     }
 
-    /// What a fresh cluster has: the namespaces the node uses.
+    /// What a fresh cluster has: the namespaces the node uses, each with
+    /// its `default` service account.
     fn seed(&self) {
         let namespaces = store::resource("", "v1", "namespaces").expect("namespaces");
+        let accounts = store::resource("", "v1", "serviceaccounts").expect("serviceaccounts");
         let mut store = self.shared.store();
         for name in ["default", "kube-system", "kube-node-lease"] {
             let _ = store.create(namespaces, "", json!({"metadata": {"name": name}, "status": {"phase": "Active"}}));
+            let _ = store.create(accounts, name, json!({"metadata": {"name": "default", "namespace": name}}));
         }
     }
 

@@ -14,11 +14,13 @@
 //!   and a UID precondition.
 //!   Static pods get mirror pods.
 //! - `csi_info`: CSI drivers' node IDs, topology labels and the CSINode.
-//! - `volumes`: CSIDriver objects (watched) and `persistentVolumeClaim`
-//!   volumes resolved through the API (claim → PV → CSI, with secrets).
+//! - `volumes`: CSIDriver objects (watched), `persistentVolumeClaim`
+//!   volumes resolved through the API (claim → PV → CSI, with secrets), and
+//!   the ConfigMaps, Secrets and service-account tokens of configMap,
+//!   secret and projected volumes and env references.
 //!
-//! Not yet: configMap, secret and projected volumes, env from configMap and
-//! secret refs, image pull secrets, events.
+//! Not yet: image pull secrets from the API, events, refreshing
+//! configMap/secret volumes and tokens after the pod started.
 
 pub mod csi_info;
 pub mod node_sync;

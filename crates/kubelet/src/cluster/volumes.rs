@@ -1,7 +1,9 @@
 //! Volume facts from the API: the CSIDriver objects (watched, as the
-//! kubelet's informer does: `podInfoOnMount`, `volumeLifecycleModes`) and
+//! kubelet's informer does: `podInfoOnMount`, `volumeLifecycleModes`),
 //! `persistentVolumeClaim` volumes resolved through the claim to its bound
-//! PersistentVolume and the secrets its CSI source names.
+//! PersistentVolume and the secrets its CSI source names, and the
+//! ConfigMaps, Secrets and service-account tokens of configMap, secret and
+//! projected volumes and env references ([`ApiObjectsClient`]).
 //!
 //! A claim that is not bound yet is an error with a message saying so; the
 //! lifecycle retries the pod's volumes with backoff and shows the message
@@ -10,15 +12,19 @@
 use std::collections::BTreeMap;
 
 use futures_util::StreamExt as _;
-use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Secret, SecretReference};
+use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequest, TokenRequestSpec};
+use k8s_openapi::api::core::v1::{
+    ConfigMap, PersistentVolume, PersistentVolumeClaim, Pod, Secret, SecretReference, ServiceAccount,
+};
 use k8s_openapi::api::storage::v1::CSIDriver;
-use kube::api::Api;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{Api, PostParams};
 use kube::runtime::watcher;
 use tokio::sync::watch;
 
 use super::describe;
 use crate::csi::Secrets;
-use crate::volume::{ClaimedVolume, CsiDriverObjects, VolumeClaims};
+use crate::volume::{ApiObjects, ClaimedVolume, CsiDriverObjects, ObjectKind, VolumeClaims};
 
 /// Keeps `objects` equal to the cluster's CSIDriver objects until the
 /// stream ends (run it under the node's shutdown).
@@ -115,4 +121,87 @@ async fn secrets(client: &kube::Client, reference: Option<&SecretReference>) -> 
         values.insert(key, value);
     }
     Ok(Secrets(values))
+}
+
+/// [`ApiObjects`] from the API with the node's identity: ConfigMaps,
+/// Secrets, and service-account tokens bound to the pod (TokenRequest).
+#[derive(Clone)]
+pub struct ApiObjectsClient {
+    client: watch::Receiver<Option<kube::Client>>,
+}
+
+impl ApiObjectsClient {
+    /// Reads with the client `client` holds once it holds one.
+    pub fn new(client: watch::Receiver<Option<kube::Client>>) -> ApiObjectsClient {
+        ApiObjectsClient { client }
+    }
+
+    fn client(&self) -> Result<kube::Client, String> {
+        self.client.borrow().clone().ok_or_else(|| "not connected to the API server yet".to_owned())
+    }
+}
+
+#[async_trait::async_trait]
+impl ApiObjects for ApiObjectsClient {
+    async fn data(
+        &self,
+        kind: ObjectKind,
+        namespace: &str,
+        name: &str,
+    ) -> Result<Option<BTreeMap<String, Vec<u8>>>, String> {
+        let client = self.client()?;
+        let failed = |e: kube::Error| format!("cannot read {} {namespace}/{name}: {}", kind.noun(), describe(&e));
+        match kind {
+            ObjectKind::ConfigMap => {
+                let api: Api<ConfigMap> = Api::namespaced(client, namespace);
+                Ok(api.get_opt(name).await.map_err(failed)?.map(|map| {
+                    let mut data: BTreeMap<String, Vec<u8>> =
+                        map.data.unwrap_or_default().into_iter().map(|(k, v)| (k, v.into_bytes())).collect();
+                    data.extend(map.binary_data.unwrap_or_default().into_iter().map(|(k, v)| (k, v.0)));
+                    data
+                }))
+            }
+            ObjectKind::Secret => {
+                let api: Api<Secret> = Api::namespaced(client, namespace);
+                Ok(api.get_opt(name).await.map_err(failed)?.map(|secret| {
+                    let mut data: BTreeMap<String, Vec<u8>> =
+                        secret.data.unwrap_or_default().into_iter().map(|(k, v)| (k, v.0)).collect();
+                    data.extend(secret.string_data.unwrap_or_default().into_iter().map(|(k, v)| (k, v.into_bytes())));
+                    data
+                }))
+            }
+        }
+    }
+
+    async fn service_account_token(
+        &self,
+        pod: &Pod,
+        audience: Option<&str>,
+        expiration_seconds: i64,
+    ) -> Result<String, String> {
+        let client = self.client()?;
+        let namespace = pod.metadata.namespace.clone().unwrap_or_else(|| "default".into());
+        let account =
+            pod.spec.as_ref().and_then(|s| s.service_account_name.clone()).unwrap_or_else(|| "default".into());
+        let request = TokenRequest {
+            metadata: ObjectMeta::default(),
+            spec: TokenRequestSpec {
+                audiences: audience.map(|a| vec![a.to_owned()]).unwrap_or_default(),
+                expiration_seconds: Some(expiration_seconds),
+                bound_object_ref: Some(BoundObjectReference {
+                    api_version: Some("v1".into()),
+                    kind: Some("Pod".into()),
+                    name: pod.metadata.name.clone(),
+                    uid: pod.metadata.uid.clone(),
+                }),
+            },
+            status: None,
+        };
+        let api: Api<ServiceAccount> = Api::namespaced(client, &namespace);
+        let answer = api
+            .create_token_request(&account, &PostParams::default(), &request)
+            .await
+            .map_err(|e| format!("cannot get a token for service account {namespace}/{account}: {}", describe(&e)))?;
+        answer.status.map(|s| s.token).ok_or_else(|| "the token request was answered without a token".to_owned())
+    }
 }

@@ -318,7 +318,11 @@ impl NodeBuilder {
                 "no provider: pods are admitted and get their devices and volumes, but their containers wait"
             );
         }
-        let lifecycle = PodLifecycle::new(pod_config, provider, Some(devices.clone())).with_csi(csi_volumes);
+        let mut lifecycle = PodLifecycle::new(pod_config, provider, Some(devices.clone())).with_csi(csi_volumes);
+        if cluster.is_some() {
+            lifecycle =
+                lifecycle.with_objects(Arc::new(cluster::volumes::ApiObjectsClient::new(api_client.subscribe())));
+        }
         let pods = Pods::start(lifecycle, shutdown.clone()).await;
         let static_pods = match &config.pods.manifest_dir {
             None => None,

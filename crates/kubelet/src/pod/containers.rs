@@ -72,7 +72,17 @@ pub async fn start(
             retry: false,
         });
     };
-    let run_options = run_options::build(&data.pod, &record.spec, &data.volumes, &device_options)
+    // The ConfigMaps and Secrets its env references, read now (as upstream
+    // does at every start).
+    let env_objects = match lifecycle.volumes.objects() {
+        Some(objects) => Some(
+            crate::volume::api_data::env_objects(objects.as_ref(), &data.pod, &record.spec)
+                .await
+                .map_err(|message| StartFailure { reason: "CreateContainerConfigError", message, retry: true })?,
+        ),
+        None => None,
+    };
+    let run_options = run_options::build(&data.pod, &record.spec, &data.volumes, &device_options, env_objects.as_ref())
         .map_err(|e| StartFailure { reason: "CreateContainerConfigError", message: e.to_string(), retry: true })?;
     let restart_count = record.restart_count;
     let launch = ContainerLaunch {

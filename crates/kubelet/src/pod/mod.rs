@@ -130,6 +130,13 @@ impl PodLifecycle {
         }
     }
 
+    /// Reads the ConfigMaps, Secrets and service-account tokens pods
+    /// reference (their volumes and env) from `objects`.
+    pub fn with_objects(mut self, objects: Arc<dyn crate::volume::ApiObjects>) -> Self {
+        self.volumes = self.volumes.with_objects(objects);
+        self
+    }
+
     /// Publishes CSI volumes (inline, and claims if `csi` resolves them)
     /// through `csi`.
     pub fn with_csi(mut self, csi: crate::volume::CsiVolumes) -> Self {

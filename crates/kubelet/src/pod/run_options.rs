@@ -7,7 +7,7 @@ use k8s_openapi::api::core::v1::{Container, Pod};
 
 use crate::device_manager::RunOptions;
 use crate::provider::{ContainerRunOptions, EnvVar, Mount};
-use crate::volume::{PodVolumes, field_value};
+use crate::volume::{EnvObjects, ObjectKind, PodVolumes, field_value};
 
 /// Why a container's configuration cannot be run
 /// (`CreateContainerConfigError`).
@@ -21,20 +21,65 @@ pub fn build(
     container: &Container,
     volumes: &PodVolumes,
     devices: &RunOptions,
+    objects: Option<&EnvObjects>,
 ) -> Result<ContainerRunOptions, ConfigError> {
     let mut env: Vec<EnvVar> = Vec::new();
+    let namespace = pod.metadata.namespace.as_deref().unwrap_or("default");
+    // envFrom first: env entries override what it brings.
+    for from in container.env_from.iter().flatten() {
+        let Some(objects) = objects else {
+            return Err(ConfigError("envFrom needs the API server (static pods cannot use it)".into()));
+        };
+        let (kind, name, optional) = match (&from.config_map_ref, &from.secret_ref) {
+            (Some(r), _) => (ObjectKind::ConfigMap, r.name.as_str(), r.optional.unwrap_or(false)),
+            (None, Some(r)) => (ObjectKind::Secret, r.name.as_str(), r.optional.unwrap_or(false)),
+            (None, None) => continue,
+        };
+        match objects.get(&(kind, name.to_owned())).cloned().flatten() {
+            Some(data) => {
+                let prefix = from.prefix.clone().unwrap_or_default();
+                for (key, value) in data {
+                    set(&mut env, &format!("{prefix}{key}"), value);
+                }
+            }
+            None if optional => {}
+            None => return Err(ConfigError(format!("{} \"{name}\" not found", kind.noun()))),
+        }
+    }
     for var in container.env.iter().flatten() {
         let value = match (&var.value, &var.value_from) {
             (_, Some(from)) => {
+                let key_ref = match (&from.config_map_key_ref, &from.secret_key_ref) {
+                    (Some(r), _) => Some((ObjectKind::ConfigMap, r.name.as_str(), r.key.as_str(), r.optional)),
+                    (None, Some(r)) => Some((ObjectKind::Secret, r.name.as_str(), r.key.as_str(), r.optional)),
+                    (None, None) => None,
+                };
                 if let Some(field) = &from.field_ref {
                     field_value(pod, &field.field_path).ok_or_else(|| {
                         ConfigError(format!("env {:?}: unsupported fieldRef {:?}", var.name, field.field_path))
                     })?
-                } else if from.config_map_key_ref.is_some() || from.secret_key_ref.is_some() {
-                    return Err(ConfigError(format!(
-                        "env {:?}: configMap and secret references need the API server (static pods cannot use them)",
-                        var.name
-                    )));
+                } else if let Some((kind, name, key, optional)) = key_ref {
+                    let Some(objects) = objects else {
+                        return Err(ConfigError(format!(
+                            "env {:?}: configMap and secret references need the API server (static pods cannot use them)",
+                            var.name
+                        )));
+                    };
+                    let optional = optional.unwrap_or(false);
+                    match objects.get(&(kind, name.to_owned())).cloned().flatten() {
+                        None if optional => continue,
+                        None => return Err(ConfigError(format!("{} \"{name}\" not found", kind.noun()))),
+                        Some(data) => match data.get(key) {
+                            Some(value) => value.clone(),
+                            None if optional => continue,
+                            None => {
+                                let what = if kind == ObjectKind::Secret { "Secret" } else { "ConfigMap" };
+                                return Err(ConfigError(format!(
+                                    "couldn't find key {key} in {what} {namespace}/{name}"
+                                )));
+                            }
+                        },
+                    }
                 } else {
                     return Err(ConfigError(format!("env {:?}: unsupported valueFrom", var.name)));
                 }
@@ -43,9 +88,6 @@ pub fn build(
             (None, None) => String::new(),
         };
         set(&mut env, &var.name, value);
-    }
-    if container.env_from.as_ref().is_some_and(|e| !e.is_empty()) {
-        return Err(ConfigError("envFrom needs the API server (static pods cannot use it)".into()));
     }
     for (name, value) in &devices.envs {
         set(&mut env, name, value.clone());

@@ -6,13 +6,15 @@
 //! `kubernetes.io~empty-dir` and `kubernetes.io~downward-api`. `hostPath`
 //! volumes are the host path itself, checked against their `type`.
 //!
-//! Static pods may not use volumes that need the API (configMap, secret,
-//! projected; persistentVolumeClaim unless the embedder resolves claims):
-//! they are refused with a clear error, as upstream refuses them.
+//! Volumes that need the API (configMap, secret, projected; see
+//! [`api_data`]) are prepared when the node has an [`ApiObjects`] (cluster
+//! mode); persistentVolumeClaim when it resolves claims. Otherwise (static
+//! pods) they are refused with a clear error, as upstream refuses them.
 //!
 //! CSI volumes (inline `csi:` and claims bound to CSI volumes) go through
 //! [`CsiVolumes`] (see [`csi`] for the sequence).
 
+pub mod api_data;
 pub mod csi;
 mod downward_api;
 mod empty_dir;
@@ -20,9 +22,11 @@ mod host_path;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{Pod, Volume};
 
+pub use api_data::{ApiObjects, EnvObjects, ObjectKind};
 pub use csi::{ClaimedVolume, CsiDriverObjects, CsiMount, CsiVolumes, StaticClaims, VolumeClaims};
 pub use downward_api::field_value;
 pub use host_path::HostPathType;
@@ -128,6 +132,8 @@ pub enum VolumeKind {
     EmptyDir,
     /// `downwardAPI`: removed with the pod.
     DownwardApi,
+    /// `configMap`, `secret`, `projected`: removed with the pod.
+    ApiData,
     /// CSI (inline or persistent): unpublished, and unstaged when unused.
     Csi,
 }
@@ -136,10 +142,21 @@ pub enum VolumeKind {
 pub type PodVolumes = BTreeMap<String, PreparedVolume>;
 
 /// Prepares and tears down pod volumes under a root dir.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct VolumeManager {
     root_dir: PathBuf,
     csi: Option<CsiVolumes>,
+    objects: Option<Arc<dyn ApiObjects>>,
+}
+
+impl std::fmt::Debug for VolumeManager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VolumeManager")
+            .field("root_dir", &self.root_dir)
+            .field("csi", &self.csi)
+            .field("objects", &self.objects.is_some())
+            .finish()
+    }
 }
 
 /// Why API-backed volumes are refused in static pods.
@@ -148,7 +165,18 @@ pub(crate) const NEEDS_API: &str = "in static pods (they need the API server; up
 impl VolumeManager {
     /// Volumes under `<root_dir>/pods`; no CSI volumes.
     pub fn new(root_dir: impl Into<PathBuf>) -> Self {
-        VolumeManager { root_dir: root_dir.into(), csi: None }
+        VolumeManager { root_dir: root_dir.into(), csi: None, objects: None }
+    }
+
+    /// Prepares configMap, secret and projected volumes from `objects`.
+    pub fn with_objects(mut self, objects: Arc<dyn ApiObjects>) -> Self {
+        self.objects = Some(objects);
+        self
+    }
+
+    /// Where API objects come from, if the node has them.
+    pub fn objects(&self) -> Option<&Arc<dyn ApiObjects>> {
+        self.objects.as_ref()
     }
 
     /// Publishes CSI volumes through `csi`.
@@ -188,6 +216,21 @@ impl VolumeManager {
             }
             if let Some(csi) = self.csi_for(volume)? {
                 csi.prepare(pod, volume, prepared).await?;
+                continue;
+            }
+            let plugin = if volume.config_map.is_some() {
+                Some("kubernetes.io~configmap")
+            } else if volume.secret.is_some() {
+                Some("kubernetes.io~secret")
+            } else if volume.projected.is_some() {
+                Some("kubernetes.io~projected")
+            } else {
+                None
+            };
+            if let (Some(plugin), Some(objects)) = (plugin, &self.objects) {
+                let dir = self.plugin_dir(&uid, plugin, &volume.name);
+                let host_path = api_data::prepare(objects.as_ref(), pod, volume, &dir).await?;
+                prepared.insert(volume.name.clone(), PreparedVolume::ready(host_path, VolumeKind::ApiData));
                 continue;
             }
             let ready = self.prepare_one(&uid, pod, volume)?;
@@ -258,7 +301,9 @@ impl VolumeManager {
             let Some(volume) = prepared.get(&name) else { continue };
             let result = match volume.kind {
                 VolumeKind::HostPath => Ok(()),
-                VolumeKind::EmptyDir | VolumeKind::DownwardApi => empty_dir::teardown(&name, &volume.host_path),
+                VolumeKind::EmptyDir | VolumeKind::DownwardApi | VolumeKind::ApiData => {
+                    empty_dir::teardown(&name, &volume.host_path)
+                }
                 VolumeKind::Csi => match &self.csi {
                     Some(csi) => csi.teardown(pod_uid, &name, volume).await,
                     None => Err(VolumeError::Teardown {

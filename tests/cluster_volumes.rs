@@ -1,9 +1,11 @@
-//! Cluster mode, CSI node info: the Node annotation
+//! Cluster mode, volumes and CSI node info: the Node annotation
 //! `csi.volume.kubernetes.io/nodeid`, topology labels and the CSINode stay
 //! exact under many concurrent registrations and removals, other writers'
 //! conflicts and API errors; real CSI drivers registering through a node's
 //! `plugins_registry` reach the API; a recreated Node gets its CSI facts
-//! back. Against the in-process API server with the node's identity.
+//! back; claims resolve through the API; configMap, secret and projected
+//! volumes and env references are read with the node's identity. Against
+//! the in-process API server.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -224,6 +226,24 @@ async fn drivers_registering_through_the_node_reach_the_api_and_survive_node_rec
     drivers.cancel();
 }
 
+/// A cluster node `n1` running host processes, with its root dir and
+/// shutdown token.
+async fn host_node() -> (ApiServer, tempfile::TempDir, CancellationToken, kubelet::node::Node) {
+    let server = ApiServer::start().await.expect("start");
+    let root = tempfile::tempdir().expect("tempdir");
+    let mut config = NodeConfig::new(root.path(), "n1");
+    config.http_address = None;
+    let client = server.client(&server.node_token("n1")).await.expect("client");
+    let shutdown = CancellationToken::new();
+    let node = NodeBuilder::new(config)
+        .provider(std::sync::Arc::new(rustlet_testkit::host_provider::HostProcessProvider::new()))
+        .cluster(ClusterSettings::new(ApiSource::Client(client)))
+        .start(shutdown.clone())
+        .await
+        .expect("node");
+    (server, root, shutdown, node)
+}
+
 /// A persistentVolumeClaim volume through the API: the pod waits (saying
 /// why) while its claim is unbound, then the PV's CSI source is staged and
 /// published with its attributes; the CSIDriver object from the API asks
@@ -233,22 +253,10 @@ async fn drivers_registering_through_the_node_reach_the_api_and_survive_node_rec
 async fn claims_resolve_through_the_api_and_csi_driver_objects_apply() {
     use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod, Secret};
     use k8s_openapi::api::storage::v1::CSIDriver;
-    use rustlet_testkit::host_provider::HostProcessProvider;
     use rustlet_testkit::report::Report;
 
-    let server = ApiServer::start().await.expect("start");
-    let root = tempfile::tempdir().expect("tempdir");
-    let mut config = NodeConfig::new(root.path(), "n1");
-    config.http_address = None;
-    let client = server.client(&server.node_token("n1")).await.expect("client");
-    let shutdown = CancellationToken::new();
+    let (server, root, shutdown, _node) = host_node().await;
     let _stop = shutdown.clone().drop_guard();
-    let _node = NodeBuilder::new(config)
-        .provider(std::sync::Arc::new(HostProcessProvider::new()))
-        .cluster(ClusterSettings::new(ApiSource::Client(client)))
-        .start(shutdown.clone())
-        .await
-        .expect("node");
     let (reports, mut calls) = tokio::sync::mpsc::unbounded_channel();
     // One driver stages (for the claim), one serves inline volumes (which
     // are never staged).
@@ -359,4 +367,115 @@ async fn claims_resolve_through_the_api_and_csi_driver_objects_apply() {
     let inline = published.iter().find(|(id, _)| *id != "handle-1").map(|(_, c)| c).expect("the inline volume");
     assert_eq!(inline["csi.storage.k8s.io/ephemeral"], "true");
     assert_eq!(inline["size"], "1");
+}
+
+/// configMap, secret and projected (configMap, downwardAPI, token) volumes
+/// and env from refs reach a container; a missing non-optional ConfigMap
+/// holds the pod with upstream's message until it is created.
+#[tokio::test]
+async fn config_maps_secrets_and_tokens_reach_the_container() {
+    use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret};
+
+    let (server, root, shutdown, _node) = host_node().await;
+    let _stop = shutdown.clone().drop_guard();
+    let admin = server.client(server.admin_token()).await.expect("admin");
+    let config_maps: Api<ConfigMap> = Api::namespaced(admin.clone(), "default");
+    let settings: ConfigMap = serde_json::from_value(json!({
+        "metadata": {"name": "settings", "namespace": "default"},
+        "data": {"hello": "hi there", "colour": "blue"},
+    }))
+    .expect("configmap");
+    config_maps.create(&PostParams::default(), &settings).await.expect("configmap");
+    let secret: Secret = serde_json::from_value(json!({
+        "metadata": {"name": "creds", "namespace": "default"},
+        "data": {"password": "aHVudGVyMg=="},
+    }))
+    .expect("secret");
+    Api::<Secret>::namespaced(admin.clone(), "default").create(&PostParams::default(), &secret).await.expect("secret");
+
+    let script = "cat \"$MOUNT_CONF/greeting\"; echo; cat \"$MOUNT_CREDS/password\"; echo; \
+                  cat \"$MOUNT_ALL/colour\"; echo; cat \"$MOUNT_ALL/name\"; echo; \
+                  test -s \"$MOUNT_ALL/token\" && echo token-present; \
+                  stat -c %a \"$MOUNT_CONF/greeting\"; \
+                  echo \"env GREETING=$GREETING PASSWORD=$PASSWORD X_colour=$X_colour OPT=${OPT-unset} EXTRA=${EXTRA-unset}\"";
+    let pod = |name: &str, needs: &str| -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {
+                "nodeName": "n1",
+                "restartPolicy": "Never",
+                "containers": [{
+                    "name": "main", "image": "busybox", "command": ["sh", "-c", script],
+                    "env": [
+                        {"name": "GREETING", "valueFrom": {"configMapKeyRef": {"name": "settings", "key": "hello"}}},
+                        {"name": "PASSWORD", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "password"}}},
+                        {"name": "OPT", "valueFrom": {"configMapKeyRef": {"name": "absent", "key": "k", "optional": true}}},
+                        {"name": "EXTRA", "valueFrom": {"configMapKeyRef": {"name": needs, "key": "extra", "optional": true}}},
+                    ],
+                    "envFrom": [{"prefix": "X_", "configMapRef": {"name": "settings"}}],
+                    "volumeMounts": [
+                        {"name": "conf", "mountPath": "/conf"},
+                        {"name": "creds", "mountPath": "/creds"},
+                        {"name": "all", "mountPath": "/all"},
+                        {"name": "needed", "mountPath": "/needed"},
+                    ],
+                }],
+                "volumes": [
+                    {"name": "conf", "configMap": {"name": "settings", "items": [{"key": "hello", "path": "greeting", "mode": 0o400}]}},
+                    {"name": "creds", "secret": {"secretName": "creds"}},
+                    {"name": "all", "projected": {"sources": [
+                        {"configMap": {"name": "settings", "items": [{"key": "colour", "path": "colour"}]}},
+                        {"downwardAPI": {"items": [{"path": "name", "fieldRef": {"fieldPath": "metadata.name"}}]}},
+                        {"serviceAccountToken": {"path": "token", "audience": "vault", "expirationSeconds": 600}},
+                    ]}},
+                    {"name": "needed", "configMap": {"name": needs}},
+                ],
+            },
+        }))
+        .expect("pod")
+    };
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), "default");
+    // "late" does not exist yet: the pod waits, saying why.
+    pods.create(&PostParams::default(), &pod("reader", "late")).await.expect("pod");
+    const POD: (&str, &str, &str, &str) = ("", "pods", "default", "reader");
+    let waiting = server
+        .wait_object(POD, SOON, |p| {
+            p.and_then(|p| p.pointer("/status/message"))
+                .and_then(Value::as_str)
+                .is_some_and(|m| m.contains("configmap \"late\" not found"))
+        })
+        .await;
+    let waiting =
+        waiting.unwrap_or_else(|seen| panic!("no message about the missing ConfigMap: {seen:#?}")).expect("pod");
+    assert_eq!(waiting["status"]["phase"], "Pending");
+    let late: ConfigMap = serde_json::from_value(json!({
+        "metadata": {"name": "late", "namespace": "default"},
+        "data": {"extra": "arrived"},
+    }))
+    .expect("configmap");
+    config_maps.create(&PostParams::default(), &late).await.expect("configmap");
+
+    let done = server
+        .wait_object(POD, SOON, |p| {
+            p.is_some_and(|p| p["status"]["phase"] == "Succeeded" || p["status"]["phase"] == "Failed")
+        })
+        .await;
+    let done = done.unwrap_or_else(|seen| panic!("pod did not finish: {seen:#?}")).expect("pod");
+    let uid = done["metadata"]["uid"].as_str().expect("uid");
+    let log_path = kubelet::pod::pod_log_dir(root.path(), "default", "reader", uid).join("main").join("0.log");
+    let log = std::fs::read_to_string(&log_path).expect("log");
+    let lines: Vec<&str> = log.lines().map(|l| l.splitn(4, ' ').nth(3).unwrap_or_default()).collect();
+    assert_eq!(done["status"]["phase"], "Succeeded", "{lines:?}");
+    assert_eq!(
+        lines,
+        [
+            "hi there",
+            "hunter2",
+            "blue",
+            "reader",
+            "token-present",
+            "400",
+            "env GREETING=hi there PASSWORD=hunter2 X_colour=blue OPT=unset EXTRA=arrived",
+        ],
+    );
 }
