@@ -25,6 +25,7 @@ bench:
     cargo bench -p rustlet --bench device_allocation
     cargo bench -p rustlet --bench pods
     cargo bench -p rustlet --bench wasm
+    cargo bench -p rustlet --bench cluster
 
 # End-to-end suite against a real cluster (needs RUSTLET_E2E_KUBECONFIG).
 e2e:

@@ -229,14 +229,23 @@ async fn drivers_registering_through_the_node_reach_the_api_and_survive_node_rec
 /// A cluster node `n1` running host processes, with its root dir and
 /// shutdown token.
 async fn host_node() -> (ApiServer, tempfile::TempDir, CancellationToken, kubelet::node::Node) {
-    let server = ApiServer::start().await.expect("start");
     let root = tempfile::tempdir().expect("tempdir");
+    let provider = std::sync::Arc::new(rustlet_testkit::host_provider::HostProcessProvider::new());
+    cluster_node(root, provider).await
+}
+
+/// A cluster node `n1` in `root` running pods with `provider`.
+async fn cluster_node(
+    root: tempfile::TempDir,
+    provider: std::sync::Arc<dyn kubelet::provider::Provider>,
+) -> (ApiServer, tempfile::TempDir, CancellationToken, kubelet::node::Node) {
+    let server = ApiServer::start().await.expect("start");
     let mut config = NodeConfig::new(root.path(), "n1");
     config.http_address = None;
     let client = server.client(&server.node_token("n1")).await.expect("client");
     let shutdown = CancellationToken::new();
     let node = NodeBuilder::new(config)
-        .provider(std::sync::Arc::new(rustlet_testkit::host_provider::HostProcessProvider::new()))
+        .provider(provider)
         .cluster(ClusterSettings::new(ApiSource::Client(client)))
         .start(shutdown.clone())
         .await
@@ -478,4 +487,64 @@ async fn config_maps_secrets_and_tokens_reach_the_container() {
             "env GREETING=hi there PASSWORD=hunter2 X_colour=blue OPT=unset EXTRA=arrived",
         ],
     );
+}
+
+/// A pod's `imagePullSecrets` (a `kubernetes.io/dockerconfigjson` Secret)
+/// reach the WebAssembly provider: an image from a registry that wants a
+/// password is pulled with it, and without it the pod says access was
+/// refused.
+#[tokio::test]
+async fn image_pull_secrets_reach_the_provider() {
+    use k8s_openapi::api::core::v1::{Pod, Secret};
+    let Some(registry) =
+        rustlet_testkit::registry::registry_or_skip("image pull secrets", Some(("puller", "s3cret"))).await
+    else {
+        return;
+    };
+    let module = rustlet_wasi::examples::binary("sleep").expect("module");
+    registry.push_wasm("wasm/private", "v1", &module).await.expect("push");
+    let root = tempfile::tempdir().expect("tempdir");
+    let provider = rustlet_wasi::WasiProvider::new(rustlet_wasi::WasiConfig::new(root.path())).expect("provider");
+    let (server, _root, shutdown, _node) = cluster_node(root, std::sync::Arc::new(provider)).await;
+    let _stop = shutdown.clone().drop_guard();
+    let admin = server.client(server.admin_token()).await.expect("admin");
+    let docker_config = json!({"auths": {registry.host(): {"username": "puller", "password": "s3cret"}}}).to_string();
+    let secret: Secret = serde_json::from_value(json!({
+        "metadata": {"name": "registry-login", "namespace": "default"},
+        "type": "kubernetes.io/dockerconfigjson",
+        "stringData": {".dockerconfigjson": docker_config},
+    }))
+    .expect("secret");
+    Api::<Secret>::namespaced(admin.clone(), "default").create(&PostParams::default(), &secret).await.expect("secret");
+    let pods: Api<Pod> = Api::namespaced(admin, "default");
+    let image = registry.reference("wasm/private", "v1");
+    for (name, secrets) in [("without", json!([])), ("with", json!([{"name": "registry-login"}]))] {
+        let pod: Pod = serde_json::from_value(json!({
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {
+                "nodeName": "n1",
+                "terminationGracePeriodSeconds": 2,
+                "imagePullSecrets": secrets,
+                "containers": [{"name": "main", "image": image, "imagePullPolicy": "Always"}],
+            },
+        }))
+        .expect("pod");
+        pods.create(&PostParams::default(), &pod).await.expect("pod");
+    }
+    let running = server
+        .wait_object(("", "pods", "default", "with"), SOON, |p| p.is_some_and(|p| p["status"]["phase"] == "Running"))
+        .await;
+    assert!(running.is_ok(), "with the secret, the image is pulled and runs: {running:?}");
+    // The same image, pulled without credentials: refused, even though the
+    // other pod's pull put it in the store (policy Always asks the registry).
+    let refused = server
+        .wait_object(("", "pods", "default", "without"), SOON, |p| {
+            p.and_then(|p| p.pointer("/status/containerStatuses/0/state/waiting/reason"))
+                .and_then(Value::as_str)
+                .is_some_and(|r| r == "ErrImagePull" || r == "ImagePullBackOff")
+        })
+        .await;
+    let refused =
+        refused.unwrap_or_else(|seen| panic!("the pod without the secret is not refused: {seen:#?}")).expect("pod");
+    assert_eq!(refused["status"]["phase"], "Pending");
 }

@@ -184,11 +184,37 @@ impl ProviderError {
     }
 }
 
+/// Registry credentials from a pod's `imagePullSecrets`, in the pod's
+/// order: each a docker config (`{"auths": {...}}`, what a
+/// `kubernetes.io/dockerconfigjson` Secret holds; a legacy `.dockercfg` is
+/// given in the same shape). `Debug` shows how many, never their content.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct PullSecrets(pub Vec<Vec<u8>>);
+
+impl std::fmt::Debug for PullSecrets {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PullSecrets({} docker configs)", self.0.len())
+    }
+}
+
 /// What runs containers for the node.
 #[async_trait]
 pub trait Provider: Send + Sync + 'static {
     /// Makes the container's image ready to run.
     async fn prepare_image(&self, pod: &Pod, container: &Container) -> Result<PreparedImage, ProviderError>;
+
+    /// Makes the image ready with the pod's registry credentials (cluster
+    /// mode reads its `imagePullSecrets`); by default the credentials are
+    /// not used and [`Provider::prepare_image`] is called.
+    async fn prepare_image_with_secrets(
+        &self,
+        pod: &Pod,
+        container: &Container,
+        secrets: &PullSecrets,
+    ) -> Result<PreparedImage, ProviderError> {
+        let _ = secrets;
+        self.prepare_image(pod, container).await
+    }
 
     /// Starts a container; returns once it runs.
     async fn start_container(&self, launch: &ContainerLaunch) -> Result<ContainerId, ProviderError>;

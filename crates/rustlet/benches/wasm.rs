@@ -28,7 +28,6 @@ use kubelet::pod::{Allocatable, PodStore};
 use rustlet_wasi::pull::{PullPolicy, Puller};
 use rustlet_wasi::runtime::{RunSpec, Runtime};
 use rustlet_wasi::store::{ImageStore, ModuleKind};
-use rustlet_wasi::{WasiConfig, WasiProvider};
 use tokio_util::sync::CancellationToken;
 
 use common::figures;
@@ -189,11 +188,7 @@ async fn run() -> Result<(), BoxError> {
     let root = tempfile::Builder::new().prefix("rustlet-bench-wasm-").tempdir()?;
     let manifests = root.path().join("manifests");
     std::fs::create_dir_all(&manifests)?;
-    let provider = Arc::new(WasiProvider::new(WasiConfig::new(root.path()))?);
-    let layout = root.path().join("layout");
-    let sleep = rustlet_wasi::examples::binary("sleep")?;
-    rustlet_wasi::import::write_layout(&layout, &[(IMAGE, &sleep)])?;
-    rustlet_wasi::import::import(provider.images(), &layout, None)?;
+    let provider = common::sleep_provider(root.path(), IMAGE)?;
 
     let mut config = NodeConfig::new(root.path(), "bench");
     config.http_address = None;

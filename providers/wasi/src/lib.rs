@@ -44,7 +44,7 @@ use k8s_openapi::api::core::v1::{Container, Pod, Taint};
 use k8s_openapi::jiff::Timestamp;
 use kubelet::provider::{
     ContainerExit, ContainerId, ContainerLaunch, PreparedImage, Provider, ProviderError, ProviderErrorKind,
-    RunningContainer,
+    PullSecrets, RunningContainer,
 };
 use tokio::sync::watch;
 
@@ -233,6 +233,26 @@ fn argv(container: &Container, launch: &ContainerLaunch, default_args: &[String]
 #[async_trait]
 impl Provider for WasiProvider {
     async fn prepare_image(&self, pod: &Pod, container: &Container) -> Result<PreparedImage, ProviderError> {
+        self.prepare_image_with_secrets(pod, container, &PullSecrets::default()).await
+    }
+
+    async fn prepare_image_with_secrets(
+        &self,
+        pod: &Pod,
+        container: &Container,
+        secrets: &PullSecrets,
+    ) -> Result<PreparedImage, ProviderError> {
+        // The pod's secrets in its order (the first naming a registry wins),
+        // then the node's config.json.
+        let mut credentials = pull::Credentials::default();
+        for (n, config) in secrets.0.iter().enumerate() {
+            match pull::Credentials::parse(config) {
+                Ok(parsed) => credentials.fill_from(parsed),
+                Err(error) => {
+                    tracing::warn!(secret = n, %error, "an image pull secret is not a docker config; skipped")
+                }
+            }
+        }
         let image = image_of(container)?;
         let policy = PullPolicy::of(container.image_pull_policy.as_deref(), image);
         let puller = self.puller.clone();
@@ -240,7 +260,7 @@ impl Provider for WasiProvider {
         // On the provider's threads: a slow registry never holds the node's.
         let record = self
             .threads()
-            .spawn(async move { puller.ensure(&owned, policy).await })
+            .spawn(async move { puller.ensure_with(&owned, policy, credentials).await })
             .await
             .map_err(|e| ProviderError::new(ProviderErrorKind::Other, e.to_string()))?
             .map_err(pull_error)?;

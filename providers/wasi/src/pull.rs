@@ -176,11 +176,30 @@ impl Credentials {
         Ok(Credentials { by_registry })
     }
 
+    /// Adds `other`'s registries that this one does not have.
+    pub fn fill_from(&mut self, other: Credentials) {
+        for (registry, auth) in other.by_registry {
+            self.by_registry.entry(registry).or_insert(auth);
+        }
+    }
+
     /// The credentials for `registry` (`host[:port]`).
     pub fn for_registry(&self, registry: &str) -> RegistryAuth {
         let key = if registry == "docker.io" { "index.docker.io" } else { registry };
         self.by_registry.get(key).or_else(|| self.by_registry.get(registry)).cloned().unwrap_or(RegistryAuth::Anonymous)
     }
+}
+
+/// A short digest of credentials, to tell pulls with different ones apart
+/// without keeping them in a key.
+fn fingerprint(auth: &RegistryAuth) -> String {
+    use sha2::Digest as _;
+    let text = match auth {
+        RegistryAuth::Anonymous => return "anonymous".to_owned(),
+        RegistryAuth::Basic(user, password) => format!("basic\0{user}\0{password}"),
+        RegistryAuth::Bearer(token) => format!("bearer\0{token}"),
+    };
+    sha2::Sha256::digest(text.as_bytes()).iter().take(8).map(|b| format!("{b:02x}")).collect()
 }
 
 /// Plain HTTP for loopback registries (as containerd does for localhost),
@@ -227,6 +246,18 @@ impl Puller {
 
     /// Makes `image` present under `policy`; returns its record.
     pub async fn ensure(&self, image: &str, policy: PullPolicy) -> Result<ImageRecord, PullError> {
+        self.ensure_with(image, policy, Credentials::default()).await
+    }
+
+    /// [`Puller::ensure`] with `credentials` (a pod's pull secrets) before
+    /// the node's own. Pulls of one image share one flight: a pull already
+    /// running goes on with the credentials it started with.
+    pub async fn ensure_with(
+        &self,
+        image: &str,
+        policy: PullPolicy,
+        credentials: Credentials,
+    ) -> Result<ImageRecord, PullError> {
         let reference = parse_reference(image)?;
         let name = reference.whole();
         let stored = self.store.get(&name).map_err(|e| PullError::new(PullErrorKind::Other, e.to_string()))?;
@@ -236,15 +267,22 @@ impl Puller {
                 PullErrorKind::NeverPull,
                 format!("Container image \"{image}\" is not present with pull policy of Never"),
             )),
-            _ => self.pull_once(&reference).await,
+            _ => {
+                let mut credentials = credentials;
+                let file = Credentials::load(&self.credentials_file)
+                    .map_err(|e| PullError::new(PullErrorKind::Other, format!("registry credentials: {e}")))?;
+                credentials.fill_from(file);
+                self.pull_once(&reference, credentials.for_registry(reference.registry())).await
+            }
         }
     }
 
-    /// Pulls `reference`, sharing the pull with callers that arrive while
-    /// it runs.
-    async fn pull_once(&self, reference: &Reference) -> Result<ImageRecord, PullError> {
+    /// Pulls `reference` with `auth`, sharing the pull with callers that
+    /// arrive while it runs with the same credentials (another pod's
+    /// credentials are another pull: its own may be refused).
+    async fn pull_once(&self, reference: &Reference, auth: RegistryAuth) -> Result<ImageRecord, PullError> {
         let asked = Instant::now();
-        let name = reference.whole();
+        let name = format!("{}|{}", reference.whole(), fingerprint(&auth));
         let flight = self.flights.lock().expect("lock").entry(name.clone()).or_default().clone();
         let mut slot = flight.lock().await;
         if let Some((finished, result)) = slot.as_ref()
@@ -252,7 +290,7 @@ impl Puller {
         {
             return result.clone();
         }
-        let result = self.pull(reference).await;
+        let result = self.pull(reference, &auth).await;
         *slot = Some((Instant::now(), result.clone()));
         drop(slot);
         // Forget the flight when nobody else waits on it.
@@ -276,16 +314,13 @@ impl Puller {
     }
 
     /// Pulls `reference` from its registry.
-    async fn pull(&self, reference: &Reference) -> Result<ImageRecord, PullError> {
+    async fn pull(&self, reference: &Reference, auth: &RegistryAuth) -> Result<ImageRecord, PullError> {
         self.pulls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let image = reference.whole();
         let fail = |e: OciDistributionError| classify(&image, e);
-        let credentials = Credentials::load(&self.credentials_file)
-            .map_err(|e| PullError::new(PullErrorKind::Other, format!("registry credentials: {e}")))?;
-        let auth = credentials.for_registry(reference.registry());
         let client = self.client(reference);
         tracing::info!(%image, "pulling image");
-        let (manifest, digest) = client.pull_manifest(reference, &auth).await.map_err(fail)?;
+        let (manifest, digest) = client.pull_manifest(reference, auth).await.map_err(fail)?;
         let (manifest, digest) = match manifest {
             OciManifest::Image(manifest) => (manifest, digest),
             OciManifest::ImageIndex(index) => {
@@ -299,7 +334,7 @@ impl Puller {
                     return Err(not_wasm(&image, &format!("an image index for {}", platforms.join(", "))));
                 };
                 let by_digest = reference.clone_with_digest(entry.digest.clone());
-                match client.pull_manifest(&by_digest, &auth).await.map_err(fail)? {
+                match client.pull_manifest(&by_digest, auth).await.map_err(fail)? {
                     (OciManifest::Image(manifest), digest) => (manifest, digest),
                     (OciManifest::ImageIndex(_), _) => {
                         return Err(not_wasm(&image, "an image index nested in an image index"));
@@ -320,10 +355,10 @@ impl Puller {
         let (layer, format) = wasm_layer(&image, &manifest)?;
         let (module, kind, size, default_args) = match layer {
             Some(layer) => {
-                let (module, kind, size) = self.fetch_module(&client, reference, &auth, layer).await?;
+                let (module, kind, size) = self.fetch_module(&client, reference, auth, layer).await?;
                 (module, kind, size, Vec::new())
             }
-            None => self.fetch_from_image(&client, reference, &auth, &manifest).await?,
+            None => self.fetch_from_image(&client, reference, auth, &manifest).await?,
         };
         let record = ImageRecord {
             name: image.clone(),

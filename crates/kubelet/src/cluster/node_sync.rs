@@ -5,9 +5,12 @@
 //! - The status is a merge patch of the whole `status` (capacity,
 //!   allocatable, conditions with heartbeat times, node info). It is sent
 //!   when what the node reports changes (changes arriving together are
-//!   coalesced into one patch) and at least every `report_interval`
-//!   (upstream's `nodeStatusReportFrequency`, 5 min). A failed patch is
-//!   retried with backoff and counted; nothing panics.
+//!   coalesced into one patch; a token bucket keeps a node that changes
+//!   without pause, such as a device plugin flapping health, to
+//!   `patch_burst + patches_per_minute` patches a minute, 60 by default)
+//!   and at least every `report_interval` (upstream's
+//!   `nodeStatusReportFrequency`, 5 min). A failed patch is retried with
+//!   backoff and counted; nothing panics.
 //! - A condition keeps its `lastTransitionTime` while its status stays.
 //! - The lease is renewed every `renew_interval` (10 s, a quarter of its 40
 //!   s duration), holder = the node name, owned by the Node.
@@ -48,6 +51,14 @@ pub struct NodeSyncConfig {
     pub report_interval: Duration,
     /// How long changes are gathered into one patch.
     pub coalesce: Duration,
+    /// Status patches allowed in a burst (a quiet node's change is sent at
+    /// once).
+    pub patch_burst: u32,
+    /// Status patches a minute beyond the burst: with the burst, no minute
+    /// holds more than `patch_burst + patches_per_minute` patches however
+    /// fast the node changes (a device plugin flapping health, say); the
+    /// latest state is what is sent.
+    pub patches_per_minute: u32,
     /// The first retry delay after a failure (doubling up to `retry_max`).
     pub retry_initial: Duration,
     /// The longest retry delay.
@@ -63,9 +74,45 @@ impl NodeSyncConfig {
             renew_interval: Duration::from_secs(10),
             report_interval: Duration::from_secs(300),
             coalesce: Duration::from_millis(20),
+            patch_burst: 5,
+            patches_per_minute: 55,
             retry_initial: Duration::from_millis(200),
             retry_max: Duration::from_secs(10),
         }
+    }
+}
+
+/// A token bucket: `burst` tokens, refilled at `per_minute`.
+struct Bucket {
+    tokens: f64,
+    burst: f64,
+    per_second: f64,
+    last: tokio::time::Instant,
+}
+
+impl Bucket {
+    fn new(burst: u32, per_minute: u32) -> Bucket {
+        let burst = f64::from(burst.max(1));
+        Bucket {
+            tokens: burst,
+            burst,
+            per_second: f64::from(per_minute.max(1)) / 60.0,
+            last: tokio::time::Instant::now(),
+        }
+    }
+
+    /// Takes a token, first waiting until there is one.
+    async fn take(&mut self) {
+        let now = tokio::time::Instant::now();
+        self.tokens = (self.tokens + (now - self.last).as_secs_f64() * self.per_second).min(self.burst);
+        self.last = now;
+        if self.tokens < 1.0 {
+            let wait = Duration::from_secs_f64((1.0 - self.tokens) / self.per_second);
+            tokio::time::sleep(wait).await;
+            self.tokens = 1.0;
+            self.last = tokio::time::Instant::now();
+        }
+        self.tokens -= 1.0;
     }
 }
 
@@ -276,6 +323,7 @@ impl StatusSync {
     /// node is found gone.
     async fn keep_status(&mut self, backoff: &mut Backoff) {
         let mut due = false;
+        let mut bucket = Bucket::new(self.config.patch_burst, self.config.patches_per_minute);
         loop {
             if !due {
                 tokio::select! {
@@ -292,6 +340,15 @@ impl StatusSync {
                         tracing::warn!(node = %self.config.node_name, "node object deleted; registering it again");
                         return;
                     }
+                }
+            }
+            // At most the bucket's rate: changes meanwhile are in the
+            // state sent when a token comes.
+            tokio::select! {
+                () = bucket.take() => {}
+                () = self.deleted.notified() => {
+                    tracing::warn!(node = %self.config.node_name, "node object deleted; registering it again");
+                    return;
                 }
             }
             match self.patch_status().await {

@@ -12,6 +12,8 @@
 //! - a projected service-account token is requested for the pod (bound to
 //!   it) with its audience and expiry (default 1 h, at least 10 min).
 //!
+//! [`pull_secrets`] reads a pod's `imagePullSecrets` for its image pulls.
+//!
 //! Not done: refreshing the files when the objects change (upstream syncs
 //! them about every minute), renewing tokens before they expire, secrets
 //! on tmpfs (they are written to the pod's directory).
@@ -300,4 +302,35 @@ pub async fn env_objects(
         found.insert((kind, name), data);
     }
     Ok(found)
+}
+
+/// The docker configs of `pod`'s `imagePullSecrets` (`.dockerconfigjson`,
+/// or a legacy `.dockercfg` wrapped as `{"auths": ...}`). A secret that
+/// cannot be read is logged and skipped, as upstream does: the pull goes on
+/// without it.
+pub async fn pull_secrets(objects: &dyn ApiObjects, pod: &Pod) -> crate::provider::PullSecrets {
+    let namespace = pod.metadata.namespace.as_deref().unwrap_or("default");
+    let mut configs = Vec::new();
+    for reference in pod.spec.iter().flat_map(|s| s.image_pull_secrets.iter().flatten()) {
+        let name = reference.name.as_str();
+        match objects.data(ObjectKind::Secret, namespace, name).await {
+            Ok(Some(data)) => {
+                if let Some(config) = data.get(".dockerconfigjson") {
+                    configs.push(config.clone());
+                } else if let Some(legacy) = data.get(".dockercfg") {
+                    let mut wrapped = b"{\"auths\":".to_vec();
+                    wrapped.extend_from_slice(legacy);
+                    wrapped.push(b'}');
+                    configs.push(wrapped);
+                } else {
+                    tracing::warn!(secret = %name, %namespace, "image pull secret has no .dockerconfigjson or .dockercfg; pulling without it");
+                }
+            }
+            Ok(None) => tracing::warn!(secret = %name, %namespace, "image pull secret not found; pulling without it"),
+            Err(error) => {
+                tracing::warn!(secret = %name, %namespace, %error, "cannot read image pull secret; pulling without it")
+            }
+        }
+    }
+    crate::provider::PullSecrets(configs)
 }

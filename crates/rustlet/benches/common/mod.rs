@@ -141,3 +141,17 @@ fn timestamps_parse() {
     let t = parse_utc("2026-11-23T00:44:08.318895Z").expect("parses");
     assert_eq!(t.duration_since(std::time::UNIX_EPOCH).expect("after").as_micros(), 1_795_394_648_318_895);
 }
+
+/// A WebAssembly provider in `root` with the `sleep` example module
+/// imported as `image`.
+pub fn sleep_provider(
+    root: &std::path::Path,
+    image: &str,
+) -> Result<std::sync::Arc<rustlet_wasi::WasiProvider>, Box<dyn std::error::Error + Send + Sync>> {
+    let provider = std::sync::Arc::new(rustlet_wasi::WasiProvider::new(rustlet_wasi::WasiConfig::new(root))?);
+    let layout = root.join("layout");
+    let sleep = rustlet_wasi::examples::binary("sleep")?;
+    rustlet_wasi::import::write_layout(&layout, &[(image, &sleep)])?;
+    rustlet_wasi::import::import(provider.images(), &layout, None)?;
+    Ok(provider)
+}

@@ -35,13 +35,19 @@ impl State<PodLifecycle> for ImagePull {
             return Transition::next(&*self, Volumes);
         };
         let pod = Arc::clone(&ctx.data.pod);
+        let secrets = match ctx.machine.volumes.objects() {
+            Some(objects) if ctx.data.containers.values().any(|r| r.image_id.is_none()) => {
+                crate::volume::api_data::pull_secrets(objects.as_ref(), &pod).await
+            }
+            _ => crate::provider::PullSecrets::default(),
+        };
         for name in ctx.data.order.clone() {
             let Some(record) = ctx.data.containers.get(&name) else { continue };
             if record.image_id.is_some() {
                 continue;
             }
             let spec = record.spec.clone();
-            match provider.prepare_image(&pod, &spec).await {
+            match provider.prepare_image_with_secrets(&pod, &spec, &secrets).await {
                 Ok(image) => {
                     if let Some(record) = ctx.data.containers.get_mut(&name) {
                         record.image_id = Some(image.image_id);
