@@ -209,6 +209,7 @@ pub fn start(
         config,
         stats: stats.clone(),
         registered: registered.clone(),
+        last: None,
     };
     tokio::spawn(run_until(shutdown, lease.run()));
     NodeSync { stats, registered, health }
@@ -435,6 +436,10 @@ struct LeaseSync {
     config: NodeSyncConfig,
     stats: Arc<NodeSyncStats>,
     registered: watch::Receiver<Option<String>>,
+    /// The lease as the last write left it: the next renewal replaces it
+    /// with one request (its resourceVersion the precondition); after a
+    /// failure it is read again first.
+    last: Option<Lease>,
 }
 
 impl LeaseSync {
@@ -467,7 +472,7 @@ impl LeaseSync {
         }
     }
 
-    async fn renew(&self, node_uid: &str) -> Result<(), kube::Error> {
+    async fn renew(&mut self, node_uid: &str) -> Result<(), kube::Error> {
         let name = &self.config.node_name;
         let owner = OwnerReference {
             api_version: "v1".into(),
@@ -482,7 +487,11 @@ impl LeaseSync {
             renew_time: Some(MicroTime(jiff::Timestamp::now())),
             ..LeaseSpec::default()
         };
-        match self.leases.get_opt(name).await? {
+        let known = match self.last.take() {
+            Some(lease) => Some(lease),
+            None => self.leases.get_opt(name).await?,
+        };
+        match known {
             None => {
                 let lease = Lease {
                     metadata: ObjectMeta {
@@ -493,14 +502,14 @@ impl LeaseSync {
                     },
                     spec: Some(spec),
                 };
-                self.leases.create(&PostParams::default(), &lease).await?;
+                self.last = Some(self.leases.create(&PostParams::default(), &lease).await?);
             }
             Some(mut lease) => {
                 lease.spec = Some(spec);
                 lease.metadata.owner_references = Some(vec![owner]);
-                // The version read above is a precondition: on a conflict
-                // the next try reads the lease again.
-                self.leases.replace(name, &PostParams::default(), &lease).await?;
+                // The version known is a precondition: on a conflict (or
+                // any failure) the next try reads the lease again.
+                self.last = Some(self.leases.replace(name, &PostParams::default(), &lease).await?);
             }
         }
         Ok(())
