@@ -11,6 +11,11 @@
 //! it; their WebAssembly images are imported into the node's store (pull
 //! policy `Never`), so the cluster needs no registry. See docs/cluster.md.
 //!
+//! `the_e2e_scenario_passes_against_the_fake_api_server` runs the same
+//! scenario in CI against the in-process API server, with a stand-in for
+//! the scheduler (it binds pods by their `kubernetes.io/hostname` node
+//! selector): a check of the scenario's own code, not of a real cluster.
+//!
 //! Scenario: the node is Ready; a test device plugin's resource appears in
 //! allocatable; a pod requesting it is scheduled by the real scheduler,
 //! runs and sees the device env; a pod bound with more than the node has
@@ -145,6 +150,47 @@ fn pod(node: &str, name: &str, image: &str, gpus: u32, bind: bool) -> Pod {
 #[tokio::test]
 async fn a_real_cluster_runs_pods_on_the_node() {
     let Some(env) = env().await else { return };
+    scenario(env).await;
+}
+
+#[tokio::test]
+async fn the_e2e_scenario_passes_against_the_fake_api_server() {
+    use rustlet_testkit::apiserver::ApiServer;
+    let server = ApiServer::start().await.expect("api server");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let node_kubeconfig = dir.path().join("node.kubeconfig");
+    server.write_kubeconfig(&node_kubeconfig, &server.node_token("e2e-node")).expect("kubeconfig");
+    let admin = server.client(server.admin_token()).await.expect("admin");
+    let scheduler = tokio::spawn(schedule(admin.clone(), server.changes()));
+    let env = Env { admin, node_kubeconfig: node_kubeconfig.display().to_string(), node_name: "e2e-node".into() };
+    scenario(env).await;
+    scheduler.abort();
+}
+
+/// A stand-in for the scheduler: binds each new unbound pod to the node
+/// its `kubernetes.io/hostname` selector names.
+async fn schedule(
+    admin: kube::Client,
+    mut changes: tokio::sync::broadcast::Receiver<rustlet_testkit::apiserver::store::Change>,
+) {
+    use kube::api::{Patch, PatchParams};
+    while let Ok(change) = changes.recv().await {
+        let object = &change.object;
+        if change.key.plural != "pods" || object.pointer("/spec/nodeName").is_some() {
+            continue;
+        }
+        let Some(node) = object.pointer("/spec/nodeSelector/kubernetes.io~1hostname").and_then(|v| v.as_str()) else {
+            continue;
+        };
+        let name = object.pointer("/metadata/name").and_then(|v| v.as_str()).unwrap_or_default();
+        let namespace = object.pointer("/metadata/namespace").and_then(|v| v.as_str()).unwrap_or("default");
+        let pods: Api<Pod> = Api::namespaced(admin.clone(), namespace);
+        let patch = json!({"spec": {"nodeName": node}});
+        let _ = pods.patch(name, &PatchParams::default(), &Patch::Merge(&patch)).await;
+    }
+}
+
+async fn scenario(env: Env) {
     let root = tempfile::tempdir().expect("tempdir");
     import_example(root.path(), "sleep").await;
     import_example(root.path(), "hello").await;

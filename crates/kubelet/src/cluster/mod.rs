@@ -19,7 +19,8 @@
 //!   the ConfigMaps, Secrets and service-account tokens of configMap,
 //!   secret and projected volumes and env references.
 //!
-//! Not yet: image pull secrets from the API, events, refreshing
+//! Image pull secrets are read through the same client and handed to the
+//! provider. Not yet: events, refreshing
 //! configMap/secret volumes and tokens after the pod started.
 
 pub mod csi_info;
