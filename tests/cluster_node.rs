@@ -147,6 +147,23 @@ async fn changes_reach_the_node_coalesced_and_transition_times_hold() {
         .expect("not ready arrives")
         .expect("node");
     assert_eq!(condition(&node, "Ready")["message"], "plugin-manager failed: boom");
+
+    // The device plugin's resource is gone for good: 0, not its last value.
+    let mut gone = desired("n1", 9);
+    let status = gone.status.as_mut().expect("status");
+    for map in [&mut status.capacity, &mut status.allocatable] {
+        map.as_mut().expect("resources").remove("example.com/gpu");
+    }
+    tx.send_replace(gone);
+    let zero = server
+        .wait_object(NODE, SOON, |n| {
+            n.is_some_and(|n| {
+                n["status"]["capacity"]["example.com/gpu"] == "0"
+                    && n["status"]["allocatable"]["example.com/gpu"] == "0"
+            })
+        })
+        .await;
+    assert!(zero.is_ok(), "a resource no longer reported is 0: {zero:?}");
     shutdown.cancel();
 }
 

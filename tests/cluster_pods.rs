@@ -22,6 +22,7 @@ const SOON: Duration = Duration::from_secs(20);
 struct ClusterNode {
     server: ApiServer,
     admin: Api<Pod>,
+    pods: Pods,
     sync: pod_sync::PodSync,
     shutdown: CancellationToken,
     _root: tempfile::TempDir,
@@ -46,9 +47,9 @@ async fn cluster_node() -> ClusterNode {
         retry_max: Duration::from_millis(100),
         ..PodSyncConfig::new("n1")
     };
-    let sync = pod_sync::start(node_client, sync_config, pods, shutdown.clone());
+    let sync = pod_sync::start(node_client, sync_config, pods.clone(), shutdown.clone());
     let admin = Api::namespaced(server.client(server.admin_token()).await.expect("client"), "default");
-    ClusterNode { server, admin, sync, shutdown, _root: root }
+    ClusterNode { server, admin, pods, sync, shutdown, _root: root }
 }
 
 fn pod(name: &str, node: &str, cpu: &str) -> Pod {
@@ -135,4 +136,25 @@ async fn a_deleted_pod_is_stopped_released_and_deleted_for_good() {
     node.server.wait_object(pod_key("web"), SOON, |p| p.is_some_and(running)).await.expect("the new one runs");
     // Counted before the new pod's status went out (one task sends both).
     assert_eq!(node.sync.stats().deletions.load(std::sync::atomic::Ordering::Relaxed), 1);
+}
+
+/// The watch breaks, reconnecting fails for a while, and the history it
+/// would resume from is compacted away (410): the node relists, stops the
+/// pod deleted meanwhile and runs the one created meanwhile.
+#[tokio::test]
+async fn a_watch_that_expires_is_relisted_and_nothing_is_missed() {
+    let node = cluster_node().await;
+    let first = node.admin.create(&PostParams::default(), &pod("first", "n1", "100m")).await.expect("create");
+    node.server.wait_object(pod_key("first"), SOON, |p| p.is_some_and(running)).await.expect("running");
+    let first_uid = first.metadata.uid.expect("uid");
+    // Node-side pod reads fail three times; the watch is cut.
+    node.server.inject(Fault::status(Some(http::Method::GET), "/api/v1/pods", 500, 3));
+    node.server.drop_watches();
+    let now = DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() };
+    node.admin.delete("first", &now).await.expect("delete");
+    node.admin.create(&PostParams::default(), &pod("second", "n1", "100m")).await.expect("create");
+    node.server.compact();
+    node.server.wait_object(pod_key("second"), SOON, |p| p.is_some_and(running)).await.expect("the new pod runs");
+    let gone = node.pods.store().wait_for(SOON, |pods| !pods.contains_key(&first_uid)).await;
+    assert!(gone.is_some(), "the pod deleted while the watch was down still runs on the node");
 }

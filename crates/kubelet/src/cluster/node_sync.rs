@@ -25,6 +25,7 @@ use std::time::Duration;
 use futures_util::StreamExt as _;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::{Node, NodeCondition};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, OwnerReference, Time};
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::runtime::watcher;
@@ -200,6 +201,7 @@ pub fn start(
         registered: registered_tx,
         deleted: deleted.clone(),
         conditions: BTreeMap::new(),
+        resources: std::collections::BTreeSet::new(),
     };
     tokio::spawn(run_until(shutdown.clone(), sync.run()));
     let watch = watch_deletion(client.clone(), config.node_name.clone(), deleted, registered.clone());
@@ -237,6 +239,10 @@ struct StatusSync {
     /// The conditions last sent, by type: their transition times are kept
     /// while their status stays.
     conditions: BTreeMap<String, NodeCondition>,
+    /// Every resource ever sent: one the node no longer reports (a device
+    /// plugin gone past its grace period) is sent as 0, as upstream does (a
+    /// merge patch would otherwise leave its last value).
+    resources: std::collections::BTreeSet<String>,
 }
 
 impl StatusSync {
@@ -293,6 +299,18 @@ impl StatusSync {
         }
     }
 
+    /// Resources sent before and no longer reported become 0.
+    fn zero_gone_resources(&mut self, node: &mut Node) {
+        let Some(status) = node.status.as_mut() else { return };
+        for map in [&mut status.capacity, &mut status.allocatable] {
+            let map = map.get_or_insert_with(BTreeMap::new);
+            for name in &self.resources {
+                map.entry(name.clone()).or_insert_with(|| Quantity("0".into()));
+            }
+            self.resources.extend(map.keys().cloned());
+        }
+    }
+
     /// Sets heartbeat times, and transition times where a status changed.
     fn stamp(&mut self, node: &mut Node) {
         let now = Time(jiff::Timestamp::now());
@@ -313,6 +331,7 @@ impl StatusSync {
     async fn patch_status(&mut self) -> Result<(), kube::Error> {
         let mut node = self.desired.borrow_and_update().clone();
         self.stamp(&mut node);
+        self.zero_gone_resources(&mut node);
         let status = serde_json::to_value(&node.status).unwrap_or_default();
         let patch = json!({"status": status});
         self.nodes.patch_status(&self.config.node_name, &PatchParams::default(), &Patch::Merge(&patch)).await?;

@@ -1,5 +1,7 @@
 //! What the node has: cpu and memory measured from the machine, the pod
-//! count (`--max-pods`), the device plugins' resources; and the `v1.Node`
+//! count (`--max-pods`), `ephemeral-storage` (the size of the root dir's
+//! file system; nothing reserved, no eviction threshold), the device
+//! plugins' resources; and the `v1.Node`
 //! object that describes it (what `rustlet get node` prints and cluster mode
 //! will register).
 
@@ -47,6 +49,8 @@ pub(crate) struct NodeFacts<'a> {
     pub(crate) taints: &'a [Taint],
     /// The node's IPs (`InternalIP` addresses).
     pub(crate) addresses: &'a [IpAddr],
+    /// Bytes of the file system holding the root dir, if it can be read.
+    pub(crate) ephemeral_storage: Option<u128>,
 }
 
 /// What describes the node besides its devices and health.
@@ -58,6 +62,8 @@ pub(crate) struct NodeDescription {
     pub(crate) labels: BTreeMap<String, String>,
     pub(crate) taints: Vec<Taint>,
     pub(crate) addresses: Vec<IpAddr>,
+    /// The root dir: its file system is the node's `ephemeral-storage`.
+    pub(crate) root_dir: std::path::PathBuf,
 }
 
 impl NodeDescription {
@@ -72,8 +78,16 @@ impl NodeDescription {
             labels: &self.labels,
             taints: &self.taints,
             addresses: &self.addresses,
+            ephemeral_storage: file_system_size(&self.root_dir),
         })
     }
+}
+
+/// The size of the file system holding `path` (what the kubelet reports as
+/// `ephemeral-storage` capacity for its root dir).
+fn file_system_size(path: &std::path::Path) -> Option<u128> {
+    let stats = rustix::fs::statvfs(path).ok()?;
+    Some(u128::from(stats.f_blocks) * u128::from(stats.f_frsize))
 }
 
 /// `Ok` when every check passes; otherwise the failing checks, named.
@@ -97,10 +111,14 @@ pub(crate) fn node_object(facts: &NodeFacts<'_>) -> NodeObject {
     let cpu = Quantity(format_cpu(facts.allocatable.cpu_milli));
     let memory = Quantity(format!("{}Ki", facts.allocatable.memory / 1024));
     let pods = Quantity(facts.allocatable.pods.to_string());
+    let storage = facts.ephemeral_storage.map(|bytes| Quantity(format!("{}Ki", bytes / 1024)));
     for map in [&mut capacity, &mut allocatable] {
         map.insert("cpu".to_owned(), cpu.clone());
         map.insert("memory".to_owned(), memory.clone());
         map.insert("pods".to_owned(), pods.clone());
+        if let Some(storage) = &storage {
+            map.insert("ephemeral-storage".to_owned(), storage.clone());
+        }
     }
     for (resource, counts) in facts.devices {
         capacity.insert(resource.clone(), Quantity(counts.capacity.to_string()));
@@ -219,6 +237,7 @@ mod tests {
                 time_added: None,
             }],
             addresses: &["10.1.2.3".parse().expect("ip")],
+            ephemeral_storage: file_system_size(std::path::Path::new("/")),
         };
         let node = node_object(&facts);
         let labels = node.metadata.labels.clone().unwrap_or_default();
@@ -231,6 +250,8 @@ mod tests {
         assert_eq!(capacity["cpu"].0, "2500m");
         assert_eq!(capacity["memory"].0, "4194304Ki");
         assert_eq!(capacity["example.com/gpu"].0, "4");
+        let storage = capacity["ephemeral-storage"].0.trim_end_matches("Ki").parse::<u64>().expect("KiB");
+        assert!(storage > 0, "the root file system has a size");
         assert_eq!(status.allocatable.expect("allocatable")["example.com/gpu"].0, "3");
         let addresses = status.addresses.clone().unwrap_or_default();
         assert_eq!((addresses[0].type_.as_str(), addresses[0].address.as_str()), ("InternalIP", "10.1.2.3"));

@@ -348,6 +348,7 @@ impl NodeBuilder {
             labels: provider_labels,
             taints: provider_taints,
             addresses: config.node_ips.clone(),
+            root_dir: root_dir.clone(),
         };
         let http_address = match config.http_address {
             None => None,
