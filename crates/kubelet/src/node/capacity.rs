@@ -136,6 +136,15 @@ pub(crate) fn node_object(facts: &NodeFacts<'_>) -> NodeObject {
         ("type".to_owned(), "rustlet".to_owned()),
     ]);
     labels.extend(facts.labels.iter().map(|(k, v)| (k.clone(), v.clone())));
+    // The deprecated beta labels follow the current ones (the provider's
+    // arch included), as the kubelet still writes them.
+    for (beta, current) in
+        [("beta.kubernetes.io/os", "kubernetes.io/os"), ("beta.kubernetes.io/arch", "kubernetes.io/arch")]
+    {
+        if let Some(value) = labels.get(current).cloned() {
+            labels.insert(beta.to_owned(), value);
+        }
+    }
     let uname = |file: &str| std::fs::read_to_string(format!("/proc/sys/kernel/{file}")).map(|s| s.trim().to_owned());
     NodeObject {
         metadata: ObjectMeta {
@@ -243,6 +252,8 @@ mod tests {
         let labels = node.metadata.labels.clone().unwrap_or_default();
         assert_eq!(labels["kubernetes.io/arch"], "wasm32-wasi", "the provider's label wins");
         assert_eq!(labels["kubernetes.io/hostname"], "n1");
+        assert_eq!(labels["beta.kubernetes.io/arch"], "wasm32-wasi");
+        assert_eq!(labels["beta.kubernetes.io/os"], "linux");
         let taints = node.spec.clone().and_then(|s| s.taints).unwrap_or_default();
         assert_eq!(taints.len(), 1);
         let status = node.status.expect("status");
