@@ -464,3 +464,33 @@ async fn pods_pulling_one_image_at_once_make_one_pull() {
     assert_eq!(node.provider.pull_count(), 1);
     assert_eq!(node.provider.compilations(), 1);
 }
+
+/// A pod deleted while its image is being pulled (from a registry that
+/// accepts the connection and never answers) goes at once: the pull does
+/// not hold the removal, and nothing of the pod stays (no image, no pod
+/// directory).
+#[tokio::test]
+async fn a_pod_deleted_while_its_image_is_being_pulled_goes_at_once() {
+    let node = wasm_node(0).await;
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let address = silent.local_addr().expect("address");
+    let (accepted_tx, mut accepted) = tokio::sync::mpsc::unbounded_channel();
+    let holder = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((stream, _)) = silent.accept().await {
+            held.push(stream);
+            let _ = accepted_tx.send(());
+        }
+    });
+    let image = format!("{address}/wasm/slow:v1");
+    node.pods.apply(simple_pod("slow", "uid-slow", &image, "Always"));
+    // The pull is under way: the registry got its connection.
+    tokio::time::timeout(SOON, accepted.recv()).await.expect("the pull connects in time").expect("holder alive");
+    node.pods.delete("uid-slow");
+    node.wait_gone("uid-slow").await;
+    let pod_dir = node.root.path().join("pods").join("uid-slow");
+    assert!(!pod_dir.exists(), "the pod's directory is gone");
+    let images = node.provider.images().list().expect("list");
+    assert!(images.iter().all(|i| !i.name.contains("wasm/slow")), "no image stored: {images:?}");
+    holder.abort();
+}
