@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kubelet::node::{Node, NodeBuilder, NodeConfig};
-use kubelet::pod::{Allocatable, PodStore};
+use kubelet::pod::Allocatable;
 use kubelet_api::deviceplugin::v1beta1::DevicePluginOptions;
 use rustlet_testkit::csi_driver::{CsiDriverConfig, RegisteredCsiDriver};
 use rustlet_testkit::device_plugin::{DevicePluginBehaviour, DeviceSpec, FakeDevicePlugin, register_with_kubelet};
@@ -64,40 +64,6 @@ fn write_manifest(dir: &Path, name: &str) -> std::io::Result<()> {
     let temp = dir.join(format!(".{name}.tmp"));
     std::fs::write(&temp, manifest(name))?;
     std::fs::rename(temp, dir.join(format!("{name}.yaml")))
-}
-
-fn is_running(pod: &k8s_openapi::api::core::v1::Pod) -> bool {
-    pod.status
-        .as_ref()
-        .and_then(|s| s.container_statuses.as_ref())
-        .is_some_and(|c| !c.is_empty() && c.iter().all(|c| c.state.as_ref().is_some_and(|s| s.running.is_some())))
-}
-
-/// Waits until `count` pods named with `prefix` satisfy `pred` (or, for
-/// `count` 0, none is left).
-async fn wait_pods(
-    store: &PodStore,
-    prefix: &str,
-    count: usize,
-    pred: impl Fn(&k8s_openapi::api::core::v1::Pod) -> bool,
-) -> Result<(), BoxError> {
-    let done = store
-        .wait_for(DEADLINE, |pods| {
-            let named = pods.values().filter(|p| p.metadata.name.as_deref().is_some_and(|n| n.starts_with(prefix)));
-            if count == 0 { named.count() == 0 } else { named.filter(|p| pred(p)).count() == count }
-        })
-        .await;
-    done.map(|_| ()).ok_or_else(|| format!("pods {prefix}* not there within {DEADLINE:?}").into())
-}
-
-fn rss_mib() -> f64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let kib: f64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .unwrap_or(0.0);
-    kib / 1024.0
 }
 
 struct Bench {
@@ -190,11 +156,11 @@ async fn run() -> Result<(), BoxError> {
         let name = format!("seq{i}");
         let began = Instant::now();
         write_manifest(&bench.manifests, &name)?;
-        wait_pods(&store, &format!("{name}-"), 1, is_running).await?;
+        common::wait_pods(&store, &format!("{name}-"), 1, common::is_running, DEADLINE).await?;
         up.push(began.elapsed());
         let began = Instant::now();
         std::fs::remove_file(bench.manifests.join(format!("{name}.yaml")))?;
-        wait_pods(&store, &format!("{name}-"), 0, |_| true).await?;
+        common::wait_pods(&store, &format!("{name}-"), 0, |_| true, DEADLINE).await?;
         down.push(began.elapsed());
     }
     println!("\none pod at a time ({SEQUENTIAL} pods):");
@@ -203,15 +169,15 @@ async fn run() -> Result<(), BoxError> {
     println!("  floor: spawn the process {}", figures(floor_start).in_ms());
     println!("  floor: SIGTERM and reap  {}", figures(floor_stop).in_ms());
 
-    let rss_before = rss_mib();
+    let rss_before = common::rss_mib();
     let began = Instant::now();
     for i in 0..AT_ONCE {
         write_manifest(&bench.manifests, &format!("many{i}"))?;
     }
     let written = began.elapsed();
-    wait_pods(&store, "many", AT_ONCE, is_running).await?;
+    common::wait_pods(&store, "many", AT_ONCE, common::is_running, DEADLINE).await?;
     let all_up = began.elapsed();
-    let rss = rss_mib();
+    let rss = common::rss_mib();
     println!("\n{AT_ONCE} pods at once:");
     println!(
         "  manifests written in {:.0} ms; all Running after {:.0} ms   (target ≤ 10 s; kubelet 1.28 here: 20 pods in 2.6–3.2 s)",
@@ -225,7 +191,7 @@ async fn run() -> Result<(), BoxError> {
     for i in 0..AT_ONCE {
         std::fs::remove_file(bench.manifests.join(format!("many{i}.yaml")))?;
     }
-    wait_pods(&store, "many", 0, |_| true).await?;
+    common::wait_pods(&store, "many", 0, |_| true, DEADLINE).await?;
     println!("  all removed → all released after {:.0} ms", began.elapsed().as_secs_f64() * 1e3);
     tokio::time::timeout(DEADLINE, bench.node.devices().persisted()).await??;
     let held: usize = bench.node.devices().capacity().borrow().get(GPU).map_or(0, |c| c.allocatable as usize);

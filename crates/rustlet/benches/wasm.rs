@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kubelet::node::{NodeBuilder, NodeConfig};
-use kubelet::pod::{Allocatable, PodStore};
+use kubelet::pod::Allocatable;
 use rustlet_wasi::pull::{PullPolicy, Puller};
 use rustlet_wasi::runtime::{RunSpec, Runtime};
 use rustlet_wasi::store::{ImageStore, ModuleKind};
@@ -61,35 +61,6 @@ fn write_manifest(dir: &Path, name: &str) -> std::io::Result<()> {
     let temp = dir.join(format!(".{name}.tmp"));
     std::fs::write(&temp, manifest(name))?;
     std::fs::rename(temp, dir.join(format!("{name}.yaml")))
-}
-
-fn is_running(pod: &k8s_openapi::api::core::v1::Pod) -> bool {
-    pod.status
-        .as_ref()
-        .and_then(|s| s.container_statuses.as_ref())
-        .is_some_and(|c| !c.is_empty() && c.iter().all(|c| c.state.as_ref().is_some_and(|s| s.running.is_some())))
-}
-
-/// Waits until `count` pods named with `prefix` are Running (or, for
-/// `count` 0, none is left).
-async fn wait_pods(store: &PodStore, prefix: &str, count: usize) -> Result<(), BoxError> {
-    let done = store
-        .wait_for(DEADLINE, |pods| {
-            let named = pods.values().filter(|p| p.metadata.name.as_deref().is_some_and(|n| n.starts_with(prefix)));
-            if count == 0 { named.count() == 0 } else { named.filter(|p| is_running(p)).count() == count }
-        })
-        .await;
-    done.map(|_| ()).ok_or_else(|| format!("pods {prefix}* not there within {DEADLINE:?}").into())
-}
-
-fn rss_mib() -> f64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let kib: f64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .unwrap_or(0.0);
-    kib / 1024.0
 }
 
 /// The floor of a warm start: the provider's runtime alone, instantiating
@@ -200,21 +171,21 @@ async fn run() -> Result<(), BoxError> {
 
     let began = Instant::now();
     write_manifest(&manifests, "first")?;
-    wait_pods(&store, "first-", 1).await?;
+    common::wait_pods(&store, "first-", 1, common::is_running, DEADLINE).await?;
     let first = began.elapsed();
     std::fs::remove_file(manifests.join("first.yaml"))?;
-    wait_pods(&store, "first-", 0).await?;
+    common::wait_pods(&store, "first-", 0, |_| true, DEADLINE).await?;
 
     let (mut up, mut down) = (Vec::new(), Vec::new());
     for i in 0..sequential {
         let name = format!("seq{i}");
         let began = Instant::now();
         write_manifest(&manifests, &name)?;
-        wait_pods(&store, &format!("{name}-"), 1).await?;
+        common::wait_pods(&store, &format!("{name}-"), 1, common::is_running, DEADLINE).await?;
         up.push(began.elapsed());
         let began = Instant::now();
         std::fs::remove_file(manifests.join(format!("{name}.yaml")))?;
-        wait_pods(&store, &format!("{name}-"), 0).await?;
+        common::wait_pods(&store, &format!("{name}-"), 0, |_| true, DEADLINE).await?;
         down.push(began.elapsed());
     }
     let floor = floor(sequential, root.path()).await?;
@@ -224,14 +195,14 @@ async fn run() -> Result<(), BoxError> {
     println!("  removed → gone         {}", figures(down).in_ms());
     println!("  floor: instantiate and run a module that returns at once {}", figures(floor).in_ms());
 
-    let rss_before = rss_mib();
+    let rss_before = common::rss_mib();
     let began = Instant::now();
     for i in 0..at_once {
         write_manifest(&manifests, &format!("many{i}"))?;
     }
-    wait_pods(&store, "many", at_once).await?;
+    common::wait_pods(&store, "many", at_once, common::is_running, DEADLINE).await?;
     let all_up = began.elapsed();
-    let rss = rss_mib();
+    let rss = common::rss_mib();
     println!("\n{at_once} pods at once:");
     println!("  all Running after {:.0} ms   (target ≤ 2 s)", all_up.as_secs_f64() * 1e3);
     println!(
@@ -242,7 +213,7 @@ async fn run() -> Result<(), BoxError> {
     for i in 0..at_once {
         std::fs::remove_file(manifests.join(format!("many{i}.yaml")))?;
     }
-    wait_pods(&store, "many", 0).await?;
+    common::wait_pods(&store, "many", 0, |_| true, DEADLINE).await?;
     println!("  all removed → gone after {:.0} ms", began.elapsed().as_secs_f64() * 1e3);
     println!(
         "  compilations for all {} pods: {}   (Krustlet compiled at every start)",

@@ -112,12 +112,7 @@ impl ApiNodeInfo {
             info: self.clone(),
             registered,
         };
-        tokio::spawn(async move {
-            tokio::select! {
-                () = shutdown.cancelled() => {}
-                () = writer.run() => {}
-            }
-        });
+        super::spawn_until(&shutdown, writer.run());
     }
 
     fn bump(&self) {

@@ -145,7 +145,7 @@ pub(crate) struct NodeParts {
     pub(crate) pods: Pods,
     pub(crate) csi: ApiNodeInfo,
     pub(crate) csi_objects: CsiDriverObjects,
-    /// Gets the client once it is ready (for [`volumes::ApiClaims`]).
+    /// Gets the client once it is ready (for [`volumes::ApiVolumes`]).
     pub(crate) client: watch::Sender<Option<kube::Client>>,
 }
 
@@ -172,14 +172,7 @@ pub(crate) fn start(settings: ClusterSettings, parts: NodeParts, shutdown: Cance
         );
         parts.csi.start(client.clone(), &name, node.registered(), shutdown.clone());
         parts.client.send_replace(Some(client.clone()));
-        let drivers = volumes::follow_csi_drivers(client.clone(), parts.csi_objects);
-        let stop = shutdown.clone();
-        tokio::spawn(async move {
-            tokio::select! {
-                () = stop.cancelled() => {}
-                () = drivers => {}
-            }
-        });
+        spawn_until(&shutdown, volumes::follow_csi_drivers(client.clone(), parts.csi_objects));
         let pods = pod_sync::start(
             client,
             PodSyncConfig { node_name: name.clone(), ..settings.pod_sync },
@@ -274,6 +267,22 @@ fn follow_node(
         }
     });
     rx
+}
+
+/// Runs `work` on its own task until it ends or `shutdown` fires.
+pub(crate) fn spawn_until(shutdown: &CancellationToken, work: impl std::future::Future<Output = ()> + Send + 'static) {
+    let shutdown = shutdown.clone();
+    tokio::spawn(async move {
+        tokio::select! {
+            () = shutdown.cancelled() => {}
+            () = work => {}
+        }
+    });
+}
+
+/// Whether the API answered `code`.
+pub(crate) fn is_code(error: &kube::Error, code: u16) -> bool {
+    matches!(error, kube::Error::Api(status) if status.code == code)
 }
 
 pub(crate) fn describe(error: &kube::Error) -> String {

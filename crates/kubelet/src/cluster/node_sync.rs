@@ -33,7 +33,7 @@ use serde_json::json;
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
-use super::describe;
+use super::{describe, is_code, spawn_until};
 use crate::health::{HealthCheck, HealthReporter};
 
 /// The namespace of node leases.
@@ -203,9 +203,9 @@ pub fn start(
         conditions: BTreeMap::new(),
         resources: std::collections::BTreeSet::new(),
     };
-    tokio::spawn(run_until(shutdown.clone(), sync.run()));
+    spawn_until(&shutdown, sync.run());
     let watch = watch_deletion(client.clone(), config.node_name.clone(), deleted, registered.clone());
-    tokio::spawn(run_until(shutdown.clone(), watch));
+    spawn_until(&shutdown, watch);
     let lease = LeaseSync {
         leases: Api::namespaced(client, LEASE_NAMESPACE),
         config,
@@ -213,19 +213,8 @@ pub fn start(
         registered: registered.clone(),
         last: None,
     };
-    tokio::spawn(run_until(shutdown, lease.run()));
+    spawn_until(&shutdown, lease.run());
     NodeSync { stats, registered, health }
-}
-
-async fn run_until(shutdown: CancellationToken, work: impl std::future::Future<Output = ()>) {
-    tokio::select! {
-        () = shutdown.cancelled() => {}
-        () = work => {}
-    }
-}
-
-fn is_code(error: &kube::Error, code: u16) -> bool {
-    matches!(error, kube::Error::Api(status) if status.code == code)
 }
 
 struct StatusSync {

@@ -33,6 +33,7 @@ use serde_json::json;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
+use super::is_code;
 use crate::pod::Pods;
 
 /// The annotation that marks a mirror pod (its value: the static pod's
@@ -123,16 +124,9 @@ pub fn start(client: kube::Client, config: PodSyncConfig, pods: Pods, shutdown: 
     let poke = Arc::new(Notify::new());
     let source = follow_pods(client.clone(), config.node_name.clone(), pods.clone(), table.clone(), poke.clone());
     let status = send_statuses(client, config, pods, table, stats.clone(), poke);
-    tokio::spawn(until(shutdown.clone(), source));
-    tokio::spawn(until(shutdown, status));
+    super::spawn_until(&shutdown, source);
+    super::spawn_until(&shutdown, status);
     PodSync { stats }
-}
-
-async fn until(shutdown: CancellationToken, work: impl std::future::Future<Output = ()>) {
-    tokio::select! {
-        () = shutdown.cancelled() => {}
-        () = work => {}
-    }
 }
 
 fn lock(table: &Table) -> std::sync::MutexGuard<'_, HashMap<String, Known>> {
@@ -254,26 +248,24 @@ fn mirror_gone(table: &Table, pod: &Pod) {
 /// Static pods the table does not know yet get a mirror entry; entries
 /// whose static pod is gone are marked for deletion.
 fn follow_static(pods: &Pods, table: &Table) {
-    let local = pods.store().list();
     let mut table = lock(table);
-    for pod in &local {
-        let (Some(uid), Some(hash)) = (pod.metadata.uid.as_ref(), static_hash(pod)) else { continue };
-        if pod.metadata.deletion_timestamp.is_some() {
-            continue;
+    pods.store().read(|local| {
+        for (uid, pod) in local {
+            let Some(hash) = static_hash(pod).filter(|_| pod.metadata.deletion_timestamp.is_none()) else { continue };
+            table.entry(uid.clone()).or_insert_with(|| Known {
+                namespace: pod.metadata.namespace.clone().unwrap_or_else(|| "default".into()),
+                name: pod.metadata.name.clone().unwrap_or_default(),
+                deleting: false,
+                sent: None,
+                mirror: Some(Mirror { hash, exists: false }),
+            });
         }
-        table.entry(uid.clone()).or_insert_with(|| Known {
-            namespace: pod.metadata.namespace.clone().unwrap_or_else(|| "default".into()),
-            name: pod.metadata.name.clone().unwrap_or_default(),
-            deleting: false,
-            sent: None,
-            mirror: Some(Mirror { hash, exists: false }),
-        });
-    }
-    for (uid, known) in table.iter_mut() {
-        if known.mirror.is_some() && !local.iter().any(|p| p.metadata.uid.as_ref() == Some(uid)) {
-            known.deleting = true;
+        for (uid, known) in table.iter_mut() {
+            if known.mirror.is_some() && !local.contains_key(uid) {
+                known.deleting = true;
+            }
         }
-    }
+    });
 }
 
 /// The mirror pod of static pod `pod`.
@@ -330,10 +322,6 @@ async fn ensure_mirror(api: &Api<Pod>, pods: &Pods, uid: &str, known: &Known, no
         }
         Err(error) => Err(error),
     }
-}
-
-fn is_code(error: &kube::Error, code: u16) -> bool {
-    matches!(error, kube::Error::Api(status) if status.code == code)
 }
 
 /// The pod is gone from the API: stop it; nothing is sent back.

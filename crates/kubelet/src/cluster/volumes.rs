@@ -3,7 +3,7 @@
 //! `persistentVolumeClaim` volumes resolved through the claim to its bound
 //! PersistentVolume and the secrets its CSI source names, and the
 //! ConfigMaps, Secrets and service-account tokens of configMap, secret and
-//! projected volumes and env references ([`ApiObjectsClient`]).
+//! projected volumes and env references ([`ApiVolumes`]).
 //!
 //! A claim that is not bound yet is an error with a message saying so; the
 //! lifecycle retries the pod's volumes with backoff and shows the message
@@ -58,24 +58,48 @@ pub async fn follow_csi_drivers(client: kube::Client, objects: CsiDriverObjects)
     }
 }
 
-/// [`VolumeClaims`] from the API: claim → bound PersistentVolume → its
-/// CSI source's secrets. Works once cluster mode has its client.
+/// Volume sources from the API with the node's identity, once cluster mode
+/// has its client: the [`VolumeClaims`] (claim → bound PersistentVolume →
+/// its CSI source's secrets) and the [`ApiObjects`] (ConfigMaps, Secrets,
+/// service-account tokens bound to the pod).
 #[derive(Clone)]
-pub struct ApiClaims {
+pub struct ApiVolumes {
     client: watch::Receiver<Option<kube::Client>>,
 }
 
-impl ApiClaims {
-    /// Resolves with the client `client` holds once it holds one.
-    pub fn new(client: watch::Receiver<Option<kube::Client>>) -> ApiClaims {
-        ApiClaims { client }
+impl ApiVolumes {
+    /// Reads with the client `client` holds once it holds one.
+    pub fn new(client: watch::Receiver<Option<kube::Client>>) -> ApiVolumes {
+        ApiVolumes { client }
+    }
+
+    fn client(&self) -> Result<kube::Client, String> {
+        self.client.borrow().clone().ok_or_else(|| "not connected to the API server yet".to_owned())
+    }
+
+    /// The data of the secret `reference` names (none: empty).
+    async fn secrets(&self, reference: Option<&SecretReference>) -> Result<Secrets, String> {
+        let Some(reference) = reference else { return Ok(Secrets::default()) };
+        let name = reference.name.clone().unwrap_or_default();
+        let namespace = reference.namespace.clone().unwrap_or_else(|| "default".into());
+        let data = self
+            .data(ObjectKind::Secret, &namespace, &name)
+            .await?
+            .ok_or_else(|| format!("Secret {namespace}/{name} not found"))?;
+        let mut values = BTreeMap::new();
+        for (key, value) in data {
+            let text =
+                String::from_utf8(value).map_err(|_| format!("Secret {namespace}/{name}: key {key} is not UTF-8"))?;
+            values.insert(key, text);
+        }
+        Ok(Secrets(values))
     }
 }
 
 #[async_trait::async_trait]
-impl VolumeClaims for ApiClaims {
+impl VolumeClaims for ApiVolumes {
     async fn resolve(&self, namespace: &str, claim: &str, read_only: bool) -> Result<ClaimedVolume, String> {
-        let client = self.client.borrow().clone().ok_or("not connected to the API server yet")?;
+        let client = self.client()?;
         let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), namespace);
         let found = claims
             .get_opt(claim)
@@ -89,7 +113,7 @@ impl VolumeClaims for ApiClaims {
                 "PersistentVolumeClaim {namespace}/{claim} is not bound to a volume yet (phase {phase})"
             ));
         };
-        let volumes: Api<PersistentVolume> = Api::all(client.clone());
+        let volumes: Api<PersistentVolume> = Api::all(client);
         let volume = volumes
             .get(&volume_name)
             .await
@@ -97,52 +121,14 @@ impl VolumeClaims for ApiClaims {
         let csi = volume.spec.as_ref().and_then(|s| s.csi.clone()).ok_or_else(|| {
             format!("PersistentVolume {volume_name} (claim {namespace}/{claim}) is not a CSI volume; only CSI volumes are supported")
         })?;
-        let stage_secrets = secrets(&client, csi.node_stage_secret_ref.as_ref()).await?;
-        let publish_secrets = secrets(&client, csi.node_publish_secret_ref.as_ref()).await?;
+        let stage_secrets = self.secrets(csi.node_stage_secret_ref.as_ref()).await?;
+        let publish_secrets = self.secrets(csi.node_publish_secret_ref.as_ref()).await?;
         Ok(ClaimedVolume { volume, claim_read_only: read_only, stage_secrets, publish_secrets })
     }
 }
 
-/// The data of the secret `reference` names (none: empty).
-async fn secrets(client: &kube::Client, reference: Option<&SecretReference>) -> Result<Secrets, String> {
-    let Some(reference) = reference else { return Ok(Secrets::default()) };
-    let name = reference.name.clone().unwrap_or_default();
-    let namespace = reference.namespace.clone().unwrap_or_else(|| "default".into());
-    let api: Api<Secret> = Api::namespaced(client.clone(), &namespace);
-    let secret =
-        api.get(&name).await.map_err(|e| format!("cannot read Secret {namespace}/{name}: {}", describe(&e)))?;
-    let mut values = BTreeMap::new();
-    for (key, value) in secret.data.unwrap_or_default() {
-        let text =
-            String::from_utf8(value.0).map_err(|_| format!("Secret {namespace}/{name}: key {key} is not UTF-8"))?;
-        values.insert(key, text);
-    }
-    for (key, value) in secret.string_data.unwrap_or_default() {
-        values.insert(key, value);
-    }
-    Ok(Secrets(values))
-}
-
-/// [`ApiObjects`] from the API with the node's identity: ConfigMaps,
-/// Secrets, and service-account tokens bound to the pod (TokenRequest).
-#[derive(Clone)]
-pub struct ApiObjectsClient {
-    client: watch::Receiver<Option<kube::Client>>,
-}
-
-impl ApiObjectsClient {
-    /// Reads with the client `client` holds once it holds one.
-    pub fn new(client: watch::Receiver<Option<kube::Client>>) -> ApiObjectsClient {
-        ApiObjectsClient { client }
-    }
-
-    fn client(&self) -> Result<kube::Client, String> {
-        self.client.borrow().clone().ok_or_else(|| "not connected to the API server yet".to_owned())
-    }
-}
-
 #[async_trait::async_trait]
-impl ApiObjects for ApiObjectsClient {
+impl ApiObjects for ApiVolumes {
     async fn data(
         &self,
         kind: ObjectKind,

@@ -305,9 +305,8 @@ impl NodeBuilder {
             CsiVolumes::new(&root_dir, csi_drivers.view(), csi_objects.clone(), config.pods.csi_timeouts);
         // In a cluster, claims resolve through the API once it is connected.
         let (api_client, api_client_rx) = tokio::sync::watch::channel(None);
-        let claims = claims.or_else(|| {
-            cluster.as_ref().map(|_| Arc::new(cluster::volumes::ApiClaims::new(api_client_rx)) as Arc<dyn VolumeClaims>)
-        });
+        let api_volumes = cluster.as_ref().map(|_| Arc::new(cluster::volumes::ApiVolumes::new(api_client_rx)));
+        let claims = claims.or_else(|| api_volumes.clone().map(|v| v as Arc<dyn VolumeClaims>));
         if let Some(claims) = claims {
             csi_volumes = csi_volumes.with_claims(claims);
         }
@@ -319,9 +318,8 @@ impl NodeBuilder {
             );
         }
         let mut lifecycle = PodLifecycle::new(pod_config, provider, Some(devices.clone())).with_csi(csi_volumes);
-        if cluster.is_some() {
-            lifecycle =
-                lifecycle.with_objects(Arc::new(cluster::volumes::ApiObjectsClient::new(api_client.subscribe())));
+        if let Some(api_volumes) = api_volumes {
+            lifecycle = lifecycle.with_objects(api_volumes);
         }
         let pods = Pods::start(lifecycle, shutdown.clone()).await;
         let static_pods = match &config.pods.manifest_dir {

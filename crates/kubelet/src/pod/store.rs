@@ -76,6 +76,11 @@ impl PodStore {
         self.bump();
     }
 
+    /// Reads the pods (by UID) in place, without copying them.
+    pub(crate) fn read<R>(&self, f: impl FnOnce(&BTreeMap<String, Pod>) -> R) -> R {
+        f(&self.lock())
+    }
+
     /// The pod with its status.
     pub fn get(&self, uid: &str) -> Option<Pod> {
         self.lock().get(uid).cloned()

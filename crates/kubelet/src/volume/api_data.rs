@@ -78,19 +78,31 @@ fn invalid(volume: &str, reason: String) -> VolumeError {
     VolumeError::InvalidSpec { volume: volume.to_owned(), reason }
 }
 
+/// A reference to a ConfigMap or Secret, from a volume or a projection.
+struct ObjectRef<'a> {
+    kind: ObjectKind,
+    name: &'a str,
+    items: Option<&'a [KeyToPath]>,
+    optional: Option<bool>,
+}
+
+impl<'a> ObjectRef<'a> {
+    fn new(kind: ObjectKind, name: &'a str, items: &'a Option<Vec<KeyToPath>>, optional: Option<bool>) -> Self {
+        ObjectRef { kind, name, items: items.as_deref(), optional }
+    }
+}
+
 /// The files of one object source (a configMap or secret volume, or a
 /// projection of one).
-#[allow(clippy::too_many_arguments)]
 async fn object_files(
     objects: &dyn ApiObjects,
     volume: &str,
-    kind: ObjectKind,
     namespace: &str,
-    name: &str,
-    items: Option<&[KeyToPath]>,
-    optional: bool,
+    source: ObjectRef<'_>,
     default_mode: u32,
 ) -> Result<Vec<File>, VolumeError> {
+    let ObjectRef { kind, name, items, optional } = source;
+    let optional = optional.unwrap_or(false);
     let data = objects.data(kind, namespace, name).await.map_err(|e| invalid(volume, e))?;
     let Some(data) = data else {
         if optional {
@@ -165,31 +177,20 @@ pub async fn prepare(
 ) -> Result<PathBuf, VolumeError> {
     let namespace = pod.metadata.namespace.as_deref().unwrap_or("default");
     let name = volume.name.as_str();
+    let object = volume
+        .config_map
+        .as_ref()
+        .map(|c| ObjectRef::new(ObjectKind::ConfigMap, &c.name, &c.items, c.optional))
+        .or_else(|| {
+            let secret = volume.secret.as_ref()?;
+            let name = secret.secret_name.as_deref().unwrap_or_default();
+            Some(ObjectRef::new(ObjectKind::Secret, name, &secret.items, secret.optional))
+        });
     let mut files = Vec::new();
-    if let Some(source) = &volume.config_map {
-        files = object_files(
-            objects,
-            name,
-            ObjectKind::ConfigMap,
-            namespace,
-            &source.name,
-            source.items.as_deref(),
-            source.optional.unwrap_or(false),
-            mode(source.default_mode),
-        )
-        .await?;
-    } else if let Some(source) = &volume.secret {
-        files = object_files(
-            objects,
-            name,
-            ObjectKind::Secret,
-            namespace,
-            source.secret_name.as_deref().unwrap_or_default(),
-            source.items.as_deref(),
-            source.optional.unwrap_or(false),
-            mode(source.default_mode),
-        )
-        .await?;
+    if let Some(object) = object {
+        let default_mode = volume.config_map.as_ref().and_then(|c| c.default_mode);
+        let default_mode = mode(default_mode.or_else(|| volume.secret.as_ref().and_then(|s| s.default_mode)));
+        files = object_files(objects, name, namespace, object, default_mode).await?;
     } else if let Some(projected) = &volume.projected {
         let default_mode = mode(projected.default_mode);
         for source in projected.sources.iter().flatten() {
@@ -208,31 +209,13 @@ async fn projection(
     source: &VolumeProjection,
     default_mode: u32,
 ) -> Result<Vec<File>, VolumeError> {
-    if let Some(config_map) = &source.config_map {
-        return object_files(
-            objects,
-            volume,
-            ObjectKind::ConfigMap,
-            namespace,
-            &config_map.name,
-            config_map.items.as_deref(),
-            config_map.optional.unwrap_or(false),
-            default_mode,
-        )
-        .await;
-    }
-    if let Some(secret) = &source.secret {
-        return object_files(
-            objects,
-            volume,
-            ObjectKind::Secret,
-            namespace,
-            &secret.name,
-            secret.items.as_deref(),
-            secret.optional.unwrap_or(false),
-            default_mode,
-        )
-        .await;
+    let object = source
+        .config_map
+        .as_ref()
+        .map(|c| ObjectRef::new(ObjectKind::ConfigMap, &c.name, &c.items, c.optional))
+        .or_else(|| source.secret.as_ref().map(|c| ObjectRef::new(ObjectKind::Secret, &c.name, &c.items, c.optional)));
+    if let Some(object) = object {
+        return object_files(objects, volume, namespace, object, default_mode).await;
     }
     if let Some(downward) = &source.downward_api {
         let mut files = Vec::new();

@@ -155,3 +155,40 @@ pub fn sleep_provider(
     rustlet_wasi::import::import(provider.images(), &layout, None)?;
     Ok(provider)
 }
+
+/// Whether every container of `pod` runs.
+pub fn is_running(pod: &k8s_openapi::api::core::v1::Pod) -> bool {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.container_statuses.as_ref())
+        .is_some_and(|c| !c.is_empty() && c.iter().all(|c| c.state.as_ref().is_some_and(|s| s.running.is_some())))
+}
+
+/// Waits until `count` pods named with `prefix` satisfy `pred` (or, for
+/// `count` 0, none is left), at most `deadline`.
+pub async fn wait_pods(
+    store: &kubelet::pod::PodStore,
+    prefix: &str,
+    count: usize,
+    pred: impl Fn(&k8s_openapi::api::core::v1::Pod) -> bool,
+    deadline: Duration,
+) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    let done = store
+        .wait_for(deadline, |pods| {
+            let named = pods.values().filter(|p| p.metadata.name.as_deref().is_some_and(|n| n.starts_with(prefix)));
+            if count == 0 { named.count() == 0 } else { named.filter(|p| pred(p)).count() == count }
+        })
+        .await;
+    done.map(|_| ()).ok_or_else(|| format!("pods {prefix}* not there within {deadline:?}").into())
+}
+
+/// This process's resident set, in MiB.
+pub fn rss_mib() -> f64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let kib: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0.0);
+    kib / 1024.0
+}
