@@ -208,6 +208,8 @@ async fn api_errors_are_retried_with_backoff_and_counted() {
     let server = ApiServer::start().await.expect("start");
     server.inject(Fault::status(Some(http::Method::POST), "/api/v1/nodes", 500, 3));
     server.inject(Fault::status(Some(http::Method::PATCH), "/api/v1/nodes/n1/status", 500, 2));
+    // Throttled: the lease calls are answered 429 at first.
+    server.inject(Fault::status(None, "/leases/n1", 429, 2));
     let client = client(&server, &server.node_token("n1")).await;
     let (_tx, rx) = watch::channel(desired("n1", 2));
     let shutdown = CancellationToken::new();
@@ -219,6 +221,9 @@ async fn api_errors_are_retried_with_backoff_and_counted() {
         .await
         .expect("registered in the end");
     assert!(sync.stats().failures.load(Ordering::Relaxed) >= 5, "{:?}", sync.stats());
+    let lease = server.wait_object(LEASE, SOON, |l| l.is_some_and(|l| l["spec"]["holderIdentity"] == "n1")).await;
+    assert!(lease.is_ok(), "the lease is held despite the 429s: {lease:?}");
+    assert!(server.requests().iter().any(|r| r.status == 429), "the 429s were answered");
     // A node identity may not touch another node's objects: its own work
     // needs nothing more than the Node authorizer gives.
     let forbidden = server.requests().iter().filter(|r| r.status == 403).count();
