@@ -11,14 +11,20 @@
 //! - [`host_provider`]: a pod provider running containers as host
 //!   processes.
 //! - [`process`]: spawning the plugin binaries and reading their reports.
+//! - [`control_plane`]: a real etcd + kube-apiserver (and, on demand,
+//!   kube-scheduler and kube-controller-manager) for cluster tests.
+//! - [`test_api`]: one cluster test body run against both API servers.
 //! - [`registry`]: a real OCI registry (`docker-registry`) on loopback,
 //!   installed on first use, and pushes of wasm images to it.
 
 pub use rustlet_sample_plugins::{csi_driver, device_plugin, registration, report};
 
 pub mod apiserver;
+pub mod control_plane;
+pub mod debian;
 pub mod host_provider;
 pub mod node_process;
 pub mod process;
 pub mod raw_h2;
 pub mod registry;
+pub mod test_api;

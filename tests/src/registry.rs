@@ -25,38 +25,7 @@ pub const REGISTRY_BIN: &str = "/usr/bin/docker-registry";
 
 /// Makes sure `docker-registry` is installed; the reason when it cannot be.
 pub fn ensure_installed() -> Result<PathBuf, String> {
-    let bin = PathBuf::from(REGISTRY_BIN);
-    if bin.is_file() {
-        return Ok(bin);
-    }
-    let lock_path = std::env::temp_dir().join("rustlet-apt-docker-registry.lock");
-    let lock = std::fs::File::create(&lock_path).map_err(|e| format!("{}: {e}", lock_path.display()))?;
-    lock.lock().map_err(|e| format!("{}: {e}", lock_path.display()))?;
-    if bin.is_file() {
-        return Ok(bin);
-    }
-    let apt = |args: &[&str]| {
-        std::process::Command::new("apt-get")
-            .args(args)
-            .env("DEBIAN_FRONTEND", "noninteractive")
-            .stdin(Stdio::null())
-            .output()
-    };
-    eprintln!("docker-registry is missing: installing it with apt-get (once per machine)");
-    let mut installed = apt(&["install", "-y", "-q", "--no-install-recommends", "docker-registry"]);
-    if !matches!(&installed, Ok(out) if out.status.success()) {
-        let _ = apt(&["update", "-q"]);
-        installed = apt(&["install", "-y", "-q", "--no-install-recommends", "docker-registry"]);
-    }
-    match installed {
-        Ok(out) if out.status.success() && bin.is_file() => Ok(bin),
-        Ok(out) => Err(format!(
-            "apt-get install docker-registry failed ({}): {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or_default()
-        )),
-        Err(e) => Err(format!("cannot run apt-get: {e}")),
-    }
+    crate::debian::ensure_installed(REGISTRY_BIN, "docker-registry")
 }
 
 /// Whether a registry test may skip when no registry can be had.

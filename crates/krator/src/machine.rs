@@ -35,6 +35,15 @@ pub trait Machine: Send + Sync + Sized + 'static {
     /// in; from there the object's terminal states run to completion.
     fn deleted(&self, key: &Self::Key, data: &Self::Data) -> Box<dyn State<Self>>;
 
+    /// The state an object moves to when one of its states panicked
+    /// (`message`: the panic's payload): by default the deleted state, so
+    /// that the terminal states release what the object holds. The object
+    /// is not deleted: a later delete interrupts these states as any other.
+    fn panicked(&self, key: &Self::Key, data: &Self::Data, message: &str) -> Box<dyn State<Self>> {
+        let _ = message;
+        self.deleted(key, data)
+    }
+
     /// Receives the status of every state the object enters, and any status a
     /// state reports on its own ([`Context::report`]). Called on the object's
     /// task: keep it quick (send it to a channel).

@@ -12,8 +12,10 @@
 //! # Guarantees
 //! - At most one task per key. A key applied again while its terminal states
 //!   run is queued and starts afresh once they finish.
-//! - A panicking state ends only its own object, reported as
-//!   [`Outcome::Panicked`].
+//! - A panicking state ends only that state: the object moves to
+//!   [`Machine::panicked`] (by default its deleted state, so its terminal
+//!   states release what it holds). A panic in the terminal states ends the
+//!   object, reported as [`Outcome::Panicked`].
 //! - Shutdown (the token given to [`Runtime::new`]) stops every task without
 //!   running terminal states: stopping the runtime is not deleting the objects.
 
@@ -115,6 +117,20 @@ impl<M: Machine> Runtime<M> {
                 objects.insert(key, entry);
                 Applied::Started
             }
+        }
+    }
+
+    /// Gives `key`'s task a new manifest whether or not it is being deleted
+    /// (a terminal state may read it: a shorter deadline, say); unlike
+    /// [`Runtime::apply`], nothing is started or queued. Returns whether
+    /// `key` has a task.
+    pub fn update(&self, key: &M::Key, manifest: M::Manifest) -> bool {
+        match self.inner.lock().get(key) {
+            Some(entry) => {
+                entry.manifest.send_replace(manifest);
+                true
+            }
+            None => false,
         }
     }
 
@@ -223,14 +239,14 @@ async fn drive<M: Machine>(
             tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => return Outcome::ShutDown,
-                transition = state.next(&mut ctx) => transition,
+                transition = CatchUnwind(state.next(&mut ctx)) => transition,
             }
         } else {
             let transition = tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => return Outcome::ShutDown,
                 _ = delete.cancelled() => None,
-                transition = state.next(&mut ctx) => Some(transition),
+                transition = CatchUnwind(state.next(&mut ctx)) => Some(transition),
             };
             match transition {
                 Some(transition) => transition,
@@ -242,9 +258,40 @@ async fn drive<M: Machine>(
                 }
             }
         };
+        let transition = match transition {
+            Ok(transition) => transition,
+            // A panic in the terminal states ends the object.
+            Err(payload) if ctx.is_deleting() => std::panic::resume_unwind(payload),
+            Err(payload) => {
+                let message = panic_message(payload);
+                tracing::error!(state = name, panic = %message, "a state panicked; releasing what the object holds");
+                state = ctx.machine.panicked(ctx.key(), &ctx.data, &message);
+                continue;
+            }
+        };
         match transition.0 {
             Step::Next(next) => state = next,
             Step::Complete(result) => return Outcome::Completed(result),
+        }
+    }
+}
+
+/// A state's `next`, with a panic inside it caught as an error (its
+/// payload) instead of unwinding through the object's task.
+struct CatchUnwind<F>(F);
+
+impl<F> std::future::Future for CatchUnwind<F>
+where
+    F: std::future::Future + Unpin,
+{
+    type Output = Result<F::Output, Box<dyn std::any::Any + Send>>;
+
+    fn poll(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
+        let inner = &mut self.get_mut().0;
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| std::pin::Pin::new(&mut *inner).poll(cx))) {
+            Ok(std::task::Poll::Pending) => std::task::Poll::Pending,
+            Ok(std::task::Poll::Ready(output)) => std::task::Poll::Ready(Ok(output)),
+            Err(payload) => std::task::Poll::Ready(Err(payload)),
         }
     }
 }

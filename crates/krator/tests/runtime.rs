@@ -22,12 +22,13 @@ enum Event {
 struct Job {
     rounds: Option<u32>,
     panic: bool,
+    cleanup_panics: bool,
     cleanup_delay: Duration,
 }
 
 impl Job {
     fn forever() -> Self {
-        Job { rounds: None, panic: false, cleanup_delay: Duration::ZERO }
+        Job { rounds: None, panic: false, cleanup_panics: false, cleanup_delay: Duration::ZERO }
     }
 }
 
@@ -148,6 +149,9 @@ impl State<Jobs> for Done {
 impl State<Jobs> for Cleanup {
     async fn next(self: Box<Self>, ctx: &mut Context<Jobs>) -> Transition<Jobs> {
         tokio::time::sleep(ctx.latest_manifest().cleanup_delay).await;
+        if ctx.latest_manifest().cleanup_panics {
+            panic!("cleanup asked to panic");
+        }
         ctx.data.cleanups += 1;
         ctx.report(format!("cleaned up after {} rounds", ctx.data.rounds_done));
         Transition::complete(Ok(()))
@@ -309,18 +313,43 @@ async fn a_second_delete_drops_a_queued_reapply() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_panicking_state_ends_only_its_own_object() {
+async fn a_panicking_state_runs_the_terminal_states_of_only_its_own_object() {
     let mut h = Harness::new();
     h.runtime.apply("steady".into(), Job::forever());
     assert_eq!(h.next_event().await, entered("steady", "queued"));
     assert_eq!(h.next_event().await, entered("steady", "working round 1"));
     h.runtime.apply("broken".into(), Job { panic: true, ..Job::forever() });
     let events = h.until_finished("broken").await;
-    assert_eq!(events, [entered("broken", "queued"), finished("broken", "panic: job asked to panic")]);
+    assert_eq!(
+        events,
+        [
+            entered("broken", "queued"),
+            entered("broken", "cleaning up"),
+            entered("broken", "cleaned up after 0 rounds"),
+            finished("broken", "ok")
+        ],
+        "the panic moved it to its terminal states, which released it"
+    );
     assert!(!h.runtime.contains(&"broken".to_string()));
     assert!(h.runtime.contains(&"steady".to_string()));
     // The steady object still works: it finishes its round and rests.
     assert_eq!(h.next_event().await, entered("steady", "resting after 1 rounds"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_panic_in_the_terminal_states_ends_the_object() {
+    let mut h = Harness::new();
+    h.runtime.apply("doomed".into(), Job { panic: true, cleanup_panics: true, ..Job::forever() });
+    let events = h.until_finished("doomed").await;
+    assert_eq!(
+        events,
+        [
+            entered("doomed", "queued"),
+            entered("doomed", "cleaning up"),
+            finished("doomed", "panic: cleanup asked to panic")
+        ]
+    );
+    assert!(!h.runtime.contains(&"doomed".to_string()));
 }
 
 #[tokio::test(start_paused = true)]

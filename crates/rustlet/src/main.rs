@@ -30,6 +30,8 @@ fn main() -> ExitCode {
         other => other,
     };
     init_logging(cli.log_format);
+    // One TLS crypto provider for every client (the API server's, registries').
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(error) => {

@@ -67,6 +67,8 @@ pub(crate) async fn start(
     if !args.standalone && args.kubeconfig.is_none() {
         bail!("say how the node runs: --standalone (no API server) or --kubeconfig FILE (join a cluster)");
     }
+    let labels: std::collections::BTreeMap<String, String> = args.node_labels.iter().cloned().collect();
+    kubelet::node::labels::check_node_labels(&labels).map_err(|e| anyhow::anyhow!("invalid --node-labels: {e}"))?;
     // Many plugins mean many sockets; the default soft limit (often 1024) is too low.
     if let Err(error) = rlimit::increase_nofile_limit(u64::MAX) {
         tracing::warn!(%error, "cannot raise the open-file limit");

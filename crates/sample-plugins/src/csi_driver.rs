@@ -62,6 +62,8 @@ pub enum VolumeCallBehaviour {
     Hang,
     /// Answer with this gRPC code.
     Fail(tonic::Code),
+    /// Answer the first `n` calls with this gRPC code, then normally.
+    FailTimes(tonic::Code, usize),
 }
 
 /// A volume request the driver received. Secrets are kept as sent: this is
@@ -178,6 +180,11 @@ impl FakeCsiDriver {
             Some(VolumeCallBehaviour::Fail(code)) => {
                 Some(Status::new(*code, format!("fake CSI driver told to fail {rpc}")))
             }
+            Some(VolumeCallBehaviour::FailTimes(code, times)) => {
+                let seen = self.calls.all().iter().filter(|c| c.rpc == rpc).count();
+                (seen <= *times)
+                    .then(|| Status::new(*code, format!("fake CSI driver told to fail {rpc} {times} times")))
+            }
         }
     }
 
@@ -235,19 +242,31 @@ impl RegisteredCsiDriver {
         reporter: Reporter,
         shutdown: CancellationToken,
     ) -> std::io::Result<[tokio::task::JoinHandle<()>; 2]> {
+        self.spawn_recorded(reporter, shutdown).map(|(_, tasks)| tasks)
+    }
+
+    /// As [`RegisteredCsiDriver::spawn`], with the volume requests the
+    /// driver receives.
+    pub fn spawn_recorded(
+        self,
+        reporter: Reporter,
+        shutdown: CancellationToken,
+    ) -> std::io::Result<(VolumeCalls, [tokio::task::JoinHandle<()>; 2])> {
         let identity = registration::Identity {
             plugin_type: kubelet_api::constants::CSI_PLUGIN_TYPE.into(),
             name: self.config.name.clone(),
             endpoint: self.endpoint.display().to_string(),
             versions: self.versions,
         };
-        let driver = FakeCsiDriver::new(&self.endpoint, self.config, reporter.clone()).spawn(shutdown.clone())?;
+        let driver = FakeCsiDriver::new(&self.endpoint, self.config, reporter.clone());
+        let calls = driver.calls();
+        let driver = driver.spawn(shutdown.clone())?;
         let mut registration = RegistrationPlugin::new(&self.registration, identity, self.behaviour, reporter);
         if let Some(exits) = self.exit_requests {
             registration = registration.exit_requests(exits);
         }
         let registration = registration.spawn(shutdown)?;
-        Ok([driver, registration])
+        Ok((calls, [driver, registration]))
     }
 }
 

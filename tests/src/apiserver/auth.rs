@@ -5,7 +5,9 @@
 //! - nodes: read all; create, change and delete only its own;
 //! - leases: only its own, in `kube-node-lease`;
 //! - pods: read all; change the status of, and delete, pods bound to it;
-//!   create only mirror pods bound to it;
+//!   create only mirror pods bound to it and owned by its Node;
+//! - its own Node's labels: none in the `kubernetes.io` and `k8s.io`
+//!   namespaces but the kubelet's own;
 //! - secrets, configmaps, persistentvolumeclaims, persistentvolumes and
 //!   service account tokens: only those referenced by pods bound to it
 //!   (reading one object, or listing or watching with
@@ -86,6 +88,7 @@ pub fn authorize(identity: &Identity, request: &Request<'_>, store: &Store) -> R
     let own = request.name == Some(node.as_str());
     let deny = |why: &str| Err(forbidden(identity, request, why));
     match request.resource.plural {
+        "nodes" if own && request.verb == "create" => admit_node_labels(request, node),
         "nodes" if reading || own => Ok(()),
         "nodes" => deny(&format!("node '{node}' cannot modify node '{}'", request.name.unwrap_or_default())),
         "leases" if own && request.namespace == "kube-node-lease" && request.verb != "list" => Ok(()),
@@ -127,15 +130,7 @@ fn authorize_pod(identity: &Identity, request: &Request<'_>, store: &Store, node
     let bound_here = |pod: &Value| pod.pointer("/spec/nodeName").and_then(Value::as_str) == Some(node);
     match (request.verb, request.subresource) {
         ("get" | "list" | "watch", _) => Ok(()),
-        ("create", None) => {
-            let body = request.body.cloned().unwrap_or(Value::Null);
-            let mirror = body.pointer("/metadata/annotations/kubernetes.io~1config.mirror").is_some();
-            if mirror && bound_here(&body) {
-                Ok(())
-            } else {
-                deny("pod does not have \"kubernetes.io/config.mirror\" annotation or is not bound to this node")
-            }
-        }
+        ("create", None) => admit_mirror_pod(request, store, node),
         ("update" | "patch", Some("status")) | ("delete", None) => {
             let key = super::store::Key::new(request.resource, request.namespace, request.name.unwrap_or_default());
             match store.get(&key) {
@@ -147,6 +142,78 @@ fn authorize_pod(identity: &Identity, request: &Request<'_>, store: &Store, node
         }
         _ => deny("a node may not change pods' specs"),
     }
+}
+
+/// NodeRestriction's checks of a pod a node creates (upstream's order and
+/// messages): a mirror pod, bound to the node, owned by the node's Node
+/// object (one owner reference: `v1`, `Node`, its name and uid, controller,
+/// no `blockOwnerDeletion`).
+fn admit_mirror_pod(request: &Request<'_>, store: &Store, node: &str) -> Result<(), ApiError> {
+    let body = request.body.cloned().unwrap_or(Value::Null);
+    let deny = |why: String| Err(admission_forbidden(request, &why));
+    if body.pointer("/metadata/annotations/kubernetes.io~1config.mirror").is_none() {
+        return deny(format!(
+            "pod does not have \"kubernetes.io/config.mirror\" annotation, node \"{node}\" can only create mirror pods"
+        ));
+    }
+    if body.pointer("/spec/nodeName").and_then(Value::as_str) != Some(node) {
+        return deny(format!("node \"{node}\" can only create pods with spec.nodeName set to itself"));
+    }
+    let owners = body.pointer("/metadata/ownerReferences").and_then(Value::as_array).cloned().unwrap_or_default();
+    if owners.len() > 1 {
+        return deny(format!("node \"{node}\" can only create pods with a single owner reference set to itself"));
+    }
+    let Some(owner) = owners.first() else {
+        return deny(format!("node \"{node}\" can only create pods with an owner reference set to itself"));
+    };
+    if owner["apiVersion"] != "v1" || owner["kind"] != "Node" || owner["name"] != node {
+        return deny(format!("node \"{node}\" can only create pods with an owner reference set to itself"));
+    }
+    if owner["controller"] != true {
+        return deny(format!("node \"{node}\" can only create pods with a controller owner reference set to itself"));
+    }
+    if owner["blockOwnerDeletion"] == true {
+        return deny(format!("node \"{node}\" must not set blockOwnerDeletion on an owner reference"));
+    }
+    let nodes = super::store::resource("", "v1", "nodes").expect("nodes");
+    let Some(registered) = store.get(&super::store::Key::new(nodes, "", node)) else {
+        return Err(ApiError::new(404, "NotFound", format!("nodes \"{node}\" not found")));
+    };
+    let (want, got) = (registered.pointer("/metadata/uid"), owner.get("uid"));
+    if want != got {
+        return deny(format!(
+            "node {node} UID mismatch: expected {} got {}",
+            want.unwrap_or(&Value::Null),
+            got.unwrap_or(&Value::Null)
+        ));
+    }
+    Ok(())
+}
+
+/// NodeRestriction's checks of the labels a node gives its own Node when it
+/// creates it: none in the `kubernetes.io` / `k8s.io` namespaces but the
+/// kubelet's own (the same rule as the kubelet's `--node-labels`).
+pub fn admit_node_labels(request: &Request<'_>, node: &str) -> Result<(), ApiError> {
+    let labels = request.body.and_then(|b| b.pointer("/metadata/labels")).and_then(Value::as_object);
+    let forbidden: Vec<&str> = labels
+        .into_iter()
+        .flatten()
+        .map(|(key, _)| key.as_str())
+        .filter(|key| !kubelet::node::labels::kubelet_may_set(key))
+        .collect();
+    if forbidden.is_empty() {
+        return Ok(());
+    }
+    Err(admission_forbidden(
+        request,
+        &format!("node \"{node}\" is not allowed to set the following labels: {}", forbidden.join(", ")),
+    ))
+}
+
+/// An admission plugin's refusal (`<plural> "<name>" is forbidden: <why>`).
+fn admission_forbidden(request: &Request<'_>, why: &str) -> ApiError {
+    let name = request.name.map(|n| format!(" \"{n}\"")).unwrap_or_default();
+    ApiError::new(403, "Forbidden", format!("{}{name} is forbidden: {why}", request.resource.plural))
 }
 
 /// Objects referenced by pods bound to `node`: (plural, namespace, name).

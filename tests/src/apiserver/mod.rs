@@ -18,8 +18,9 @@
 //! - fault injection: answers with a chosen status, slow answers, dropped
 //!   watches, compaction.
 //!
-//! Strategic merge patch and server-side apply are refused with 415: the
-//! node must not rely on them.
+//! Strategic merge patches are taken for pods (their status conditions
+//! merge by type, IPs by ip: what the node's status writes use); other
+//! strategic merge patches and server-side apply are refused with 415.
 
 pub mod auth;
 pub mod store;
@@ -553,13 +554,33 @@ async fn serve(
             match content_type.split(';').next().unwrap_or_default().trim() {
                 "application/merge-patch+json" => store::merge_patch(&mut patched, &body_value),
                 "application/json-patch+json" => store::json_patch(&mut patched, &body_value)?,
+                "application/strategic-merge-patch+json" if resource.plural == "pods" => {
+                    store::strategic_merge_patch(&mut patched, &body_value);
+                }
                 other => {
                     return Err(ApiError::new(
                         415,
                         "UnsupportedMediaType",
-                        format!("the fake API server takes merge and JSON patches only, not {other:?}"),
+                        format!(
+                            "the fake API server takes merge and JSON patches, and strategic merge patches of pods, not {other:?}"
+                        ),
                     ));
                 }
+            }
+            // A UID the patch sets is a precondition, as upstream's.
+            let (want, have) = (patched.pointer("/metadata/uid"), current.pointer("/metadata/uid"));
+            if want != have {
+                return Err(ApiError::new(
+                    409,
+                    "Conflict",
+                    format!(
+                        "Operation cannot be fulfilled on {} \"{}\": Precondition failed: UID in precondition: {}, UID in object meta: {}",
+                        resource.plural,
+                        key.name,
+                        want.and_then(Value::as_str).unwrap_or_default(),
+                        have.and_then(Value::as_str).unwrap_or_default()
+                    ),
+                ));
             }
             // A resourceVersion the patch sets is a precondition; otherwise
             // the patch applies to the current version.

@@ -489,6 +489,66 @@ pub fn merge_patch(target: &mut Value, patch: &Value) {
     }
 }
 
+/// The lists a strategic merge patch merges by a key (path from the
+/// object's root, the key); every other list is replaced whole. Only what
+/// the node writes is here: pod status conditions and IPs.
+const MERGE_KEYS: [(&str, &str); 3] =
+    [("status.conditions", "type"), ("status.podIPs", "ip"), ("status.hostIPs", "ip")];
+
+/// A strategic merge patch, as the API server applies one to the objects
+/// the node patches this way (pod status): a merge patch, except that the
+/// lists of [`MERGE_KEYS`] merge entry by entry (an entry with
+/// `"$patch": "delete"` removes its match), and `$setElementOrder/` and
+/// `$retainKeys` directives are ignored.
+pub fn strategic_merge_patch(target: &mut Value, patch: &Value) {
+    strategic_merge_at(target, patch, "");
+}
+
+fn strategic_merge_at(target: &mut Value, patch: &Value, path: &str) {
+    let Value::Object(patch) = patch else {
+        *target = patch.clone();
+        return;
+    };
+    if !target.is_object() {
+        *target = Value::Object(Map::new());
+    }
+    let target = target.as_object_mut().expect("an object");
+    for (key, value) in patch {
+        if key.starts_with("$setElementOrder/") || key == "$retainKeys" {
+            continue;
+        }
+        let here = if path.is_empty() { key.clone() } else { format!("{path}.{key}") };
+        let merge_key = MERGE_KEYS.iter().find(|(p, _)| *p == here).map(|(_, k)| *k);
+        match (value, merge_key) {
+            (Value::Null, _) => {
+                target.remove(key);
+            }
+            (Value::Array(entries), Some(merge_key)) => {
+                let list = target.entry(key.clone()).or_insert_with(|| Value::Array(Vec::new()));
+                if !list.is_array() {
+                    *list = Value::Array(Vec::new());
+                }
+                let list = list.as_array_mut().expect("an array");
+                for entry in entries {
+                    let id = entry.get(merge_key);
+                    let position = list.iter().position(|e| e.get(merge_key) == id);
+                    if entry.get("$patch").and_then(Value::as_str) == Some("delete") {
+                        if let Some(i) = position {
+                            list.remove(i);
+                        }
+                        continue;
+                    }
+                    match position {
+                        Some(i) => strategic_merge_at(&mut list[i], entry, &here),
+                        None => list.push(entry.clone()),
+                    }
+                }
+            }
+            _ => strategic_merge_at(target.entry(key.clone()).or_insert(Value::Null), value, &here),
+        }
+    }
+}
+
 /// RFC 6902 JSON patch (add, remove, replace, test, copy, move).
 pub fn json_patch(target: &mut Value, ops: &Value) -> Result<(), ApiError> {
     let bad = |m: String| ApiError::new(422, "Invalid", m);
@@ -692,6 +752,41 @@ mod tests {
         assert_eq!(kinds, [EventType::Added, EventType::Deleted]);
         store.compact();
         assert!(store.floor() > start);
+    }
+
+    #[test]
+    fn strategic_merge_patches_merge_conditions_by_type() {
+        let mut pod = json!({"status": {
+            "phase": "Pending",
+            "message": "waiting",
+            "conditions": [{"type": "Ready", "status": "False"}, {"type": "example.com/gate", "status": "True"}],
+            "podIPs": [{"ip": "10.0.0.1"}, {"ip": "fd00::1"}],
+            "containerStatuses": [{"name": "a"}, {"name": "b"}],
+        }});
+        strategic_merge_patch(
+            &mut pod,
+            &json!({"status": {
+                "phase": "Running",
+                "message": null,
+                "$setElementOrder/conditions": [{"type": "Ready"}],
+                "conditions": [{"type": "Ready", "status": "True"}, {"type": "Initialized", "status": "True"}],
+                "podIPs": [{"ip": "fd00::1", "$patch": "delete"}],
+                "containerStatuses": [{"name": "a"}],
+            }}),
+        );
+        assert_eq!(
+            pod,
+            json!({"status": {
+                "phase": "Running",
+                "conditions": [
+                    {"type": "Ready", "status": "True"},
+                    {"type": "example.com/gate", "status": "True"},
+                    {"type": "Initialized", "status": "True"},
+                ],
+                "podIPs": [{"ip": "10.0.0.1"}],
+                "containerStatuses": [{"name": "a"}],
+            }})
+        );
     }
 
     #[test]

@@ -2,8 +2,9 @@
 //! that kill the node (`kill -9`) and start it again: its containers run
 //! under `container-shim` and outlive it.
 //!
-//!   test-node --root DIR
+//!   test-node --root DIR [--kubeconfig FILE --node-name NAME]
 //!
+//! With a kubeconfig the node joins that cluster (cluster mode) as NAME.
 //! Static pods come from `DIR/manifests`. Prints `listening` (a JSON report)
 //! once the node serves and the device checkpoint is on disk, then a
 //! `pod_status` report whenever a pod's status changes.
@@ -12,6 +13,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use kubelet::cluster::{ApiSource, ClusterSettings};
 use kubelet::node::{NodeBuilder, NodeConfig};
 use kubelet::pod::{Allocatable, BackoffConfig};
 use rustlet_testkit::host_provider::HostProcessProvider;
@@ -20,13 +22,21 @@ use tokio_util::sync::CancellationToken;
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let usage = "usage: test-node --root DIR [--kubeconfig FILE --node-name NAME]";
+    let (mut root, mut kubeconfig, mut node_name) = (None, None, "Node-1".to_owned());
     let mut args = std::env::args().skip(1);
-    let root = match (args.next().as_deref(), args.next()) {
-        (Some("--root"), Some(root)) => PathBuf::from(root),
-        _ => return Err("usage: test-node --root DIR".into()),
-    };
+    while let Some(flag) = args.next() {
+        let value = args.next().ok_or(usage)?;
+        match flag.as_str() {
+            "--root" => root = Some(PathBuf::from(value)),
+            "--kubeconfig" => kubeconfig = Some(PathBuf::from(value)),
+            "--node-name" => node_name = value,
+            _ => return Err(usage.into()),
+        }
+    }
+    let root = root.ok_or(usage)?;
     let shim = std::env::current_exe()?.with_file_name("container-shim");
-    let mut config = NodeConfig::new(&root, "Node-1");
+    let mut config = NodeConfig::new(&root, node_name);
     config.http_address = Some(([127, 0, 0, 1], 0).into());
     config.plugins.initial_backoff = Duration::from_millis(100);
     config.plugins.max_backoff = Duration::from_millis(1600);
@@ -43,7 +53,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let provider = HostProcessProvider::detached(shim, root.join("host-provider"));
     let shutdown = CancellationToken::new();
-    let node = NodeBuilder::new(config).provider(Arc::new(provider)).start(shutdown.clone()).await?;
+    let mut builder = NodeBuilder::new(config).provider(Arc::new(provider));
+    if let Some(kubeconfig) = kubeconfig {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let mut settings = ClusterSettings::new(ApiSource::Kubeconfig(kubeconfig));
+        settings.pod_sync.retry_initial = Duration::from_millis(50);
+        settings.pod_sync.retry_max = Duration::from_millis(500);
+        builder = builder.cluster(settings);
+    }
+    let node = builder.start(shutdown.clone()).await?;
     node.devices().persisted().await?;
     let reporter = Reporter::Stdout;
     reporter.report(Report::Listening { sockets: 0 });

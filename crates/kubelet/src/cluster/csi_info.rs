@@ -30,7 +30,7 @@ use async_trait::async_trait;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::storage::v1::{CSINode, CSINodeDriver, CSINodeSpec, VolumeNodeResources};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
-use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::api::{Api, Patch};
 use kubelet_api::constants::CSI_NODE_ID_ANNOTATION;
 use serde_json::json;
 use tokio::sync::watch;
@@ -201,7 +201,7 @@ impl Writer {
                 "labels": info.labels,
             }});
             self.nodes
-                .patch(&self.node_name, &PatchParams::default(), &Patch::Merge(&patch))
+                .patch(&self.node_name, &super::patch_params(), &Patch::Merge(&patch))
                 .await
                 .map_err(|e| Failure::Error(format!("node {}: {}", self.node_name, describe(&e))))?;
             *written_node = Some((node_uid.to_owned(), node_part));
@@ -232,7 +232,7 @@ impl Writer {
                     },
                     spec,
                 };
-                self.csi_nodes.create(&PostParams::default(), &object).await.map_err(error)?;
+                self.csi_nodes.create(&super::post_params(), &object).await.map_err(error)?;
             }
             Some(mut object) => {
                 let owners = object.metadata.owner_references.get_or_insert_with(Vec::new);
@@ -246,7 +246,7 @@ impl Writer {
                 }
                 object.spec = spec;
                 // The resourceVersion read above is the precondition.
-                self.csi_nodes.replace(&self.node_name, &PostParams::default(), &object).await.map_err(error)?;
+                self.csi_nodes.replace(&self.node_name, &super::post_params(), &object).await.map_err(error)?;
             }
         }
         Ok(())

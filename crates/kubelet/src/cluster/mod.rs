@@ -26,6 +26,8 @@
 pub mod csi_info;
 pub mod node_sync;
 pub mod pod_sync;
+pub mod rate_limit;
+pub mod status_patch;
 pub mod volumes;
 
 use std::collections::BTreeMap;
@@ -278,6 +280,16 @@ pub(crate) fn spawn_until(shutdown: &CancellationToken, work: impl std::future::
             () = work => {}
         }
     });
+}
+
+/// Parameters of every patch the node sends (its field manager).
+pub(crate) fn patch_params() -> kube::api::PatchParams {
+    kube::api::PatchParams { field_manager: Some(pod_sync::FIELD_MANAGER.into()), ..Default::default() }
+}
+
+/// Parameters of every create and replace the node sends (its field manager).
+pub(crate) fn post_params() -> kube::api::PostParams {
+    kube::api::PostParams { field_manager: Some(pod_sync::FIELD_MANAGER.into()), ..Default::default() }
 }
 
 /// Whether the API answered `code`.

@@ -27,7 +27,7 @@ use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::{Node, NodeCondition};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, OwnerReference, Time};
-use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::api::{Api, Patch};
 use kube::runtime::watcher;
 use serde_json::json;
 use tokio::sync::{Notify, watch};
@@ -267,7 +267,7 @@ impl StatusSync {
         node.metadata.uid = None;
         self.stamp(&mut node);
         let name = &self.config.node_name;
-        match self.nodes.create(&PostParams::default(), &node).await {
+        match self.nodes.create(&super::post_params(), &node).await {
             Ok(created) => {
                 self.stats.registrations.fetch_add(1, Ordering::Relaxed);
                 tracing::info!(node = %name, "node registered");
@@ -279,7 +279,7 @@ impl StatusSync {
                 // Adopt it: our labels over its own, then the status.
                 let labels = node.metadata.labels.clone().unwrap_or_default();
                 let patch = json!({"metadata": {"labels": labels}});
-                let adopted = self.nodes.patch(name, &PatchParams::default(), &Patch::Merge(&patch)).await?;
+                let adopted = self.nodes.patch(name, &super::patch_params(), &Patch::Merge(&patch)).await?;
                 tracing::info!(node = %name, "node object exists; adopted it");
                 self.patch_status().await?;
                 Ok(adopted.metadata.uid.unwrap_or_default())
@@ -323,7 +323,7 @@ impl StatusSync {
         self.zero_gone_resources(&mut node);
         let status = serde_json::to_value(&node.status).unwrap_or_default();
         let patch = json!({"status": status});
-        self.nodes.patch_status(&self.config.node_name, &PatchParams::default(), &Patch::Merge(&patch)).await?;
+        self.nodes.patch_status(&self.config.node_name, &super::patch_params(), &Patch::Merge(&patch)).await?;
         self.stats.status_patches.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
@@ -510,14 +510,14 @@ impl LeaseSync {
                     },
                     spec: Some(spec),
                 };
-                self.last = Some(self.leases.create(&PostParams::default(), &lease).await?);
+                self.last = Some(self.leases.create(&super::post_params(), &lease).await?);
             }
             Some(mut lease) => {
                 lease.spec = Some(spec);
                 lease.metadata.owner_references = Some(vec![owner]);
                 // The version known is a precondition: on a conflict (or
                 // any failure) the next try reads the lease again.
-                self.last = Some(self.leases.replace(name, &PostParams::default(), &lease).await?);
+                self.last = Some(self.leases.replace(name, &super::post_params(), &lease).await?);
             }
         }
         Ok(())

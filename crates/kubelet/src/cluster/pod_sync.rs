@@ -24,17 +24,23 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 use futures_util::StreamExt as _;
-use k8s_openapi::api::core::v1::{Pod, PodStatus};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
+use k8s_openapi::api::core::v1::{Node, Pod, PodStatus};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use kube::api::{Api, DeleteParams, Patch, Preconditions};
 use kube::runtime::watcher;
-use serde_json::json;
+use serde_json::Value;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use super::is_code;
-use crate::pod::Pods;
+use super::rate_limit::RateLimiter;
+use super::{is_code, status_patch};
+use crate::pod::{PodSource, Pods};
+
+/// The field manager of every write the node makes.
+pub const FIELD_MANAGER: &str = "rustlet";
 
 /// The annotation that marks a mirror pod (its value: the static pod's
 /// config hash).
@@ -53,6 +59,12 @@ pub struct PodSyncConfig {
     pub retry_initial: Duration,
     /// The longest retry delay.
     pub retry_max: Duration,
+    /// Writes a second at most, on average (`--kube-api-qps`; 0: no limit).
+    pub api_qps: f64,
+    /// Writes at once at most before `api_qps` applies (`--kube-api-burst`).
+    pub api_burst: u32,
+    /// Writes in flight at most.
+    pub parallel_writes: usize,
 }
 
 impl PodSyncConfig {
@@ -63,6 +75,9 @@ impl PodSyncConfig {
             coalesce: Duration::from_millis(20),
             retry_initial: Duration::from_millis(200),
             retry_max: Duration::from_secs(10),
+            api_qps: super::rate_limit::DEFAULT_QPS,
+            api_burst: super::rate_limit::DEFAULT_BURST,
+            parallel_writes: 16,
         }
     }
 }
@@ -76,6 +91,8 @@ pub struct PodSyncStats {
     pub deletions: AtomicU64,
     /// API calls that failed (and were retried).
     pub failures: AtomicU64,
+    /// Of those, writes the API refused (403, 422).
+    pub rejected: AtomicU64,
     /// Mirror pods created or adopted.
     pub mirror_pods: AtomicU64,
 }
@@ -89,16 +106,64 @@ struct Known {
     /// The API marked it for deletion (or it is gone from the API); for a
     /// mirror pod: its static pod is gone.
     deleting: bool,
-    /// The last status sent.
-    sent: Option<PodStatus>,
+    /// The API object as the API last returned it (from the watch or a
+    /// write's answer): what status patches are computed against.
+    api: Option<ApiView>,
     /// For a static pod: its mirror pod (config hash, whether it exists).
     mirror: Option<Mirror>,
+    /// After a failed write: not before this instant, and the next delay.
+    retry: Option<(Instant, Duration)>,
+}
+
+impl Known {
+    fn new(pod: &Pod, mirror: Option<Mirror>) -> Known {
+        Known {
+            namespace: pod.metadata.namespace.clone().unwrap_or_else(|| "default".into()),
+            name: pod.metadata.name.clone().unwrap_or_default(),
+            deleting: false,
+            api: None,
+            mirror,
+            retry: None,
+        }
+    }
+
+    /// Records the API object `pod` unless what is known is newer.
+    fn saw(&mut self, pod: &Pod) {
+        let newer = match (&self.api, resource_version(pod)) {
+            (Some(known), Some(seen)) => known.resource_version.is_none_or(|known| seen >= known),
+            _ => true,
+        };
+        if newer {
+            self.api = Some(ApiView {
+                uid: pod.metadata.uid.clone().unwrap_or_default(),
+                resource_version: resource_version(pod),
+                status: pod.status.clone(),
+            });
+        }
+    }
+}
+
+/// A resourceVersion as a number (etcd's revision), to tell which of two
+/// copies of an object is newer; `None` if it is not a number.
+fn resource_version(pod: &Pod) -> Option<u64> {
+    pod.metadata.resource_version.as_deref()?.parse().ok()
+}
+
+/// The API's copy of a pod, as far as status writes need it.
+#[derive(Debug, Clone)]
+struct ApiView {
+    uid: String,
+    resource_version: Option<u64>,
+    status: Option<PodStatus>,
 }
 
 #[derive(Debug, Clone)]
 struct Mirror {
     hash: String,
     exists: bool,
+    /// A pod of the mirror pod's name that is not a mirror pod is in the
+    /// way (checked again after a relist).
+    blocked: bool,
 }
 
 /// A running pod sync.
@@ -159,9 +224,17 @@ async fn follow_pods(client: kube::Client, node: String, pods: Pods, table: Tabl
                 mirror_gone(&table, &pod);
                 poke.notify_one();
             }
-            Ok(watcher::Event::Delete(pod)) => gone(&pods, &table, pod.metadata.uid.as_deref().unwrap_or_default()),
+            Ok(watcher::Event::Delete(pod)) => {
+                gone(&pods, &table, pod.metadata.uid.as_deref().unwrap_or_default());
+                // It may have stood in the way of a mirror pod.
+                mirror_gone(&table, &pod);
+                poke.notify_one();
+            }
             Ok(watcher::Event::Init) => listed.clear(),
             Ok(watcher::Event::InitDone) => {
+                // Every pod bound to the node is applied: the API source
+                // is ready (what unknown pods left may be cleaned up).
+                pods.sources().listed(PodSource::Api);
                 // Pods deleted while the watch was down.
                 let missing: Vec<String> = lock(&table)
                     .iter()
@@ -176,6 +249,7 @@ async fn follow_pods(client: kube::Client, node: String, pods: Pods, table: Tabl
                 for known in lock(&table).values_mut() {
                     if let Some(mirror) = known.mirror.as_mut() {
                         mirror.exists = false;
+                        mirror.blocked = false;
                     }
                 }
                 poke.notify_one();
@@ -192,28 +266,39 @@ async fn follow_pods(client: kube::Client, node: String, pods: Pods, table: Tabl
 /// for deletion.
 fn take(pods: &Pods, table: &Table, pod: Pod) {
     let Some(uid) = pod.metadata.uid.clone() else { return };
-    // A mirror pod stands for a static pod the node already runs.
+    // A mirror pod stands for a static pod the node already runs: only its
+    // API copy is of interest (its status is the static pod's).
     if is_mirror(&pod) {
+        let (namespace, name) = (pod.metadata.namespace.as_deref(), pod.metadata.name.as_deref());
+        for known in lock(table).values_mut() {
+            if known.mirror.is_some()
+                && Some(known.namespace.as_str()) == namespace
+                && Some(known.name.as_str()) == name
+            {
+                known.saw(&pod);
+            }
+        }
         return;
     }
     let deleting = pod.metadata.deletion_timestamp.is_some();
     {
         let mut table = lock(table);
-        let known = table.entry(uid.clone()).or_insert_with(|| Known {
-            namespace: pod.metadata.namespace.clone().unwrap_or_else(|| "default".into()),
-            name: pod.metadata.name.clone().unwrap_or_default(),
-            deleting: false,
-            sent: None,
-            mirror: None,
-        });
-        if known.deleting {
+        let known = table.entry(uid.clone()).or_insert_with(|| Known::new(&pod, None));
+        known.saw(&pod);
+        if known.deleting && !deleting {
             return;
         }
         known.deleting = deleting;
     }
     if deleting {
-        tracing::info!(pod.uid = %uid, pod = ?pod.metadata.name, "pod marked for deletion; stopping it");
-        pods.delete(&uid);
+        // Again when the API shortens the grace period of a deletion under way.
+        tracing::info!(
+            pod.uid = %uid,
+            pod = ?pod.metadata.name,
+            grace_seconds = ?pod.metadata.deletion_grace_period_seconds,
+            "pod marked for deletion; stopping it"
+        );
+        pods.remove(pod);
     } else {
         pods.apply(pod);
     }
@@ -238,9 +323,10 @@ fn mirror_gone(table: &Table, pod: &Pod) {
     for known in lock(table).values_mut() {
         let here = Some(known.namespace.as_str()) == namespace && Some(known.name.as_str()) == name;
         if here && let Some(mirror) = known.mirror.as_mut().filter(|_| !known.deleting) {
-            tracing::info!(pod = %known.name, "mirror pod deleted; creating it again");
+            tracing::info!(pod = %known.name, "mirror pod (or a pod in its way) deleted; creating it again");
             mirror.exists = false;
-            known.sent = None;
+            mirror.blocked = false;
+            known.api = None;
         }
     }
 }
@@ -252,13 +338,9 @@ fn follow_static(pods: &Pods, table: &Table) {
     pods.store().read(|local| {
         for (uid, pod) in local {
             let Some(hash) = static_hash(pod).filter(|_| pod.metadata.deletion_timestamp.is_none()) else { continue };
-            table.entry(uid.clone()).or_insert_with(|| Known {
-                namespace: pod.metadata.namespace.clone().unwrap_or_else(|| "default".into()),
-                name: pod.metadata.name.clone().unwrap_or_default(),
-                deleting: false,
-                sent: None,
-                mirror: Some(Mirror { hash, exists: false }),
-            });
+            table
+                .entry(uid.clone())
+                .or_insert_with(|| Known::new(pod, Some(Mirror { hash, exists: false, blocked: false })));
         }
         for (uid, known) in table.iter_mut() {
             if known.mirror.is_some() && !local.contains_key(uid) {
@@ -268,8 +350,9 @@ fn follow_static(pods: &Pods, table: &Table) {
     });
 }
 
-/// The mirror pod of static pod `pod`.
-fn mirror_of(pod: &Pod, hash: &str, node: &str) -> Pod {
+/// The mirror pod of static pod `pod`: owned by the Node (`node_uid`), as
+/// NodeRestriction requires of every pod a node creates.
+fn mirror_of(pod: &Pod, hash: &str, node: &str, node_uid: &str) -> Pod {
     let mut annotations = pod.metadata.annotations.clone().unwrap_or_default();
     annotations.insert(MIRROR_ANNOTATION.to_owned(), hash.to_owned());
     let mut spec = pod.spec.clone();
@@ -282,6 +365,14 @@ fn mirror_of(pod: &Pod, hash: &str, node: &str) -> Pod {
             namespace: pod.metadata.namespace.clone(),
             labels: pod.metadata.labels.clone(),
             annotations: Some(annotations),
+            owner_references: Some(vec![OwnerReference {
+                api_version: "v1".into(),
+                kind: "Node".into(),
+                name: node.to_owned(),
+                uid: node_uid.to_owned(),
+                controller: Some(true),
+                block_owner_deletion: None,
+            }]),
             ..ObjectMeta::default()
         },
         spec,
@@ -289,36 +380,65 @@ fn mirror_of(pod: &Pod, hash: &str, node: &str) -> Pod {
     }
 }
 
+/// What became of a static pod's mirror pod.
+enum MirrorOutcome {
+    /// It exists (created, adopted or replaced).
+    Exists,
+    /// A pod of that name that is not a mirror pod is in the way: it is
+    /// the user's, and is left alone.
+    Blocked,
+}
+
 /// Makes sure the mirror pod of static pod `uid` exists: creates it, or
-/// adopts one of the same hash (one of another hash is deleted first).
-async fn ensure_mirror(api: &Api<Pod>, pods: &Pods, uid: &str, known: &Known, node: &str) -> Result<(), kube::Error> {
-    let (Some(mirror), Some(local)) = (known.mirror.as_ref(), pods.store().get(uid)) else { return Ok(()) };
-    let object = mirror_of(&local, &mirror.hash, node);
-    match api.create(&PostParams::default(), &object).await {
+/// adopts one of the same hash (a mirror pod of another hash, or one being
+/// deleted, is deleted first). A pod of that name that is not a mirror pod
+/// is someone else's: it is reported and left alone.
+async fn ensure_mirror(
+    client: &kube::Client,
+    api: &Api<Pod>,
+    pods: &Pods,
+    uid: &str,
+    known: &Known,
+    node: &str,
+) -> Result<MirrorOutcome, kube::Error> {
+    let (Some(mirror), Some(local)) = (known.mirror.as_ref(), pods.store().get(uid)) else {
+        return Ok(MirrorOutcome::Exists);
+    };
+    let node_uid = Api::<Node>::all(client.clone()).get(node).await?.metadata.uid.unwrap_or_default();
+    let object = mirror_of(&local, &mirror.hash, node, &node_uid);
+    match api.create(&super::post_params(), &object).await {
         Ok(_) => {
             tracing::info!(pod = %known.name, "mirror pod created");
-            Ok(())
+            Ok(MirrorOutcome::Exists)
         }
         Err(error) if is_code(&error, 409) => {
             let Some(existing) = api.get_opt(&known.name).await? else {
                 // Gone meanwhile: the next pass creates it.
                 return Err(error);
             };
+            if !is_mirror(&existing) {
+                tracing::warn!(
+                    pod = %known.name,
+                    namespace = %known.namespace,
+                    "a pod that is not a mirror pod has the static pod's name: it is left alone and the static pod has no mirror pod"
+                );
+                return Ok(MirrorOutcome::Blocked);
+            }
             let hash = existing.metadata.annotations.as_ref().and_then(|a| a.get(MIRROR_ANNOTATION));
             if hash == Some(&mirror.hash) && existing.metadata.deletion_timestamp.is_none() {
                 tracing::info!(pod = %known.name, "mirror pod from an earlier run adopted");
-                return Ok(());
+                return Ok(MirrorOutcome::Exists);
             }
-            // Being deleted, of another hash, or not a mirror pod: replace it.
+            // A mirror pod of another hash, or being deleted: replace it.
             let params = DeleteParams {
                 grace_period_seconds: Some(0),
                 preconditions: Some(Preconditions { uid: existing.metadata.uid.clone(), resource_version: None }),
                 ..DeleteParams::default()
             };
             api.delete(&known.name, &params).await?;
-            api.create(&PostParams::default(), &object).await?;
+            api.create(&super::post_params(), &object).await?;
             tracing::info!(pod = %known.name, "stale mirror pod replaced");
-            Ok(())
+            Ok(MirrorOutcome::Exists)
         }
         Err(error) => Err(error),
     }
@@ -327,12 +447,15 @@ async fn ensure_mirror(api: &Api<Pod>, pods: &Pods, uid: &str, known: &Known, no
 /// The pod is gone from the API: stop it; nothing is sent back.
 fn gone(pods: &Pods, table: &Table, uid: &str) {
     if lock(table).remove(uid).is_some() {
-        tracing::info!(pod.uid = %uid, "pod removed from the API; stopping it");
-        pods.delete(uid);
+        tracing::info!(pod.uid = %uid, "pod removed from the API; stopping it at once");
+        pods.remove_now(uid);
     }
 }
 
-/// Sends statuses and final deletions as the pod store changes.
+/// Sends statuses and final deletions as the pod store changes: every pod
+/// that needs a write gets one, in parallel under the client-side rate
+/// limit; a pod whose write fails waits out its own backoff without
+/// holding back the others.
 async fn send_statuses(
     client: kube::Client,
     config: PodSyncConfig,
@@ -342,121 +465,234 @@ async fn send_statuses(
     poke: Arc<Notify>,
 ) {
     let mut changes = pods.store().changes();
-    let mut delay = config.retry_initial;
+    let limiter = Arc::new(RateLimiter::new(config.api_qps, config.api_burst));
+    let writer = Writer { client, config, pods, table, stats, limiter };
     loop {
         changes.borrow_and_update();
-        follow_static(&pods, &table);
-        let all_sent = sync_once(&client, &config.node_name, &pods, &table, &stats).await;
-        if all_sent {
-            delay = config.retry_initial;
-            tokio::select! {
-                changed = changes.changed() => if changed.is_err() { return },
-                () = poke.notified() => {}
+        follow_static(&writer.pods, &writer.table);
+        let next_retry = writer.sync_once().await;
+        let retry = async {
+            match next_retry {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
             }
-            // Let changes that come together make one patch per pod.
-            tokio::time::sleep(config.coalesce).await;
-        } else {
-            tokio::select! {
-                () = tokio::time::sleep(delay) => {}
-                // The node is stopping.
-                changed = changes.changed() => if changed.is_err() { return },
-            }
-            delay = (delay * 2).min(config.retry_max);
+        };
+        tokio::select! {
+            changed = changes.changed() => if changed.is_err() { return },
+            () = writer_poked(&poke) => {}
+            () = retry => {}
         }
+        // Let changes that come together make one write per pod.
+        tokio::time::sleep(writer.config.coalesce).await;
     }
 }
 
-/// One pass over the API pods; returns whether every call succeeded.
-async fn sync_once(client: &kube::Client, node: &str, pods: &Pods, table: &Table, stats: &PodSyncStats) -> bool {
-    let snapshot: Vec<(String, Known)> = lock(table).iter().map(|(uid, k)| (uid.clone(), k.clone())).collect();
-    let mut ok = true;
-    for (uid, known) in snapshot {
-        let api: Api<Pod> = Api::namespaced(client.clone(), &known.namespace);
-        let local = pods.store().get(&uid);
-        if let Some(mirror) = known.mirror.as_ref().filter(|_| !known.deleting) {
-            if !mirror.exists {
-                match ensure_mirror(&api, pods, &uid, &known, node).await {
-                    Ok(()) => {
-                        if let Some(Known { mirror: Some(m), .. }) = lock(table).get_mut(&uid) {
-                            m.exists = true;
-                        }
-                        stats.mirror_pods.fetch_add(1, Ordering::Relaxed);
-                    }
-                    Err(error) => {
-                        stats.failures.fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(pod = %known.name, %error, "cannot create the mirror pod; retrying");
-                        ok = false;
-                        continue;
-                    }
-                }
-            }
-        } else if known.mirror.is_some() {
-            // The static pod is gone: its mirror pod goes too.
-            let params = DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() };
-            match api.delete(&known.name, &params).await {
-                Ok(_) => tracing::info!(pod = %known.name, "mirror pod deleted with its static pod"),
-                Err(error) if is_code(&error, 404) => {}
-                Err(error) => {
-                    stats.failures.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(pod = %known.name, %error, "cannot delete the mirror pod; retrying");
-                    ok = false;
+async fn writer_poked(poke: &Notify) {
+    poke.notified().await;
+}
+
+/// What one pass writes for one pod.
+enum Write {
+    /// Create or adopt the static pod's mirror pod.
+    Mirror,
+    /// Delete the mirror pod of a static pod that is gone.
+    DeleteMirror,
+    /// Patch the status.
+    Status(Value),
+    /// Delete the pod for good (grace 0, UID precondition): the lifecycle
+    /// released it after the API asked for its deletion.
+    Finish,
+}
+
+/// Why a write did not happen.
+enum WriteError {
+    /// The pod is gone (or replaced by a pod of the same name): forget it.
+    Gone,
+    /// Try again after a backoff.
+    Retry(kube::Error),
+}
+
+/// The status manager's writer: the one place pod writes go out.
+struct Writer {
+    client: kube::Client,
+    config: PodSyncConfig,
+    pods: Pods,
+    table: Table,
+    stats: Arc<PodSyncStats>,
+    limiter: Arc<RateLimiter>,
+}
+
+impl Writer {
+    /// One pass: every pod that needs a write (and is not waiting out a
+    /// backoff) gets it. Returns when the earliest backoff ends, if any.
+    async fn sync_once(&self) -> Option<Instant> {
+        let now = Instant::now();
+        let mut jobs = Vec::new();
+        let mut next_retry: Option<Instant> = None;
+        {
+            let table = lock(&self.table);
+            for (uid, known) in table.iter() {
+                if let Some((at, _)) = known.retry
+                    && at > now
+                {
+                    next_retry = Some(next_retry.map_or(at, |n| n.min(at)));
                     continue;
                 }
+                if let Some(write) = self.needed(uid, known) {
+                    jobs.push((uid.clone(), known.clone(), write));
+                }
             }
-            lock(table).remove(&uid);
-            continue;
         }
-        let result = match local {
-            Some(local) => {
-                let status = local.status.unwrap_or_default();
-                if known.sent.as_ref() == Some(&status) {
-                    continue;
-                }
-                let patch = json!({"status": status});
-                match api.patch_status(&known.name, &PatchParams::default(), &Patch::Merge(&patch)).await {
-                    Ok(_) => {
-                        stats.status_patches.fetch_add(1, Ordering::Relaxed);
-                        if let Some(k) = lock(table).get_mut(&uid) {
-                            k.sent = Some(status);
+        let results: Vec<(String, Result<Option<Pod>, WriteError>)> = futures_util::stream::iter(jobs)
+            .map(|(uid, known, write)| async move {
+                self.limiter.acquire().await;
+                let result = self.write(&uid, &known, write).await;
+                (uid, result)
+            })
+            .buffer_unordered(self.config.parallel_writes.max(1))
+            .collect()
+            .await;
+        let mut table = lock(&self.table);
+        for (uid, result) in results {
+            match result {
+                Ok(answer) => {
+                    if let Some(known) = table.get_mut(&uid) {
+                        known.retry = None;
+                        if let Some(pod) = answer {
+                            known.saw(&pod);
                         }
-                        Ok(())
                     }
-                    Err(error) => Err(error),
+                }
+                Err(WriteError::Gone) => {
+                    table.remove(&uid);
+                }
+                Err(WriteError::Retry(error)) => {
+                    self.stats.failures.fetch_add(1, Ordering::Relaxed);
+                    if super::is_code(&error, 403) || super::is_code(&error, 422) {
+                        self.stats.rejected.fetch_add(1, Ordering::Relaxed);
+                    }
+                    let Some(known) = table.get_mut(&uid) else { continue };
+                    let delay =
+                        known.retry.map_or(self.config.retry_initial, |(_, d)| (d * 2).min(self.config.retry_max));
+                    let delay = jitter(delay);
+                    tracing::warn!(
+                        pod.uid = %uid,
+                        pod = %known.name,
+                        error = %super::describe(&error),
+                        retry_in = ?delay,
+                        "pod write failed; retrying this pod"
+                    );
+                    let at = Instant::now() + delay;
+                    known.retry = Some((at, delay));
+                    next_retry = Some(next_retry.map_or(at, |n| n.min(at)));
                 }
             }
-            // Released by the lifecycle after the API asked for deletion:
-            // delete it for good, only if it is still the same pod.
-            None if known.deleting => {
+        }
+        next_retry
+    }
+
+    /// The write pod `uid` needs now, if any.
+    fn needed(&self, uid: &str, known: &Known) -> Option<Write> {
+        if let Some(mirror) = &known.mirror {
+            if known.deleting {
+                return Some(Write::DeleteMirror);
+            }
+            if mirror.blocked {
+                return None;
+            }
+            if !mirror.exists {
+                return Some(Write::Mirror);
+            }
+        }
+        let Some(local) = self.pods.store().get(uid) else {
+            return (known.deleting && known.mirror.is_none()).then_some(Write::Finish);
+        };
+        let view = known.api.as_ref()?;
+        let gates: Vec<String> = local
+            .spec
+            .as_ref()
+            .and_then(|s| s.readiness_gates.as_ref())
+            .map(|gates| gates.iter().map(|g| g.condition_type.clone()).collect())
+            .unwrap_or_default();
+        let desired = status_patch::desired(local.status.unwrap_or_default(), view.status.as_ref(), &gates);
+        status_patch::patch(&view.uid, view.status.as_ref(), &desired).map(Write::Status)
+    }
+
+    async fn write(&self, uid: &str, known: &Known, write: Write) -> Result<Option<Pod>, WriteError> {
+        let api: Api<Pod> = Api::namespaced(self.client.clone(), &known.namespace);
+        let node = &self.config.node_name;
+        let params = super::patch_params();
+        match write {
+            Write::Mirror => {
+                let outcome =
+                    ensure_mirror(&self.client, &api, &self.pods, uid, known, node).await.map_err(WriteError::Retry)?;
+                let mut table = lock(&self.table);
+                if let Some(Known { mirror: Some(mirror), .. }) = table.get_mut(uid) {
+                    match outcome {
+                        MirrorOutcome::Exists => {
+                            mirror.exists = true;
+                            self.stats.mirror_pods.fetch_add(1, Ordering::Relaxed);
+                        }
+                        MirrorOutcome::Blocked => mirror.blocked = true,
+                    }
+                }
+                Ok(None)
+            }
+            Write::DeleteMirror => {
+                let params = DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() };
+                match api.delete(&known.name, &params).await {
+                    Ok(_) => tracing::info!(pod = %known.name, "mirror pod deleted with its static pod"),
+                    Err(error) if is_code(&error, 404) => {}
+                    Err(error) => return Err(WriteError::Retry(error)),
+                }
+                Err(WriteError::Gone)
+            }
+            Write::Status(patch) => match api.patch_status(&known.name, &params, &Patch::Strategic(&patch)).await {
+                Ok(pod) => {
+                    self.stats.status_patches.fetch_add(1, Ordering::Relaxed);
+                    Ok(Some(pod))
+                }
+                // Gone, or another pod of that name now.
+                Err(error) if is_code(&error, 404) || is_code(&error, 409) && known.mirror.is_none() => {
+                    if known.deleting || is_code(&error, 404) {
+                        Err(WriteError::Gone)
+                    } else {
+                        Err(WriteError::Retry(error))
+                    }
+                }
+                Err(error) => Err(WriteError::Retry(error)),
+            },
+            Write::Finish => {
                 let params = DeleteParams {
                     grace_period_seconds: Some(0),
-                    preconditions: Some(Preconditions { uid: Some(uid.clone()), resource_version: None }),
+                    preconditions: Some(Preconditions { uid: Some(uid.to_owned()), resource_version: None }),
                     ..DeleteParams::default()
                 };
                 match api.delete(&known.name, &params).await {
                     Ok(_) => {
-                        stats.deletions.fetch_add(1, Ordering::Relaxed);
+                        self.stats.deletions.fetch_add(1, Ordering::Relaxed);
                         tracing::info!(pod.uid = %uid, pod = %known.name, "pod released and deleted");
-                        lock(table).remove(&uid);
-                        Ok(())
+                        Err(WriteError::Gone)
                     }
-                    Err(error) => Err(error),
-                }
-            }
-            None => continue,
-        };
-        if let Err(error) = result {
-            match &error {
-                // Gone, or another pod of that name now: nothing more to do for this one.
-                kube::Error::Api(status) if status.code == 404 || status.code == 409 && known.deleting => {
-                    lock(table).remove(&uid);
-                }
-                _ => {
-                    stats.failures.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(pod.uid = %uid, pod = %known.name, %error, "pod status or deletion failed; retrying");
-                    ok = false;
+                    Err(error) if is_code(&error, 404) || is_code(&error, 409) => Err(WriteError::Gone),
+                    Err(error) => Err(WriteError::Retry(error)),
                 }
             }
         }
     }
-    ok
+}
+
+/// `delay` give or take a quarter, so that many pods failing together do
+/// not retry together.
+fn jitter(delay: Duration) -> Duration {
+    let spread = delay.as_secs_f64() * 0.25;
+    let offset = (rand_unit() * 2.0 - 1.0) * spread;
+    Duration::from_secs_f64((delay.as_secs_f64() + offset).max(0.0))
+}
+
+/// A number in [0, 1) from the clock's nanoseconds (spreading retries
+/// needs no better randomness).
+fn rand_unit() -> f64 {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+    f64::from(nanos % 1_000_000) / 1_000_000.0
 }

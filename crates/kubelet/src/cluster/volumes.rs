@@ -18,7 +18,7 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::api::storage::v1::CSIDriver;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::api::{Api, PostParams};
+use kube::api::Api;
 use kube::runtime::watcher;
 use tokio::sync::watch;
 
@@ -185,7 +185,7 @@ impl ApiObjects for ApiVolumes {
         };
         let api: Api<ServiceAccount> = Api::namespaced(client, &namespace);
         let answer = api
-            .create_token_request(&account, &PostParams::default(), &request)
+            .create_token_request(&account, &super::post_params(), &request)
             .await
             .map_err(|e| format!("cannot get a token for service account {namespace}/{account}: {}", describe(&e)))?;
         answer.status.map(|s| s.token).ok_or_else(|| "the token request was answered without a token".to_owned())

@@ -34,6 +34,7 @@
 
 mod capacity;
 mod http;
+pub mod labels;
 mod logs;
 
 pub(crate) use capacity::NodeDescription;
@@ -60,7 +61,7 @@ use crate::health::{HealthReporter, Healthz};
 use crate::plugin_manager::{
     PluginHandler, PluginManager, PluginManagerConfig, PluginManagerError, PluginManagerHandle, PluginType,
 };
-use crate::pod::{Allocatable, BackoffConfig, PodConfig, PodLifecycle, Pods};
+use crate::pod::{Allocatable, BackoffConfig, PodConfig, PodLifecycle, PodSource, Pods};
 use crate::provider::Provider;
 use crate::static_pods::{StaticPodConfig, StaticPods};
 use crate::volume::{CsiDriverObjects, CsiVolumes, VolumeClaims};
@@ -335,9 +336,27 @@ impl NodeBuilder {
                 Some(static_pods)
             }
         };
-        // Everything the node runs is applied: what an earlier run left for
-        // pods that are gone (containers, devices, volumes) is released.
-        pods.release_orphans().await;
+        // What an earlier run left for pods that are gone (containers,
+        // devices, volumes) is released once every pod source has listed
+        // its pods: the static pods are applied by now; the API's are once
+        // cluster mode has listed them.
+        if cluster.is_some() {
+            pods.sources().expect(PodSource::Api);
+        }
+        let housekeeping = pods.clone();
+        let stop = shutdown.clone();
+        let sources_ready = tasks.spawn(
+            async move {
+                tokio::select! {
+                    () = stop.cancelled() => {}
+                    () = housekeeping.release_orphans_when_sources_ready() => {}
+                }
+            }
+            .instrument(tracing::info_span!("housekeeping")),
+        );
+        if pods.sources().all_ready() {
+            let _ = sources_ready.await;
+        }
 
         let description = NodeDescription {
             name: config.node_name.clone(),

@@ -47,6 +47,7 @@ pub async fn start(
         if let Some(record) = ctx.data.containers.get_mut(name) {
             tracing::info!(pod.uid = %uid, container = name, id = %running.id, "container adopted, not restarted");
             record.restart_count = running.restart_count;
+            record.previous_run = None;
             record.id = Some(running.id.clone());
             record.phase = ContainerPhase::Running { started_at: running.started_at };
             record.started = Some(Instant::now());
@@ -84,6 +85,16 @@ pub async fn start(
     };
     let run_options = run_options::build(&data.pod, &record.spec, &data.volumes, &device_options, env_objects.as_ref())
         .map_err(|e| StartFailure { reason: "CreateContainerConfigError", message: e.to_string(), retry: true })?;
+    if let Some(record) = data.containers.get_mut(name) {
+        continue_previous_run(record);
+    }
+    let Some(record) = data.containers.get(name) else {
+        return Err(StartFailure {
+            reason: "RunContainerError",
+            message: format!("no container {name}"),
+            retry: false,
+        });
+    };
     let restart_count = record.restart_count;
     let launch = ContainerLaunch {
         pod: Arc::clone(&data.pod),
@@ -113,6 +124,27 @@ pub async fn start(
     }
     watch_exit(data, provider, name, id);
     Ok(())
+}
+
+/// A container the API showed before a node restart, and that did not
+/// survive it (its provider runs it inside the node process, say), starts
+/// again as a restart: its count goes on from the API's, and the run the
+/// restart ended is its last state, its end unknown.
+fn continue_previous_run(record: &mut super::data::ContainerRecord) {
+    let Some(previous) = record.previous_run.take() else { return };
+    record.restart_count = previous.restart_count;
+    if !previous.started {
+        return;
+    }
+    record.restart_count = previous.restart_count.saturating_add(1);
+    record.last_terminated = Some(Terminated {
+        exit_code: 137,
+        reason: "ContainerStatusUnknown".into(),
+        message: Some("the node restarted while the container ran; its end was not seen".into()),
+        started_at: previous.started_at,
+        finished_at: Timestamp::now(),
+        container_id: previous.container_id,
+    });
 }
 
 /// Spawns the task that waits for the container's exit and reports it.
@@ -215,8 +247,11 @@ pub fn schedule_restart(ctx: &mut Context<PodLifecycle>, name: &str) -> Option<D
     Some(delay)
 }
 
-/// Stops every running container within `grace`, concurrently; returns the
-/// failures.
+/// Stops every running container within `grace`, all at once. A later
+/// manifest with a shorter deletion grace period (`kubectl delete
+/// --grace-period=1`, or `--force --grace-period=0`) cuts the stop short:
+/// the containers are stopped again within what is left of the new one.
+/// Returns what failed.
 pub async fn stop_all(ctx: &mut Context<PodLifecycle>, grace: Duration) -> Vec<String> {
     let Some(provider) = ctx.machine.provider.clone() else { return Vec::new() };
     let running: Vec<(String, ContainerId)> = ctx
@@ -226,17 +261,46 @@ pub async fn stop_all(ctx: &mut Context<PodLifecycle>, grace: Duration) -> Vec<S
         .filter(|c| c.is_running())
         .filter_map(|c| c.id.clone().map(|id| (c.spec.name.clone(), id)))
         .collect();
+    let uid = ctx.data.id.uid.clone();
     let mut stops = tokio::task::JoinSet::new();
-    for (name, id) in running {
-        let provider = Arc::clone(&provider);
-        stops.spawn(async move { (name, provider.stop_container(&id, grace).await) });
-    }
+    let spawn_stops = |stops: &mut tokio::task::JoinSet<_>, grace: Duration, hurried: bool| {
+        for (name, id) in running.clone() {
+            let provider = Arc::clone(&provider);
+            stops.spawn(async move { (name, hurried, provider.stop_container(&id, grace).await) });
+        }
+    };
+    spawn_stops(&mut stops, grace, false);
+    let started = Instant::now();
+    let mut deadline = grace;
+    let mut manifest = ctx.manifest.clone();
+    let mut manifest_open = true;
     let mut failures = Vec::new();
-    while let Some(joined) = stops.join_next().await {
-        match joined {
-            Ok((name, Ok(()))) => tracing::debug!(pod.uid = %ctx.data.id.uid, container = %name, "container stopped"),
-            Ok((name, Err(error))) => failures.push(format!("stop container {name}: {error}")),
-            Err(error) => failures.push(format!("stop task: {error}")),
+    loop {
+        tokio::select! {
+            joined = stops.join_next() => match joined {
+                None => break,
+                Some(Ok((name, _, Ok(())))) => tracing::debug!(pod.uid = %uid, container = %name, "container stopped"),
+                // A second, hurried stop may find the container gone: only
+                // the first stop's failures count.
+                Some(Ok((_, true, Err(_)))) => {}
+                Some(Ok((name, false, Err(error)))) => failures.push(format!("stop container {name}: {error}")),
+                Some(Err(error)) => failures.push(format!("stop task: {error}")),
+            },
+            changed = manifest.changed(), if manifest_open => {
+                if changed.is_err() {
+                    manifest_open = false;
+                    continue;
+                }
+                let shorter = super::spec::deletion_grace_period(&manifest.borrow_and_update());
+                let elapsed = started.elapsed();
+                if let Some(shorter) = shorter
+                    && elapsed + shorter < deadline
+                {
+                    tracing::info!(pod.uid = %uid, grace = ?shorter, "a shorter grace period cuts the stop short");
+                    deadline = elapsed + shorter;
+                    spawn_stops(&mut stops, shorter, true);
+                }
+            }
         }
     }
     failures

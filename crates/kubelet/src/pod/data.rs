@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Container, Pod};
+use k8s_openapi::api::core::v1::{Container, ContainerStatus, Pod};
 use k8s_openapi::jiff::Timestamp;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
@@ -77,6 +77,40 @@ pub struct ContainerRecord {
     /// Whether the container should be started (again) when the pod starts
     /// containers next.
     pub wants_start: bool,
+    /// What the API's status said of this container before the node took
+    /// the pod on again (after a node restart): its next start continues
+    /// that count unless the container is adopted.
+    pub previous_run: Option<PreviousRun>,
+}
+
+/// A container's run as the API status recorded it before a node restart.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PreviousRun {
+    /// Its restart count then.
+    pub restart_count: u32,
+    /// Whether it had started (running, or ended).
+    pub started: bool,
+    /// When its last instance started.
+    pub started_at: Option<Timestamp>,
+    /// That instance's id.
+    pub container_id: Option<ContainerId>,
+}
+
+impl PreviousRun {
+    fn of(status: &ContainerStatus) -> PreviousRun {
+        let state = status.state.as_ref();
+        let running = state.and_then(|s| s.running.as_ref());
+        let terminated = state.and_then(|s| s.terminated.as_ref());
+        PreviousRun {
+            restart_count: u32::try_from(status.restart_count).unwrap_or(0),
+            started: running.is_some() || terminated.is_some() || status.last_state.is_some(),
+            started_at: running
+                .and_then(|r| r.started_at.as_ref())
+                .or_else(|| terminated.and_then(|t| t.started_at.as_ref()))
+                .map(|t| t.0),
+            container_id: status.container_id.clone().map(ContainerId),
+        }
+    }
 }
 
 impl ContainerRecord {
@@ -92,6 +126,7 @@ impl ContainerRecord {
             backoff: Backoff::default(),
             started: None,
             wants_start: true,
+            previous_run: None,
         }
     }
 
@@ -177,10 +212,20 @@ impl PodData {
         let id = PodIdentity::of(&pod);
         let mut records = BTreeMap::new();
         let mut order = Vec::new();
+        let status = pod.status.as_ref();
+        let previous = status
+            .into_iter()
+            .flat_map(|s| s.init_container_statuses.iter().flatten().chain(s.container_statuses.iter().flatten()));
+        let previous: BTreeMap<&str, PreviousRun> = previous.map(|c| (c.name.as_str(), PreviousRun::of(c))).collect();
         for (kind, container) in containers(&pod) {
             order.push(container.name.clone());
-            records.insert(container.name.clone(), ContainerRecord::new(kind, container));
+            let mut record = ContainerRecord::new(kind, container);
+            record.previous_run = previous.get(container.name.as_str()).cloned();
+            records.insert(container.name.clone(), record);
         }
+        // A pod the API already showed started (the node restarted) keeps
+        // its start time.
+        let start_time = status.and_then(|s| s.start_time.as_ref()).map_or_else(Timestamp::now, |t| t.0);
         let (exit_sender, exits) = mpsc::unbounded_channel();
         PodData {
             pod,
@@ -192,7 +237,7 @@ impl PodData {
             admitted: false,
             volumes_ready: false,
             initialized: false,
-            start_time: Timestamp::now(),
+            start_time,
             pending_message: None,
             verdict: None,
             exits,

@@ -31,6 +31,7 @@ mod containers;
 mod data;
 mod quantity;
 mod run_options;
+mod sources;
 mod spec;
 mod states;
 mod status;
@@ -48,8 +49,9 @@ pub use admission::{Allocatable, Rejection};
 pub use backoff::BackoffConfig;
 pub use data::{ContainerPhase, Terminated};
 pub use quantity::{QuantityError, parse_milli, parse_units};
+pub use sources::{PodSource, SourcesReady};
 pub use spec::{DEFAULT_GRACE_PERIOD, PodIdentity, RestartPolicy};
-pub use states::NO_PROVIDER_MESSAGE;
+pub use states::{LIFECYCLE_ERROR, NO_PROVIDER_MESSAGE};
 pub use status::Stage;
 pub use store::PodStore;
 
@@ -169,7 +171,11 @@ impl Machine for PodLifecycle {
     }
 
     fn deleted(&self, _key: &String, _data: &data::PodData) -> Box<dyn State<Self>> {
-        Box::new(states::Terminating)
+        Box::new(states::Terminating::removed())
+    }
+
+    fn panicked(&self, _key: &String, _data: &data::PodData, message: &str) -> Box<dyn State<Self>> {
+        Box::new(states::Terminating::after_panic(message))
     }
 
     fn status(&self, key: &String, mut status: PodStatus) {
@@ -188,6 +194,7 @@ impl Machine for PodLifecycle {
 #[derive(Clone)]
 pub struct Pods {
     runtime: Runtime<PodLifecycle>,
+    sources: SourcesReady,
 }
 
 impl Pods {
@@ -212,7 +219,7 @@ impl Pods {
                 Err(error) => tracing::warn!(%error, "the provider could not list its running containers"),
             }
         }
-        Pods { runtime: Runtime::new(Arc::new(lifecycle), shutdown) }
+        Pods { runtime: Runtime::new(Arc::new(lifecycle), shutdown), sources: SourcesReady::default() }
     }
 
     /// Runs `pod` (a new UID) or updates it.
@@ -224,6 +231,28 @@ impl Pods {
         applied
     }
 
+    /// The API marked `pod` for deletion: it is removed (as
+    /// [`Pods::delete`]) within the deletion's grace period
+    /// (`metadata.deletionGracePeriodSeconds`); a later, shorter one given
+    /// the same way cuts a running removal short.
+    pub fn remove(&self, pod: Pod) -> Deleted {
+        let uid = pod.metadata.uid.clone().unwrap_or_default();
+        self.runtime.machine().store.put_spec(&uid, &pod);
+        self.runtime.update(&uid, Arc::new(pod));
+        self.delete(&uid)
+    }
+
+    /// Removes the pod at once: a removal under way stops its containers
+    /// without waiting out the rest of its grace period (the API deleted
+    /// the pod outright, as `--force --grace-period=0` does).
+    pub fn remove_now(&self, uid: &str) -> Deleted {
+        if let Some(mut pod) = self.store().get(uid) {
+            pod.metadata.deletion_grace_period_seconds = Some(0);
+            self.runtime.update(&uid.to_owned(), Arc::new(pod));
+        }
+        self.delete(uid)
+    }
+
     /// Removes the pod: its containers are stopped, volumes torn down and
     /// devices freed.
     pub fn delete(&self, uid: &str) -> Deleted {
@@ -232,6 +261,20 @@ impl Pods {
             self.store().mark_deleting(uid);
         }
         deleted
+    }
+
+    /// The node's pod sources: each says when it has listed its pods.
+    pub fn sources(&self) -> &SourcesReady {
+        &self.sources
+    }
+
+    /// Releases what an earlier run of the node left for pods no source
+    /// knows ([`Pods::release_orphans`]) once every pod source has
+    /// delivered its first full list; at once if they all have.
+    pub async fn release_orphans_when_sources_ready(&self) {
+        self.sources.wait().await;
+        tracing::info!("every pod source has listed its pods: releasing what unknown pods left behind");
+        self.release_orphans().await;
     }
 
     /// The pods and their statuses.
@@ -246,7 +289,9 @@ impl Pods {
 
     /// Stops what an earlier run of the node left behind for pods it no
     /// longer has: containers still running and devices still allocated.
-    /// Call once the pods known at start are applied.
+    /// Call only once every pod source has applied its pods (see
+    /// [`Pods::release_orphans_when_sources_ready`]): a pod not applied yet
+    /// would lose its containers, devices and volumes.
     pub async fn release_orphans(&self) {
         let lifecycle = self.runtime.machine();
         let live: Vec<String> = self.runtime.keys();

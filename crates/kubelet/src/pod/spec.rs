@@ -85,13 +85,22 @@ pub fn containers(pod: &Pod) -> Vec<(ContainerKind, &Container)> {
     init.chain(spec.containers.iter().map(|c| (ContainerKind::App, c))).collect()
 }
 
-/// The pod's termination grace period.
+/// The pod's termination grace period: the deletion's, else the spec's
+/// `terminationGracePeriodSeconds`, else upstream's default.
 pub fn grace_period(pod: &Pod) -> Duration {
-    pod.spec
-        .as_ref()
-        .and_then(|s| s.termination_grace_period_seconds)
-        .map(|s| Duration::from_secs(u64::try_from(s).unwrap_or(0)))
-        .unwrap_or(DEFAULT_GRACE_PERIOD)
+    deletion_grace_period(pod).unwrap_or_else(|| {
+        pod.spec
+            .as_ref()
+            .and_then(|s| s.termination_grace_period_seconds)
+            .map(|s| Duration::from_secs(u64::try_from(s).unwrap_or(0)))
+            .unwrap_or(DEFAULT_GRACE_PERIOD)
+    })
+}
+
+/// The grace period the deletion asked for (`metadata.deletionGracePeriodSeconds`:
+/// `kubectl delete --grace-period`, 0 with `--force`), if any.
+pub fn deletion_grace_period(pod: &Pod) -> Option<Duration> {
+    pod.metadata.deletion_grace_period_seconds.map(|s| Duration::from_secs(u64::try_from(s).unwrap_or(0)))
 }
 
 /// CPU (millicores) and memory (bytes) a pod requests, computed as the

@@ -269,6 +269,9 @@ impl CsiVolumes {
     ) -> Result<(), VolumeError> {
         let uid = pod.metadata.uid.as_deref().unwrap_or_default();
         let mut plan = self.plan(pod, volume).await?;
+        if self.adopt_published(uid, volume, &plan.mount, prepared).await {
+            return Ok(());
+        }
         let driver = self.driver(&volume.name, &plan.mount.driver_name)?;
         let connected = self.connect(&volume.name, &driver).await?;
         let dir = self.publish_dir(uid, &plan.mount.spec_vol_id);
@@ -329,10 +332,50 @@ impl CsiVolumes {
         tracing::info!(pod.uid = %uid, volume = %volume.name, driver = %driver.name, handle = %request.volume_id, "NodePublishVolume");
         self.forget_on_transport_error(&driver.name, connected.client.publish_volume(&request).await)
             .map_err(csi_error)?;
+        // A node restarted from here on finds the volume published.
+        let _ = std::fs::write(dir.join(PUBLISHED_MARK), b"");
         if let Some(ready) = prepared.get_mut(&volume.name) {
             ready.ready = true;
         }
         Ok(())
+    }
+
+    /// After a node restart: a volume an earlier run published for this
+    /// pod (its `vol_data.json` names the same driver and handle, and the
+    /// publish succeeded) is taken as it is, with no call to the driver
+    /// (which may not have registered again yet), as the kubelet
+    /// reconstructs its mounted volumes. Returns whether it was adopted.
+    async fn adopt_published(
+        &self,
+        uid: &str,
+        volume: &Volume,
+        planned: &CsiMount,
+        prepared: &mut super::PodVolumes,
+    ) -> bool {
+        if prepared.contains_key(&volume.name) {
+            return false;
+        }
+        let dir = self.publish_dir(uid, &planned.spec_vol_id);
+        if !dir.join(PUBLISHED_MARK).exists() {
+            return false;
+        }
+        let Ok(recorded) = std::fs::read(dir.join("vol_data.json")) else { return false };
+        let Ok(recorded) = serde_json::from_slice::<CsiMount>(&recorded) else { return false };
+        if recorded.driver_name != planned.driver_name || recorded.volume_handle != planned.volume_handle {
+            return false;
+        }
+        if let Some(staging) = &recorded.staging_target_path {
+            let entry = self.staging_entry(staging);
+            let mut state = entry.lock().await;
+            state.users.insert(uid.to_owned());
+            state.staged = true;
+        }
+        tracing::info!(pod.uid = %uid, volume = %volume.name, driver = %recorded.driver_name, "published volume from an earlier run adopted");
+        prepared.insert(
+            volume.name.clone(),
+            PreparedVolume { host_path: dir.join("mount"), kind: VolumeKind::Csi, ready: true, csi: Some(recorded) },
+        );
+        true
     }
 
     /// Unpublishes a pod's volume, then unstages it if no other pod uses it.
@@ -572,6 +615,10 @@ fn pod_info(pod: &Pod, ephemeral: bool) -> BTreeMap<String, String> {
     ])
 }
 
+/// Beside `vol_data.json`: NodePublishVolume succeeded (until the volume
+/// is unpublished and its directory removed).
+const PUBLISHED_MARK: &str = ".rustlet-published";
+
 /// Lower-case hex SHA-256.
 pub fn sha256_hex(bytes: &[u8]) -> String {
     Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
@@ -592,12 +639,11 @@ fn remove_publish_dir(volume: &str, dir: &Path) -> Result<(), VolumeError> {
             reason: format!("{} is still mounted after NodeUnpublishVolume", target.display()),
         });
     }
-    match std::fs::remove_dir_all(dir) {
-        Err(error) if error.kind() != std::io::ErrorKind::NotFound => {
-            Err(VolumeError::Io { volume: volume.to_owned(), path: dir.to_owned(), source: error })
-        }
-        _ => Ok(()),
-    }
+    super::mounts::remove_dir_all_unmounted(dir).map_err(|source| VolumeError::Io {
+        volume: volume.to_owned(),
+        path: dir.to_owned(),
+        source,
+    })
 }
 
 /// The CSI volumes an earlier run of the node left published under

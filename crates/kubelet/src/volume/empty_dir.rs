@@ -55,16 +55,21 @@ pub fn teardown(volume: &str, dir: &Path) -> Result<(), VolumeError> {
             });
         }
     }
-    match std::fs::remove_dir_all(dir) {
-        Ok(()) => Ok(()),
-        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(source) => Err(VolumeError::Io { volume: volume.to_owned(), path: dir.to_owned(), source }),
-    }
+    super::mounts::remove_dir_all_unmounted(dir).map_err(|source| VolumeError::Io {
+        volume: volume.to_owned(),
+        path: dir.to_owned(),
+        source,
+    })
 }
 
-/// Whether `dir` is a mount point (its device differs from its parent's).
+/// Whether `dir` is a mount point (listed in `/proc/self/mountinfo`, so a
+/// bind mount on the same file system counts), or its device differs from
+/// its parent's.
 pub(crate) fn is_mount_point(dir: &Path) -> bool {
     use std::os::unix::fs::MetadataExt;
+    if super::mounts::is_mount_point(dir) {
+        return true;
+    }
     let (Ok(own), Some(Ok(parent))) = (std::fs::metadata(dir), dir.parent().map(std::fs::metadata)) else {
         return false;
     };

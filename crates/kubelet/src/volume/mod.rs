@@ -19,6 +19,7 @@ pub mod csi;
 mod downward_api;
 mod empty_dir;
 mod host_path;
+pub mod mounts;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -329,20 +330,8 @@ impl VolumeManager {
     }
 }
 
-/// Removes a pod's directory, refusing to cross into a mount left behind.
+/// Removes a pod's directory, refusing to cross into a mount left behind
+/// (anything mounted under it, by `/proc/self/mountinfo`).
 fn remove_pod_dir(dir: &Path) -> std::io::Result<()> {
-    let volumes = dir.join("volumes");
-    if let Ok(plugins) = std::fs::read_dir(&volumes) {
-        for plugin in plugins.flatten() {
-            for volume in std::fs::read_dir(plugin.path()).into_iter().flatten().flatten() {
-                if empty_dir::is_mount_point(&volume.path()) {
-                    return Err(std::io::Error::other(format!("{} is still mounted", volume.path().display())));
-                }
-            }
-        }
-    }
-    match std::fs::remove_dir_all(dir) {
-        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        other => other,
-    }
+    mounts::remove_dir_all_unmounted(dir)
 }

@@ -4,7 +4,7 @@
 use k8s_openapi::api::core::v1::PodStatus;
 use krator::{Context, State, Transition};
 
-use super::{Failed, ImagePull};
+use super::{AlreadyFinished, Failed, ImagePull};
 use crate::device_manager::{PodContainer, PodDeviceRequest};
 use crate::pod::PodLifecycle;
 use crate::pod::data::PodVerdict;
@@ -18,6 +18,10 @@ pub struct Registered;
 impl State<PodLifecycle> for Registered {
     async fn next(self: Box<Self>, ctx: &mut Context<PodLifecycle>) -> Transition<PodLifecycle> {
         tracing::info!(pod = %ctx.data.id.full_name(), pod.uid = %ctx.data.id.uid, "pod added");
+        let phase = ctx.data.pod.status.as_ref().and_then(|s| s.phase.as_deref());
+        if matches!(phase, Some("Succeeded" | "Failed")) {
+            return Transition::next(&*self, AlreadyFinished);
+        }
         if ctx.data.pod.spec.as_ref().is_none_or(|s| s.containers.is_empty()) {
             reject(ctx, "InvalidPod", "the pod has no containers".into());
             return Transition::next(&*self, Failed);

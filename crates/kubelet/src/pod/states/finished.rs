@@ -1,4 +1,8 @@
-//! Completed and Failed: the pod is done; it stays until removed.
+//! Completed and Failed: the pod is done; it stays until removed, but what
+//! it held (its admission slot, cpu and memory, its devices) is free for
+//! other pods at once, as upstream's admission and device manager ignore
+//! terminal pods. AlreadyFinished: the API showed the pod finished when the
+//! node took it on (after a node restart): it is never run again.
 
 use k8s_openapi::api::core::v1::PodStatus;
 use krator::{Context, State, Transition};
@@ -13,9 +17,23 @@ pub struct Completed;
 /// failed for good).
 pub struct Failed;
 
+/// Frees what a finished pod held for other pods.
+async fn release_resources(ctx: &mut Context<PodLifecycle>) {
+    let lifecycle = std::sync::Arc::clone(&ctx.machine);
+    let uid = &ctx.data.id.uid;
+    lifecycle.admitted.release(uid);
+    if let Some(devices) = &lifecycle.devices
+        && devices.free_pod(uid) > 0
+        && let Err(error) = devices.persisted().await
+    {
+        tracing::warn!(pod.uid = %uid, %error, "device checkpoint after the pod finished");
+    }
+}
+
 #[async_trait::async_trait]
 impl State<PodLifecycle> for Completed {
-    async fn next(self: Box<Self>, _ctx: &mut Context<PodLifecycle>) -> Transition<PodLifecycle> {
+    async fn next(self: Box<Self>, ctx: &mut Context<PodLifecycle>) -> Transition<PodLifecycle> {
+        release_resources(ctx).await;
         std::future::pending().await
     }
 
@@ -26,7 +44,8 @@ impl State<PodLifecycle> for Completed {
 
 #[async_trait::async_trait]
 impl State<PodLifecycle> for Failed {
-    async fn next(self: Box<Self>, _ctx: &mut Context<PodLifecycle>) -> Transition<PodLifecycle> {
+    async fn next(self: Box<Self>, ctx: &mut Context<PodLifecycle>) -> Transition<PodLifecycle> {
+        release_resources(ctx).await;
         std::future::pending().await
     }
 
@@ -36,5 +55,21 @@ impl State<PodLifecycle> for Failed {
             status.phase = Some("Failed".into());
         }
         status
+    }
+}
+
+/// The API showed the pod Succeeded or Failed when the node took it on: it
+/// holds nothing and is never run again; its status stays the API's.
+pub struct AlreadyFinished;
+
+#[async_trait::async_trait]
+impl State<PodLifecycle> for AlreadyFinished {
+    async fn next(self: Box<Self>, ctx: &mut Context<PodLifecycle>) -> Transition<PodLifecycle> {
+        tracing::info!(pod = %ctx.data.id.full_name(), pod.uid = %ctx.data.id.uid, "the pod finished before; not run again");
+        std::future::pending().await
+    }
+
+    fn status(&self, ctx: &Context<PodLifecycle>) -> PodStatus {
+        ctx.data.pod.status.clone().unwrap_or_default()
     }
 }

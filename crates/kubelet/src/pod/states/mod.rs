@@ -9,13 +9,14 @@ mod terminating;
 
 pub use admission::{Registered, Resources};
 pub use containers::{CrashLoopBackOff, Initializing, Running, Starting};
-pub use finished::{Completed, Failed};
+pub use finished::{AlreadyFinished, Completed, Failed};
 pub use prepare::{ImagePull, ImagePullBackOff, NO_PROVIDER_MESSAGE, NoProvider, Volumes};
-pub use terminating::Terminating;
+pub use terminating::{LIFECYCLE_ERROR, Terminating};
 
 use krator::TransitionTo;
 
 impl TransitionTo<Resources> for Registered {}
+impl TransitionTo<AlreadyFinished> for Registered {}
 impl TransitionTo<Failed> for Registered {}
 impl TransitionTo<ImagePull> for Resources {}
 impl TransitionTo<Failed> for Resources {}
@@ -34,3 +35,4 @@ impl TransitionTo<Failed> for Running {}
 impl TransitionTo<Starting> for CrashLoopBackOff {}
 impl TransitionTo<Completed> for CrashLoopBackOff {}
 impl TransitionTo<Failed> for CrashLoopBackOff {}
+impl TransitionTo<Failed> for Terminating {}

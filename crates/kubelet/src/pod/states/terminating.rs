@@ -1,5 +1,7 @@
 //! Terminating: everything the pod holds is released, in order, each step
-//! running even if an earlier one failed.
+//! running even if an earlier one failed. It runs when the pod is removed,
+//! and when a state of the pod's lifecycle panicked: then the pod ends
+//! Failed (with the panic in its message) instead of going.
 
 use std::sync::Arc;
 
@@ -11,25 +13,67 @@ use crate::pod::containers::{log_dir, stop_all};
 use crate::pod::spec::grace_period;
 use crate::pod::status::{Stage, pod_status};
 
-/// The pod was removed.
-pub struct Terminating;
+/// The pod was removed, or its lifecycle failed.
+pub struct Terminating {
+    /// Why the pod is released without having been removed: a state
+    /// panicked (the message); then it ends Failed.
+    failed: Option<String>,
+}
+
+/// The reason of a pod whose lifecycle failed (a state panicked).
+pub const LIFECYCLE_ERROR: &str = "PodLifecycleError";
+
+impl Terminating {
+    /// The pod was removed.
+    pub fn removed() -> Terminating {
+        Terminating { failed: None }
+    }
+
+    /// A state of the pod's lifecycle panicked with `message`.
+    pub fn after_panic(message: &str) -> Terminating {
+        Terminating { failed: Some(message.to_owned()) }
+    }
+}
 
 #[async_trait::async_trait]
 impl State<PodLifecycle> for Terminating {
     async fn next(self: Box<Self>, ctx: &mut Context<PodLifecycle>) -> Transition<PodLifecycle> {
         let lifecycle = Arc::clone(&ctx.machine);
         let uid = ctx.data.id.uid.clone();
-        tracing::info!(pod = %ctx.data.id.full_name(), pod.uid = %uid, "pod removed: releasing what it holds");
+        match &self.failed {
+            None => {
+                tracing::info!(pod = %ctx.data.id.full_name(), pod.uid = %uid, "pod removed: releasing what it holds")
+            }
+            Some(panic) => tracing::error!(
+                pod = %ctx.data.id.full_name(),
+                pod.uid = %uid,
+                %panic,
+                "the pod's lifecycle failed: releasing what it holds; the pod ends Failed"
+            ),
+        }
         let mut failures: Vec<String> = Vec::new();
         // 1. Containers, within the grace period.
         let grace = grace_period(&ctx.latest_manifest());
         failures.extend(stop_all(ctx, grace).await);
         ctx.data.waiters.abort_all();
-        // 2. Volumes.
+        // 2. Volumes: retried with backoff until every one is torn down
+        // (a CSI driver may fail NodeUnpublishVolume for a while); the
+        // pod's deletion in the API waits for it.
         let mut volumes = std::mem::take(&mut ctx.data.volumes);
-        for error in lifecycle.volumes.teardown(&uid, &mut volumes).await {
-            failures.push(error.to_string());
+        let mut delay = lifecycle.config.volume_backoff.initial;
+        loop {
+            let errors = lifecycle.volumes.teardown(&uid, &mut volumes).await;
+            if errors.is_empty() {
+                break;
+            }
+            let reasons: Vec<String> = errors.iter().map(ToString::to_string).collect();
+            tracing::warn!(pod.uid = %uid, errors = %reasons.join("; "), retry_in = ?delay, "volumes not torn down; retrying");
+            ctx.data.pending_message = Some(format!("volumes not torn down yet: {}", reasons.join("; ")));
+            ctx.report(pod_status(&ctx.data, Stage::Terminating));
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(lifecycle.config.volume_backoff.max);
         }
+        ctx.data.pending_message = None;
         // 3. Devices (the checkpoint is rewritten).
         if let Some(devices) = &lifecycle.devices {
             devices.free_pod(&uid);
@@ -54,6 +98,17 @@ impl State<PodLifecycle> for Terminating {
             tracing::warn!(pod.uid = %uid, %failure, "a removal step failed");
         }
         tracing::info!(pod.uid = %uid, failed_steps = failures.len(), "pod released");
+        if let Some(panic) = &self.failed {
+            ctx.data.verdict = Some(crate::pod::data::PodVerdict {
+                phase: "Failed",
+                reason: Some(LIFECYCLE_ERROR.into()),
+                message: Some(format!(
+                    "the node's lifecycle of this pod failed ({panic}); its containers were stopped and what it held released"
+                )),
+                rejected: false,
+            });
+            return Transition::next(&*self, super::Failed);
+        }
         if failures.is_empty() { Transition::complete(Ok(())) } else { Transition::complete(Err(failures.join("; "))) }
     }
 

@@ -1,0 +1,246 @@
+//! What the node writes of a pod's status, and how: the status manager's
+//! two pure steps.
+//!
+//! 1. [`desired`]: the status the lifecycle computed, reconciled with the
+//!    status the API last returned: the start time the API has is kept
+//!    (across node restarts too); a condition keeps its
+//!    `lastTransitionTime` while its status does not change; readiness
+//!    gates (`spec.readinessGates`) must all be `True` in the API's
+//!    conditions for `Ready` to be `True`.
+//! 2. [`patch`]: a two-way strategic merge patch from the API's status to
+//!    the desired one, as the kubelet sends it: changed fields set, fields
+//!    that became empty removed (`null`), `conditions` merged by `type`
+//!    with only the node's own conditions in it (conditions other writers
+//!    own, such as readiness-gate conditions and `DisruptionTarget`, are
+//!    never touched), `podIPs`/`hostIPs` merged by `ip`, and the pod's UID
+//!    so the patch cannot land on a newer pod of the same name.
+
+use k8s_openapi::api::core::v1::{PodCondition, PodStatus};
+use serde_json::{Map, Value, json};
+
+/// The conditions the node owns (it computes them; nobody else writes them).
+pub const NODE_CONDITIONS: [&str; 5] =
+    ["PodScheduled", "PodReadyToStartContainers", "Initialized", "ContainersReady", "Ready"];
+
+/// The reason of a `Ready` condition held back by a readiness gate.
+pub const READINESS_GATES_NOT_READY: &str = "ReadinessGatesNotReady";
+
+/// The status to write: `computed` (the lifecycle's) reconciled with `api`
+/// (the status the API last returned) for a pod with readiness gates
+/// `gates`.
+pub fn desired(mut computed: PodStatus, api: Option<&PodStatus>, gates: &[String]) -> PodStatus {
+    let api_conditions: &[PodCondition] = api.and_then(|s| s.conditions.as_deref()).unwrap_or_default();
+    if let Some(start) = api.and_then(|s| s.start_time.clone()) {
+        computed.start_time = Some(start);
+    }
+    if let Some(conditions) = computed.conditions.as_mut() {
+        if !gates.is_empty() {
+            gate_ready(conditions, api_conditions, gates);
+        }
+        for condition in conditions.iter_mut() {
+            if let Some(before) = api_conditions.iter().find(|c| c.type_ == condition.type_)
+                && before.status == condition.status
+            {
+                condition.last_transition_time = before.last_transition_time.clone();
+            }
+        }
+    }
+    computed
+}
+
+/// Holds `Ready` at `False` while a readiness gate's condition (in the
+/// API's conditions) is missing or not `True` (upstream's messages).
+fn gate_ready(conditions: &mut [PodCondition], api_conditions: &[PodCondition], gates: &[String]) {
+    let Some(ready) = conditions.iter_mut().find(|c| c.type_ == "Ready") else { return };
+    if ready.status != "True" {
+        return;
+    }
+    let unready: Vec<String> = gates
+        .iter()
+        .filter_map(|gate| match api_conditions.iter().find(|c| &c.type_ == gate) {
+            None => Some(format!("corresponding condition of pod readiness gate \"{gate}\" does not exist.")),
+            Some(c) if c.status != "True" => {
+                Some(format!("the status of pod readiness gate \"{gate}\" is not \"True\", but {}", c.status))
+            }
+            Some(_) => None,
+        })
+        .collect();
+    if !unready.is_empty() {
+        ready.status = "False".into();
+        ready.reason = Some(READINESS_GATES_NOT_READY.into());
+        ready.message = Some(unready.join(", "));
+    }
+}
+
+/// The strategic merge patch (for `pods/<name>/status`) that turns `api`
+/// into `desired`; `None` when there is nothing to change.
+pub fn patch(uid: &str, api: Option<&PodStatus>, desired: &PodStatus) -> Option<Value> {
+    let before = as_object(api.map(serde_json::to_value));
+    let after = as_object(Some(serde_json::to_value(desired)));
+    let mut status = Map::new();
+    for (key, new) in &after {
+        let old = before.get(key);
+        match key.as_str() {
+            "conditions" => {
+                let changed = changed_conditions(old, new);
+                if !changed.is_empty() {
+                    status.insert(key.clone(), Value::Array(changed));
+                }
+            }
+            "podIPs" | "hostIPs" => {
+                if old != Some(new) {
+                    status.insert(key.clone(), merge_list_by(old, new, "ip"));
+                }
+            }
+            _ if old != Some(new) => {
+                status.insert(key.clone(), new.clone());
+            }
+            _ => {}
+        }
+    }
+    for (key, old) in &before {
+        if after.contains_key(key) || key == "conditions" {
+            continue;
+        }
+        match key.as_str() {
+            // Entries merged by key are deleted one by one.
+            "podIPs" | "hostIPs" => {
+                status.insert(key.clone(), merge_list_by(Some(old), &Value::Array(Vec::new()), "ip"));
+            }
+            _ => {
+                status.insert(key.clone(), Value::Null);
+            }
+        }
+    }
+    (!status.is_empty()).then(|| json!({"metadata": {"uid": uid}, "status": status}))
+}
+
+fn as_object(value: Option<Result<Value, serde_json::Error>>) -> Map<String, Value> {
+    match value {
+        Some(Ok(Value::Object(map))) => map,
+        _ => Map::new(),
+    }
+}
+
+/// The node's conditions in `new` that differ from those in `old` (whole
+/// entries: a strategic merge replaces a listed condition by `type`).
+fn changed_conditions(old: Option<&Value>, new: &Value) -> Vec<Value> {
+    let old = old.and_then(Value::as_array).cloned().unwrap_or_default();
+    new.as_array()
+        .into_iter()
+        .flatten()
+        .filter(|c| {
+            let kind = c.get("type");
+            old.iter().find(|o| o.get("type") == kind) != Some(*c)
+        })
+        .cloned()
+        .collect()
+}
+
+/// A list merged by `key`: the entries of `new`, then a `$patch: delete`
+/// for each entry of `old` that `new` no longer has.
+fn merge_list_by(old: Option<&Value>, new: &Value, key: &str) -> Value {
+    let mut entries: Vec<Value> = new.as_array().cloned().unwrap_or_default();
+    for gone in old.and_then(Value::as_array).into_iter().flatten() {
+        let id = gone.get(key);
+        if !entries.iter().any(|e| e.get(key) == id) {
+            entries.push(json!({key: id, "$patch": "delete"}));
+        }
+    }
+    Value::Array(entries)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+
+    fn condition(kind: &str, status: &str, at: i64) -> PodCondition {
+        PodCondition {
+            type_: kind.into(),
+            status: status.into(),
+            last_transition_time: Some(Time(k8s_openapi::jiff::Timestamp::from_second(at).expect("time"))),
+            ..PodCondition::default()
+        }
+    }
+
+    fn status(conditions: Vec<PodCondition>) -> PodStatus {
+        PodStatus { phase: Some("Running".into()), conditions: Some(conditions), ..PodStatus::default() }
+    }
+
+    #[test]
+    fn transition_times_stay_while_a_condition_keeps_its_status() {
+        let api = status(vec![condition("Ready", "True", 100), condition("Initialized", "True", 100)]);
+        let computed = status(vec![condition("Ready", "True", 200), condition("Initialized", "False", 200)]);
+        let desired = desired(computed, Some(&api), &[]);
+        let conditions = desired.conditions.expect("conditions");
+        assert_eq!(conditions[0].last_transition_time, api.conditions.as_ref().expect("c")[0].last_transition_time);
+        assert_eq!(conditions[1].last_transition_time.as_ref().map(|t| t.0.as_second()), Some(200));
+        // Only the condition that changed is in the patch.
+        let patch = patch("u1", Some(&api), &PodStatus { conditions: Some(conditions), ..api.clone() }).expect("patch");
+        assert_eq!(patch["status"]["conditions"].as_array().map(Vec::len), Some(1), "{patch}");
+        assert_eq!(patch["status"]["conditions"][0]["type"], "Initialized");
+        assert_eq!(patch["metadata"]["uid"], "u1");
+    }
+
+    #[test]
+    fn ready_waits_for_every_readiness_gate() {
+        let gates = vec!["example.com/lb".to_owned(), "example.com/dns".to_owned()];
+        let computed = status(vec![condition("ContainersReady", "True", 1), condition("Ready", "True", 1)]);
+        let none = desired(computed.clone(), None, &gates);
+        let ready = &none.conditions.as_ref().expect("c")[1];
+        assert_eq!(ready.status, "False");
+        assert_eq!(ready.reason.as_deref(), Some(READINESS_GATES_NOT_READY));
+        assert_eq!(
+            ready.message.as_deref(),
+            Some(
+                "corresponding condition of pod readiness gate \"example.com/lb\" does not exist., \
+                 corresponding condition of pod readiness gate \"example.com/dns\" does not exist."
+            )
+        );
+        let half = status(vec![condition("example.com/lb", "True", 1), condition("example.com/dns", "False", 1)]);
+        let ready = desired(computed.clone(), Some(&half), &gates).conditions.expect("c")[1].clone();
+        assert_eq!(
+            ready.message.as_deref(),
+            Some("the status of pod readiness gate \"example.com/dns\" is not \"True\", but False")
+        );
+        let both = status(vec![condition("example.com/lb", "True", 1), condition("example.com/dns", "True", 1)]);
+        assert_eq!(desired(computed, Some(&both), &gates).conditions.expect("c")[1].status, "True");
+    }
+
+    #[test]
+    fn others_conditions_are_never_in_the_patch_and_cleared_fields_are_removed() {
+        let mut api = status(vec![condition("Ready", "False", 1), condition("DisruptionTarget", "True", 1)]);
+        api.message = Some("volumes not ready".into());
+        api.start_time = Some(Time(k8s_openapi::jiff::Timestamp::from_second(5).expect("t")));
+        let computed = status(vec![condition("Ready", "True", 9)]);
+        let desired = desired(computed, Some(&api), &[]);
+        assert_eq!(desired.start_time, api.start_time, "the API's start time is kept");
+        let patch = patch("u1", Some(&api), &desired).expect("patch");
+        assert_eq!(patch["status"]["message"], Value::Null);
+        assert!(patch["status"].as_object().expect("status").contains_key("message"));
+        let conditions = patch["status"]["conditions"].as_array().expect("conditions");
+        assert!(conditions.iter().all(|c| c["type"] != "DisruptionTarget"), "{patch}");
+        assert!(patch["status"].get("startTime").is_none(), "{patch}");
+    }
+
+    #[test]
+    fn nothing_to_write_when_the_api_has_it_already() {
+        let api = status(vec![condition("Ready", "True", 1), condition("example.com/gate", "True", 1)]);
+        let desired = desired(status(vec![condition("Ready", "True", 7)]), Some(&api), &["example.com/gate".into()]);
+        assert_eq!(patch("u1", Some(&api), &desired), None);
+    }
+
+    #[test]
+    fn pod_ips_are_merged_by_ip() {
+        let mut api = PodStatus::default();
+        api.pod_ips = Some(vec![
+            k8s_openapi::api::core::v1::PodIP { ip: "10.0.0.1".into() },
+            k8s_openapi::api::core::v1::PodIP { ip: "fd00::1".into() },
+        ]);
+        let mut desired = PodStatus::default();
+        desired.pod_ips = Some(vec![k8s_openapi::api::core::v1::PodIP { ip: "10.0.0.1".into() }]);
+        let patch = patch("u1", Some(&api), &desired).expect("patch");
+        assert_eq!(patch["status"]["podIPs"], json!([{"ip": "10.0.0.1"}, {"ip": "fd00::1", "$patch": "delete"}]));
+    }
+}

@@ -1,0 +1,479 @@
+//! Cluster semantics a real cluster can trust, each test run against the
+//! real kube-apiserver (NodeRestriction, a node identity) and the in-process
+//! one: a whole node (`NodeBuilder` in cluster mode, the host-process
+//! provider, a real device plugin and CSI driver on their sockets) runs pods
+//! the API binds to it.
+//!
+//! - the status manager: conditions other writers own survive the node's
+//!   writes, Ready waits for readiness gates, transition times hold, a
+//!   cleared message leaves the API;
+//! - finished pods free their admission slot and devices at once, and are
+//!   not run again by a restarted node;
+//! - `deletionGracePeriodSeconds` is the grace period, and a shorter one
+//!   (or a forced deletion) cuts a stop short;
+//! - a provider that panics releases everything the pod held;
+//! - a CSI volume whose NodeUnpublishVolume fails keeps its pod in the API
+//!   until the retry succeeds.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use k8s_openapi::api::core::v1::{Pod, PodCondition};
+use k8s_openapi::api::storage::v1::CSIDriver;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kubelet::cluster::{ApiSource, ClusterSettings};
+use kubelet::node::{Node, NodeBuilder, NodeConfig};
+use kubelet::pod::{Allocatable, BackoffConfig};
+use kubelet::provider::{
+    ContainerExit, ContainerId, ContainerLaunch, PreparedImage, Provider, ProviderError, RunningContainer,
+};
+use rustlet_sample_plugins::csi_driver::{CsiDriverConfig, RegisteredCsiDriver, VolumeCallBehaviour, VolumeCalls};
+use rustlet_sample_plugins::report::Reporter;
+use rustlet_testkit::host_provider::HostProcessProvider;
+use rustlet_testkit::process::PluginProcess;
+use rustlet_testkit::test_api::TestApi;
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+/// A liveness bound for what takes a second or two (a real API server
+/// on a loaded 2-core machine included).
+const DEADLINE: Duration = Duration::from_secs(60);
+const GPU: &str = "trust.example.com/gpu";
+const DRIVER: &str = "trust.csi.example.com";
+
+/// A node in cluster mode on `api`, with the host-process provider.
+struct ClusterNode {
+    node: Node,
+    /// Stops the node when the test ends, however it ends.
+    stop: tokio_util::sync::DropGuard,
+    root: PathBuf,
+    _dir: tempfile::TempDir,
+    _plugins: Vec<PluginProcess>,
+}
+
+async fn start_node(
+    api: &TestApi,
+    root: &Path,
+    max_pods: usize,
+    provider: Arc<dyn Provider>,
+) -> (Node, CancellationToken) {
+    let mut config = NodeConfig::new(root, api.node.clone());
+    config.http_address = None;
+    config.pods.max_pods = max_pods;
+    config.pods.allocatable = Some(Allocatable { cpu_milli: 4000, memory: 8 << 30, pods: max_pods });
+    config.pods.restart_backoff = BackoffConfig {
+        initial: Duration::from_millis(50),
+        max: Duration::from_millis(400),
+        reset_after: Duration::from_secs(600),
+    };
+    config.plugins.initial_backoff = Duration::from_millis(50);
+    config.plugins.max_backoff = Duration::from_millis(500);
+    let mut settings = ClusterSettings::new(ApiSource::Client(api.node_client.clone()));
+    settings.pod_sync.retry_initial = Duration::from_millis(50);
+    settings.pod_sync.retry_max = Duration::from_millis(500);
+    let shutdown = CancellationToken::new();
+    let node =
+        NodeBuilder::new(config).provider(provider).cluster(settings).start(shutdown.clone()).await.expect("node");
+    (node, shutdown)
+}
+
+impl ClusterNode {
+    async fn start(api: &TestApi, max_pods: usize) -> ClusterNode {
+        Self::start_with(api, max_pods, Arc::new(HostProcessProvider::new())).await
+    }
+
+    async fn start_with(api: &TestApi, max_pods: usize, provider: Arc<dyn Provider>) -> ClusterNode {
+        let dir = tempfile::Builder::new().prefix("rustlet-trust-").tempdir().expect("tempdir");
+        let root = dir.path().to_owned();
+        let (node, shutdown) = start_node(api, &root, max_pods, provider).await;
+        ClusterNode { node, stop: shutdown.drop_guard(), root, _dir: dir, _plugins: Vec::new() }
+    }
+
+    /// A real device plugin with two devices of [`GPU`].
+    async fn with_gpus(mut self) -> ClusterNode {
+        let plugin = common::gpu_plugin(self.node.devices(), &self.root.join("device-plugins"), GPU, 2).await;
+        self._plugins.push(plugin);
+        self
+    }
+
+    fn pods(&self) -> Vec<Pod> {
+        self.node.pods().store().list()
+    }
+
+    fn devices_of(&self, uid: &str) -> usize {
+        self.node.devices().allocated(uid, "main").values().map(Vec::len).sum()
+    }
+}
+
+/// A pod bound to `node` running `script` (the host provider runs it with
+/// `sh -c`); `extra` is merged into its spec.
+fn pod(name: &str, node: &str, script: &str, extra: serde_json::Value) -> Pod {
+    let mut spec = json!({
+        "nodeName": node,
+        "automountServiceAccountToken": false,
+        "terminationGracePeriodSeconds": 5,
+        "containers": [{"name": "main", "image": "busybox", "command": ["sh", "-c", script]}],
+    });
+    if let (Some(spec), Some(extra)) = (spec.as_object_mut(), extra.as_object()) {
+        for (key, value) in extra {
+            spec.insert(key.clone(), value.clone());
+        }
+    }
+    serde_json::from_value(json!({"metadata": {"name": name, "namespace": "default"}, "spec": spec})).expect("pod")
+}
+
+fn with_gpus(mut pod: Pod, count: u32) -> Pod {
+    let container = &mut pod.spec.as_mut().expect("spec").containers[0];
+    container.resources = Some(serde_json::from_value(json!({"limits": {GPU: count.to_string()}})).expect("resources"));
+    pod
+}
+
+fn phase(pod: Option<&Pod>) -> Option<&str> {
+    pod?.status.as_ref()?.phase.as_deref()
+}
+
+fn condition<'a>(pod: &'a Pod, kind: &str) -> Option<&'a PodCondition> {
+    pod.status.as_ref()?.conditions.as_ref()?.iter().find(|c| c.type_ == kind)
+}
+
+fn running(pod: Option<&Pod>) -> bool {
+    phase(pod) == Some("Running")
+        && pod
+            .and_then(|p| p.status.as_ref()?.container_statuses.as_ref()?.first()?.state.as_ref()?.running.as_ref())
+            .is_some()
+}
+
+fn pods_api(api: &TestApi) -> Api<Pod> {
+    Api::namespaced(api.admin.clone(), "default")
+}
+
+/// Adds (or changes) a condition as another controller would: a strategic
+/// merge patch of the status, merged by type.
+async fn set_condition(pods: &Api<Pod>, name: &str, kind: &str, status: &str) {
+    let patch = json!({"status": {"conditions": [{"type": kind, "status": status, "reason": "ByTheTest"}]}});
+    pods.patch_status(name, &PatchParams::default(), &Patch::Strategic(&patch)).await.expect("condition patched");
+}
+
+// ---------------------------------------------------------------------------
+
+async fn others_conditions_survive_and_ready_waits_for_gates(api: TestApi) {
+    let node = ClusterNode::start(&api, 110).await;
+    let pods = pods_api(&api);
+    // Its host path is missing at first: the pod waits with a message,
+    // which must leave the API once the volume is ready.
+    let host_dir = node.root.join("later");
+    let spec = json!({
+        "readinessGates": [{"conditionType": "example.com/gate"}],
+        "volumes": [{"name": "data", "hostPath": {"path": host_dir.display().to_string(), "type": "Directory"}}],
+    });
+    pods.create(&PostParams::default(), &pod("gated", &api.node, "exec sleep 600", spec)).await.expect("create");
+    let waiting = api
+        .wait_for(&pods, "gated", "showing why its volume waits", DEADLINE, |p| {
+            p.and_then(|p| p.status.as_ref()?.message.as_deref()).is_some_and(|m| m.contains("volumes not ready"))
+        })
+        .await
+        .expect("pod");
+    assert_eq!(phase(Some(&waiting)), Some("Pending"));
+    std::fs::create_dir_all(&host_dir).expect("mkdir");
+
+    // Running, but not Ready: its gate's condition does not exist.
+    let gated = api.wait_for(&pods, "gated", "Running", DEADLINE, running).await.expect("pod");
+    let status = gated.status.as_ref().expect("status");
+    assert_eq!(status.message, None, "the cleared message left the API: {status:?}");
+    let ready = condition(&gated, "Ready").expect("Ready");
+    assert_eq!(ready.status, "False", "{ready:?}");
+    assert_eq!(ready.reason.as_deref(), Some("ReadinessGatesNotReady"));
+    assert_eq!(
+        ready.message.as_deref(),
+        Some("corresponding condition of pod readiness gate \"example.com/gate\" does not exist.")
+    );
+    assert_eq!(condition(&gated, "ContainersReady").map(|c| c.status.as_str()), Some("True"));
+    let initialized_at = condition(&gated, "Initialized").and_then(|c| c.last_transition_time.clone());
+
+    // Another controller adds DisruptionTarget, then the gate's condition:
+    // the node's writes keep both, and Ready follows the gate.
+    set_condition(&pods, "gated", "DisruptionTarget", "False").await;
+    set_condition(&pods, "gated", "example.com/gate", "True").await;
+    let ready = api
+        .wait_for(&pods, "gated", "Ready once its gate is True", DEADLINE, |p| {
+            p.and_then(|p| condition(p, "Ready")).is_some_and(|c| c.status == "True")
+        })
+        .await
+        .expect("pod");
+    assert_eq!(condition(&ready, "example.com/gate").map(|c| c.status.as_str()), Some("True"));
+    assert_eq!(condition(&ready, "DisruptionTarget").map(|c| c.status.as_str()), Some("False"));
+    assert_eq!(
+        condition(&ready, "Initialized").and_then(|c| c.last_transition_time.clone()),
+        initialized_at,
+        "an unchanged condition keeps its transition time"
+    );
+    // The gate goes False again: Ready follows, the others stay.
+    set_condition(&pods, "gated", "example.com/gate", "False").await;
+    let unready = api
+        .wait_for(&pods, "gated", "not Ready once its gate is False", DEADLINE, |p| {
+            p.and_then(|p| condition(p, "Ready")).is_some_and(|c| c.status == "False")
+        })
+        .await
+        .expect("pod");
+    assert_eq!(
+        condition(&unready, "Ready").and_then(|c| c.message.as_deref()),
+        Some("the status of pod readiness gate \"example.com/gate\" is not \"True\", but False")
+    );
+    assert!(condition(&unready, "DisruptionTarget").is_some());
+    drop(node);
+}
+rustlet_testkit::on_both_api_servers!(
+    others_conditions_survive_and_ready_waits_for_gates_on,
+    others_conditions_survive_and_ready_waits_for_gates
+);
+
+// ---------------------------------------------------------------------------
+
+async fn finished_pods_free_their_slot_and_devices(api: TestApi) {
+    const MAX_PODS: usize = 4;
+    let node = ClusterNode::start(&api, MAX_PODS).await.with_gpus().await;
+    let pods = pods_api(&api);
+    let runs = node.root.join("runs");
+    std::fs::create_dir_all(&runs).expect("mkdir");
+    // As many finished pods as the node takes, each with a device.
+    for i in 0..MAX_PODS {
+        let name = format!("job-{i}");
+        let record = format!("echo run >> {}/{name}", runs.display());
+        let job = with_gpus(pod(&name, &api.node, &record, json!({"restartPolicy": "Never"})), 1);
+        pods.create(&PostParams::default(), &job).await.expect("create");
+        let done =
+            api.wait_for(&pods, &name, "Succeeded", DEADLINE, |p| phase(p) == Some("Succeeded")).await.expect("pod");
+        let uid = done.metadata.uid.clone().expect("uid");
+        assert_eq!(node.devices_of(&uid), 0, "{name}'s device is free once it finished");
+    }
+    // A pod that needs both devices, on a node whose every slot held a
+    // finished pod: admitted, runs.
+    let big = with_gpus(pod("big", &api.node, "exec sleep 600", json!({})), 2);
+    pods.create(&PostParams::default(), &big).await.expect("create");
+    let big = api.wait_for(&pods, "big", "Running", DEADLINE, running).await.expect("pod");
+    assert_eq!(node.devices_of(big.metadata.uid.as_deref().expect("uid")), 2);
+    let finished =
+        node.pods().iter().filter(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Succeeded")).count();
+    assert_eq!(finished, MAX_PODS, "the finished pods keep their status on the node");
+
+    // The node restarts (same root, same API): the finished pods are not
+    // run again; the running one keeps its devices.
+    let ClusterNode { node: old, stop, root, _dir, _plugins } = node;
+    drop(stop);
+    old.stopped().await;
+    let (again, shutdown) = start_node(&api, &root, MAX_PODS, Arc::new(HostProcessProvider::new())).await;
+    let restarted = ClusterNode { node: again, stop: shutdown.drop_guard(), root, _dir, _plugins };
+    restarted
+        .node
+        .pods()
+        .store()
+        .wait_for(DEADLINE, |pods| pods.len() == MAX_PODS + 1)
+        .await
+        .expect("every API pod known again");
+    api.wait_for(&pods, "big", "Running after the restart", DEADLINE, running).await;
+    for i in 0..MAX_PODS {
+        let name = format!("job-{i}");
+        let job = pods.get(&name).await.expect("pod");
+        assert_eq!(phase(Some(&job)), Some("Succeeded"), "{name} stays Succeeded");
+        let count = std::fs::read_to_string(runs.join(&name)).expect("run record").lines().count();
+        assert_eq!(count, 1, "{name} ran once, not again after the restart");
+    }
+    // Deleted by the API, finished pods go.
+    pods.delete("job-0", &DeleteParams::default()).await.expect("delete");
+    api.wait_for(&pods, "job-0", "gone", DEADLINE, |p| p.is_none()).await;
+}
+rustlet_testkit::on_both_api_servers!(
+    finished_pods_free_their_slot_and_devices_on,
+    finished_pods_free_their_slot_and_devices
+);
+
+// ---------------------------------------------------------------------------
+
+/// A container that ignores SIGTERM: only the grace period's end stops it.
+const STUBBORN: &str = "trap '' TERM; exec sleep 600";
+
+async fn the_deletion_grace_period_is_the_grace_period(api: TestApi) {
+    let node = ClusterNode::start(&api, 110).await;
+    let pods = pods_api(&api);
+    for name in ["short", "forced"] {
+        let stubborn = pod(name, &api.node, STUBBORN, json!({"terminationGracePeriodSeconds": 600}));
+        pods.create(&PostParams::default(), &stubborn).await.expect("create");
+        api.wait_for(&pods, name, "Running", DEADLINE, running).await;
+    }
+    // `kubectl delete --grace-period=1`: gone long before the spec's 600 s.
+    let started = std::time::Instant::now();
+    pods.delete("short", &DeleteParams { grace_period_seconds: Some(1), ..DeleteParams::default() })
+        .await
+        .expect("delete");
+    api.wait_for(&pods, "short", "gone", DEADLINE, |p| p.is_none()).await;
+    assert!(started.elapsed() < Duration::from_secs(600));
+
+    // A deletion with the spec's 600 s under way, then `--force
+    // --grace-period=0`: the stop is cut short, the pod goes.
+    pods.delete("forced", &DeleteParams::default()).await.expect("delete");
+    api.wait_for(&pods, "forced", "terminating", DEADLINE, |p| {
+        p.is_some_and(|p| p.metadata.deletion_timestamp.is_some())
+    })
+    .await;
+    let uid = node
+        .pods()
+        .into_iter()
+        .find(|p| p.metadata.name.as_deref() == Some("forced"))
+        .and_then(|p| p.metadata.uid)
+        .expect("the node has it");
+    pods.delete("forced", &DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() })
+        .await
+        .expect("force delete");
+    node.node
+        .pods()
+        .store()
+        .wait_for(DEADLINE, |pods| !pods.contains_key(&uid))
+        .await
+        .expect("the node released the forced pod without waiting out its 600 s");
+}
+rustlet_testkit::on_both_api_servers!(
+    the_deletion_grace_period_is_the_grace_period_on,
+    the_deletion_grace_period_is_the_grace_period
+);
+
+// ---------------------------------------------------------------------------
+
+/// Runs containers with the host provider, but panics when asked to start
+/// one named `boom`.
+struct PanickingProvider(HostProcessProvider);
+
+#[async_trait]
+impl Provider for PanickingProvider {
+    async fn prepare_image(
+        &self,
+        pod: &Pod,
+        container: &k8s_openapi::api::core::v1::Container,
+    ) -> Result<PreparedImage, ProviderError> {
+        self.0.prepare_image(pod, container).await
+    }
+
+    async fn start_container(&self, launch: &ContainerLaunch) -> Result<ContainerId, ProviderError> {
+        if launch.container.name == "boom" {
+            panic!("the provider broke while starting {}", launch.container.name);
+        }
+        self.0.start_container(launch).await
+    }
+
+    async fn wait_container(&self, id: &ContainerId) -> Result<ContainerExit, ProviderError> {
+        self.0.wait_container(id).await
+    }
+
+    async fn stop_container(&self, id: &ContainerId, grace: Duration) -> Result<(), ProviderError> {
+        self.0.stop_container(id, grace).await
+    }
+
+    async fn running_containers(&self) -> Result<Vec<RunningContainer>, ProviderError> {
+        self.0.running_containers().await
+    }
+}
+
+async fn a_provider_panic_releases_everything_the_pod_held(api: TestApi) {
+    let node = ClusterNode::start_with(&api, 1, Arc::new(PanickingProvider(HostProcessProvider::new())))
+        .await
+        .with_gpus()
+        .await;
+    let pods = pods_api(&api);
+    let mut broken = with_gpus(
+        pod("broken", &api.node, "exec sleep 600", json!({"volumes": [{"name": "scratch", "emptyDir": {}}]})),
+        2,
+    );
+    let spec = broken.spec.as_mut().expect("spec");
+    spec.containers[0].volume_mounts =
+        Some(vec![serde_json::from_value(json!({"name": "scratch", "mountPath": "/scratch"})).expect("mount")]);
+    // A sidecar-free pod with two containers: `main` starts, `boom` panics.
+    let mut boom = spec.containers[0].clone();
+    boom.name = "boom".into();
+    boom.resources = None;
+    spec.containers.push(boom);
+    let created = pods.create(&PostParams::default(), &broken).await.expect("create");
+    let uid = created.metadata.uid.clone().expect("uid");
+    let failed = api.wait_for(&pods, "broken", "Failed", DEADLINE, |p| phase(p) == Some("Failed")).await.expect("pod");
+    let status = failed.status.as_ref().expect("status");
+    assert_eq!(status.reason.as_deref(), Some("PodLifecycleError"), "{status:?}");
+    let message = status.message.as_deref().unwrap_or_default();
+    assert!(message.contains("the provider broke while starting boom"), "{message}");
+    // Its devices are free, its volumes gone, its container stopped, and
+    // its slot (the node takes one pod) free for the next pod.
+    assert_eq!(node.devices_of(&uid), 0);
+    assert!(!node.root.join("pods").join(&uid).exists(), "its volumes were torn down");
+    let next = with_gpus(pod("next", &api.node, "exec sleep 600", json!({})), 2);
+    pods.create(&PostParams::default(), &next).await.expect("create");
+    api.wait_for(&pods, "next", "Running", DEADLINE, running).await;
+}
+rustlet_testkit::on_both_api_servers!(
+    a_provider_panic_releases_everything_the_pod_held_on,
+    a_provider_panic_releases_everything_the_pod_held
+);
+
+// ---------------------------------------------------------------------------
+
+/// A CSI driver registered on the node's `plugins_registry`.
+fn csi_driver(root: &Path, behaviour: Option<(&str, VolumeCallBehaviour)>, stop: &CancellationToken) -> VolumeCalls {
+    let mut config =
+        CsiDriverConfig { name: DRIVER.into(), node_id: "trust-node".into(), ..CsiDriverConfig::default() };
+    if let Some((rpc, behaviour)) = behaviour {
+        config.volume_calls.insert(rpc.to_owned(), behaviour);
+    }
+    let (calls, _) = RegisteredCsiDriver::new(
+        root.join("plugins_registry").join("trust-csi.sock"),
+        root.join("plugins").join("trust-csi").join("csi.sock"),
+        config,
+    )
+    .spawn_recorded(Reporter::Discard, stop.child_token())
+    .expect("csi driver");
+    calls
+}
+
+async fn inline_csi_driver_object(api: &TestApi) {
+    let drivers: Api<CSIDriver> = Api::all(api.admin.clone());
+    let driver: CSIDriver = serde_json::from_value(json!({
+        "metadata": {"name": DRIVER},
+        "spec": {"attachRequired": false, "podInfoOnMount": true, "volumeLifecycleModes": ["Ephemeral"]},
+    }))
+    .expect("csidriver");
+    match drivers.create(&PostParams::default(), &driver).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(status)) if status.code == 409 => {}
+        Err(error) => panic!("CSIDriver: {error}"),
+    }
+}
+
+async fn a_pod_stays_in_the_api_until_its_volume_is_unpublished(api: TestApi) {
+    inline_csi_driver_object(&api).await;
+    let node = ClusterNode::start(&api, 110).await;
+    let stop = CancellationToken::new();
+    let fail_twice = ("NodeUnpublishVolume", VolumeCallBehaviour::FailTimes(tonic::Code::Internal, 2));
+    let calls = csi_driver(&node.root, Some(fail_twice), &stop);
+    let pods = pods_api(&api);
+    let mut with_volume = pod(
+        "published",
+        &api.node,
+        "exec sleep 600",
+        json!({"volumes": [{"name": "data", "csi": {"driver": DRIVER}}]}),
+    );
+    with_volume.spec.as_mut().expect("spec").containers[0].volume_mounts =
+        Some(vec![serde_json::from_value(json!({"name": "data", "mountPath": "/data"})).expect("mount")]);
+    pods.create(&PostParams::default(), &with_volume).await.expect("create");
+    api.wait_for(&pods, "published", "Running", DEADLINE, running).await;
+    pods.delete("published", &DeleteParams::default()).await.expect("delete");
+    // Two NodeUnpublishVolume calls fail, the third succeeds: the pod
+    // leaves the API only after it (the count is read as soon as the pod
+    // is gone).
+    api.wait_for(&pods, "published", "gone", DEADLINE, |p| p.is_none()).await;
+    let unpublishes = calls.all().iter().filter(|c| c.rpc == "NodeUnpublishVolume").count();
+    assert_eq!(unpublishes, 3, "two failures, then the retry that succeeded, all before the pod left the API");
+    stop.cancel();
+}
+rustlet_testkit::on_both_api_servers!(
+    a_pod_stays_in_the_api_until_its_volume_is_unpublished_on,
+    a_pod_stays_in_the_api_until_its_volume_is_unpublished
+);

@@ -1,0 +1,448 @@
+//! A real Kubernetes control plane for cluster tests: Debian's `etcd` and
+//! the upstream `kube-apiserver` (plus `kube-scheduler` and
+//! `kube-controller-manager` on demand), on free loopback ports with
+//! temporary data dirs, configured like a kubeadm cluster's:
+//! `--authorization-mode=Node,RBAC` and the `NodeRestriction` admission
+//! plugin, token authentication for an administrator (`system:masters`)
+//! and a pool of node identities (`system:node:<name>` in `system:nodes`).
+//!
+//! The Kubernetes binaries are found in `RUSTLET_KUBE_BIN_DIR`; `etcd` is
+//! installed with `apt-get` (package `etcd-server`) when it is missing.
+//! Without the binaries a test skips with the reason, unless
+//! `RUSTLET_REQUIRE_KUBE=1` (CI), where it fails.
+//!
+//! One control plane serves every test of a test binary: it starts on the
+//! first [`ControlPlane::shared`] call (a few seconds) and each test takes
+//! its own node identity from the pool ([`ControlPlane::node`]), so tests
+//! never see each other's pods. The processes stop when the test binary
+//! exits, however it exits: each is watched by a small shell that kills it
+//! once the test process's end of a pipe closes.
+
+use std::io::Write as _;
+use std::net::{IpAddr, Ipv4Addr};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use base64::Engine as _;
+
+/// Node identities in the pool (one per test that asks).
+const NODE_POOL: usize = 256;
+/// How long the API server may take to answer `/readyz` (it takes 3–5 s
+/// here; a loaded CI machine is allowed much more).
+const READY_DEADLINE: Duration = Duration::from_secs(180);
+
+/// Whether the real-server tests must run (`RUSTLET_REQUIRE_KUBE=1`).
+pub fn kube_required() -> bool {
+    std::env::var("RUSTLET_REQUIRE_KUBE").is_ok_and(|v| v == "1")
+}
+
+/// A node identity of the control plane.
+#[derive(Clone, Debug)]
+pub struct NodeIdentity {
+    /// The node's name (`system:node:<name>`).
+    pub name: String,
+    /// Its bearer token.
+    pub token: String,
+}
+
+/// A process the control plane runs, killed when the test binary exits.
+struct Guarded {
+    child: Child,
+    /// Held open for the test binary's life: when it closes, the watcher
+    /// shell kills the child.
+    _lifeline: Option<ChildStdin>,
+    _watcher: Option<Child>,
+}
+
+impl Guarded {
+    /// Starts `command` with its output in `log`; once the test binary
+    /// exits, the process is killed and `remove` (if any) deleted.
+    fn spawn(mut command: Command, log: &Path, remove: Option<&Path>) -> Result<Guarded, String> {
+        let log_file = std::fs::File::create(log).map_err(|e| format!("{}: {e}", log.display()))?;
+        let err_file = log_file.try_clone().map_err(|e| e.to_string())?;
+        let child = command
+            .stdin(Stdio::null())
+            .stdout(log_file)
+            .stderr(err_file)
+            .spawn()
+            .map_err(|e| format!("cannot start {:?}: {e}", command.get_program()))?;
+        // `cat` returns when this process's end of the pipe closes (the
+        // test binary exited, even by a signal); then the child goes.
+        let remove = remove.map(|p| p.display().to_string()).unwrap_or_default();
+        let watcher = Command::new("sh")
+            .args([
+                "-c",
+                "cat >/dev/null; kill -9 \"$0\" 2>/dev/null; [ -n \"$1\" ] && rm -rf \"$1\"",
+                &child.id().to_string(),
+                &remove,
+            ])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn();
+        let (lifeline, watcher) = match watcher {
+            Ok(mut watcher) => (watcher.stdin.take(), Some(watcher)),
+            Err(_) => (None, None),
+        };
+        Ok(Guarded { child, _lifeline: lifeline, _watcher: watcher })
+    }
+
+    /// Fails with the log's tail if the process has exited.
+    fn check_alive(&mut self, what: &str, log: &Path) -> Result<(), String> {
+        match self.child.try_wait() {
+            Ok(Some(status)) => Err(format!("{what} exited ({status}): {}", tail(log))),
+            _ => Ok(()),
+        }
+    }
+}
+
+fn tail(log: &Path) -> String {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(15)..].join("\n")
+}
+
+/// A running control plane.
+pub struct ControlPlane {
+    dir: PathBuf,
+    bin_dir: PathBuf,
+    url: String,
+    ca_pem: String,
+    admin_token: String,
+    nodes: Vec<NodeIdentity>,
+    next_node: AtomicUsize,
+    admin_kubeconfig: PathBuf,
+    processes: Mutex<Vec<Guarded>>,
+    scheduler: OnceLock<Result<(), String>>,
+    controller_manager: OnceLock<Result<(), String>>,
+}
+
+static SHARED: OnceLock<Result<ControlPlane, String>> = OnceLock::new();
+
+impl ControlPlane {
+    /// The test binary's control plane, started on first use; `None` (after
+    /// printing why `test` skips) when the binaries are not there and
+    /// `RUSTLET_REQUIRE_KUBE` is not `1`.
+    pub fn shared(test: &str) -> Option<&'static ControlPlane> {
+        let plane = SHARED.get_or_init(|| {
+            // Started from a thread of its own: the caller may be inside
+            // any runtime, and the readiness check is async.
+            std::thread::spawn(|| {
+                let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build();
+                runtime.map_err(|e| e.to_string()).and_then(|rt| rt.block_on(ControlPlane::start()))
+            })
+            .join()
+            .unwrap_or_else(|_| Err("the control plane starter panicked".into()))
+        });
+        match plane {
+            Ok(plane) => Some(plane),
+            Err(reason) if kube_required() => panic!("{test}: RUSTLET_REQUIRE_KUBE=1 but no control plane: {reason}"),
+            Err(reason) => {
+                eprintln!("SKIP {test}: no real kube-apiserver: {reason}");
+                None
+            }
+        }
+    }
+
+    async fn start() -> Result<ControlPlane, String> {
+        let bin_dir = std::env::var_os("RUSTLET_KUBE_BIN_DIR")
+            .map(PathBuf::from)
+            .ok_or("RUSTLET_KUBE_BIN_DIR is not set (the directory of kube-apiserver, kube-scheduler, kube-controller-manager)")?;
+        let apiserver = bin_dir.join("kube-apiserver");
+        if !apiserver.is_file() {
+            return Err(format!("{} is missing", apiserver.display()));
+        }
+        let etcd = crate::debian::ensure_installed("/usr/bin/etcd", "etcd-server")?;
+        let dir =
+            tempfile::Builder::new().prefix("rustlet-control-plane-").tempdir().map_err(|e| e.to_string())?.keep();
+        let started = Instant::now();
+        let mut processes = Vec::new();
+
+        // etcd.
+        let (client_port, peer_port) = (free_port()?, free_port()?);
+        let etcd_url = format!("http://127.0.0.1:{client_port}");
+        let peer_url = format!("http://127.0.0.1:{peer_port}");
+        let mut command = Command::new(etcd);
+        command
+            .arg("--data-dir")
+            .arg(dir.join("etcd"))
+            .args(["--listen-client-urls", &etcd_url, "--advertise-client-urls", &etcd_url])
+            .args(["--listen-peer-urls", &peer_url, "--initial-advertise-peer-urls", &peer_url])
+            .args(["--initial-cluster", &format!("default={peer_url}")])
+            .env("ETCD_UNSUPPORTED_ARCH", std::env::consts::ARCH);
+        processes.push(Guarded::spawn(command, &dir.join("etcd.log"), Some(&dir))?);
+
+        // Certificates, keys and tokens.
+        let pki = Pki::generate().map_err(|e| format!("certificates: {e}"))?;
+        let write = |name: &str, text: &str| {
+            let path = dir.join(name);
+            std::fs::write(&path, text).map_err(|e| format!("{}: {e}", path.display()))?;
+            Ok::<PathBuf, String>(path)
+        };
+        let ca_file = write("ca.crt", &pki.ca_pem)?;
+        write("ca.key", &pki.ca_key_pem)?;
+        let cert_file = write("apiserver.crt", &pki.server_pem)?;
+        let key_file = write("apiserver.key", &pki.server_key_pem)?;
+        let sa_key_file = write("sa.key", &pki.sa_key_pem)?;
+        let sa_pub_file = write("sa.pub", &pki.sa_pub_pem)?;
+        let admin_token = random_token();
+        let nodes: Vec<NodeIdentity> =
+            (0..NODE_POOL).map(|i| NodeIdentity { name: format!("rustlet-node-{i}"), token: random_token() }).collect();
+        let mut tokens = format!("{admin_token},admin,admin-uid,\"system:masters\"\n");
+        for node in &nodes {
+            tokens.push_str(&format!(
+                "{},system:node:{},node-{},\"system:nodes,system:authenticated\"\n",
+                node.token, node.name, node.name
+            ));
+        }
+        let tokens_file = write("tokens.csv", &tokens)?;
+
+        // kube-apiserver.
+        let port = free_port()?;
+        let url = format!("https://127.0.0.1:{port}");
+        let mut command = Command::new(&apiserver);
+        command
+            .args(["--etcd-servers", &etcd_url, "--bind-address", "127.0.0.1", "--advertise-address", "127.0.0.1"])
+            .args(["--secure-port", &port.to_string()])
+            .arg("--tls-cert-file")
+            .arg(&cert_file)
+            .arg("--tls-private-key-file")
+            .arg(&key_file)
+            .arg("--client-ca-file")
+            .arg(&ca_file)
+            .arg("--token-auth-file")
+            .arg(&tokens_file)
+            .arg("--service-account-key-file")
+            .arg(&sa_pub_file)
+            .arg("--service-account-signing-key-file")
+            .arg(&sa_key_file)
+            .args(["--service-account-issuer", "https://kubernetes.default.svc"])
+            .args(["--authorization-mode", "Node,RBAC", "--enable-admission-plugins", "NodeRestriction"])
+            .args(["--endpoint-reconciler-type", "none", "--service-cluster-ip-range", "10.96.0.0/16"])
+            .arg("--cert-dir")
+            .arg(dir.join("apiserver-certs"));
+        let apiserver_log = dir.join("kube-apiserver.log");
+        processes.push(Guarded::spawn(command, &apiserver_log, None)?);
+
+        let admin_kubeconfig = dir.join("admin.kubeconfig");
+        let ca_pem = pki.ca_pem.clone();
+        write_kubeconfig(&admin_kubeconfig, &url, &ca_pem, &admin_token).map_err(|e| e.to_string())?;
+        let plane = ControlPlane {
+            dir,
+            bin_dir,
+            url,
+            ca_pem,
+            admin_token,
+            nodes,
+            next_node: AtomicUsize::new(0),
+            admin_kubeconfig,
+            processes: Mutex::new(processes),
+            scheduler: OnceLock::new(),
+            controller_manager: OnceLock::new(),
+        };
+        plane.wait_ready(&apiserver_log).await?;
+        plane.seed().await?;
+        eprintln!(
+            "control plane: kube-apiserver {} ready in {:?} ({})",
+            plane.url,
+            started.elapsed(),
+            plane.dir.display()
+        );
+        Ok(plane)
+    }
+
+    /// Waits until `/readyz` answers `ok` (polled: the API server announces
+    /// readiness nowhere else), failing early if a process died.
+    async fn wait_ready(&self, log: &Path) -> Result<(), String> {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let deadline = Instant::now() + READY_DEADLINE;
+        loop {
+            {
+                let mut processes = self.processes.lock().unwrap_or_else(|p| p.into_inner());
+                processes[0].check_alive("etcd", &self.dir.join("etcd.log"))?;
+                processes[1].check_alive("kube-apiserver", log)?;
+            }
+            let last = match self.admin_client().await {
+                Ok(client) => {
+                    let request = http::Request::get("/readyz").body(Vec::new()).map_err(|e| e.to_string())?;
+                    match client.request_text(request).await {
+                        Ok(text) if text.trim() == "ok" => return Ok(()),
+                        Ok(text) => text,
+                        Err(error) => error.to_string(),
+                    }
+                }
+                Err(error) => error,
+            };
+            if Instant::now() > deadline {
+                return Err(format!("kube-apiserver not ready within {READY_DEADLINE:?}: {last}; log: {}", tail(log)));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// What kubeadm's controllers would have made: the `default` service
+    /// account of the namespaces tests use.
+    async fn seed(&self) -> Result<(), String> {
+        use k8s_openapi::api::core::v1::ServiceAccount;
+        use kube::api::{Api, PostParams};
+        let client = self.admin_client().await?;
+        for namespace in ["default", "kube-system"] {
+            let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), namespace);
+            let account: ServiceAccount = serde_json::from_value(serde_json::json!({"metadata": {"name": "default"}}))
+                .map_err(|e| e.to_string())?;
+            match accounts.create(&PostParams::default(), &account).await {
+                Ok(_) => {}
+                Err(kube::Error::Api(status)) if status.code == 409 => {}
+                Err(error) => return Err(format!("creating serviceaccount {namespace}/default: {error}")),
+            }
+        }
+        Ok(())
+    }
+
+    /// The API server's URL (`https://127.0.0.1:<port>`).
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The administrator's kubeconfig.
+    pub fn admin_kubeconfig(&self) -> &Path {
+        &self.admin_kubeconfig
+    }
+
+    /// The administrator's bearer token.
+    pub fn admin_token(&self) -> &str {
+        &self.admin_token
+    }
+
+    /// A node identity no other test of this binary has.
+    pub fn node(&self) -> NodeIdentity {
+        let i = self.next_node.fetch_add(1, Ordering::Relaxed);
+        self.nodes.get(i).cloned().unwrap_or_else(|| panic!("more than {NODE_POOL} node identities asked for"))
+    }
+
+    /// Writes a kubeconfig for `token` at `path`.
+    pub fn write_kubeconfig(&self, path: &Path, token: &str) -> std::io::Result<()> {
+        write_kubeconfig(path, &self.url, &self.ca_pem, token)
+    }
+
+    /// A client with the administrator's identity.
+    pub async fn admin_client(&self) -> Result<kube::Client, String> {
+        self.client(&self.admin_token).await
+    }
+
+    /// A client with `token`, configured from a kubeconfig as a user
+    /// would give it.
+    pub async fn client(&self, token: &str) -> Result<kube::Client, String> {
+        let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+        let path = dir.path().join("kubeconfig");
+        self.write_kubeconfig(&path, token).map_err(|e| e.to_string())?;
+        kubelet::cluster::from_kubeconfig(&path).await.map_err(|e| e.to_string())
+    }
+
+    /// Starts `kube-scheduler` (once per test binary).
+    pub fn ensure_scheduler(&self) -> Result<(), String> {
+        self.scheduler
+            .get_or_init(|| {
+                let mut command = Command::new(self.bin_dir.join("kube-scheduler"));
+                command.arg("--kubeconfig").arg(&self.admin_kubeconfig).args([
+                    "--leader-elect=false",
+                    "--bind-address",
+                    "127.0.0.1",
+                    "--secure-port",
+                    "0",
+                ]);
+                let process = Guarded::spawn(command, &self.dir.join("kube-scheduler.log"), None)?;
+                self.processes.lock().unwrap_or_else(|p| p.into_inner()).push(process);
+                Ok(())
+            })
+            .clone()
+    }
+
+    /// Starts `kube-controller-manager` with its default controllers
+    /// (node lifecycle, CSR approval and signing, garbage collector, ...),
+    /// once per test binary.
+    pub fn ensure_controller_manager(&self) -> Result<(), String> {
+        self.controller_manager
+            .get_or_init(|| {
+                let mut command = Command::new(self.bin_dir.join("kube-controller-manager"));
+                command
+                    .arg("--kubeconfig")
+                    .arg(&self.admin_kubeconfig)
+                    .args(["--leader-elect=false", "--bind-address", "127.0.0.1", "--secure-port", "0"])
+                    .arg("--service-account-private-key-file")
+                    .arg(self.dir.join("sa.key"))
+                    .arg("--root-ca-file")
+                    .arg(self.dir.join("ca.crt"))
+                    .arg("--cluster-signing-cert-file")
+                    .arg(self.dir.join("ca.crt"))
+                    .arg("--cluster-signing-key-file")
+                    .arg(self.dir.join("ca.key"))
+                    .arg("--use-service-account-credentials=false");
+                let process = Guarded::spawn(command, &self.dir.join("kube-controller-manager.log"), None)?;
+                self.processes.lock().unwrap_or_else(|p| p.into_inner()).push(process);
+                Ok(())
+            })
+            .clone()
+    }
+}
+
+/// Writes a kubeconfig for the API at `url` (verified with `ca_pem`) and
+/// bearer `token`.
+pub fn write_kubeconfig(path: &Path, url: &str, ca_pem: &str, token: &str) -> std::io::Result<()> {
+    let ca = base64::engine::general_purpose::STANDARD.encode(ca_pem);
+    let mut file = std::fs::File::create(path)?;
+    write!(
+        file,
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: {url}\n    \
+         certificate-authority-data: {ca}\nusers:\n- name: user\n  user:\n    token: {token}\ncontexts:\n\
+         - name: test\n  context:\n    cluster: test\n    user: user\ncurrent-context: test\n"
+    )
+}
+
+fn free_port() -> Result<u16, String> {
+    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).map_err(|e| e.to_string())
+}
+
+fn random_token() -> String {
+    uuid::Uuid::new_v4().simple().to_string()
+}
+
+/// The control plane's certificates and keys (PEM).
+struct Pki {
+    ca_pem: String,
+    ca_key_pem: String,
+    server_pem: String,
+    server_key_pem: String,
+    sa_key_pem: String,
+    sa_pub_pem: String,
+}
+
+impl Pki {
+    fn generate() -> Result<Pki, rcgen::Error> {
+        use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose, SanType};
+        let ca_key = KeyPair::generate()?;
+        let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca_params.distinguished_name.push(DnType::CommonName, "rustlet-test-ca");
+        ca_params.key_usages =
+            vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
+        let ca = ca_params.self_signed(&ca_key)?;
+        let server_key = KeyPair::generate()?;
+        let mut server_params = CertificateParams::new(vec!["localhost".to_owned(), "kubernetes".to_owned()])?;
+        server_params.subject_alt_names.push(SanType::IpAddress(IpAddr::V4(Ipv4Addr::LOCALHOST)));
+        server_params.distinguished_name.push(DnType::CommonName, "kube-apiserver");
+        let server = server_params.signed_by(&server_key, &ca, &ca_key)?;
+        let sa_key = KeyPair::generate()?;
+        Ok(Pki {
+            ca_pem: ca.pem(),
+            ca_key_pem: ca_key.serialize_pem(),
+            server_pem: server.pem(),
+            server_key_pem: server_key.serialize_pem(),
+            sa_key_pem: sa_key.serialize_pem(),
+            sa_pub_pem: sa_key.public_key_pem(),
+        })
+    }
+}
