@@ -1,14 +1,29 @@
 //! A node killed with `kill -9` and started again: the `test-node` binary
-//! (a standalone node with the detached host-process provider) as a real
-//! process, a real device plugin and a real CSI driver.
+//! (a node with the detached host-process provider, standalone or in
+//! cluster mode on either API server) as a real process, a real device
+//! plugin and a real CSI driver.
 
 mod common;
 
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 
 use common::*;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::storage::v1::CSIDriver;
+use kube::api::{Api, DeleteParams, PostParams};
+use kubelet_api::constants::{DEVICE_PLUGIN_VERSION, DEVICE_PLUGINS_DIR, KUBELET_SOCKET};
+use kubelet_api::deviceplugin::v1beta1::DevicePluginOptions;
+use rustlet_sample_plugins::csi_driver::{CsiDriverConfig, RegisteredCsiDriver};
+use rustlet_sample_plugins::device_plugin::{
+    DeviceControl, DevicePluginBehaviour, DeviceSpec, FakeDevicePlugin, register_with_kubelet,
+};
+use rustlet_sample_plugins::report::Reporter;
 use rustlet_testkit::process::PluginProcess;
 use rustlet_testkit::report::Report;
+use rustlet_testkit::test_api::TestApi;
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
 
 const GPU: &str = "vendor.example.com/gpu";
 const DRIVER: &str = "data.csi.example.com";
@@ -149,3 +164,180 @@ spec:
     assert!(allocated.is_err(), "devices were reused, not allocated again: {allocated:?}");
     drop(node);
 }
+
+/// `test-node` in cluster mode on `api`.
+async fn start_cluster_test_node(root: &Path, api: &TestApi) -> PluginProcess {
+    let root = root.display().to_string();
+    let kubeconfig = api.node_kubeconfig.display().to_string();
+    let args = ["--root", root.as_str(), "--kubeconfig", kubeconfig.as_str(), "--node-name", api.node.as_str()];
+    PluginProcess::spawn(test_node_bin(), args).await.expect("start test-node")
+}
+
+/// A device plugin in the test process with two devices of [`GPU`],
+/// registered on the node's `kubelet.sock`; it serves until `stop`, its
+/// device stream as long as the returned control lives.
+async fn registered_gpus(root: &Path, socket: &str, stop: &CancellationToken) -> DeviceControl {
+    let devices: Vec<DeviceSpec> =
+        ["gpu-0:Healthy:0", "gpu-1:Healthy:0"].iter().map(|d| d.parse().expect("device")).collect();
+    let options = DevicePluginOptions::default();
+    let (plugin, control) =
+        FakeDevicePlugin::new(GPU, devices, options, DevicePluginBehaviour::Normal, Reporter::Discard);
+    let device_dir = root.join(DEVICE_PLUGINS_DIR);
+    plugin.spawn(&device_dir.join(socket), stop.child_token()).expect("device plugin");
+    register_with_kubelet(&device_dir.join(KUBELET_SOCKET), DEVICE_PLUGIN_VERSION, socket, GPU, options)
+        .await
+        .expect("registered");
+    control
+}
+
+/// Every phase the API showed for pod `name`, as a watch sees them.
+fn record_phases(pods: Api<Pod>, name: &str) -> Arc<Mutex<Vec<String>>> {
+    use futures_util::StreamExt as _;
+    let phases = Arc::new(Mutex::new(Vec::new()));
+    let seen = phases.clone();
+    let config = kube::runtime::watcher::Config::default().fields(&format!("metadata.name={name}"));
+    tokio::spawn(async move {
+        let mut events = kube::runtime::watcher(pods, config).boxed();
+        while let Some(event) = events.next().await {
+            if let Ok(kube::runtime::watcher::Event::Apply(pod) | kube::runtime::watcher::Event::InitApply(pod)) = event
+                && let Some(phase) = pod.status.and_then(|s| s.phase)
+            {
+                seen.lock().expect("lock").push(phase);
+            }
+        }
+    });
+    phases
+}
+
+fn container_state(pod: &Pod) -> (Option<String>, Option<String>, i32) {
+    let status = pod.status.as_ref().and_then(|s| s.container_statuses.as_ref()).and_then(|c| c.first());
+    let started = status.and_then(|c| c.state.as_ref()?.running.as_ref()?.started_at.as_ref()).map(|t| t.0.to_string());
+    (status.and_then(|c| c.container_id.clone()), started, status.map_or(-1, |c| c.restart_count))
+}
+
+/// A node in cluster mode killed with `kill -9` while an API pod runs with
+/// a device, an inline CSI volume and an emptyDir holding data; its device
+/// plugin is down when it comes back (and, the second time, its CSI driver
+/// too). The pod stays Running in the API throughout, never Failed: the
+/// same container (adopted), its device from the checkpoint, its volume
+/// neither unpublished nor published again, its data kept.
+async fn a_killed_cluster_node_keeps_its_api_pods_running(api: TestApi) {
+    let root = tempfile::Builder::new().prefix("rustlet-restart-").tempdir().expect("tempdir");
+    for dir in ["plugins_registry", "device-plugins"] {
+        std::fs::create_dir_all(root.path().join(dir)).expect("mkdir");
+    }
+    let _cleanup = KillContainers(root.path().join("host-provider"));
+    let drivers: Api<CSIDriver> = Api::all(api.admin.clone());
+    let driver: CSIDriver = serde_json::from_value(json!({
+        "metadata": {"name": DRIVER},
+        "spec": {"attachRequired": false, "volumeLifecycleModes": ["Ephemeral"]},
+    }))
+    .expect("csidriver");
+    if let Err(error) = drivers.create(&PostParams::default(), &driver).await {
+        assert!(matches!(&error, kube::Error::Api(s) if s.code == 409), "CSIDriver: {error}");
+    }
+    let csi = |stop: &CancellationToken| {
+        let config = CsiDriverConfig { name: DRIVER.into(), node_id: "n".into(), ..CsiDriverConfig::default() };
+        RegisteredCsiDriver::new(
+            root.path().join("plugins_registry/data-reg.sock"),
+            root.path().join("csi-data.sock"),
+            config,
+        )
+        .spawn_recorded(Reporter::Discard, stop.child_token())
+        .expect("csi driver")
+        .0
+    };
+    let mut node = start_cluster_test_node(root.path(), &api).await;
+    let gpus_stop = CancellationToken::new();
+    let gpus = registered_gpus(root.path(), "gpu.sock", &gpus_stop).await;
+    let csi_stop = CancellationToken::new();
+    let calls = csi(&csi_stop);
+    // Bound only once the Node shows the devices, as a scheduler would.
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(api.admin.clone());
+    api.wait_for(&nodes, &api.node, "showing the GPUs", SOON, |n| {
+        n.and_then(|n| n.status.as_ref()?.allocatable.as_ref()?.get(GPU)).is_some_and(|q| q.0 == "2")
+    })
+    .await;
+
+    let pods: Api<Pod> = Api::namespaced(api.admin.clone(), "default");
+    let web: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "web", "namespace": "default"},
+        "spec": {
+            "nodeName": api.node,
+            "automountServiceAccountToken": false,
+            "terminationGracePeriodSeconds": 5,
+            "containers": [{
+                "name": "main",
+                "image": "busybox",
+                "command": ["sh", "-c", "echo kept > \"$MOUNT_SCRATCH/file\"; exec sleep 600"],
+                "resources": {"limits": {GPU: "1"}},
+                "volumeMounts": [{"name": "data", "mountPath": "/data"}, {"name": "scratch", "mountPath": "/scratch"}],
+            }],
+            "volumes": [{"name": "data", "csi": {"driver": DRIVER}}, {"name": "scratch", "emptyDir": {}}],
+        },
+    }))
+    .expect("pod");
+    let phases = record_phases(pods.clone(), "web");
+    pods.create(&PostParams::default(), &web).await.expect("create");
+    let running = |p: Option<&Pod>| {
+        p.and_then(|p| p.status.as_ref()?.container_statuses.as_ref()?.first()?.state.as_ref()?.running.as_ref())
+            .is_some()
+    };
+    let first = api.wait_for(&pods, "web", "Running", SOON, running).await.expect("pod");
+    let uid = first.metadata.uid.clone().expect("uid");
+    let before = container_state(&first);
+    let pod_dir = root.path().join("pods").join(&uid).join("volumes");
+    let kept = wait_file(&pod_dir.join("kubernetes.io~empty-dir/scratch/file"), |t| !t.is_empty()).await;
+    let published = pod_dir.join("kubernetes.io~csi/data/mount");
+    assert!(published.read_dir().expect("published dir").next().is_some(), "the driver published into it");
+    let volume_calls = calls.all().len();
+
+    drop(gpus);
+    for round in ["device plugin down", "device plugin and CSI driver down"] {
+        gpus_stop.cancel();
+        if round.contains("CSI") {
+            csi_stop.cancel();
+        }
+        node.kill().await;
+        node.wait_exit(SOON).await.expect("node gone");
+        node = start_cluster_test_node(root.path(), &api).await;
+        let Report::PodStatus { restarts, .. } = wait_pod(&mut node, "web", |_, running, _| running == ["main"]).await
+        else {
+            unreachable!()
+        };
+        assert_eq!(restarts, 0, "{round}: adopted, not restarted");
+        // The API agrees: the same container, never restarted.
+        let now = api
+            .wait_for(&pods, "web", "Running", SOON, |p| running(p) && p.is_some_and(|p| container_state(p) == before))
+            .await
+            .expect("pod");
+        assert_eq!(now.status.as_ref().and_then(|s| s.phase.as_deref()), Some("Running"), "{round}");
+        let checkpoint = std::fs::read_to_string(root.path().join("device-plugins/kubelet_internal_checkpoint"))
+            .expect("checkpoint");
+        assert!(checkpoint.contains(&uid), "{round}: the pod keeps its device: {checkpoint}");
+        assert_eq!(
+            std::fs::read_to_string(pod_dir.join("kubernetes.io~empty-dir/scratch/file")).ok(),
+            Some(kept.clone())
+        );
+        assert!(published.read_dir().expect("published dir").next().is_some(), "{round}: the volume's data stays");
+        assert_eq!(calls.all().len(), volume_calls, "{round}: no NodeUnpublish/NodePublish: {:?}", calls.all());
+    }
+    let seen = phases.lock().expect("lock").clone();
+    assert!(!seen.iter().any(|p| p == "Failed"), "never Failed in the API: {seen:?}");
+
+    // The plugins come back; the pod is deleted: released for good.
+    let gpus_stop = CancellationToken::new();
+    let _gpus = registered_gpus(root.path(), "gpu-again.sock", &gpus_stop).await;
+    let csi_stop = CancellationToken::new();
+    let calls = csi(&csi_stop);
+    pods.delete("web", &DeleteParams::default()).await.expect("delete");
+    api.wait_for(&pods, "web", "gone", SOON, |p| p.is_none()).await;
+    assert!(calls.all().iter().any(|c| c.rpc == "NodeUnpublishVolume"), "{:?}", calls.all());
+    drop(node);
+    gpus_stop.cancel();
+    csi_stop.cancel();
+}
+rustlet_testkit::on_both_api_servers!(
+    a_killed_cluster_node_keeps_its_api_pods_running_on,
+    a_killed_cluster_node_keeps_its_api_pods_running
+);

@@ -14,8 +14,8 @@
 //!   run is queued and starts afresh once they finish.
 //! - A panicking state ends only that state: the object moves to
 //!   [`Machine::panicked`] (by default its deleted state, so its terminal
-//!   states release what it holds). A panic in the terminal states ends the
-//!   object, reported as [`Outcome::Panicked`].
+//!   states release what it holds). A panic in the terminal states, or a
+//!   second panic, ends the object, reported as [`Outcome::Panicked`].
 //! - Shutdown (the token given to [`Runtime::new`]) stops every task without
 //!   running terminal states: stopping the runtime is not deleting the objects.
 
@@ -231,6 +231,7 @@ async fn drive<M: Machine>(
         machine.start(&key, &current)
     };
     let mut ctx = Context::new(key, manifest, data, machine);
+    let mut panicked = false;
     loop {
         tracing::debug!(state = state.name(), "entering state");
         ctx.report(state.status(&ctx));
@@ -260,11 +261,13 @@ async fn drive<M: Machine>(
         };
         let transition = match transition {
             Ok(transition) => transition,
-            // A panic in the terminal states ends the object.
-            Err(payload) if ctx.is_deleting() => std::panic::resume_unwind(payload),
+            // A panic in the terminal states, or in the states a first
+            // panic led to, ends the object.
+            Err(payload) if ctx.is_deleting() || panicked => std::panic::resume_unwind(payload),
             Err(payload) => {
                 let message = panic_message(payload);
                 tracing::error!(state = name, panic = %message, "a state panicked; releasing what the object holds");
+                panicked = true;
                 state = ctx.machine.panicked(ctx.key(), &ctx.data, &message);
                 continue;
             }

@@ -17,12 +17,13 @@ use rustlet_sample_plugins::device_plugin::{
 use rustlet_sample_plugins::report::Reporter;
 use rustlet_testkit::apiserver::{ApiServer, write_kubeconfig};
 use rustlet_testkit::node_process::{NodeProcess, http_get};
+use rustlet_testkit::test_api::TestApi;
 use serde_json::{Value, json};
 use tokio::process::Command;
 use tokio_util::sync::CancellationToken;
 
 /// A liveness bound for API objects to reach a state.
-const SOON: Duration = Duration::from_secs(30);
+const SOON: Duration = Duration::from_secs(60);
 const RESOURCE: &str = "example.com/gpu";
 
 fn rustlet(root: &Path, kubeconfig: &Path, extra: &[&str]) -> NodeProcess {
@@ -222,60 +223,139 @@ async fn an_unreachable_api_is_retried_until_it_answers() {
     ready_node(&server).await;
 }
 
-#[tokio::test]
-async fn static_pods_get_mirror_pods() {
+/// `rustlet --kubeconfig` as node `api.node`.
+fn rustlet_on(api: &TestApi, root: &Path, extra: &[&str]) -> NodeProcess {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_rustlet"));
+    command
+        .env("RUSTLET_LOG", "info")
+        .env_remove("RUSTLET_ROOT_DIR")
+        .arg("--kubeconfig")
+        .arg(&api.node_kubeconfig)
+        .arg("--root-dir")
+        .arg(root)
+        .args(["--node-name", &api.node, "--healthz-port", "0"])
+        .args(extra);
+    NodeProcess::start(command)
+}
+
+fn pod_phase(pod: Option<&Pod>) -> Option<&str> {
+    pod?.status.as_ref()?.phase.as_deref()
+}
+
+fn annotation<'a>(pod: &'a Pod, key: &str) -> Option<&'a str> {
+    pod.metadata.annotations.as_ref()?.get(key).map(String::as_str)
+}
+
+/// Static pods get mirror pods owned by the Node (NodeRestriction refuses
+/// any other), recreated when deleted, and gone with their static pod; a
+/// user's pod holding the mirror pod's name is left alone.
+async fn static_pods_get_mirror_pods(api: TestApi) {
     let root = tempfile::tempdir().expect("tempdir");
     import_example(root.path(), "sleep").await;
     let manifests = root.path().join("manifests");
     std::fs::create_dir_all(&manifests).expect("mkdir");
-    let manifest = manifests.join("sleeper.yaml");
-    std::fs::write(
-        &manifest,
-        "apiVersion: v1\nkind: Pod\nmetadata: {name: sleeper, labels: {app: sleeper}}\nspec:\n  \
-         terminationGracePeriodSeconds: 2\n  containers:\n  - name: main\n    \
-         image: example.com/test/sleep:v1\n    imagePullPolicy: Never\n",
-    )
-    .expect("manifest");
-    let server = ApiServer::start().await.expect("api server");
-    let kubeconfig = root.path().join("kubeconfig");
-    server.write_kubeconfig(&kubeconfig, &server.node_token("n1")).expect("kubeconfig");
-    let _node = rustlet(root.path(), &kubeconfig, &["--pod-manifest-path", manifests.to_str().expect("utf8")]);
+    let manifest = |name: &str| {
+        format!(
+            "apiVersion: v1\nkind: Pod\nmetadata: {{name: {name}, labels: {{app: {name}}}}}\nspec:\n  \
+             terminationGracePeriodSeconds: 2\n  containers:\n  - name: main\n    \
+             image: example.com/test/sleep:v1\n    imagePullPolicy: Never\n"
+        )
+    };
+    std::fs::write(manifests.join("sleeper.yaml"), manifest("sleeper")).expect("manifest");
+    // A user's pod already has the name the second static pod's mirror pod
+    // would take.
+    let pods: Api<Pod> = Api::namespaced(api.admin.clone(), "default");
+    let taken = format!("taken-{}", api.node);
+    let user_pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": taken, "namespace": "default"},
+        "spec": {"automountServiceAccountToken": false, "containers": [{"name": "c", "image": "busybox"}]},
+    }))
+    .expect("pod");
+    let user_pod = pods.create(&PostParams::default(), &user_pod).await.expect("user pod");
+    std::fs::write(manifests.join("taken.yaml"), manifest("taken")).expect("manifest");
+    let mut node = rustlet_on(&api, root.path(), &["--pod-manifest-path", manifests.to_str().expect("utf8")]);
 
     // The mirror pod: the static pod's name (with the node's suffix),
-    // labels, the mirror annotation, and the static pod's status.
-    const MIRROR: (&str, &str, &str, &str) = ("", "pods", "default", "sleeper-n1");
-    let running =
-        server.wait_object(MIRROR, SOON, |pod| pod.is_some_and(|p| text(p, "/status/phase") == Some("Running"))).await;
-    let mirror = running.unwrap_or_else(|seen| panic!("no Running mirror pod: {seen:#?}")).expect("pod");
-    let annotations = &mirror["metadata"]["annotations"];
-    assert_eq!(annotations["kubernetes.io/config.mirror"], annotations["kubernetes.io/config.hash"]);
-    assert_eq!(annotations["kubernetes.io/config.source"], "file");
-    assert_eq!(mirror["metadata"]["labels"]["app"], "sleeper");
-    assert_eq!(text(&mirror, "/spec/nodeName"), Some("n1"));
+    // labels, the mirror annotation, the Node as its controller, and the
+    // static pod's status.
+    let mirror_name = format!("sleeper-{}", api.node);
+    let mirror = api
+        .wait_for(&pods, &mirror_name, "a Running mirror pod", SOON, |p| pod_phase(p) == Some("Running"))
+        .await
+        .expect("pod");
+    assert_eq!(annotation(&mirror, "kubernetes.io/config.mirror"), annotation(&mirror, "kubernetes.io/config.hash"));
+    assert_eq!(annotation(&mirror, "kubernetes.io/config.source"), Some("file"));
+    assert_eq!(mirror.metadata.labels.as_ref().and_then(|l| l.get("app")).map(String::as_str), Some("sleeper"));
+    assert_eq!(mirror.spec.as_ref().and_then(|s| s.node_name.as_deref()), Some(api.node.as_str()));
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(api.admin.clone());
+    let node_object = nodes.get(&api.node).await.expect("node");
+    let owners = mirror.metadata.owner_references.clone().unwrap_or_default();
+    assert_eq!(owners.len(), 1, "{owners:?}");
+    assert_eq!(
+        (owners[0].api_version.as_str(), owners[0].kind.as_str(), owners[0].name.as_str(), owners[0].controller),
+        ("v1", "Node", api.node.as_str(), Some(true))
+    );
+    assert_eq!(Some(&owners[0].uid), node_object.metadata.uid.as_ref());
 
-    // An administrator deletes it: it comes back (a new object), and the
-    // static pod never stopped.
-    let admin: Api<Pod> = Api::namespaced(server.client(server.admin_token()).await.expect("admin"), "default");
-    let first_uid = text(&mirror, "/metadata/uid").expect("uid").to_owned();
-    admin.delete("sleeper-n1", &DeleteParams::default()).await.expect("delete");
-    let back = server
-        .wait_object(MIRROR, SOON, |pod| {
-            pod.is_some_and(|p| {
-                text(p, "/metadata/uid") != Some(first_uid.as_str())
-                    && p.pointer("/metadata/deletionTimestamp").is_none()
-                    && text(p, "/status/phase") == Some("Running")
+    // The user's pod of the other static pod's mirror name is reported
+    // and left alone.
+    node.line_with("a pod that is not a mirror pod has the static pod's name").await;
+    let still = pods.get(&taken).await.expect("the user's pod is still there");
+    assert_eq!(still.metadata.uid, user_pod.metadata.uid);
+    assert_eq!(annotation(&still, "kubernetes.io/config.mirror"), None);
+
+    // An administrator deletes the mirror pod: it comes back (a new
+    // object), and the static pod never stopped.
+    let first_uid = mirror.metadata.uid.clone().expect("uid");
+    pods.delete(&mirror_name, &DeleteParams::default()).await.expect("delete");
+    let back = api
+        .wait_for(&pods, &mirror_name, "recreated and Running", SOON, |p| {
+            p.is_some_and(|p| {
+                p.metadata.uid.as_deref() != Some(first_uid.as_str())
+                    && p.metadata.deletion_timestamp.is_none()
+                    && pod_phase(Some(p)) == Some("Running")
             })
         })
-        .await;
-    let back = back.unwrap_or_else(|seen| panic!("mirror pod not recreated: {seen:#?}")).expect("pod");
-    assert_eq!(
-        back.pointer("/status/containerStatuses/0/restartCount"),
-        Some(&json!(0)),
-        "the static pod kept running"
-    );
+        .await
+        .expect("pod");
+    let restarts = back.status.as_ref().and_then(|s| s.container_statuses.as_ref()).map(|c| c[0].restart_count);
+    assert_eq!(restarts, Some(0), "the static pod kept running");
+
+    // The user's pod goes: the static pod gets its mirror pod then.
+    pods.delete(&taken, &DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() })
+        .await
+        .expect("delete");
+    api.wait_for(&pods, &taken, "the static pod's mirror pod", SOON, |p| {
+        p.is_some_and(|p| annotation(p, "kubernetes.io/config.mirror").is_some())
+    })
+    .await;
 
     // The manifest goes: the mirror pod goes with the static pod.
-    std::fs::remove_file(&manifest).expect("rm");
-    let gone = server.wait_object(MIRROR, SOON, |pod| pod.is_none()).await;
-    assert!(gone.is_ok(), "mirror pod still there: {gone:?}");
+    std::fs::remove_file(manifests.join("sleeper.yaml")).expect("rm");
+    api.wait_for(&pods, &mirror_name, "gone", SOON, |p| p.is_none()).await;
+}
+rustlet_testkit::on_both_api_servers!(static_pods_get_mirror_pods_on, static_pods_get_mirror_pods);
+
+#[tokio::test]
+async fn reserved_node_labels_are_refused_at_start() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let output = Command::new(env!("CARGO_BIN_EXE_rustlet"))
+        .env_remove("RUSTLET_ROOT_DIR")
+        .arg("--kubeconfig")
+        .arg(root.path().join("kubeconfig"))
+        .arg("--root-dir")
+        .arg(root.path())
+        .args(["--node-name", "n1", "--healthz-port", "0", "--node-labels", "zone=a,node-role.kubernetes.io/worker="])
+        .output()
+        .await
+        .expect("run rustlet");
+    assert!(!output.status.success(), "the node must not start");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains(
+            "invalid --node-labels: unknown 'kubernetes.io' or 'k8s.io' labels specified with --node-labels: [node-role.kubernetes.io/worker]"
+        ),
+        "{stderr}"
+    );
+    assert!(stderr.contains("allowed prefix (kubelet.kubernetes.io, node.kubernetes.io)"), "{stderr}");
 }

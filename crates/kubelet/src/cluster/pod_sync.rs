@@ -39,6 +39,11 @@ use super::rate_limit::RateLimiter;
 use super::{is_code, status_patch};
 use crate::pod::{PodSource, Pods};
 
+/// How soon a static pod whose mirror pod's name is taken looks again
+/// (doubling up to [`BLOCKED_RECHECK_MAX`]).
+const BLOCKED_RECHECK: Duration = Duration::from_secs(2);
+const BLOCKED_RECHECK_MAX: Duration = Duration::from_secs(30);
+
 /// The field manager of every write the node makes.
 pub const FIELD_MANAGER: &str = "rustlet";
 
@@ -327,6 +332,7 @@ fn mirror_gone(table: &Table, pod: &Pod) {
             mirror.exists = false;
             mirror.blocked = false;
             known.api = None;
+            known.retry = None;
         }
     }
 }
@@ -417,11 +423,13 @@ async fn ensure_mirror(
                 return Err(error);
             };
             if !is_mirror(&existing) {
-                tracing::warn!(
-                    pod = %known.name,
-                    namespace = %known.namespace,
-                    "a pod that is not a mirror pod has the static pod's name: it is left alone and the static pod has no mirror pod"
-                );
+                if !mirror.blocked {
+                    tracing::warn!(
+                        pod = %known.name,
+                        namespace = %known.namespace,
+                        "a pod that is not a mirror pod has the static pod's name: it is left alone and the static pod has no mirror pod while it exists"
+                    );
+                }
                 return Ok(MirrorOutcome::Blocked);
             }
             let hash = existing.metadata.annotations.as_ref().and_then(|a| a.get(MIRROR_ANNOTATION));
@@ -508,6 +516,10 @@ enum Write {
 enum WriteError {
     /// The pod is gone (or replaced by a pod of the same name): forget it.
     Gone,
+    /// Someone else's pod holds the mirror pod's name: look again later
+    /// (that pod may be bound to another node, where no watch of this
+    /// node's pods sees it go).
+    Blocked,
     /// Try again after a backoff.
     Retry(kube::Error),
 }
@@ -566,6 +578,13 @@ impl Writer {
                 Err(WriteError::Gone) => {
                     table.remove(&uid);
                 }
+                Err(WriteError::Blocked) => {
+                    let Some(known) = table.get_mut(&uid) else { continue };
+                    let delay = known.retry.map_or(BLOCKED_RECHECK, |(_, d)| (d * 2).min(BLOCKED_RECHECK_MAX));
+                    let at = Instant::now() + jitter(delay);
+                    known.retry = Some((at, delay));
+                    next_retry = Some(next_retry.map_or(at, |n| n.min(at)));
+                }
                 Err(WriteError::Retry(error)) => {
                     self.stats.failures.fetch_add(1, Ordering::Relaxed);
                     if super::is_code(&error, 403) || super::is_code(&error, 422) {
@@ -597,15 +616,15 @@ impl Writer {
             if known.deleting {
                 return Some(Write::DeleteMirror);
             }
-            if mirror.blocked {
-                return None;
-            }
-            if !mirror.exists {
+            if !mirror.exists || mirror.blocked {
                 return Some(Write::Mirror);
             }
         }
         let Some(local) = self.pods.store().get(uid) else {
-            return (known.deleting && known.mirror.is_none()).then_some(Write::Finish);
+            // Released by the lifecycle, or (deleted while the node was
+            // down) by the release of what an earlier run left behind.
+            let finish = known.deleting && known.mirror.is_none() && self.pods.released(uid);
+            return finish.then_some(Write::Finish);
         };
         let view = known.api.as_ref()?;
         let gates: Vec<String> = local
@@ -627,16 +646,19 @@ impl Writer {
                 let outcome =
                     ensure_mirror(&self.client, &api, &self.pods, uid, known, node).await.map_err(WriteError::Retry)?;
                 let mut table = lock(&self.table);
-                if let Some(Known { mirror: Some(mirror), .. }) = table.get_mut(uid) {
-                    match outcome {
-                        MirrorOutcome::Exists => {
-                            mirror.exists = true;
-                            self.stats.mirror_pods.fetch_add(1, Ordering::Relaxed);
-                        }
-                        MirrorOutcome::Blocked => mirror.blocked = true,
+                let Some(Known { mirror: Some(mirror), .. }) = table.get_mut(uid) else { return Ok(None) };
+                match outcome {
+                    MirrorOutcome::Exists => {
+                        mirror.exists = true;
+                        mirror.blocked = false;
+                        self.stats.mirror_pods.fetch_add(1, Ordering::Relaxed);
+                        Ok(None)
+                    }
+                    MirrorOutcome::Blocked => {
+                        mirror.blocked = true;
+                        Err(WriteError::Blocked)
                     }
                 }
-                Ok(None)
             }
             Write::DeleteMirror => {
                 let params = DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() };

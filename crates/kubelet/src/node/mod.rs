@@ -343,13 +343,13 @@ impl NodeBuilder {
         if cluster.is_some() {
             pods.sources().expect(PodSource::Api);
         }
-        let housekeeping = pods.clone();
+        let housekeeping = pods.release_orphans_when_sources_ready();
         let stop = shutdown.clone();
         let sources_ready = tasks.spawn(
             async move {
                 tokio::select! {
                     () = stop.cancelled() => {}
-                    () = housekeeping.release_orphans_when_sources_ready() => {}
+                    () = housekeeping => {}
                 }
             }
             .instrument(tracing::info_span!("housekeeping")),

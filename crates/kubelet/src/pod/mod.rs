@@ -195,6 +195,24 @@ impl Machine for PodLifecycle {
 pub struct Pods {
     runtime: Runtime<PodLifecycle>,
     sources: SourcesReady,
+    housekeeping: Arc<Housekeeping>,
+}
+
+/// Where the release of what an earlier run left behind stands.
+#[derive(Debug)]
+struct Housekeeping {
+    /// The first release (once every source listed) has run.
+    done: std::sync::atomic::AtomicBool,
+    /// Pods whose leftovers are still being released in the background
+    /// (CSI volumes waiting for their driver).
+    pending: Mutex<std::collections::HashSet<String>>,
+}
+
+impl Default for Housekeeping {
+    fn default() -> Self {
+        // Nothing to release until a release is scheduled.
+        Housekeeping { done: std::sync::atomic::AtomicBool::new(true), pending: Mutex::default() }
+    }
 }
 
 impl Pods {
@@ -219,7 +237,11 @@ impl Pods {
                 Err(error) => tracing::warn!(%error, "the provider could not list its running containers"),
             }
         }
-        Pods { runtime: Runtime::new(Arc::new(lifecycle), shutdown), sources: SourcesReady::default() }
+        Pods {
+            runtime: Runtime::new(Arc::new(lifecycle), shutdown),
+            sources: SourcesReady::default(),
+            housekeeping: Arc::default(),
+        }
     }
 
     /// Runs `pod` (a new UID) or updates it.
@@ -237,9 +259,24 @@ impl Pods {
     /// the same way cuts a running removal short.
     pub fn remove(&self, pod: Pod) -> Deleted {
         let uid = pod.metadata.uid.clone().unwrap_or_default();
+        if !self.runtime.contains(&uid) {
+            // Never run by this node (deleted while the node was down):
+            // what an earlier run left of it is released as an orphan.
+            return Deleted::NotFound;
+        }
         self.runtime.machine().store.put_spec(&uid, &pod);
         self.runtime.update(&uid, Arc::new(pod));
         self.delete(&uid)
+    }
+
+    /// Whether pod `uid`, which the node no longer runs (its lifecycle
+    /// released it, or it never ran here), holds nothing on the node: what
+    /// an earlier run left behind was released once every source listed,
+    /// and none of it is still being released for this pod. Until then,
+    /// its deletion must not be finished in the API.
+    pub fn released(&self, uid: &str) -> bool {
+        self.housekeeping.done.load(std::sync::atomic::Ordering::Acquire)
+            && !self.housekeeping.pending.lock().unwrap_or_else(|p| p.into_inner()).contains(uid)
     }
 
     /// Removes the pod at once: a removal under way stops its containers
@@ -270,11 +307,17 @@ impl Pods {
 
     /// Releases what an earlier run of the node left for pods no source
     /// knows ([`Pods::release_orphans`]) once every pod source has
-    /// delivered its first full list; at once if they all have.
-    pub async fn release_orphans_when_sources_ready(&self) {
-        self.sources.wait().await;
-        tracing::info!("every pod source has listed its pods: releasing what unknown pods left behind");
-        self.release_orphans().await;
+    /// delivered its first full list (at once if they all have), when the
+    /// returned future runs. From this call until then, no pod the node
+    /// does not run counts as [`released`](Pods::released).
+    pub fn release_orphans_when_sources_ready(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        self.housekeeping.done.store(false, std::sync::atomic::Ordering::Release);
+        let pods = self.clone();
+        async move {
+            pods.sources.wait().await;
+            tracing::info!("every pod source has listed its pods: releasing what unknown pods left behind");
+            pods.release_orphans().await;
+        }
     }
 
     /// The pods and their statuses.
@@ -311,8 +354,13 @@ impl Pods {
         }
         if let Some(devices) = &lifecycle.devices {
             devices.retain_pods(live.iter().map(String::as_str));
+            if let Err(error) = devices.persisted().await {
+                tracing::warn!(%error, "device checkpoint after releasing orphans");
+            }
         }
         self.release_orphan_volumes(&live);
+        self.housekeeping.done.store(true, std::sync::atomic::Ordering::Release);
+        self.store().touch();
     }
 
     /// Unpublishes (in the background: their drivers may not have
@@ -338,6 +386,13 @@ impl Pods {
         if orphans.is_empty() && dirs.is_empty() {
             return;
         }
+        let housekeeping = Arc::clone(&self.housekeeping);
+        let store = self.store().clone();
+        housekeeping
+            .pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend(orphans.iter().map(|(uid, _, _)| uid.clone()).chain(dirs.iter().cloned()));
         tokio::spawn(async move {
             let wait = std::time::Duration::from_secs(300);
             for (uid, name, volume) in orphans {
@@ -360,6 +415,8 @@ impl Pods {
                     tracing::warn!(pod.uid = %uid, %error, "could not remove the directory of a removed pod");
                 }
             }
+            housekeeping.pending.lock().unwrap_or_else(|p| p.into_inner()).clear();
+            store.touch();
         });
     }
 

@@ -53,15 +53,21 @@ pub fn pod_status(data: &PodData, stage: Stage) -> PodStatus {
     let init: Vec<&ContainerRecord> =
         data.ordered().filter(|c| matches!(c.kind, ContainerKind::Init | ContainerKind::RestartableInit)).collect();
     let apps: Vec<&ContainerRecord> = data.ordered().filter(|c| c.kind == ContainerKind::App).collect();
+    // A pod the API showed started before a node restart: its containers
+    // ran, so it is Running while the node takes it on again (its phase
+    // never goes back to Pending).
+    let ran_before = apps.iter().any(|c| c.previous_run.as_ref().is_some_and(|p| p.started));
     let phase = match (&data.verdict, stage) {
         (Some(verdict), _) => verdict.phase.to_owned(),
+        (None, Stage::Pending) if ran_before => "Running".to_owned(),
         (None, Stage::Pending) => "Pending".to_owned(),
         // Upstream: a container that has never run (waiting, no last
         // termination) keeps the pod Pending.
         (None, Stage::Running | Stage::Terminating)
-            if apps
-                .iter()
-                .any(|c| matches!(c.phase, ContainerPhase::Waiting { .. }) && c.last_terminated.is_none()) =>
+            if !ran_before
+                && apps
+                    .iter()
+                    .any(|c| matches!(c.phase, ContainerPhase::Waiting { .. }) && c.last_terminated.is_none()) =>
         {
             "Pending".to_owned()
         }

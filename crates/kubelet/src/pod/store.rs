@@ -30,6 +30,12 @@ impl PodStore {
         self.generation.send_modify(|g| *g += 1);
     }
 
+    /// Wakes whoever waits on [`PodStore::changes`] (something they read
+    /// besides the pods changed).
+    pub(crate) fn touch(&self) {
+        self.bump();
+    }
+
     /// Records the pod's spec (keeping its status).
     pub(crate) fn put_spec(&self, uid: &str, pod: &Pod) {
         let mut pods = self.lock();
