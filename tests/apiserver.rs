@@ -175,9 +175,46 @@ async fn a_node_identity_gets_what_the_node_authorizer_gives() {
         api_error(node_pods.create(&PostParams::default(), &pod("mine", "n1", None)).await.expect_err("no")).0,
         403
     );
+    // A mirror pod must be owned by the node's own Node object.
     let mut mirror = pod("static-n1", "n1", None);
     mirror.metadata.annotations = Some([("kubernetes.io/config.mirror".to_owned(), "hash".to_owned())].into());
+    let refused = node_pods.create(&PostParams::default(), &mirror).await.expect_err("no owner");
+    assert_eq!(
+        api_error(refused),
+        (
+            403,
+            "Forbidden".into(),
+            "pods \"static-n1\" is forbidden: node \"n1\" can only create pods with an owner reference set to itself"
+                .into()
+        )
+    );
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(node_pods.clone().into_client());
+    let n1 = nodes.get("n1").await.expect("its own Node, registered above");
+    let owner = |uid: &str| {
+        serde_json::from_value(
+            json!([{"apiVersion": "v1", "kind": "Node", "name": "n1", "uid": uid, "controller": true}]),
+        )
+        .expect("owner")
+    };
+    mirror.metadata.owner_references = Some(owner("not-the-node"));
+    let refused = node_pods.create(&PostParams::default(), &mirror).await.expect_err("wrong uid");
+    assert!(api_error(refused).2.contains("UID mismatch"));
+    mirror.metadata.owner_references = Some(owner(n1.metadata.uid.as_deref().expect("uid")));
     node_pods.create(&PostParams::default(), &mirror).await.expect("mirror pod");
+    // Nor may it give its Node a role.
+    let labelled: k8s_openapi::api::core::v1::Node =
+        serde_json::from_value(json!({"metadata": {"name": "n1", "labels": {"node-role.kubernetes.io/worker": ""}}}))
+            .expect("node");
+    nodes.delete("n1", &Default::default()).await.expect("delete own node");
+    let refused = nodes.create(&PostParams::default(), &labelled).await.expect_err("role label");
+    assert_eq!(
+        api_error(refused),
+        (
+            403,
+            "Forbidden".into(),
+            "nodes \"n1\" is forbidden: node \"n1\" is not allowed to set the following labels: node-role.kubernetes.io/worker".into()
+        )
+    );
 }
 
 #[tokio::test]

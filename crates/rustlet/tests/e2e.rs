@@ -11,8 +11,12 @@
 //! it; their WebAssembly images are imported into the node's store (pull
 //! policy `Never`), so the cluster needs no registry. See docs/cluster.md.
 //!
+//! `the_e2e_scenario_passes_against_a_real_control_plane` runs it in CI
+//! against a real kube-apiserver, kube-scheduler and
+//! kube-controller-manager started on this machine (see
+//! `rustlet_testkit::control_plane`).
 //! `the_e2e_scenario_passes_against_the_fake_api_server` runs the same
-//! scenario in CI against the in-process API server, with a stand-in for
+//! scenario against the in-process API server, with a stand-in for
 //! the scheduler (it binds pods by their `kubernetes.io/hostname` node
 //! selector): a check of the scenario's own code, not of a real cluster.
 //!
@@ -150,6 +154,28 @@ fn pod(node: &str, name: &str, image: &str, gpus: u32, bind: bool) -> Pod {
 #[tokio::test]
 async fn a_real_cluster_runs_pods_on_the_node() {
     let Some(env) = env().await else { return };
+    scenario(env).await;
+}
+
+/// The scenario on a real control plane started here: etcd,
+/// kube-apiserver (Node,RBAC and NodeRestriction, the node's own identity),
+/// the real kube-scheduler placing the pods that request the device
+/// resource, and kube-controller-manager (its node lifecycle controller
+/// lifts the not-ready taint once the node is Ready). Skips with the reason
+/// where the Kubernetes binaries are missing (`RUSTLET_KUBE_BIN_DIR`),
+/// unless `RUSTLET_REQUIRE_KUBE=1`.
+#[tokio::test]
+async fn the_e2e_scenario_passes_against_a_real_control_plane() {
+    use rustlet_testkit::control_plane::ControlPlane;
+    let Some(plane) = ControlPlane::shared("the_e2e_scenario_passes_against_a_real_control_plane") else { return };
+    plane.ensure_scheduler().expect("kube-scheduler");
+    plane.ensure_controller_manager().expect("kube-controller-manager");
+    let identity = plane.node();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let node_kubeconfig = dir.path().join("node.kubeconfig");
+    plane.write_kubeconfig(&node_kubeconfig, &identity.token).expect("kubeconfig");
+    let admin = plane.admin_client().await.expect("admin");
+    let env = Env { admin, node_kubeconfig: node_kubeconfig.display().to_string(), node_name: identity.name };
     scenario(env).await;
 }
 

@@ -34,7 +34,6 @@ use kube::api::{Api, Patch};
 use kubelet_api::constants::CSI_NODE_ID_ANNOTATION;
 use serde_json::json;
 use tokio::sync::watch;
-use tokio_util::sync::CancellationToken;
 
 use super::describe;
 use crate::csi::{CsiNodeDriver, InMemoryNodeInfo, NodeCsiInfo, NodeInfoPublisher, PublishError};
@@ -103,7 +102,7 @@ impl ApiNodeInfo {
         client: kube::Client,
         node_name: &str,
         registered: watch::Receiver<Option<String>>,
-        shutdown: CancellationToken,
+        supervision: impl Into<super::Supervision>,
     ) {
         let writer = Writer {
             nodes: Api::all(client.clone()),
@@ -112,7 +111,7 @@ impl ApiNodeInfo {
             info: self.clone(),
             registered,
         };
-        super::spawn_until(&shutdown, writer.run());
+        supervision.into().spawn("cluster-csi-node-info", move || writer.clone().run());
     }
 
     fn bump(&self) {
@@ -134,6 +133,7 @@ impl NodeInfoPublisher for ApiNodeInfo {
     }
 }
 
+#[derive(Clone)]
 struct Writer {
     nodes: Api<Node>,
     csi_nodes: Api<CSINode>,

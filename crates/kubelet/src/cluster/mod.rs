@@ -28,6 +28,7 @@ pub mod node_sync;
 pub mod pod_sync;
 pub mod rate_limit;
 pub mod status_patch;
+pub mod supervisor;
 pub mod volumes;
 
 use std::collections::BTreeMap;
@@ -42,6 +43,7 @@ use tokio_util::sync::CancellationToken;
 pub use csi_info::{ApiNodeInfo, CsiInfoStats};
 pub use node_sync::{LEASE_NAMESPACE, NodeSync, NodeSyncConfig, NodeSyncStats};
 pub use pod_sync::{PodSync, PodSyncConfig, PodSyncStats};
+pub use supervisor::Supervision;
 
 use kubelet_api::uds::error_chain;
 
@@ -149,6 +151,8 @@ pub(crate) struct NodeParts {
     pub(crate) csi_objects: CsiDriverObjects,
     /// Gets the client once it is ready (for [`volumes::ApiVolumes`]).
     pub(crate) client: watch::Sender<Option<kube::Client>>,
+    /// The node's task tracker (cluster tasks are awaited at shutdown).
+    pub(crate) tasks: tokio_util::task::TaskTracker,
 }
 
 /// Starts cluster mode for a started node; nothing here blocks the node.
@@ -159,8 +163,9 @@ pub(crate) fn start(settings: ClusterSettings, parts: NodeParts, shutdown: Cance
     description.labels.extend(settings.node_labels.clone());
     description.taints.extend(settings.taints.iter().cloned());
     let name = description.name.clone();
-    let desired = follow_node(description, parts.devices, parts.healthz, shutdown.clone());
-    tokio::spawn(async move {
+    let desired = follow_node(description, parts.devices, parts.healthz.clone(), shutdown.clone());
+    let supervision = Supervision::new(shutdown.clone(), parts.healthz.clone(), parts.tasks.clone());
+    parts.tasks.spawn(async move {
         let client = tokio::select! {
             () = shutdown.cancelled() => return,
             client = client(&settings) => client,
@@ -170,16 +175,19 @@ pub(crate) fn start(settings: ClusterSettings, parts: NodeParts, shutdown: Cance
             client.clone(),
             NodeSyncConfig { node_name: name.clone(), ..settings.node_sync },
             desired,
-            shutdown.clone(),
+            supervision.clone(),
         );
-        parts.csi.start(client.clone(), &name, node.registered(), shutdown.clone());
+        parts.csi.start(client.clone(), &name, node.registered(), supervision.clone());
         parts.client.send_replace(Some(client.clone()));
-        spawn_until(&shutdown, volumes::follow_csi_drivers(client.clone(), parts.csi_objects));
+        let (drivers_client, objects) = (client.clone(), parts.csi_objects);
+        supervision.spawn("cluster-csidriver-watch", move || {
+            volumes::follow_csi_drivers(drivers_client.clone(), objects.clone())
+        });
         let pods = pod_sync::start(
             client,
             PodSyncConfig { node_name: name.clone(), ..settings.pod_sync },
             parts.pods,
-            shutdown,
+            supervision,
         );
         connected_tx.send_replace(Some(Connected { node, pods }));
     });
@@ -269,17 +277,6 @@ fn follow_node(
         }
     });
     rx
-}
-
-/// Runs `work` on its own task until it ends or `shutdown` fires.
-pub(crate) fn spawn_until(shutdown: &CancellationToken, work: impl std::future::Future<Output = ()> + Send + 'static) {
-    let shutdown = shutdown.clone();
-    tokio::spawn(async move {
-        tokio::select! {
-            () = shutdown.cancelled() => {}
-            () = work => {}
-        }
-    });
 }
 
 /// Parameters of every patch the node sends (its field manager).

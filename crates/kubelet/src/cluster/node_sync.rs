@@ -31,9 +31,8 @@ use kube::api::{Api, Patch};
 use kube::runtime::watcher;
 use serde_json::json;
 use tokio::sync::{Notify, watch};
-use tokio_util::sync::CancellationToken;
 
-use super::{describe, is_code, spawn_until};
+use super::{Supervision, describe, is_code};
 use crate::health::{HealthCheck, HealthReporter};
 
 /// The namespace of node leases.
@@ -186,8 +185,9 @@ pub fn start(
     client: kube::Client,
     config: NodeSyncConfig,
     desired: watch::Receiver<Node>,
-    shutdown: CancellationToken,
+    supervision: impl Into<Supervision>,
 ) -> NodeSync {
+    let supervision = supervision.into();
     let stats = Arc::new(NodeSyncStats::default());
     let (registered_tx, registered) = watch::channel(None);
     let deleted = Arc::new(Notify::new());
@@ -198,14 +198,16 @@ pub fn start(
         config: config.clone(),
         desired,
         stats: stats.clone(),
-        registered: registered_tx,
+        registered: Arc::new(registered_tx),
         deleted: deleted.clone(),
         conditions: BTreeMap::new(),
         resources: std::collections::BTreeSet::new(),
     };
-    spawn_until(&shutdown, sync.run());
-    let watch = watch_deletion(client.clone(), config.node_name.clone(), deleted, registered.clone());
-    spawn_until(&shutdown, watch);
+    supervision.spawn("cluster-node-status", move || sync.clone().run());
+    let (watch_client, watch_name, watch_registered) = (client.clone(), config.node_name.clone(), registered.clone());
+    supervision.spawn("cluster-node-watch", move || {
+        watch_deletion(watch_client.clone(), watch_name.clone(), deleted.clone(), watch_registered.clone())
+    });
     let lease = LeaseSync {
         leases: Api::namespaced(client, LEASE_NAMESPACE),
         config,
@@ -213,16 +215,17 @@ pub fn start(
         registered: registered.clone(),
         last: None,
     };
-    spawn_until(&shutdown, lease.run());
+    supervision.spawn("cluster-node-lease", move || lease.clone().run());
     NodeSync { stats, registered, health }
 }
 
+#[derive(Clone)]
 struct StatusSync {
     nodes: Api<Node>,
     config: NodeSyncConfig,
     desired: watch::Receiver<Node>,
     stats: Arc<NodeSyncStats>,
-    registered: watch::Sender<Option<String>>,
+    registered: Arc<watch::Sender<Option<String>>>,
     deleted: Arc<Notify>,
     health: HealthReporter,
     /// The conditions last sent, by type: their transition times are kept
@@ -439,6 +442,7 @@ async fn watch_deletion(
     }
 }
 
+#[derive(Clone)]
 struct LeaseSync {
     leases: Api<Lease>,
     config: NodeSyncConfig,

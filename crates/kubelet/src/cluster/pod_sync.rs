@@ -33,9 +33,9 @@ use kube::api::{Api, DeleteParams, Patch, Preconditions};
 use kube::runtime::watcher;
 use serde_json::Value;
 use tokio::sync::Notify;
-use tokio_util::sync::CancellationToken;
 
 use super::rate_limit::RateLimiter;
+use super::supervisor::jitter;
 use super::{is_code, status_patch};
 use crate::pod::{PodSource, Pods};
 
@@ -188,14 +188,25 @@ type Table = Arc<Mutex<HashMap<String, Known>>>;
 
 /// Starts running the pods the API binds to this node (and mirroring its
 /// static pods).
-pub fn start(client: kube::Client, config: PodSyncConfig, pods: Pods, shutdown: CancellationToken) -> PodSync {
+pub fn start(
+    client: kube::Client,
+    config: PodSyncConfig,
+    pods: Pods,
+    supervision: impl Into<super::Supervision>,
+) -> PodSync {
+    let supervision = supervision.into();
     let stats = Arc::new(PodSyncStats::default());
     let table: Table = Arc::default();
     let poke = Arc::new(Notify::new());
-    let source = follow_pods(client.clone(), config.node_name.clone(), pods.clone(), table.clone(), poke.clone());
-    let status = send_statuses(client, config, pods, table, stats.clone(), poke);
-    super::spawn_until(&shutdown, source);
-    super::spawn_until(&shutdown, status);
+    let (node, source_client, source_pods, source_table, source_poke) =
+        (config.node_name.clone(), client.clone(), pods.clone(), table.clone(), poke.clone());
+    supervision.spawn("cluster-pod-watch", move || {
+        follow_pods(source_client.clone(), node.clone(), source_pods.clone(), source_table.clone(), source_poke.clone())
+    });
+    let writer_stats = stats.clone();
+    supervision.spawn("cluster-pod-status", move || {
+        send_statuses(client.clone(), config.clone(), pods.clone(), table.clone(), writer_stats.clone(), poke.clone())
+    });
     PodSync { stats }
 }
 
@@ -702,19 +713,4 @@ impl Writer {
             }
         }
     }
-}
-
-/// `delay` give or take a quarter, so that many pods failing together do
-/// not retry together.
-fn jitter(delay: Duration) -> Duration {
-    let spread = delay.as_secs_f64() * 0.25;
-    let offset = (rand_unit() * 2.0 - 1.0) * spread;
-    Duration::from_secs_f64((delay.as_secs_f64() + offset).max(0.0))
-}
-
-/// A number in [0, 1) from the clock's nanoseconds (spreading retries
-/// needs no better randomness).
-fn rand_unit() -> f64 {
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
-    f64::from(nanos % 1_000_000) / 1_000_000.0
 }

@@ -87,11 +87,10 @@ pub fn patch(uid: &str, api: Option<&PodStatus>, desired: &PodStatus) -> Option<
                     status.insert(key.clone(), Value::Array(changed));
                 }
             }
-            "podIPs" | "hostIPs" => {
-                if old != Some(new) {
-                    status.insert(key.clone(), merge_list_by(old, new, "ip"));
-                }
+            "podIPs" | "hostIPs" if old != Some(new) => {
+                status.insert(key.clone(), merge_list_by(old, new, "ip"));
             }
+            "podIPs" | "hostIPs" => {}
             _ if old != Some(new) => {
                 status.insert(key.clone(), new.clone());
             }
@@ -233,13 +232,12 @@ mod tests {
 
     #[test]
     fn pod_ips_are_merged_by_ip() {
-        let mut api = PodStatus::default();
-        api.pod_ips = Some(vec![
-            k8s_openapi::api::core::v1::PodIP { ip: "10.0.0.1".into() },
-            k8s_openapi::api::core::v1::PodIP { ip: "fd00::1".into() },
-        ]);
-        let mut desired = PodStatus::default();
-        desired.pod_ips = Some(vec![k8s_openapi::api::core::v1::PodIP { ip: "10.0.0.1".into() }]);
+        use k8s_openapi::api::core::v1::PodIP;
+        let api = PodStatus {
+            pod_ips: Some(vec![PodIP { ip: "10.0.0.1".into() }, PodIP { ip: "fd00::1".into() }]),
+            ..PodStatus::default()
+        };
+        let desired = PodStatus { pod_ips: Some(vec![PodIP { ip: "10.0.0.1".into() }]), ..PodStatus::default() };
         let patch = patch("u1", Some(&api), &desired).expect("patch");
         assert_eq!(patch["status"]["podIPs"], json!([{"ip": "10.0.0.1"}, {"ip": "fd00::1", "$patch": "delete"}]));
     }

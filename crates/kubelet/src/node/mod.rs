@@ -399,6 +399,7 @@ impl NodeBuilder {
                     csi,
                     csi_objects: csi_objects.clone(),
                     client: api_client,
+                    tasks: tasks.clone(),
                 };
                 Some(cluster::start(settings, parts, shutdown.clone()))
             }

@@ -48,7 +48,7 @@ pub fn mounts_under(dir: &Path) -> Vec<PathBuf> {
 /// Whether `dir` itself is a mount point.
 pub fn is_mount_point(dir: &Path) -> bool {
     let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_owned());
-    mount_points().iter().any(|m| *m == dir)
+    mount_points().contains(&dir)
 }
 
 /// Removes `dir` and everything in it, unless something is mounted at or
