@@ -477,3 +477,114 @@ rustlet_testkit::on_both_api_servers!(
     a_pod_stays_in_the_api_until_its_volume_is_unpublished_on,
     a_pod_stays_in_the_api_until_its_volume_is_unpublished
 );
+
+// ---------------------------------------------------------------------------
+
+const ATTACHED_DRIVER: &str = "attach.csi.example.com";
+
+async fn a_volume_that_needs_attaching_waits_for_its_volume_attachment(api: TestApi) {
+    use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
+    use k8s_openapi::api::storage::v1::VolumeAttachment;
+    let drivers: Api<CSIDriver> = Api::all(api.admin.clone());
+    let driver: CSIDriver = serde_json::from_value(json!({
+        "metadata": {"name": ATTACHED_DRIVER},
+        "spec": {"attachRequired": true, "volumeLifecycleModes": ["Persistent"]},
+    }))
+    .expect("csidriver");
+    if let Err(error) = drivers.create(&PostParams::default(), &driver).await {
+        assert!(matches!(&error, kube::Error::Api(s) if s.code == 409), "CSIDriver: {error}");
+    }
+    let node = ClusterNode::start(&api, 110).await;
+    let stop = CancellationToken::new();
+    let config =
+        CsiDriverConfig { name: ATTACHED_DRIVER.into(), node_id: api.node.clone(), ..CsiDriverConfig::default() };
+    let (calls, _) = RegisteredCsiDriver::new(
+        node.root.join("plugins_registry").join("attach-csi.sock"),
+        node.root.join("plugins").join("attach-csi").join("csi.sock"),
+        config,
+    )
+    .spawn_recorded(Reporter::Discard, stop.child_token())
+    .expect("csi driver");
+
+    // A claim bound to a CSI volume of that driver.
+    let pv_name = format!("pv-attach-{}", api.node);
+    let handle = format!("vol-{}", api.node);
+    let volume: PersistentVolume = serde_json::from_value(json!({
+        "metadata": {"name": pv_name},
+        "spec": {
+            "capacity": {"storage": "1Gi"},
+            "accessModes": ["ReadWriteOnce"],
+            "persistentVolumeReclaimPolicy": "Retain",
+            "claimRef": {"namespace": "default", "name": "attached"},
+            "csi": {"driver": ATTACHED_DRIVER, "volumeHandle": handle},
+        },
+    }))
+    .expect("pv");
+    Api::<PersistentVolume>::all(api.admin.clone()).create(&PostParams::default(), &volume).await.expect("pv");
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(api.admin.clone(), "default");
+    let claim: PersistentVolumeClaim = serde_json::from_value(json!({
+        "metadata": {"name": "attached", "namespace": "default"},
+        "spec": {
+            "accessModes": ["ReadWriteOnce"],
+            "storageClassName": "",
+            "volumeName": pv_name,
+            "resources": {"requests": {"storage": "1Gi"}},
+        },
+    }))
+    .expect("pvc");
+    claims.create(&PostParams::default(), &claim).await.expect("pvc");
+    let bound = json!({"status": {"phase": "Bound"}});
+    claims.patch_status("attached", &PatchParams::default(), &Patch::Merge(&bound)).await.expect("bound");
+
+    let pods = pods_api(&api);
+    let mut with_claim = pod(
+        "attached",
+        &api.node,
+        "exec sleep 600",
+        json!({"volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "attached"}}]}),
+    );
+    with_claim.spec.as_mut().expect("spec").containers[0].volume_mounts =
+        Some(vec![serde_json::from_value(json!({"name": "data", "mountPath": "/data"})).expect("mount")]);
+    pods.create(&PostParams::default(), &with_claim).await.expect("create");
+    let attachment_name = kubelet::cluster::volumes::attachment_name(&handle, ATTACHED_DRIVER, &api.node);
+    // No VolumeAttachment: the pod waits, saying for which.
+    let waiting = api
+        .wait_for(&pods, "attached", "waiting for its VolumeAttachment", DEADLINE, |p| {
+            p.and_then(|p| p.status.as_ref()?.message.as_deref())
+                .is_some_and(|m| m.contains(&format!("waiting for VolumeAttachment {attachment_name}")))
+        })
+        .await
+        .expect("pod");
+    assert_eq!(phase(Some(&waiting)), Some("Pending"));
+    assert!(calls.all().iter().all(|c| c.rpc != "NodePublishVolume"), "not published before it is attached");
+
+    // The attacher's work: the VolumeAttachment, not attached yet, then attached.
+    let attachments: Api<VolumeAttachment> = Api::all(api.admin.clone());
+    let attachment: VolumeAttachment = serde_json::from_value(json!({
+        "metadata": {"name": attachment_name},
+        "spec": {"attacher": ATTACHED_DRIVER, "nodeName": api.node, "source": {"persistentVolumeName": pv_name}},
+    }))
+    .expect("volumeattachment");
+    attachments.create(&PostParams::default(), &attachment).await.expect("volumeattachment");
+    api.wait_for(&pods, "attached", "waiting for the attacher", DEADLINE, |p| {
+        p.and_then(|p| p.status.as_ref()?.message.as_deref()).is_some_and(|m| m.contains("is not attached yet"))
+    })
+    .await;
+    let attached = json!({"status": {"attached": true, "attachmentMetadata": {"devicePath": "/dev/xvdf"}}});
+    attachments
+        .patch_status(&attachment_name, &PatchParams::default(), &Patch::Merge(&attached))
+        .await
+        .expect("attached");
+
+    // Then it is published with the attachment's metadata as its publish context.
+    api.wait_for(&pods, "attached", "Running", DEADLINE, running).await;
+    let publish = calls.all().into_iter().find(|c| c.rpc == "NodePublishVolume").expect("published");
+    assert_eq!(publish.volume_id, handle);
+    assert_eq!(publish.publish_context, [("devicePath".to_owned(), "/dev/xvdf".to_owned())]);
+    drop(node);
+    stop.cancel();
+}
+rustlet_testkit::on_both_api_servers!(
+    a_volume_that_needs_attaching_waits_for_its_volume_attachment_on,
+    a_volume_that_needs_attaching_waits_for_its_volume_attachment
+);

@@ -290,7 +290,7 @@ async fn claims_resolve_through_the_api_and_csi_driver_objects_apply() {
     {
         let driver_object: CSIDriver = serde_json::from_value(json!({
             "metadata": {"name": name},
-            "spec": {"podInfoOnMount": true, "volumeLifecycleModes": modes},
+            "spec": {"attachRequired": false, "podInfoOnMount": true, "volumeLifecycleModes": modes},
         }))
         .expect("csidriver");
         Api::<CSIDriver>::all(admin.clone()).create(&PostParams::default(), &driver_object).await.expect("csidriver");
@@ -306,6 +306,7 @@ async fn claims_resolve_through_the_api_and_csi_driver_objects_apply() {
         "spec": {
             "capacity": {"storage": "1Gi"},
             "accessModes": ["ReadWriteOnce"],
+            "claimRef": {"namespace": "default", "name": "data"},
             "csi": {
                 "driver": "vol.csi.example.com",
                 "volumeHandle": "handle-1",

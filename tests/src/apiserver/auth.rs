@@ -96,6 +96,19 @@ pub fn authorize(identity: &Identity, request: &Request<'_>, store: &Store) -> R
         "csinodes" if own && request.verb != "list" => Ok(()),
         "csinodes" => deny(&format!("can only access CSINode with the same name as the requesting node '{node}'")),
         "csidrivers" if reading => Ok(()),
+        // The Node authorizer: a VolumeAttachment to this node, by name.
+        "volumeattachments" if request.verb == "get" => {
+            let attachments = super::store::resource("storage.k8s.io", "v1", "volumeattachments").expect("resource");
+            let key = super::store::Key::new(attachments, "", request.name.unwrap_or_default());
+            // One that does not exist is no more related to the node than
+            // another node's: 403, as the real authorizer answers.
+            match store.get(&key) {
+                Some(attachment) if attachment.pointer("/spec/nodeName").and_then(Value::as_str) == Some(node) => {
+                    Ok(())
+                }
+                _ => deny(&format!("no relationship found between node '{node}' and this object")),
+            }
+        }
         "events" if matches!(request.verb, "create" | "patch" | "update") => Ok(()),
         "namespaces" if request.verb == "get" => Ok(()),
         "pods" => authorize_pod(identity, request, store, node),
@@ -263,16 +276,20 @@ fn references(store: &Store, node: &str) -> HashSet<(&'static str, String, Strin
             }
         }
     }
-    let pvcs = super::store::resource("", "v1", "persistentvolumeclaims").expect("pvcs");
     let pvs = super::store::resource("", "v1", "persistentvolumes").expect("pvs");
+    // As the Node authorizer's graph: a PersistentVolume is related to a
+    // claim through the volume's `spec.claimRef` (not the claim's
+    // `volumeName`).
+    let volumes = store.list(pvs, None);
     for (ns, claim) in claims {
         found.insert(("persistentvolumeclaims", ns.clone(), claim.clone()));
-        let key = super::store::Key::new(pvcs, &ns, &claim);
-        let Some(volume) = store.get(&key).and_then(|c| c.pointer("/spec/volumeName")).and_then(Value::as_str) else {
-            continue;
+        let claimed_by = |pv: &&Value| {
+            pv.pointer("/spec/claimRef/namespace").and_then(Value::as_str) == Some(ns.as_str())
+                && pv.pointer("/spec/claimRef/name").and_then(Value::as_str) == Some(claim.as_str())
         };
-        found.insert(("persistentvolumes", String::new(), volume.to_owned()));
-        if let Some(pv) = store.get(&super::store::Key::new(pvs, "", volume)) {
+        for pv in volumes.iter().filter(claimed_by) {
+            let volume = pv.pointer("/metadata/name").and_then(Value::as_str).unwrap_or_default();
+            found.insert(("persistentvolumes", String::new(), volume.to_owned()));
             for secret in ["nodeStageSecretRef", "nodePublishSecretRef", "nodeExpandSecretRef"] {
                 let name = pv.pointer(&format!("/spec/csi/{secret}/name")).and_then(Value::as_str);
                 let namespace = pv.pointer(&format!("/spec/csi/{secret}/namespace")).and_then(Value::as_str);

@@ -97,6 +97,14 @@ pub const RESOURCES: &[Resource] = &[
         namespaced: false,
         has_status: false,
     },
+    Resource {
+        group: "storage.k8s.io",
+        version: "v1",
+        plural: "volumeattachments",
+        kind: "VolumeAttachment",
+        namespaced: false,
+        has_status: true,
+    },
 ];
 
 /// The resource served at `group/version/plural`.
@@ -355,6 +363,15 @@ impl Store {
             meta.remove("namespace");
         }
         meta.insert("uid".into(), format!("00000000-0000-4000-8000-{:012x}", self.uids).into());
+        // The API's defaults the node depends on.
+        if resource.plural == "csidrivers"
+            && let Some(spec) = object.get_mut("spec").and_then(Value::as_object_mut)
+        {
+            spec.entry("attachRequired").or_insert(Value::Bool(true));
+        }
+        let Some(meta) = object.get_mut("metadata").and_then(Value::as_object_mut) else {
+            return Err(ApiError::new(400, "BadRequest", "metadata is not an object"));
+        };
         meta.insert("resourceVersion".into(), rv.to_string().into());
         meta.insert("creationTimestamp".into(), now().into());
         meta.insert("generation".into(), 1.into());

@@ -16,7 +16,7 @@ use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequest, T
 use k8s_openapi::api::core::v1::{
     ConfigMap, PersistentVolume, PersistentVolumeClaim, Pod, Secret, SecretReference, ServiceAccount,
 };
-use k8s_openapi::api::storage::v1::CSIDriver;
+use k8s_openapi::api::storage::v1::{CSIDriver, VolumeAttachment};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::Api;
 use kube::runtime::watcher;
@@ -25,6 +25,12 @@ use tokio::sync::watch;
 use super::describe;
 use crate::csi::Secrets;
 use crate::volume::{ApiObjects, ClaimedVolume, CsiDriverObjects, ObjectKind, VolumeClaims};
+
+/// Upstream's name of the VolumeAttachment of volume `handle` of `driver`
+/// on `node`.
+pub fn attachment_name(handle: &str, driver: &str, node: &str) -> String {
+    format!("csi-{}", crate::volume::csi::sha256_hex(format!("{handle}{driver}{node}").as_bytes()))
+}
 
 /// Keeps `objects` equal to the cluster's CSIDriver objects until the
 /// stream ends (run it under the node's shutdown).
@@ -65,12 +71,14 @@ pub async fn follow_csi_drivers(client: kube::Client, objects: CsiDriverObjects)
 #[derive(Clone)]
 pub struct ApiVolumes {
     client: watch::Receiver<Option<kube::Client>>,
+    node_name: String,
 }
 
 impl ApiVolumes {
-    /// Reads with the client `client` holds once it holds one.
-    pub fn new(client: watch::Receiver<Option<kube::Client>>) -> ApiVolumes {
-        ApiVolumes { client }
+    /// Reads with the client `client` holds once it holds one, for node
+    /// `node_name` (whose VolumeAttachments it reads).
+    pub fn new(client: watch::Receiver<Option<kube::Client>>, node_name: &str) -> ApiVolumes {
+        ApiVolumes { client, node_name: node_name.to_owned() }
     }
 
     fn client(&self) -> Result<kube::Client, String> {
@@ -98,6 +106,31 @@ impl ApiVolumes {
 
 #[async_trait::async_trait]
 impl VolumeClaims for ApiVolumes {
+    /// The VolumeAttachment upstream's attach/detach controller creates
+    /// for the volume and this node (`csi-<sha256(handle + driver +
+    /// node)>`), once its attacher set `status.attached`; its
+    /// `attachmentMetadata` is the publish context.
+    async fn attachment(&self, driver: &str, handle: &str) -> Result<BTreeMap<String, String>, String> {
+        let name = attachment_name(handle, driver, &self.node_name);
+        let attachments: Api<VolumeAttachment> = Api::all(self.client()?);
+        // Until it exists, the Node authorizer relates no VolumeAttachment
+        // of that name to the node: 403, as 404 would say.
+        let found = match attachments.get_opt(&name).await {
+            Ok(found) => found,
+            Err(error) if super::is_code(&error, 403) => None,
+            Err(error) => return Err(format!("reading VolumeAttachment {name}: {}", describe(&error))),
+        };
+        let Some(attachment) = found else {
+            return Err(format!("waiting for VolumeAttachment {name} (driver {driver}, volume {handle})"));
+        };
+        let status = attachment.status.unwrap_or_default();
+        if !status.attached {
+            let error = status.attach_error.and_then(|e| e.message).map(|m| format!(": {m}")).unwrap_or_default();
+            return Err(format!("VolumeAttachment {name} is not attached yet{error}"));
+        }
+        Ok(status.attachment_metadata.unwrap_or_default())
+    }
+
     async fn resolve(&self, namespace: &str, claim: &str, read_only: bool) -> Result<ClaimedVolume, String> {
         let client = self.client()?;
         let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), namespace);

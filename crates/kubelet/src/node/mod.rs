@@ -306,7 +306,8 @@ impl NodeBuilder {
             CsiVolumes::new(&root_dir, csi_drivers.view(), csi_objects.clone(), config.pods.csi_timeouts);
         // In a cluster, claims resolve through the API once it is connected.
         let (api_client, api_client_rx) = tokio::sync::watch::channel(None);
-        let api_volumes = cluster.as_ref().map(|_| Arc::new(cluster::volumes::ApiVolumes::new(api_client_rx)));
+        let api_volumes =
+            cluster.as_ref().map(|_| Arc::new(cluster::volumes::ApiVolumes::new(api_client_rx, &config.node_name)));
         let claims = claims.or_else(|| api_volumes.clone().map(|v| v as Arc<dyn VolumeClaims>));
         if let Some(claims) = claims {
             csi_volumes = csi_volumes.with_claims(claims);

@@ -100,6 +100,16 @@ pub struct ClaimedVolume {
 pub trait VolumeClaims: Send + Sync + 'static {
     /// The volume bound to claim `claim` in `namespace`, or why there is none.
     async fn resolve(&self, namespace: &str, claim: &str, read_only: bool) -> Result<ClaimedVolume, String>;
+
+    /// For a driver that needs its volumes attached (`attachRequired`):
+    /// the attachment metadata of volume `handle` of `driver` once it is
+    /// attached to this node (it becomes the publish context), or why the
+    /// volume is not attached yet. By default nothing is attached and
+    /// volumes are published without a publish context.
+    async fn attachment(&self, driver: &str, handle: &str) -> Result<BTreeMap<String, String>, String> {
+        let _ = (driver, handle);
+        Ok(BTreeMap::new())
+    }
 }
 
 /// Claims bound to volumes by the embedder: `(namespace, claim)` → volume.
@@ -545,6 +555,17 @@ impl CsiVolumes {
         if self.objects.get(&source.driver).and_then(|s| s.pod_info_on_mount).unwrap_or(false) {
             volume_context.insert("csi.storage.k8s.io/ephemeral".into(), "false".into());
         }
+        // As upstream: attach unless the driver's CSIDriver object says
+        // `attachRequired: false` (a driver without one is attached).
+        let attach = self.objects.get(&source.driver).is_none_or(|s| s.attach_required.unwrap_or(true));
+        let publish_context = if attach {
+            claims
+                .attachment(&source.driver, &source.volume_handle)
+                .await
+                .map_err(|reason| VolumeError::NotAttached { volume: name.to_owned(), reason })?
+        } else {
+            BTreeMap::new()
+        };
         Ok(Plan {
             mount: CsiMount {
                 driver_name: source.driver.clone(),
@@ -557,7 +578,7 @@ impl CsiVolumes {
             read_only: claimed.claim_read_only || source.read_only.unwrap_or(false),
             capability: VolumeCapability { access_type, access_mode },
             volume_context,
-            publish_context: BTreeMap::new(),
+            publish_context,
             stage_secrets: claimed.stage_secrets,
             publish_secrets: claimed.publish_secrets,
         })

@@ -83,6 +83,16 @@ pub enum VolumeError {
         /// The driver it names.
         driver: String,
     },
+    /// The volume's driver needs it attached (`attachRequired`) and its
+    /// VolumeAttachment to this node is missing or not attached yet; the
+    /// pod retries with backoff.
+    #[error("volume {volume:?} is not attached to this node yet: {reason}")]
+    NotAttached {
+        /// The volume.
+        volume: String,
+        /// What the attachment lacks.
+        reason: String,
+    },
     /// A CSI call failed (or did not answer in time).
     #[error("volume {volume:?}: {source}")]
     Csi {

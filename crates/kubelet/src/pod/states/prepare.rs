@@ -17,6 +17,9 @@ use crate::volume::VolumeError;
 /// without a registry change (a safety net; registrations wake it at once).
 const MISSING_DRIVER_RECHECK: std::time::Duration = std::time::Duration::from_secs(60);
 
+/// How often a pod waiting for its volume's VolumeAttachment reads it again.
+const ATTACH_RECHECK: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// The provider prepares every container's image.
 pub struct ImagePull {
     backoff: Backoff,
@@ -138,7 +141,12 @@ impl State<PodLifecycle> for Volumes {
                     ctx.report(pod_status(&ctx.data, Stage::Pending));
                     let waiting_for_driver = matches!(error, VolumeError::DriverNotRegistered { .. });
                     backoff.fail(&lifecycle.config.volume_backoff, std::time::Duration::ZERO, Instant::now());
-                    let until = backoff.until().unwrap_or_else(Instant::now);
+                    let mut until = backoff.until().unwrap_or_else(Instant::now);
+                    // An attachment is the attacher's to finish: look again
+                    // soon, whatever the backoff says.
+                    if matches!(error, VolumeError::NotAttached { .. }) {
+                        until = until.min(Instant::now() + ATTACH_RECHECK);
+                    }
                     match changes.as_mut() {
                         Some(changes) if waiting_for_driver => {
                             // Only a registration can help: wait for one (the
