@@ -158,3 +158,91 @@ async fn a_watch_that_expires_is_relisted_and_nothing_is_missed() {
     let gone = node.pods.store().wait_for(SOON, |pods| !pods.contains_key(&first_uid)).await;
     assert!(gone.is_some(), "the pod deleted while the watch was down still runs on the node");
 }
+
+/// 1,000 pods bound at once to a node whose API answers every status patch
+/// 20 ms late: every pod reaches Running in the API (writes go out in
+/// parallel), and no second ever holds more status writes than the token
+/// bucket allows (`--kube-api-burst` + `--kube-api-qps`).
+#[tokio::test]
+async fn status_writes_go_out_in_parallel_and_never_above_the_api_qps() {
+    const PODS: usize = 1000;
+    const QPS: f64 = 200.0;
+    const BURST: u32 = 20;
+    const IMAGE: &str = "example.com/test/sleep:v1";
+    let server = ApiServer::start().await.expect("start");
+    server.inject(Fault::slow(Some(http::Method::PATCH), "/status", Duration::from_millis(20), usize::MAX));
+    let root = tempfile::tempdir().expect("tempdir");
+    let shutdown = CancellationToken::new();
+    let provider = Arc::new(rustlet_wasi::WasiProvider::new(rustlet_wasi::WasiConfig::new(root.path())).expect("wasi"));
+    let layout = root.path().join("layout");
+    let sleep = rustlet_wasi::examples::binary("sleep").expect("example");
+    rustlet_wasi::import::write_layout(&layout, &[(IMAGE, &sleep)]).expect("layout");
+    rustlet_wasi::import::import(provider.images(), &layout, None).expect("import");
+    let config = PodConfig::new(root.path(), Allocatable { cpu_milli: 64_000, memory: 64 << 30, pods: PODS + 10 });
+    let pods = Pods::start(PodLifecycle::new(config, Some(provider), None), shutdown.clone()).await;
+    let node_client = server.client(&server.node_token("n1")).await.expect("client");
+    let sync_config = PodSyncConfig { api_qps: QPS, api_burst: BURST, ..PodSyncConfig::new("n1") };
+    let _sync = pod_sync::start(node_client, sync_config, pods.clone(), shutdown.clone());
+    let admin: Api<Pod> = Api::namespaced(server.client(server.admin_token()).await.expect("client"), "default");
+
+    let began = std::time::Instant::now();
+    {
+        use futures_util::StreamExt as _;
+        let created: Vec<Result<Pod, kube::Error>> = futures_util::stream::iter(0..PODS)
+            .map(|i| {
+                let admin = admin.clone();
+                let pod: Pod = serde_json::from_value(json!({
+                    "metadata": {"name": format!("p{i}"), "namespace": "default"},
+                    "spec": {"nodeName": "n1", "containers": [{"name": "main", "image": IMAGE, "imagePullPolicy": "Never"}]},
+                }))
+                .expect("pod");
+                async move { admin.create(&PostParams::default(), &pod).await }
+            })
+            .buffer_unordered(32)
+            .collect()
+            .await;
+        for result in created {
+            result.expect("create");
+        }
+    }
+    // Liveness bound, not a speed claim (the benchmark has the figures).
+    let mut changes = server.changes();
+    let all_running = async {
+        loop {
+            let running = (0..PODS)
+                .filter(|i| {
+                    server
+                        .object("", "pods", "default", &format!("p{i}"))
+                        .is_some_and(|p| p["status"]["phase"] == "Running")
+                })
+                .count();
+            if running == PODS {
+                return;
+            }
+            // Wait for the next change before counting again.
+            let _ = changes.recv().await;
+            while changes.try_recv().is_ok() {}
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(180), all_running).await.expect("every pod Running in the API");
+    eprintln!("{PODS} pods Running in the API after {:.2} s", began.elapsed().as_secs_f64());
+
+    let mut writes: Vec<std::time::Instant> = server
+        .requests()
+        .into_iter()
+        .filter(|r| r.method == http::Method::PATCH && r.uri.contains("/status"))
+        .map(|r| r.received)
+        .collect();
+    writes.sort();
+    assert!(writes.len() >= PODS, "at least one status write per pod: {}", writes.len());
+    // In any second: at most the burst plus a second's worth (a little
+    // slack for when the server saw them).
+    let most = f64::from(BURST) + QPS;
+    let mut busiest = 0;
+    for (i, start) in writes.iter().enumerate() {
+        let in_window = writes[i..].iter().take_while(|t| t.duration_since(*start) < Duration::from_secs(1)).count();
+        busiest = busiest.max(in_window);
+    }
+    assert!(busiest as f64 <= most * 1.05, "{busiest} status writes in one second; at most {most} allowed");
+    shutdown.cancel();
+}

@@ -26,6 +26,7 @@ pub mod node;
 pub mod plugin_manager;
 pub mod pod;
 pub mod provider;
+pub mod retry;
 pub mod static_pods;
 pub mod volume;
 

@@ -80,6 +80,8 @@ pub struct Logged {
     pub uri: String,
     /// The status answered.
     pub status: u16,
+    /// When it arrived.
+    pub received: std::time::Instant,
 }
 
 struct Shared {
@@ -358,11 +360,13 @@ async fn handle(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
+    let received = std::time::Instant::now();
     let response = answer(&shared, &method, &uri, &headers, &body).await;
     shared.log.lock().expect("lock").push(Logged {
         method,
         uri: uri.path_and_query().map(ToString::to_string).unwrap_or_default(),
         status: response.status().as_u16(),
+        received,
     });
     response
 }

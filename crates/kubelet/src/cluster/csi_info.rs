@@ -31,6 +31,8 @@ use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::storage::v1::{CSINode, CSINodeDriver, CSINodeSpec, VolumeNodeResources};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::api::{Api, Patch};
+
+use crate::retry::RetryBackoff;
 use kubelet_api::constants::CSI_NODE_ID_ANNOTATION;
 use serde_json::json;
 use tokio::sync::watch;
@@ -153,7 +155,7 @@ enum Failure {
 impl Writer {
     async fn run(mut self) {
         let mut generations = self.info.generation.subscribe();
-        let mut delay = Duration::from_millis(200);
+        let mut backoff = RetryBackoff::new(Duration::from_millis(200), Duration::from_secs(10));
         // The annotation and labels last written to this Node object.
         let mut written_node: Option<(String, NodeCsiInfo)> = None;
         loop {
@@ -165,7 +167,7 @@ impl Writer {
             let info = self.info.memory.snapshot();
             match self.store(&uid, &info, &mut written_node).await {
                 Ok(()) => {
-                    delay = Duration::from_millis(200);
+                    backoff.reset();
                     self.info.stats.stored.fetch_add(1, Ordering::Relaxed);
                     self.info.stored.send_replace(generation);
                     tokio::select! {
@@ -178,9 +180,9 @@ impl Writer {
                 }
                 Err(Failure::Error(error)) => {
                     self.info.stats.failures.fetch_add(1, Ordering::Relaxed);
+                    let delay = backoff.next_delay();
                     tracing::warn!(node = %self.node_name, %error, retry_in = ?delay, "cannot store CSI node info; retrying");
                     tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(Duration::from_secs(10));
                 }
             }
         }

@@ -201,11 +201,12 @@ async fn client(settings: &ClusterSettings) -> kube::Client {
         ApiSource::Client(client) => return client.clone(),
         ApiSource::Kubeconfig(path) => path,
     };
-    let mut delay = settings.kubeconfig_retry;
+    let mut backoff = crate::retry::RetryBackoff::new(settings.kubeconfig_retry, Duration::from_secs(60));
     loop {
         match from_kubeconfig(path).await {
             Ok(client) => return client,
             Err(error) => {
+                let delay = backoff.next_delay();
                 tracing::error!(
                     kubeconfig = %path.display(),
                     %error,
@@ -213,7 +214,6 @@ async fn client(settings: &ClusterSettings) -> kube::Client {
                     "cannot connect to the cluster; the node keeps running standalone parts and retries"
                 );
                 tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(Duration::from_secs(60));
             }
         }
     }

@@ -34,6 +34,7 @@ use tokio::sync::{Notify, watch};
 
 use super::{Supervision, describe, is_code};
 use crate::health::{HealthCheck, HealthReporter};
+use crate::retry::RetryBackoff;
 
 /// The namespace of node leases.
 pub const LEASE_NAMESPACE: &str = "kube-node-lease";
@@ -156,27 +157,9 @@ impl NodeSync {
     }
 }
 
-/// Doubling delays, reset after a success.
-struct Backoff {
-    next: Duration,
-    initial: Duration,
-    max: Duration,
-}
-
-impl Backoff {
-    fn new(config: &NodeSyncConfig) -> Backoff {
-        Backoff { next: config.retry_initial, initial: config.retry_initial, max: config.retry_max }
-    }
-
-    fn fail(&mut self) -> Duration {
-        let now = self.next;
-        self.next = (self.next * 2).min(self.max);
-        now
-    }
-
-    fn reset(&mut self) {
-        self.next = self.initial;
-    }
+/// The retry backoff of the Node and Lease writes.
+fn backoff(config: &NodeSyncConfig) -> RetryBackoff {
+    RetryBackoff::new(config.retry_initial, config.retry_max)
 }
 
 /// Starts keeping the Node (as `desired` describes it) and its Lease in
@@ -239,14 +222,14 @@ struct StatusSync {
 
 impl StatusSync {
     async fn run(mut self) {
-        let mut backoff = Backoff::new(&self.config);
+        let mut backoff = backoff(&self.config);
         loop {
             let uid = loop {
                 match self.register().await {
                     Ok(uid) => break uid,
                     Err(error) => {
                         self.stats.failures.fetch_add(1, Ordering::Relaxed);
-                        let delay = backoff.fail();
+                        let delay = backoff.next_delay();
                         let error = describe(&error);
                         self.health.failing(format!("cannot register node {}: {error}", self.config.node_name));
                         tracing::warn!(node = %self.config.node_name, %error, retry_in = ?delay, "cannot register the node; retrying");
@@ -333,7 +316,7 @@ impl StatusSync {
 
     /// Patches the status on changes and at the report interval until the
     /// node is found gone.
-    async fn keep_status(&mut self, backoff: &mut Backoff) {
+    async fn keep_status(&mut self, backoff: &mut RetryBackoff) {
         let mut due = false;
         let mut bucket = Bucket::new(self.config.patch_burst, self.config.patches_per_minute);
         loop {
@@ -375,7 +358,7 @@ impl StatusSync {
                 }
                 Err(error) => {
                     self.stats.failures.fetch_add(1, Ordering::Relaxed);
-                    let delay = backoff.fail();
+                    let delay = backoff.next_delay();
                     let error = describe(&error);
                     self.health.failing(format!("cannot patch the status of node {}: {error}", self.config.node_name));
                     tracing::warn!(node = %self.config.node_name, %error, retry_in = ?delay, "node status patch failed; retrying");
@@ -456,7 +439,7 @@ struct LeaseSync {
 
 impl LeaseSync {
     async fn run(mut self) {
-        let mut backoff = Backoff::new(&self.config);
+        let mut backoff = backoff(&self.config);
         loop {
             // The lease is owned by the Node: wait until it exists.
             let uid = match self.registered.wait_for(Option::is_some).await {
@@ -471,7 +454,7 @@ impl LeaseSync {
                 }
                 Err(error) => {
                     self.stats.failures.fetch_add(1, Ordering::Relaxed);
-                    let delay = backoff.fail().min(self.config.renew_interval);
+                    let delay = backoff.next_delay().min(self.config.renew_interval);
                     tracing::warn!(node = %self.config.node_name, error = %describe(&error), retry_in = ?delay, "cannot renew the node lease; retrying");
                     delay
                 }

@@ -35,9 +35,9 @@ use serde_json::Value;
 use tokio::sync::Notify;
 
 use super::rate_limit::RateLimiter;
-use super::supervisor::jitter;
 use super::{is_code, status_patch};
 use crate::pod::{PodSource, Pods};
+use crate::retry::RetryBackoff;
 
 /// How soon a static pod whose mirror pod's name is taken looks again
 /// (doubling up to [`BLOCKED_RECHECK_MAX`]).
@@ -116,8 +116,8 @@ struct Known {
     api: Option<ApiView>,
     /// For a static pod: its mirror pod (config hash, whether it exists).
     mirror: Option<Mirror>,
-    /// After a failed write: not before this instant, and the next delay.
-    retry: Option<(Instant, Duration)>,
+    /// After a failed write: not before this instant, and the backoff.
+    retry: Option<(Instant, RetryBackoff)>,
 }
 
 impl Known {
@@ -555,10 +555,10 @@ impl Writer {
         {
             let table = lock(&self.table);
             for (uid, known) in table.iter() {
-                if let Some((at, _)) = known.retry
-                    && at > now
+                if let Some((at, _)) = &known.retry
+                    && *at > now
                 {
-                    next_retry = Some(next_retry.map_or(at, |n| n.min(at)));
+                    next_retry = Some(next_retry.map_or(*at, |n| n.min(*at)));
                     continue;
                 }
                 if let Some(write) = self.needed(uid, known) {
@@ -591,9 +591,12 @@ impl Writer {
                 }
                 Err(WriteError::Blocked) => {
                     let Some(known) = table.get_mut(&uid) else { continue };
-                    let delay = known.retry.map_or(BLOCKED_RECHECK, |(_, d)| (d * 2).min(BLOCKED_RECHECK_MAX));
-                    let at = Instant::now() + jitter(delay);
-                    known.retry = Some((at, delay));
+                    let mut backoff = known
+                        .retry
+                        .take()
+                        .map_or_else(|| RetryBackoff::new(BLOCKED_RECHECK, BLOCKED_RECHECK_MAX), |(_, b)| b);
+                    let at = Instant::now() + backoff.next_delay();
+                    known.retry = Some((at, backoff));
                     next_retry = Some(next_retry.map_or(at, |n| n.min(at)));
                 }
                 Err(WriteError::Retry(error)) => {
@@ -602,9 +605,11 @@ impl Writer {
                         self.stats.rejected.fetch_add(1, Ordering::Relaxed);
                     }
                     let Some(known) = table.get_mut(&uid) else { continue };
-                    let delay =
-                        known.retry.map_or(self.config.retry_initial, |(_, d)| (d * 2).min(self.config.retry_max));
-                    let delay = jitter(delay);
+                    let mut backoff = known.retry.take().map_or_else(
+                        || RetryBackoff::new(self.config.retry_initial, self.config.retry_max),
+                        |(_, b)| b,
+                    );
+                    let delay = backoff.next_delay();
                     tracing::warn!(
                         pod.uid = %uid,
                         pod = %known.name,
@@ -613,7 +618,7 @@ impl Writer {
                         "pod write failed; retrying this pod"
                     );
                     let at = Instant::now() + delay;
-                    known.retry = Some((at, delay));
+                    known.retry = Some((at, backoff));
                     next_retry = Some(next_retry.map_or(at, |n| n.min(at)));
                 }
             }

@@ -1,7 +1,7 @@
 //! Supervision of cluster mode's tasks (the pod watch, the status writer,
 //! the Node and Lease writers, the CSI node info writer, the CSIDriver
 //! watch): each runs on a task of its own, is built again and restarted
-//! with a jittered, doubling backoff if it ends or panics before shutdown,
+//! with the node's retry backoff ([`RetryBackoff`]) if it ends or panics before shutdown,
 //! reports a named `/healthz` check (failing with the reason while it is
 //! down), and is awaited at shutdown through the node's task tracker.
 
@@ -14,6 +14,7 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use crate::health::{HealthReporter, Healthz};
+use crate::retry::RetryBackoff;
 
 /// The first restart delay (doubling up to [`RESTART_MAX`]).
 const RESTART_INITIAL: Duration = Duration::from_millis(500);
@@ -56,7 +57,7 @@ impl Supervision {
         }
         let shutdown = self.shutdown.clone();
         let supervisor = async move {
-            let mut delay = RESTART_INITIAL;
+            let mut backoff = RetryBackoff::new(RESTART_INITIAL, RESTART_MAX);
             loop {
                 let started = Instant::now();
                 let run = tokio::spawn(make().in_current_span());
@@ -77,16 +78,15 @@ impl Supervision {
                     Err(error) => format!("failed: {error}"),
                 };
                 if started.elapsed() > RESET_AFTER {
-                    delay = RESTART_INITIAL;
+                    backoff.reset();
                 }
-                let wait = jitter(delay);
+                let wait = backoff.next_delay();
                 tracing::error!(task = name, %reason, restart_in = ?wait, "cluster task ended; restarting it");
                 reporter.failing(format!("{reason}; restarting"));
                 tokio::select! {
                     () = shutdown.cancelled() => return,
                     () = tokio::time::sleep(wait) => {}
                 }
-                delay = (delay * 2).min(RESTART_MAX);
                 reporter.healthy();
             }
         }
@@ -108,15 +108,6 @@ impl From<CancellationToken> for Supervision {
     fn from(shutdown: CancellationToken) -> Supervision {
         Supervision { shutdown, healthz: None, tasks: None }
     }
-}
-
-/// `delay` give or take a quarter, so tasks that fail together do not
-/// retry together.
-pub(crate) fn jitter(delay: Duration) -> Duration {
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
-    let unit = f64::from(nanos % 1_000_000) / 1_000_000.0;
-    let offset = (unit * 2.0 - 1.0) * delay.as_secs_f64() * 0.25;
-    Duration::from_secs_f64((delay.as_secs_f64() + offset).max(0.0))
 }
 
 fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {

@@ -35,23 +35,6 @@ const FIRST_RETRY: Duration = Duration::from_millis(100);
 /// The longest delay between bind attempts.
 const MAX_RETRY: Duration = Duration::from_secs(30);
 
-/// Delays between bind attempts: [`FIRST_RETRY`] doubling to [`MAX_RETRY`].
-struct Backoff {
-    next: Duration,
-}
-
-impl Backoff {
-    fn new() -> Backoff {
-        Backoff { next: FIRST_RETRY }
-    }
-
-    fn next_delay(&mut self) -> Duration {
-        let delay = self.next;
-        self.next = (self.next * 2).min(MAX_RETRY);
-        delay
-    }
-}
-
 /// Creates the directory (0750) and removes stale sockets in it; other files
 /// (the checkpoint) are kept.
 pub(super) fn prepare_dir(dir: &Path) -> Result<(), DeviceManagerError> {
@@ -146,7 +129,7 @@ async fn rebind(
     changes: &mut mpsc::UnboundedReceiver<()>,
     shutdown: &CancellationToken,
 ) -> Option<UnixListener> {
-    let mut backoff = Backoff::new();
+    let mut backoff = crate::retry::RetryBackoff::new(FIRST_RETRY, MAX_RETRY);
     loop {
         let error = match kubelet_api::uds::bind(socket) {
             Ok(listener) => return Some(listener),
@@ -240,9 +223,12 @@ mod tests {
 
     #[test]
     fn bind_retries_back_off_from_100_ms_doubling_to_30_s() {
-        let mut backoff = Backoff::new();
-        let delays: Vec<u64> = (0..12).map(|_| backoff.next_delay().as_millis() as u64).collect();
-        assert_eq!(delays, [100, 200, 400, 800, 1600, 3200, 6400, 12800, 25600, 30000, 30000, 30000]);
+        let mut backoff = crate::retry::RetryBackoff::new(FIRST_RETRY, MAX_RETRY);
+        let bases = [100, 200, 400, 800, 1600, 3200, 6400, 12800, 25600, 30000, 30000, 30000];
+        for base in bases {
+            let delay = backoff.next_delay().as_millis() as u64;
+            assert!((base..base * 2).contains(&delay), "{delay} ms for a base of {base} ms (plus jitter)");
+        }
     }
 
     #[test]

@@ -60,18 +60,19 @@ impl State<PodLifecycle> for Terminating {
         // (a CSI driver may fail NodeUnpublishVolume for a while); the
         // pod's deletion in the API waits for it.
         let mut volumes = std::mem::take(&mut ctx.data.volumes);
-        let mut delay = lifecycle.config.volume_backoff.initial;
+        let backoff = &lifecycle.config.volume_backoff;
+        let mut backoff = crate::retry::RetryBackoff::new(backoff.initial, backoff.max);
         loop {
             let errors = lifecycle.volumes.teardown(&uid, &mut volumes).await;
             if errors.is_empty() {
                 break;
             }
+            let delay = backoff.next_delay();
             let reasons: Vec<String> = errors.iter().map(ToString::to_string).collect();
             tracing::warn!(pod.uid = %uid, errors = %reasons.join("; "), retry_in = ?delay, "volumes not torn down; retrying");
             ctx.data.pending_message = Some(format!("volumes not torn down yet: {}", reasons.join("; ")));
             ctx.report(pod_status(&ctx.data, Stage::Terminating));
             tokio::time::sleep(delay).await;
-            delay = (delay * 2).min(lifecycle.config.volume_backoff.max);
         }
         ctx.data.pending_message = None;
         // 3. Devices (the checkpoint is rewritten).

@@ -1,0 +1,98 @@
+//! The node's retry backoff: one type for every retried call (API writes,
+//! cluster tasks, volume teardown, the kubeconfig, binding `kubelet.sock`),
+//! built on `backon`'s exponential backoff: the delay doubles from `initial`
+//! up to `max`, and each delay gets up to as much again at random (jitter),
+//! so that many things failing together do not retry together. A success
+//! resets it.
+//!
+//! Two schedules stay their own, because upstream fixes them and tests
+//! depend on them: the plugin registration executor's per-socket backoff
+//! (500 ms doubling to 2 min 2 s, as upstream's operation executor) and a
+//! container's restart backoff (10 s doubling to 5 min, reset after 10 min
+//! of running: CrashLoopBackOff, which users read).
+
+use std::time::Duration;
+
+use backon::{BackoffBuilder as _, ExponentialBackoff, ExponentialBuilder};
+
+/// Doubling, jittered delays between retries.
+#[derive(Debug)]
+pub struct RetryBackoff {
+    builder: ExponentialBuilder,
+    delays: ExponentialBackoff,
+    max: Duration,
+    failures: usize,
+}
+
+impl RetryBackoff {
+    /// From `initial`, doubling up to `max` (each delay plus up to as much
+    /// again at random).
+    pub fn new(initial: Duration, max: Duration) -> RetryBackoff {
+        let builder = ExponentialBuilder::new()
+            .with_min_delay(initial)
+            .with_max_delay(max.max(initial))
+            .with_factor(2.0)
+            .with_jitter()
+            .without_max_times();
+        RetryBackoff { delays: builder.build(), builder, max, failures: 0 }
+    }
+
+    /// The delay before the next attempt, after a failure.
+    pub fn next_delay(&mut self) -> Duration {
+        self.failures += 1;
+        self.delays.next().unwrap_or(self.max)
+    }
+
+    /// How many failures since the last success.
+    pub fn failures(&self) -> usize {
+        self.failures
+    }
+
+    /// After a success: the next failure waits the first delay again.
+    pub fn reset(&mut self) {
+        self.delays = self.builder.build();
+        self.failures = 0;
+    }
+}
+
+impl Clone for RetryBackoff {
+    /// The same schedule at the same step (its random draws are new).
+    fn clone(&self) -> Self {
+        let mut delays = self.builder.build();
+        for _ in 0..self.failures {
+            delays.next();
+        }
+        RetryBackoff { builder: self.builder, delays, max: self.max, failures: self.failures }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn delays_double_to_the_cap_with_jitter_and_reset_after_a_success() {
+        let (initial, max) = (Duration::from_millis(100), Duration::from_secs(1));
+        let mut backoff = RetryBackoff::new(initial, max);
+        let mut base = initial;
+        for _ in 0..8 {
+            let delay = backoff.next_delay();
+            assert!(delay >= base && delay < base * 2, "{delay:?} for a base of {base:?}");
+            base = (base * 2).min(max);
+        }
+        assert_eq!(backoff.failures(), 8);
+        let copy = backoff.clone();
+        assert_eq!(copy.failures(), 8);
+        backoff.reset();
+        let delay = backoff.next_delay();
+        assert!(delay >= initial && delay < initial * 2, "{delay:?}");
+    }
+
+    #[test]
+    fn jitter_spreads_retries() {
+        let delays: std::collections::BTreeSet<Duration> = (0..20)
+            .map(|_| RetryBackoff::new(Duration::from_millis(100), Duration::from_secs(1)).next_delay())
+            .collect();
+        assert!(delays.len() > 1, "twenty first delays are not all the same: {delays:?}");
+    }
+}
