@@ -72,9 +72,15 @@ async fn writes_make_versions_and_stale_writes_conflict() {
     let capacity = after.status.and_then(|s| s.capacity).expect("capacity");
     assert_eq!(capacity["pods"].0, "7");
     assert_eq!(after.metadata.labels.expect("labels").get("ignored"), None);
-    // Unsupported patch types are refused, never half-applied.
-    let strategic = Patch::Strategic(json!({"metadata": {"labels": {"x": "y"}}}));
-    assert_eq!(api_error(nodes.patch("n1", &PatchParams::default(), &strategic).await.expect_err("415")).0, 415);
+    // Strategic merge patches of a node's status merge conditions by type.
+    for kind in ["A", "B"] {
+        let patch = Patch::Strategic(json!({"status": {"conditions": [{"type": kind, "status": "True"}]}}));
+        nodes.patch_status("n1", &PatchParams::default(), &patch).await.expect("strategic");
+    }
+    let merged = nodes.get("n1").await.expect("node");
+    let kinds: Vec<String> =
+        merged.status.and_then(|s| s.conditions).unwrap_or_default().into_iter().map(|c| c.type_).collect();
+    assert!(kinds.contains(&"A".to_owned()) && kinds.contains(&"B".to_owned()), "{kinds:?}");
     assert_eq!(api_error(nodes.get("n2").await.expect_err("missing")).0, 404);
 }
 

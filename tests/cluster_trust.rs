@@ -588,3 +588,107 @@ rustlet_testkit::on_both_api_servers!(
     a_volume_that_needs_attaching_waits_for_its_volume_attachment_on,
     a_volume_that_needs_attaching_waits_for_its_volume_attachment
 );
+
+// ---------------------------------------------------------------------------
+
+/// A driver of this test's own (a real API server is shared by the tests).
+const IN_USE_DRIVER: &str = "in-use.csi.example.com";
+
+/// A condition another writer put on the Node (NetworkUnavailable, as a
+/// network plugin does) survives the node's status writes; a persistent
+/// volume in use shows in `volumesInUse` while a pod uses it.
+async fn the_nodes_status_writes_keep_others_conditions_and_report_volumes_in_use(api: TestApi) {
+    use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim};
+    let node = ClusterNode::start(&api, 110).await;
+    let nodes: Api<Node> = Api::all(api.admin.clone());
+    api.wait_for(&nodes, &api.node, "registered", DEADLINE, |n| n.is_some()).await;
+    let network = json!({"status": {"conditions": [{
+        "type": "NetworkUnavailable", "status": "False", "reason": "RouteCreated", "message": "by the test",
+    }]}});
+    nodes.patch_status(&api.node, &PatchParams::default(), &Patch::Strategic(&network)).await.expect("condition");
+
+    // A persistent CSI volume (attach not required) in use by a pod.
+    let drivers: Api<CSIDriver> = Api::all(api.admin.clone());
+    let driver: CSIDriver = serde_json::from_value(json!({
+        "metadata": {"name": IN_USE_DRIVER},
+        "spec": {"attachRequired": false, "volumeLifecycleModes": ["Persistent"]},
+    }))
+    .expect("csidriver");
+    if let Err(error) = drivers.create(&PostParams::default(), &driver).await {
+        assert!(matches!(&error, kube::Error::Api(s) if s.code == 409), "CSIDriver: {error}");
+    }
+    let stop = CancellationToken::new();
+    let config =
+        CsiDriverConfig { name: IN_USE_DRIVER.into(), node_id: api.node.clone(), ..CsiDriverConfig::default() };
+    RegisteredCsiDriver::new(
+        node.root.join("plugins_registry").join("in-use-csi.sock"),
+        node.root.join("plugins").join("in-use-csi").join("csi.sock"),
+        config,
+    )
+    .spawn(Reporter::Discard, stop.child_token())
+    .expect("csi driver");
+    let pv_name = format!("pv-inuse-{}", api.node);
+    let handle = format!("in-use-{}", api.node);
+    let volume: PersistentVolume = serde_json::from_value(json!({
+        "metadata": {"name": pv_name},
+        "spec": {
+            "capacity": {"storage": "1Gi"},
+            "accessModes": ["ReadWriteOnce"],
+            "claimRef": {"namespace": "default", "name": "in-use"},
+            "csi": {"driver": IN_USE_DRIVER, "volumeHandle": handle},
+        },
+    }))
+    .expect("pv");
+    Api::<PersistentVolume>::all(api.admin.clone()).create(&PostParams::default(), &volume).await.expect("pv");
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(api.admin.clone(), "default");
+    let claim: PersistentVolumeClaim = serde_json::from_value(json!({
+        "metadata": {"name": "in-use", "namespace": "default"},
+        "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "", "volumeName": pv_name,
+                 "resources": {"requests": {"storage": "1Gi"}}},
+    }))
+    .expect("pvc");
+    claims.create(&PostParams::default(), &claim).await.expect("pvc");
+    claims
+        .patch_status("in-use", &PatchParams::default(), &Patch::Merge(&json!({"status": {"phase": "Bound"}})))
+        .await
+        .expect("bound");
+    let pods = pods_api(&api);
+    let mut user = pod(
+        "in-use",
+        &api.node,
+        "exec sleep 600",
+        json!({"volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "in-use"}}]}),
+    );
+    user.spec.as_mut().expect("spec").containers[0].volume_mounts =
+        Some(vec![serde_json::from_value(json!({"name": "data", "mountPath": "/data"})).expect("mount")]);
+    pods.create(&PostParams::default(), &user).await.expect("create");
+    api.wait_for(&pods, "in-use", "Running", DEADLINE, running).await;
+    let unique = format!("kubernetes.io/csi/{IN_USE_DRIVER}^{handle}");
+    let in_use = api
+        .wait_for(&nodes, &api.node, "reporting the volume in use", DEADLINE, |n| {
+            n.and_then(|n| n.status.as_ref()?.volumes_in_use.as_ref()).is_some_and(|v| v.contains(&unique))
+        })
+        .await
+        .expect("node");
+    let conditions = in_use.status.as_ref().and_then(|s| s.conditions.as_ref()).expect("conditions");
+    let network = conditions.iter().find(|c| c.type_ == "NetworkUnavailable").expect("another writer's condition kept");
+    assert_eq!(network.reason.as_deref(), Some("RouteCreated"));
+    assert!(conditions.iter().any(|c| c.type_ == "Ready"), "{conditions:?}");
+
+    // The pod goes: the volume is no longer in use.
+    pods.delete("in-use", &DeleteParams::default()).await.expect("delete");
+    let released = api
+        .wait_for(&nodes, &api.node, "no longer reporting the volume", DEADLINE, |n| {
+            n.and_then(|n| n.status.as_ref())
+                .is_some_and(|s| !s.volumes_in_use.as_ref().is_some_and(|v| v.contains(&unique)))
+        })
+        .await
+        .expect("node");
+    let conditions = released.status.and_then(|s| s.conditions).unwrap_or_default();
+    assert!(conditions.iter().any(|c| c.type_ == "NetworkUnavailable"), "{conditions:?}");
+    stop.cancel();
+}
+rustlet_testkit::on_both_api_servers!(
+    the_nodes_status_writes_keep_others_conditions_and_report_volumes_in_use_on,
+    the_nodes_status_writes_keep_others_conditions_and_report_volumes_in_use
+);

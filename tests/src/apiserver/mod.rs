@@ -18,9 +18,10 @@
 //! - fault injection: answers with a chosen status, slow answers, dropped
 //!   watches, compaction.
 //!
-//! Strategic merge patches are taken for pods (their status conditions
-//! merge by type, IPs by ip: what the node's status writes use); other
-//! strategic merge patches and server-side apply are refused with 415.
+//! Strategic merge patches are taken for pods and nodes (status
+//! conditions merge by type, pod IPs by ip, `$patch: replace` replaces a
+//! list: what the node's status writes use); other strategic merge patches
+//! and server-side apply are refused with 415.
 
 pub mod auth;
 pub mod store;
@@ -558,7 +559,7 @@ async fn serve(
             match content_type.split(';').next().unwrap_or_default().trim() {
                 "application/merge-patch+json" => store::merge_patch(&mut patched, &body_value),
                 "application/json-patch+json" => store::json_patch(&mut patched, &body_value)?,
-                "application/strategic-merge-patch+json" if resource.plural == "pods" => {
+                "application/strategic-merge-patch+json" if matches!(resource.plural, "pods" | "nodes") => {
                     store::strategic_merge_patch(&mut patched, &body_value);
                 }
                 other => {

@@ -508,7 +508,7 @@ pub fn merge_patch(target: &mut Value, patch: &Value) {
 
 /// The lists a strategic merge patch merges by a key (path from the
 /// object's root, the key); every other list is replaced whole. Only what
-/// the node writes is here: pod status conditions and IPs.
+/// the node writes is here: pod and node status conditions, pod IPs.
 const MERGE_KEYS: [(&str, &str); 3] =
     [("status.conditions", "type"), ("status.podIPs", "ip"), ("status.hostIPs", "ip")];
 
@@ -539,6 +539,13 @@ fn strategic_merge_at(target: &mut Value, patch: &Value, path: &str) {
         match (value, merge_key) {
             (Value::Null, _) => {
                 target.remove(key);
+            }
+            // `{"$patch": "replace"}` in a list: the list is replaced whole.
+            (Value::Array(entries), _)
+                if entries.iter().any(|e| e.get("$patch").and_then(Value::as_str) == Some("replace")) =>
+            {
+                let kept: Vec<Value> = entries.iter().filter(|e| e.get("$patch").is_none()).cloned().collect();
+                target.insert(key.clone(), Value::Array(kept));
             }
             (Value::Array(entries), Some(merge_key)) => {
                 let list = target.entry(key.clone()).or_insert_with(|| Value::Array(Vec::new()));

@@ -153,7 +153,12 @@ pub(crate) struct NodeParts {
     pub(crate) client: watch::Sender<Option<kube::Client>>,
     /// The node's task tracker (cluster tasks are awaited at shutdown).
     pub(crate) tasks: tokio_util::task::TaskTracker,
+    /// The persistent volumes published on the node (`volumesInUse`).
+    pub(crate) volumes_in_use: VolumesInUse,
 }
+
+/// Persistent volumes published on the node, by unique name, with their pods.
+pub(crate) type VolumesInUse = watch::Receiver<BTreeMap<String, std::collections::BTreeSet<String>>>;
 
 /// Starts cluster mode for a started node; nothing here blocks the node.
 pub(crate) fn start(settings: ClusterSettings, parts: NodeParts, shutdown: CancellationToken) -> Cluster {
@@ -163,7 +168,8 @@ pub(crate) fn start(settings: ClusterSettings, parts: NodeParts, shutdown: Cance
     description.labels.extend(settings.node_labels.clone());
     description.taints.extend(settings.taints.iter().cloned());
     let name = description.name.clone();
-    let desired = follow_node(description, parts.devices, parts.healthz.clone(), shutdown.clone());
+    let desired =
+        follow_node(description, parts.devices, parts.healthz.clone(), parts.volumes_in_use, shutdown.clone());
     let supervision = Supervision::new(shutdown.clone(), parts.healthz.clone(), parts.tasks.clone());
     parts.tasks.spawn(async move {
         let client = tokio::select! {
@@ -241,15 +247,25 @@ pub async fn from_kubeconfig(path: &std::path::Path) -> Result<kube::Client, Kub
 }
 
 /// The Node as the node describes it now, recomputed when a device
-/// resource or a health check changes.
+/// resource, a health check or the volumes in use change.
 fn follow_node(
     description: NodeDescription,
     devices: DeviceManager,
     healthz: Healthz,
+    mut in_use: VolumesInUse,
     shutdown: CancellationToken,
 ) -> watch::Receiver<Node> {
     let mut capacity = devices.capacity();
-    let (tx, rx) = watch::channel(description.object(&capacity.borrow_and_update(), &healthz));
+    let checks = healthz.clone();
+    let describe = move |capacity: &BTreeMap<_, _>, in_use: &BTreeMap<String, _>| {
+        let mut node = description.object(capacity, &checks);
+        if let Some(status) = node.status.as_mut() {
+            // Sent even when empty: a merge patch would keep the last list.
+            status.volumes_in_use = Some(in_use.keys().cloned().collect());
+        }
+        node
+    };
+    let (tx, rx) = watch::channel(describe(&capacity.borrow_and_update(), &in_use.borrow_and_update()));
     let health_changed = Arc::new(Notify::new());
     for check in healthz.report() {
         let Some(mut changes) = healthz.watch(&check.name) else { continue };
@@ -270,9 +286,10 @@ fn follow_node(
             tokio::select! {
                 () = shutdown.cancelled() => return,
                 changed = capacity.changed() => if changed.is_err() { return },
+                changed = in_use.changed() => if changed.is_err() { return },
                 () = health_changed.notified() => {}
             }
-            let node = description.object(&capacity.borrow_and_update(), &healthz);
+            let node = describe(&capacity.borrow_and_update(), &in_use.borrow_and_update());
             tx.send_replace(node);
         }
     });

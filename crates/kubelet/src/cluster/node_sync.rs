@@ -307,9 +307,16 @@ impl StatusSync {
         let mut node = self.desired.borrow_and_update().clone();
         self.stamp(&mut node);
         self.zero_gone_resources(&mut node);
-        let status = serde_json::to_value(&node.status).unwrap_or_default();
+        let mut status = serde_json::to_value(&node.status).unwrap_or_default();
+        // A strategic merge patch: conditions merge by type, so conditions
+        // other writers own (NetworkUnavailable, node-problem-detector's)
+        // stay; the addresses are replaced whole (merging them by type
+        // would fold two InternalIPs into one).
+        if let Some(addresses) = status.get_mut("addresses").and_then(|a| a.as_array_mut()) {
+            addresses.push(json!({"$patch": "replace"}));
+        }
         let patch = json!({"status": status});
-        self.nodes.patch_status(&self.config.node_name, &super::patch_params(), &Patch::Merge(&patch)).await?;
+        self.nodes.patch_status(&self.config.node_name, &super::patch_params(), &Patch::Strategic(&patch)).await?;
         self.stats.status_patches.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }

@@ -319,6 +319,7 @@ impl NodeBuilder {
                 "no provider: pods are admitted and get their devices and volumes, but their containers wait"
             );
         }
+        let volumes_in_use = csi_volumes.volumes_in_use();
         let mut lifecycle = PodLifecycle::new(pod_config, provider, Some(devices.clone())).with_csi(csi_volumes);
         if let Some(api_volumes) = api_volumes {
             lifecycle = lifecycle.with_objects(api_volumes);
@@ -401,6 +402,7 @@ impl NodeBuilder {
                     csi_objects: csi_objects.clone(),
                     client: api_client,
                     tasks: tasks.clone(),
+                    volumes_in_use,
                 };
                 Some(cluster::start(settings, parts, shutdown.clone()))
             }

@@ -201,6 +201,15 @@ pub struct CsiVolumes {
     timeouts: CsiNodeTimeouts,
     connected: Arc<Mutex<HashMap<String, Connected>>>,
     staged: Arc<Mutex<HashMap<PathBuf, Arc<tokio::sync::Mutex<Staging>>>>>,
+    /// Persistent volumes published on the node, by unique name, with the
+    /// pods using each (the Node's `volumesInUse`).
+    in_use: Arc<watch::Sender<BTreeMap<String, BTreeSet<String>>>>,
+}
+
+/// The unique name of volume `handle` of CSI driver `driver`, as the
+/// Node's `volumesInUse` and the attach/detach controller write it.
+pub fn unique_volume_name(driver: &str, handle: &str) -> String {
+    format!("kubernetes.io/csi/{driver}^{handle}")
 }
 
 impl std::fmt::Debug for CsiVolumes {
@@ -226,7 +235,35 @@ impl CsiVolumes {
             timeouts,
             connected: Arc::default(),
             staged: Arc::default(),
+            in_use: Arc::new(watch::channel(BTreeMap::new()).0),
         }
+    }
+
+    /// The persistent volumes published on the node (unique names,
+    /// `kubernetes.io/csi/<driver>^<handle>`), as they change: the Node's
+    /// `volumesInUse`, which the attach/detach controller reads before it
+    /// detaches a volume.
+    pub fn volumes_in_use(&self) -> watch::Receiver<BTreeMap<String, BTreeSet<String>>> {
+        self.in_use.subscribe()
+    }
+
+    fn mark_in_use(&self, mount: &CsiMount, pod_uid: &str, used: bool) {
+        if mount.volume_lifecycle_mode != "Persistent" {
+            return;
+        }
+        let name = unique_volume_name(&mount.driver_name, &mount.volume_handle);
+        self.in_use.send_if_modified(|in_use| {
+            if used {
+                in_use.entry(name).or_default().insert(pod_uid.to_owned())
+            } else {
+                let Some(pods) = in_use.get_mut(&name) else { return false };
+                let removed = pods.remove(pod_uid);
+                if pods.is_empty() {
+                    in_use.remove(&name);
+                }
+                removed
+            }
+        });
     }
 
     /// Resolves `persistentVolumeClaim` volumes with `claims`.
@@ -344,6 +381,7 @@ impl CsiVolumes {
             .map_err(csi_error)?;
         // A node restarted from here on finds the volume published.
         let _ = std::fs::write(dir.join(PUBLISHED_MARK), b"");
+        self.mark_in_use(&plan.mount, uid, true);
         if let Some(ready) = prepared.get_mut(&volume.name) {
             ready.ready = true;
         }
@@ -381,6 +419,7 @@ impl CsiVolumes {
             state.staged = true;
         }
         tracing::info!(pod.uid = %uid, volume = %volume.name, driver = %recorded.driver_name, "published volume from an earlier run adopted");
+        self.mark_in_use(&recorded, uid, true);
         prepared.insert(
             volume.name.clone(),
             PreparedVolume { host_path: dir.join("mount"), kind: VolumeKind::Csi, ready: true, csi: Some(recorded) },
@@ -409,6 +448,7 @@ impl CsiVolumes {
         if let Some(dir) = prepared.host_path.parent() {
             remove_publish_dir(name, dir)?;
         }
+        self.mark_in_use(mount, pod_uid, false);
         let Some(staging) = &mount.staging_target_path else { return Ok(()) };
         let entry = self.staging_entry(staging);
         let mut state = entry.lock().await;
