@@ -234,21 +234,46 @@ rustlet_testkit::on_both_api_servers!(
 // ---------------------------------------------------------------------------
 
 async fn finished_pods_free_their_slot_and_devices(api: TestApi) {
-    const MAX_PODS: usize = 4;
+    // The kubelet's default --max-pods, every slot taken by a finished pod.
+    const MAX_PODS: usize = 110;
     let node = ClusterNode::start(&api, MAX_PODS).await.with_gpus().await;
     let pods = pods_api(&api);
     let runs = node.root.join("runs");
     std::fs::create_dir_all(&runs).expect("mkdir");
-    // As many finished pods as the node takes, each with a device.
+    {
+        use futures_util::StreamExt as _;
+        let created: Vec<Result<Pod, kube::Error>> = futures_util::stream::iter(0..MAX_PODS)
+            .map(|i| {
+                let name = format!("job-{i}");
+                let record = format!("echo run >> {}/{name}", runs.display());
+                let job = pod(&name, &api.node, &record, json!({"restartPolicy": "Never"}));
+                // Two of them each hold a device while they run.
+                let job = if i < 2 { with_gpus(job, 1) } else { job };
+                let pods = pods.clone();
+                async move { pods.create(&PostParams::default(), &job).await }
+            })
+            .buffer_unordered(16)
+            .collect()
+            .await;
+        for result in created {
+            result.expect("create");
+        }
+    }
+    node.node
+        .pods()
+        .store()
+        .wait_for(DEADLINE * 3, |all| {
+            all.len() == MAX_PODS
+                && all.values().all(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Succeeded"))
+        })
+        .await
+        .expect("every job Succeeded");
     for i in 0..MAX_PODS {
         let name = format!("job-{i}");
-        let record = format!("echo run >> {}/{name}", runs.display());
-        let job = with_gpus(pod(&name, &api.node, &record, json!({"restartPolicy": "Never"})), 1);
-        pods.create(&PostParams::default(), &job).await.expect("create");
-        let done =
-            api.wait_for(&pods, &name, "Succeeded", DEADLINE, |p| phase(p) == Some("Succeeded")).await.expect("pod");
-        let uid = done.metadata.uid.clone().expect("uid");
-        assert_eq!(node.devices_of(&uid), 0, "{name}'s device is free once it finished");
+        api.wait_for(&pods, &name, "Succeeded in the API", DEADLINE, |p| phase(p) == Some("Succeeded")).await;
+    }
+    for job in node.pods() {
+        assert_eq!(node.devices_of(job.metadata.uid.as_deref().expect("uid")), 0, "a finished pod's device is free");
     }
     // A pod that needs both devices, on a node whose every slot held a
     // finished pod: admitted, runs.

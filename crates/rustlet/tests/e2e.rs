@@ -312,6 +312,17 @@ async fn scenario(env: Env) {
     let still = pods.get(&runner).await.expect("pod");
     assert_eq!(still.metadata.uid.as_deref(), Some(uid.as_str()));
     assert_eq!(phase(Some(&still)).as_deref(), Some("Running"));
+    // Its WebAssembly module died with the node: it runs again as a
+    // restart, the lost run its last state.
+    let restarted = wait(&pods, &runner, "running again as restart 1", |p: Option<&Pod>| {
+        p.and_then(|p| p.status.as_ref()?.container_statuses.as_ref()?.first().cloned())
+            .is_some_and(|c| c.restart_count == 1 && c.state.as_ref().is_some_and(|s| s.running.is_some()))
+    })
+    .await;
+    let main = &restarted.status.as_ref().and_then(|s| s.container_statuses.clone()).expect("statuses")[0];
+    let last = main.last_state.as_ref().and_then(|s| s.terminated.as_ref()).expect("the lost run as last state");
+    assert_eq!(last.reason.as_deref(), Some("ContainerStatusUnknown"));
+    assert_eq!(phase(Some(&restarted)).as_deref(), Some("Running"));
     let checkpoint = std::fs::read_to_string(root.path().join(DEVICE_PLUGINS_DIR).join("kubelet_internal_checkpoint"))
         .expect("device checkpoint");
     assert!(checkpoint.contains(&uid), "the pod keeps its device across the restart");
