@@ -205,6 +205,12 @@ async fn others_conditions_survive_and_ready_waits_for_gates(api: TestApi) {
         .await
         .expect("pod");
     assert_eq!(condition(&ready, "example.com/gate").map(|c| c.status.as_str()), Some("True"));
+    let ready_condition = condition(&ready, "Ready").expect("Ready");
+    assert_eq!(
+        (ready_condition.reason.as_deref(), ready_condition.message.as_deref()),
+        (None, None),
+        "a True Ready keeps no stale reason"
+    );
     assert_eq!(condition(&ready, "DisruptionTarget").map(|c| c.status.as_str()), Some("False"));
     assert_eq!(
         condition(&ready, "Initialized").and_then(|c| c.last_transition_time.clone()),

@@ -83,6 +83,8 @@ pub struct Logged {
     pub status: u16,
     /// When it arrived.
     pub received: std::time::Instant,
+    /// The body of a patch (for tests that look at what was sent).
+    pub body: Option<String>,
 }
 
 struct Shared {
@@ -363,11 +365,13 @@ async fn handle(
 ) -> Response {
     let received = std::time::Instant::now();
     let response = answer(&shared, &method, &uri, &headers, &body).await;
+    let logged_method = method.clone();
     shared.log.lock().expect("lock").push(Logged {
-        method,
+        method: logged_method,
         uri: uri.path_and_query().map(ToString::to_string).unwrap_or_default(),
         status: response.status().as_u16(),
         received,
+        body: (method == Method::PATCH).then(|| String::from_utf8_lossy(&body).into_owned()),
     });
     response
 }

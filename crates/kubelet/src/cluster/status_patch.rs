@@ -121,19 +121,27 @@ fn as_object(value: Option<Result<Value, serde_json::Error>>) -> Map<String, Val
     }
 }
 
-/// The node's conditions in `new` that differ from those in `old` (whole
-/// entries: a strategic merge replaces a listed condition by `type`).
+/// The node's conditions in `new` that differ from those in `old`. A
+/// strategic merge patch merges a listed condition into the one of its
+/// `type` field by field, so a field the condition no longer has (a
+/// `reason` or `message` once it is True again) is sent as `null`.
 fn changed_conditions(old: Option<&Value>, new: &Value) -> Vec<Value> {
     let old = old.and_then(Value::as_array).cloned().unwrap_or_default();
-    new.as_array()
-        .into_iter()
-        .flatten()
-        .filter(|c| {
-            let kind = c.get("type");
-            old.iter().find(|o| o.get("type") == kind) != Some(*c)
-        })
-        .cloned()
-        .collect()
+    let mut changed = Vec::new();
+    for condition in new.as_array().into_iter().flatten() {
+        let before = old.iter().find(|o| o.get("type") == condition.get("type"));
+        if before == Some(condition) {
+            continue;
+        }
+        let mut entry = condition.clone();
+        if let (Some(before), Some(entry)) = (before.and_then(Value::as_object), entry.as_object_mut()) {
+            for key in before.keys() {
+                entry.entry(key.clone()).or_insert(Value::Null);
+            }
+        }
+        changed.push(entry);
+    }
+    changed
 }
 
 /// A list merged by `key`: the entries of `new`, then a `$patch: delete`
@@ -221,6 +229,20 @@ mod tests {
         let conditions = patch["status"]["conditions"].as_array().expect("conditions");
         assert!(conditions.iter().all(|c| c["type"] != "DisruptionTarget"), "{patch}");
         assert!(patch["status"].get("startTime").is_none(), "{patch}");
+    }
+
+    #[test]
+    fn a_condition_that_loses_its_reason_clears_it() {
+        let mut unready = condition("Ready", "False", 1);
+        unready.reason = Some("ContainersNotReady".into());
+        unready.message = Some("containers with unready status: [main]".into());
+        let api = status(vec![unready]);
+        let desired = desired(status(vec![condition("Ready", "True", 2)]), Some(&api), &[]);
+        let patch = patch("u1", Some(&api), &desired).expect("patch");
+        let ready = &patch["status"]["conditions"][0];
+        assert_eq!(ready["status"], "True");
+        assert!(ready.as_object().expect("object").contains_key("reason") && ready["reason"].is_null(), "{patch}");
+        assert!(ready["message"].is_null(), "{patch}");
     }
 
     #[test]
