@@ -511,10 +511,42 @@ rustlet_testkit::on_both_api_servers!(
 
 // ---------------------------------------------------------------------------
 
+/// Claim `claim` (in `default`) bound to a new CSI PersistentVolume `pv` of
+/// `driver` with `handle`, as the PV controller would leave them (the PV's
+/// `claimRef` is what relates it to the node for the Node authorizer).
+async fn bound_claim(api: &TestApi, claim: &str, pv: &str, driver: &str, handle: &str) {
+    use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
+    let volume: PersistentVolume = serde_json::from_value(json!({
+        "metadata": {"name": pv},
+        "spec": {
+            "capacity": {"storage": "1Gi"},
+            "accessModes": ["ReadWriteOnce"],
+            "persistentVolumeReclaimPolicy": "Retain",
+            "claimRef": {"namespace": "default", "name": claim},
+            "csi": {"driver": driver, "volumeHandle": handle},
+        },
+    }))
+    .expect("pv");
+    Api::<PersistentVolume>::all(api.admin.clone()).create(&PostParams::default(), &volume).await.expect("pv");
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(api.admin.clone(), "default");
+    let object: PersistentVolumeClaim = serde_json::from_value(json!({
+        "metadata": {"name": claim, "namespace": "default"},
+        "spec": {
+            "accessModes": ["ReadWriteOnce"],
+            "storageClassName": "",
+            "volumeName": pv,
+            "resources": {"requests": {"storage": "1Gi"}},
+        },
+    }))
+    .expect("pvc");
+    claims.create(&PostParams::default(), &object).await.expect("pvc");
+    let bound = json!({"status": {"phase": "Bound"}});
+    claims.patch_status(claim, &PatchParams::default(), &Patch::Merge(&bound)).await.expect("bound");
+}
+
 const ATTACHED_DRIVER: &str = "attach.csi.example.com";
 
 async fn a_volume_that_needs_attaching_waits_for_its_volume_attachment(api: TestApi) {
-    use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
     use k8s_openapi::api::storage::v1::VolumeAttachment;
     let drivers: Api<CSIDriver> = Api::all(api.admin.clone());
     let driver: CSIDriver = serde_json::from_value(json!({
@@ -540,32 +572,7 @@ async fn a_volume_that_needs_attaching_waits_for_its_volume_attachment(api: Test
     // A claim bound to a CSI volume of that driver.
     let pv_name = format!("pv-attach-{}", api.node);
     let handle = format!("vol-{}", api.node);
-    let volume: PersistentVolume = serde_json::from_value(json!({
-        "metadata": {"name": pv_name},
-        "spec": {
-            "capacity": {"storage": "1Gi"},
-            "accessModes": ["ReadWriteOnce"],
-            "persistentVolumeReclaimPolicy": "Retain",
-            "claimRef": {"namespace": "default", "name": "attached"},
-            "csi": {"driver": ATTACHED_DRIVER, "volumeHandle": handle},
-        },
-    }))
-    .expect("pv");
-    Api::<PersistentVolume>::all(api.admin.clone()).create(&PostParams::default(), &volume).await.expect("pv");
-    let claims: Api<PersistentVolumeClaim> = Api::namespaced(api.admin.clone(), "default");
-    let claim: PersistentVolumeClaim = serde_json::from_value(json!({
-        "metadata": {"name": "attached", "namespace": "default"},
-        "spec": {
-            "accessModes": ["ReadWriteOnce"],
-            "storageClassName": "",
-            "volumeName": pv_name,
-            "resources": {"requests": {"storage": "1Gi"}},
-        },
-    }))
-    .expect("pvc");
-    claims.create(&PostParams::default(), &claim).await.expect("pvc");
-    let bound = json!({"status": {"phase": "Bound"}});
-    claims.patch_status("attached", &PatchParams::default(), &Patch::Merge(&bound)).await.expect("bound");
+    bound_claim(&api, "attached", &pv_name, ATTACHED_DRIVER, &handle).await;
 
     let pods = pods_api(&api);
     let mut with_claim = pod(
@@ -629,7 +636,7 @@ const IN_USE_DRIVER: &str = "in-use.csi.example.com";
 /// network plugin does) survives the node's status writes; a persistent
 /// volume in use shows in `volumesInUse` while a pod uses it.
 async fn the_nodes_status_writes_keep_others_conditions_and_report_volumes_in_use(api: TestApi) {
-    use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim};
+    use k8s_openapi::api::core::v1::Node;
     let node = ClusterNode::start(&api, 110).await;
     let nodes: Api<Node> = Api::all(api.admin.clone());
     api.wait_for(&nodes, &api.node, "registered", DEADLINE, |n| n.is_some()).await;
@@ -660,29 +667,7 @@ async fn the_nodes_status_writes_keep_others_conditions_and_report_volumes_in_us
     .expect("csi driver");
     let pv_name = format!("pv-inuse-{}", api.node);
     let handle = format!("in-use-{}", api.node);
-    let volume: PersistentVolume = serde_json::from_value(json!({
-        "metadata": {"name": pv_name},
-        "spec": {
-            "capacity": {"storage": "1Gi"},
-            "accessModes": ["ReadWriteOnce"],
-            "claimRef": {"namespace": "default", "name": "in-use"},
-            "csi": {"driver": IN_USE_DRIVER, "volumeHandle": handle},
-        },
-    }))
-    .expect("pv");
-    Api::<PersistentVolume>::all(api.admin.clone()).create(&PostParams::default(), &volume).await.expect("pv");
-    let claims: Api<PersistentVolumeClaim> = Api::namespaced(api.admin.clone(), "default");
-    let claim: PersistentVolumeClaim = serde_json::from_value(json!({
-        "metadata": {"name": "in-use", "namespace": "default"},
-        "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "", "volumeName": pv_name,
-                 "resources": {"requests": {"storage": "1Gi"}}},
-    }))
-    .expect("pvc");
-    claims.create(&PostParams::default(), &claim).await.expect("pvc");
-    claims
-        .patch_status("in-use", &PatchParams::default(), &Patch::Merge(&json!({"status": {"phase": "Bound"}})))
-        .await
-        .expect("bound");
+    bound_claim(&api, "in-use", &pv_name, IN_USE_DRIVER, &handle).await;
     let pods = pods_api(&api);
     let mut user = pod(
         "in-use",
