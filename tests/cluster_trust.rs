@@ -23,7 +23,6 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use k8s_openapi::api::core::v1::{Pod, PodCondition};
-use k8s_openapi::api::storage::v1::CSIDriver;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kubelet::cluster::{ApiSource, ClusterSettings};
 use kubelet::node::{Node, NodeBuilder, NodeConfig};
@@ -465,17 +464,8 @@ fn csi_driver(root: &Path, behaviour: Option<(&str, VolumeCallBehaviour)>, stop:
 }
 
 async fn inline_csi_driver_object(api: &TestApi) {
-    let drivers: Api<CSIDriver> = Api::all(api.admin.clone());
-    let driver: CSIDriver = serde_json::from_value(json!({
-        "metadata": {"name": DRIVER},
-        "spec": {"attachRequired": false, "podInfoOnMount": true, "volumeLifecycleModes": ["Ephemeral"]},
-    }))
-    .expect("csidriver");
-    match drivers.create(&PostParams::default(), &driver).await {
-        Ok(_) => {}
-        Err(kube::Error::Api(status)) if status.code == 409 => {}
-        Err(error) => panic!("CSIDriver: {error}"),
-    }
+    let spec = json!({"attachRequired": false, "podInfoOnMount": true, "volumeLifecycleModes": ["Ephemeral"]});
+    api.csi_driver_object(DRIVER, spec).await;
 }
 
 async fn a_pod_stays_in_the_api_until_its_volume_is_unpublished(api: TestApi) {
@@ -548,15 +538,8 @@ const ATTACHED_DRIVER: &str = "attach.csi.example.com";
 
 async fn a_volume_that_needs_attaching_waits_for_its_volume_attachment(api: TestApi) {
     use k8s_openapi::api::storage::v1::VolumeAttachment;
-    let drivers: Api<CSIDriver> = Api::all(api.admin.clone());
-    let driver: CSIDriver = serde_json::from_value(json!({
-        "metadata": {"name": ATTACHED_DRIVER},
-        "spec": {"attachRequired": true, "volumeLifecycleModes": ["Persistent"]},
-    }))
-    .expect("csidriver");
-    if let Err(error) = drivers.create(&PostParams::default(), &driver).await {
-        assert!(matches!(&error, kube::Error::Api(s) if s.code == 409), "CSIDriver: {error}");
-    }
+    api.csi_driver_object(ATTACHED_DRIVER, json!({"attachRequired": true, "volumeLifecycleModes": ["Persistent"]}))
+        .await;
     let node = ClusterNode::start(&api, 110).await;
     let stop = CancellationToken::new();
     let config =
@@ -646,15 +629,8 @@ async fn the_nodes_status_writes_keep_others_conditions_and_report_volumes_in_us
     nodes.patch_status(&api.node, &PatchParams::default(), &Patch::Strategic(&network)).await.expect("condition");
 
     // A persistent CSI volume (attach not required) in use by a pod.
-    let drivers: Api<CSIDriver> = Api::all(api.admin.clone());
-    let driver: CSIDriver = serde_json::from_value(json!({
-        "metadata": {"name": IN_USE_DRIVER},
-        "spec": {"attachRequired": false, "volumeLifecycleModes": ["Persistent"]},
-    }))
-    .expect("csidriver");
-    if let Err(error) = drivers.create(&PostParams::default(), &driver).await {
-        assert!(matches!(&error, kube::Error::Api(s) if s.code == 409), "CSIDriver: {error}");
-    }
+    api.csi_driver_object(IN_USE_DRIVER, json!({"attachRequired": false, "volumeLifecycleModes": ["Persistent"]}))
+        .await;
     let stop = CancellationToken::new();
     let config =
         CsiDriverConfig { name: IN_USE_DRIVER.into(), node_id: api.node.clone(), ..CsiDriverConfig::default() };

@@ -10,7 +10,6 @@ use std::sync::{Arc, Mutex};
 
 use common::*;
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::storage::v1::CSIDriver;
 use kube::api::{Api, DeleteParams, PostParams};
 use kubelet_api::constants::{DEVICE_PLUGIN_VERSION, DEVICE_PLUGINS_DIR, KUBELET_SOCKET};
 use kubelet_api::deviceplugin::v1beta1::DevicePluginOptions;
@@ -227,15 +226,7 @@ async fn a_killed_cluster_node_keeps_its_api_pods_running(api: TestApi) {
         std::fs::create_dir_all(root.path().join(dir)).expect("mkdir");
     }
     let _cleanup = KillContainers(root.path().join("host-provider"));
-    let drivers: Api<CSIDriver> = Api::all(api.admin.clone());
-    let driver: CSIDriver = serde_json::from_value(json!({
-        "metadata": {"name": DRIVER},
-        "spec": {"attachRequired": false, "volumeLifecycleModes": ["Ephemeral"]},
-    }))
-    .expect("csidriver");
-    if let Err(error) = drivers.create(&PostParams::default(), &driver).await {
-        assert!(matches!(&error, kube::Error::Api(s) if s.code == 409), "CSIDriver: {error}");
-    }
+    api.csi_driver_object(DRIVER, json!({"attachRequired": false, "volumeLifecycleModes": ["Ephemeral"]})).await;
     let csi = |stop: &CancellationToken| {
         let config = CsiDriverConfig { name: DRIVER.into(), node_id: "n".into(), ..CsiDriverConfig::default() };
         RegisteredCsiDriver::new(

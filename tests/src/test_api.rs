@@ -106,6 +106,21 @@ impl TestApi {
         }
     }
 
+    /// Creates the CSIDriver object `name` with `spec` (JSON), unless one
+    /// of that name exists already (a real API server serves every test of
+    /// a binary: give each test's driver a name of its own).
+    pub async fn csi_driver_object(&self, name: &str, spec: serde_json::Value) {
+        use k8s_openapi::api::storage::v1::CSIDriver;
+        let drivers: Api<CSIDriver> = Api::all(self.admin.clone());
+        let driver: CSIDriver =
+            serde_json::from_value(serde_json::json!({"metadata": {"name": name}, "spec": spec})).expect("a CSIDriver");
+        match drivers.create(&kube::api::PostParams::default(), &driver).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(status)) if status.code == 409 => {}
+            Err(error) => panic!("CSIDriver {name}: {error}"),
+        }
+    }
+
     /// Waits up to `deadline` until object `name` (in `api`) satisfies
     /// `pred` (`None`: it does not exist); returns it. Panics with the last
     /// object seen when the deadline passes.

@@ -27,6 +27,11 @@ const SOON: Duration = Duration::from_secs(60);
 const RESOURCE: &str = "example.com/gpu";
 
 fn rustlet(root: &Path, kubeconfig: &Path, extra: &[&str]) -> NodeProcess {
+    rustlet_as("n1", root, kubeconfig, extra)
+}
+
+/// `rustlet --kubeconfig` as node `node`.
+fn rustlet_as(node: &str, root: &Path, kubeconfig: &Path, extra: &[&str]) -> NodeProcess {
     let mut command = Command::new(env!("CARGO_BIN_EXE_rustlet"));
     command
         .env("RUSTLET_LOG", "info")
@@ -35,7 +40,7 @@ fn rustlet(root: &Path, kubeconfig: &Path, extra: &[&str]) -> NodeProcess {
         .arg(kubeconfig)
         .arg("--root-dir")
         .arg(root)
-        .args(["--node-name", "n1", "--healthz-port", "0"])
+        .args(["--node-name", node, "--healthz-port", "0"])
         .args(extra);
     NodeProcess::start(command)
 }
@@ -225,17 +230,7 @@ async fn an_unreachable_api_is_retried_until_it_answers() {
 
 /// `rustlet --kubeconfig` as node `api.node`.
 fn rustlet_on(api: &TestApi, root: &Path, extra: &[&str]) -> NodeProcess {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_rustlet"));
-    command
-        .env("RUSTLET_LOG", "info")
-        .env_remove("RUSTLET_ROOT_DIR")
-        .arg("--kubeconfig")
-        .arg(&api.node_kubeconfig)
-        .arg("--root-dir")
-        .arg(root)
-        .args(["--node-name", &api.node, "--healthz-port", "0"])
-        .args(extra);
-    NodeProcess::start(command)
+    rustlet_as(&api.node, root, &api.node_kubeconfig, extra)
 }
 
 fn pod_phase(pod: Option<&Pod>) -> Option<&str> {
