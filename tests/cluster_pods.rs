@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams, PostParams};
-use kubelet::cluster::{PodSyncConfig, pod_sync};
+use kubelet::cluster::{PodSyncConfig, PodSyncMetrics, pod_sync};
 use kubelet::pod::{Allocatable, PodConfig, PodLifecycle, Pods};
 use kubelet::provider::Provider;
 use rustlet_testkit::apiserver::{ApiServer, Fault};
@@ -24,6 +24,7 @@ struct ClusterNode {
     admin: Api<Pod>,
     pods: Pods,
     sync: pod_sync::PodSync,
+    metrics: PodSyncMetrics,
     shutdown: CancellationToken,
     _root: tempfile::TempDir,
 }
@@ -47,9 +48,10 @@ async fn cluster_node() -> ClusterNode {
         retry_max: Duration::from_millis(100),
         ..PodSyncConfig::new("n1")
     };
+    let metrics = sync_config.metrics.clone();
     let sync = pod_sync::start(node_client, sync_config, pods.clone(), shutdown.clone());
     let admin = Api::namespaced(server.client(server.admin_token()).await.expect("client"), "default");
-    ClusterNode { server, admin, pods, sync, shutdown, _root: root }
+    ClusterNode { server, admin, pods, sync, metrics, shutdown, _root: root }
 }
 
 fn pod(name: &str, node: &str, cpu: &str) -> Pod {
@@ -136,6 +138,56 @@ async fn a_deleted_pod_is_stopped_released_and_deleted_for_good() {
     node.server.wait_object(pod_key("web"), SOON, |p| p.is_some_and(running)).await.expect("the new one runs");
     // Counted before the new pod's status went out (one task sends both).
     assert_eq!(node.sync.stats().deletions.load(std::sync::atomic::Ordering::Relaxed), 1);
+}
+
+/// The API refuses one pod's status writes (422, then 403): that pod is
+/// retried with backoff while another pod's status goes out, and every
+/// refusal is counted on the node's metrics.
+#[tokio::test]
+async fn a_refused_status_write_is_retried_counted_and_holds_back_no_other_pod() {
+    let node = cluster_node().await;
+    node.server.inject(Fault::status(Some(http::Method::PATCH), "/pods/refused/status", 422, 3));
+    node.server.inject(Fault::status(Some(http::Method::PATCH), "/pods/refused/status", 403, usize::MAX));
+    node.admin.create(&PostParams::default(), &pod("refused", "n1", "100m")).await.expect("create");
+    // Four refusals at least (three 422s, then 403s) before the other pod
+    // is even created: its writes go out while these keep failing.
+    let refusals = |requests: &[rustlet_testkit::apiserver::Logged]| {
+        requests.iter().filter(|r| r.uri.contains("/pods/refused/status") && r.status >= 400).count()
+    };
+    node.server
+        .wait_requests(SOON, |r| refusals(r) >= 4)
+        .await
+        .unwrap_or_else(|seen| panic!("refusals: {}", refusals(&seen)));
+    node.admin.create(&PostParams::default(), &pod("other", "n1", "100m")).await.expect("create");
+    node.server
+        .wait_object(pod_key("other"), SOON, |p| p.is_some_and(running))
+        .await
+        .unwrap_or_else(|seen| panic!("the other pod's status never went out: {seen:?}"));
+    let stuck = node.server.object("", "pods", "default", "refused").expect("pod");
+    assert!(stuck["status"]["containerStatuses"].is_null(), "no write of it was accepted yet: {stuck}");
+    // The API accepts it again: its status arrives.
+    node.server.clear_faults();
+    node.server.wait_object(pod_key("refused"), SOON, |p| p.is_some_and(running)).await.expect("running");
+    let mut registry = prometheus_client::registry::Registry::default();
+    node.metrics.register(&mut registry);
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry).expect("encode");
+    let value = |name: &str| -> u64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or_else(|| panic!("{name} not in {text}"))
+    };
+    let refusals = value("rustlet_pod_status_writes_refused_total");
+    assert!(refusals >= 4, "{text}");
+    assert_eq!(
+        value("rustlet_pod_status_write_errors_total{code=\"422\"}"),
+        3,
+        "the three 422s, each counted once: {text}"
+    );
+    assert_eq!(value("rustlet_pod_status_write_errors_total{code=\"403\"}"), refusals - 3, "{text}");
+    // The other pod's write is counted by now (the refused pod's last one
+    // may still be on its way back from the server).
+    assert!(value("rustlet_pod_status_writes_total") >= 1, "accepted writes: {text}");
 }
 
 /// The watch breaks, reconnecting fails for a while, and the history it

@@ -53,6 +53,10 @@ pub struct CsiDriverConfig {
     pub stage_unstage: bool,
     /// Misbehaviours of volume calls, by RPC name (`NodePublishVolume`, …).
     pub volume_calls: HashMap<String, VolumeCallBehaviour>,
+    /// Publish as a real driver does, with a mount: `<dir>/<volume id>` is
+    /// bind-mounted at the target (and unmounted by NodeUnpublishVolume).
+    /// Needs the privilege to mount (root); without it publishing fails.
+    pub bind_mounts_from: Option<PathBuf>,
 }
 
 /// How one volume RPC misbehaves.
@@ -340,6 +344,43 @@ fn unmark(dir: &Path) -> Result<(), Status> {
     }
 }
 
+/// Whether `path` is a mount point (listed in `/proc/self/mountinfo`).
+fn is_mounted(path: &Path) -> bool {
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else { return false };
+    let wanted = path.to_string_lossy().replace(' ', "\\040");
+    info.lines().any(|line| line.split(' ').nth(4) == Some(wanted.as_str()))
+}
+
+/// Bind-mounts `source` (made if missing) at `target` (idempotent).
+fn bind_mount(source: &Path, target: &Path) -> Result<(), Status> {
+    let internal = |what: &str, e: String| Status::internal(format!("{what}: {e}"));
+    std::fs::create_dir_all(source)
+        .map_err(|e| internal(&format!("cannot make {}", source.display()), e.to_string()))?;
+    std::fs::create_dir_all(target)
+        .map_err(|e| internal(&format!("cannot make {}", target.display()), e.to_string()))?;
+    if is_mounted(target) {
+        return Ok(());
+    }
+    run_mount(std::process::Command::new("mount").arg("--bind").arg(source).arg(target))
+}
+
+/// Unmounts `target` if it is mounted (idempotent).
+fn unmount(target: &Path) -> Result<(), Status> {
+    if !is_mounted(target) {
+        return Ok(());
+    }
+    run_mount(std::process::Command::new("umount").arg(target))
+}
+
+fn run_mount(command: &mut std::process::Command) -> Result<(), Status> {
+    let output = command.output().map_err(|e| Status::internal(format!("{command:?}: {e}")))?;
+    if output.status.success() {
+        Ok(())
+    } else {
+        Err(Status::internal(format!("{command:?}: {}", String::from_utf8_lossy(&output.stderr).trim())))
+    }
+}
+
 /// The marker file a staged volume's directory holds.
 pub const STAGED_MARKER: &str = "staged-volume";
 /// The marker file a published volume's directory holds.
@@ -419,7 +460,11 @@ impl Node for FakeCsiDriver {
                 return Err(Status::failed_precondition(format!("volume {} is not staged at {staging}", r.volume_id)));
             }
         }
-        mark(Path::new(required("target_path", &r.target_path)?), PUBLISHED_MARKER, &r.volume_id)?;
+        let target = Path::new(required("target_path", &r.target_path)?);
+        if let Some(from) = &self.config.bind_mounts_from {
+            bind_mount(&from.join(&r.volume_id), target)?;
+        }
+        mark(target, PUBLISHED_MARKER, &r.volume_id)?;
         Ok(Response::new(NodePublishVolumeResponse {}))
     }
 
@@ -434,7 +479,18 @@ impl Node for FakeCsiDriver {
             return Err(status);
         }
         required("volume_id", &r.volume_id)?;
-        unmark(Path::new(required("target_path", &r.target_path)?))?;
+        let target = Path::new(required("target_path", &r.target_path)?);
+        if self.config.bind_mounts_from.is_some() {
+            unmount(target)?;
+            // The data stays in the source; the empty target goes.
+            return match std::fs::remove_dir(target) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    Err(Status::internal(format!("cannot remove {}: {e}", target.display())))
+                }
+                _ => Ok(Response::new(NodeUnpublishVolumeResponse {})),
+            };
+        }
+        unmark(target)?;
         Ok(Response::new(NodeUnpublishVolumeResponse {}))
     }
 

@@ -93,6 +93,8 @@ struct Shared {
     tokens: Mutex<HashMap<String, Identity>>,
     drop_watches: watch::Sender<u64>,
     log: Mutex<Vec<Logged>>,
+    /// How many requests are in `log` (to wait on).
+    logged: watch::Sender<usize>,
     token_serial: AtomicU64,
 }
 
@@ -157,6 +159,7 @@ impl ApiServer {
             tokens: Mutex::new(HashMap::from([(admin_token.clone(), Identity::Admin)])),
             drop_watches: watch::channel(0).0,
             log: Mutex::default(),
+            logged: watch::channel(0).0,
             token_serial: AtomicU64::new(0),
         });
         let shutdown = CancellationToken::new();
@@ -241,6 +244,30 @@ impl ApiServer {
     /// The requests received so far.
     pub fn requests(&self) -> Vec<Logged> {
         self.shared.log.lock().expect("lock").clone()
+    }
+
+    /// Waits (at most `timeout`) until the requests received so far
+    /// satisfy `done`; returns them, or, on timeout, them as an error.
+    pub async fn wait_requests(
+        &self,
+        timeout: Duration,
+        mut done: impl FnMut(&[Logged]) -> bool,
+    ) -> Result<Vec<Logged>, Vec<Logged>> {
+        let mut logged = self.shared.logged.subscribe();
+        let waited = tokio::time::timeout(timeout, async {
+            loop {
+                logged.borrow_and_update();
+                let requests = self.requests();
+                if done(&requests) {
+                    return requests;
+                }
+                if logged.changed().await.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            }
+        })
+        .await;
+        waited.map_err(|_| self.requests())
     }
 
     /// The object `name` of `plural` (in `group`; `namespace` "" when
@@ -366,13 +393,16 @@ async fn handle(
     let received = std::time::Instant::now();
     let response = answer(&shared, &method, &uri, &headers, &body).await;
     let logged_method = method.clone();
-    shared.log.lock().expect("lock").push(Logged {
+    let mut log = shared.log.lock().expect("lock");
+    log.push(Logged {
         method: logged_method,
         uri: uri.path_and_query().map(ToString::to_string).unwrap_or_default(),
         status: response.status().as_u16(),
         received,
         body: (method == Method::PATCH).then(|| String::from_utf8_lossy(&body).into_owned()),
     });
+    shared.logged.send_replace(log.len());
+    drop(log);
     response
 }
 

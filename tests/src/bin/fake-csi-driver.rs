@@ -46,6 +46,10 @@ struct Args {
     /// Report STAGE_UNSTAGE_VOLUME (and require staging before publishing).
     #[arg(long)]
     stage_unstage: bool,
+    /// Publish with real mounts: `DIR/<volume id>` bind-mounted at the
+    /// target (needs root).
+    #[arg(long, value_name = "DIR")]
+    bind_mounts_from: Option<std::path::PathBuf>,
     /// A volume call's misbehaviour: `RPC=hang` or `RPC=<gRPC code number>`
     /// (repeatable), e.g. `NodePublishVolume=10` answers ABORTED.
     #[arg(long, value_parser = parse_volume_call)]
@@ -79,6 +83,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         node_get_info: args.node_get_info,
         stage_unstage: args.stage_unstage,
         volume_calls: args.volume_call.into_iter().collect(),
+        bind_mounts_from: args.bind_mounts_from,
     };
     let mut driver = RegisteredCsiDriver::new(args.registration_socket, args.endpoint, config);
     driver.versions = args.versions.split(',').map(str::trim).filter(|v| !v.is_empty()).map(str::to_owned).collect();

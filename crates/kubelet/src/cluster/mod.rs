@@ -42,7 +42,7 @@ use tokio_util::sync::CancellationToken;
 
 pub use csi_info::{ApiNodeInfo, CsiInfoStats};
 pub use node_sync::{LEASE_NAMESPACE, NodeSync, NodeSyncConfig, NodeSyncStats};
-pub use pod_sync::{PodSync, PodSyncConfig, PodSyncStats};
+pub use pod_sync::{PodSync, PodSyncConfig, PodSyncMetrics, PodSyncStats};
 pub use supervisor::Supervision;
 
 use kubelet_api::uds::error_chain;

@@ -70,6 +70,65 @@ pub struct PodSyncConfig {
     pub api_burst: u32,
     /// Writes in flight at most.
     pub parallel_writes: usize,
+    /// The status writes' metrics (clones share their values; the node
+    /// registers them on its `/metrics`).
+    pub metrics: PodSyncMetrics,
+}
+
+/// Labels of a failed status write: the API's HTTP status code, or
+/// `transport` when no answer came.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
+struct WriteErrorLabels {
+    code: String,
+}
+
+/// Metrics of the pod status writes.
+#[derive(Clone, Debug, Default)]
+pub struct PodSyncMetrics {
+    writes: prometheus_client::metrics::counter::Counter,
+    errors: prometheus_client::metrics::family::Family<WriteErrorLabels, prometheus_client::metrics::counter::Counter>,
+    refused: prometheus_client::metrics::counter::Counter,
+}
+
+impl PodSyncMetrics {
+    /// Registers `rustlet_pod_status_writes_total`,
+    /// `rustlet_pod_status_write_errors_total{code}` and
+    /// `rustlet_pod_status_writes_refused_total` (403 and 422: the API
+    /// refused the write itself; each such pod is retried with backoff).
+    pub fn register(&self, registry: &mut prometheus_client::registry::Registry) {
+        registry.register("rustlet_pod_status_writes", "Pod status patches the API accepted", self.writes.clone());
+        registry.register(
+            "rustlet_pod_status_write_errors",
+            "Failed pod writes (status patches, mirror pods, deletions) by HTTP status code; each is retried",
+            self.errors.clone(),
+        );
+        registry.register(
+            "rustlet_pod_status_writes_refused",
+            "Pod writes the API refused (403 Forbidden, 422 Invalid); each pod is retried with backoff",
+            self.refused.clone(),
+        );
+    }
+
+    /// Status patches the API accepted so far.
+    pub fn writes(&self) -> u64 {
+        self.writes.get()
+    }
+
+    /// Writes the API refused (403, 422) so far.
+    pub fn refused(&self) -> u64 {
+        self.refused.get()
+    }
+
+    fn failed(&self, error: &kube::Error) {
+        let code = match error {
+            kube::Error::Api(status) => status.code.to_string(),
+            _ => "transport".to_owned(),
+        };
+        if code == "403" || code == "422" {
+            self.refused.inc();
+        }
+        self.errors.get_or_create(&WriteErrorLabels { code }).inc();
+    }
 }
 
 impl PodSyncConfig {
@@ -83,6 +142,7 @@ impl PodSyncConfig {
             api_qps: super::rate_limit::DEFAULT_QPS,
             api_burst: super::rate_limit::DEFAULT_BURST,
             parallel_writes: 16,
+            metrics: PodSyncMetrics::default(),
         }
     }
 }
@@ -601,6 +661,7 @@ impl Writer {
                 }
                 Err(WriteError::Retry(error)) => {
                     self.stats.failures.fetch_add(1, Ordering::Relaxed);
+                    self.config.metrics.failed(&error);
                     if super::is_code(&error, 403) || super::is_code(&error, 422) {
                         self.stats.rejected.fetch_add(1, Ordering::Relaxed);
                     }
@@ -688,6 +749,7 @@ impl Writer {
             Write::Status(patch) => match api.patch_status(&known.name, &params, &Patch::Strategic(&patch)).await {
                 Ok(pod) => {
                     self.stats.status_patches.fetch_add(1, Ordering::Relaxed);
+                    self.config.metrics.writes.inc();
                     Ok(Some(pod))
                 }
                 // Gone, or another pod of that name now.

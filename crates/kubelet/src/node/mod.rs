@@ -346,6 +346,16 @@ impl NodeBuilder {
             pods.sources().expect(PodSource::Api);
         }
         let housekeeping = pods.release_orphans_when_sources_ready();
+        if let Some(settings) = &cluster {
+            settings.pod_sync.metrics.register(&mut metrics);
+        }
+        let reconciler_metrics = crate::volume::reconciler::ReconcilerMetrics::default();
+        reconciler_metrics.register(&mut metrics);
+        let reconciler = tokio::spawn(
+            pods.reconcile_volumes(reconciler_metrics, shutdown.clone())
+                .instrument(tracing::info_span!("volume-reconciler")),
+        );
+        supervise(&tasks, &healthz, "volume-reconciler", reconciler, shutdown.clone());
         let stop = shutdown.clone();
         let sources_ready = tasks.spawn(
             async move {

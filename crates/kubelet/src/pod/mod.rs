@@ -43,6 +43,7 @@ use std::sync::{Arc, Mutex};
 
 use k8s_openapi::api::core::v1::{Pod, PodStatus};
 use krator::{Applied, Deleted, Machine, Outcome, Runtime, State};
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 pub use admission::{Allocatable, Rejection};
@@ -58,6 +59,7 @@ pub use store::PodStore;
 use crate::device_manager::DeviceManager;
 use crate::provider::{Provider, RunningContainer};
 use crate::volume::VolumeManager;
+use crate::volume::reconciler::Leftovers;
 
 /// Where a pod's container logs are: `<root>/logs/pods/<namespace>_<name>_<uid>`,
 /// one directory per container holding `<restart count>.log` in the CRI log
@@ -201,17 +203,18 @@ pub struct Pods {
 /// Where the release of what an earlier run left behind stands.
 #[derive(Debug)]
 struct Housekeeping {
-    /// The first release (once every source listed) has run.
-    done: std::sync::atomic::AtomicBool,
-    /// Pods whose leftovers are still being released in the background
-    /// (CSI volumes waiting for their driver).
-    pending: Mutex<std::collections::HashSet<String>>,
+    /// The first release (once every source listed) has run, and the
+    /// leftovers it found on disk are in `leftovers`.
+    listed: watch::Sender<bool>,
+    /// Pods whose leftovers (volumes, their directory) the volume
+    /// reconciler is still releasing.
+    leftovers: watch::Sender<Leftovers>,
 }
 
 impl Default for Housekeeping {
     fn default() -> Self {
         // Nothing to release until a release is scheduled.
-        Housekeeping { done: std::sync::atomic::AtomicBool::new(true), pending: Mutex::default() }
+        Housekeeping { listed: watch::channel(true).0, leftovers: watch::channel(Leftovers::default()).0 }
     }
 }
 
@@ -275,8 +278,7 @@ impl Pods {
     /// and none of it is still being released for this pod. Until then,
     /// its deletion must not be finished in the API.
     pub fn released(&self, uid: &str) -> bool {
-        self.housekeeping.done.load(std::sync::atomic::Ordering::Acquire)
-            && !self.housekeeping.pending.lock().unwrap_or_else(|p| p.into_inner()).contains(uid)
+        *self.housekeeping.listed.borrow() && !self.housekeeping.leftovers.borrow().pending.contains_key(uid)
     }
 
     /// Removes the pod at once: a removal under way stops its containers
@@ -311,13 +313,55 @@ impl Pods {
     /// returned future runs. From this call until then, no pod the node
     /// does not run counts as [`released`](Pods::released).
     pub fn release_orphans_when_sources_ready(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
-        self.housekeeping.done.store(false, std::sync::atomic::Ordering::Release);
+        self.housekeeping.listed.send_replace(false);
         let pods = self.clone();
         async move {
             pods.sources.wait().await;
             tracing::info!("every pod source has listed its pods: releasing what unknown pods left behind");
             pods.release_orphans().await;
         }
+    }
+
+    /// The volume reconciler ([`crate::volume::reconciler`]): once the
+    /// first release has listed what is left on disk, it releases the
+    /// volumes and directories of pods no source knows, retrying until
+    /// each is released, and runs until `shutdown`.
+    pub fn reconcile_volumes(
+        &self,
+        metrics: crate::volume::reconciler::ReconcilerMetrics,
+        shutdown: CancellationToken,
+    ) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let pods = self.clone();
+        async move {
+            let mut listed = pods.housekeeping.listed.subscribe();
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                _ = listed.wait_for(|listed| *listed) => {}
+            }
+            let reconciler = pods.volume_reconciler(metrics);
+            let live = || pods.runtime.keys().into_iter().collect::<std::collections::HashSet<String>>();
+            let housekeeping = Arc::clone(&pods.housekeeping);
+            let store = pods.store().clone();
+            let pending = move |left: &std::collections::BTreeMap<String, String>| {
+                let mut released = false;
+                housekeeping.leftovers.send_modify(|leftovers| {
+                    released = leftovers.pending.keys().any(|uid| !left.contains_key(uid));
+                    leftovers.pending.clone_from(left);
+                    leftovers.passes += 1;
+                });
+                if released {
+                    // The pod sync finishes the deletions that waited.
+                    store.touch();
+                }
+            };
+            reconciler.run(live, pending, shutdown).await;
+        }
+    }
+
+    /// What the volume reconciler still has to release of pods no source
+    /// knows, as it changes.
+    pub fn leftovers(&self) -> watch::Receiver<Leftovers> {
+        self.housekeeping.leftovers.subscribe()
     }
 
     /// The pods and their statuses.
@@ -358,65 +402,45 @@ impl Pods {
                 tracing::warn!(%error, "device checkpoint after releasing orphans");
             }
         }
-        self.release_orphan_volumes(&live);
-        self.housekeeping.done.store(true, std::sync::atomic::Ordering::Release);
+        self.list_orphan_volumes(&live).await;
+        self.housekeeping.listed.send_replace(true);
         self.store().touch();
     }
 
-    /// Unpublishes (in the background: their drivers may not have
-    /// registered again yet) the CSI volumes of pods no longer on the node,
-    /// and removes those pods' directories.
-    fn release_orphan_volumes(&self, live: &[String]) {
-        let lifecycle = Arc::clone(self.runtime.machine());
-        let root = lifecycle.config.root_dir.clone();
-        let orphans: Vec<(String, String, crate::volume::PreparedVolume)> =
-            crate::volume::csi::published_on_disk(&root)
-                .into_iter()
-                .filter(|(uid, _, _)| !live.contains(uid))
-                .collect();
-        let mut dirs: Vec<String> = std::fs::read_dir(root.join("pods"))
-            .into_iter()
-            .flatten()
-            .flatten()
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .filter(|uid| !live.contains(uid))
-            .collect();
-        dirs.sort();
-        dirs.dedup();
-        if orphans.is_empty() && dirs.is_empty() {
-            return;
+    /// A volume reconciler over this node's volumes, retrying with the
+    /// volume backoff.
+    fn volume_reconciler(
+        &self,
+        metrics: crate::volume::reconciler::ReconcilerMetrics,
+    ) -> crate::volume::reconciler::Reconciler {
+        let lifecycle = self.runtime.machine();
+        let backoff = lifecycle.config.volume_backoff;
+        crate::volume::reconciler::Reconciler::new(
+            lifecycle.volumes.clone(),
+            lifecycle.config.root_dir.clone(),
+            backoff.initial,
+            backoff.max,
+            metrics,
+        )
+    }
+
+    /// Finds the pods no source knows whose directory (volumes) is still
+    /// on disk: they count as holding something until the volume
+    /// reconciler ([`Pods::reconcile_volumes`]) has released it. The staged
+    /// CSI volumes the running pods use are held for them first.
+    async fn list_orphan_volumes(&self, live: &[String]) {
+        let reconciler = self.volume_reconciler(crate::volume::reconciler::ReconcilerMetrics::default());
+        let live: std::collections::HashSet<String> = live.iter().cloned().collect();
+        reconciler.hold_staged_for(&live).await;
+        let orphans = reconciler.orphans(|| self.runtime.keys().into_iter().collect());
+        if !orphans.is_empty() {
+            tracing::info!(
+                pods = orphans.len(),
+                "pods no source knows left volumes or directories; the volume reconciler releases them"
+            );
         }
-        let housekeeping = Arc::clone(&self.housekeeping);
-        let store = self.store().clone();
-        housekeeping
-            .pending
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .extend(orphans.iter().map(|(uid, _, _)| uid.clone()).chain(dirs.iter().cloned()));
-        tokio::spawn(async move {
-            let wait = std::time::Duration::from_secs(300);
-            for (uid, name, volume) in orphans {
-                let driver = volume.csi.as_ref().map(|m| m.driver_name.clone()).unwrap_or_default();
-                if let Some(csi) = lifecycle.volumes.csi()
-                    && csi.wait_for_driver(&driver, wait).await.is_none()
-                {
-                    tracing::warn!(pod.uid = %uid, volume = %name, %driver, "a CSI volume of a removed pod stays published: its driver did not register");
-                    continue;
-                }
-                tracing::info!(pod.uid = %uid, volume = %name, %driver, "unpublishing a CSI volume of a pod no longer on the node");
-                let mut one = crate::volume::PodVolumes::from([(name, volume)]);
-                for error in lifecycle.volumes.teardown(&uid, &mut one).await {
-                    tracing::warn!(pod.uid = %uid, %error, "could not release a volume of a removed pod");
-                }
-            }
-            for uid in dirs {
-                let mut none = crate::volume::PodVolumes::new();
-                for error in lifecycle.volumes.teardown(&uid, &mut none).await {
-                    tracing::warn!(pod.uid = %uid, %error, "could not remove the directory of a removed pod");
-                }
-            }
-            housekeeping.pending.lock().unwrap_or_else(|p| p.into_inner()).clear();
-            store.touch();
+        self.housekeeping.leftovers.send_modify(|leftovers| {
+            leftovers.pending = orphans.into_iter().map(|uid| (uid, String::new())).collect();
         });
     }
 

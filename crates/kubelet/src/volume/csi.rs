@@ -379,8 +379,11 @@ impl CsiVolumes {
         tracing::info!(pod.uid = %uid, volume = %volume.name, driver = %driver.name, handle = %request.volume_id, "NodePublishVolume");
         self.forget_on_transport_error(&driver.name, connected.client.publish_volume(&request).await)
             .map_err(csi_error)?;
-        // A node restarted from here on finds the volume published.
-        let _ = std::fs::write(dir.join(PUBLISHED_MARK), b"");
+        // A node restarted from here on finds the volume published, and
+        // whether the driver mounted it (then a restart that finds it
+        // unmounted publishes it again).
+        let mounted = super::mounts::is_mount_point(&target);
+        let _ = std::fs::write(dir.join(PUBLISHED_MARK), if mounted { MOUNTED.as_bytes() } else { b"" });
         self.mark_in_use(&plan.mount, uid, true);
         if let Some(ready) = prepared.get_mut(&volume.name) {
             ready.ready = true;
@@ -404,12 +407,23 @@ impl CsiVolumes {
             return false;
         }
         let dir = self.publish_dir(uid, &planned.spec_vol_id);
-        if !dir.join(PUBLISHED_MARK).exists() {
-            return false;
-        }
+        let Ok(mark) = std::fs::read_to_string(dir.join(PUBLISHED_MARK)) else { return false };
         let Ok(recorded) = std::fs::read(dir.join("vol_data.json")) else { return false };
         let Ok(recorded) = serde_json::from_slice::<CsiMount>(&recorded) else { return false };
         if recorded.driver_name != planned.driver_name || recorded.volume_handle != planned.volume_handle {
+            return false;
+        }
+        if mark.trim() == MOUNTED && !super::mounts::is_mount_point(&dir.join("mount")) {
+            // The actual state disagrees with the record: the driver's
+            // mount is gone (unmounted behind the node's back, or the host
+            // rebooted). NodePublishVolume is idempotent: publish again.
+            tracing::warn!(
+                pod.uid = %uid,
+                volume = %volume.name,
+                driver = %recorded.driver_name,
+                path = %dir.join("mount").display(),
+                "a volume an earlier run published is no longer mounted: publishing it again"
+            );
             return false;
         }
         if let Some(staging) = &recorded.staging_target_path {
@@ -473,6 +487,18 @@ impl CsiVolumes {
             let _ = std::fs::remove_dir(parent);
         }
         Ok(())
+    }
+
+    /// Marks the staged volume of `mount` (if the driver stages it) as used
+    /// by pod `uid`, as an earlier run left it: a removed pod that shared
+    /// it then never unstages it under a pod that has not adopted its
+    /// volume yet.
+    pub(crate) async fn hold_staged(&self, uid: &str, mount: &CsiMount) {
+        let Some(staging) = &mount.staging_target_path else { return };
+        let entry = self.staging_entry(staging);
+        let mut state = entry.lock().await;
+        state.users.insert(uid.to_owned());
+        state.staged = true;
     }
 
     fn staging_entry(&self, path: &Path) -> Arc<tokio::sync::Mutex<Staging>> {
@@ -677,8 +703,12 @@ fn pod_info(pod: &Pod, ephemeral: bool) -> BTreeMap<String, String> {
 }
 
 /// Beside `vol_data.json`: NodePublishVolume succeeded (until the volume
-/// is unpublished and its directory removed).
+/// is unpublished and its directory removed). It holds [`MOUNTED`] when the
+/// target was a mount point after the publish.
 const PUBLISHED_MARK: &str = ".rustlet-published";
+
+/// What [`PUBLISHED_MARK`] holds for a volume the driver mounted.
+const MOUNTED: &str = "mounted";
 
 /// Lower-case hex SHA-256.
 pub fn sha256_hex(bytes: &[u8]) -> String {
@@ -705,30 +735,6 @@ fn remove_publish_dir(volume: &str, dir: &Path) -> Result<(), VolumeError> {
         path: dir.to_owned(),
         source,
     })
-}
-
-/// The CSI volumes an earlier run of the node left published under
-/// `root_dir`, per pod UID (read from their `vol_data.json`).
-pub fn published_on_disk(root_dir: &Path) -> Vec<(String, String, PreparedVolume)> {
-    let mut found = Vec::new();
-    let Ok(pods) = std::fs::read_dir(root_dir.join("pods")) else { return found };
-    for pod in pods.flatten() {
-        let uid = pod.file_name().to_string_lossy().into_owned();
-        let Ok(volumes) = std::fs::read_dir(pod.path().join("volumes").join(CSI_PLUGIN_DIR)) else { continue };
-        for volume in volumes.flatten() {
-            let Ok(bytes) = std::fs::read(volume.path().join("vol_data.json")) else { continue };
-            let Ok(mount) = serde_json::from_slice::<CsiMount>(&bytes) else { continue };
-            let name = volume.file_name().to_string_lossy().into_owned();
-            let prepared = PreparedVolume {
-                host_path: volume.path().join("mount"),
-                kind: VolumeKind::Csi,
-                ready: false,
-                csi: Some(mount),
-            };
-            found.push((uid.clone(), name, prepared));
-        }
-    }
-    found
 }
 
 #[cfg(test)]

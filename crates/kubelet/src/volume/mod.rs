@@ -20,6 +20,7 @@ mod downward_api;
 mod empty_dir;
 mod host_path;
 pub mod mounts;
+pub mod reconciler;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
