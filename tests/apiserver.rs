@@ -156,6 +156,9 @@ async fn a_node_identity_gets_what_the_node_authorizer_gives() {
     );
     assert_eq!((code, reason.as_str()), (403, "Forbidden"));
     assert!(message.contains("User \"system:node:n1\" cannot patch resource \"nodes\""), "{message}");
+    // Its own Node it reads; the status subresource it may only write.
+    nodes.get("n1").await.expect("own node");
+    assert_eq!(api_error(nodes.get_status("n1").await.expect_err("nodes/status is write-only")).0, 403);
 
     let admin_secrets: Api<Secret> = Api::namespaced(admin.clone(), "default");
     let secret: Secret =

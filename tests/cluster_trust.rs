@@ -568,15 +568,27 @@ async fn a_volume_that_needs_attaching_waits_for_its_volume_attachment(api: Test
         Some(vec![serde_json::from_value(json!({"name": "data", "mountPath": "/data"})).expect("mount")]);
     pods.create(&PostParams::default(), &with_claim).await.expect("create");
     let attachment_name = kubelet::cluster::volumes::attachment_name(&handle, ATTACHED_DRIVER, &api.node);
-    // No VolumeAttachment: the pod waits, saying for which.
+    let unique = format!("kubernetes.io/csi/{ATTACHED_DRIVER}^{handle}");
+    // Nothing attached: the pod waits for the attach/detach controller's
+    // word on the Node, as the kubelet does.
     let waiting = api
-        .wait_for(&pods, "attached", "waiting for its VolumeAttachment", DEADLINE, |p| {
+        .wait_for(&pods, "attached", "waiting for the Node's volumesAttached", DEADLINE, |p| {
             p.and_then(|p| p.status.as_ref()?.message.as_deref())
-                .is_some_and(|m| m.contains(&format!("waiting for VolumeAttachment {attachment_name}")))
+                .is_some_and(|m| m.contains(&format!("volume {unique} not attached according to node status")))
         })
         .await
         .expect("pod");
     assert_eq!(phase(Some(&waiting)), Some("Pending"));
+    // The controller lists it on the Node; no VolumeAttachment yet: the
+    // pod waits, saying for which.
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(api.admin.clone());
+    let listed = json!({"status": {"volumesAttached": [{"name": unique, "devicePath": ""}]}});
+    nodes.patch_status(&api.node, &PatchParams::default(), &Patch::Merge(&listed)).await.expect("volumesAttached");
+    api.wait_for(&pods, "attached", "waiting for its VolumeAttachment", DEADLINE, |p| {
+        p.and_then(|p| p.status.as_ref()?.message.as_deref())
+            .is_some_and(|m| m.contains(&format!("waiting for VolumeAttachment {attachment_name}")))
+    })
+    .await;
     assert!(calls.all().iter().all(|c| c.rpc != "NodePublishVolume"), "not published before it is attached");
 
     // The attacher's work: the VolumeAttachment, not attached yet, then attached.

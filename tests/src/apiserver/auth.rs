@@ -89,6 +89,11 @@ pub fn authorize(identity: &Identity, request: &Request<'_>, store: &Store) -> R
     let deny = |why: &str| Err(forbidden(identity, request, why));
     match request.resource.plural {
         "nodes" if own && request.verb == "create" => admit_node_labels(request, node),
+        // RBAC's system:node role grants nodes/status patch and update
+        // only (the real server refuses a node's GET of it).
+        "nodes" if request.subresource == Some("status") && reading => {
+            deny("a node may patch or update nodes/status, not read it (read the Node itself)")
+        }
         "nodes" if reading || own => Ok(()),
         "nodes" => deny(&format!("node '{node}' cannot modify node '{}'", request.name.unwrap_or_default())),
         "leases" if own && request.namespace == "kube-node-lease" && request.verb != "list" => Ok(()),

@@ -111,6 +111,21 @@ impl VolumeClaims for ApiVolumes {
     /// node)>`), once its attacher set `status.attached`; its
     /// `attachmentMetadata` is the publish context.
     async fn attachment(&self, driver: &str, handle: &str) -> Result<BTreeMap<String, String>, String> {
+        // First the attach/detach controller's word, as the kubelet checks
+        // it: the Node's `status.volumesAttached` lists the volume.
+        let unique = crate::volume::csi::unique_volume_name(driver, handle);
+        let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(self.client()?);
+        let node = nodes
+            .get(&self.node_name)
+            .await
+            .map_err(|e| format!("reading Node {}: {}", self.node_name, describe(&e)))?;
+        let listed = node.status.and_then(|s| s.volumes_attached).unwrap_or_default().iter().any(|v| v.name == unique);
+        if !listed {
+            return Err(format!(
+                "volume {unique} not attached according to node status (status.volumesAttached of Node {})",
+                self.node_name
+            ));
+        }
         let name = attachment_name(handle, driver, &self.node_name);
         let attachments: Api<VolumeAttachment> = Api::all(self.client()?);
         // Until it exists, the Node authorizer relates no VolumeAttachment
