@@ -1,15 +1,19 @@
 //! Cluster mode, the node's own objects: the Node (created, adopted,
 //! recreated after an administrator deletes it), its status, and its Lease,
-//! against the in-process API server through kube-rs with a node identity.
+//! through kube-rs with a node identity; each test against the real
+//! kube-apiserver and the in-process one, but the one that injects faults
+//! (the in-process server's alone).
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Node;
 use kube::Client;
 use kube::api::{Api, DeleteParams, PostParams};
 use kubelet::cluster::{NodeSyncConfig, node_sync};
 use rustlet_testkit::apiserver::{ApiServer, Fault};
+use rustlet_testkit::test_api::TestApi;
 use serde_json::{Value, json};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -48,6 +52,31 @@ fn config(name: &str) -> NodeSyncConfig {
 const NODE: (&str, &str, &str, &str) = ("", "nodes", "", "n1");
 const LEASE: (&str, &str, &str, &str) = ("coordination.k8s.io", "leases", "kube-node-lease", "n1");
 
+/// The object as JSON.
+fn json_of<K: serde::Serialize>(object: &K) -> Value {
+    serde_json::to_value(object).expect("json")
+}
+
+fn nodes(api: &TestApi) -> Api<Node> {
+    Api::all(api.admin.clone())
+}
+
+fn leases(api: &TestApi) -> Api<Lease> {
+    Api::namespaced(api.admin.clone(), "kube-node-lease")
+}
+
+/// Waits until the Node satisfies `pred` (as JSON); returns it as JSON.
+async fn wait_node(api: &TestApi, what: &str, pred: impl Fn(&Value) -> bool) -> Value {
+    let node = api.wait_for(&nodes(api), &api.node, what, SOON, |n| n.is_some_and(|n| pred(&json_of(n)))).await;
+    json_of(&node.expect("node"))
+}
+
+/// Waits until the node's Lease satisfies `pred` (as JSON); returns it.
+async fn wait_lease(api: &TestApi, what: &str, pred: impl Fn(&Value) -> bool) -> Value {
+    let lease = api.wait_for(&leases(api), &api.node, what, SOON, |l| l.is_some_and(|l| pred(&json_of(l)))).await;
+    json_of(&lease.expect("lease"))
+}
+
 fn condition<'a>(node: &'a Value, type_: &str) -> &'a Value {
     node["status"]["conditions"]
         .as_array()
@@ -55,19 +84,13 @@ fn condition<'a>(node: &'a Value, type_: &str) -> &'a Value {
         .unwrap_or_else(|| panic!("no {type_} condition in {node}"))
 }
 
-#[tokio::test]
-async fn the_node_registers_with_its_status_and_keeps_its_lease() {
-    let server = ApiServer::start().await.expect("start");
-    let client = client(&server, &server.node_token("n1")).await;
-    let (_tx, rx) = watch::channel(desired("n1", 4));
+async fn the_node_registers_with_its_status_and_keeps_its_lease(api: TestApi) {
+    let name = api.node.clone();
+    let (_tx, rx) = watch::channel(desired(&name, 4));
     let shutdown = CancellationToken::new();
-    let sync = node_sync::start(client, config("n1"), rx, shutdown.clone());
+    let sync = node_sync::start(api.node_client.clone(), config(&name), rx, shutdown.clone());
 
-    let node = server
-        .wait_object(NODE, SOON, |n| n.is_some_and(|n| n["status"]["conditions"].is_array()))
-        .await
-        .expect("registered")
-        .expect("node");
+    let node = wait_node(&api, "registered with its status", |n| n["status"]["conditions"].is_array()).await;
     assert_eq!(node["metadata"]["labels"]["kubernetes.io/arch"], "wasm32-wasi");
     assert_eq!(node["spec"]["taints"][0]["effect"], "NoSchedule");
     assert_eq!(node["status"]["allocatable"]["example.com/gpu"], "4");
@@ -83,125 +106,106 @@ async fn the_node_registers_with_its_status_and_keeps_its_lease() {
         assert_eq!((c["status"].as_str(), c["reason"].as_str()), (Some("False"), Some(reason)));
     }
 
-    let lease = server.wait_object(LEASE, SOON, |l| l.is_some()).await.expect("lease").expect("lease");
-    assert_eq!(lease["spec"]["holderIdentity"], "n1");
+    let lease = wait_lease(&api, "held", |_| true).await;
+    assert_eq!(lease["spec"]["holderIdentity"], name.as_str());
     assert_eq!(lease["spec"]["leaseDurationSeconds"], 40);
     assert_eq!(lease["metadata"]["ownerReferences"][0]["kind"], "Node");
     assert_eq!(lease["metadata"]["ownerReferences"][0]["uid"], node["metadata"]["uid"]);
-    // Renewed: its version moves on (three more renewals).
-    let first = lease["metadata"]["resourceVersion"].as_str().expect("rv").parse::<u64>().expect("rv");
+    // Renewed: its renew time moves on (three more renewals).
+    let first = lease["spec"]["renewTime"].clone();
     let renewals = sync.stats().lease_renewals.load(Ordering::Relaxed);
-    server
-        .wait_object(LEASE, SOON, |l| {
-            l.and_then(|l| l["metadata"]["resourceVersion"].as_str()?.parse::<u64>().ok()).is_some_and(|rv| rv > first)
-                && sync.stats().lease_renewals.load(Ordering::Relaxed) >= renewals + 3
-        })
-        .await
-        .expect("renewed");
+    wait_lease(&api, "renewed three more times", |l| {
+        l["spec"]["renewTime"] != first && sync.stats().lease_renewals.load(Ordering::Relaxed) >= renewals + 3
+    })
+    .await;
     assert_eq!(sync.stats().registrations.load(Ordering::Relaxed), 1);
     shutdown.cancel();
 }
+rustlet_testkit::on_both_api_servers!(
+    the_node_registers_with_its_status_and_keeps_its_lease_on,
+    the_node_registers_with_its_status_and_keeps_its_lease
+);
 
-#[tokio::test]
-async fn changes_reach_the_node_coalesced_and_transition_times_hold() {
-    let server = ApiServer::start().await.expect("start");
-    let client = client(&server, &server.node_token("n1")).await;
-    let (tx, rx) = watch::channel(desired("n1", 4));
+async fn changes_reach_the_node_coalesced_and_transition_times_hold(api: TestApi) {
+    let name = api.node.clone();
+    let (tx, rx) = watch::channel(desired(&name, 4));
     let shutdown = CancellationToken::new();
     let sync = node_sync::start(
-        client,
-        NodeSyncConfig { coalesce: Duration::from_millis(50), ..config("n1") },
+        api.node_client.clone(),
+        NodeSyncConfig { coalesce: Duration::from_millis(50), ..config(&name) },
         rx,
         shutdown.clone(),
     );
-    let node = server
-        .wait_object(NODE, SOON, |n| n.is_some_and(|n| n["status"]["conditions"].is_array()))
-        .await
-        .expect("registered")
-        .expect("node");
+    let node = wait_node(&api, "registered with its status", |n| n["status"]["conditions"].is_array()).await;
     let transition = condition(&node, "Ready")["lastTransitionTime"].clone();
     let patches = sync.stats().status_patches.load(Ordering::Relaxed);
     // Ten changes in a burst (a device plugin's devices coming and going).
     for gpus in 0..10 {
-        tx.send_replace(desired("n1", gpus));
+        tx.send_replace(desired(&name, gpus));
     }
-    let node = server
-        .wait_object(NODE, SOON, |n| n.is_some_and(|n| n["status"]["allocatable"]["example.com/gpu"] == "9"))
-        .await
-        .expect("the last change arrives")
-        .expect("node");
+    let node =
+        wait_node(&api, "showing the last change", |n| n["status"]["allocatable"]["example.com/gpu"] == "9").await;
     let made = sync.stats().status_patches.load(Ordering::Relaxed) - patches;
     assert!(made <= 2, "ten changes in a burst made {made} patches");
     assert_eq!(condition(&node, "Ready")["lastTransitionTime"], transition, "Ready stayed True");
 
     // Not ready: the condition changes, with a new transition time.
-    let mut not_ready = desired("n1", 9);
+    let mut not_ready = desired(&name, 9);
     let conditions = not_ready.status.as_mut().and_then(|s| s.conditions.as_mut()).expect("conditions");
     conditions[0].status = "False".into();
     conditions[0].reason = Some("KubeletNotReady".into());
     conditions[0].message = Some("plugin-manager failed: boom".into());
     tx.send_replace(not_ready);
-    let node = server
-        .wait_object(NODE, SOON, |n| n.is_some_and(|n| condition(n, "Ready")["status"] == "False"))
-        .await
-        .expect("not ready arrives")
-        .expect("node");
+    let node = wait_node(&api, "not ready", |n| condition(n, "Ready")["status"] == "False").await;
     assert_eq!(condition(&node, "Ready")["message"], "plugin-manager failed: boom");
 
     // The device plugin's resource is gone for good: 0, not its last value.
-    let mut gone = desired("n1", 9);
+    let mut gone = desired(&name, 9);
     let status = gone.status.as_mut().expect("status");
     for map in [&mut status.capacity, &mut status.allocatable] {
         map.as_mut().expect("resources").remove("example.com/gpu");
     }
     tx.send_replace(gone);
-    let zero = server
-        .wait_object(NODE, SOON, |n| {
-            n.is_some_and(|n| {
-                n["status"]["capacity"]["example.com/gpu"] == "0"
-                    && n["status"]["allocatable"]["example.com/gpu"] == "0"
-            })
-        })
-        .await;
-    assert!(zero.is_ok(), "a resource no longer reported is 0: {zero:?}");
+    wait_node(&api, "showing the resource as 0", |n| {
+        n["status"]["capacity"]["example.com/gpu"] == "0" && n["status"]["allocatable"]["example.com/gpu"] == "0"
+    })
+    .await;
     shutdown.cancel();
 }
+rustlet_testkit::on_both_api_servers!(
+    changes_reach_the_node_coalesced_and_transition_times_hold_on,
+    changes_reach_the_node_coalesced_and_transition_times_hold
+);
 
-#[tokio::test]
-async fn an_existing_node_is_adopted_and_a_deleted_one_recreated() {
-    let server = ApiServer::start().await.expect("start");
-    let admin = client(&server, server.admin_token()).await;
+async fn an_existing_node_is_adopted_and_a_deleted_one_recreated(api: TestApi) {
+    let name = api.node.clone();
     let existing: Node =
-        serde_json::from_value(json!({"metadata": {"name": "n1", "labels": {"team": "a"}}})).expect("node");
-    let created = Api::<Node>::all(admin.clone()).create(&PostParams::default(), &existing).await.expect("create");
-    let client = client(&server, &server.node_token("n1")).await;
-    let (_tx, rx) = watch::channel(desired("n1", 1));
+        serde_json::from_value(json!({"metadata": {"name": name, "labels": {"team": "a"}}})).expect("node");
+    let created = nodes(&api).create(&PostParams::default(), &existing).await.expect("create");
+    let (_tx, rx) = watch::channel(desired(&name, 1));
     let shutdown = CancellationToken::new();
-    let sync = node_sync::start(client, config("n1"), rx, shutdown.clone());
+    let sync = node_sync::start(api.node_client.clone(), config(&name), rx, shutdown.clone());
     let mut registered = sync.registered();
     let uid = registered.wait_for(Option::is_some).await.expect("registered").clone();
     assert_eq!(uid, created.metadata.uid, "the existing object is adopted, not replaced");
-    let node = server.object("", "nodes", "", "n1").expect("node");
+    let node =
+        wait_node(&api, "with our labels", |n| n["metadata"]["labels"]["kubernetes.io/arch"] == "wasm32-wasi").await;
     assert_eq!(node["metadata"]["labels"]["team"], "a", "its labels stay");
-    assert_eq!(node["metadata"]["labels"]["kubernetes.io/arch"], "wasm32-wasi", "ours are added");
     assert_eq!(sync.stats().registrations.load(Ordering::Relaxed), 0);
 
     // An administrator deletes it: it is created again, with a new UID, and
     // the lease is owned by the new object.
-    Api::<Node>::all(admin).delete("n1", &DeleteParams::default()).await.expect("delete");
-    let node = server
-        .wait_object(NODE, SOON, |n| n.is_some_and(|n| n["metadata"]["uid"].as_str() != uid.as_deref()))
-        .await
-        .expect("recreated")
-        .expect("node");
+    nodes(&api).delete(&name, &DeleteParams::default()).await.expect("delete");
+    let node = wait_node(&api, "recreated", |n| n["metadata"]["uid"].as_str() != uid.as_deref()).await;
     let new_uid = node["metadata"]["uid"].clone();
-    server
-        .wait_object(LEASE, SOON, |l| l.is_some_and(|l| l["metadata"]["ownerReferences"][0]["uid"] == new_uid))
-        .await
-        .expect("the lease follows the new node");
+    wait_lease(&api, "owned by the new Node", |l| l["metadata"]["ownerReferences"][0]["uid"] == new_uid).await;
     assert_eq!(sync.stats().registrations.load(Ordering::Relaxed), 1);
     shutdown.cancel();
 }
+rustlet_testkit::on_both_api_servers!(
+    an_existing_node_is_adopted_and_a_deleted_one_recreated_on,
+    an_existing_node_is_adopted_and_a_deleted_one_recreated
+);
 
 #[tokio::test]
 async fn api_errors_are_retried_with_backoff_and_counted() {

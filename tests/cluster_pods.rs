@@ -1,7 +1,9 @@
 //! Cluster mode, pods: pods bound to the node in the API run through the
 //! lifecycle (real host processes), their statuses reach the API, and a
-//! deletion is finished the kubelet's way. Against the in-process API
-//! server through kube-rs with the node's identity.
+//! deletion is finished the kubelet's way, through kube-rs with the node's
+//! identity: against the real kube-apiserver and the in-process one where
+//! the test needs nothing more, against the in-process one alone where it
+//! injects faults (errors, latency, broken watches, compaction).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,6 +15,7 @@ use kubelet::pod::{Allocatable, PodConfig, PodLifecycle, Pods};
 use kubelet::provider::Provider;
 use rustlet_testkit::apiserver::{ApiServer, Fault};
 use rustlet_testkit::host_provider::HostProcessProvider;
+use rustlet_testkit::test_api::TestApi;
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
@@ -20,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 const SOON: Duration = Duration::from_secs(20);
 
 struct ClusterNode {
-    server: ApiServer,
+    api: TestApi,
     admin: Api<Pod>,
     pods: Pods,
     sync: pod_sync::PodSync,
@@ -35,23 +38,34 @@ impl Drop for ClusterNode {
     }
 }
 
+impl ClusterNode {
+    /// The in-process server, for what only it does (faults, request logs).
+    fn server(&self) -> &ApiServer {
+        self.api.fake_server().expect("a test of the in-process server")
+    }
+}
+
+/// A node on the in-process server (node `n1`).
 async fn cluster_node() -> ClusterNode {
-    let server = ApiServer::start().await.expect("start");
+    cluster_node_on(TestApi::fake().await).await
+}
+
+/// Pods (host processes) and the pod sync for `api`'s node.
+async fn cluster_node_on(api: TestApi) -> ClusterNode {
     let root = tempfile::tempdir().expect("tempdir");
     let shutdown = CancellationToken::new();
     let provider: Arc<dyn Provider> = Arc::new(HostProcessProvider::new());
     let config = PodConfig::new(root.path(), Allocatable { cpu_milli: 2000, memory: 4 << 30, pods: 110 });
     let pods = Pods::start(PodLifecycle::new(config, Some(provider), None), shutdown.clone()).await;
-    let node_client = server.client(&server.node_token("n1")).await.expect("client");
     let sync_config = PodSyncConfig {
         retry_initial: Duration::from_millis(10),
         retry_max: Duration::from_millis(100),
-        ..PodSyncConfig::new("n1")
+        ..PodSyncConfig::new(&api.node)
     };
     let metrics = sync_config.metrics.clone();
-    let sync = pod_sync::start(node_client, sync_config, pods.clone(), shutdown.clone());
-    let admin = Api::namespaced(server.client(server.admin_token()).await.expect("client"), "default");
-    ClusterNode { server, admin, pods, sync, metrics, shutdown, _root: root }
+    let sync = pod_sync::start(api.node_client.clone(), sync_config, pods.clone(), shutdown.clone());
+    let admin = Api::namespaced(api.admin.clone(), "default");
+    ClusterNode { api, admin, pods, sync, metrics, shutdown, _root: root }
 }
 
 fn pod(name: &str, node: &str, cpu: &str) -> Pod {
@@ -59,6 +73,7 @@ fn pod(name: &str, node: &str, cpu: &str) -> Pod {
         "metadata": {"name": name, "namespace": "default"},
         "spec": {
             "nodeName": node,
+            "automountServiceAccountToken": false,
             "terminationGracePeriodSeconds": 10,
             "containers": [{"name": "main", "image": "busybox", "command": ["sleep", "600"],
                             "resources": {"requests": {"cpu": cpu}}}]
@@ -75,67 +90,80 @@ fn running(pod: &Value) -> bool {
     pod["status"]["phase"] == "Running" && pod["status"]["containerStatuses"][0]["state"]["running"].is_object()
 }
 
-#[tokio::test]
-async fn a_bound_pod_runs_and_its_status_reaches_the_api() {
-    let node = cluster_node().await;
-    node.admin.create(&PostParams::default(), &pod("web", "n1", "100m")).await.expect("create");
-    node.admin.create(&PostParams::default(), &pod("other", "n2", "100m")).await.expect("create");
+fn json_of<K: serde::Serialize>(object: &K) -> Value {
+    serde_json::to_value(object).expect("json")
+}
+
+async fn a_bound_pod_runs_and_its_status_reaches_the_api(api: TestApi) {
+    let node = cluster_node_on(api).await;
+    let name = node.api.node.clone();
+    let elsewhere = format!("{name}-other");
+    node.admin.create(&PostParams::default(), &pod("web", &name, "100m")).await.expect("create");
+    node.admin.create(&PostParams::default(), &pod("other", &elsewhere, "100m")).await.expect("create");
     let web = node
-        .server
-        .wait_object(pod_key("web"), SOON, |p| p.is_some_and(running))
+        .api
+        .wait_for(&node.admin, "web", "Running", SOON, |p| p.is_some_and(|p| running(&json_of(p))))
         .await
-        .unwrap_or_else(|seen| panic!("web never Running in the API: {seen:?}"))
         .expect("pod");
+    let web = json_of(&web);
     let conditions = web["status"]["conditions"].as_array().expect("conditions");
     assert!(conditions.iter().any(|c| c["type"] == "Ready" && c["status"] == "True"), "{web}");
     // A pod bound to another node is not this node's business.
-    let other = node.server.object("", "pods", "default", "other").expect("other");
+    let other = json_of(&node.admin.get("other").await.expect("other"));
     assert_eq!(other["status"]["phase"], "Pending");
     assert!(other["status"]["containerStatuses"].is_null());
 }
+rustlet_testkit::on_both_api_servers!(
+    a_bound_pod_runs_and_its_status_reaches_the_api_on,
+    a_bound_pod_runs_and_its_status_reaches_the_api
+);
 
-#[tokio::test]
-async fn a_rejected_pod_is_failed_with_its_reason_in_the_api() {
-    let node = cluster_node().await;
-    node.admin.create(&PostParams::default(), &pod("huge", "n1", "5")).await.expect("create");
+async fn a_rejected_pod_is_failed_with_its_reason_in_the_api(api: TestApi) {
+    let node = cluster_node_on(api).await;
+    let name = node.api.node.clone();
+    node.admin.create(&PostParams::default(), &pod("huge", &name, "5")).await.expect("create");
     let huge = node
-        .server
-        .wait_object(pod_key("huge"), SOON, |p| p.is_some_and(|p| p["status"]["phase"] == "Failed"))
+        .api
+        .wait_for(&node.admin, "huge", "Failed", SOON, |p| p.is_some_and(|p| json_of(p)["status"]["phase"] == "Failed"))
         .await
-        .unwrap_or_else(|seen| panic!("never Failed: {seen:?}"))
         .expect("pod");
+    let huge = json_of(&huge);
     assert_eq!(huge["status"]["reason"], "OutOfcpu");
     let message = huge["status"]["message"].as_str().expect("message");
     assert!(message.starts_with("Pod was rejected: Node didn't have enough resource: cpu"), "{message}");
 }
+rustlet_testkit::on_both_api_servers!(
+    a_rejected_pod_is_failed_with_its_reason_in_the_api_on,
+    a_rejected_pod_is_failed_with_its_reason_in_the_api
+);
 
 #[tokio::test]
 async fn a_deleted_pod_is_stopped_released_and_deleted_for_good() {
     let node = cluster_node().await;
     let created = node.admin.create(&PostParams::default(), &pod("web", "n1", "100m")).await.expect("create");
-    node.server.wait_object(pod_key("web"), SOON, |p| p.is_some_and(running)).await.expect("running");
+    node.server().wait_object(pod_key("web"), SOON, |p| p.is_some_and(running)).await.expect("running");
     // A status patch fails twice on the way: retried, counted.
-    node.server.inject(Fault::status(Some(http::Method::PATCH), "/pods/web/status", 500, 2));
+    node.server().inject(Fault::status(Some(http::Method::PATCH), "/pods/web/status", 500, 2));
     // The user deletes it: the API marks it, the node stops it within its
     // grace period and deletes it with grace 0 and its UID.
     node.admin.delete("web", &DeleteParams::default()).await.expect("delete");
-    node.server
+    node.server()
         .wait_object(pod_key("web"), SOON, |p| p.is_none())
         .await
         .unwrap_or_else(|seen| panic!("the pod stayed: {seen:?}"));
     let final_delete = node
-        .server
+        .server()
         .requests()
         .into_iter()
         .filter(|r| {
             r.method == http::Method::DELETE && r.uri.trim_end_matches('?').ends_with("/pods/web") && r.status == 200
         })
         .count();
-    assert_eq!(final_delete, 2, "the user's delete and the node's: {:?}", node.server.requests());
+    assert_eq!(final_delete, 2, "the user's delete and the node's: {:?}", node.server().requests());
     // A new pod of the same name is a different pod: it runs.
     let again = node.admin.create(&PostParams::default(), &pod("web", "n1", "100m")).await.expect("create");
     assert_ne!(again.metadata.uid, created.metadata.uid);
-    node.server.wait_object(pod_key("web"), SOON, |p| p.is_some_and(running)).await.expect("the new one runs");
+    node.server().wait_object(pod_key("web"), SOON, |p| p.is_some_and(running)).await.expect("the new one runs");
     // Counted before the new pod's status went out (one task sends both).
     assert_eq!(node.sync.stats().deletions.load(std::sync::atomic::Ordering::Relaxed), 1);
 }
@@ -146,28 +174,28 @@ async fn a_deleted_pod_is_stopped_released_and_deleted_for_good() {
 #[tokio::test]
 async fn a_refused_status_write_is_retried_counted_and_holds_back_no_other_pod() {
     let node = cluster_node().await;
-    node.server.inject(Fault::status(Some(http::Method::PATCH), "/pods/refused/status", 422, 3));
-    node.server.inject(Fault::status(Some(http::Method::PATCH), "/pods/refused/status", 403, usize::MAX));
+    node.server().inject(Fault::status(Some(http::Method::PATCH), "/pods/refused/status", 422, 3));
+    node.server().inject(Fault::status(Some(http::Method::PATCH), "/pods/refused/status", 403, usize::MAX));
     node.admin.create(&PostParams::default(), &pod("refused", "n1", "100m")).await.expect("create");
     // Four refusals at least (three 422s, then 403s) before the other pod
     // is even created: its writes go out while these keep failing.
     let refusals = |requests: &[rustlet_testkit::apiserver::Logged]| {
         requests.iter().filter(|r| r.uri.contains("/pods/refused/status") && r.status >= 400).count()
     };
-    node.server
+    node.server()
         .wait_requests(SOON, |r| refusals(r) >= 4)
         .await
         .unwrap_or_else(|seen| panic!("refusals: {}", refusals(&seen)));
     node.admin.create(&PostParams::default(), &pod("other", "n1", "100m")).await.expect("create");
-    node.server
+    node.server()
         .wait_object(pod_key("other"), SOON, |p| p.is_some_and(running))
         .await
         .unwrap_or_else(|seen| panic!("the other pod's status never went out: {seen:?}"));
-    let stuck = node.server.object("", "pods", "default", "refused").expect("pod");
+    let stuck = node.server().object("", "pods", "default", "refused").expect("pod");
     assert!(stuck["status"]["containerStatuses"].is_null(), "no write of it was accepted yet: {stuck}");
     // The API accepts it again: its status arrives.
-    node.server.clear_faults();
-    node.server.wait_object(pod_key("refused"), SOON, |p| p.is_some_and(running)).await.expect("running");
+    node.server().clear_faults();
+    node.server().wait_object(pod_key("refused"), SOON, |p| p.is_some_and(running)).await.expect("running");
     let mut registry = prometheus_client::registry::Registry::default();
     node.metrics.register(&mut registry);
     let mut text = String::new();
@@ -197,16 +225,16 @@ async fn a_refused_status_write_is_retried_counted_and_holds_back_no_other_pod()
 async fn a_watch_that_expires_is_relisted_and_nothing_is_missed() {
     let node = cluster_node().await;
     let first = node.admin.create(&PostParams::default(), &pod("first", "n1", "100m")).await.expect("create");
-    node.server.wait_object(pod_key("first"), SOON, |p| p.is_some_and(running)).await.expect("running");
+    node.server().wait_object(pod_key("first"), SOON, |p| p.is_some_and(running)).await.expect("running");
     let first_uid = first.metadata.uid.expect("uid");
     // Node-side pod reads fail three times; the watch is cut.
-    node.server.inject(Fault::status(Some(http::Method::GET), "/api/v1/pods", 500, 3));
-    node.server.drop_watches();
+    node.server().inject(Fault::status(Some(http::Method::GET), "/api/v1/pods", 500, 3));
+    node.server().drop_watches();
     let now = DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() };
     node.admin.delete("first", &now).await.expect("delete");
     node.admin.create(&PostParams::default(), &pod("second", "n1", "100m")).await.expect("create");
-    node.server.compact();
-    node.server.wait_object(pod_key("second"), SOON, |p| p.is_some_and(running)).await.expect("the new pod runs");
+    node.server().compact();
+    node.server().wait_object(pod_key("second"), SOON, |p| p.is_some_and(running)).await.expect("the new pod runs");
     let gone = node.pods.store().wait_for(SOON, |pods| !pods.contains_key(&first_uid)).await;
     assert!(gone.is_some(), "the pod deleted while the watch was down still runs on the node");
 }

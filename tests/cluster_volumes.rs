@@ -4,8 +4,9 @@
 //! conflicts and API errors; real CSI drivers registering through a node's
 //! `plugins_registry` reach the API; a recreated Node gets its CSI facts
 //! back; claims resolve through the API; configMap, secret and projected
-//! volumes and env references are read with the node's identity. Against
-//! the in-process API server.
+//! volumes and env references are read with the node's identity. Each test
+//! runs against the real kube-apiserver and the in-process one, except the
+//! one that injects faults (the in-process server's alone).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -20,6 +21,7 @@ use kubelet::node::{NodeBuilder, NodeConfig};
 use rustlet_testkit::apiserver::{ApiServer, Fault};
 use rustlet_testkit::csi_driver::{CsiDriverConfig, RegisteredCsiDriver};
 use rustlet_testkit::report::Reporter;
+use rustlet_testkit::test_api::TestApi;
 use serde_json::{Value, json};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -146,14 +148,16 @@ async fn node_info_stays_exact_under_concurrent_registrations_removals_and_confl
     assert!(csi_node_drivers(&csi_node).is_empty(), "{csi_node:#}");
 }
 
-#[tokio::test]
-async fn drivers_registering_through_the_node_reach_the_api_and_survive_node_recreation() {
-    let server = ApiServer::start().await.expect("start");
+/// The object as JSON, for the helpers above.
+fn json_of<K: serde::Serialize>(object: &K) -> Value {
+    serde_json::to_value(object).expect("json")
+}
+
+async fn drivers_registering_through_the_node_reach_the_api_and_survive_node_recreation(api: TestApi) {
     let root = tempfile::tempdir().expect("tempdir");
-    let mut config = NodeConfig::new(root.path(), "n1");
+    let mut config = NodeConfig::new(root.path(), api.node.clone());
     config.http_address = None;
-    let client = server.client(&server.node_token("n1")).await.expect("client");
-    let mut settings = ClusterSettings::new(ApiSource::Client(client));
+    let mut settings = ClusterSettings::new(ApiSource::Client(api.node_client.clone()));
     settings.node_sync.retry_initial = Duration::from_millis(10);
     settings.node_sync.retry_max = Duration::from_millis(100);
     let shutdown = CancellationToken::new();
@@ -167,7 +171,7 @@ async fn drivers_registering_through_the_node_reach_the_api_and_survive_node_rec
         let stop = drivers.child_token();
         let config = CsiDriverConfig {
             name: name.into(),
-            node_id: format!("{name}-n1"),
+            node_id: format!("{name}-{}", api.node),
             topology: [("topology.example.com/zone".to_owned(), zone.to_owned())].into(),
             ..CsiDriverConfig::default()
         };
@@ -179,78 +183,89 @@ async fn drivers_registering_through_the_node_reach_the_api_and_survive_node_rec
         stops.push(stop);
         registrations.push(registration);
     }
-    let both = server
-        .wait_object(("storage.k8s.io", "csinodes", "", "n1"), SOON, |csi_node| {
-            csi_node.is_some_and(|c| csi_node_drivers(c).len() == 2)
+    let csi_nodes: Api<CSINode> = Api::all(api.admin.clone());
+    let nodes: Api<Node> = Api::all(api.admin.clone());
+    let csi_node = api
+        .wait_for(&csi_nodes, &api.node, "listing both drivers", SOON, |c| {
+            c.is_some_and(|c| csi_node_drivers(&json_of(c)).len() == 2)
         })
-        .await;
-    let csi_node = both.unwrap_or_else(|seen| panic!("CSINode without both drivers: {seen:#?}")).expect("csinode");
-    assert_eq!(csi_node_drivers(&csi_node)["a.csi.example.com"], "a.csi.example.com-n1");
-    let node_object = server
-        .wait_object(("", "nodes", "", "n1"), SOON, |n| n.is_some_and(|n| annotation(n).len() == 2))
         .await
-        .unwrap_or_else(|seen| panic!("annotation incomplete: {seen:#?}"))
+        .expect("csinode");
+    assert_eq!(csi_node_drivers(&json_of(&csi_node))["a.csi.example.com"], format!("a.csi.example.com-{}", api.node));
+    let node_object = api
+        .wait_for(&nodes, &api.node, "annotated with both drivers", SOON, |n| {
+            n.is_some_and(|n| annotation(&json_of(n)).len() == 2)
+        })
+        .await
         .expect("node");
-    assert!(node_object["metadata"]["labels"]["topology.example.com/zone"].is_string());
+    let labels = node_object.metadata.labels.clone().unwrap_or_default();
+    assert!(labels.contains_key("topology.example.com/zone"), "{labels:?}");
 
     // One driver goes away (its registration socket removed): its CSINode
     // entry and annotation key go.
     stops[1].cancel();
     std::fs::remove_file(&registrations[1]).expect("rm");
-    let one = server
-        .wait_object(("storage.k8s.io", "csinodes", "", "n1"), SOON, |c| {
-            c.is_some_and(|c| csi_node_drivers(c).keys().eq(["a.csi.example.com"]))
-        })
-        .await;
-    assert!(one.is_ok(), "b's entry stays: {one:?}");
+    api.wait_for(&csi_nodes, &api.node, "without b's entry", SOON, |c| {
+        c.is_some_and(|c| csi_node_drivers(&json_of(c)).keys().eq(["a.csi.example.com"]))
+    })
+    .await;
 
     // An administrator deletes the Node: recreated, with the annotation back.
-    let admin: Api<Node> = Api::all(server.client(server.admin_token()).await.expect("admin"));
-    let old_uid = node_object["metadata"]["uid"].as_str().expect("uid").to_owned();
-    admin.delete("n1", &DeleteParams::default()).await.expect("delete");
-    let back = server
-        .wait_object(("", "nodes", "", "n1"), SOON, |n| {
-            n.is_some_and(|n| n["metadata"]["uid"] != old_uid.as_str() && annotation(n).len() == 1)
+    let old_uid = node_object.metadata.uid.clone().expect("uid");
+    nodes.delete(&api.node, &DeleteParams::default()).await.expect("delete");
+    let back = api
+        .wait_for(&nodes, &api.node, "recreated with its CSI annotation", SOON, |n| {
+            n.is_some_and(|n| n.metadata.uid.as_deref() != Some(old_uid.as_str()) && annotation(&json_of(n)).len() == 1)
         })
-        .await;
-    let back =
-        back.unwrap_or_else(|seen| panic!("node not recreated with its CSI annotation: {seen:#?}")).expect("node");
-    assert_eq!(annotation(&back)["a.csi.example.com"], "a.csi.example.com-n1");
-    let owned = server
-        .wait_object(("storage.k8s.io", "csinodes", "", "n1"), SOON, |c| {
-            c.is_some_and(|c| c["metadata"]["ownerReferences"][0]["uid"] == back["metadata"]["uid"])
-        })
-        .await;
-    assert!(owned.is_ok(), "the CSINode is owned by the new Node: {owned:?}");
+        .await
+        .expect("node");
+    assert_eq!(annotation(&json_of(&back))["a.csi.example.com"], format!("a.csi.example.com-{}", api.node));
+    let new_uid = back.metadata.uid.clone().expect("uid");
+    api.wait_for(&csi_nodes, &api.node, "owned by the new Node", SOON, |c| {
+        c.and_then(|c| c.metadata.owner_references.as_ref()?.first()).is_some_and(|o| o.uid == new_uid)
+    })
+    .await;
     assert!(node.cluster().is_some());
     drivers.cancel();
 }
+rustlet_testkit::on_both_api_servers!(
+    drivers_registering_through_the_node_reach_the_api_and_survive_node_recreation_on,
+    drivers_registering_through_the_node_reach_the_api_and_survive_node_recreation
+);
 
-/// A cluster node `n1` running host processes, with its root dir and
+/// A cluster node on `api` running host processes, with its root dir and
 /// shutdown token.
-async fn host_node() -> (ApiServer, tempfile::TempDir, CancellationToken, kubelet::node::Node) {
+async fn host_node(api: &TestApi) -> (tempfile::TempDir, CancellationToken, kubelet::node::Node) {
     let root = tempfile::tempdir().expect("tempdir");
     let provider = std::sync::Arc::new(rustlet_testkit::host_provider::HostProcessProvider::new());
-    cluster_node(root, provider).await
+    cluster_node(api, root, provider).await
 }
 
-/// A cluster node `n1` in `root` running pods with `provider`.
+/// A cluster node on `api` in `root` running pods with `provider`.
 async fn cluster_node(
+    api: &TestApi,
     root: tempfile::TempDir,
     provider: std::sync::Arc<dyn kubelet::provider::Provider>,
-) -> (ApiServer, tempfile::TempDir, CancellationToken, kubelet::node::Node) {
-    let server = ApiServer::start().await.expect("start");
-    let mut config = NodeConfig::new(root.path(), "n1");
+) -> (tempfile::TempDir, CancellationToken, kubelet::node::Node) {
+    let mut config = NodeConfig::new(root.path(), api.node.clone());
     config.http_address = None;
-    let client = server.client(&server.node_token("n1")).await.expect("client");
     let shutdown = CancellationToken::new();
     let node = NodeBuilder::new(config)
         .provider(provider)
-        .cluster(ClusterSettings::new(ApiSource::Client(client)))
+        .cluster(ClusterSettings::new(ApiSource::Client(api.node_client.clone())))
         .start(shutdown.clone())
         .await
         .expect("node");
-    (server, root, shutdown, node)
+    (root, shutdown, node)
+}
+
+/// The pod's `status.message`, if any.
+fn pod_message(pod: Option<&k8s_openapi::api::core::v1::Pod>) -> Option<&str> {
+    pod?.status.as_ref()?.message.as_deref()
+}
+
+fn pod_phase(pod: Option<&k8s_openapi::api::core::v1::Pod>) -> Option<&str> {
+    pod?.status.as_ref()?.phase.as_deref()
 }
 
 /// A persistentVolumeClaim volume through the API: the pod waits (saying
@@ -258,13 +273,11 @@ async fn cluster_node(
 /// published with its attributes; the CSIDriver object from the API asks
 /// for the pod's info on mount; an inline CSI volume of the same driver is
 /// published too.
-#[tokio::test]
-async fn claims_resolve_through_the_api_and_csi_driver_objects_apply() {
+async fn claims_resolve_through_the_api_and_csi_driver_objects_apply(api: TestApi) {
     use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod, Secret};
-    use k8s_openapi::api::storage::v1::CSIDriver;
     use rustlet_testkit::report::Report;
 
-    let (server, root, shutdown, _node) = host_node().await;
+    let (root, shutdown, _node) = host_node(&api).await;
     let _stop = shutdown.clone().drop_guard();
     let (reports, mut calls) = tokio::sync::mpsc::unbounded_channel();
     // One driver stages (for the claim), one serves inline volumes (which
@@ -272,7 +285,7 @@ async fn claims_resolve_through_the_api_and_csi_driver_objects_apply() {
     for (name, stage_unstage) in [("vol.csi.example.com", true), ("eph.csi.example.com", false)] {
         let driver_config = CsiDriverConfig {
             name: name.into(),
-            node_id: format!("n1-{name}"),
+            node_id: format!("{}-{name}", api.node),
             stage_unstage,
             ..CsiDriverConfig::default()
         };
@@ -285,16 +298,16 @@ async fn claims_resolve_through_the_api_and_csi_driver_objects_apply() {
         .expect("driver");
     }
 
-    let admin = server.client(server.admin_token()).await.expect("admin");
+    let admin = api.admin.clone();
     for (name, modes) in [("vol.csi.example.com", json!(["Persistent"])), ("eph.csi.example.com", json!(["Ephemeral"]))]
     {
-        let driver_object: CSIDriver = serde_json::from_value(json!({
-            "metadata": {"name": name},
-            "spec": {"attachRequired": false, "podInfoOnMount": true, "volumeLifecycleModes": modes},
-        }))
-        .expect("csidriver");
-        Api::<CSIDriver>::all(admin.clone()).create(&PostParams::default(), &driver_object).await.expect("csidriver");
+        api.csi_driver_object(
+            name,
+            json!({"attachRequired": false, "podInfoOnMount": true, "volumeLifecycleModes": modes}),
+        )
+        .await;
     }
+    let pv_name = format!("pv-{}", api.node);
     let secret: Secret = serde_json::from_value(json!({
         "metadata": {"name": "publish", "namespace": "default"},
         "data": {"password": "aHVudGVyMg=="},
@@ -302,7 +315,7 @@ async fn claims_resolve_through_the_api_and_csi_driver_objects_apply() {
     .expect("secret");
     Api::<Secret>::namespaced(admin.clone(), "default").create(&PostParams::default(), &secret).await.expect("secret");
     let volume: PersistentVolume = serde_json::from_value(json!({
-        "metadata": {"name": "pv-1"},
+        "metadata": {"name": pv_name},
         "spec": {
             "capacity": {"storage": "1Gi"},
             "accessModes": ["ReadWriteOnce"],
@@ -328,7 +341,8 @@ async fn claims_resolve_through_the_api_and_csi_driver_objects_apply() {
     let pod: Pod = serde_json::from_value(json!({
         "metadata": {"name": "user", "namespace": "default"},
         "spec": {
-            "nodeName": "n1",
+            "nodeName": api.node,
+            "automountServiceAccountToken": false,
             "terminationGracePeriodSeconds": 2,
             "containers": [{"name": "main", "image": "busybox", "command": ["sleep", "600"]}],
             "volumes": [
@@ -338,30 +352,26 @@ async fn claims_resolve_through_the_api_and_csi_driver_objects_apply() {
         },
     }))
     .expect("pod");
-    Api::<Pod>::namespaced(admin.clone(), "default").create(&PostParams::default(), &pod).await.expect("pod");
+    let pods = Api::<Pod>::namespaced(admin.clone(), "default");
+    pods.create(&PostParams::default(), &pod).await.expect("pod");
 
-    const POD: (&str, &str, &str, &str) = ("", "pods", "default", "user");
-    let waiting = server
-        .wait_object(POD, SOON, |p| {
-            p.and_then(|p| p.pointer("/status/message"))
-                .and_then(Value::as_str)
-                .is_some_and(|m| m.contains("is not bound"))
+    let waiting = api
+        .wait_for(&pods, "user", "saying its claim is unbound", SOON, |p| {
+            pod_message(p).is_some_and(|m| m.contains("is not bound"))
         })
         .await;
-    let waiting = waiting.unwrap_or_else(|seen| panic!("no message about the unbound claim: {seen:#?}")).expect("pod");
-    assert_eq!(waiting["status"]["phase"], "Pending");
-    eprintln!("while unbound: {}", waiting["status"]["message"]);
+    assert_eq!(pod_phase(waiting.as_ref()), Some("Pending"));
+    eprintln!("while unbound: {:?}", pod_message(waiting.as_ref()));
 
     // The binder's work, done by hand.
     let mut bound = claims.get("data").await.expect("pvc");
-    bound.spec.as_mut().expect("spec").volume_name = Some("pv-1".into());
+    bound.spec.as_mut().expect("spec").volume_name = Some(pv_name.clone());
     let bound = claims.replace("data", &PostParams::default(), &bound).await.expect("bind");
     let mut status = bound;
     status.status = Some(serde_json::from_value(json!({"phase": "Bound"})).expect("status"));
     claims.replace_status("data", &PostParams::default(), &status).await.expect("status");
 
-    let running = server.wait_object(POD, SOON, |p| p.is_some_and(|p| p["status"]["phase"] == "Running")).await;
-    assert!(running.is_ok(), "pod not Running after its claim was bound: {running:?}");
+    api.wait_for(&pods, "user", "Running once its claim is bound", SOON, |p| pod_phase(p) == Some("Running")).await;
     let mut published = BTreeMap::new();
     while published.len() < 2 {
         let report = tokio::time::timeout(SOON, calls.recv()).await.expect("calls in time").expect("driver alive");
@@ -378,17 +388,20 @@ async fn claims_resolve_through_the_api_and_csi_driver_objects_apply() {
     assert_eq!(inline["csi.storage.k8s.io/ephemeral"], "true");
     assert_eq!(inline["size"], "1");
 }
+rustlet_testkit::on_both_api_servers!(
+    claims_resolve_through_the_api_and_csi_driver_objects_apply_on,
+    claims_resolve_through_the_api_and_csi_driver_objects_apply
+);
 
 /// configMap, secret and projected (configMap, downwardAPI, token) volumes
 /// and env from refs reach a container; a missing non-optional ConfigMap
 /// holds the pod with upstream's message until it is created.
-#[tokio::test]
-async fn config_maps_secrets_and_tokens_reach_the_container() {
+async fn config_maps_secrets_and_tokens_reach_the_container(api: TestApi) {
     use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret};
 
-    let (server, root, shutdown, _node) = host_node().await;
+    let (root, shutdown, _node) = host_node(&api).await;
     let _stop = shutdown.clone().drop_guard();
-    let admin = server.client(server.admin_token()).await.expect("admin");
+    let admin = api.admin.clone();
     let config_maps: Api<ConfigMap> = Api::namespaced(admin.clone(), "default");
     let settings: ConfigMap = serde_json::from_value(json!({
         "metadata": {"name": "settings", "namespace": "default"},
@@ -412,7 +425,8 @@ async fn config_maps_secrets_and_tokens_reach_the_container() {
         serde_json::from_value(json!({
             "metadata": {"name": name, "namespace": "default"},
             "spec": {
-                "nodeName": "n1",
+                "nodeName": api.node,
+                "automountServiceAccountToken": false,
                 "restartPolicy": "Never",
                 "containers": [{
                     "name": "main", "image": "busybox", "command": ["sh", "-c", script],
@@ -447,17 +461,12 @@ async fn config_maps_secrets_and_tokens_reach_the_container() {
     let pods: Api<Pod> = Api::namespaced(admin.clone(), "default");
     // "late" does not exist yet: the pod waits, saying why.
     pods.create(&PostParams::default(), &pod("reader", "late")).await.expect("pod");
-    const POD: (&str, &str, &str, &str) = ("", "pods", "default", "reader");
-    let waiting = server
-        .wait_object(POD, SOON, |p| {
-            p.and_then(|p| p.pointer("/status/message"))
-                .and_then(Value::as_str)
-                .is_some_and(|m| m.contains("configmap \"late\" not found"))
+    let waiting = api
+        .wait_for(&pods, "reader", "saying its ConfigMap is missing", SOON, |p| {
+            pod_message(p).is_some_and(|m| m.contains("configmap \"late\" not found"))
         })
         .await;
-    let waiting =
-        waiting.unwrap_or_else(|seen| panic!("no message about the missing ConfigMap: {seen:#?}")).expect("pod");
-    assert_eq!(waiting["status"]["phase"], "Pending");
+    assert_eq!(pod_phase(waiting.as_ref()), Some("Pending"));
     let late: ConfigMap = serde_json::from_value(json!({
         "metadata": {"name": "late", "namespace": "default"},
         "data": {"extra": "arrived"},
@@ -465,17 +474,15 @@ async fn config_maps_secrets_and_tokens_reach_the_container() {
     .expect("configmap");
     config_maps.create(&PostParams::default(), &late).await.expect("configmap");
 
-    let done = server
-        .wait_object(POD, SOON, |p| {
-            p.is_some_and(|p| p["status"]["phase"] == "Succeeded" || p["status"]["phase"] == "Failed")
-        })
-        .await;
-    let done = done.unwrap_or_else(|seen| panic!("pod did not finish: {seen:#?}")).expect("pod");
-    let uid = done["metadata"]["uid"].as_str().expect("uid");
+    let done = api
+        .wait_for(&pods, "reader", "finished", SOON, |p| matches!(pod_phase(p), Some("Succeeded" | "Failed")))
+        .await
+        .expect("pod");
+    let uid = done.metadata.uid.as_deref().expect("uid");
     let log_path = kubelet::pod::pod_log_dir(root.path(), "default", "reader", uid).join("main").join("0.log");
     let log = std::fs::read_to_string(&log_path).expect("log");
     let lines: Vec<&str> = log.lines().map(|l| l.splitn(4, ' ').nth(3).unwrap_or_default()).collect();
-    assert_eq!(done["status"]["phase"], "Succeeded", "{lines:?}");
+    assert_eq!(pod_phase(Some(&done)), Some("Succeeded"), "{lines:?}");
     assert_eq!(
         lines,
         [
@@ -489,13 +496,16 @@ async fn config_maps_secrets_and_tokens_reach_the_container() {
         ],
     );
 }
+rustlet_testkit::on_both_api_servers!(
+    config_maps_secrets_and_tokens_reach_the_container_on,
+    config_maps_secrets_and_tokens_reach_the_container
+);
 
 /// A pod's `imagePullSecrets` (a `kubernetes.io/dockerconfigjson` Secret)
 /// reach the WebAssembly provider: an image from a registry that wants a
 /// password is pulled with it, and without it the pod says access was
 /// refused.
-#[tokio::test]
-async fn image_pull_secrets_reach_the_provider() {
+async fn image_pull_secrets_reach_the_provider(api: TestApi) {
     use k8s_openapi::api::core::v1::{Pod, Secret};
     let Some(registry) =
         rustlet_testkit::registry::registry_or_skip("image pull secrets", Some(("puller", "s3cret"))).await
@@ -506,9 +516,9 @@ async fn image_pull_secrets_reach_the_provider() {
     registry.push_wasm("wasm/private", "v1", &module).await.expect("push");
     let root = tempfile::tempdir().expect("tempdir");
     let provider = rustlet_wasi::WasiProvider::new(rustlet_wasi::WasiConfig::new(root.path())).expect("provider");
-    let (server, _root, shutdown, _node) = cluster_node(root, std::sync::Arc::new(provider)).await;
+    let (_root, shutdown, _node) = cluster_node(&api, root, std::sync::Arc::new(provider)).await;
     let _stop = shutdown.clone().drop_guard();
-    let admin = server.client(server.admin_token()).await.expect("admin");
+    let admin = api.admin.clone();
     let docker_config = json!({"auths": {registry.host(): {"username": "puller", "password": "s3cret"}}}).to_string();
     let secret: Secret = serde_json::from_value(json!({
         "metadata": {"name": "registry-login", "namespace": "default"},
@@ -523,7 +533,8 @@ async fn image_pull_secrets_reach_the_provider() {
         let pod: Pod = serde_json::from_value(json!({
             "metadata": {"name": name, "namespace": "default"},
             "spec": {
-                "nodeName": "n1",
+                "nodeName": api.node,
+                "automountServiceAccountToken": false,
                 "terminationGracePeriodSeconds": 2,
                 "imagePullSecrets": secrets,
                 "containers": [{"name": "main", "image": image, "imagePullPolicy": "Always"}],
@@ -532,20 +543,17 @@ async fn image_pull_secrets_reach_the_provider() {
         .expect("pod");
         pods.create(&PostParams::default(), &pod).await.expect("pod");
     }
-    let running = server
-        .wait_object(("", "pods", "default", "with"), SOON, |p| p.is_some_and(|p| p["status"]["phase"] == "Running"))
-        .await;
-    assert!(running.is_ok(), "with the secret, the image is pulled and runs: {running:?}");
+    api.wait_for(&pods, "with", "Running (pulled with the secret)", SOON, |p| pod_phase(p) == Some("Running")).await;
     // The same image, pulled without credentials: refused, even though the
     // other pod's pull put it in the store (policy Always asks the registry).
-    let refused = server
-        .wait_object(("", "pods", "default", "without"), SOON, |p| {
-            p.and_then(|p| p.pointer("/status/containerStatuses/0/state/waiting/reason"))
-                .and_then(Value::as_str)
-                .is_some_and(|r| r == "ErrImagePull" || r == "ImagePullBackOff")
+    let refused = api
+        .wait_for(&pods, "without", "refused its image", SOON, |p| {
+            let reason = p
+                .and_then(|p| p.status.as_ref()?.container_statuses.as_ref()?.first()?.state.as_ref()?.waiting.as_ref())
+                .and_then(|w| w.reason.as_deref());
+            matches!(reason, Some("ErrImagePull" | "ImagePullBackOff"))
         })
         .await;
-    let refused =
-        refused.unwrap_or_else(|seen| panic!("the pod without the secret is not refused: {seen:#?}")).expect("pod");
-    assert_eq!(refused["status"]["phase"], "Pending");
+    assert_eq!(pod_phase(refused.as_ref()), Some("Pending"));
 }
+rustlet_testkit::on_both_api_servers!(image_pull_secrets_reach_the_provider_on, image_pull_secrets_reach_the_provider);
