@@ -170,11 +170,11 @@ pub(crate) struct NodeArgs {
     /// one of NoSchedule, PreferNoSchedule, NoExecute (cluster mode).
     #[arg(long, value_delimiter = ',', value_parser = parse_taint)]
     pub(crate) register_with_taints: Vec<Taint>,
-    /// Pod status writes a second at most, on average (cluster mode; 0: no
-    /// limit).
+    /// API requests a second at most, on average: every request of the
+    /// node's client counts (cluster mode; 0: no limit).
     #[arg(long, default_value_t = kubelet::cluster::rate_limit::DEFAULT_QPS)]
     pub(crate) kube_api_qps: f64,
-    /// Pod status writes at once at most before `--kube-api-qps` applies.
+    /// API requests at once at most before `--kube-api-qps` applies.
     #[arg(long, default_value_t = kubelet::cluster::rate_limit::DEFAULT_BURST)]
     pub(crate) kube_api_burst: u32,
     /// The node's IPs (one, or one per family), comma-separated: the Node's

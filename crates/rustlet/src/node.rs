@@ -36,8 +36,11 @@ pub(crate) fn cluster(args: &NodeArgs) -> Option<ClusterSettings> {
     let mut settings = ClusterSettings::new(ApiSource::Kubeconfig(path));
     settings.node_labels = args.node_labels.iter().cloned().collect();
     settings.taints = args.register_with_taints.clone();
-    settings.pod_sync.api_qps = args.kube_api_qps;
-    settings.pod_sync.api_burst = args.kube_api_burst;
+    // The client counts every request against the limit; the status
+    // writer needs no second bucket of its own.
+    settings.api_qps = args.kube_api_qps;
+    settings.api_burst = args.kube_api_burst;
+    settings.pod_sync.api_qps = 0.0;
     Some(settings)
 }
 

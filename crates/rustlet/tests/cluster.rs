@@ -195,6 +195,66 @@ async fn the_binary_joins_a_cluster_as_a_node_and_runs_a_bound_pod() {
     plugins.cancel();
 }
 
+/// `--kube-api-qps 5 --kube-api-burst 5`: every request the node sends
+/// (registration, Lease, watches, reads, status writes) keeps to the token
+/// bucket while 20 pods are bound to it at once and reach Running.
+#[tokio::test]
+async fn every_request_of_the_node_keeps_to_kube_api_qps() {
+    const QPS: usize = 5;
+    const BURST: usize = 5;
+    const PODS: usize = 20;
+    let root = tempfile::tempdir().expect("tempdir");
+    import_example(root.path(), "sleep").await;
+    let server = ApiServer::start().await.expect("api server");
+    let kubeconfig = root.path().join("kubeconfig");
+    server.write_kubeconfig(&kubeconfig, &server.node_token("n1")).expect("kubeconfig");
+    let (qps, burst) = (QPS.to_string(), BURST.to_string());
+    let mut node = rustlet(root.path(), &kubeconfig, &["--kube-api-qps", &qps, "--kube-api-burst", &burst]);
+    node.line_with("node started").await;
+    ready_node(&server).await;
+    let admin = server.client(server.admin_token()).await.expect("admin");
+    let pods: Api<Pod> = Api::namespaced(admin, "default");
+    for i in 0..PODS {
+        let pod: Pod = serde_json::from_value(json!({
+            "metadata": {"name": format!("p{i}"), "namespace": "default"},
+            "spec": {
+                "nodeName": "n1",
+                "terminationGracePeriodSeconds": 1,
+                "containers": [{"name": "main", "image": "example.com/test/sleep:v1", "imagePullPolicy": "Never"}],
+            },
+        }))
+        .expect("pod");
+        pods.create(&PostParams::default(), &pod).await.expect("create");
+    }
+    for i in 0..PODS {
+        let running = server
+            .wait_object(("", "pods", "default", &format!("p{i}")), SOON, |pod| {
+                pod.is_some_and(|p| p.pointer("/status/containerStatuses/0/state/running").is_some())
+            })
+            .await;
+        assert!(running.is_ok(), "p{i} not Running in time: {running:?}");
+    }
+    let sent: Vec<std::time::Instant> = server
+        .requests()
+        .into_iter()
+        .filter(|r| r.user.as_deref() == Some("system:node:n1"))
+        .map(|r| r.received)
+        .collect();
+    // The bucket lets at most BURST + QPS × 2 requests through in any two
+    // seconds; 2 more are allowed for requests that took a token apart and
+    // arrived together (connection setup). Unlimited, the node sends some
+    // 50 in its first two seconds with 20 new pods.
+    let window = Duration::from_secs(2);
+    let most = sent.iter().map(|start| sent.iter().filter(|t| **t >= *start && **t < *start + window).count()).max();
+    let allowed = BURST + QPS * 2 + 2;
+    assert!(
+        most.unwrap_or(0) <= allowed,
+        "{most:?} requests in two seconds, {allowed} allowed ({} in all)",
+        sent.len()
+    );
+    assert!(sent.len() > allowed, "enough requests to have tried the limit: {}", sent.len());
+}
+
 #[tokio::test]
 async fn a_missing_kubeconfig_is_retried_while_the_node_serves() {
     let root = tempfile::tempdir().expect("tempdir");

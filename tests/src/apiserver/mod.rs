@@ -85,6 +85,9 @@ pub struct Logged {
     pub received: std::time::Instant,
     /// The body of a patch (for tests that look at what was sent).
     pub body: Option<String>,
+    /// Who sent it (`system:node:<name>`, the administrator's name), if
+    /// its token is known.
+    pub user: Option<String>,
 }
 
 struct Shared {
@@ -391,6 +394,11 @@ async fn handle(
     body: Bytes,
 ) -> Response {
     let received = std::time::Instant::now();
+    let user = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .and_then(|t| shared.tokens.lock().expect("lock").get(t).map(|identity| identity.user()));
     let response = answer(&shared, &method, &uri, &headers, &body).await;
     let logged_method = method.clone();
     let mut log = shared.log.lock().expect("lock");
@@ -400,6 +408,7 @@ async fn handle(
         status: response.status().as_u16(),
         received,
         body: (method == Method::PATCH).then(|| String::from_utf8_lossy(&body).into_owned()),
+        user,
     });
     shared.logged.send_replace(log.len());
     drop(log);

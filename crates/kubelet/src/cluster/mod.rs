@@ -90,6 +90,14 @@ pub struct ClusterSettings {
     /// The first delay before the kubeconfig is read again (doubling up to
     /// a minute).
     pub kubeconfig_retry: Duration,
+    /// Requests a second the client built from a kubeconfig sends at most,
+    /// on average (`--kube-api-qps`; 0: no limit). Every request counts, as
+    /// upstream's client counts them. A client given as
+    /// [`ApiSource::Client`] is used as it is.
+    pub api_qps: f64,
+    /// Requests that client sends at once at most before `api_qps` applies
+    /// (`--kube-api-burst`).
+    pub api_burst: u32,
 }
 
 impl ClusterSettings {
@@ -102,6 +110,8 @@ impl ClusterSettings {
             node_sync: NodeSyncConfig::new(""),
             pod_sync: PodSyncConfig::new(""),
             kubeconfig_retry: Duration::from_millis(500),
+            api_qps: rate_limit::DEFAULT_QPS,
+            api_burst: rate_limit::DEFAULT_BURST,
         }
     }
 }
@@ -209,7 +219,7 @@ async fn client(settings: &ClusterSettings) -> kube::Client {
     };
     let mut backoff = crate::retry::RetryBackoff::new(settings.kubeconfig_retry, Duration::from_secs(60));
     loop {
-        match from_kubeconfig(path).await {
+        match from_kubeconfig_limited(path, settings.api_qps, settings.api_burst).await {
             Ok(client) => return client,
             Err(error) => {
                 let delay = backoff.next_delay();
@@ -238,12 +248,25 @@ pub enum KubeconfigError {
 
 /// A client from the current context of the kubeconfig at `path`.
 pub async fn from_kubeconfig(path: &std::path::Path) -> Result<kube::Client, KubeconfigError> {
+    from_kubeconfig_limited(path, 0.0, 0).await
+}
+
+/// A client from the kubeconfig at `path` whose requests go out at `qps` a
+/// second on average and `burst` at once at most (a `qps` of 0: no limit):
+/// [`rate_limit::RateLimitLayer`] under kube's own layers.
+pub async fn from_kubeconfig_limited(
+    path: &std::path::Path,
+    qps: f64,
+    burst: u32,
+) -> Result<kube::Client, KubeconfigError> {
     let kubeconfig = kube::config::Kubeconfig::read_from(path).map_err(|e| KubeconfigError::Read(error_chain(&e)))?;
     let options = kube::config::KubeConfigOptions::default();
     let config = kube::Config::from_custom_kubeconfig(kubeconfig, &options)
         .await
         .map_err(|e| KubeconfigError::Client(error_chain(&e)))?;
-    kube::Client::try_from(config).map_err(|e| KubeconfigError::Client(error_chain(&e)))
+    let builder =
+        kube::client::ClientBuilder::try_from(config).map_err(|e| KubeconfigError::Client(error_chain(&e)))?;
+    Ok(builder.with_layer(&rate_limit::RateLimitLayer::new(qps, burst)).build())
 }
 
 /// The Node as the node describes it now, recomputed when a device
