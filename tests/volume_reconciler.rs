@@ -250,11 +250,22 @@ async fn a_volume_found_unmounted_after_a_restart_is_published_again() {
     let output = std::process::Command::new("umount").arg(&target).output().expect("umount");
     assert!(output.status.success(), "umount: {}", String::from_utf8_lossy(&output.stderr));
     assert!(!mounts::is_mount_point(&target));
+    // Something only the volume's own storage holds (the container may run
+    // again and rewrite its file, so that proves nothing).
+    let backing: Vec<PathBuf> =
+        std::fs::read_dir(fx.path("backing")).expect("backing").flatten().map(|e| e.path()).collect();
+    assert_eq!(backing.len(), 1, "one published volume: {backing:?}");
+    std::fs::write(backing[0].join("only-in-the-volume"), "yes").expect("write");
+    assert!(!target.join("only-in-the-volume").exists(), "not visible while unmounted");
     let (node, shutdown) = fx.node().await;
     wait_running(&node).await;
     assert_eq!(publishes(&calls), 2, "published again: {:?}", calls.all());
     assert!(mounts::is_mount_point(&target), "mounted again");
-    assert_eq!(std::fs::read_to_string(target.join("file")).ok().as_deref(), Some("kept\n"), "its data back in place");
+    assert_eq!(
+        std::fs::read_to_string(target.join("only-in-the-volume")).ok().as_deref(),
+        Some("yes"),
+        "the volume's data is back in place"
+    );
 
     // Removal releases it all.
     fx.remove_manifest();
