@@ -5,7 +5,12 @@ use std::path::PathBuf;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let proto_root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../proto");
-    let files = ["pluginregistration/v1/api.proto", "deviceplugin/v1beta1/api.proto", "csi/v1/csi.proto"];
+    let files = [
+        "pluginregistration/v1/api.proto",
+        "deviceplugin/v1beta1/api.proto",
+        "csi/v1/csi.proto",
+        "runtime/v1/api.proto",
+    ];
     for file in &files {
         println!("cargo:rerun-if-changed={}", proto_root.join(file).display());
     }

@@ -72,21 +72,10 @@ impl Guarded {
         // `cat` returns when this process's end of the pipe closes (the
         // test binary exited, even by a signal); then the child goes.
         let remove = remove.map(|p| p.display().to_string()).unwrap_or_default();
-        let watcher = Command::new("sh")
-            .args([
-                "-c",
-                "cat >/dev/null; kill -9 \"$0\" 2>/dev/null; [ -n \"$1\" ] && rm -rf \"$1\"",
-                &child.id().to_string(),
-                &remove,
-            ])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn();
-        let (lifeline, watcher) = match watcher {
-            Ok(mut watcher) => (watcher.stdin.take(), Some(watcher)),
-            Err(_) => (None, None),
-        };
+        let (lifeline, watcher) = crate::process::when_this_process_exits(
+            "kill -9 \"$0\" 2>/dev/null; [ -n \"$1\" ] && rm -rf \"$1\"",
+            &[child.id().to_string(), remove],
+        );
         Ok(Guarded { child, _lifeline: lifeline, _watcher: watcher })
     }
 

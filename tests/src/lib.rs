@@ -20,6 +20,7 @@
 pub use rustlet_sample_plugins::{csi_driver, device_plugin, registration, report};
 
 pub mod apiserver;
+pub mod containerd;
 pub mod control_plane;
 pub mod debian;
 pub mod host_provider;

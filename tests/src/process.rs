@@ -128,3 +128,25 @@ impl PluginProcess {
         self.child.id()
     }
 }
+
+/// Runs `script` (with `sh -c script args…`) once this test binary exits,
+/// however it exits: the shell first reads its stdin, which is a pipe whose
+/// other end only this process holds, so the read returns when the process
+/// is gone. Keep the returned pair alive as long as the process runs.
+pub fn when_this_process_exits(
+    script: &str,
+    args: &[String],
+) -> (Option<std::process::ChildStdin>, Option<std::process::Child>) {
+    let watcher = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!("cat >/dev/null; {script}"))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn();
+    match watcher {
+        Ok(mut watcher) => (watcher.stdin.take(), Some(watcher)),
+        Err(_) => (None, None),
+    }
+}

@@ -244,6 +244,22 @@ impl Registry {
         self.push(repository, tag, vec![layer], config).await
     }
 
+    /// Pushes a single-layer image: `layer` (an uncompressed tar) and the
+    /// image config `config` (its `rootfs` is filled in here).
+    pub async fn push_layer_image(
+        &self,
+        repository: &str,
+        tag: &str,
+        layer: Vec<u8>,
+        mut config: serde_json::Value,
+    ) -> Result<(String, String), String> {
+        let diff_id = rustlet_wasi::store::digest_of(&layer);
+        config["rootfs"] = serde_json::json!({"type": "layers", "diff_ids": [diff_id]});
+        let layer = ImageLayer::new(layer, oci_client::manifest::IMAGE_LAYER_MEDIA_TYPE.to_owned(), None);
+        let config = Config::oci_v1(serde_json::to_vec(&config).map_err(|e| e.to_string())?, None);
+        self.push(repository, tag, vec![layer], config).await
+    }
+
     async fn push(
         &self,
         repository: &str,

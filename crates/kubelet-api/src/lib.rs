@@ -2,7 +2,8 @@
 //!
 //! This crate holds no logic. It has three parts:
 //! - generated gRPC clients and servers (tonic + prost), grouped by API and
-//!   version: [`pluginregistration`], [`deviceplugin::v1beta1`], [`csi::v1`];
+//!   version: [`pluginregistration`], [`deviceplugin::v1beta1`], [`csi::v1`],
+//!   [`cri::v1`];
 //! - wire constants shared by both sides ([`constants`]);
 //! - Unix-socket dial and serve helpers ([`uds`]), because every plugin API
 //!   runs over a Unix socket rather than TCP.
@@ -36,5 +37,15 @@ pub mod csi {
     #[allow(missing_docs, clippy::all)]
     pub mod v1 {
         tonic::include_proto!("csi.v1");
+    }
+}
+
+/// Container Runtime Interface.
+pub mod cri {
+    /// CRI v1 (`runtime.v1`): the RuntimeService and ImageService a
+    /// container runtime (containerd) serves, the parts the node calls.
+    #[allow(missing_docs, clippy::all)]
+    pub mod v1 {
+        tonic::include_proto!("runtime.v1");
     }
 }

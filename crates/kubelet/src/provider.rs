@@ -149,6 +149,39 @@ pub struct PreparedImage {
     pub image_id: String,
 }
 
+/// `imagePullPolicy`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PullPolicy {
+    /// Resolve the reference at every start; fetch what changed.
+    Always,
+    /// Pull only when the image is not there.
+    IfNotPresent,
+    /// Never pull.
+    Never,
+}
+
+impl PullPolicy {
+    /// The container's policy: its own, else upstream's default (`Always`
+    /// for `:latest` or no tag, `IfNotPresent` otherwise).
+    pub fn of(policy: Option<&str>, image: &str) -> PullPolicy {
+        match policy {
+            Some("Always") => PullPolicy::Always,
+            Some("Never") => PullPolicy::Never,
+            Some("IfNotPresent") => PullPolicy::IfNotPresent,
+            _ => {
+                let has_digest = image.contains('@');
+                let last = image.rsplit('/').next().unwrap_or(image);
+                let tag = last.split_once(':').map(|(_, t)| t);
+                if !has_digest && matches!(tag, None | Some("latest")) {
+                    PullPolicy::Always
+                } else {
+                    PullPolicy::IfNotPresent
+                }
+            }
+        }
+    }
+}
+
 /// What went wrong in a provider, by what the lifecycle does about it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ProviderErrorKind {

@@ -29,7 +29,7 @@ mod admission;
 mod backoff;
 mod containers;
 mod data;
-mod quantity;
+pub mod quantity;
 mod run_options;
 mod sources;
 mod spec;

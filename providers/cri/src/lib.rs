@@ -1,0 +1,627 @@
+//! Rustlet's CRI provider: Linux containers run by a container runtime
+//! (containerd) that serves CRI v1 (`runtime.v1`) on a Unix socket, as the
+//! kubelet runs them.
+//!
+//! Per pod, a sandbox: `RunPodSandbox` with the pod's metadata, log
+//! directory, host namespaces and port mappings, and upstream's labels
+//! (`io.kubernetes.pod.name`, `.namespace`, `.uid`); `StopPodSandbox` and
+//! `RemovePodSandbox` when the pod is removed. Per container:
+//! `CreateContainer` (command, args, env, volume and device mounts, device
+//! nodes, CDI devices, annotations, resources from limits and requests, the
+//! log path in the kubelet's layout) and `StartContainer`; `StopContainer`
+//! with the grace period. Images: `ImageStatus`, then `PullImage` as
+//! `imagePullPolicy` says.
+//!
+//! Exits are seen by one relist for all waiters: every
+//! [`CriConfig::relist_interval`] while anything waits, one `ListContainers`
+//! of the running containers, then `ContainerStatus` only for those no
+//! longer running (containerd 1.6 has no `GetContainerEvents`).
+//!
+//! After a node restart, [`Provider::running_containers`] lists the running
+//! containers by their labels and they are adopted, sandboxes included.
+//!
+//! Not yet (written down in docs/providers.md): pull secrets, security
+//! context, probes' ExecSync, the pod's IPs in its status, streaming.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use k8s_openapi::api::core::v1::{Container, Pod};
+use k8s_openapi::jiff::Timestamp;
+use kubelet::provider::{
+    ContainerExit, ContainerId, ContainerLaunch, PreparedImage, Provider, ProviderError, ProviderErrorKind, PullPolicy,
+    RunningContainer,
+};
+use kubelet_api::cri::v1 as cri;
+use kubelet_api::cri::v1::image_service_client::ImageServiceClient;
+use kubelet_api::cri::v1::runtime_service_client::RuntimeServiceClient;
+use kubelet_api::uds::{UdsChannel, dial, socket_path_of};
+use tokio::sync::watch;
+
+/// The label a sandbox and its containers carry with the pod's name.
+pub const POD_NAME_LABEL: &str = "io.kubernetes.pod.name";
+/// … with the pod's namespace.
+pub const POD_NAMESPACE_LABEL: &str = "io.kubernetes.pod.namespace";
+/// … with the pod's UID.
+pub const POD_UID_LABEL: &str = "io.kubernetes.pod.uid";
+/// The label a container carries with its name.
+pub const CONTAINER_NAME_LABEL: &str = "io.kubernetes.container.name";
+/// The annotation a container carries with its restart count.
+pub const RESTART_COUNT_ANNOTATION: &str = "io.kubernetes.container.restartCount";
+
+/// How the provider reaches the runtime.
+#[derive(Clone, Debug)]
+pub struct CriConfig {
+    /// The runtime's socket (`unix:///run/containerd/containerd.sock`, the
+    /// kubelet's `--container-runtime-endpoint`).
+    pub endpoint: String,
+    /// The deadline of one call (upstream's `--runtime-request-timeout`:
+    /// 2 min); a pull gets it too.
+    pub call_timeout: Duration,
+    /// How often the running containers are listed while any container is
+    /// waited on.
+    pub relist_interval: Duration,
+}
+
+impl CriConfig {
+    /// Upstream's deadline; a relist every 100 ms.
+    pub fn new(endpoint: impl Into<String>) -> CriConfig {
+        CriConfig {
+            endpoint: endpoint.into(),
+            call_timeout: Duration::from_secs(120),
+            relist_interval: Duration::from_millis(100),
+        }
+    }
+}
+
+/// Containers through CRI. Cheap to clone.
+#[derive(Clone)]
+pub struct CriProvider {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    config: CriConfig,
+    channel: tokio::sync::Mutex<Option<UdsChannel>>,
+    /// Pod UID → its sandbox (created once per pod; a lock per pod).
+    sandboxes: Mutex<HashMap<String, Arc<tokio::sync::Mutex<Option<String>>>>>,
+    /// Containers being waited on; the relist bumps the generation.
+    waited: Mutex<HashSet<String>>,
+    /// The ids that ran at the last relist and its count.
+    relisted: watch::Sender<(u64, HashSet<String>)>,
+    relisting: Mutex<bool>,
+}
+
+impl std::fmt::Debug for CriProvider {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CriProvider").field("endpoint", &self.inner.config.endpoint).finish_non_exhaustive()
+    }
+}
+
+fn other(what: &str, status: &tonic::Status) -> ProviderError {
+    ProviderError::new(ProviderErrorKind::Other, format!("{what}: {}", describe(status)))
+}
+
+fn describe(status: &tonic::Status) -> String {
+    format!("{:?}: {}", status.code(), status.message())
+}
+
+impl CriProvider {
+    /// A provider for the runtime at `config.endpoint`; it connects on
+    /// first use (and again after the runtime restarts).
+    pub fn new(config: CriConfig) -> CriProvider {
+        CriProvider {
+            inner: Arc::new(Inner {
+                config,
+                channel: tokio::sync::Mutex::new(None),
+                sandboxes: Mutex::default(),
+                waited: Mutex::default(),
+                relisted: watch::channel((0, HashSet::new())).0,
+                relisting: Mutex::new(false),
+            }),
+        }
+    }
+
+    /// The runtime's name and version (`Version`): whether it answers.
+    pub async fn version(&self) -> Result<(String, String), ProviderError> {
+        let mut runtime = self.runtime().await?;
+        let answer = self
+            .call(runtime.version(cri::VersionRequest { version: "v1".into() }))
+            .await
+            .map_err(|s| other("Version", &s))?;
+        Ok((answer.runtime_name, answer.runtime_version))
+    }
+
+    async fn channel(&self) -> Result<UdsChannel, ProviderError> {
+        let mut channel = self.inner.channel.lock().await;
+        if let Some(channel) = channel.as_ref() {
+            return Ok(channel.clone());
+        }
+        let path = socket_path_of(&self.inner.config.endpoint);
+        let dialed = dial(path, self.inner.config.call_timeout.min(Duration::from_secs(10))).await.map_err(|e| {
+            ProviderError::new(ProviderErrorKind::Other, format!("container runtime {}: {e}", path.display()))
+        })?;
+        *channel = Some(dialed.clone());
+        Ok(dialed)
+    }
+
+    async fn runtime(&self) -> Result<RuntimeServiceClient<UdsChannel>, ProviderError> {
+        Ok(RuntimeServiceClient::new(self.channel().await?))
+    }
+
+    async fn images(&self) -> Result<ImageServiceClient<UdsChannel>, ProviderError> {
+        Ok(ImageServiceClient::new(self.channel().await?))
+    }
+
+    /// One call under the deadline; a transport failure drops the
+    /// connection so that the next call dials again.
+    async fn call<T>(
+        &self,
+        call: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    ) -> Result<T, tonic::Status> {
+        self.call_within(self.inner.config.call_timeout, call).await
+    }
+
+    async fn call_within<T>(
+        &self,
+        timeout: Duration,
+        call: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    ) -> Result<T, tonic::Status> {
+        match tokio::time::timeout(timeout, call).await {
+            Ok(Ok(answer)) => Ok(answer.into_inner()),
+            Ok(Err(status)) => {
+                if status.code() == tonic::Code::Unavailable || status.code() == tonic::Code::Unknown {
+                    *self.inner.channel.lock().await = None;
+                }
+                Err(status)
+            }
+            Err(_) => Err(tonic::Status::deadline_exceeded(format!("no answer within {timeout:?}"))),
+        }
+    }
+
+    /// The pod's sandbox, made on its first container.
+    async fn sandbox(&self, launch: &ContainerLaunch) -> Result<String, ProviderError> {
+        let pod = &launch.pod;
+        let uid = pod.metadata.uid.clone().unwrap_or_default();
+        let entry = {
+            let mut sandboxes = self.inner.sandboxes.lock().unwrap_or_else(|p| p.into_inner());
+            Arc::clone(sandboxes.entry(uid.clone()).or_default())
+        };
+        let mut sandbox = entry.lock().await;
+        if let Some(id) = sandbox.as_ref() {
+            return Ok(id.clone());
+        }
+        let log_directory = launch.log_path.parent().and_then(Path::parent).map(|p| p.display().to_string());
+        let config = sandbox_config(pod, log_directory.unwrap_or_default());
+        let mut runtime = self.runtime().await?;
+        let answer = self
+            .call(
+                runtime.run_pod_sandbox(cri::RunPodSandboxRequest {
+                    config: Some(config),
+                    runtime_handler: String::new(),
+                }),
+            )
+            .await
+            .map_err(|s| {
+                ProviderError::new(ProviderErrorKind::CannotRun, format!("RunPodSandbox: {}", describe(&s)))
+            })?;
+        tracing::info!(pod.uid = %uid, sandbox = %answer.pod_sandbox_id, "pod sandbox running");
+        *sandbox = Some(answer.pod_sandbox_id.clone());
+        Ok(answer.pod_sandbox_id)
+    }
+
+    /// Starts the relist if it is not running: it lists the running
+    /// containers while anything is waited on.
+    fn ensure_relist(&self) {
+        let mut relisting = self.inner.relisting.lock().unwrap_or_else(|p| p.into_inner());
+        if *relisting {
+            return;
+        }
+        *relisting = true;
+        let provider = self.clone();
+        tokio::spawn(async move {
+            loop {
+                if provider.inner.waited.lock().unwrap_or_else(|p| p.into_inner()).is_empty() {
+                    let mut relisting = provider.inner.relisting.lock().unwrap_or_else(|p| p.into_inner());
+                    if provider.inner.waited.lock().unwrap_or_else(|p| p.into_inner()).is_empty() {
+                        *relisting = false;
+                        return;
+                    }
+                }
+                match provider.running_ids().await {
+                    Ok(running) => {
+                        provider.inner.relisted.send_modify(|(generation, ids)| {
+                            *generation += 1;
+                            *ids = running;
+                        });
+                    }
+                    Err(error) => tracing::warn!(%error, "listing the running containers failed; retrying"),
+                }
+                tokio::time::sleep(provider.inner.config.relist_interval).await;
+            }
+        });
+    }
+
+    async fn running_ids(&self) -> Result<HashSet<String>, ProviderError> {
+        let mut runtime = self.runtime().await?;
+        let filter = cri::ContainerFilter {
+            state: Some(cri::ContainerStateValue { state: cri::ContainerState::ContainerRunning as i32 }),
+            ..Default::default()
+        };
+        let answer = self
+            .call(runtime.list_containers(cri::ListContainersRequest { filter: Some(filter) }))
+            .await
+            .map_err(|s| other("ListContainers", &s))?;
+        Ok(answer.containers.into_iter().map(|c| c.id).collect())
+    }
+
+    async fn status(&self, id: &str) -> Result<cri::ContainerStatus, ProviderError> {
+        let mut runtime = self.runtime().await?;
+        let answer = self
+            .call(runtime.container_status(cri::ContainerStatusRequest { container_id: id.to_owned(), verbose: false }))
+            .await
+            .map_err(|s| {
+                let kind = if s.code() == tonic::Code::NotFound {
+                    ProviderErrorKind::NotFound
+                } else {
+                    ProviderErrorKind::Other
+                };
+                ProviderError::new(kind, format!("ContainerStatus {id}: {}", describe(&s)))
+            })?;
+        answer.status.ok_or_else(|| ProviderError::new(ProviderErrorKind::Other, "ContainerStatus without a status"))
+    }
+
+    async fn image_id(&self, image: &str) -> Result<Option<String>, ProviderError> {
+        let mut images = self.images().await?;
+        let answer = self
+            .call(images.image_status(cri::ImageStatusRequest { image: Some(image_spec(image)), verbose: false }))
+            .await
+            .map_err(|s| {
+                ProviderError::new(ProviderErrorKind::ImagePull, format!("ImageStatus {image}: {}", describe(&s)))
+            })?;
+        Ok(answer.image.map(|i| i.id))
+    }
+}
+
+fn image_spec(image: &str) -> cri::ImageSpec {
+    cri::ImageSpec { image: image.to_owned(), ..Default::default() }
+}
+
+fn timestamp(nanos: i64) -> Timestamp {
+    Timestamp::from_nanosecond(i128::from(nanos)).unwrap_or(Timestamp::UNIX_EPOCH)
+}
+
+/// The sandbox config of `pod`, its logs under `log_directory`.
+fn sandbox_config(pod: &Pod, log_directory: String) -> cri::PodSandboxConfig {
+    let meta = &pod.metadata;
+    let spec = pod.spec.clone().unwrap_or_default();
+    let name = meta.name.clone().unwrap_or_default();
+    let namespace = meta.namespace.clone().unwrap_or_else(|| "default".into());
+    let uid = meta.uid.clone().unwrap_or_default();
+    let host_network = spec.host_network.unwrap_or(false);
+    let mut labels: HashMap<String, String> = meta.labels.clone().unwrap_or_default().into_iter().collect();
+    labels.insert(POD_NAME_LABEL.into(), name.clone());
+    labels.insert(POD_NAMESPACE_LABEL.into(), namespace.clone());
+    labels.insert(POD_UID_LABEL.into(), uid.clone());
+    let annotations: HashMap<String, String> = meta.annotations.clone().unwrap_or_default().into_iter().collect();
+    let mode = |host: Option<bool>, otherwise: cri::NamespaceMode| {
+        if host.unwrap_or(false) { cri::NamespaceMode::Node as i32 } else { otherwise as i32 }
+    };
+    let port_mappings = spec
+        .containers
+        .iter()
+        .flat_map(|c| c.ports.iter().flatten())
+        .filter(|p| p.host_port.is_some_and(|h| h > 0))
+        .map(|p| cri::PortMapping {
+            protocol: match p.protocol.as_deref() {
+                Some("UDP") => cri::Protocol::Udp as i32,
+                Some("SCTP") => cri::Protocol::Sctp as i32,
+                _ => cri::Protocol::Tcp as i32,
+            },
+            container_port: p.container_port,
+            host_port: p.host_port.unwrap_or_default(),
+            host_ip: p.host_ip.clone().unwrap_or_default(),
+        })
+        .collect();
+    let sysctls = spec
+        .security_context
+        .as_ref()
+        .and_then(|s| s.sysctls.clone())
+        .unwrap_or_default()
+        .into_iter()
+        .map(|s| (s.name, s.value))
+        .collect();
+    cri::PodSandboxConfig {
+        metadata: Some(cri::PodSandboxMetadata { name: name.clone(), uid, namespace, attempt: 0 }),
+        hostname: if host_network { String::new() } else { spec.hostname.clone().unwrap_or(name) },
+        log_directory,
+        dns_config: None,
+        port_mappings,
+        labels,
+        annotations,
+        linux: Some(cri::LinuxPodSandboxConfig {
+            cgroup_parent: String::new(),
+            security_context: Some(cri::LinuxSandboxSecurityContext {
+                namespace_options: Some(cri::NamespaceOption {
+                    network: mode(spec.host_network, cri::NamespaceMode::Pod),
+                    pid: mode(spec.host_pid, cri::NamespaceMode::Container),
+                    ipc: mode(spec.host_ipc, cri::NamespaceMode::Pod),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            sysctls,
+            ..Default::default()
+        }),
+    }
+}
+
+/// A quantity's value in milli-units (`cpu`) or units (`memory`), if it
+/// parses.
+fn milli(quantity: &k8s_openapi::apimachinery::pkg::api::resource::Quantity) -> Option<i64> {
+    kubelet::pod::quantity::parse_milli(&quantity.0).ok().and_then(|v| i64::try_from(v).ok())
+}
+
+fn units(quantity: &k8s_openapi::apimachinery::pkg::api::resource::Quantity) -> Option<i64> {
+    kubelet::pod::quantity::parse_units(&quantity.0).ok().and_then(|v| i64::try_from(v).ok())
+}
+
+/// Linux resources as upstream computes them: cpu shares from the request
+/// (1024 per cpu, at least 2), quota over a 100 ms period from the limit,
+/// the memory limit in bytes.
+fn resources(container: &Container) -> cri::LinuxContainerResources {
+    let requirements = container.resources.clone().unwrap_or_default();
+    let limits = requirements.limits.unwrap_or_default();
+    let requests = requirements.requests.unwrap_or_default();
+    let cpu_request = requests.get("cpu").or(limits.get("cpu")).and_then(milli);
+    let cpu_limit = limits.get("cpu").and_then(milli);
+    let memory_limit = limits.get("memory").and_then(units);
+    const PERIOD: i64 = 100_000;
+    cri::LinuxContainerResources {
+        cpu_shares: cpu_request.map_or(2, |m| (m * 1024 / 1000).max(2)),
+        cpu_period: if cpu_limit.is_some() { PERIOD } else { 0 },
+        cpu_quota: cpu_limit.map_or(0, |m| (m * PERIOD / 1000).max(1000)),
+        memory_limit_in_bytes: memory_limit.unwrap_or(0),
+        ..Default::default()
+    }
+}
+
+fn container_config(launch: &ContainerLaunch) -> cri::ContainerConfig {
+    let pod = &launch.pod;
+    let container = &launch.container;
+    let options = &launch.run_options;
+    let mut labels = HashMap::new();
+    labels.insert(CONTAINER_NAME_LABEL.to_owned(), container.name.clone());
+    labels.insert(POD_NAME_LABEL.to_owned(), pod.metadata.name.clone().unwrap_or_default());
+    labels.insert(POD_NAMESPACE_LABEL.to_owned(), pod.metadata.namespace.clone().unwrap_or_else(|| "default".into()));
+    labels.insert(POD_UID_LABEL.to_owned(), pod.metadata.uid.clone().unwrap_or_default());
+    let mut annotations: HashMap<String, String> = options.annotations.clone().into_iter().collect();
+    annotations.insert(RESTART_COUNT_ANNOTATION.to_owned(), launch.restart_count.to_string());
+    let log_path = format!("{}/{}.log", container.name, launch.restart_count);
+    cri::ContainerConfig {
+        metadata: Some(cri::ContainerMetadata { name: container.name.clone(), attempt: launch.restart_count }),
+        image: Some(image_spec(container.image.as_deref().unwrap_or_default())),
+        command: options.command.clone(),
+        args: options.args.clone(),
+        working_dir: options.working_dir.clone().unwrap_or_default(),
+        envs: options.env.iter().map(|e| cri::KeyValue { key: e.name.clone(), value: e.value.clone() }).collect(),
+        mounts: options
+            .mounts
+            .iter()
+            .map(|m| cri::Mount {
+                container_path: m.container_path.clone(),
+                host_path: m.host_path.display().to_string(),
+                readonly: m.read_only,
+                propagation: cri::MountPropagation::PropagationPrivate as i32,
+                ..Default::default()
+            })
+            .collect(),
+        devices: options
+            .devices
+            .iter()
+            .map(|d| cri::Device {
+                container_path: d.container_path.clone(),
+                host_path: d.host_path.clone(),
+                permissions: d.permissions.clone(),
+            })
+            .collect(),
+        labels,
+        annotations,
+        log_path,
+        stdin: container.stdin.unwrap_or(false),
+        stdin_once: container.stdin_once.unwrap_or(false),
+        tty: container.tty.unwrap_or(false),
+        linux: Some(cri::LinuxContainerConfig { resources: Some(resources(container)), ..Default::default() }),
+        cdi_devices: options.cdi_devices.iter().map(|name| cri::CdiDevice { name: name.clone() }).collect(),
+    }
+}
+
+#[async_trait]
+impl Provider for CriProvider {
+    async fn prepare_image(&self, _pod: &Pod, container: &Container) -> Result<PreparedImage, ProviderError> {
+        let image = container.image.clone().unwrap_or_default();
+        if image.is_empty() {
+            return Err(ProviderError::new(ProviderErrorKind::Config, "the container has no image"));
+        }
+        let policy = PullPolicy::of(container.image_pull_policy.as_deref(), &image);
+        if policy != PullPolicy::Always
+            && let Some(id) = self.image_id(&image).await?
+        {
+            return Ok(PreparedImage { image_id: id });
+        }
+        if policy == PullPolicy::Never {
+            return Err(ProviderError::new(
+                ProviderErrorKind::ImagePull,
+                format!("Container image {image:?} is not present with pull policy of Never"),
+            ));
+        }
+        tracing::info!(%image, "pulling image");
+        let mut images = self.images().await?;
+        let request = cri::PullImageRequest { image: Some(image_spec(&image)), auth: None, sandbox_config: None };
+        let answer = self.call(images.pull_image(request)).await.map_err(|s| {
+            ProviderError::new(ProviderErrorKind::ImagePull, format!("pulling image {image:?}: {}", s.message()))
+        })?;
+        Ok(PreparedImage { image_id: answer.image_ref })
+    }
+
+    async fn start_container(&self, launch: &ContainerLaunch) -> Result<ContainerId, ProviderError> {
+        let sandbox_id = self.sandbox(launch).await?;
+        let log_directory = launch.log_path.parent().and_then(Path::parent).map(|p| p.display().to_string());
+        let request = cri::CreateContainerRequest {
+            pod_sandbox_id: sandbox_id.clone(),
+            config: Some(container_config(launch)),
+            sandbox_config: Some(sandbox_config(&launch.pod, log_directory.unwrap_or_default())),
+        };
+        let mut runtime = self.runtime().await?;
+        let created = self.call(runtime.create_container(request)).await.map_err(|s| {
+            ProviderError::new(ProviderErrorKind::CannotRun, format!("CreateContainer: {}", describe(&s)))
+        })?;
+        let id = created.container_id;
+        self.call(runtime.start_container(cri::StartContainerRequest { container_id: id.clone() })).await.map_err(
+            |s| ProviderError::new(ProviderErrorKind::CannotRun, format!("StartContainer: {}", s.message())),
+        )?;
+        tracing::info!(container = %launch.container.name, %id, sandbox = %sandbox_id, "container started");
+        Ok(ContainerId(id))
+    }
+
+    async fn wait_container(&self, id: &ContainerId) -> Result<ContainerExit, ProviderError> {
+        struct Waiting<'a>(&'a Inner, &'a str);
+        impl Drop for Waiting<'_> {
+            fn drop(&mut self) {
+                self.0.waited.lock().unwrap_or_else(|p| p.into_inner()).remove(self.1);
+            }
+        }
+        self.inner.waited.lock().unwrap_or_else(|p| p.into_inner()).insert(id.0.clone());
+        let _waiting = Waiting(&self.inner, &id.0);
+        self.ensure_relist();
+        let mut relisted = self.inner.relisted.subscribe();
+        loop {
+            let status = self.status(&id.0).await?;
+            if status.state == cri::ContainerState::ContainerExited as i32 {
+                let reason = Some(status.reason.clone()).filter(|r| !r.is_empty() && r != "Completed" && r != "Error");
+                return Ok(ContainerExit {
+                    exit_code: status.exit_code,
+                    reason,
+                    message: Some(status.message).filter(|m| !m.is_empty()),
+                    finished_at: timestamp(status.finished_at),
+                });
+            }
+            // Until a relist no longer shows it running.
+            loop {
+                if relisted.changed().await.is_err() {
+                    return Err(ProviderError::new(ProviderErrorKind::Other, "the provider is gone"));
+                }
+                if !relisted.borrow_and_update().1.contains(&id.0) {
+                    break;
+                }
+            }
+        }
+    }
+
+    async fn stop_container(&self, id: &ContainerId, grace: Duration) -> Result<(), ProviderError> {
+        let mut runtime = self.runtime().await?;
+        let timeout = i64::try_from(grace.as_secs() + u64::from(grace.subsec_nanos() > 0)).unwrap_or(i64::MAX);
+        let request = cri::StopContainerRequest { container_id: id.0.clone(), timeout };
+        match self.call_within(self.inner.config.call_timeout + grace, runtime.stop_container(request)).await {
+            Ok(_) => Ok(()),
+            Err(s) if s.code() == tonic::Code::NotFound => Ok(()),
+            Err(s) => Err(other("StopContainer", &s)),
+        }
+    }
+
+    async fn running_containers(&self) -> Result<Vec<RunningContainer>, ProviderError> {
+        let mut runtime = self.runtime().await?;
+        let filter = cri::ContainerFilter {
+            state: Some(cri::ContainerStateValue { state: cri::ContainerState::ContainerRunning as i32 }),
+            ..Default::default()
+        };
+        let listed = self
+            .call(runtime.list_containers(cri::ListContainersRequest { filter: Some(filter) }))
+            .await
+            .map_err(|s| other("ListContainers", &s))?;
+        let mut running = Vec::new();
+        for container in listed.containers {
+            let Some(uid) = container.labels.get(POD_UID_LABEL).cloned() else { continue };
+            let name = container.metadata.as_ref().map(|m| m.name.clone()).unwrap_or_default();
+            let restart_count = container
+                .annotations
+                .get(RESTART_COUNT_ANNOTATION)
+                .and_then(|c| c.parse().ok())
+                .or(container.metadata.as_ref().map(|m| m.attempt))
+                .unwrap_or(0);
+            let started_at = match self.status(&container.id).await {
+                Ok(status) => timestamp(status.started_at),
+                Err(_) => timestamp(container.created_at),
+            };
+            // Its sandbox is the pod's.
+            let entry = {
+                let mut sandboxes = self.inner.sandboxes.lock().unwrap_or_else(|p| p.into_inner());
+                Arc::clone(sandboxes.entry(uid.clone()).or_default())
+            };
+            entry.lock().await.get_or_insert_with(|| container.pod_sandbox_id.clone());
+            running.push(RunningContainer {
+                id: ContainerId(container.id),
+                pod_uid: uid,
+                container_name: name,
+                restart_count,
+                started_at,
+            });
+        }
+        Ok(running)
+    }
+
+    async fn remove_pod(&self, pod_uid: &str) -> Result<(), ProviderError> {
+        self.inner.sandboxes.lock().unwrap_or_else(|p| p.into_inner()).remove(pod_uid);
+        let mut runtime = self.runtime().await?;
+        let filter = cri::PodSandboxFilter {
+            label_selector: HashMap::from([(POD_UID_LABEL.to_owned(), pod_uid.to_owned())]),
+            ..Default::default()
+        };
+        let listed = self
+            .call(runtime.list_pod_sandbox(cri::ListPodSandboxRequest { filter: Some(filter) }))
+            .await
+            .map_err(|s| other("ListPodSandbox", &s))?;
+        for sandbox in listed.items {
+            let id = sandbox.id;
+            self.call(runtime.stop_pod_sandbox(cri::StopPodSandboxRequest { pod_sandbox_id: id.clone() }))
+                .await
+                .map_err(|s| other("StopPodSandbox", &s))?;
+            self.call(runtime.remove_pod_sandbox(cri::RemovePodSandboxRequest { pod_sandbox_id: id.clone() }))
+                .await
+                .map_err(|s| other("RemovePodSandbox", &s))?;
+            tracing::info!(pod.uid = %pod_uid, sandbox = %id, "pod sandbox removed");
+        }
+        Ok(())
+    }
+
+    fn node_labels(&self) -> BTreeMap<String, String> {
+        BTreeMap::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn container(resources: serde_json::Value) -> Container {
+        serde_json::from_value(serde_json::json!({"name": "c", "image": "busybox", "resources": resources}))
+            .expect("container")
+    }
+
+    #[test]
+    fn resources_follow_upstream() {
+        let limited = resources(&container(
+            serde_json::json!({"requests": {"cpu": "250m"}, "limits": {"cpu": "500m", "memory": "16Mi"}}),
+        ));
+        assert_eq!((limited.cpu_shares, limited.cpu_period, limited.cpu_quota), (256, 100_000, 50_000));
+        assert_eq!(limited.memory_limit_in_bytes, 16 << 20);
+        let none = resources(&container(serde_json::json!({})));
+        assert_eq!((none.cpu_shares, none.cpu_period, none.cpu_quota, none.memory_limit_in_bytes), (2, 0, 0, 0));
+        // A limit alone is the request too.
+        let limit_only = resources(&container(serde_json::json!({"limits": {"cpu": "2"}})));
+        assert_eq!((limit_only.cpu_shares, limit_only.cpu_quota), (2048, 200_000));
+    }
+}
