@@ -27,6 +27,7 @@ pub mod plugin_manager;
 pub mod pod;
 pub mod provider;
 pub mod retry;
+pub mod runtime_class;
 pub mod static_pods;
 pub mod volume;
 

@@ -177,6 +177,12 @@ pub(crate) struct NodeArgs {
     /// API requests at once at most before `--kube-api-qps` applies.
     #[arg(long, default_value_t = kubelet::cluster::rate_limit::DEFAULT_BURST)]
     pub(crate) kube_api_burst: u32,
+    /// Run Linux containers through this CRI endpoint (e.g.
+    /// `unix:///run/containerd/containerd.sock`): it becomes the node's
+    /// default runtime, and pods of RuntimeClass handler `wasmtime` run on
+    /// WebAssembly beside them. Without it the node runs WebAssembly only.
+    #[arg(long, value_name = "ENDPOINT")]
+    pub(crate) container_runtime_endpoint: Option<String>,
     /// The node's IPs (one, or one per family), comma-separated: the Node's
     /// InternalIP addresses and the pods' hostIP/podIP. Default in cluster
     /// mode: the address of the host name, else of the default route.

@@ -52,6 +52,7 @@ pub(crate) async fn run(args: DemoArgs, signals: HealthReporter, shutdown: Cance
         register_with_taints: Vec::new(),
         kube_api_qps: kubelet::cluster::rate_limit::DEFAULT_QPS,
         kube_api_burst: kubelet::cluster::rate_limit::DEFAULT_BURST,
+        container_runtime_endpoint: None,
         node_ip: Vec::new(),
     };
     let node = crate::node::start(&node_args, &signals, shutdown.clone()).await?;

@@ -78,16 +78,37 @@ pub(crate) async fn start(
     if let Err(error) = rlimit::increase_nofile_limit(u64::MAX) {
         tracing::warn!(%error, "cannot raise the open-file limit");
     }
-    let provider = rustlet_wasi::WasiProvider::new(rustlet_wasi::WasiConfig::new(&args.root_dir))
-        .map_err(|e| anyhow::anyhow!("the WebAssembly provider cannot start: {e}"))?;
-    let mut builder =
-        NodeBuilder::new(config(args)).provider(std::sync::Arc::new(provider)).health_check("signal-handler", signals);
+    let wasm: std::sync::Arc<dyn kubelet::provider::Provider> = std::sync::Arc::new(
+        rustlet_wasi::WasiProvider::new(rustlet_wasi::WasiConfig::new(&args.root_dir))
+            .map_err(|e| anyhow::anyhow!("the WebAssembly provider cannot start: {e}"))?,
+    );
+    let provider = match &args.container_runtime_endpoint {
+        None => wasm,
+        Some(endpoint) => {
+            let cri = rustlet_cri::CriProvider::new(rustlet_cri::CriConfig::new(endpoint.clone()));
+            match cri.version().await {
+                Ok((name, version)) => tracing::info!(%endpoint, runtime = %name, %version, "container runtime"),
+                Err(error) => tracing::warn!(%endpoint, %error, "the container runtime does not answer yet"),
+            }
+            std::sync::Arc::new(
+                kubelet::runtime_class::RuntimeClasses::new(DEFAULT_RUNTIME_HANDLER, std::sync::Arc::new(cri))
+                    .with_handler(WASM_RUNTIME_HANDLER, wasm),
+            )
+        }
+    };
+    let mut builder = NodeBuilder::new(config(args)).provider(provider).health_check("signal-handler", signals);
     if let Some(settings) = cluster(args) {
         builder = builder.cluster(settings);
     }
     let node = builder.start(shutdown).await?;
     Ok(node)
 }
+
+/// The handler of the container runtime's own default (containerd's runc).
+const DEFAULT_RUNTIME_HANDLER: &str = "runc";
+
+/// The RuntimeClass handler of WebAssembly pods beside a container runtime.
+const WASM_RUNTIME_HANDLER: &str = "wasmtime";
 
 /// `rustlet --standalone`: runs until a signal.
 pub(crate) async fn run(args: NodeArgs, signals: HealthReporter, shutdown: CancellationToken) -> anyhow::Result<()> {

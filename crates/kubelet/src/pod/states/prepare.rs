@@ -61,16 +61,27 @@ impl State<PodLifecycle> for ImagePull {
                     let mut backoff = self.backoff.clone();
                     let delay =
                         backoff.fail(&ctx.machine.config.image_backoff, std::time::Duration::ZERO, Instant::now());
+                    // A container the node cannot run as configured (its
+                    // RuntimeClass has no runtime here, say) is not an image
+                    // problem: it keeps its reason through the backoff.
+                    let config_error = error.kind == crate::provider::ProviderErrorKind::Config;
+                    let reason = if config_error { "CreateContainerConfigError" } else { "ErrImagePull" };
                     if let Some(record) = ctx.data.containers.get_mut(&name) {
                         record.phase = crate::pod::ContainerPhase::Waiting {
-                            reason: "ErrImagePull".into(),
+                            reason: reason.into(),
                             message: Some(error.message.clone()),
                         };
                     }
                     ctx.report(pod_status(&ctx.data, Stage::Pending));
                     return Transition::next(
                         &*self,
-                        ImagePullBackOff { backoff, container: name, image: spec.image.unwrap_or_default(), delay },
+                        ImagePullBackOff {
+                            backoff,
+                            container: name,
+                            image: spec.image.unwrap_or_default(),
+                            delay,
+                            config_error,
+                        },
                     );
                 }
             }
@@ -89,6 +100,9 @@ pub struct ImagePullBackOff {
     container: String,
     image: String,
     delay: std::time::Duration,
+    /// The failure was the container's configuration, not the pull: its
+    /// reason and message stay as they are.
+    config_error: bool,
 }
 
 #[async_trait::async_trait]
@@ -104,6 +118,9 @@ impl State<PodLifecycle> for ImagePullBackOff {
 
     fn status(&self, ctx: &Context<PodLifecycle>) -> PodStatus {
         let mut status = pod_status(&ctx.data, Stage::Pending);
+        if self.config_error {
+            return status;
+        }
         for s in status.container_statuses.iter_mut().chain(status.init_container_statuses.iter_mut()).flatten() {
             if s.name == self.container
                 && let Some(waiting) = s.state.as_mut().and_then(|st| st.waiting.as_mut())

@@ -1,0 +1,191 @@
+//! One node, several runtimes: a [`Provider`] that hands each pod to the
+//! provider of its RuntimeClass's handler, and every other pod to a default
+//! one (the kubelet's `--container-runtime-endpoint` with RuntimeClass
+//! handlers).
+//!
+//! A pod's handler is its `spec.runtimeClassName`: standalone, the class
+//! name is the handler; in cluster mode the RuntimeClass object names the
+//! handler, and [`RuntimeClasses::set_handler`] records it. A class that
+//! maps to no provider fails the pod's container with a clear reason
+//! (`CreateContainerConfigError`), as a missing RuntimeClass fails it
+//! upstream.
+//!
+//! Containers are routed back by their ids: each id is remembered with the
+//! provider that started it (and, after a restart of the node, with the one
+//! that listed it running). The node's labels and taints are the default
+//! provider's.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use k8s_openapi::api::core::v1::{Container, Pod, Taint};
+
+use crate::provider::{
+    ContainerExit, ContainerId, ContainerLaunch, PreparedImage, Provider, ProviderError, ProviderErrorKind,
+    PullSecrets, RunningContainer,
+};
+
+/// The pod UID and the provider of a container.
+type Owner = (String, Arc<dyn Provider>);
+
+/// Providers by RuntimeClass handler, and a default.
+pub struct RuntimeClasses {
+    default: Arc<dyn Provider>,
+    default_name: String,
+    handlers: BTreeMap<String, Arc<dyn Provider>>,
+    /// RuntimeClass name → handler, where they differ (cluster mode).
+    classes: RwLock<BTreeMap<String, String>>,
+    /// Which provider started (or runs) each container, and its pod's UID
+    /// (forgotten when the pod is removed).
+    owners: Mutex<HashMap<ContainerId, Owner>>,
+}
+
+impl std::fmt::Debug for RuntimeClasses {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RuntimeClasses")
+            .field("default", &self.default_name)
+            .field("handlers", &self.handlers.keys().collect::<Vec<_>>())
+            .finish_non_exhaustive()
+    }
+}
+
+impl RuntimeClasses {
+    /// Pods without a runtime class run on `default` (named `name` in
+    /// messages and `runtime_of`).
+    pub fn new(name: &str, default: Arc<dyn Provider>) -> RuntimeClasses {
+        RuntimeClasses {
+            default,
+            default_name: name.to_owned(),
+            handlers: BTreeMap::new(),
+            classes: RwLock::default(),
+            owners: Mutex::default(),
+        }
+    }
+
+    /// Pods whose runtime class has handler `handler` run on `provider`.
+    pub fn with_handler(mut self, handler: &str, provider: Arc<dyn Provider>) -> RuntimeClasses {
+        self.handlers.insert(handler.to_owned(), provider);
+        self
+    }
+
+    /// The RuntimeClass `class` names handler `handler` (from the API).
+    pub fn set_handler(&self, class: &str, handler: &str) {
+        self.classes.write().unwrap_or_else(|p| p.into_inner()).insert(class.to_owned(), handler.to_owned());
+    }
+
+    /// The handler that runs `pod`: the default provider's name, or its
+    /// class's handler.
+    pub fn runtime_of(&self, pod: &Pod) -> String {
+        match pod.spec.as_ref().and_then(|s| s.runtime_class_name.as_deref()) {
+            None => self.default_name.clone(),
+            Some(class) => self.handler_of(class),
+        }
+    }
+
+    fn handler_of(&self, class: &str) -> String {
+        self.classes.read().unwrap_or_else(|p| p.into_inner()).get(class).cloned().unwrap_or_else(|| class.to_owned())
+    }
+
+    fn provider_for(&self, pod: &Pod) -> Result<Arc<dyn Provider>, ProviderError> {
+        let Some(class) = pod.spec.as_ref().and_then(|s| s.runtime_class_name.as_deref()) else {
+            return Ok(Arc::clone(&self.default));
+        };
+        let handler = self.handler_of(class);
+        if handler == self.default_name {
+            return Ok(Arc::clone(&self.default));
+        }
+        self.handlers.get(&handler).cloned().ok_or_else(|| {
+            let known: Vec<&str> =
+                std::iter::once(self.default_name.as_str()).chain(self.handlers.keys().map(String::as_str)).collect();
+            ProviderError::new(
+                ProviderErrorKind::Config,
+                format!(
+                    "RuntimeClass {class:?} (handler {handler:?}) has no runtime on this node; it runs {}",
+                    known.join(", ")
+                ),
+            )
+        })
+    }
+
+    fn owner(&self, id: &ContainerId) -> Result<Arc<dyn Provider>, ProviderError> {
+        self.owners
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(id)
+            .map(|(_, provider)| Arc::clone(provider))
+            .ok_or_else(|| ProviderError::new(ProviderErrorKind::NotFound, format!("no runtime knows container {id}")))
+    }
+
+    fn all(&self) -> impl Iterator<Item = &Arc<dyn Provider>> {
+        std::iter::once(&self.default).chain(self.handlers.values())
+    }
+}
+
+#[async_trait]
+impl Provider for RuntimeClasses {
+    async fn prepare_image(&self, pod: &Pod, container: &Container) -> Result<PreparedImage, ProviderError> {
+        self.provider_for(pod)?.prepare_image(pod, container).await
+    }
+
+    async fn prepare_image_with_secrets(
+        &self,
+        pod: &Pod,
+        container: &Container,
+        secrets: &PullSecrets,
+    ) -> Result<PreparedImage, ProviderError> {
+        self.provider_for(pod)?.prepare_image_with_secrets(pod, container, secrets).await
+    }
+
+    async fn start_container(&self, launch: &ContainerLaunch) -> Result<ContainerId, ProviderError> {
+        let provider = self.provider_for(&launch.pod)?;
+        let id = provider.start_container(launch).await?;
+        let uid = launch.pod.metadata.uid.clone().unwrap_or_default();
+        self.owners.lock().unwrap_or_else(|p| p.into_inner()).insert(id.clone(), (uid, provider));
+        Ok(id)
+    }
+
+    async fn wait_container(&self, id: &ContainerId) -> Result<ContainerExit, ProviderError> {
+        self.owner(id)?.wait_container(id).await
+    }
+
+    async fn stop_container(&self, id: &ContainerId, grace: Duration) -> Result<(), ProviderError> {
+        self.owner(id)?.stop_container(id, grace).await
+    }
+
+    async fn running_containers(&self) -> Result<Vec<RunningContainer>, ProviderError> {
+        let mut running = Vec::new();
+        for provider in self.all() {
+            for container in provider.running_containers().await? {
+                let owner = (container.pod_uid.clone(), Arc::clone(provider));
+                self.owners.lock().unwrap_or_else(|p| p.into_inner()).insert(container.id.clone(), owner);
+                running.push(container);
+            }
+        }
+        Ok(running)
+    }
+
+    async fn remove_pod(&self, pod_uid: &str) -> Result<(), ProviderError> {
+        self.owners.lock().unwrap_or_else(|p| p.into_inner()).retain(|_, (uid, _)| uid != pod_uid);
+        let mut failures = Vec::new();
+        for provider in self.all() {
+            if let Err(error) = provider.remove_pod(pod_uid).await {
+                failures.push(error.message);
+            }
+        }
+        if failures.is_empty() {
+            Ok(())
+        } else {
+            Err(ProviderError::new(ProviderErrorKind::Other, failures.join("; ")))
+        }
+    }
+
+    fn node_labels(&self) -> BTreeMap<String, String> {
+        self.default.node_labels()
+    }
+
+    fn node_taints(&self) -> Vec<Taint> {
+        self.default.node_taints()
+    }
+}

@@ -1,0 +1,132 @@
+//! The binary with `--container-runtime-endpoint`: Linux containers through
+//! a real containerd (private to this test binary, see
+//! `rustlet_testkit::containerd`) beside WebAssembly pods on one node.
+
+use std::path::Path;
+use std::time::Duration;
+
+use rustlet_testkit::containerd::{Containerd, push_busybox};
+use rustlet_testkit::node_process::{NodeProcess, http_get};
+use rustlet_testkit::registry::Registry;
+use serde_json::Value;
+use tokio::process::Command;
+
+/// A liveness bound: a pull and two starts take a second or two here.
+const SOON: Duration = Duration::from_secs(120);
+
+/// The pods the node at `address` serves, by name.
+async fn pods(address: &str) -> Vec<Value> {
+    let (code, body) = http_get(address, "/pods").await;
+    assert_eq!(code, 200, "{body}");
+    let list: Value = serde_json::from_str(&body).expect("a PodList");
+    list["items"].as_array().cloned().unwrap_or_default()
+}
+
+fn running(pod: &Value) -> bool {
+    pod["status"]["containerStatuses"][0]["state"]["running"].is_object()
+}
+
+#[tokio::test]
+async fn a_container_pod_and_a_webassembly_pod_run_on_one_node() {
+    let Some(containerd) = Containerd::shared("a_container_pod_and_a_webassembly_pod_run_on_one_node") else {
+        return;
+    };
+    let registry = Registry::start().await.expect("registry");
+    containerd.trust_registry(&registry.host());
+    let image = push_busybox(&registry, "test/busybox", "v1", &[], &["sh"]).await.expect("push");
+    let root = tempfile::tempdir().expect("tempdir");
+    rustlet_testkit::node_process::import_example(
+        Path::new(env!("CARGO_BIN_EXE_rustlet")),
+        root.path(),
+        "example.com/test",
+        "sleep",
+    )
+    .await;
+    let manifests = root.path().join("manifests");
+    std::fs::create_dir_all(&manifests).expect("mkdir");
+    let manifest = format!(
+        "apiVersion: v1
+kind: Pod
+metadata: {{name: box}}
+spec:
+  containers:
+  - name: main
+    image: {image}
+    command: [sh, -c, 'echo container says hi; exec sleep 600']
+---
+apiVersion: v1
+kind: Pod
+metadata: {{name: wasm}}
+spec:
+  runtimeClassName: wasmtime
+  containers:
+  - {{name: main, image: 'example.com/test/sleep:v1', imagePullPolicy: Never}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {{name: unknown-class}}
+spec:
+  runtimeClassName: kata
+  containers:
+  - {{name: main, image: {image}}}
+"
+    );
+    std::fs::write(manifests.join("pods.yaml"), manifest).expect("write");
+    let mut command = Command::new(env!("CARGO_BIN_EXE_rustlet"));
+    command
+        .env("RUSTLET_LOG", "info")
+        .env_remove("RUSTLET_ROOT_DIR")
+        .arg("--standalone")
+        .arg("--root-dir")
+        .arg(root.path())
+        .arg("--pod-manifest-path")
+        .arg(&manifests)
+        .args(["--node-name", "mixed", "--healthz-port", "0"])
+        .arg("--container-runtime-endpoint")
+        .arg(containerd.endpoint());
+    let mut node = NodeProcess::start(command);
+    let runtime = node.line_with("container runtime").await;
+    assert!(runtime.contains("runtime=containerd"), "{runtime}");
+    let address = node.http_address().await;
+
+    // Both start (two starts logged); their statuses follow at once. The
+    // pod whose class has no runtime here says so.
+    node.line_with("container started").await;
+    node.line_with("container started").await;
+    let deadline = tokio::time::Instant::now() + SOON;
+    let listed = loop {
+        let listed = pods(&address).await;
+        let named = |name: &str| listed.iter().find(|p| p["metadata"]["name"] == name).cloned();
+        let unknown_says = named("unknown-class-mixed").is_some_and(|p| {
+            p["status"]["containerStatuses"][0]["state"]["waiting"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("RuntimeClass \"kata\""))
+        });
+        if named("box-mixed").is_some_and(|p| running(&p))
+            && named("wasm-mixed").is_some_and(|p| running(&p))
+            && unknown_says
+        {
+            break listed;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "not as expected: {listed:#?}\n{}", containerd.log());
+        // The status is a few milliseconds behind the log line.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let id = |name: &str| {
+        listed.iter().find(|p| p["metadata"]["name"] == name).expect("pod")["status"]["containerStatuses"][0]["containerID"]
+            .clone()
+    };
+    assert_ne!(id("box-mixed"), id("wasm-mixed"));
+    // The container's output is where `rustlet logs` reads it.
+    let root_dir = root.path().to_str().expect("utf8");
+    let output = Command::new(env!("CARGO_BIN_EXE_rustlet"))
+        .args(["logs", "box-mixed", "--root-dir", root_dir])
+        .output()
+        .await
+        .expect("rustlet logs");
+    assert_eq!(String::from_utf8_lossy(&output.stdout), "container says hi\n");
+
+    // Removing the manifests removes both pods and the sandbox.
+    std::fs::remove_file(manifests.join("pods.yaml")).expect("rm");
+    node.line_with("pod sandbox removed").await;
+}
