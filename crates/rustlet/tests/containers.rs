@@ -26,6 +26,79 @@ fn running(pod: &Value) -> bool {
     pod["status"]["containerStatuses"][0]["state"]["running"].is_object()
 }
 
+/// `rustlet --standalone` as node `mixed` on `containerd`, with static
+/// pods from `manifests`.
+fn node_command(root: &Path, manifests: &Path, containerd: &Containerd) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_rustlet"));
+    command
+        .env("RUSTLET_LOG", "info")
+        .env_remove("RUSTLET_ROOT_DIR")
+        .arg("--standalone")
+        .arg("--root-dir")
+        .arg(root)
+        .arg("--pod-manifest-path")
+        .arg(manifests)
+        .args(["--node-name", "mixed", "--healthz-port", "0"])
+        .arg("--container-runtime-endpoint")
+        .arg(containerd.endpoint());
+    command
+}
+
+/// Polls the node's `/pods` until pod `name` satisfies `pred` (its status
+/// trails the log line the test waited on by milliseconds).
+async fn wait_pod(address: &str, name: &str, pred: impl Fn(&Value) -> bool) -> Value {
+    let deadline = tokio::time::Instant::now() + SOON;
+    loop {
+        let listed = pods(address).await;
+        if let Some(pod) = listed.iter().find(|p| p["metadata"]["name"] == name && pred(p)) {
+            return pod.clone();
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{name} not as expected: {listed:#?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// `kill -9` of the node while a container runs: the container keeps
+/// running in containerd and the restarted node adopts it (same container,
+/// same start, restart count 0) instead of starting another.
+#[tokio::test]
+async fn a_killed_node_adopts_its_running_containers() {
+    let Some(containerd) = Containerd::shared("a_killed_node_adopts_its_running_containers") else {
+        return;
+    };
+    let registry = Registry::start().await.expect("registry");
+    containerd.trust_registry(&registry.host());
+    let image = push_busybox(&registry, "test/busybox", "v1", &[], &["sh"]).await.expect("push");
+    let root = tempfile::tempdir().expect("tempdir");
+    let manifests = root.path().join("manifests");
+    std::fs::create_dir_all(&manifests).expect("mkdir");
+    let manifest = format!(
+        "apiVersion: v1\nkind: Pod\nmetadata: {{name: steady}}\nspec:\n  containers:\n  - name: main\n    image: {image}\n    command: [sh, -c, 'exec sleep 600']\n"
+    );
+    std::fs::write(manifests.join("steady.yaml"), manifest).expect("write");
+    let mut node = NodeProcess::start(node_command(root.path(), &manifests, containerd));
+    let address = node.http_address().await;
+    node.line_with("container started").await;
+    let first = wait_pod(&address, "steady-mixed", running).await;
+    let status = |pod: &Value| {
+        let status = &pod["status"]["containerStatuses"][0];
+        (status["containerID"].clone(), status["state"]["running"]["startedAt"].clone(), status["restartCount"].clone())
+    };
+    let before = status(&first);
+
+    node.child.kill().await.expect("kill -9");
+    let mut node = NodeProcess::start(node_command(root.path(), &manifests, containerd));
+    // Adoption and the endpoint come up in either order.
+    node.lines_with_all(&["container adopted, not restarted", "node started"]).await;
+    let endpoint = std::fs::read_to_string(root.path().join("rustlet-endpoint")).expect("the endpoint file");
+    let address = endpoint.trim().trim_start_matches("http://").to_owned();
+    let again = wait_pod(&address, "steady-mixed", running).await;
+    assert_eq!(status(&again), before, "the same container, never restarted");
+
+    std::fs::remove_file(manifests.join("steady.yaml")).expect("rm");
+    node.line_with("pod sandbox removed").await;
+}
+
 #[tokio::test]
 async fn a_container_pod_and_a_webassembly_pod_run_on_one_node() {
     let Some(containerd) = Containerd::shared("a_container_pod_and_a_webassembly_pod_run_on_one_node") else {
@@ -72,19 +145,7 @@ spec:
 "
     );
     std::fs::write(manifests.join("pods.yaml"), manifest).expect("write");
-    let mut command = Command::new(env!("CARGO_BIN_EXE_rustlet"));
-    command
-        .env("RUSTLET_LOG", "info")
-        .env_remove("RUSTLET_ROOT_DIR")
-        .arg("--standalone")
-        .arg("--root-dir")
-        .arg(root.path())
-        .arg("--pod-manifest-path")
-        .arg(&manifests)
-        .args(["--node-name", "mixed", "--healthz-port", "0"])
-        .arg("--container-runtime-endpoint")
-        .arg(containerd.endpoint());
-    let mut node = NodeProcess::start(command);
+    let mut node = NodeProcess::start(node_command(root.path(), &manifests, containerd));
     let runtime = node.line_with("container runtime").await;
     assert!(runtime.contains("runtime=containerd"), "{runtime}");
     let address = node.http_address().await;
