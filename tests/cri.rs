@@ -102,6 +102,10 @@ async fn a_container_runs_to_its_exit_code_and_its_output_is_logged() {
     let terminated = status.state.as_ref().and_then(|s| s.terminated.as_ref()).expect("terminated");
     assert_eq!(terminated.exit_code, 3, "{status:?}");
     assert!(status.image_id.starts_with("sha256:"), "{status:?}");
+    // Its own network namespace, on the test's bridge.
+    let pod_ip: std::net::Ipv4Addr =
+        pod.status.as_ref().and_then(|s| s.pod_ip.as_deref()).expect("a pod IP").parse().expect("IPv4");
+    assert_eq!(pod_ip.octets()[0], 10, "{pod_ip}");
     let log = node.root.path().join("logs/pods/default_exits_cri-exits-1/main/0.log");
     let lines = decode_cri_log(&std::fs::read_to_string(&log).expect("the container's log"));
     assert_eq!(lines, ["hello from exits\n", "env from the spec\n"]);

@@ -262,6 +262,14 @@ pub trait Provider: Send + Sync + 'static {
     /// adopt what an earlier run of the node started).
     async fn running_containers(&self) -> Result<Vec<RunningContainer>, ProviderError>;
 
+    /// The pod's own IPs when the provider gives it a network of its own (a
+    /// CRI sandbox's); empty when the pod uses the node's (then its
+    /// `podIPs` are the node's).
+    async fn pod_ips(&self, pod_uid: &str) -> Vec<std::net::IpAddr> {
+        let _ = pod_uid;
+        Vec::new()
+    }
+
     /// Forgets what the provider keeps for a removed pod (after its
     /// containers are stopped).
     async fn remove_pod(&self, pod_uid: &str) -> Result<(), ProviderError> {

@@ -166,6 +166,16 @@ impl Provider for RuntimeClasses {
         Ok(running)
     }
 
+    async fn pod_ips(&self, pod_uid: &str) -> Vec<std::net::IpAddr> {
+        for provider in self.all() {
+            let ips = provider.pod_ips(pod_uid).await;
+            if !ips.is_empty() {
+                return ips;
+            }
+        }
+        Vec::new()
+    }
+
     async fn remove_pod(&self, pod_uid: &str) -> Result<(), ProviderError> {
         self.owners.lock().unwrap_or_else(|p| p.into_inner()).retain(|_, (uid, _)| uid != pod_uid);
         let mut failures = Vec::new();

@@ -573,6 +573,26 @@ impl Provider for CriProvider {
         Ok(running)
     }
 
+    async fn pod_ips(&self, pod_uid: &str) -> Vec<std::net::IpAddr> {
+        let entry = self.inner.sandboxes.lock().unwrap_or_else(|p| p.into_inner()).get(pod_uid).cloned();
+        let Some(entry) = entry else { return Vec::new() };
+        let Some(id) = entry.lock().await.clone() else { return Vec::new() };
+        let Ok(mut runtime) = self.runtime().await else { return Vec::new() };
+        let request = cri::PodSandboxStatusRequest { pod_sandbox_id: id.clone(), verbose: false };
+        let status = match self.call(runtime.pod_sandbox_status(request)).await {
+            Ok(answer) => answer.status,
+            Err(status) => {
+                tracing::warn!(pod.uid = %pod_uid, sandbox = %id, error = %describe(&status), "PodSandboxStatus failed");
+                None
+            }
+        };
+        let Some(network) = status.and_then(|s| s.network) else { return Vec::new() };
+        std::iter::once(network.ip)
+            .chain(network.additional_ips.into_iter().map(|ip| ip.ip))
+            .filter_map(|ip| ip.parse().ok())
+            .collect()
+    }
+
     async fn remove_pod(&self, pod_uid: &str) -> Result<(), ProviderError> {
         self.inner.sandboxes.lock().unwrap_or_else(|p| p.into_inner()).remove(pod_uid);
         let mut runtime = self.runtime().await?;

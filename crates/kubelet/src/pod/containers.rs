@@ -116,6 +116,9 @@ pub async fn start(
         retry: true,
     })?;
     tracing::info!(pod.uid = %uid, container = name, %id, restart = restart_count, "container started");
+    if data.pod_ips.is_empty() {
+        data.pod_ips = provider.pod_ips(&uid).await;
+    }
     if let Some(record) = data.containers.get_mut(name) {
         record.id = Some(id.clone());
         record.phase = ContainerPhase::Running { started_at: Timestamp::now() };

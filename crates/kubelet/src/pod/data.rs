@@ -193,6 +193,8 @@ pub struct PodData {
     /// Whether every init container has completed.
     pub initialized: bool,
     /// When the node took the pod on.
+    /// The pod's own IPs, from its provider (empty: the node's).
+    pub pod_ips: Vec<std::net::IpAddr>,
     pub start_time: Timestamp,
     /// A pod-level waiting message (a volume that cannot be prepared yet).
     pub pending_message: Option<String>,
@@ -238,6 +240,7 @@ impl PodData {
             volumes_ready: false,
             initialized: false,
             start_time,
+            pod_ips: Vec::new(),
             pending_message: None,
             verdict: None,
             exits,

@@ -135,6 +135,11 @@ pub fn pod_status(data: &PodData, stage: Stage) -> PodStatus {
         container_statuses: Some(apps.iter().map(|c| container_status(c)).collect()),
         start_time: Some(Time(data.start_time)),
         qos_class: Some(qos_class(data).to_owned()),
+        // The pod's own network, if its provider gave it one; else the
+        // node's IPs are filled in later.
+        pod_ip: data.pod_ips.first().map(ToString::to_string),
+        pod_ips: (!data.pod_ips.is_empty())
+            .then(|| data.pod_ips.iter().map(|ip| PodIP { ip: ip.to_string() }).collect()),
         ..PodStatus::default()
     }
 }
