@@ -5,6 +5,8 @@
 //! Needs root (containerd does); without it, or without containerd, the
 //! tests say why and skip, unless `RUSTLET_REQUIRE_CONTAINERD=1`.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -115,4 +117,159 @@ async fn a_container_runs_to_its_exit_code_and_its_output_is_logged() {
     assert!(gone.is_some(), "the pod was removed");
     let left = node.provider.running_containers().await.expect("list");
     assert!(left.iter().all(|c| c.pod_uid != "cri-exits-1"), "{left:?}");
+}
+
+impl CriNode {
+    /// Applies a pod named `name` (UID `uid`) with one container `main`
+    /// running `script` in the busybox image; `extra` is merged into the
+    /// pod's spec and `container` into the container's.
+    fn run(&self, name: &str, script: &str, extra: serde_json::Value, container: serde_json::Value) -> String {
+        let uid = format!("cri-{name}");
+        let mut main = serde_json::json!({"name": "main", "image": self.image, "command": ["sh", "-c", script]});
+        merge(&mut main, container);
+        let mut spec = serde_json::json!({"restartPolicy": "Never", "containers": [main]});
+        merge(&mut spec, extra);
+        let pod: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": name, "namespace": "default", "uid": uid},
+            "spec": spec,
+        }))
+        .expect("pod");
+        self.pods.apply(pod);
+        uid
+    }
+
+    /// Waits until pod `uid` satisfies `pred`.
+    async fn wait(&self, uid: &str, what: &str, pred: impl Fn(&Pod) -> bool) -> Pod {
+        let found = self.pods.store().wait_for(SOON, |pods| pods.get(uid).is_some_and(&pred)).await;
+        found
+            .and_then(|pods| pods.get(uid).cloned())
+            .unwrap_or_else(|| panic!("{uid} not {what}: {:#?}", self.pods.store().get(uid).and_then(|p| p.status)))
+    }
+
+    /// The lines container `main` of pod `name` (UID `uid`) wrote.
+    fn log(&self, name: &str, uid: &str) -> Vec<String> {
+        let path = self.root.path().join(format!("logs/pods/default_{name}_{uid}/main/0.log"));
+        decode_cri_log(&std::fs::read_to_string(&path).unwrap_or_default())
+    }
+}
+
+fn merge(into: &mut serde_json::Value, from: serde_json::Value) {
+    if let (Some(into), serde_json::Value::Object(from)) = (into.as_object_mut(), from) {
+        into.extend(from);
+    }
+}
+
+fn terminated(pod: &Pod) -> Option<k8s_openapi::api::core::v1::ContainerStateTerminated> {
+    pod.status.as_ref()?.container_statuses.as_ref()?.first()?.state.as_ref()?.terminated.clone()
+}
+
+fn running(pod: &Pod) -> bool {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.container_statuses.as_ref())
+        .and_then(|c| c.first())
+        .and_then(|c| c.state.as_ref())
+        .is_some_and(|s| s.running.is_some())
+}
+
+/// The pod's and the container's security contexts reach the container:
+/// its user and groups, a read-only root file system, dropped privileges.
+#[tokio::test]
+async fn the_security_context_reaches_the_container() {
+    let Some(containerd) = Containerd::shared("the_security_context_reaches_the_container") else { return };
+    let node = cri_node(containerd).await;
+    let uid = node.run(
+        "secure",
+        "id -u; id -g; id -G; touch /written 2>/dev/null && echo writable || echo read-only; \
+         grep NoNewPrivs /proc/self/status",
+        serde_json::json!({"securityContext": {"runAsUser": 1000, "runAsGroup": 3000, "supplementalGroups": [4000]}}),
+        serde_json::json!({"securityContext": {"readOnlyRootFilesystem": true, "allowPrivilegeEscalation": false}}),
+    );
+    let done = node.wait(&uid, "finished", |p| terminated(p).is_some()).await;
+    assert_eq!(terminated(&done).map(|t| t.exit_code), Some(0), "{:?}", node.log("secure", &uid));
+    let lines = node.log("secure", &uid);
+    let lines: Vec<&str> = lines.iter().map(|l| l.trim_end()).collect();
+    assert_eq!(lines[..3], ["1000", "3000", "3000 4000"], "{lines:?}");
+    assert_eq!(lines[3], "read-only");
+    assert!(lines[4].starts_with("NoNewPrivs:") && lines[4].ends_with('1'), "{lines:?}");
+}
+
+/// A container over its 16Mi memory limit is killed by the kernel:
+/// `OOMKilled`, exit code 137.
+#[tokio::test]
+async fn a_container_over_its_memory_limit_is_oom_killed() {
+    let Some(containerd) = Containerd::shared("a_container_over_its_memory_limit_is_oom_killed") else { return };
+    let node = cri_node(containerd).await;
+    let uid = node.run(
+        "hungry",
+        "a=$(head -c 200000000 /dev/urandom); echo survived",
+        serde_json::json!({}),
+        serde_json::json!({"resources": {"limits": {"memory": "16Mi"}}}),
+    );
+    let done = node.wait(&uid, "finished", |p| terminated(p).is_some()).await;
+    let end = terminated(&done).expect("terminated");
+    assert_eq!((end.exit_code, end.reason.as_deref()), (137, Some("OOMKilled")), "{end:?}");
+}
+
+/// Removal stops a container with SIGTERM within its grace period: one
+/// that exits on TERM ends at once with its own code; one that ignores
+/// TERM is killed when the grace period (1 s) runs out.
+#[tokio::test]
+async fn removal_stops_containers_with_term_then_kill_after_the_grace_period() {
+    let Some(containerd) = Containerd::shared("removal_stops_containers_with_term_then_kill_after_the_grace_period")
+    else {
+        return;
+    };
+    let node = cri_node(containerd).await;
+    let out = tempfile::tempdir().expect("tempdir");
+    let polite = node.run(
+        "polite",
+        "trap 'echo got TERM > /out/term; exit 0' TERM; echo ready; while :; do sleep 1 & wait $!; done",
+        serde_json::json!({
+            "terminationGracePeriodSeconds": 30,
+            "volumes": [{"name": "out", "hostPath": {"path": out.path().display().to_string(), "type": "Directory"}}],
+        }),
+        serde_json::json!({"volumeMounts": [{"name": "out", "mountPath": "/out"}]}),
+    );
+    let stubborn = node.run(
+        "stubborn",
+        "trap '' TERM; echo ready; while :; do sleep 1; done",
+        serde_json::json!({"terminationGracePeriodSeconds": 1}),
+        serde_json::json!({}),
+    );
+    for (name, uid) in [("polite", &polite), ("stubborn", &stubborn)] {
+        node.wait(uid, "Running", running).await;
+        let log = node.root.path().join(format!("logs/pods/default_{name}_{uid}/main/0.log"));
+        common::wait_file(&log, |t| t.contains("ready")).await;
+    }
+    node.pods.delete(&polite);
+    node.pods.delete(&stubborn);
+    let gone = node.pods.store().wait_for(SOON, |pods| pods.is_empty()).await;
+    assert!(gone.is_some(), "both pods were removed: {:#?}", node.pods.store().list());
+    let said = std::fs::read_to_string(out.path().join("term")).unwrap_or_default();
+    assert_eq!(said, "got TERM\n", "the polite container handled TERM");
+}
+
+/// An image in a registry that wants a password: refused without the pod's
+/// pull secret, pulled with it.
+#[tokio::test]
+async fn pull_secrets_are_the_registry_credentials() {
+    use kubelet::provider::PullSecrets;
+    let Some(containerd) = Containerd::shared("pull_secrets_are_the_registry_credentials") else { return };
+    let registry = Registry::start_with_auth("puller", "s3cret").await.expect("registry");
+    containerd.trust_registry(&registry.host());
+    let image = push_busybox(&registry, "private/busybox", "v1", &[], &["sh"]).await.expect("push");
+    let provider = CriProvider::new(CriConfig::new(containerd.endpoint()));
+    let pod: Pod = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "private", "namespace": "default", "uid": "cri-private"},
+        "spec": {"containers": [{"name": "main", "image": image, "imagePullPolicy": "Always"}]},
+    }))
+    .expect("pod");
+    let container = pod.spec.as_ref().expect("spec").containers[0].clone();
+    let refused = provider.prepare_image(&pod, &container).await.expect_err("no credentials");
+    assert!(refused.message.contains("pulling image"), "{refused}");
+    let config = serde_json::json!({"auths": {registry.host(): {"username": "puller", "password": "s3cret"}}});
+    let secrets = PullSecrets(vec![serde_json::to_vec(&config).expect("json")]);
+    let pulled = provider.prepare_image_with_secrets(&pod, &container, &secrets).await.expect("pulled with the secret");
+    assert!(pulled.image_id.starts_with("sha256:"), "{pulled:?}");
 }

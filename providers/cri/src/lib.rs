@@ -20,8 +20,14 @@
 //! After a node restart, [`Provider::running_containers`] lists the running
 //! containers by their labels and they are adopted, sandboxes included.
 //!
-//! Not yet (written down in docs/providers.md): pull secrets, security
-//! context, probes' ExecSync, the pod's IPs in its status, streaming.
+//! Security contexts follow the kubelet's derivation (see [`security`]);
+//! pull secrets become `PullImage`'s credentials (see [`auth`]).
+//!
+//! Not yet (written down in docs/providers.md): probes' ExecSync, DNS
+//! config, streaming.
+
+mod auth;
+mod security;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
@@ -33,7 +39,7 @@ use k8s_openapi::api::core::v1::{Container, Pod};
 use k8s_openapi::jiff::Timestamp;
 use kubelet::provider::{
     ContainerExit, ContainerId, ContainerLaunch, PreparedImage, Provider, ProviderError, ProviderErrorKind, PullPolicy,
-    RunningContainer,
+    PullSecrets, RunningContainer,
 };
 use kubelet_api::cri::v1 as cri;
 use kubelet_api::cri::v1::image_service_client::ImageServiceClient;
@@ -294,6 +300,26 @@ fn timestamp(nanos: i64) -> Timestamp {
     Timestamp::from_nanosecond(i128::from(nanos)).unwrap_or(Timestamp::UNIX_EPOCH)
 }
 
+/// The pod's namespaces: the node's where the spec asks, else the pod's
+/// own (PID per container unless `shareProcessNamespace`).
+fn namespaces(pod: &Pod) -> cri::NamespaceOption {
+    let spec = pod.spec.clone().unwrap_or_default();
+    let mode = |host: Option<bool>, otherwise: cri::NamespaceMode| {
+        if host.unwrap_or(false) { cri::NamespaceMode::Node as i32 } else { otherwise as i32 }
+    };
+    let pid = if spec.share_process_namespace.unwrap_or(false) {
+        cri::NamespaceMode::Pod
+    } else {
+        cri::NamespaceMode::Container
+    };
+    cri::NamespaceOption {
+        network: mode(spec.host_network, cri::NamespaceMode::Pod),
+        pid: mode(spec.host_pid, pid),
+        ipc: mode(spec.host_ipc, cri::NamespaceMode::Pod),
+        ..Default::default()
+    }
+}
+
 /// The sandbox config of `pod`, its logs under `log_directory`.
 fn sandbox_config(pod: &Pod, log_directory: String) -> cri::PodSandboxConfig {
     let meta = &pod.metadata;
@@ -307,9 +333,6 @@ fn sandbox_config(pod: &Pod, log_directory: String) -> cri::PodSandboxConfig {
     labels.insert(POD_NAMESPACE_LABEL.into(), namespace.clone());
     labels.insert(POD_UID_LABEL.into(), uid.clone());
     let annotations: HashMap<String, String> = meta.annotations.clone().unwrap_or_default().into_iter().collect();
-    let mode = |host: Option<bool>, otherwise: cri::NamespaceMode| {
-        if host.unwrap_or(false) { cri::NamespaceMode::Node as i32 } else { otherwise as i32 }
-    };
     let port_mappings = spec
         .containers
         .iter()
@@ -345,12 +368,8 @@ fn sandbox_config(pod: &Pod, log_directory: String) -> cri::PodSandboxConfig {
         linux: Some(cri::LinuxPodSandboxConfig {
             cgroup_parent: String::new(),
             security_context: Some(cri::LinuxSandboxSecurityContext {
-                namespace_options: Some(cri::NamespaceOption {
-                    network: mode(spec.host_network, cri::NamespaceMode::Pod),
-                    pid: mode(spec.host_pid, cri::NamespaceMode::Container),
-                    ipc: mode(spec.host_ipc, cri::NamespaceMode::Pod),
-                    ..Default::default()
-                }),
+                namespace_options: Some(namespaces(pod)),
+                privileged: security::has_privileged(pod),
                 ..Default::default()
             }),
             sysctls,
@@ -434,14 +453,26 @@ fn container_config(launch: &ContainerLaunch) -> cri::ContainerConfig {
         stdin: container.stdin.unwrap_or(false),
         stdin_once: container.stdin_once.unwrap_or(false),
         tty: container.tty.unwrap_or(false),
-        linux: Some(cri::LinuxContainerConfig { resources: Some(resources(container)), ..Default::default() }),
+        linux: Some(cri::LinuxContainerConfig {
+            resources: Some(resources(container)),
+            security_context: Some(security::security_context(pod, container, namespaces(pod))),
+        }),
         cdi_devices: options.cdi_devices.iter().map(|name| cri::CdiDevice { name: name.clone() }).collect(),
     }
 }
 
 #[async_trait]
 impl Provider for CriProvider {
-    async fn prepare_image(&self, _pod: &Pod, container: &Container) -> Result<PreparedImage, ProviderError> {
+    async fn prepare_image(&self, pod: &Pod, container: &Container) -> Result<PreparedImage, ProviderError> {
+        self.prepare_image_with_secrets(pod, container, &PullSecrets::default()).await
+    }
+
+    async fn prepare_image_with_secrets(
+        &self,
+        _pod: &Pod,
+        container: &Container,
+        secrets: &PullSecrets,
+    ) -> Result<PreparedImage, ProviderError> {
         let image = container.image.clone().unwrap_or_default();
         if image.is_empty() {
             return Err(ProviderError::new(ProviderErrorKind::Config, "the container has no image"));
@@ -460,7 +491,8 @@ impl Provider for CriProvider {
         }
         tracing::info!(%image, "pulling image");
         let mut images = self.images().await?;
-        let request = cri::PullImageRequest { image: Some(image_spec(&image)), auth: None, sandbox_config: None };
+        let auth = auth::auth_for(&image, &secrets.0);
+        let request = cri::PullImageRequest { image: Some(image_spec(&image)), auth, sandbox_config: None };
         let answer = self.call(images.pull_image(request)).await.map_err(|s| {
             ProviderError::new(ProviderErrorKind::ImagePull, format!("pulling image {image:?}: {}", s.message()))
         })?;
