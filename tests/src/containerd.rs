@@ -29,7 +29,11 @@ pub fn containerd_required() -> bool {
 pub struct Containerd {
     dir: PathBuf,
     socket: PathBuf,
-    _process: Child,
+    binary: PathBuf,
+    config_path: PathBuf,
+    log: PathBuf,
+    process: Child,
+    starts: usize,
     _lifeline: Option<ChildStdin>,
     _watcher: Option<Child>,
 }
@@ -73,8 +77,10 @@ impl Containerd {
         std::fs::create_dir_all(dir.join("cni")).map_err(|e| e.to_string())?;
         std::fs::create_dir_all(dir.join("certs.d")).map_err(|e| e.to_string())?;
         // A bridge of this containerd's own (its name and subnet from the
-        // process id, so that two test binaries never share one).
-        let n = std::process::id() % 200 + 20;
+        // process id and a count, so that two containerds never share one).
+        static STARTED: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let count = STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let n = (std::process::id() * 7 + count * 53) % 230 + 20;
         let cni = serde_json::json!({
             "cniVersion": "0.4.0",
             "name": format!("rustlet-test-{n}"),
@@ -118,20 +124,9 @@ state = "{state}"
         let config_path = dir.join("config.toml");
         std::fs::write(&config_path, config).map_err(|e| e.to_string())?;
         let log = dir.join("containerd.log");
-        let log_file = std::fs::File::create(&log).map_err(|e| e.to_string())?;
-        let err_file = log_file.try_clone().map_err(|e| e.to_string())?;
-        let process = Command::new(binary)
-            .arg("--config")
-            .arg(&config_path)
-            .stdin(Stdio::null())
-            .stdout(log_file)
-            .stderr(err_file)
-            .spawn()
-            .map_err(|e| format!("cannot start containerd: {e}"))?;
-        // When this test binary exits (its end of the pipe closes): kill
-        // containerd and the shims it started (they name its socket),
-        // unmount what is mounted under the dir, deepest first, remove it.
-        // Container processes first (by their cgroups, named by the task
+        let process = spawn(&binary, &config_path, &log)?;
+        // When this test binary exits (its end of the pipe closes), in
+        // order: container processes first (by their cgroups, named by the task
         // ids under the state dir), then containerd and its shims, then the
         // mounts under the dir (deepest first), the dir and the bridge.
         let cleanup = "for id in $(ls \"$1/state/io.containerd.runtime.v2.task/k8s.io\" 2>/dev/null); do \
@@ -139,31 +134,74 @@ state = "{state}"
                 [ -f \"$procs\" ] && kill -9 $(cat \"$procs\") 2>/dev/null; \
               done; \
             done; \
-            kill -9 \"$0\" 2>/dev/null; pkill -9 -f \"address $1/containerd.sock\" 2>/dev/null; sleep 0.2; \
+            kill -9 \"$0\" 2>/dev/null; pkill -9 -f \"$1/config.toml\" 2>/dev/null; \
+            pkill -9 -f \"address $1/containerd.sock\" 2>/dev/null; sleep 0.2; \
             grep -F \" $1\" /proc/self/mounts | cut -d' ' -f2 | sort -r | \
             while read -r m; do umount -l \"$m\" 2>/dev/null; done; rm -rf \"$1\"; ip link del \"$2\" 2>/dev/null";
         let (lifeline, watcher) = crate::process::when_this_process_exits(
             cleanup,
             &[process.id().to_string(), dir.display().to_string(), format!("rtl{n}")],
         );
-        let mut containerd = Containerd { dir, socket, _process: process, _lifeline: lifeline, _watcher: watcher };
-        containerd.wait_ready(&log)?;
+        let mut containerd = Containerd {
+            dir,
+            socket,
+            binary,
+            config_path,
+            log,
+            process,
+            starts: 1,
+            _lifeline: lifeline,
+            _watcher: watcher,
+        };
+        containerd.wait_ready()?;
         containerd.import_pause()?;
         Ok(containerd)
     }
 
-    fn wait_ready(&mut self, log: &Path) -> Result<(), String> {
+    /// A containerd of the caller's own (to stop and start again), unlike
+    /// [`Containerd::shared`]; `None` (after printing why `test` skips)
+    /// when it cannot run here and `RUSTLET_REQUIRE_CONTAINERD` is not `1`.
+    pub fn private(test: &str) -> Option<Containerd> {
+        match Containerd::start() {
+            Ok(containerd) => Some(containerd),
+            Err(reason) if containerd_required() => {
+                panic!("{test}: RUSTLET_REQUIRE_CONTAINERD=1 but no containerd: {reason}")
+            }
+            Err(reason) => {
+                eprintln!("SKIP {test}: no containerd: {reason}");
+                None
+            }
+        }
+    }
+
+    /// Stops containerd (its shims and containers go on, as when the
+    /// service stops).
+    pub fn stop(&mut self) {
+        let _ = Command::new("kill").arg(self.process.id().to_string()).status();
+        let _ = self.process.wait();
+    }
+
+    /// Starts containerd again, with the same config and state.
+    pub fn restart(&mut self) -> Result<(), String> {
+        self.starts += 1;
+        self.log = self.dir.join(format!("containerd-{}.log", self.starts));
+        self.process = spawn(&self.binary, &self.config_path, &self.log)?;
+        self.wait_ready()
+    }
+
+    fn wait_ready(&mut self) -> Result<(), String> {
+        let log = self.log.clone();
         let started = Instant::now();
         // The log line is containerd's own word that it serves; a liveness
         // bound, checked on every change of the log.
         let deadline = Duration::from_secs(60);
         loop {
-            let text = std::fs::read_to_string(log).unwrap_or_default();
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
             if text.contains("containerd successfully booted") && self.socket.exists() {
                 eprintln!("containerd ready in {:?} ({})", started.elapsed(), self.dir.display());
                 return Ok(());
             }
-            if let Ok(Some(status)) = self._process.try_wait() {
+            if let Ok(Some(status)) = self.process.try_wait() {
                 return Err(format!("containerd exited ({status}): {}", tail(&text)));
             }
             if started.elapsed() > deadline {
@@ -203,9 +241,9 @@ state = "{state}"
         &self.socket
     }
 
-    /// containerd's log so far (for failure messages).
+    /// containerd's log since its last start (for failure messages).
     pub fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.join("containerd.log")).unwrap_or_default()
+        std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
     /// Lets containerd pull from the registry at `host` (`127.0.0.1:port`)
@@ -218,6 +256,20 @@ state = "{state}"
         );
         std::fs::write(dir.join("hosts.toml"), hosts).expect("hosts.toml");
     }
+}
+
+/// Starts `binary --config config_path`, its output in `log`.
+fn spawn(binary: &Path, config_path: &Path, log: &Path) -> Result<Child, String> {
+    let log_file = std::fs::File::create(log).map_err(|e| e.to_string())?;
+    let err_file = log_file.try_clone().map_err(|e| e.to_string())?;
+    Command::new(binary)
+        .arg("--config")
+        .arg(config_path)
+        .stdin(Stdio::null())
+        .stdout(log_file)
+        .stderr(err_file)
+        .spawn()
+        .map_err(|e| format!("cannot start containerd: {e}"))
 }
 
 fn tail(text: &str) -> String {

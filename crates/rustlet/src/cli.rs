@@ -183,6 +183,10 @@ pub(crate) struct NodeArgs {
     /// WebAssembly beside them. Without it the node runs WebAssembly only.
     #[arg(long, value_name = "ENDPOINT")]
     pub(crate) container_runtime_endpoint: Option<String>,
+    /// How often the container runtime's status is read (`/healthz` check
+    /// `container-runtime`, and the Node's Ready condition).
+    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    pub(crate) runtime_status_period: Duration,
     /// The node's IPs (one, or one per family), comma-separated: the Node's
     /// InternalIP addresses and the pods' hostIP/podIP. Default in cluster
     /// mode: the address of the host name, else of the default route.

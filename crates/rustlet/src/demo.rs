@@ -53,6 +53,7 @@ pub(crate) async fn run(args: DemoArgs, signals: HealthReporter, shutdown: Cance
         kube_api_qps: kubelet::cluster::rate_limit::DEFAULT_QPS,
         kube_api_burst: kubelet::cluster::rate_limit::DEFAULT_BURST,
         container_runtime_endpoint: None,
+        runtime_status_period: std::time::Duration::from_secs(5),
         node_ip: Vec::new(),
     };
     let node = crate::node::start(&node_args, &signals, shutdown.clone()).await?;

@@ -82,10 +82,13 @@ pub(crate) async fn start(
         rustlet_wasi::WasiProvider::new(rustlet_wasi::WasiConfig::new(&args.root_dir))
             .map_err(|e| anyhow::anyhow!("the WebAssembly provider cannot start: {e}"))?,
     );
+    let runtime_health = kubelet::health::HealthReporter::new();
+    let mut cri_provider = None;
     let provider = match &args.container_runtime_endpoint {
         None => wasm,
         Some(endpoint) => {
             let cri = rustlet_cri::CriProvider::new(rustlet_cri::CriConfig::new(endpoint.clone()));
+            cri_provider = Some(cri.clone());
             match cri.version().await {
                 Ok((name, version)) => tracing::info!(%endpoint, runtime = %name, %version, "container runtime"),
                 Err(error) => tracing::warn!(%endpoint, %error, "the container runtime does not answer yet"),
@@ -97,6 +100,10 @@ pub(crate) async fn start(
         }
     };
     let mut builder = NodeBuilder::new(config(args)).provider(provider).health_check("signal-handler", signals);
+    if let Some(cri) = &cri_provider {
+        builder = builder.health_check("container-runtime", &runtime_health);
+        cri.watch_health(runtime_health.clone(), args.runtime_status_period, shutdown.clone());
+    }
     if let Some(settings) = cluster(args) {
         builder = builder.cluster(settings);
     }

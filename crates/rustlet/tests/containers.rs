@@ -73,7 +73,7 @@ async fn a_killed_node_adopts_its_running_containers() {
     let manifests = root.path().join("manifests");
     std::fs::create_dir_all(&manifests).expect("mkdir");
     let manifest = format!(
-        "apiVersion: v1\nkind: Pod\nmetadata: {{name: steady}}\nspec:\n  containers:\n  - name: main\n    image: {image}\n    command: [sh, -c, 'exec sleep 600']\n"
+        "apiVersion: v1\nkind: Pod\nmetadata: {{name: steady}}\nspec:\n  terminationGracePeriodSeconds: 1\n  containers:\n  - name: main\n    image: {image}\n    command: [sh, -c, 'exec sleep 600']\n"
     );
     std::fs::write(manifests.join("steady.yaml"), manifest).expect("write");
     let mut node = NodeProcess::start(node_command(root.path(), &manifests, containerd));
@@ -122,6 +122,7 @@ async fn a_container_pod_and_a_webassembly_pod_run_on_one_node() {
 kind: Pod
 metadata: {{name: box}}
 spec:
+  terminationGracePeriodSeconds: 1
   containers:
   - name: main
     image: {image}
@@ -190,4 +191,43 @@ spec:
     // Removing the manifests removes both pods and the sandbox.
     std::fs::remove_file(manifests.join("pods.yaml")).expect("rm");
     node.line_with("pod sandbox removed").await;
+}
+
+/// The runtime stops while the node runs: the `container-runtime` check
+/// of `/healthz` fails with upstream's words and the Node is not Ready;
+/// when it is back, both recover.
+#[tokio::test]
+async fn a_stopped_runtime_is_a_failing_check_and_a_node_not_ready() {
+    let Some(mut containerd) = Containerd::private("a_stopped_runtime_is_a_failing_check_and_a_node_not_ready") else {
+        return;
+    };
+    let root = tempfile::tempdir().expect("tempdir");
+    let manifests = root.path().join("manifests");
+    std::fs::create_dir_all(&manifests).expect("mkdir");
+    let mut command = node_command(root.path(), &manifests, &containerd);
+    command.args(["--runtime-status-period", "200ms"]);
+    let mut node = NodeProcess::start(command);
+    node.lines_with_all(&["container runtime is up", "node started"]).await;
+    let endpoint = std::fs::read_to_string(root.path().join("rustlet-endpoint")).expect("the endpoint file");
+    let address = endpoint.trim().trim_start_matches("http://").to_owned();
+    assert_eq!(http_get(&address, "/healthz").await, (200, "ok".to_owned()));
+
+    containerd.stop();
+    node.line_with("container runtime is not ready").await;
+    let (code, body) = http_get(&address, "/healthz").await;
+    assert_eq!(code, 500, "{body}");
+    assert!(body.contains("[-]container-runtime failed: container runtime is down"), "{body}");
+    let (_, node_json) = http_get(&address, "/node").await;
+    let node_object: Value = serde_json::from_str(&node_json).expect("a Node");
+    let ready = node_object["status"]["conditions"]
+        .as_array()
+        .and_then(|c| c.iter().find(|c| c["type"] == "Ready"))
+        .cloned()
+        .expect("Ready");
+    assert_eq!(ready["status"], "False", "{ready}");
+    assert!(ready["message"].as_str().is_some_and(|m| m.contains("container runtime is down")), "{ready}");
+
+    containerd.restart().expect("containerd again");
+    node.line_with("container runtime is up").await;
+    assert_eq!(http_get(&address, "/healthz").await, (200, "ok".to_owned()));
 }

@@ -141,6 +141,65 @@ impl CriProvider {
         Ok((answer.runtime_name, answer.runtime_version))
     }
 
+    /// The runtime's own word on its health (`Status`): `Ok` when its
+    /// `RuntimeReady` and `NetworkReady` conditions hold; else why not, in
+    /// upstream's words (`container runtime is down`, `container runtime
+    /// network not ready`).
+    pub async fn runtime_status(&self) -> Result<(), String> {
+        let mut runtime = self.runtime().await.map_err(|e| format!("container runtime is down: {}", e.message))?;
+        let status = self
+            .call_within(Duration::from_secs(10), runtime.status(cri::StatusRequest { verbose: false }))
+            .await
+            .map_err(|s| format!("container runtime is down: {}", describe(&s)))?;
+        let conditions = status.status.map(|s| s.conditions).unwrap_or_default();
+        let condition = |kind: &str| conditions.iter().find(|c| c.r#type == kind);
+        for (kind, what) in
+            [("RuntimeReady", "container runtime is down"), ("NetworkReady", "container runtime network not ready")]
+        {
+            match condition(kind) {
+                Some(c) if c.status => {}
+                Some(c) => return Err(format!("{what}: {kind}=false reason:{} message:{}", c.reason, c.message)),
+                None => return Err(format!("{what}: the runtime reports no {kind} condition")),
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks [`CriProvider::runtime_status`] every `period` until
+    /// `shutdown`, telling `reporter` (a `/healthz` check, so the Node's
+    /// Ready condition follows it); changes are logged.
+    pub fn watch_health(
+        &self,
+        reporter: kubelet::health::HealthReporter,
+        period: Duration,
+        shutdown: tokio_util::sync::CancellationToken,
+    ) -> tokio::task::JoinHandle<()> {
+        let provider = self.clone();
+        tokio::spawn(async move {
+            let mut last: Option<Result<(), String>> = None;
+            loop {
+                let now = provider.runtime_status().await;
+                if last.as_ref() != Some(&now) {
+                    match &now {
+                        Ok(()) => {
+                            tracing::info!(endpoint = %provider.inner.config.endpoint, "container runtime is up");
+                            reporter.healthy();
+                        }
+                        Err(reason) => {
+                            tracing::warn!(endpoint = %provider.inner.config.endpoint, %reason, "container runtime is not ready");
+                            reporter.failing(reason.clone());
+                        }
+                    }
+                    last = Some(now);
+                }
+                tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    () = tokio::time::sleep(period) => {}
+                }
+            }
+        })
+    }
+
     async fn channel(&self) -> Result<UdsChannel, ProviderError> {
         let mut channel = self.inner.channel.lock().await;
         if let Some(channel) = channel.as_ref() {
@@ -179,7 +238,7 @@ impl CriProvider {
         match tokio::time::timeout(timeout, call).await {
             Ok(Ok(answer)) => Ok(answer.into_inner()),
             Ok(Err(status)) => {
-                if status.code() == tonic::Code::Unavailable || status.code() == tonic::Code::Unknown {
+                if matches!(status.code(), tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled) {
                     *self.inner.channel.lock().await = None;
                 }
                 Err(status)
