@@ -52,16 +52,7 @@ impl Containerd {
     /// printing why `test` skips) when it cannot run here and
     /// `RUSTLET_REQUIRE_CONTAINERD` is not `1`.
     pub fn shared(test: &str) -> Option<&'static Containerd> {
-        match SHARED.get_or_init(Containerd::start) {
-            Ok(containerd) => Some(containerd),
-            Err(reason) if containerd_required() => {
-                panic!("{test}: RUSTLET_REQUIRE_CONTAINERD=1 but no containerd: {reason}")
-            }
-            Err(reason) => {
-                eprintln!("SKIP {test}: no containerd: {reason}");
-                None
-            }
-        }
+        or_skip(test, SHARED.get_or_init(Containerd::start).as_ref().map_err(Clone::clone))
     }
 
     fn start() -> Result<Containerd, String> {
@@ -162,16 +153,7 @@ state = "{state}"
     /// [`Containerd::shared`]; `None` (after printing why `test` skips)
     /// when it cannot run here and `RUSTLET_REQUIRE_CONTAINERD` is not `1`.
     pub fn private(test: &str) -> Option<Containerd> {
-        match Containerd::start() {
-            Ok(containerd) => Some(containerd),
-            Err(reason) if containerd_required() => {
-                panic!("{test}: RUSTLET_REQUIRE_CONTAINERD=1 but no containerd: {reason}")
-            }
-            Err(reason) => {
-                eprintln!("SKIP {test}: no containerd: {reason}");
-                None
-            }
-        }
+        or_skip(test, Containerd::start())
     }
 
     /// Stops containerd (its shims and containers go on, as when the
@@ -255,6 +237,21 @@ state = "{state}"
             "server = \"http://{host}\"\n\n[host.\"http://{host}\"]\n  capabilities = [\"pull\", \"resolve\"]\n"
         );
         std::fs::write(dir.join("hosts.toml"), hosts).expect("hosts.toml");
+    }
+}
+
+/// The containerd, or `None` after saying why `test` skips (a panic when
+/// `RUSTLET_REQUIRE_CONTAINERD=1`).
+fn or_skip<T>(test: &str, started: Result<T, String>) -> Option<T> {
+    match started {
+        Ok(containerd) => Some(containerd),
+        Err(reason) if containerd_required() => {
+            panic!("{test}: RUSTLET_REQUIRE_CONTAINERD=1 but no containerd: {reason}")
+        }
+        Err(reason) => {
+            eprintln!("SKIP {test}: no containerd: {reason}");
+            None
+        }
     }
 }
 
