@@ -26,6 +26,7 @@ bench:
     cargo bench -p rustlet --bench pods
     cargo bench -p rustlet --bench wasm
     cargo bench -p rustlet --bench cluster
+    cargo bench -p rustlet --bench cri
 
 # End-to-end suite against a real cluster (needs RUSTLET_E2E_KUBECONFIG).
 e2e:

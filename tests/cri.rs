@@ -15,6 +15,7 @@ use kubelet::pod::{Allocatable, BackoffConfig, PodConfig, PodLifecycle, Pods};
 use kubelet::provider::{Provider, decode_cri_log};
 use rustlet_cri::{CriConfig, CriProvider};
 use rustlet_testkit::containerd::{Containerd, push_busybox};
+use rustlet_testkit::pod_state::first_container_running as running;
 use rustlet_testkit::registry::Registry;
 use tokio_util::sync::CancellationToken;
 
@@ -161,15 +162,6 @@ fn merge(into: &mut serde_json::Value, from: serde_json::Value) {
 
 fn terminated(pod: &Pod) -> Option<k8s_openapi::api::core::v1::ContainerStateTerminated> {
     pod.status.as_ref()?.container_statuses.as_ref()?.first()?.state.as_ref()?.terminated.clone()
-}
-
-fn running(pod: &Pod) -> bool {
-    pod.status
-        .as_ref()
-        .and_then(|s| s.container_statuses.as_ref())
-        .and_then(|c| c.first())
-        .and_then(|c| c.state.as_ref())
-        .is_some_and(|s| s.running.is_some())
 }
 
 /// The pod's and the container's security contexts reach the container:

@@ -25,6 +25,7 @@ pub mod control_plane;
 pub mod debian;
 pub mod host_provider;
 pub mod node_process;
+pub mod pod_state;
 pub mod process;
 pub mod raw_h2;
 pub mod registry;

@@ -180,14 +180,16 @@ impl CriProvider {
             loop {
                 let now = provider.runtime_status().await;
                 if last.as_ref() != Some(&now) {
+                    // The check first, then the log line: whoever reads the
+                    // line finds the check already changed.
                     match &now {
                         Ok(()) => {
-                            tracing::info!(endpoint = %provider.inner.config.endpoint, "container runtime is up");
                             reporter.healthy();
+                            tracing::info!(endpoint = %provider.inner.config.endpoint, "container runtime is up");
                         }
                         Err(reason) => {
-                            tracing::warn!(endpoint = %provider.inner.config.endpoint, %reason, "container runtime is not ready");
                             reporter.failing(reason.clone());
+                            tracing::warn!(endpoint = %provider.inner.config.endpoint, %reason, "container runtime is not ready");
                         }
                     }
                     last = Some(now);
