@@ -27,9 +27,13 @@ struct CriNode {
     pods: Pods,
     provider: CriProvider,
     image: String,
-    _registry: Registry,
+    registry: Registry,
+    /// A device plugin's devices, when the node has them.
+    _plugin: Option<rustlet_testkit::process::PluginProcess>,
     shutdown: CancellationToken,
 }
+
+const GPU: &str = "vendor.example.com/gpu";
 
 impl Drop for CriNode {
     fn drop(&mut self) {
@@ -39,6 +43,12 @@ impl Drop for CriNode {
 
 /// Pods on `containerd`, the busybox image in a registry of this test's.
 async fn cri_node(containerd: &Containerd) -> CriNode {
+    cri_node_with_gpus(containerd, 0).await
+}
+
+/// [`cri_node`] with a device manager and, when `gpus` > 0, the fake
+/// device plugin serving that many devices of [`GPU`].
+async fn cri_node_with_gpus(containerd: &Containerd, gpus: u64) -> CriNode {
     let registry = Registry::start().await.expect("registry");
     containerd.trust_registry(&registry.host());
     let image = push_busybox(&registry, "test/busybox", "v1", &[], &["sh"]).await.expect("push busybox");
@@ -51,9 +61,14 @@ async fn cri_node(containerd: &Containerd) -> CriNode {
         max: Duration::from_millis(400),
         reset_after: Duration::from_secs(600),
     };
+    let device_dir = root.path().join("device-plugins");
+    let mut device_config = kubelet::device_manager::DeviceManagerConfig::new(&device_dir);
+    device_config.call_timeout = common::LIVENESS_DEADLINE;
+    let devices = kubelet::device_manager::DeviceManager::start(device_config, shutdown.clone()).expect("devices");
+    let plugin = if gpus > 0 { Some(common::gpu_plugin(&devices, &device_dir, GPU, gpus).await) } else { None };
     let dyn_provider: Arc<dyn Provider> = Arc::new(provider.clone());
-    let pods = Pods::start(PodLifecycle::new(config, Some(dyn_provider), None), shutdown.clone()).await;
-    CriNode { root, pods, provider, image, _registry: registry, shutdown }
+    let pods = Pods::start(PodLifecycle::new(config, Some(dyn_provider), Some(devices)), shutdown.clone()).await;
+    CriNode { root, pods, provider, image, registry, _plugin: plugin, shutdown }
 }
 
 fn phase(pod: &Pod) -> Option<&str> {
@@ -264,4 +279,79 @@ async fn pull_secrets_are_the_registry_credentials() {
     let secrets = PullSecrets(vec![serde_json::to_vec(&config).expect("json")]);
     let pulled = provider.prepare_image_with_secrets(&pod, &container, &secrets).await.expect("pulled with the secret");
     assert!(pulled.image_id.starts_with("sha256:"), "{pulled:?}");
+}
+
+/// A device plugin's allocation reaches the container: its env, its device
+/// node (`/dev/fake-dev-0`, the host's `/dev/null`) and its mount.
+#[tokio::test]
+async fn a_device_plugins_device_env_and_mount_reach_the_container() {
+    let Some(containerd) = Containerd::shared("a_device_plugins_device_env_and_mount_reach_the_container") else {
+        return;
+    };
+    let node = cri_node_with_gpus(containerd, 1).await;
+    // The fake plugin mounts `/run/fake-devices/<id>` from the host.
+    let host_mount = std::path::Path::new("/run/fake-devices/dev-0");
+    std::fs::create_dir_all(host_mount).expect("the plugin's mount source");
+    let uid = node.run(
+        "gpu",
+        "echo \"$FAKE_DEVICES\"; test -c /dev/fake-dev-0 && echo char-device; test -d /var/run/fake/dev-0 && echo mounted",
+        serde_json::json!({}),
+        serde_json::json!({"resources": {"limits": {GPU: "1"}}}),
+    );
+    let done = node.wait(&uid, "finished", |p| terminated(p).is_some()).await;
+    let lines = node.log("gpu", &uid);
+    assert_eq!(terminated(&done).map(|t| t.exit_code), Some(0), "{lines:?}");
+    let lines: Vec<&str> = lines.iter().map(|l| l.trim_end()).collect();
+    assert_eq!(lines, ["dev-0", "char-device", "mounted"]);
+    let _ = std::fs::remove_dir(host_mount);
+}
+
+/// `restartPolicy: Always` with a container that exits 1: restarted with
+/// backoff (CrashLoopBackOff), its last run's exit code kept.
+#[tokio::test]
+async fn a_failing_container_is_restarted_with_backoff() {
+    let Some(containerd) = Containerd::shared("a_failing_container_is_restarted_with_backoff") else { return };
+    let node = cri_node(containerd).await;
+    let uid =
+        node.run("crashy", "echo once; exit 1", serde_json::json!({"restartPolicy": "Always"}), serde_json::json!({}));
+    let restarted = node
+        .wait(&uid, "restarted twice", |p| {
+            p.status
+                .as_ref()
+                .and_then(|s| s.container_statuses.as_ref())
+                .and_then(|c| c.first())
+                .is_some_and(|c| c.restart_count >= 2)
+        })
+        .await;
+    let status =
+        restarted.status.as_ref().and_then(|s| s.container_statuses.as_ref()).and_then(|c| c.first()).expect("status");
+    let last = status.last_state.as_ref().and_then(|s| s.terminated.as_ref()).expect("the last run");
+    assert_eq!(last.exit_code, 1, "{status:?}");
+    assert_eq!(phase(&restarted), Some("Running"), "a crash-looping pod is Running, as upstream");
+}
+
+/// An image the registry does not have: `ErrImagePull`, then
+/// `ImagePullBackOff` naming the image, and the pod stays Pending.
+#[tokio::test]
+async fn a_missing_image_backs_off() {
+    let Some(containerd) = Containerd::shared("a_missing_image_backs_off") else { return };
+    let node = cri_node(containerd).await;
+    let missing = node.registry.reference("test/missing", "v1");
+    let uid = node.run("missing", "true", serde_json::json!({}), serde_json::json!({"image": missing}));
+    let waiting = |p: &Pod| {
+        p.status
+            .as_ref()
+            .and_then(|s| s.container_statuses.as_ref())
+            .and_then(|c| c.first())
+            .and_then(|c| c.state.as_ref())
+            .and_then(|s| s.waiting.clone())
+    };
+    let backing_off = node
+        .wait(&uid, "in ImagePullBackOff", |p| {
+            waiting(p).is_some_and(|w| w.reason.as_deref() == Some("ImagePullBackOff"))
+        })
+        .await;
+    let message = waiting(&backing_off).and_then(|w| w.message).unwrap_or_default();
+    assert!(message.contains(&missing), "{message}");
+    assert_eq!(phase(&backing_off), Some("Pending"));
 }
