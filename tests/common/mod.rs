@@ -389,7 +389,12 @@ pub async fn wait_file(path: &Path, mut pred: impl FnMut(&str) -> bool) -> Strin
     use tokio_stream::StreamExt;
     let dir = path.parent().expect("a file in a directory");
     let inotify = inotify::Inotify::init().expect("inotify");
-    let mask = inotify::WatchMask::CLOSE_WRITE | inotify::WatchMask::MOVED_TO | inotify::WatchMask::CREATE;
+    // MODIFY too: a writer that keeps the file open (a container runtime
+    // appending to a log) closes nothing.
+    let mask = inotify::WatchMask::CLOSE_WRITE
+        | inotify::WatchMask::MOVED_TO
+        | inotify::WatchMask::CREATE
+        | inotify::WatchMask::MODIFY;
     inotify.watches().add(dir, mask).expect("watch");
     let mut events = inotify.into_event_stream(vec![0u8; 4096]).expect("stream");
     let wait = async {
