@@ -355,3 +355,70 @@ async fn a_missing_image_backs_off() {
     assert!(message.contains(&missing), "{message}");
     assert_eq!(phase(&backing_off), Some("Pending"));
 }
+
+/// A whole node (`NodeBuilder` with the CRI provider) and a real CSI
+/// driver on its `plugins_registry`: an inline CSI volume is published and
+/// the container reads the driver's file in it; removal unpublishes it.
+#[tokio::test]
+async fn a_containers_inline_csi_volume_is_published_and_read_inside() {
+    use kubelet::node::{NodeBuilder, NodeConfig};
+    use rustlet_sample_plugins::csi_driver::{CsiDriverConfig, PUBLISHED_MARKER, RegisteredCsiDriver};
+    use rustlet_sample_plugins::report::Reporter;
+    let Some(containerd) = Containerd::shared("a_containers_inline_csi_volume_is_published_and_read_inside") else {
+        return;
+    };
+    const DRIVER: &str = "cri.csi.example.com";
+    let registry = Registry::start().await.expect("registry");
+    containerd.trust_registry(&registry.host());
+    let image = push_busybox(&registry, "test/busybox", "v1", &[], &["sh"]).await.expect("push");
+    let root = tempfile::Builder::new().prefix("rustlet-cri-csi-").tempdir().expect("tempdir");
+    for dir in ["plugins_registry", "manifests"] {
+        std::fs::create_dir_all(root.path().join(dir)).expect("mkdir");
+    }
+    let stop = CancellationToken::new();
+    let config = CsiDriverConfig { name: DRIVER.into(), node_id: "cri-node".into(), ..CsiDriverConfig::default() };
+    let (calls, _) = RegisteredCsiDriver::new(
+        root.path().join("plugins_registry/cri-csi-reg.sock"),
+        root.path().join("cri-csi.sock"),
+        config,
+    )
+    .spawn_recorded(Reporter::Discard, stop.child_token())
+    .expect("csi driver");
+    let mut node_config = NodeConfig::new(root.path(), "cri-node");
+    node_config.http_address = None;
+    node_config.pods.manifest_dir = Some(root.path().join("manifests"));
+    node_config.pods.allocatable = Some(Allocatable { cpu_milli: 4000, memory: 8 << 30, pods: 110 });
+    let node = NodeBuilder::new(node_config)
+        .provider(Arc::new(CriProvider::new(CriConfig::new(containerd.endpoint()))))
+        .start(stop.clone())
+        .await
+        .expect("node");
+    let _stop = stop.clone().drop_guard();
+    let manifest = format!(
+        "apiVersion: storage.k8s.io/v1\nkind: CSIDriver\nmetadata: {{name: {DRIVER}}}\nspec: {{volumeLifecycleModes: [Ephemeral]}}\n---\n\
+         apiVersion: v1\nkind: Pod\nmetadata: {{name: reader}}\nspec:\n  restartPolicy: Never\n  containers:\n  - name: main\n    image: {image}\n    \
+         command: [sh, -c, 'cat /data/{PUBLISHED_MARKER}; echo']\n    volumeMounts: [{{name: data, mountPath: /data}}]\n  volumes:\n  - name: data\n    csi: {{driver: {DRIVER}}}\n"
+    );
+    std::fs::write(root.path().join("manifests/reader.yaml"), manifest).expect("manifest");
+    let done = node
+        .pods()
+        .store()
+        .wait_for(SOON, |pods| pods.values().any(|p| terminated(p).is_some()))
+        .await
+        .unwrap_or_else(|| panic!("never finished: {:#?}", node.pods().store().list()));
+    let pod = done.values().next().expect("pod").clone();
+    let uid = pod.metadata.uid.clone().expect("uid");
+    assert_eq!(terminated(&pod).map(|t| t.exit_code), Some(0), "{:?}", pod.status);
+    let published = calls.all().into_iter().find(|c| c.rpc == "NodePublishVolume").expect("published");
+    let log = root.path().join(format!("logs/pods/default_reader-cri-node_{uid}/main/0.log"));
+    let lines = decode_cri_log(&std::fs::read_to_string(&log).expect("log"));
+    assert_eq!(
+        lines.first().map(|l| l.trim_end()),
+        Some(published.volume_id.as_str()),
+        "the driver's file, read inside"
+    );
+
+    std::fs::remove_file(root.path().join("manifests/reader.yaml")).expect("rm");
+    let unpublished = calls.wait_for(2, SOON).await;
+    assert!(unpublished.iter().any(|c| c.rpc == "NodeUnpublishVolume"), "{unpublished:?}");
+}
