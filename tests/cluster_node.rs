@@ -13,7 +13,7 @@ use kube::Client;
 use kube::api::{Api, DeleteParams, PostParams};
 use kubelet::cluster::{NodeSyncConfig, node_sync};
 use rustlet_testkit::apiserver::{ApiServer, Fault};
-use rustlet_testkit::test_api::TestApi;
+use rustlet_testkit::test_api::{TestApi, json_of};
 use serde_json::{Value, json};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -51,11 +51,6 @@ fn config(name: &str) -> NodeSyncConfig {
 
 const NODE: (&str, &str, &str, &str) = ("", "nodes", "", "n1");
 const LEASE: (&str, &str, &str, &str) = ("coordination.k8s.io", "leases", "kube-node-lease", "n1");
-
-/// The object as JSON.
-fn json_of<K: serde::Serialize>(object: &K) -> Value {
-    serde_json::to_value(object).expect("json")
-}
 
 fn nodes(api: &TestApi) -> Api<Node> {
     Api::all(api.admin.clone())

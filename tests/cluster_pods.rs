@@ -15,7 +15,7 @@ use kubelet::pod::{Allocatable, PodConfig, PodLifecycle, Pods};
 use kubelet::provider::Provider;
 use rustlet_testkit::apiserver::{ApiServer, Fault};
 use rustlet_testkit::host_provider::HostProcessProvider;
-use rustlet_testkit::test_api::TestApi;
+use rustlet_testkit::test_api::{TestApi, json_of};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
@@ -88,10 +88,6 @@ fn pod_key(name: &str) -> (&'static str, &'static str, &'static str, &str) {
 
 fn running(pod: &Value) -> bool {
     pod["status"]["phase"] == "Running" && pod["status"]["containerStatuses"][0]["state"]["running"].is_object()
-}
-
-fn json_of<K: serde::Serialize>(object: &K) -> Value {
-    serde_json::to_value(object).expect("json")
 }
 
 async fn a_bound_pod_runs_and_its_status_reaches_the_api(api: TestApi) {

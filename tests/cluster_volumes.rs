@@ -21,7 +21,7 @@ use kubelet::node::{NodeBuilder, NodeConfig};
 use rustlet_testkit::apiserver::{ApiServer, Fault};
 use rustlet_testkit::csi_driver::{CsiDriverConfig, RegisteredCsiDriver};
 use rustlet_testkit::report::Reporter;
-use rustlet_testkit::test_api::TestApi;
+use rustlet_testkit::test_api::{TestApi, json_of};
 use serde_json::{Value, json};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -146,11 +146,6 @@ async fn node_info_stays_exact_under_concurrent_registrations_removals_and_confl
     assert!(node.pointer("/metadata/annotations").and_then(|a| a.get(ANNOTATION)).is_none(), "{node:#}");
     let csi_node = server.object("storage.k8s.io", "csinodes", "", "n1").expect("csinode");
     assert!(csi_node_drivers(&csi_node).is_empty(), "{csi_node:#}");
-}
-
-/// The object as JSON, for the helpers above.
-fn json_of<K: serde::Serialize>(object: &K) -> Value {
-    serde_json::to_value(object).expect("json")
 }
 
 async fn drivers_registering_through_the_node_reach_the_api_and_survive_node_recreation(api: TestApi) {

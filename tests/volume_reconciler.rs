@@ -28,19 +28,13 @@ use kubelet::pod::Allocatable;
 use kubelet::volume::mounts;
 use rustlet_sample_plugins::csi_driver::{CsiDriverConfig, RegisteredCsiDriver, VolumeCallBehaviour, VolumeCalls};
 use rustlet_sample_plugins::report::Reporter;
+use rustlet_testkit::containerd::is_root;
 use rustlet_testkit::host_provider::HostProcessProvider;
 use tokio_util::sync::CancellationToken;
 
 /// A liveness bound for what takes well under a second.
 const SOON: Duration = Duration::from_secs(60);
 const DRIVER: &str = "mounts.csi.example.com";
-
-fn is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("Uid:").map(|u| u.split_whitespace().nth(1) == Some("0"))))
-        .unwrap_or(false)
-}
 
 /// Whether the test can run here; says why not.
 fn can_mount(test: &str) -> bool {

@@ -274,7 +274,8 @@ fn tail(text: &str) -> String {
     lines[lines.len().saturating_sub(10)..].join("\n")
 }
 
-fn is_root() -> bool {
+/// Whether this process runs as root (mounts and containerd need it).
+pub fn is_root() -> bool {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| s.lines().find_map(|l| l.strip_prefix("Uid:").map(|u| u.split_whitespace().nth(1) == Some("0"))))

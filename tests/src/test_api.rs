@@ -139,6 +139,11 @@ impl TestApi {
     }
 }
 
+/// An API object as JSON (for tests that look at it by path).
+pub fn json_of<K: serde::Serialize>(object: &K) -> serde_json::Value {
+    serde_json::to_value(object).expect("an object serializes to JSON")
+}
+
 /// Waits up to `deadline` until object `name` in `api` satisfies `pred`
 /// (`None`: it does not exist), following a watch; returns it. Panics with
 /// the last object seen when the deadline passes.

@@ -249,28 +249,22 @@ impl CriProvider {
         }
     }
 
-    /// The pod's sandbox, made on its first container.
-    async fn sandbox(&self, launch: &ContainerLaunch) -> Result<String, ProviderError> {
-        let pod = &launch.pod;
-        let uid = pod.metadata.uid.clone().unwrap_or_default();
+    /// The pod's sandbox, made from `config` on its first container.
+    async fn sandbox(&self, uid: &str, config: &cri::PodSandboxConfig) -> Result<String, ProviderError> {
         let entry = {
             let mut sandboxes = self.inner.sandboxes.lock().unwrap_or_else(|p| p.into_inner());
-            Arc::clone(sandboxes.entry(uid.clone()).or_default())
+            Arc::clone(sandboxes.entry(uid.to_owned()).or_default())
         };
         let mut sandbox = entry.lock().await;
         if let Some(id) = sandbox.as_ref() {
             return Ok(id.clone());
         }
-        let log_directory = launch.log_path.parent().and_then(Path::parent).map(|p| p.display().to_string());
-        let config = sandbox_config(pod, log_directory.unwrap_or_default());
         let mut runtime = self.runtime().await?;
         let answer = self
-            .call(
-                runtime.run_pod_sandbox(cri::RunPodSandboxRequest {
-                    config: Some(config),
-                    runtime_handler: String::new(),
-                }),
-            )
+            .call(runtime.run_pod_sandbox(cri::RunPodSandboxRequest {
+                config: Some(config.clone()),
+                runtime_handler: String::new(),
+            }))
             .await
             .map_err(|s| {
                 ProviderError::new(ProviderErrorKind::CannotRun, format!("RunPodSandbox: {}", describe(&s)))
@@ -313,6 +307,11 @@ impl CriProvider {
     }
 
     async fn running_ids(&self) -> Result<HashSet<String>, ProviderError> {
+        Ok(self.list_running().await?.into_iter().map(|c| c.id).collect())
+    }
+
+    /// The containers the runtime runs (`ListContainers`, state running).
+    async fn list_running(&self) -> Result<Vec<cri::Container>, ProviderError> {
         let mut runtime = self.runtime().await?;
         let filter = cri::ContainerFilter {
             state: Some(cri::ContainerStateValue { state: cri::ContainerState::ContainerRunning as i32 }),
@@ -322,7 +321,7 @@ impl CriProvider {
             .call(runtime.list_containers(cri::ListContainersRequest { filter: Some(filter) }))
             .await
             .map_err(|s| other("ListContainers", &s))?;
-        Ok(answer.containers.into_iter().map(|c| c.id).collect())
+        Ok(answer.containers)
     }
 
     async fn status(&self, id: &str) -> Result<cri::ContainerStatus, ProviderError> {
@@ -561,12 +560,15 @@ impl Provider for CriProvider {
     }
 
     async fn start_container(&self, launch: &ContainerLaunch) -> Result<ContainerId, ProviderError> {
-        let sandbox_id = self.sandbox(launch).await?;
+        // The sandbox's log directory holds `<container>/<restart>.log`.
         let log_directory = launch.log_path.parent().and_then(Path::parent).map(|p| p.display().to_string());
+        let config = sandbox_config(&launch.pod, log_directory.unwrap_or_default());
+        let uid = launch.pod.metadata.uid.as_deref().unwrap_or_default();
+        let sandbox_id = self.sandbox(uid, &config).await?;
         let request = cri::CreateContainerRequest {
             pod_sandbox_id: sandbox_id.clone(),
             config: Some(container_config(launch)),
-            sandbox_config: Some(sandbox_config(&launch.pod, log_directory.unwrap_or_default())),
+            sandbox_config: Some(config),
         };
         let mut runtime = self.runtime().await?;
         let created = self.call(runtime.create_container(request)).await.map_err(|s| {
@@ -626,17 +628,8 @@ impl Provider for CriProvider {
     }
 
     async fn running_containers(&self) -> Result<Vec<RunningContainer>, ProviderError> {
-        let mut runtime = self.runtime().await?;
-        let filter = cri::ContainerFilter {
-            state: Some(cri::ContainerStateValue { state: cri::ContainerState::ContainerRunning as i32 }),
-            ..Default::default()
-        };
-        let listed = self
-            .call(runtime.list_containers(cri::ListContainersRequest { filter: Some(filter) }))
-            .await
-            .map_err(|s| other("ListContainers", &s))?;
         let mut running = Vec::new();
-        for container in listed.containers {
+        for container in self.list_running().await? {
             let Some(uid) = container.labels.get(POD_UID_LABEL).cloned() else { continue };
             let name = container.metadata.as_ref().map(|m| m.name.clone()).unwrap_or_default();
             let restart_count = container
