@@ -15,7 +15,9 @@ use kubelet::pod::{Allocatable, BackoffConfig, PodConfig, PodLifecycle, Pods};
 use kubelet::provider::{Provider, decode_cri_log};
 use rustlet_cri::{CriConfig, CriProvider};
 use rustlet_testkit::containerd::{Containerd, push_busybox};
-use rustlet_testkit::pod_state::first_container_running as running;
+use rustlet_testkit::pod_state::{
+    container_ready, container_status, every_second, first_container_running as running, pod_ready, restarts,
+};
 use rustlet_testkit::registry::Registry;
 use tokio_util::sync::CancellationToken;
 
@@ -421,4 +423,89 @@ async fn a_containers_inline_csi_volume_is_published_and_read_inside() {
     std::fs::remove_file(root.path().join("manifests/reader.yaml")).expect("rm");
     let unpublished = calls.wait_for(2, SOON).await;
     assert!(unpublished.iter().any(|c| c.rpc == "NodeUnpublishVolume"), "{unpublished:?}");
+}
+
+/// Probes of real containers, each driven by a file the test writes into
+/// a hostPath volume: an httpGet readiness probe to busybox httpd at the
+/// pod's IP, a tcpSocket readiness probe to a port that opens later, an
+/// exec liveness probe (ExecSync) that restarts its container when it
+/// fails, and a startup probe that holds the pod unready until it passes.
+#[tokio::test]
+async fn probes_drive_readiness_and_liveness_restarts() {
+    let Some(containerd) = Containerd::shared("probes_drive_readiness_and_liveness_restarts") else { return };
+    let node = cri_node(containerd).await;
+    let ctl = node.root.path().join("ctl");
+    std::fs::create_dir_all(&ctl).expect("mkdir");
+    for file in ["ready", "alive"] {
+        std::fs::write(ctl.join(file), "ok\n").expect("write");
+    }
+    let mount = serde_json::json!([{"name": "ctl", "mountPath": "/ctl"}]);
+    let pod: Pod = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "probed", "namespace": "default", "uid": "cri-probed"},
+        "spec": {
+            "terminationGracePeriodSeconds": 1,
+            "volumes": [{"name": "ctl", "hostPath": {"path": ctl.display().to_string(), "type": "Directory"}}],
+            "containers": [
+                {
+                    "name": "web", "image": node.image, "command": ["httpd", "-f", "-p", "8080", "-h", "/ctl"],
+                    "volumeMounts": mount,
+                    "readinessProbe": every_second(serde_json::json!({"httpGet": {"port": 8080, "path": "/ready"}})),
+                },
+                {
+                    "name": "tcp", "image": node.image, "volumeMounts": mount,
+                    "command": ["sh", "-c", "until test -e /ctl/listen; do sleep 0.1; done; exec httpd -f -p 9000 -h /ctl"],
+                    "readinessProbe": every_second(serde_json::json!({"tcpSocket": {"port": 9000}})),
+                },
+                {
+                    "name": "live", "image": node.image, "command": ["sleep", "3600"], "volumeMounts": mount,
+                    "livenessProbe": every_second(serde_json::json!({
+                        "exec": {"command": ["cat", "/ctl/alive"]}, "failureThreshold": 2,
+                        "terminationGracePeriodSeconds": 1,
+                    })),
+                },
+                {
+                    "name": "slow", "image": node.image, "command": ["sleep", "3600"], "volumeMounts": mount,
+                    "startupProbe": every_second(serde_json::json!({
+                        "exec": {"command": ["test", "-e", "/ctl/started"]}, "failureThreshold": 1000,
+                    })),
+                    "readinessProbe": every_second(serde_json::json!({"exec": {"command": ["true"]}})),
+                },
+            ],
+        },
+    }))
+    .expect("pod");
+    node.pods.apply(pod);
+    let uid = "cri-probed";
+    let first = node
+        .wait(uid, "web and live ready", |p| {
+            container_ready(p, "web") && container_ready(p, "live") && phase(p) == Some("Running")
+        })
+        .await;
+    assert!(!container_ready(&first, "tcp") && !pod_ready(&first), "nothing listens on 9000 yet");
+    let slow = container_status(&first, "slow").expect("slow");
+    assert_eq!((slow.started, slow.ready), (Some(false), false), "the startup probe has not passed: {slow:?}");
+
+    std::fs::write(ctl.join("listen"), "").expect("write");
+    node.wait(uid, "tcp ready", |p| container_ready(p, "tcp")).await;
+    std::fs::write(ctl.join("started"), "").expect("write");
+    let all = node.wait(uid, "every container ready", pod_ready).await;
+    assert_eq!(container_status(&all, "slow").and_then(|c| c.started), Some(true));
+
+    std::fs::remove_file(ctl.join("ready")).expect("rm");
+    let unready = node.wait(uid, "web unready", |p| !container_ready(p, "web") && !pod_ready(p)).await;
+    assert_eq!(restarts(&unready, "web"), 0, "readiness never restarts");
+    std::fs::write(ctl.join("ready"), "ok\n").expect("write");
+    node.wait(uid, "ready again", pod_ready).await;
+
+    std::fs::remove_file(ctl.join("alive")).expect("rm");
+    let restarted = node.wait(uid, "live restarted", |p| restarts(p, "live") >= 1).await;
+    std::fs::write(ctl.join("alive"), "ok\n").expect("write");
+    let last =
+        container_status(&restarted, "live").and_then(|c| c.last_state.as_ref()).and_then(|s| s.terminated.clone());
+    let last = last.expect("the killed run");
+    let message = last.message.clone().unwrap_or_default();
+    assert!(message.contains("Liveness probe failed: cat: can't open '/ctl/alive'"), "{last:?}");
+    assert_eq!(last.exit_code, 137, "killed after its 1 s grace (sleep ignores TERM as PID 1): {last:?}");
+    node.wait(uid, "live ready after its restart", |p| container_ready(p, "live")).await;
+    assert_eq!(restarts(&restarted, "web") + restarts(&restarted, "tcp") + restarts(&restarted, "slow"), 0);
 }

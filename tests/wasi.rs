@@ -13,6 +13,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kubelet::device_manager::{DeviceManager, DeviceManagerConfig};
 use kubelet::pod::{Allocatable, BackoffConfig, PodConfig, PodLifecycle, Pods};
 use kubelet::provider::Provider;
+use rustlet_testkit::pod_state::{container_ready, container_status, every_second, pod_ready, restarts};
 use rustlet_testkit::process::PluginProcess;
 use rustlet_testkit::registry::{Registry, registry_or_skip};
 use rustlet_wasi::{WasiConfig, WasiProvider, examples};
@@ -494,4 +495,240 @@ async fn a_pod_deleted_while_its_image_is_being_pulled_goes_at_once() {
     let images = node.provider.images().list().expect("list");
     assert!(images.iter().all(|i| !i.name.contains("wasm/slow")), "no image stored: {images:?}");
     holder.abort();
+}
+
+/// Probes settle within a few periods of one second; this bounds that
+/// generously on a busy machine.
+const PROBE_DEADLINE: Duration = Duration::from_secs(60);
+
+impl WasmNode {
+    async fn wait_probe(&self, uid: &str, what: &str, pred: impl Fn(&Pod) -> bool) -> Pod {
+        let found = self.pods.store().wait_for(PROBE_DEADLINE, |pods| pods.get(uid).is_some_and(&pred)).await;
+        found.and_then(|pods| pods.get(uid).cloned()).unwrap_or_else(|| {
+            panic!("{uid}: timed out waiting for {what}; now: {:#?}", self.pods.store().get(uid).map(|p| p.status))
+        })
+    }
+}
+
+/// A pod of the `check` module with `probe` (an exec probe running
+/// `check now`: a fresh instance that looks for `healthy` in `dir`).
+fn check_pod(name: &str, dir: &std::path::Path, probe: &str, failure_threshold: i32) -> Pod {
+    pod(serde_json::json!({
+        "metadata": {"name": name, "namespace": "default", "uid": format!("uid-{name}")},
+        "spec": {
+            "containers": [{
+                "name": "main",
+                "image": "example.com/wasm/check:v1",
+                "volumeMounts": [{"name": "ctl", "mountPath": "/ctl"}],
+                probe: {"exec": {"command": ["check", "now"]}, "periodSeconds": 1, "failureThreshold": failure_threshold},
+            }],
+            "volumes": [{"name": "ctl", "hostPath": {"path": dir.display().to_string(), "type": "Directory"}}]
+        }
+    }))
+}
+
+/// Exec probes of a WebAssembly container run a fresh instance of its
+/// module, with the container's volumes, and the probe's command as its
+/// arguments: readiness follows it both ways, a failing liveness probe
+/// restarts the container with the reason in its last state.
+#[tokio::test]
+async fn exec_probes_run_a_fresh_instance_of_the_module() {
+    let node = wasm_node(0).await;
+    node.import_examples();
+    let readiness_dir = node.host_dir("readiness");
+    let liveness_dir = node.host_dir("liveness");
+    std::fs::write(readiness_dir.join("healthy"), "").expect("write");
+    std::fs::write(liveness_dir.join("healthy"), "").expect("write");
+    node.pods.apply(check_pod("readiness", &readiness_dir, "readinessProbe", 1));
+    node.pods.apply(check_pod("liveness", &liveness_dir, "livenessProbe", 2));
+
+    node.wait_probe("uid-readiness", "Ready", |p| container_ready(p, "main") && pod_ready(p)).await;
+    std::fs::remove_file(readiness_dir.join("healthy")).expect("rm");
+    let unready = node.wait_probe("uid-readiness", "not Ready", |p| !container_ready(p, "main") && !pod_ready(p)).await;
+    assert_eq!(phase(&unready), Some("Running"), "an unready container keeps running");
+    assert_eq!(restarts(&unready, "main"), 0, "readiness never restarts");
+    std::fs::write(readiness_dir.join("healthy"), "").expect("write");
+    node.wait_probe("uid-readiness", "Ready again", |p| container_ready(p, "main") && pod_ready(p)).await;
+
+    node.wait_probe("uid-liveness", "Running", |p| container_ready(p, "main")).await;
+    std::fs::remove_file(liveness_dir.join("healthy")).expect("rm");
+    let restarted = node.wait_probe("uid-liveness", "restarted", |p| restarts(p, "main") >= 1).await;
+    let last =
+        container_status(&restarted, "main").and_then(|c| c.last_state.as_ref()).and_then(|s| s.terminated.clone());
+    let message = last.and_then(|t| t.message).unwrap_or_default();
+    assert!(message.contains("Liveness probe failed: not healthy"), "{message:?}");
+    // Healthy again: the restarted instance stays.
+    std::fs::write(liveness_dir.join("healthy"), "").expect("write");
+    node.wait_probe("uid-liveness", "ready after its restart", |p| container_ready(p, "main")).await;
+}
+
+/// What the test's HTTP server answers and saw.
+#[derive(Default)]
+struct HttpProbes {
+    /// The status code for each path (404 when unset).
+    answers: std::sync::Mutex<std::collections::HashMap<String, u16>>,
+    /// Requests per path.
+    hits: std::sync::Mutex<std::collections::HashMap<String, u32>>,
+    /// The last User-Agent seen.
+    user_agent: std::sync::Mutex<Option<String>>,
+    /// Every request, counted (to wait on).
+    requests: tokio::sync::watch::Sender<u32>,
+}
+
+impl HttpProbes {
+    fn answer(&self, path: &str, code: u16) {
+        self.answers.lock().expect("lock").insert(path.to_owned(), code);
+    }
+
+    fn hits(&self, path: &str) -> u32 {
+        self.hits.lock().expect("lock").get(path).copied().unwrap_or(0)
+    }
+}
+
+/// Serves `probes` on loopback; returns the port.
+async fn serve_http(probes: Arc<HttpProbes>) -> u16 {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    let app = axum::Router::new().fallback(move |request: axum::extract::Request| {
+        let probes = Arc::clone(&probes);
+        async move {
+            let path = request.uri().path().to_owned();
+            *probes.hits.lock().expect("lock").entry(path.clone()).or_default() += 1;
+            probes.requests.send_modify(|n| *n += 1);
+            let agent = request.headers().get("user-agent").and_then(|v| v.to_str().ok()).map(str::to_owned);
+            *probes.user_agent.lock().expect("lock") = agent;
+            let code = probes.answers.lock().expect("lock").get(&path).copied().unwrap_or(404);
+            http::StatusCode::from_u16(code).unwrap_or(http::StatusCode::INTERNAL_SERVER_ERROR)
+        }
+    });
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    port
+}
+
+/// A gRPC health server whose answer the test sets.
+#[derive(Default)]
+struct Health(std::sync::atomic::AtomicBool);
+
+#[tonic::async_trait]
+impl kubelet_api::health::v1::health_server::Health for Health {
+    async fn check(
+        &self,
+        _: tonic::Request<kubelet_api::health::v1::HealthCheckRequest>,
+    ) -> Result<tonic::Response<kubelet_api::health::v1::HealthCheckResponse>, tonic::Status> {
+        use kubelet_api::health::v1::health_check_response::ServingStatus;
+        let serving = self.0.load(std::sync::atomic::Ordering::SeqCst);
+        let status = if serving { ServingStatus::Serving } else { ServingStatus::NotServing };
+        Ok(tonic::Response::new(kubelet_api::health::v1::HealthCheckResponse { status: status.into() }))
+    }
+}
+
+/// httpGet, tcpSocket and grpc probes of a WebAssembly pod go to loopback
+/// (it shares the node's network), here to servers of the test: each
+/// drives its container as the server answers.
+#[tokio::test]
+async fn http_tcp_and_grpc_probes_reach_the_pod_on_loopback() {
+    let node = wasm_node(0).await;
+    node.import_examples();
+    let http_probes = Arc::new(HttpProbes::default());
+    http_probes.answer("/ready", 200);
+    let http_port = serve_http(Arc::clone(&http_probes)).await;
+    let tcp = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let tcp_port = tcp.local_addr().expect("addr").port();
+    let health = Arc::new(Health(std::sync::atomic::AtomicBool::new(true)));
+    let grpc = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let grpc_port = grpc.local_addr().expect("addr").port();
+    let service = kubelet_api::health::v1::health_server::HealthServer::from_arc(Arc::clone(&health));
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(service)
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(grpc)),
+    );
+    node.pods.apply(pod(serde_json::json!({
+        "metadata": {"name": "probed", "namespace": "default", "uid": "uid-probed"},
+        "spec": {"containers": [
+            {
+                "name": "web", "image": "example.com/wasm/sleep:v1",
+                "ports": [{"name": "http", "containerPort": http_port}],
+                "readinessProbe": every_second(serde_json::json!({"httpGet": {"port": "http", "path": "/ready"}})),
+            },
+            {
+                "name": "tcp", "image": "example.com/wasm/sleep:v1",
+                "readinessProbe": every_second(serde_json::json!({"tcpSocket": {"port": tcp_port}})),
+            },
+            {
+                "name": "grpc", "image": "example.com/wasm/sleep:v1",
+                "livenessProbe": every_second(serde_json::json!({
+                    "grpc": {"port": grpc_port}, "terminationGracePeriodSeconds": 1
+                })),
+            },
+        ]}
+    })));
+    let all = |p: &Pod| ["web", "tcp", "grpc"].iter().all(|c| container_ready(p, c)) && pod_ready(p);
+    node.wait_probe("uid-probed", "every container ready", all).await;
+    assert_eq!(http_probes.user_agent.lock().expect("lock").as_deref(), Some(kubelet::pod::probe::USER_AGENT));
+
+    http_probes.answer("/ready", 503);
+    node.wait_probe("uid-probed", "web unready", |p| {
+        !container_ready(p, "web") && !pod_ready(p) && container_ready(p, "tcp")
+    })
+    .await;
+    http_probes.answer("/ready", 302);
+    node.wait_probe("uid-probed", "web ready on a redirect", |p| container_ready(p, "web")).await;
+
+    drop(tcp);
+    node.wait_probe("uid-probed", "tcp unready", |p| !container_ready(p, "tcp") && container_ready(p, "web")).await;
+
+    health.0.store(false, std::sync::atomic::Ordering::SeqCst);
+    let restarted = node.wait_probe("uid-probed", "grpc restarted", |p| restarts(p, "grpc") >= 1).await;
+    health.0.store(true, std::sync::atomic::Ordering::SeqCst);
+    let last =
+        container_status(&restarted, "grpc").and_then(|c| c.last_state.as_ref()).and_then(|s| s.terminated.clone());
+    let message = last.and_then(|t| t.message).unwrap_or_default();
+    assert!(
+        message.contains("Liveness probe failed: service unhealthy (responded with \"NOT_SERVING\")"),
+        "{message:?}"
+    );
+    assert_eq!(restarts(&restarted, "web"), 0, "readiness never restarts");
+}
+
+/// A startup probe holds liveness and readiness: until it passes neither
+/// runs (a liveness probe failing meanwhile would restart the container),
+/// and the container is neither started nor ready.
+#[tokio::test]
+async fn a_startup_probe_holds_liveness_and_readiness_until_it_passes() {
+    let node = wasm_node(0).await;
+    node.import_examples();
+    let probes = Arc::new(HttpProbes::default());
+    probes.answer("/started", 503);
+    probes.answer("/live", 500);
+    let port = serve_http(Arc::clone(&probes)).await;
+    let get = |path: &str, failure_threshold: i32| serde_json::json!({"httpGet": {"port": port, "path": path}, "periodSeconds": 1, "failureThreshold": failure_threshold});
+    node.pods.apply(pod(serde_json::json!({
+        "metadata": {"name": "slow", "namespace": "default", "uid": "uid-slow"},
+        "spec": {"containers": [{
+            "name": "main", "image": "example.com/wasm/sleep:v1",
+            "startupProbe": get("/started", 1000),
+            "livenessProbe": get("/live", 1),
+            "readinessProbe": get("/live", 1),
+        }]}
+    })));
+    let starting = node.wait_probe("uid-slow", "Running", |p| phase(p) == Some("Running")).await;
+    let status = container_status(&starting, "main").expect("status");
+    assert_eq!((status.started, status.ready), (Some(false), false), "{status:?}");
+    // Three startup attempts: liveness would have failed three times.
+    let mut requests = probes.requests.subscribe();
+    // (The watch's guard is dropped at once: the server's next request
+    // needs the lock.)
+    let three = tokio::time::timeout(PROBE_DEADLINE, requests.wait_for(|_| probes.hits("/started") >= 3))
+        .await
+        .is_ok_and(|seen| seen.is_ok());
+    assert!(three, "the startup probe never ran three times");
+    assert_eq!(probes.hits("/live"), 0, "liveness and readiness wait for startup");
+    probes.answer("/live", 200);
+    probes.answer("/started", 200);
+    let started =
+        node.wait_probe("uid-slow", "started and ready", |p| container_ready(p, "main") && pod_ready(p)).await;
+    let status = container_status(&started, "main").expect("status");
+    assert_eq!((status.started, status.restart_count), (Some(true), 0), "{status:?}");
+    assert!(probes.hits("/live") >= 1);
 }

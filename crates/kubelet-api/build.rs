@@ -10,6 +10,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "deviceplugin/v1beta1/api.proto",
         "csi/v1/csi.proto",
         "runtime/v1/api.proto",
+        "health/v1/health.proto",
     ];
     for file in &files {
         println!("cargo:rerun-if-changed={}", proto_root.join(file).display());

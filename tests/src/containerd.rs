@@ -285,7 +285,7 @@ pub fn is_root() -> bool {
 /// The busybox applets the test images link.
 const APPLETS: &[&str] = &[
     "sh", "sleep", "echo", "cat", "ls", "env", "true", "false", "test", "id", "hostname", "kill", "wc", "grep", "head",
-    "printf", "mkdir", "touch", "dd", "nc", "wget", "ip", "date",
+    "printf", "mkdir", "touch", "dd", "nc", "wget", "ip", "date", "httpd", "rm",
 ];
 
 /// An uncompressed layer tar: Debian's static busybox at `/bin/busybox`,

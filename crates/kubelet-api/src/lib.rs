@@ -3,7 +3,7 @@
 //! This crate holds no logic. It has three parts:
 //! - generated gRPC clients and servers (tonic + prost), grouped by API and
 //!   version: [`pluginregistration`], [`deviceplugin::v1beta1`], [`csi::v1`],
-//!   [`cri::v1`];
+//!   [`cri::v1`], [`health::v1`];
 //! - wire constants shared by both sides ([`constants`]);
 //! - Unix-socket dial and serve helpers ([`uds`]), because every plugin API
 //!   runs over a Unix socket rather than TCP.
@@ -47,5 +47,14 @@ pub mod cri {
     #[allow(missing_docs, clippy::all)]
     pub mod v1 {
         tonic::include_proto!("runtime.v1");
+    }
+}
+
+/// gRPC health checking (`grpc.health.v1`): what a gRPC probe calls.
+pub mod health {
+    /// `grpc.health.v1.Health`, `Check` only.
+    #[allow(missing_docs, clippy::all)]
+    pub mod v1 {
+        tonic::include_proto!("grpc.health.v1");
     }
 }

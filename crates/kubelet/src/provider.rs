@@ -196,6 +196,11 @@ pub enum ProviderErrorKind {
     CannotRun,
     /// The provider has no such container.
     NotFound,
+    /// It did not finish within the time given.
+    Timeout,
+    /// The provider cannot do what was asked (exec into a WebAssembly
+    /// module, say); the message says why.
+    Unsupported,
     /// Anything else.
     Other,
 }
@@ -215,6 +220,42 @@ impl ProviderError {
     pub fn new(kind: ProviderErrorKind, message: impl Into<String>) -> Self {
         ProviderError { kind, message: message.into() }
     }
+}
+
+/// What a command run in a container to its end printed and returned
+/// (exec probes).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ExecOutput {
+    /// Its exit code.
+    pub exit_code: i32,
+    /// What it wrote to stdout (maybe cut short).
+    pub stdout: Vec<u8>,
+    /// What it wrote to stderr (maybe cut short).
+    pub stderr: Vec<u8>,
+}
+
+/// A streaming session asked of a provider: `kubectl exec` or `attach`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StreamRequest {
+    /// The command to run (`exec`; empty for `attach`).
+    pub command: Vec<String>,
+    /// Whether the session has a terminal.
+    pub tty: bool,
+    /// Whether the client sends stdin.
+    pub stdin: bool,
+    /// Whether the client reads stdout.
+    pub stdout: bool,
+    /// Whether the client reads stderr (never with a terminal).
+    pub stderr: bool,
+}
+
+/// Where a streaming session is served.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StreamingEndpoint {
+    /// The runtime's own streaming server: the client is sent there (the
+    /// URL a CRI runtime answers `Exec`, `Attach` and `PortForward` with).
+    Url(String),
 }
 
 /// Registry credentials from a pod's `imagePullSecrets`, in the pod's
@@ -261,6 +302,40 @@ pub trait Provider: Send + Sync + 'static {
     /// The containers that still run (called once when the node starts, to
     /// adopt what an earlier run of the node started).
     async fn running_containers(&self) -> Result<Vec<RunningContainer>, ProviderError>;
+
+    /// Runs `command` in the running container `id` to its end, within
+    /// `timeout` (exec probes); a command still running then is an error of
+    /// kind [`ProviderErrorKind::Timeout`]. By default: unsupported.
+    async fn exec_sync(
+        &self,
+        id: &ContainerId,
+        command: &[String],
+        timeout: Duration,
+    ) -> Result<ExecOutput, ProviderError> {
+        let _ = (id, command, timeout);
+        Err(ProviderError::new(ProviderErrorKind::Unsupported, "this provider cannot run commands in its containers"))
+    }
+
+    /// Starts an interactive command in container `id` (`kubectl exec`).
+    /// By default: unsupported.
+    async fn exec(&self, id: &ContainerId, request: &StreamRequest) -> Result<StreamingEndpoint, ProviderError> {
+        let _ = (id, request);
+        Err(ProviderError::new(ProviderErrorKind::Unsupported, "this provider does not support exec"))
+    }
+
+    /// Joins container `id`'s stdio (`kubectl attach`). By default:
+    /// unsupported.
+    async fn attach(&self, id: &ContainerId, request: &StreamRequest) -> Result<StreamingEndpoint, ProviderError> {
+        let _ = (id, request);
+        Err(ProviderError::new(ProviderErrorKind::Unsupported, "this provider does not support attach"))
+    }
+
+    /// Forwards `ports` of pod `pod_uid`'s network (`kubectl
+    /// port-forward`). By default: unsupported.
+    async fn port_forward(&self, pod_uid: &str, ports: &[u16]) -> Result<StreamingEndpoint, ProviderError> {
+        let _ = (pod_uid, ports);
+        Err(ProviderError::new(ProviderErrorKind::Unsupported, "this provider does not support port-forward"))
+    }
 
     /// The pod's own IPs when the provider gives it a network of its own (a
     /// CRI sandbox's); empty when the pod uses the node's (then its

@@ -38,8 +38,8 @@ use async_trait::async_trait;
 use k8s_openapi::api::core::v1::{Container, Pod};
 use k8s_openapi::jiff::Timestamp;
 use kubelet::provider::{
-    ContainerExit, ContainerId, ContainerLaunch, PreparedImage, Provider, ProviderError, ProviderErrorKind, PullPolicy,
-    PullSecrets, RunningContainer,
+    ContainerExit, ContainerId, ContainerLaunch, ExecOutput, PreparedImage, Provider, ProviderError, ProviderErrorKind,
+    PullPolicy, PullSecrets, RunningContainer, StreamRequest, StreamingEndpoint,
 };
 use kubelet_api::cri::v1 as cri;
 use kubelet_api::cri::v1::image_service_client::ImageServiceClient;
@@ -625,6 +625,73 @@ impl Provider for CriProvider {
             Err(s) if s.code() == tonic::Code::NotFound => Ok(()),
             Err(s) => Err(other("StopContainer", &s)),
         }
+    }
+
+    async fn exec_sync(
+        &self,
+        id: &ContainerId,
+        command: &[String],
+        timeout: Duration,
+    ) -> Result<ExecOutput, ProviderError> {
+        let mut runtime = self.runtime().await?;
+        let seconds = i64::try_from(timeout.as_secs().max(1)).unwrap_or(i64::MAX);
+        let request = cri::ExecSyncRequest { container_id: id.0.clone(), cmd: command.to_vec(), timeout: seconds };
+        // The runtime ends the command at `timeout`; the call gets a little
+        // longer to say so.
+        match self.call_within(timeout + self.inner.config.call_timeout, runtime.exec_sync(request)).await {
+            Ok(out) => Ok(ExecOutput { exit_code: out.exit_code, stdout: out.stdout, stderr: out.stderr }),
+            Err(s) if s.code() == tonic::Code::DeadlineExceeded => Err(ProviderError::new(
+                ProviderErrorKind::Timeout,
+                format!("command {:?} timed out after {timeout:?}", command.join(" ")),
+            )),
+            Err(s) if s.code() == tonic::Code::NotFound => {
+                Err(ProviderError::new(ProviderErrorKind::NotFound, format!("ExecSync: {}", describe(&s))))
+            }
+            Err(s) => Err(other("ExecSync", &s)),
+        }
+    }
+
+    async fn exec(&self, id: &ContainerId, request: &StreamRequest) -> Result<StreamingEndpoint, ProviderError> {
+        let mut runtime = self.runtime().await?;
+        let request = cri::ExecRequest {
+            container_id: id.0.clone(),
+            cmd: request.command.clone(),
+            tty: request.tty,
+            stdin: request.stdin,
+            stdout: request.stdout,
+            stderr: request.stderr,
+        };
+        let answer = self.call(runtime.exec(request)).await.map_err(|s| other("Exec", &s))?;
+        Ok(StreamingEndpoint::Url(answer.url))
+    }
+
+    async fn attach(&self, id: &ContainerId, request: &StreamRequest) -> Result<StreamingEndpoint, ProviderError> {
+        let mut runtime = self.runtime().await?;
+        let request = cri::AttachRequest {
+            container_id: id.0.clone(),
+            stdin: request.stdin,
+            tty: request.tty,
+            stdout: request.stdout,
+            stderr: request.stderr,
+        };
+        let answer = self.call(runtime.attach(request)).await.map_err(|s| other("Attach", &s))?;
+        Ok(StreamingEndpoint::Url(answer.url))
+    }
+
+    async fn port_forward(&self, pod_uid: &str, ports: &[u16]) -> Result<StreamingEndpoint, ProviderError> {
+        let entry = self.inner.sandboxes.lock().unwrap_or_else(|p| p.into_inner()).get(pod_uid).cloned();
+        let sandbox = match entry {
+            Some(entry) => entry.lock().await.clone(),
+            None => None,
+        };
+        let Some(sandbox) = sandbox else {
+            return Err(ProviderError::new(ProviderErrorKind::NotFound, format!("pod {pod_uid} has no sandbox")));
+        };
+        let mut runtime = self.runtime().await?;
+        let request =
+            cri::PortForwardRequest { pod_sandbox_id: sandbox, port: ports.iter().map(|p| i32::from(*p)).collect() };
+        let answer = self.call(runtime.port_forward(request)).await.map_err(|s| other("PortForward", &s))?;
+        Ok(StreamingEndpoint::Url(answer.url))
     }
 
     async fn running_containers(&self) -> Result<Vec<RunningContainer>, ProviderError> {

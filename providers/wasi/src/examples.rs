@@ -8,6 +8,7 @@
 //! | `hello` | prints its args and env (`arg: ...`, `env: K=V`), writes `hello.txt` into its first preopened directory, exits 0 (1 when it cannot write) |
 //! | `sleep` | prints `sleeping`, then sleeps an hour at a time, forever |
 //! | `wait` | prints `waiting for go`, looks for a file `go` in its first preopened directory every 10 ms, then prints `got go` and exits 0 |
+//! | `check` | prints `running; probe me with check`, then sleeps like `sleep`; run with arguments (an exec probe's fresh instance), exits 0 when a file `healthy` is in its first preopened directory, else prints `not healthy` on stderr and exits 1 |
 //! | `spin` | prints `spinning`, then loops forever without a host call |
 //! | `exit3` | prints `exiting with 3` on stderr, exits 3 |
 //! | `trap` | prints `about to trap`, executes `unreachable` |
@@ -40,6 +41,14 @@ const PRELUDE: &str = r#"
         (local.set $n (i32.add (local.get $n) (i32.const 1)))
         (br $next)))
     (local.get $n))
+  (func $sleep_forever
+    ;; one clock subscription at 256: monotonic, relative, one hour
+    (i32.store8 (i32.const 264) (i32.const 0))
+    (i32.store (i32.const 272) (i32.const 1))
+    (i64.store (i32.const 280) (i64.const 3600000000000))
+    (loop $forever
+      (drop (call $poll_oneoff (i32.const 256) (i32.const 512) (i32.const 1) (i32.const 600)))
+      (br $forever)))
   (func $print_list (param $prefix i32) (param $prefix_len i32) (param $ptrs i32) (param $count i32)
     (local $i i32) (local $s i32)
     (block $done
@@ -92,13 +101,7 @@ pub fn text(name: &str) -> Option<String> {
   (data (i32.const 80) "sleeping\n")
   (func (export "_start")
     (call $write (i32.const 1) (i32.const 80) (i32.const 9))
-    ;; one clock subscription at 256: monotonic, relative, one hour
-    (i32.store8 (i32.const 264) (i32.const 0))
-    (i32.store (i32.const 272) (i32.const 1))
-    (i64.store (i32.const 280) (i64.const 3600000000000))
-    (loop $forever
-      (drop (call $poll_oneoff (i32.const 256) (i32.const 512) (i32.const 1) (i32.const 600)))
-      (br $forever)))
+    (call $sleep_forever))
 "#,
         ),
         "wait" => module(
@@ -120,6 +123,25 @@ pub fn text(name: &str) -> Option<String> {
         (drop (call $poll_oneoff (i32.const 256) (i32.const 512) (i32.const 1) (i32.const 600)))
         (br $again)))
     (call $write (i32.const 1) (i32.const 112) (i32.const 7)))
+"#,
+        ),
+        "check" => module(
+            r#"
+  (data (i32.const 80) "running; probe me with check\n")
+  (data (i32.const 112) "healthy")
+  (data (i32.const 128) "not healthy\n")
+  (func (export "_start")
+    (drop (call $args_sizes_get (i32.const 16) (i32.const 20)))
+    (if (i32.ge_u (i32.load (i32.const 16)) (i32.const 2))
+      (then
+        (if (call $path_open (i32.const 3) (i32.const 0) (i32.const 112) (i32.const 7)
+                             (i32.const 0) (i64.const 0) (i64.const 0) (i32.const 0) (i32.const 24))
+          (then
+            (call $write (i32.const 2) (i32.const 128) (i32.const 12))
+            (call $proc_exit (i32.const 1))))
+        (call $proc_exit (i32.const 0))))
+    (call $write (i32.const 1) (i32.const 80) (i32.const 29))
+    (call $sleep_forever))
 "#,
         ),
         "spin" => module(
@@ -179,7 +201,8 @@ pub fn binary(name: &str) -> Result<Vec<u8>, String> {
 }
 
 /// Every example's name.
-pub const NAMES: &[&str] = &["hello", "sleep", "wait", "spin", "exit3", "trap", "hog", "component-ok", "component-err"];
+pub const NAMES: &[&str] =
+    &["hello", "sleep", "wait", "check", "spin", "exit3", "trap", "hog", "component-ok", "component-err"];
 
 #[cfg(test)]
 mod tests {

@@ -43,14 +43,15 @@ use async_trait::async_trait;
 use k8s_openapi::api::core::v1::{Container, Pod, Taint};
 use k8s_openapi::jiff::Timestamp;
 use kubelet::provider::{
-    ContainerExit, ContainerId, ContainerLaunch, PreparedImage, Provider, ProviderError, ProviderErrorKind,
-    PullSecrets, RunningContainer,
+    ContainerExit, ContainerId, ContainerLaunch, ExecOutput, PreparedImage, Provider, ProviderError, ProviderErrorKind,
+    PullSecrets, RunningContainer, StreamRequest, StreamingEndpoint,
 };
 use tokio::sync::watch;
+use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 
 use crate::logs::CriLog;
 use crate::pull::{PullPolicy, Puller};
-use crate::runtime::{RunSpec, Runtime, STOPPED_EXIT_CODE, ended};
+use crate::runtime::{Compiled, Output, RunSpec, Runtime, STOPPED_EXIT_CODE, ended};
 use crate::store::ImageStore;
 
 /// The node label (and taint) value that marks a WebAssembly node, as
@@ -100,8 +101,15 @@ fn limit(
     Ok(Some(u64::try_from(value).unwrap_or(u64::MAX)))
 }
 
+/// How much of an exec's stdout and stderr is kept (each); a module
+/// writing more gets a write error.
+const EXEC_OUTPUT_LIMIT: usize = 64 * 1024;
+
 struct Instance {
     pod_uid: String,
+    /// The module and what it runs with: an exec probe runs a fresh
+    /// instance of it with the probe's command as its arguments.
+    template: (Compiled, RunSpec),
     exit: watch::Receiver<Option<ContainerExit>>,
     stop: watch::Sender<bool>,
 }
@@ -336,8 +344,9 @@ impl Provider for WasiProvider {
             memory_limit,
             cpu_limit_milli,
             cpu: Arc::default(),
-            log: log.clone(),
+            output: Output::Log(log.clone()),
         };
+        let template = (compiled.clone(), spec.clone());
         let pod_uid = launch.pod.metadata.uid.clone().unwrap_or_default();
         let id = ContainerId(format!(
             "wasm-{}-{}-{}",
@@ -360,7 +369,7 @@ impl Provider for WasiProvider {
             tracing::debug!(container = %task_id, exit_code = exit.exit_code, "module ended");
             let _ = exit_tx.send(Some(exit));
         });
-        self.instances.lock().expect("lock").insert(id.clone(), Instance { pod_uid, exit, stop });
+        self.instances.lock().expect("lock").insert(id.clone(), Instance { pod_uid, template, exit, stop });
         Ok(id)
     }
 
@@ -388,6 +397,66 @@ impl Provider for WasiProvider {
         let mut exit = exit;
         let _ = exit.wait_for(Option::is_some).await;
         Ok(())
+    }
+
+    async fn exec_sync(
+        &self,
+        id: &ContainerId,
+        command: &[String],
+        timeout: Duration,
+    ) -> Result<ExecOutput, ProviderError> {
+        let template = {
+            let instances = self.instances.lock().expect("lock");
+            instances.get(id).filter(|i| i.exit.borrow().is_none()).map(|i| i.template.clone())
+        };
+        let Some((compiled, mut spec)) = template else {
+            return Err(ProviderError::new(ProviderErrorKind::NotFound, format!("container {id} is not running")));
+        };
+        let (stdout, stderr) = (MemoryOutputPipe::new(EXEC_OUTPUT_LIMIT), MemoryOutputPipe::new(EXEC_OUTPUT_LIMIT));
+        spec.args = command.to_vec();
+        spec.output = Output::Capture { stdout: stdout.clone(), stderr: stderr.clone() };
+        spec.cpu = Arc::default();
+        let runtime = self.runtime.clone();
+        let mut run = self.threads().spawn(async move { runtime.run(compiled, spec).await });
+        let exit = match tokio::time::timeout(timeout, &mut run).await {
+            Ok(Ok(exit)) => exit,
+            Ok(Err(e)) => return Err(ProviderError::new(ProviderErrorKind::Other, format!("exec in {id}: {e}"))),
+            Err(_) => {
+                // The instance yields at every epoch tick: aborting ends it.
+                run.abort();
+                return Err(ProviderError::new(
+                    ProviderErrorKind::Timeout,
+                    format!("command {:?} timed out after {timeout:?}", command.join(" ")),
+                ));
+            }
+        };
+        let mut stderr = stderr.contents().to_vec();
+        if let Some(message) = exit.message {
+            stderr.extend_from_slice(message.as_bytes());
+        }
+        Ok(ExecOutput { exit_code: exit.exit_code, stdout: stdout.contents().to_vec(), stderr })
+    }
+
+    async fn exec(&self, _: &ContainerId, _: &StreamRequest) -> Result<StreamingEndpoint, ProviderError> {
+        Err(ProviderError::new(
+            ProviderErrorKind::Unsupported,
+            "interactive exec into a WebAssembly container is not supported yet (exec probes are)",
+        ))
+    }
+
+    async fn attach(&self, _: &ContainerId, _: &StreamRequest) -> Result<StreamingEndpoint, ProviderError> {
+        Err(ProviderError::new(
+            ProviderErrorKind::Unsupported,
+            "attach to a WebAssembly container is not supported yet",
+        ))
+    }
+
+    async fn port_forward(&self, _: &str, _: &[u16]) -> Result<StreamingEndpoint, ProviderError> {
+        Err(ProviderError::new(
+            ProviderErrorKind::Unsupported,
+            "port-forward is not supported for WebAssembly pods: they have no network namespace of their own \
+             (a module listening on a port listens on the node's)",
+        ))
     }
 
     async fn running_containers(&self) -> Result<Vec<RunningContainer>, ProviderError> {

@@ -22,6 +22,7 @@ use wasmtime::component::{Component, ResourceTable};
 use wasmtime::{Config, Engine, Linker, Module, Store, UpdateDeadline};
 use wasmtime_wasi::p1::WasiP1Ctx;
 use wasmtime_wasi::p2::bindings::CommandPre;
+use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::{FsPerms, I32Exit, WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
 use kubelet::provider::ContainerExit;
@@ -53,7 +54,22 @@ pub enum Compiled {
     Component(CommandPre<P2State>),
 }
 
+/// Where a module's stdout and stderr go.
+#[derive(Clone)]
+pub enum Output {
+    /// The container's CRI log file.
+    Log(CriLog),
+    /// Kept in memory, up to the pipes' capacity (a probe's command).
+    Capture {
+        /// stdout.
+        stdout: MemoryOutputPipe,
+        /// stderr.
+        stderr: MemoryOutputPipe,
+    },
+}
+
 /// What a container runs with.
+#[derive(Clone)]
 pub struct RunSpec {
     /// argv, `argv[0]` first.
     pub args: Vec<String>,
@@ -70,7 +86,7 @@ pub struct RunSpec {
     /// Where the container's CPU time is counted.
     pub cpu: Arc<CpuMeter>,
     /// Where stdout and stderr go.
-    pub log: CriLog,
+    pub output: Output,
 }
 
 /// Tracks memory growth against the limit.
@@ -228,7 +244,10 @@ impl Runtime {
         for (name, value) in &spec.env {
             builder.env(name, value);
         }
-        builder.stdout(spec.log.stream("stdout")).stderr(spec.log.stream("stderr"));
+        match &spec.output {
+            Output::Log(log) => builder.stdout(log.stream("stdout")).stderr(log.stream("stderr")),
+            Output::Capture { stdout, stderr } => builder.stdout(stdout.clone()).stderr(stderr.clone()),
+        };
         for (host, guest, read_only) in &spec.preopens {
             let perms = if *read_only { FsPerms::ReadOnly } else { FsPerms::ReadWrite };
             if let Err(e) = builder.preopened_dir(host, guest, perms) {
@@ -274,7 +293,9 @@ impl Runtime {
                 outcome(result.map(|r| if r.is_ok() { 0 } else { 1 }), store.data().limiter.hit)
             }
         };
-        spec.log.finish();
+        if let Output::Log(log) = &spec.output {
+            log.finish();
+        }
         ended
     }
 }

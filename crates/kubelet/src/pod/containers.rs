@@ -9,7 +9,8 @@ use krator::Context;
 use tokio::time::Instant;
 
 use super::PodLifecycle;
-use super::data::{ContainerPhase, ExitReport, PodData, Terminated};
+use super::data::{ContainerEvent, ContainerPhase, ExitReport, PodData, ProbeReport, ProbeState, Terminated};
+use super::probe::{ProbeKind, ProbeSpec, Target, Worker};
 use super::run_options;
 use crate::device_manager::RunOptions;
 use crate::provider::{ContainerId, ContainerLaunch, Provider, ProviderErrorKind};
@@ -53,7 +54,11 @@ pub async fn start(
             record.started = Some(Instant::now());
             record.wants_start = false;
         }
-        watch_exit(&mut ctx.data, provider, name, running.id);
+        if ctx.data.pod_ips.is_empty() {
+            ctx.data.pod_ips = provider.pod_ips(&uid).await;
+        }
+        watch_exit(&mut ctx.data, provider, name, running.id.clone());
+        start_probes(&mut ctx.data, provider, name, running.id);
         return Ok(());
     }
     // Devices first: PreStartContainer runs before every start.
@@ -125,7 +130,8 @@ pub async fn start(
         record.started = Some(Instant::now());
         record.wants_start = false;
     }
-    watch_exit(data, provider, name, id);
+    watch_exit(data, provider, name, id.clone());
+    start_probes(data, provider, name, id);
     Ok(())
 }
 
@@ -153,12 +159,101 @@ fn continue_previous_run(record: &mut super::data::ContainerRecord) {
 /// Spawns the task that waits for the container's exit and reports it.
 fn watch_exit(data: &mut PodData, provider: &Arc<dyn Provider>, name: &str, id: ContainerId) {
     let provider = Arc::clone(provider);
-    let sender = data.exit_sender.clone();
+    let sender = data.event_sender.clone();
     let container = name.to_owned();
     data.waiters.spawn(async move {
         let exit = provider.wait_container(&id).await;
-        let _ = sender.send(ExitReport { container, id, exit });
+        let _ = sender.send(ContainerEvent::Exit(ExitReport { container, id, exit }));
     });
+}
+
+/// Starts the probe workers of the container instance `id` that just
+/// started (or was adopted): readiness starts unready and startup
+/// unstarted; liveness and readiness wait for startup.
+fn start_probes(data: &mut PodData, provider: &Arc<dyn Provider>, name: &str, id: ContainerId) {
+    let Some(record) = data.containers.get(name) else { return };
+    let specs: Vec<ProbeSpec> = [ProbeKind::Startup, ProbeKind::Liveness, ProbeKind::Readiness]
+        .into_iter()
+        .filter_map(|kind| ProbeSpec::of(kind, &record.spec))
+        .collect();
+    let mut state = ProbeState::default();
+    let has = |kind| specs.iter().any(|s: &ProbeSpec| s.kind == kind);
+    state.ready = has(ProbeKind::Readiness).then_some(false);
+    state.started = has(ProbeKind::Startup).then_some(false);
+    let (start_sender, started) = tokio::sync::watch::channel(!has(ProbeKind::Startup));
+    let mut start_sender = Some(start_sender);
+    let target = Target {
+        provider: Arc::clone(provider),
+        id,
+        address: data.pod_ips.first().copied().unwrap_or(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST)),
+    };
+    for spec in specs {
+        let worker = Worker {
+            start_sender: if spec.kind == ProbeKind::Startup { start_sender.take() } else { None },
+            spec,
+            target: target.clone(),
+            container: name.to_owned(),
+            started_at: Instant::now(),
+            started: started.clone(),
+            pod_grace: super::spec::grace_period(&data.pod),
+            events: data.event_sender.clone(),
+        };
+        state.tasks.push(data.waiters.spawn(worker.run()));
+    }
+    if let Some(record) = data.containers.get_mut(name) {
+        record.probes.stop();
+        record.probes = state;
+    }
+}
+
+/// What an event changed.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Recorded {
+    /// The container (its name) ended.
+    Exit(String),
+    /// A probe changed the container's status.
+    Status,
+    /// Nothing: the event was about an instance that is gone.
+    Nothing,
+}
+
+/// Records an event from a waiter or probe task.
+pub fn record_event(data: &mut PodData, event: ContainerEvent) -> Recorded {
+    match event {
+        ContainerEvent::Exit(report) => record_exit(data, report).map_or(Recorded::Nothing, Recorded::Exit),
+        ContainerEvent::Probe(report) => {
+            if record_probe(data, report) {
+                Recorded::Status
+            } else {
+                Recorded::Nothing
+            }
+        }
+    }
+}
+
+/// Records a probe's changed result; returns whether it counted.
+fn record_probe(data: &mut PodData, report: ProbeReport) -> bool {
+    let uid = data.id.uid.clone();
+    let Some(record) = data.containers.get_mut(&report.container) else { return false };
+    if record.id.as_ref() != Some(&report.id) || !record.is_running() {
+        return false;
+    }
+    let probe = report.kind.title();
+    if !report.healthy {
+        // Upstream's event reason and message for a failed probe.
+        tracing::warn!(pod.uid = %uid, container = %report.container, reason = "Unhealthy", "{probe} probe failed: {}", report.message);
+    }
+    match (report.kind, report.healthy) {
+        (ProbeKind::Readiness, ready) => record.probes.ready = Some(ready),
+        (ProbeKind::Startup, true) => record.probes.started = Some(true),
+        (kind, false) => {
+            let what = if kind == ProbeKind::Startup { "startup" } else { "liveness" };
+            tracing::info!(pod.uid = %uid, container = %report.container, reason = "Killing", "Container {} failed {what} probe, will be restarted", report.container);
+            record.probes.killed_by = Some(format!("Unhealthy: {probe} probe failed: {}", report.message));
+        }
+        (ProbeKind::Liveness, true) => return false,
+    }
+    true
 }
 
 /// Records a start failure and backs off before the next try. As upstream,
@@ -197,11 +292,13 @@ pub fn record_start_failure(ctx: &mut Context<PodLifecycle>, name: &str, failure
 
 /// Records an exit reported by a waiter; returns the container's name if the
 /// report is about its current instance.
-pub fn record_exit(data: &mut PodData, report: ExitReport) -> Option<String> {
+fn record_exit(data: &mut PodData, report: ExitReport) -> Option<String> {
     let record = data.containers.get_mut(&report.container)?;
     if record.id.as_ref() != Some(&report.id) || !record.is_running() {
         return None;
     }
+    record.probes.stop();
+    let killed_by = record.probes.killed_by.take();
     let started_at = match &record.phase {
         ContainerPhase::Running { started_at } => Some(*started_at),
         _ => None,
@@ -210,7 +307,7 @@ pub fn record_exit(data: &mut PodData, report: ExitReport) -> Option<String> {
         Ok(exit) => Terminated {
             exit_code: exit.exit_code,
             reason: exit.reason.unwrap_or_else(|| if exit.exit_code == 0 { "Completed" } else { "Error" }.to_owned()),
-            message: exit.message,
+            message: killed_by.or(exit.message),
             started_at,
             finished_at: exit.finished_at,
             container_id: Some(report.id.clone()),

@@ -12,6 +12,7 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use super::backoff::Backoff;
+use super::probe::ProbeKind;
 use super::spec::{PodIdentity, containers};
 use crate::device_manager::{ContainerKind, PodDevices};
 use crate::provider::{ContainerExit, ContainerId, ProviderError};
@@ -81,6 +82,8 @@ pub struct ContainerRecord {
     /// the pod on again (after a node restart): its next start continues
     /// that count unless the container is adopted.
     pub previous_run: Option<PreviousRun>,
+    /// The running instance's probes.
+    pub probes: ProbeState,
 }
 
 /// A container's run as the API status recorded it before a node restart.
@@ -127,12 +130,24 @@ impl ContainerRecord {
             started: None,
             wants_start: true,
             previous_run: None,
+            probes: ProbeState::default(),
         }
     }
 
     /// Whether it runs now.
     pub fn is_running(&self) -> bool {
         matches!(self.phase, ContainerPhase::Running { .. })
+    }
+
+    /// Whether it has started, as its startup probe says (a running
+    /// container without one has).
+    pub fn has_started(&self) -> bool {
+        self.is_running() && self.probes.started != Some(false)
+    }
+
+    /// Whether it is ready: started, and its readiness probe (if any) passed.
+    pub fn is_ready(&self) -> bool {
+        self.kind != ContainerKind::Init && self.has_started() && self.probes.ready != Some(false)
     }
 
     /// Whether it ended with exit code 0.
@@ -155,6 +170,52 @@ pub struct ExitReport {
     pub id: ContainerId,
     /// How it ended (an error if the provider lost it).
     pub exit: Result<ContainerExit, ProviderError>,
+}
+
+/// A probe's counted result changed.
+#[derive(Debug)]
+pub struct ProbeReport {
+    /// The container's name.
+    pub container: String,
+    /// The instance probed.
+    pub id: ContainerId,
+    /// Which probe.
+    pub kind: ProbeKind,
+    /// The counted result.
+    pub healthy: bool,
+    /// Why the last attempt failed (empty on success).
+    pub message: String,
+}
+
+/// What the tasks watching a pod's containers tell its lifecycle.
+#[derive(Debug)]
+pub enum ContainerEvent {
+    /// A container ended.
+    Exit(ExitReport),
+    /// A probe's result changed.
+    Probe(ProbeReport),
+}
+
+/// Where a running instance's probes stand.
+#[derive(Clone, Debug, Default)]
+pub struct ProbeState {
+    /// The readiness probe's counted result; `None` without one.
+    pub ready: Option<bool>,
+    /// Whether the startup probe passed; `None` without one.
+    pub started: Option<bool>,
+    /// Why a probe killed this instance, for its termination message.
+    pub killed_by: Option<String>,
+    /// The probe tasks of this instance (aborted when it ends).
+    pub tasks: Vec<tokio::task::AbortHandle>,
+}
+
+impl ProbeState {
+    /// Stops the probe tasks.
+    pub fn stop(&mut self) {
+        for task in self.tasks.drain(..) {
+            task.abort();
+        }
+    }
 }
 
 /// A pod-level verdict that overrides the computed phase (admission
@@ -192,19 +253,19 @@ pub struct PodData {
     pub volumes_ready: bool,
     /// Whether every init container has completed.
     pub initialized: bool,
-    /// When the node took the pod on.
     /// The pod's own IPs, from its provider (empty: the node's).
     pub pod_ips: Vec<std::net::IpAddr>,
+    /// When the node took the pod on.
     pub start_time: Timestamp,
     /// A pod-level waiting message (a volume that cannot be prepared yet).
     pub pending_message: Option<String>,
     /// A final verdict.
     pub verdict: Option<PodVerdict>,
-    /// Container exits, from the waiter tasks.
-    pub exits: mpsc::UnboundedReceiver<ExitReport>,
-    /// Where waiter tasks send exits.
-    pub exit_sender: mpsc::UnboundedSender<ExitReport>,
-    /// The waiter tasks (aborted when the pod's data is dropped).
+    /// Container exits and probe results, from the waiter and probe tasks.
+    pub events: mpsc::UnboundedReceiver<ContainerEvent>,
+    /// Where those tasks send them.
+    pub event_sender: mpsc::UnboundedSender<ContainerEvent>,
+    /// The waiter and probe tasks (aborted when the pod's data is dropped).
     pub waiters: JoinSet<()>,
 }
 
@@ -228,7 +289,7 @@ impl PodData {
         // A pod the API already showed started (the node restarted) keeps
         // its start time.
         let start_time = status.and_then(|s| s.start_time.as_ref()).map_or_else(Timestamp::now, |t| t.0);
-        let (exit_sender, exits) = mpsc::unbounded_channel();
+        let (event_sender, events) = mpsc::unbounded_channel();
         PodData {
             pod,
             id,
@@ -243,8 +304,8 @@ impl PodData {
             pod_ips: Vec::new(),
             pending_message: None,
             verdict: None,
-            exits,
-            exit_sender,
+            events,
+            event_sender,
             waiters: JoinSet::new(),
         }
     }

@@ -29,6 +29,7 @@ mod admission;
 mod backoff;
 mod containers;
 mod data;
+pub mod probe;
 pub mod quantity;
 mod run_options;
 mod sources;

@@ -83,7 +83,7 @@ pub fn pod_status(data: &PodData, stage: Stage) -> PodStatus {
     let now = Timestamp::now();
     let unready: Vec<&str> = data
         .ordered()
-        .filter(|c| c.kind != ContainerKind::Init && !c.is_running())
+        .filter(|c| c.kind != ContainerKind::Init && !c.is_ready())
         .map(|c| c.spec.name.as_str())
         .collect();
     let unready_apps_or_sidecars = !unready.is_empty();
@@ -187,8 +187,8 @@ fn container_status(c: &ContainerRecord) -> ContainerStatus {
         image: c.spec.image.clone().unwrap_or_default(),
         image_id: c.image_id.clone().unwrap_or_default(),
         container_id: c.id.as_ref().map(|id| id.0.clone()),
-        ready: c.kind != ContainerKind::Init && c.is_running(),
-        started: Some(c.is_running()),
+        ready: c.is_ready(),
+        started: Some(c.has_started()),
         restart_count: i32::try_from(c.restart_count).unwrap_or(i32::MAX),
         state: Some(state),
         last_state: c.last_terminated.as_ref().map(terminated_state),

@@ -7,7 +7,7 @@ use tokio::time::Instant;
 use super::{Completed, Failed};
 use crate::device_manager::ContainerKind;
 use crate::pod::PodLifecycle;
-use crate::pod::containers::{record_exit, record_start_failure, schedule_restart, start, stop_all};
+use crate::pod::containers::{Recorded, record_event, record_start_failure, schedule_restart, start, stop_all};
 use crate::pod::data::{ContainerPhase, PodVerdict};
 use crate::pod::spec::{RestartPolicy, grace_period};
 use crate::pod::status::{Stage, pod_status};
@@ -52,8 +52,12 @@ impl State<PodLifecycle> for Initializing {
                 // Wait for this init container to end (sidecar exits are
                 // recorded; the sidecar restarts when the app containers start).
                 let exit_code = loop {
-                    let Some(report) = ctx.data.exits.recv().await else { return std::future::pending().await };
-                    if let Some(ended) = record_exit(&mut ctx.data, report) {
+                    let Some(event) = ctx.data.events.recv().await else { return std::future::pending().await };
+                    let recorded = record_event(&mut ctx.data, event);
+                    if recorded == Recorded::Status {
+                        ctx.report(pod_status(&ctx.data, Stage::Pending));
+                    }
+                    if let Recorded::Exit(ended) = recorded {
                         ctx.report(pod_status(&ctx.data, Stage::Pending));
                         if ended == name {
                             break match &ctx.data.containers[&name].phase {
@@ -184,8 +188,8 @@ fn apps_finished(ctx: &Context<PodLifecycle>, policy: RestartPolicy) -> bool {
 
 /// Records the exits the sidecars' stop produced.
 fn drain_exits(ctx: &mut Context<PodLifecycle>) {
-    while let Ok(report) = ctx.data.exits.try_recv() {
-        record_exit(&mut ctx.data, report);
+    while let Ok(event) = ctx.data.events.try_recv() {
+        record_event(&mut ctx.data, event);
     }
     for record in ctx.data.containers.values_mut() {
         if record.is_running() {
@@ -236,8 +240,8 @@ impl State<PodLifecycle> for Running {
             return finish(&*self, ctx);
         }
         loop {
-            let Some(report) = ctx.data.exits.recv().await else { return std::future::pending().await };
-            let Some(name) = record_exit(&mut ctx.data, report) else { continue };
+            let Some(event) = ctx.data.events.recv().await else { return std::future::pending().await };
+            let Some(name) = exited(ctx, event) else { continue };
             match handle_exit(ctx, &name).await {
                 AfterExit::Keep => ctx.report(pod_status(&ctx.data, Stage::Running)),
                 AfterExit::Restart => return Transition::next(&*self, CrashLoopBackOff),
@@ -248,6 +252,19 @@ impl State<PodLifecycle> for Running {
 
     fn status(&self, ctx: &Context<PodLifecycle>) -> PodStatus {
         pod_status(&ctx.data, Stage::Running)
+    }
+}
+
+/// Records an event of a running pod: a probe's change is reported at
+/// once; an exit returns the container's name.
+fn exited(ctx: &mut Context<PodLifecycle>, event: crate::pod::data::ContainerEvent) -> Option<String> {
+    match record_event(&mut ctx.data, event) {
+        Recorded::Exit(name) => Some(name),
+        Recorded::Status => {
+            ctx.report(pod_status(&ctx.data, Stage::Running));
+            None
+        }
+        Recorded::Nothing => None,
     }
 }
 
@@ -278,9 +295,9 @@ impl State<PodLifecycle> for CrashLoopBackOff {
             let Some(until) = until else { return Transition::next(&*self, Starting) };
             tokio::select! {
                 _ = tokio::time::sleep_until(until) => return Transition::next(&*self, Starting),
-                report = ctx.data.exits.recv() => {
-                    let Some(report) = report else { return std::future::pending().await };
-                    let Some(name) = record_exit(&mut ctx.data, report) else { continue };
+                event = ctx.data.events.recv() => {
+                    let Some(event) = event else { return std::future::pending().await };
+                    let Some(name) = exited(ctx, event) else { continue };
                     match handle_exit(ctx, &name).await {
                         AfterExit::Keep | AfterExit::Restart => ctx.report(pod_status(&ctx.data, Stage::Running)),
                         AfterExit::Done => return finish(&*self, ctx),
