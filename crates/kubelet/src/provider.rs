@@ -352,6 +352,14 @@ pub trait Provider: Send + Sync + 'static {
         Ok(())
     }
 
+    /// The runtime that runs `pod`'s containers, as the scheme of their IDs
+    /// in the pod's status (`containerd://<id>`, as upstream); empty: IDs
+    /// are shown bare.
+    fn runtime_type(&self, pod: &Pod) -> String {
+        let _ = pod;
+        String::new()
+    }
+
     /// Labels the node carries because of this provider (they override the
     /// node's own, e.g. `kubernetes.io/arch`).
     fn node_labels(&self) -> BTreeMap<String, String> {

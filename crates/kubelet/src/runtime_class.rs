@@ -23,8 +23,8 @@ use async_trait::async_trait;
 use k8s_openapi::api::core::v1::{Container, Pod, Taint};
 
 use crate::provider::{
-    ContainerExit, ContainerId, ContainerLaunch, PreparedImage, Provider, ProviderError, ProviderErrorKind,
-    PullSecrets, RunningContainer,
+    ContainerExit, ContainerId, ContainerLaunch, ExecOutput, PreparedImage, Provider, ProviderError, ProviderErrorKind,
+    PullSecrets, RunningContainer, StreamRequest, StreamingEndpoint,
 };
 
 /// The pod UID and the provider of a container.
@@ -154,6 +154,38 @@ impl Provider for RuntimeClasses {
         self.owner(id)?.stop_container(id, grace).await
     }
 
+    async fn exec_sync(
+        &self,
+        id: &ContainerId,
+        command: &[String],
+        timeout: Duration,
+    ) -> Result<ExecOutput, ProviderError> {
+        self.owner(id)?.exec_sync(id, command, timeout).await
+    }
+
+    async fn exec(&self, id: &ContainerId, request: &StreamRequest) -> Result<StreamingEndpoint, ProviderError> {
+        self.owner(id)?.exec(id, request).await
+    }
+
+    async fn attach(&self, id: &ContainerId, request: &StreamRequest) -> Result<StreamingEndpoint, ProviderError> {
+        self.owner(id)?.attach(id, request).await
+    }
+
+    async fn port_forward(&self, pod_uid: &str, ports: &[u16]) -> Result<StreamingEndpoint, ProviderError> {
+        // The provider of any of the pod's containers runs its network.
+        let provider = self
+            .owners
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .find(|(uid, _)| uid == pod_uid)
+            .map(|(_, provider)| Arc::clone(provider));
+        match provider {
+            Some(provider) => provider.port_forward(pod_uid, ports).await,
+            None => Err(ProviderError::new(ProviderErrorKind::NotFound, format!("no runtime runs pod {pod_uid}"))),
+        }
+    }
+
     async fn running_containers(&self) -> Result<Vec<RunningContainer>, ProviderError> {
         let mut running = Vec::new();
         for provider in self.all() {
@@ -189,6 +221,10 @@ impl Provider for RuntimeClasses {
         } else {
             Err(ProviderError::new(ProviderErrorKind::Other, failures.join("; ")))
         }
+    }
+
+    fn runtime_type(&self, pod: &Pod) -> String {
+        self.provider_for(pod).map(|p| p.runtime_type(pod)).unwrap_or_default()
     }
 
     fn node_labels(&self) -> BTreeMap<String, String> {

@@ -115,7 +115,7 @@ fn pod_table(pods: &[Pod], wide: bool, all_namespaces: bool, now: Timestamp) -> 
         header.insert(0, "NAMESPACE");
     }
     if wide {
-        header.extend(["IP", "NODE", "NOMINATED NODE", "READINESS GATES"]);
+        header.extend(["IP", "NODE", "NOMINATED NODE", "READINESS GATES", "RUNTIME"]);
     }
     let mut rows = vec![header.into_iter().map(str::to_owned).collect::<Vec<_>>()];
     for pod in pods {
@@ -128,11 +128,22 @@ fn pod_table(pods: &[Pod], wide: bool, all_namespaces: bool, now: Timestamp) -> 
         if wide {
             let ip = pod.status.as_ref().and_then(|s| s.pod_ip.clone()).unwrap_or_else(|| "<none>".into());
             let node = pod.spec.as_ref().and_then(|s| s.node_name.clone()).unwrap_or_else(|| "<none>".into());
-            cells.extend([ip, node, "<none>".into(), "<none>".into()]);
+            cells.extend([ip, node, "<none>".into(), "<none>".into(), runtime_of(pod)]);
         }
         rows.push(cells);
     }
     columns(&rows)
+}
+
+/// The runtime that runs the pod: the scheme of its containers' IDs
+/// (`containerd://…`, `wasmtime://…`), `<none>` before one started.
+fn runtime_of(pod: &Pod) -> String {
+    let status = pod.status.as_ref();
+    let statuses = status
+        .into_iter()
+        .flat_map(|s| s.container_statuses.iter().flatten().chain(s.init_container_statuses.iter().flatten()));
+    let mut ids = statuses.filter_map(|c| c.container_id.as_deref());
+    ids.find_map(|id| id.split_once("://").map(|(scheme, _)| scheme.to_owned())).unwrap_or_else(|| "<none>".into())
 }
 
 struct PodRow {
@@ -356,6 +367,22 @@ mod tests {
             "status": status
         }))
         .expect("pod")
+    }
+
+    #[test]
+    fn the_runtime_column_is_the_scheme_of_container_ids() {
+        let status = |id: &str| {
+            pod(serde_json::json!({"phase": "Running", "containerStatuses": [
+                {"name": "a", "ready": true, "restartCount": 0, "image": "", "imageID": "", "containerID": id, "state": {"running": {}}}
+            ]}))
+        };
+        assert_eq!(runtime_of(&status("containerd://0123abcd")), "containerd");
+        assert_eq!(runtime_of(&status("wasmtime://wasm-1")), "wasmtime");
+        assert_eq!(runtime_of(&pod(serde_json::json!({"phase": "Pending"}))), "<none>");
+        let table = pod_table(&[status("containerd://0123abcd")], true, false, Timestamp::now());
+        let header = table.lines().next().unwrap_or_default();
+        assert!(header.ends_with("READINESS GATES   RUNTIME"), "{table}");
+        assert!(table.lines().nth(1).is_some_and(|l| l.ends_with("<none>            containerd")), "{table}");
     }
 
     #[test]

@@ -112,11 +112,17 @@ async fn a_container_pod_and_a_webassembly_pod_run_on_one_node() {
         Path::new(env!("CARGO_BIN_EXE_rustlet")),
         root.path(),
         "example.com/test",
-        "sleep",
+        "check",
     )
     .await;
+    // What the WebAssembly pod's exec probe (a fresh instance of `check`)
+    // looks for.
+    let ctl = root.path().join("ctl");
+    std::fs::create_dir_all(&ctl).expect("mkdir");
+    std::fs::write(ctl.join("healthy"), "").expect("write");
     let manifests = root.path().join("manifests");
     std::fs::create_dir_all(&manifests).expect("mkdir");
+    let ctl = ctl.display();
     let manifest = format!(
         "apiVersion: v1
 kind: Pod
@@ -126,15 +132,21 @@ spec:
   containers:
   - name: main
     image: {image}
-    command: [sh, -c, 'echo container says hi; exec sleep 600']
+    command: [sh, -c, 'echo container says hi; touch /tmp/ready; exec sleep 600']
+    readinessProbe: {{exec: {{command: [test, -e, /tmp/ready]}}, periodSeconds: 1}}
 ---
 apiVersion: v1
 kind: Pod
 metadata: {{name: wasm}}
 spec:
   runtimeClassName: wasmtime
+  volumes: [{{name: ctl, hostPath: {{path: '{ctl}'}}}}]
   containers:
-  - {{name: main, image: 'example.com/test/sleep:v1', imagePullPolicy: Never}}
+  - name: main
+    image: 'example.com/test/check:v1'
+    imagePullPolicy: Never
+    volumeMounts: [{{name: ctl, mountPath: /ctl}}]
+    readinessProbe: {{exec: {{command: [check, now]}}, periodSeconds: 1}}
 ---
 apiVersion: v1
 kind: Pod
@@ -187,6 +199,23 @@ spec:
         .await
         .expect("rustlet logs");
     assert_eq!(String::from_utf8_lossy(&output.stdout), "container says hi\n");
+
+    // Each pod's exec probe went to its own runtime (ExecSync; a fresh
+    // instance of the module): both become ready.
+    let ready = |p: &Value| p["status"]["containerStatuses"][0]["ready"] == true;
+    wait_pod(&address, "box-mixed", ready).await;
+    wait_pod(&address, "wasm-mixed", ready).await;
+    // `get pods -o wide` says which runtime runs each.
+    let output = Command::new(env!("CARGO_BIN_EXE_rustlet"))
+        .args(["get", "pods", "-o", "wide", "--root-dir", root_dir])
+        .output()
+        .await
+        .expect("rustlet get pods");
+    let table = String::from_utf8_lossy(&output.stdout).into_owned();
+    let row = |name: &str| table.lines().find(|l| l.starts_with(name)).unwrap_or_default().to_owned();
+    assert!(table.lines().next().is_some_and(|h| h.ends_with("RUNTIME")), "{table}");
+    assert!(row("box-mixed").ends_with("containerd"), "{table}");
+    assert!(row("wasm-mixed").ends_with("wasmtime"), "{table}");
 
     // Removing the manifests removes both pods and the sandbox.
     std::fs::remove_file(manifests.join("pods.yaml")).expect("rm");

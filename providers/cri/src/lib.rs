@@ -99,6 +99,8 @@ struct Inner {
     /// The ids that ran at the last relist and its count.
     relisted: watch::Sender<(u64, HashSet<String>)>,
     relisting: Mutex<bool>,
+    /// The runtime's name from `Version` (`containerd`), once asked.
+    runtime_name: Mutex<Option<String>>,
 }
 
 impl std::fmt::Debug for CriProvider {
@@ -127,6 +129,7 @@ impl CriProvider {
                 waited: Mutex::default(),
                 relisted: watch::channel((0, HashSet::new())).0,
                 relisting: Mutex::new(false),
+                runtime_name: Mutex::new(None),
             }),
         }
     }
@@ -138,7 +141,19 @@ impl CriProvider {
             .call(runtime.version(cri::VersionRequest { version: "v1".into() }))
             .await
             .map_err(|s| other("Version", &s))?;
+        *self.inner.runtime_name.lock().unwrap_or_else(|p| p.into_inner()) = Some(answer.runtime_name.clone());
         Ok((answer.runtime_name, answer.runtime_version))
+    }
+
+    /// Asks the runtime's name once (it is the scheme of container IDs in
+    /// pod statuses).
+    async fn learn_runtime_name(&self) {
+        if self.inner.runtime_name.lock().unwrap_or_else(|p| p.into_inner()).is_some() {
+            return;
+        }
+        if let Err(error) = self.version().await {
+            tracing::debug!(%error, "Version failed; container IDs are shown bare for now");
+        }
     }
 
     /// The runtime's own word on its health (`Status`): `Ok` when its
@@ -560,6 +575,7 @@ impl Provider for CriProvider {
     }
 
     async fn start_container(&self, launch: &ContainerLaunch) -> Result<ContainerId, ProviderError> {
+        self.learn_runtime_name().await;
         // The sandbox's log directory holds `<container>/<restart>.log`.
         let log_directory = launch.log_path.parent().and_then(Path::parent).map(|p| p.display().to_string());
         let config = sandbox_config(&launch.pod, log_directory.unwrap_or_default());
@@ -695,6 +711,7 @@ impl Provider for CriProvider {
     }
 
     async fn running_containers(&self) -> Result<Vec<RunningContainer>, ProviderError> {
+        self.learn_runtime_name().await;
         let mut running = Vec::new();
         for container in self.list_running().await? {
             let Some(uid) = container.labels.get(POD_UID_LABEL).cloned() else { continue };
@@ -768,6 +785,10 @@ impl Provider for CriProvider {
             tracing::info!(pod.uid = %pod_uid, sandbox = %id, "pod sandbox removed");
         }
         Ok(())
+    }
+
+    fn runtime_type(&self, _: &Pod) -> String {
+        self.inner.runtime_name.lock().unwrap_or_else(|p| p.into_inner()).clone().unwrap_or_default()
     }
 
     fn node_labels(&self) -> BTreeMap<String, String> {

@@ -470,6 +470,10 @@ impl Provider for WasiProvider {
         Ok(())
     }
 
+    fn runtime_type(&self, _: &Pod) -> String {
+        "wasmtime".to_owned()
+    }
+
     fn node_labels(&self) -> BTreeMap<String, String> {
         BTreeMap::from([("kubernetes.io/arch".to_owned(), WASM_ARCH.to_owned())])
     }

@@ -45,7 +45,9 @@ pub async fn start(
     let lifecycle = Arc::clone(&ctx.machine);
     let uid = ctx.data.id.uid.clone();
     if let Some(running) = lifecycle.take_adopted(&uid, name) {
+        let runtime = provider.runtime_type(&ctx.data.pod);
         if let Some(record) = ctx.data.containers.get_mut(name) {
+            record.runtime = runtime;
             tracing::info!(pod.uid = %uid, container = name, id = %running.id, "container adopted, not restarted");
             record.restart_count = running.restart_count;
             record.previous_run = None;
@@ -124,7 +126,9 @@ pub async fn start(
     if data.pod_ips.is_empty() {
         data.pod_ips = provider.pod_ips(&uid).await;
     }
+    let runtime = provider.runtime_type(&data.pod);
     if let Some(record) = data.containers.get_mut(name) {
+        record.runtime = runtime;
         record.id = Some(id.clone());
         record.phase = ContainerPhase::Running { started_at: Timestamp::now() };
         record.started = Some(Instant::now());

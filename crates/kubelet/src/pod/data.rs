@@ -84,6 +84,9 @@ pub struct ContainerRecord {
     pub previous_run: Option<PreviousRun>,
     /// The running instance's probes.
     pub probes: ProbeState,
+    /// The scheme of its IDs in the status (`containerd`), from its
+    /// provider; empty: bare IDs.
+    pub runtime: String,
 }
 
 /// A container's run as the API status recorded it before a node restart.
@@ -131,6 +134,7 @@ impl ContainerRecord {
             wants_start: true,
             previous_run: None,
             probes: ProbeState::default(),
+            runtime: String::new(),
         }
     }
 

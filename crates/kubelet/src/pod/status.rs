@@ -155,7 +155,14 @@ fn condition(kind: &str, status: bool, reason: Option<&str>, message: Option<Str
     }
 }
 
-fn terminated_state(t: &Terminated) -> ContainerState {
+/// A container ID as the status shows it: `<runtime>://<id>`, as upstream
+/// (an ID that has a scheme already, from the API after a node restart,
+/// is kept).
+fn shown_id(runtime: &str, id: &crate::provider::ContainerId) -> String {
+    if runtime.is_empty() || id.0.contains("://") { id.0.clone() } else { format!("{runtime}://{}", id.0) }
+}
+
+fn terminated_state(t: &Terminated, runtime: &str) -> ContainerState {
     ContainerState {
         terminated: Some(ContainerStateTerminated {
             exit_code: t.exit_code,
@@ -163,7 +170,7 @@ fn terminated_state(t: &Terminated) -> ContainerState {
             message: t.message.clone(),
             started_at: t.started_at.map(Time),
             finished_at: Some(Time(t.finished_at)),
-            container_id: t.container_id.as_ref().map(|id| id.0.clone()),
+            container_id: t.container_id.as_ref().map(|id| shown_id(runtime, id)),
             ..ContainerStateTerminated::default()
         }),
         ..ContainerState::default()
@@ -180,18 +187,18 @@ fn container_status(c: &ContainerRecord) -> ContainerStatus {
             running: Some(ContainerStateRunning { started_at: Some(Time(*started_at)) }),
             ..ContainerState::default()
         },
-        ContainerPhase::Terminated(t) => terminated_state(t),
+        ContainerPhase::Terminated(t) => terminated_state(t, &c.runtime),
     };
     ContainerStatus {
         name: c.spec.name.clone(),
         image: c.spec.image.clone().unwrap_or_default(),
         image_id: c.image_id.clone().unwrap_or_default(),
-        container_id: c.id.as_ref().map(|id| id.0.clone()),
+        container_id: c.id.as_ref().map(|id| shown_id(&c.runtime, id)),
         ready: c.is_ready(),
         started: Some(c.has_started()),
         restart_count: i32::try_from(c.restart_count).unwrap_or(i32::MAX),
         state: Some(state),
-        last_state: c.last_terminated.as_ref().map(terminated_state),
+        last_state: c.last_terminated.as_ref().map(|t| terminated_state(t, &c.runtime)),
         ..ContainerStatus::default()
     }
 }
