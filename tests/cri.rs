@@ -509,3 +509,106 @@ async fn probes_drive_readiness_and_liveness_restarts() {
     node.wait(uid, "live ready after its restart", |p| container_ready(p, "live")).await;
     assert_eq!(restarts(&restarted, "web") + restarts(&restarted, "tcp") + restarts(&restarted, "slow"), 0);
 }
+
+/// Cluster mode with two runtimes, through the API server (the real
+/// kube-apiserver, and the in-process one): RuntimeClass objects are read
+/// from the API, so a pod of class `wasm-<node>` (handler `wasmtime`) runs
+/// as WebAssembly and a pod without one as a container on containerd, each
+/// with its status (pod IP, readiness from an exec probe, container IDs
+/// with their runtime) in the API; a pod naming a class the API lacks is
+/// refused by admission; deletion is finished by the node.
+async fn a_cluster_runs_pods_on_the_runtime_of_their_class(api: rustlet_testkit::test_api::TestApi) {
+    use k8s_openapi::api::node::v1::RuntimeClass;
+    use kube::api::{Api, DeleteParams, PostParams};
+    use kubelet::cluster::{ApiSource, ClusterSettings};
+    use kubelet::node::{NodeBuilder, NodeConfig};
+    use kubelet::runtime_class::RuntimeClasses;
+
+    let Some(containerd) = Containerd::shared(&format!("cluster_runtime_class_{}", api.kind())) else { return };
+    let registry = Registry::start().await.expect("registry");
+    containerd.trust_registry(&registry.host());
+    let image = push_busybox(&registry, "test/busybox", "v1", &[], &["sh"]).await.expect("push busybox");
+    let root = tempfile::Builder::new().prefix("rustlet-cri-cluster-").tempdir().expect("tempdir");
+    let wasi = rustlet_wasi::WasiProvider::new(rustlet_wasi::WasiConfig::new(root.path())).expect("wasi");
+    let layout = root.path().join("layout");
+    let module = rustlet_wasi::examples::binary("sleep").expect("module");
+    rustlet_wasi::import::write_layout(&layout, &[("example.com/wasm/sleep:v1", &module)]).expect("layout");
+    rustlet_wasi::import::import(wasi.images(), &layout, None).expect("import");
+    let classes = RuntimeClasses::new("runc", Arc::new(CriProvider::new(CriConfig::new(containerd.endpoint()))))
+        .with_handler("wasmtime", Arc::new(wasi));
+    let mut settings = ClusterSettings::new(ApiSource::Client(api.node_client.clone()));
+    settings.runtime_classes = Some(classes.class_handlers());
+    let mut config = NodeConfig::new(root.path(), api.node.clone());
+    config.http_address = None;
+    let shutdown = CancellationToken::new();
+    let _stop = shutdown.clone().drop_guard();
+    let _node = NodeBuilder::new(config)
+        .provider(Arc::new(classes))
+        .cluster(settings)
+        .start(shutdown.clone())
+        .await
+        .expect("node");
+
+    let class = format!("wasm-{}", api.node);
+    let runtime_classes: Api<RuntimeClass> = Api::all(api.admin.clone());
+    let object: RuntimeClass =
+        serde_json::from_value(serde_json::json!({"metadata": {"name": class}, "handler": "wasmtime"})).expect("class");
+    match runtime_classes.create(&PostParams::default(), &object).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(status)) if status.code == 409 => {}
+        Err(error) => panic!("RuntimeClass {class}: {error}"),
+    }
+    let pods: Api<Pod> = Api::namespaced(api.admin.clone(), "default");
+    let pod = |name: &str, class: Option<&str>, container: serde_json::Value| -> Pod {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {
+                "nodeName": api.node, "runtimeClassName": class, "automountServiceAccountToken": false,
+                "terminationGracePeriodSeconds": 1, "containers": [container],
+            },
+        }))
+        .expect("pod")
+    };
+    let refused = pods
+        .create(
+            &PostParams::default(),
+            &pod("no-class", Some("no-such-class"), serde_json::json!({"name": "main", "image": image})),
+        )
+        .await
+        .expect_err("admission refuses a missing RuntimeClass");
+    assert!(refused.to_string().contains("RuntimeClass \"no-such-class\" not found"), "{refused}");
+
+    let (box_pod, wasm_pod) = (format!("box-{}", api.node), format!("wasm-{}", api.node));
+    let container = serde_json::json!({
+        "name": "main", "image": image, "command": ["sh", "-c", "touch /tmp/ready; exec sleep 600"],
+        "readinessProbe": {"exec": {"command": ["test", "-e", "/tmp/ready"]}, "periodSeconds": 1},
+    });
+    pods.create(&PostParams::default(), &pod(&box_pod, None, container)).await.expect("create box");
+    let module = serde_json::json!({"name": "main", "image": "example.com/wasm/sleep:v1", "imagePullPolicy": "Never"});
+    pods.create(&PostParams::default(), &pod(&wasm_pod, Some(&class), module)).await.expect("create wasm");
+
+    let status_of = |p: Option<&Pod>| p.and_then(|p| p.status.clone()).unwrap_or_default();
+    let first = |p: Option<&Pod>| status_of(p).container_statuses.and_then(|c| c.into_iter().next());
+    let running = api
+        .wait_for(&pods, &box_pod, "Running and ready on containerd", SOON, |p| {
+            first(p).is_some_and(|c| c.ready && c.container_id.is_some_and(|id| id.starts_with("containerd://")))
+        })
+        .await;
+    let ip = status_of(running.as_ref()).pod_ip.unwrap_or_default();
+    assert!(ip.starts_with("10."), "the sandbox's IP is the pod's: {ip:?}");
+    api.wait_for(&pods, &wasm_pod, "Running on wasmtime", SOON, |p| {
+        first(p).is_some_and(|c| c.ready && c.container_id.is_some_and(|id| id.starts_with("wasmtime://")))
+    })
+    .await;
+
+    for name in [&box_pod, &wasm_pod] {
+        pods.delete(name, &DeleteParams::default()).await.expect("delete");
+    }
+    for name in [&box_pod, &wasm_pod] {
+        api.wait_for(&pods, name, "gone", SOON, |p| p.is_none()).await;
+    }
+}
+rustlet_testkit::on_both_api_servers!(
+    a_cluster_runs_pods_on_the_runtime_of_their_class_on,
+    a_cluster_runs_pods_on_the_runtime_of_their_class
+);

@@ -3,12 +3,17 @@
 //! one (the kubelet's `--container-runtime-endpoint` with RuntimeClass
 //! handlers).
 //!
-//! A pod's handler is its `spec.runtimeClassName`: standalone, the class
-//! name is the handler; in cluster mode the RuntimeClass object names the
-//! handler, and [`RuntimeClasses::set_handler`] records it. A class that
-//! maps to no provider fails the pod's container with a clear reason
-//! (`CreateContainerConfigError`), as a missing RuntimeClass fails it
-//! upstream.
+//! A pod's handler comes from its `spec.runtimeClassName`: standalone, the
+//! class name is the handler; in cluster mode the RuntimeClass objects of
+//! the API name the handlers (cluster mode follows them into the
+//! [`ClassHandlers`] table given in its settings), and a class the API does
+//! not have fails the pod (`RuntimeClass "x" not found`). A class that maps
+//! to no provider fails the pod's container with a clear reason
+//! (`CreateContainerConfigError`).
+//!
+//! A RuntimeClass's `scheduling` (node selector, tolerations) and
+//! `overhead` are applied before the pod reaches the node (the scheduler
+//! and the RuntimeClass admission plugin); the node reads only `handler`.
 //!
 //! Containers are routed back by their ids: each id is remembered with the
 //! provider that started it (and, after a restart of the node, with the one
@@ -30,13 +35,77 @@ use crate::provider::{
 /// The pod UID and the provider of a container.
 type Owner = (String, Arc<dyn Provider>);
 
+/// RuntimeClass name → handler. Standalone (the default) a class missing
+/// from the table is its own handler; once [`ClassHandlers::from_api`] is
+/// called, the table is the API's and a missing class is not found. Cheap
+/// to clone; clones share the table.
+#[derive(Clone, Debug, Default)]
+pub struct ClassHandlers {
+    inner: Arc<RwLock<ClassTable>>,
+}
+
+#[derive(Debug, Default)]
+struct ClassTable {
+    /// Whether the table is the API's (cluster mode).
+    from_api: bool,
+    /// Whether the API's objects were listed once.
+    listed: bool,
+    handlers: BTreeMap<String, String>,
+}
+
+impl ClassHandlers {
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, ClassTable> {
+        self.inner.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, ClassTable> {
+        self.inner.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// From now on the table holds the API's RuntimeClass objects.
+    pub fn from_api(&self) {
+        self.write().from_api = true;
+    }
+
+    /// The API's objects were listed (a class missing now is not found).
+    pub fn listed(&self) {
+        self.write().listed = true;
+    }
+
+    /// RuntimeClass `class` names handler `handler`.
+    pub fn set(&self, class: &str, handler: &str) {
+        self.write().handlers.insert(class.to_owned(), handler.to_owned());
+    }
+
+    /// RuntimeClass `class` is gone.
+    pub fn remove(&self, class: &str) {
+        self.write().handlers.remove(class);
+    }
+
+    /// The classes in the table.
+    pub fn names(&self) -> Vec<String> {
+        self.read().handlers.keys().cloned().collect()
+    }
+
+    /// The handler of `class`, or why there is none.
+    pub fn handler_of(&self, class: &str) -> Result<String, String> {
+        let table = self.read();
+        match table.handlers.get(class) {
+            Some(handler) => Ok(handler.clone()),
+            None if !table.from_api => Ok(class.to_owned()),
+            None if !table.listed => Err(format!("RuntimeClass {class:?} not known yet: the API's are being listed")),
+            None => Err(format!("RuntimeClass {class:?} not found")),
+        }
+    }
+}
+
 /// Providers by RuntimeClass handler, and a default.
 pub struct RuntimeClasses {
     default: Arc<dyn Provider>,
     default_name: String,
     handlers: BTreeMap<String, Arc<dyn Provider>>,
-    /// RuntimeClass name → handler, where they differ (cluster mode).
-    classes: RwLock<BTreeMap<String, String>>,
+    /// RuntimeClass name → handler.
+    classes: ClassHandlers,
     /// Which provider started (or runs) each container, and its pod's UID
     /// (forgotten when the pod is removed).
     owners: Mutex<HashMap<ContainerId, Owner>>,
@@ -53,13 +122,13 @@ impl std::fmt::Debug for RuntimeClasses {
 
 impl RuntimeClasses {
     /// Pods without a runtime class run on `default` (named `name` in
-    /// messages and `runtime_of`).
+    /// messages).
     pub fn new(name: &str, default: Arc<dyn Provider>) -> RuntimeClasses {
         RuntimeClasses {
             default,
             default_name: name.to_owned(),
             handlers: BTreeMap::new(),
-            classes: RwLock::default(),
+            classes: ClassHandlers::default(),
             owners: Mutex::default(),
         }
     }
@@ -70,29 +139,17 @@ impl RuntimeClasses {
         self
     }
 
-    /// The RuntimeClass `class` names handler `handler` (from the API).
-    pub fn set_handler(&self, class: &str, handler: &str) {
-        self.classes.write().unwrap_or_else(|p| p.into_inner()).insert(class.to_owned(), handler.to_owned());
-    }
-
-    /// The handler that runs `pod`: the default provider's name, or its
-    /// class's handler.
-    pub fn runtime_of(&self, pod: &Pod) -> String {
-        match pod.spec.as_ref().and_then(|s| s.runtime_class_name.as_deref()) {
-            None => self.default_name.clone(),
-            Some(class) => self.handler_of(class),
-        }
-    }
-
-    fn handler_of(&self, class: &str) -> String {
-        self.classes.read().unwrap_or_else(|p| p.into_inner()).get(class).cloned().unwrap_or_else(|| class.to_owned())
+    /// The class → handler table (cluster mode fills it from the API).
+    pub fn class_handlers(&self) -> ClassHandlers {
+        self.classes.clone()
     }
 
     fn provider_for(&self, pod: &Pod) -> Result<Arc<dyn Provider>, ProviderError> {
         let Some(class) = pod.spec.as_ref().and_then(|s| s.runtime_class_name.as_deref()) else {
             return Ok(Arc::clone(&self.default));
         };
-        let handler = self.handler_of(class);
+        let handler =
+            self.classes.handler_of(class).map_err(|message| ProviderError::new(ProviderErrorKind::Config, message))?;
         if handler == self.default_name {
             return Ok(Arc::clone(&self.default));
         }
@@ -233,5 +290,25 @@ impl Provider for RuntimeClasses {
 
     fn node_taints(&self) -> Vec<Taint> {
         self.default.node_taints()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn standalone_a_class_is_its_handler_and_from_the_api_it_must_exist() {
+        let classes = ClassHandlers::default();
+        assert_eq!(classes.handler_of("wasmtime"), Ok("wasmtime".to_owned()));
+        classes.from_api();
+        assert!(classes.handler_of("wasm").expect_err("not listed").contains("not known yet"));
+        classes.set("wasm", "wasmtime");
+        classes.listed();
+        assert_eq!(classes.handler_of("wasm"), Ok("wasmtime".to_owned()));
+        assert_eq!(classes.handler_of("kata"), Err("RuntimeClass \"kata\" not found".to_owned()));
+        classes.remove("wasm");
+        assert_eq!(classes.names(), Vec::<String>::new());
+        assert_eq!(classes.handler_of("wasm"), Err("RuntimeClass \"wasm\" not found".to_owned()));
     }
 }

@@ -84,6 +84,7 @@ pub(crate) async fn start(
     );
     let runtime_health = kubelet::health::HealthReporter::new();
     let mut cri_provider = None;
+    let mut class_handlers = None;
     let provider = match &args.container_runtime_endpoint {
         None => wasm,
         Some(endpoint) => {
@@ -93,10 +94,11 @@ pub(crate) async fn start(
                 Ok((name, version)) => tracing::info!(%endpoint, runtime = %name, %version, "container runtime"),
                 Err(error) => tracing::warn!(%endpoint, %error, "the container runtime does not answer yet"),
             }
-            std::sync::Arc::new(
+            let classes =
                 kubelet::runtime_class::RuntimeClasses::new(DEFAULT_RUNTIME_HANDLER, std::sync::Arc::new(cri))
-                    .with_handler(WASM_RUNTIME_HANDLER, wasm),
-            )
+                    .with_handler(WASM_RUNTIME_HANDLER, wasm);
+            class_handlers = Some(classes.class_handlers());
+            std::sync::Arc::new(classes)
         }
     };
     let mut builder = NodeBuilder::new(config(args)).provider(provider).health_check("signal-handler", signals);
@@ -104,7 +106,9 @@ pub(crate) async fn start(
         builder = builder.health_check("container-runtime", &runtime_health);
         cri.watch_health(runtime_health.clone(), args.runtime_status_period, shutdown.clone());
     }
-    if let Some(settings) = cluster(args) {
+    if let Some(mut settings) = cluster(args) {
+        // With two runtimes, pods pick one by their RuntimeClass's handler.
+        settings.runtime_classes = class_handlers;
         builder = builder.cluster(settings);
     }
     let node = builder.start(shutdown).await?;

@@ -12,7 +12,7 @@
 //!   service account tokens: only those referenced by pods bound to it
 //!   (reading one object, or listing or watching with
 //!   `metadata.name=<that object>`);
-//! - csinodes: its own; csidrivers: read; events: create and patch.
+//! - csinodes: its own; csidrivers, runtimeclasses: read; events: create and patch.
 
 use std::collections::HashSet;
 
@@ -100,7 +100,7 @@ pub fn authorize(identity: &Identity, request: &Request<'_>, store: &Store) -> R
         "leases" => deny("can only access its own lease"),
         "csinodes" if own && request.verb != "list" => Ok(()),
         "csinodes" => deny(&format!("can only access CSINode with the same name as the requesting node '{node}'")),
-        "csidrivers" if reading => Ok(()),
+        "csidrivers" | "runtimeclasses" if reading => Ok(()),
         // The Node authorizer: a VolumeAttachment to this node, by name.
         "volumeattachments" if request.verb == "get" => {
             let attachments = super::store::resource("storage.k8s.io", "v1", "volumeattachments").expect("resource");

@@ -458,6 +458,17 @@ async fn answer(shared: &Arc<Shared>, method: &Method, uri: &Uri, headers: &Head
     }
 }
 
+/// The RuntimeClass admission plugin: a pod naming a RuntimeClass that
+/// does not exist is refused, in the real server's words.
+fn admit_runtime_class(store: &Store, pod: &Value) -> Result<(), ApiError> {
+    let Some(class) = pod.pointer("/spec/runtimeClassName").and_then(Value::as_str) else { return Ok(()) };
+    let classes = store::resource("node.k8s.io", "v1", "runtimeclasses").expect("served");
+    if store.get(&Key::new(classes, "", class)).is_some() {
+        return Ok(());
+    }
+    Err(ApiError::new(403, "Forbidden", format!("pod rejected: RuntimeClass \"{class}\" not found")))
+}
+
 fn parse_body(body: &Bytes) -> Result<Value, ApiError> {
     if body.is_empty() {
         return Ok(Value::Null);
@@ -584,6 +595,9 @@ async fn serve(
             }
             if resource.namespaced && namespace.is_empty() {
                 return Err(ApiError::new(404, "NotFound", "a namespaced object is created in its namespace's path"));
+            }
+            if resource.plural == "pods" {
+                admit_runtime_class(&shared.store(), &body_value)?;
             }
             let created = shared.store().create(resource, &namespace, body_value)?;
             Ok(object_response(StatusCode::CREATED, &created))

@@ -27,6 +27,7 @@ pub mod csi_info;
 pub mod node_sync;
 pub mod pod_sync;
 pub mod rate_limit;
+pub mod runtime_classes;
 pub mod status_patch;
 pub mod supervisor;
 pub mod volumes;
@@ -98,6 +99,10 @@ pub struct ClusterSettings {
     /// Requests that client sends at once at most before `api_qps` applies
     /// (`--kube-api-burst`).
     pub api_burst: u32,
+    /// Where the API's RuntimeClass objects go (the table of the node's
+    /// [`crate::runtime_class::RuntimeClasses`]); `None`: they are not
+    /// read (a node with one runtime).
+    pub runtime_classes: Option<crate::runtime_class::ClassHandlers>,
 }
 
 impl ClusterSettings {
@@ -112,6 +117,7 @@ impl ClusterSettings {
             kubeconfig_retry: Duration::from_millis(500),
             api_qps: rate_limit::DEFAULT_QPS,
             api_burst: rate_limit::DEFAULT_BURST,
+            runtime_classes: None,
         }
     }
 }
@@ -199,6 +205,13 @@ pub(crate) fn start(settings: ClusterSettings, parts: NodeParts, shutdown: Cance
         supervision.spawn("cluster-csidriver-watch", move || {
             volumes::follow_csi_drivers(drivers_client.clone(), objects.clone())
         });
+        if let Some(classes) = settings.runtime_classes.clone() {
+            classes.from_api();
+            let classes_client = client.clone();
+            supervision.spawn("cluster-runtimeclass-watch", move || {
+                runtime_classes::follow(classes_client.clone(), classes.clone())
+            });
+        }
         let pods = pod_sync::start(
             client,
             PodSyncConfig { node_name: name.clone(), ..settings.pod_sync },
