@@ -56,7 +56,17 @@ async fn cri_node_with_gpus(containerd: &Containerd, gpus: u64) -> CriNode {
     let image = push_busybox(&registry, "test/busybox", "v1", &[], &["sh"]).await.expect("push busybox");
     let root = tempfile::Builder::new().prefix("rustlet-cri-").tempdir().expect("tempdir");
     let shutdown = CancellationToken::new();
-    let provider = CriProvider::new(CriConfig::new(containerd.endpoint()));
+    // The node's DNS settings: a cluster DNS and domain, and a resolv.conf
+    // of the test's.
+    let resolv_conf = root.path().join("resolv.conf");
+    std::fs::write(&resolv_conf, "nameserver 192.0.2.53\nsearch corp.example\n").expect("resolv.conf");
+    let mut cri_config = CriConfig::new(containerd.endpoint());
+    cri_config.dns = rustlet_cri::dns::DnsSettings {
+        cluster_dns: vec!["10.96.0.10".into()],
+        cluster_domain: "cluster.local".into(),
+        resolv_conf: Some(resolv_conf),
+    };
+    let provider = CriProvider::new(cri_config);
     let mut config = PodConfig::new(root.path(), Allocatable { cpu_milli: 2000, memory: 4 << 30, pods: 110 });
     config.restart_backoff = BackoffConfig {
         initial: Duration::from_millis(50),
@@ -612,3 +622,46 @@ rustlet_testkit::on_both_api_servers!(
     a_cluster_runs_pods_on_the_runtime_of_their_class_on,
     a_cluster_runs_pods_on_the_runtime_of_their_class
 );
+
+/// The sandbox's resolv.conf follows the pod's dnsPolicy and dnsConfig:
+/// ClusterFirst gets the cluster's DNS and searches, Default the node's
+/// resolv.conf, None only its dnsConfig.
+#[tokio::test]
+async fn a_pods_resolv_conf_follows_its_dns_policy() {
+    let Some(containerd) = Containerd::shared("a_pods_resolv_conf_follows_its_dns_policy") else { return };
+    let node = cri_node(containerd).await;
+    let cat = "cat /etc/resolv.conf";
+    let cases = [
+        ("dns-cluster", serde_json::json!({})),
+        ("dns-default", serde_json::json!({"dnsPolicy": "Default"})),
+        (
+            "dns-none",
+            serde_json::json!({"dnsPolicy": "None", "dnsConfig": {
+                "nameservers": ["198.51.100.1"], "searches": ["only.example"], "options": [{"name": "ndots", "value": "1"}]
+            }}),
+        ),
+    ];
+    let uids: Vec<(String, String)> = cases
+        .into_iter()
+        .map(|(name, extra)| (name.to_owned(), node.run(name, cat, extra, serde_json::json!({}))))
+        .collect();
+    let mut seen = Vec::new();
+    for (name, uid) in &uids {
+        node.wait(uid, "Succeeded", |p| phase(p) == Some("Succeeded")).await;
+        let lines: Vec<String> =
+            node.log(name, uid).iter().map(|l| l.trim().to_owned()).filter(|l| !l.is_empty()).collect();
+        seen.push(lines);
+    }
+    let has = |lines: &[String], line: &str| lines.iter().any(|l| l == line);
+    assert!(has(&seen[0], "nameserver 10.96.0.10"), "{:?}", seen[0]);
+    assert!(
+        has(&seen[0], "search default.svc.cluster.local svc.cluster.local cluster.local corp.example"),
+        "{:?}",
+        seen[0]
+    );
+    assert!(has(&seen[0], "options ndots:5"), "{:?}", seen[0]);
+    assert!(has(&seen[1], "nameserver 192.0.2.53") && has(&seen[1], "search corp.example"), "{:?}", seen[1]);
+    assert!(!seen[1].iter().any(|l| l.contains("10.96.0.10")), "{:?}", seen[1]);
+    assert!(has(&seen[2], "nameserver 198.51.100.1") && has(&seen[2], "search only.example"), "{:?}", seen[2]);
+    assert!(has(&seen[2], "options ndots:1"), "{:?}", seen[2]);
+}

@@ -187,6 +187,19 @@ pub(crate) struct NodeArgs {
     /// `container-runtime`, and the Node's Ready condition).
     #[arg(long, default_value = "5s", value_parser = parse_duration)]
     pub(crate) runtime_status_period: Duration,
+    /// The cluster DNS service's IPs, comma-separated: the nameservers of
+    /// container pods with dnsPolicy ClusterFirst.
+    #[arg(long, value_delimiter = ',', num_args = 1)]
+    pub(crate) cluster_dns: Vec<IpAddr>,
+    /// The cluster's domain (e.g. `cluster.local`): container pods with
+    /// dnsPolicy ClusterFirst search `<namespace>.svc.<domain>`,
+    /// `svc.<domain>` and `<domain>`.
+    #[arg(long, default_value = "")]
+    pub(crate) cluster_domain: String,
+    /// The resolver configuration container pods with dnsPolicy Default
+    /// get (and whose searches ClusterFirst adds); empty: none.
+    #[arg(long, default_value = "/etc/resolv.conf")]
+    pub(crate) resolv_conf: String,
     /// The node's IPs (one, or one per family), comma-separated: the Node's
     /// InternalIP addresses and the pods' hostIP/podIP. Default in cluster
     /// mode: the address of the host name, else of the default route.

@@ -54,6 +54,9 @@ pub(crate) async fn run(args: DemoArgs, signals: HealthReporter, shutdown: Cance
         kube_api_burst: kubelet::cluster::rate_limit::DEFAULT_BURST,
         container_runtime_endpoint: None,
         runtime_status_period: std::time::Duration::from_secs(5),
+        cluster_dns: Vec::new(),
+        cluster_domain: String::new(),
+        resolv_conf: "/etc/resolv.conf".into(),
         node_ip: Vec::new(),
     };
     let node = crate::node::start(&node_args, &signals, shutdown.clone()).await?;

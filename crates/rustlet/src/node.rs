@@ -88,7 +88,13 @@ pub(crate) async fn start(
     let provider = match &args.container_runtime_endpoint {
         None => wasm,
         Some(endpoint) => {
-            let cri = rustlet_cri::CriProvider::new(rustlet_cri::CriConfig::new(endpoint.clone()));
+            let mut cri_config = rustlet_cri::CriConfig::new(endpoint.clone());
+            cri_config.dns = rustlet_cri::dns::DnsSettings {
+                cluster_dns: args.cluster_dns.iter().map(ToString::to_string).collect(),
+                cluster_domain: args.cluster_domain.clone(),
+                resolv_conf: (!args.resolv_conf.is_empty()).then(|| args.resolv_conf.clone().into()),
+            };
+            let cri = rustlet_cri::CriProvider::new(cri_config);
             cri_provider = Some(cri.clone());
             match cri.version().await {
                 Ok((name, version)) => tracing::info!(%endpoint, runtime = %name, %version, "container runtime"),

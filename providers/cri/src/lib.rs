@@ -23,10 +23,12 @@
 //! Security contexts follow the kubelet's derivation (see [`security`]);
 //! pull secrets become `PullImage`'s credentials (see [`auth`]).
 //!
-//! Not yet (written down in docs/providers.md): probes' ExecSync, DNS
-//! config, streaming.
+//! Each sandbox gets the pod's DNS settings (see [`dns`]); `ExecSync` runs
+//! exec probes; `Exec`, `Attach` and `PortForward` answer the runtime's
+//! streaming URL, for the kubelet API to serve.
 
 mod auth;
+pub mod dns;
 mod security;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -70,6 +72,8 @@ pub struct CriConfig {
     /// How often the running containers are listed while any container is
     /// waited on.
     pub relist_interval: Duration,
+    /// The node's DNS settings, for each pod's `resolv.conf`.
+    pub dns: dns::DnsSettings,
 }
 
 impl CriConfig {
@@ -79,6 +83,7 @@ impl CriConfig {
             endpoint: endpoint.into(),
             call_timeout: Duration::from_secs(120),
             relist_interval: Duration::from_millis(100),
+            dns: dns::DnsSettings::default(),
         }
     }
 }
@@ -396,7 +401,7 @@ fn namespaces(pod: &Pod) -> cri::NamespaceOption {
 }
 
 /// The sandbox config of `pod`, its logs under `log_directory`.
-fn sandbox_config(pod: &Pod, log_directory: String) -> cri::PodSandboxConfig {
+fn sandbox_config(pod: &Pod, log_directory: String, dns: &dns::DnsSettings) -> cri::PodSandboxConfig {
     let meta = &pod.metadata;
     let spec = pod.spec.clone().unwrap_or_default();
     let name = meta.name.clone().unwrap_or_default();
@@ -436,7 +441,7 @@ fn sandbox_config(pod: &Pod, log_directory: String) -> cri::PodSandboxConfig {
         metadata: Some(cri::PodSandboxMetadata { name: name.clone(), uid, namespace, attempt: 0 }),
         hostname: if host_network { String::new() } else { spec.hostname.clone().unwrap_or(name) },
         log_directory,
-        dns_config: None,
+        dns_config: Some(dns::dns_config(pod, dns)),
         port_mappings,
         labels,
         annotations,
@@ -578,7 +583,7 @@ impl Provider for CriProvider {
         self.learn_runtime_name().await;
         // The sandbox's log directory holds `<container>/<restart>.log`.
         let log_directory = launch.log_path.parent().and_then(Path::parent).map(|p| p.display().to_string());
-        let config = sandbox_config(&launch.pod, log_directory.unwrap_or_default());
+        let config = sandbox_config(&launch.pod, log_directory.unwrap_or_default(), &self.inner.config.dns);
         let uid = launch.pod.metadata.uid.as_deref().unwrap_or_default();
         let sandbox_id = self.sandbox(uid, &config).await?;
         let request = cri::CreateContainerRequest {
