@@ -312,10 +312,12 @@ async fn an_image_never_pulled_under_policy_never_waits_with_upstreams_message()
         "metadata": {"name": "never", "namespace": "default", "uid": "uid-never"},
         "spec": {"containers": [{"name": "main", "image": "example.com/wasm/absent:v1", "imagePullPolicy": "Never"}]}
     })));
-    let waiting =
-        node.wait_pod("uid-never", "ErrImagePull", |p| container_state(p).2.is_some_and(|m| m.contains("Never"))).await;
-    let message = container_state(&waiting).2.unwrap_or_default();
-    assert!(message.contains("is not present with pull policy of Never"), "{message}");
+    let waiting = node
+        .wait_pod("uid-never", "ErrImageNeverPull", |p| container_state(p).2.is_some_and(|m| m.contains("Never")))
+        .await;
+    let (reason, _, message) = container_state(&waiting);
+    assert_eq!(reason.as_deref(), Some("ErrImageNeverPull"), "upstream's reason, kept through the retries");
+    assert!(message.unwrap_or_default().contains("is not present with pull policy of Never"));
 }
 
 // --- pulls from a real registry --------------------------------------------

@@ -188,6 +188,9 @@ pub enum ProviderErrorKind {
     /// The image could not be pulled or prepared (`ErrImagePull`, then
     /// `ImagePullBackOff`).
     ImagePull,
+    /// The image is not there and `imagePullPolicy` is `Never`
+    /// (`ErrImageNeverPull`, kept through the retries: no pull backs off).
+    ImageNeverPull,
     /// The container's configuration cannot be run
     /// (`CreateContainerConfigError`).
     Config,

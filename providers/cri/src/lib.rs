@@ -565,7 +565,7 @@ impl Provider for CriProvider {
         }
         if policy == PullPolicy::Never {
             return Err(ProviderError::new(
-                ProviderErrorKind::ImagePull,
+                ProviderErrorKind::ImageNeverPull,
                 format!("Container image {image:?} is not present with pull policy of Never"),
             ));
         }

@@ -221,7 +221,11 @@ fn image_of(container: &Container) -> Result<&str, ProviderError> {
 }
 
 fn pull_error(error: pull::PullError) -> ProviderError {
-    ProviderError::new(ProviderErrorKind::ImagePull, error.message)
+    let kind = match error.kind {
+        pull::PullErrorKind::NeverPull => ProviderErrorKind::ImageNeverPull,
+        _ => ProviderErrorKind::ImagePull,
+    };
+    ProviderError::new(kind, error.message)
 }
 
 /// argv for a container: `command` + `args`; with no `command`, the

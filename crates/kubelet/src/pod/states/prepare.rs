@@ -64,8 +64,13 @@ impl State<PodLifecycle> for ImagePull {
                     // A container the node cannot run as configured (its
                     // RuntimeClass has no runtime here, say) is not an image
                     // problem: it keeps its reason through the backoff.
-                    let config_error = error.kind == crate::provider::ProviderErrorKind::Config;
-                    let reason = if config_error { "CreateContainerConfigError" } else { "ErrImagePull" };
+                    // Neither is an image that policy Never forbids pulling:
+                    // upstream keeps `ErrImageNeverPull` (no pull to back off).
+                    let (config_error, reason) = match error.kind {
+                        crate::provider::ProviderErrorKind::Config => (true, "CreateContainerConfigError"),
+                        crate::provider::ProviderErrorKind::ImageNeverPull => (true, "ErrImageNeverPull"),
+                        _ => (false, "ErrImagePull"),
+                    };
                     if let Some(record) = ctx.data.containers.get_mut(&name) {
                         record.phase = crate::pod::ContainerPhase::Waiting {
                             reason: reason.into(),
@@ -100,8 +105,8 @@ pub struct ImagePullBackOff {
     container: String,
     image: String,
     delay: std::time::Duration,
-    /// The failure was the container's configuration, not the pull: its
-    /// reason and message stay as they are.
+    /// The failure was not a pull's (the container's configuration, or
+    /// policy Never): its reason and message stay as they are.
     config_error: bool,
 }
 
