@@ -472,6 +472,9 @@ async fn probes_drive_readiness_and_liveness_restarts() {
                         "exec": {"command": ["cat", "/ctl/alive"]}, "failureThreshold": 2,
                         "terminationGracePeriodSeconds": 1,
                     })),
+                    // Ready only while its probe passes: after the restart,
+                    // ready means the new instance was probed healthy.
+                    "readinessProbe": every_second(serde_json::json!({"exec": {"command": ["cat", "/ctl/alive"]}})),
                 },
                 {
                     "name": "slow", "image": node.image, "command": ["sleep", "3600"], "volumeMounts": mount,
@@ -664,4 +667,72 @@ async fn a_pods_resolv_conf_follows_its_dns_policy() {
     assert!(!seen[1].iter().any(|l| l.contains("10.96.0.10")), "{:?}", seen[1]);
     assert!(has(&seen[2], "nameserver 198.51.100.1") && has(&seen[2], "search only.example"), "{:?}", seen[2]);
     assert!(has(&seen[2], "options ndots:1"), "{:?}", seen[2]);
+}
+
+/// The streaming seam: `Exec`, `Attach` and `PortForward` answer the
+/// runtime's streaming URLs (the kubelet API will send clients there).
+#[tokio::test]
+async fn exec_attach_and_port_forward_answer_the_runtimes_streaming_urls() {
+    use kubelet::provider::{ContainerId, StreamRequest, StreamingEndpoint};
+    let Some(containerd) = Containerd::shared("exec_attach_and_port_forward_answer_the_runtimes_streaming_urls") else {
+        return;
+    };
+    let node = cri_node(containerd).await;
+    let uid = node.run(
+        "streams",
+        "exec sleep 600",
+        serde_json::json!({"terminationGracePeriodSeconds": 1}),
+        serde_json::json!({}),
+    );
+    let pod = node.wait(&uid, "Running", running).await;
+    let shown = container_status(&pod, "main").and_then(|c| c.container_id.clone()).expect("a container ID");
+    let id = ContainerId(shown.strip_prefix("containerd://").expect("the runtime's scheme").to_owned());
+    let interactive = StreamRequest { command: vec!["sh".into()], tty: true, stdin: true, stdout: true, stderr: false };
+    let url = |endpoint: Result<StreamingEndpoint, kubelet::provider::ProviderError>| {
+        let StreamingEndpoint::Url(url) = endpoint.expect("a streaming endpoint") else { panic!("not a URL") };
+        url
+    };
+    let exec = url(node.provider.exec(&id, &interactive).await);
+    let attach =
+        url(node.provider.attach(&id, &StreamRequest { stdout: true, stderr: true, ..StreamRequest::default() }).await);
+    let forward = url(node.provider.port_forward(&uid, &[8080]).await);
+    for (url, path) in [(&exec, "/exec/"), (&attach, "/attach/"), (&forward, "/portforward/")] {
+        assert!(url.starts_with("http://127.0.0.1:") && url.contains(path), "{url}");
+    }
+    let unknown = node.provider.port_forward("no-such-pod", &[80]).await.expect_err("no sandbox");
+    assert_eq!(unknown.kind, kubelet::provider::ProviderErrorKind::NotFound);
+}
+
+/// Probes stop when the pod is being removed: a container whose liveness
+/// probe fails once it got TERM (it cleans up for 3 s) still ends on its
+/// own within the grace period instead of being killed by the probe.
+#[tokio::test]
+async fn a_liveness_probe_does_not_cut_a_graceful_stop_short() {
+    let Some(containerd) = Containerd::shared("a_liveness_probe_does_not_cut_a_graceful_stop_short") else { return };
+    let node = cri_node(containerd).await;
+    let ctl = node.root.path().join("ctl-graceful");
+    std::fs::create_dir_all(&ctl).expect("mkdir");
+    std::fs::write(ctl.join("alive"), "ok\n").expect("write");
+    let script = "trap 'rm -f /ctl/alive; sleep 3; touch /ctl/clean; exit 0' TERM; while :; do sleep 1 & wait $!; done";
+    let uid = node.run(
+        "graceful",
+        script,
+        serde_json::json!({
+            "terminationGracePeriodSeconds": 30,
+            "volumes": [{"name": "ctl", "hostPath": {"path": ctl.display().to_string(), "type": "Directory"}}],
+        }),
+        serde_json::json!({
+            "volumeMounts": [{"name": "ctl", "mountPath": "/ctl"}],
+            "livenessProbe": every_second(serde_json::json!({
+                "exec": {"command": ["cat", "/ctl/alive"]}, "terminationGracePeriodSeconds": 1,
+            })),
+            // Ready once its liveness file is read: the probes run.
+            "readinessProbe": every_second(serde_json::json!({"exec": {"command": ["cat", "/ctl/alive"]}})),
+        }),
+    );
+    node.wait(&uid, "probed ready", |p| container_ready(p, "main")).await;
+    node.pods.delete(&uid);
+    let gone = node.pods.store().wait_for(SOON, |pods| !pods.contains_key(&uid)).await;
+    assert!(gone.is_some(), "the pod was removed");
+    assert!(ctl.join("clean").exists(), "the container finished its cleanup: no probe killed it");
 }

@@ -512,18 +512,22 @@ impl WasmNode {
     }
 }
 
-/// A pod of the `check` module with `probe` (an exec probe running
-/// `check now`: a fresh instance that looks for `healthy` in `dir`).
-fn check_pod(name: &str, dir: &std::path::Path, probe: &str, failure_threshold: i32) -> Pod {
+/// A pod of the `check` module with `probes` (exec probes running `check
+/// now`: a fresh instance that looks for `healthy` in `dir`), each with
+/// its failure threshold.
+fn check_pod(name: &str, dir: &std::path::Path, probes: &[(&str, i32)]) -> Pod {
+    let mut container = serde_json::json!({
+        "name": "main",
+        "image": "example.com/wasm/check:v1",
+        "volumeMounts": [{"name": "ctl", "mountPath": "/ctl"}],
+    });
+    for (probe, failure_threshold) in probes {
+        container[*probe] = serde_json::json!({"exec": {"command": ["check", "now"]}, "periodSeconds": 1, "failureThreshold": failure_threshold});
+    }
     pod(serde_json::json!({
         "metadata": {"name": name, "namespace": "default", "uid": format!("uid-{name}")},
         "spec": {
-            "containers": [{
-                "name": "main",
-                "image": "example.com/wasm/check:v1",
-                "volumeMounts": [{"name": "ctl", "mountPath": "/ctl"}],
-                probe: {"exec": {"command": ["check", "now"]}, "periodSeconds": 1, "failureThreshold": failure_threshold},
-            }],
+            "containers": [container],
             "volumes": [{"name": "ctl", "hostPath": {"path": dir.display().to_string(), "type": "Directory"}}]
         }
     }))
@@ -541,8 +545,9 @@ async fn exec_probes_run_a_fresh_instance_of_the_module() {
     let liveness_dir = node.host_dir("liveness");
     std::fs::write(readiness_dir.join("healthy"), "").expect("write");
     std::fs::write(liveness_dir.join("healthy"), "").expect("write");
-    node.pods.apply(check_pod("readiness", &readiness_dir, "readinessProbe", 1));
-    node.pods.apply(check_pod("liveness", &liveness_dir, "livenessProbe", 2));
+    node.pods.apply(check_pod("readiness", &readiness_dir, &[("readinessProbe", 1)]));
+    // Readiness too: "ready" then means a probe of the instance passed.
+    node.pods.apply(check_pod("liveness", &liveness_dir, &[("livenessProbe", 2), ("readinessProbe", 1)]));
 
     node.wait_probe("uid-readiness", "Ready", |p| container_ready(p, "main") && pod_ready(p)).await;
     std::fs::remove_file(readiness_dir.join("healthy")).expect("rm");
@@ -552,7 +557,7 @@ async fn exec_probes_run_a_fresh_instance_of_the_module() {
     std::fs::write(readiness_dir.join("healthy"), "").expect("write");
     node.wait_probe("uid-readiness", "Ready again", |p| container_ready(p, "main") && pod_ready(p)).await;
 
-    node.wait_probe("uid-liveness", "Running", |p| container_ready(p, "main")).await;
+    node.wait_probe("uid-liveness", "probed ready", |p| container_ready(p, "main")).await;
     std::fs::remove_file(liveness_dir.join("healthy")).expect("rm");
     let restarted = node.wait_probe("uid-liveness", "restarted", |p| restarts(p, "main") >= 1).await;
     let last =
@@ -562,6 +567,24 @@ async fn exec_probes_run_a_fresh_instance_of_the_module() {
     // Healthy again: the restarted instance stays.
     std::fs::write(liveness_dir.join("healthy"), "").expect("write");
     node.wait_probe("uid-liveness", "ready after its restart", |p| container_ready(p, "main")).await;
+}
+
+/// Interactive exec, attach and port-forward are refused with a reason
+/// (exec probes run; the kubelet API that would stream is not there yet).
+#[tokio::test]
+async fn streaming_requests_are_refused_with_a_reason() {
+    use kubelet::provider::{ContainerId, ProviderErrorKind, StreamRequest};
+    let node = wasm_node(0).await;
+    let id = ContainerId("wasm-any".into());
+    let exec = node.provider.exec(&id, &StreamRequest::default()).await.expect_err("unsupported");
+    let attach = node.provider.attach(&id, &StreamRequest::default()).await.expect_err("unsupported");
+    let forward = node.provider.port_forward("uid", &[80]).await.expect_err("unsupported");
+    for error in [&exec, &attach, &forward] {
+        assert_eq!(error.kind, ProviderErrorKind::Unsupported, "{error}");
+    }
+    assert!(forward.message.contains("no network namespace of their own"), "{forward}");
+    let gone = node.provider.exec_sync(&id, &["check".into()], Duration::from_secs(1)).await.expect_err("not running");
+    assert_eq!(gone.kind, ProviderErrorKind::NotFound);
 }
 
 /// What the test's HTTP server answers and saw.
@@ -733,4 +756,41 @@ async fn a_startup_probe_holds_liveness_and_readiness_until_it_passes() {
     let status = container_status(&started, "main").expect("status");
     assert_eq!((status.started, status.restart_count), (Some(true), 0), "{status:?}");
     assert!(probes.hits("/live") >= 1);
+}
+
+/// A sidecar's startup probe holds what comes after it: the app container
+/// starts only once the sidecar has started, as upstream.
+#[tokio::test]
+async fn a_sidecars_startup_probe_holds_the_app_containers() {
+    let node = wasm_node(0).await;
+    node.import_examples();
+    let probes = Arc::new(HttpProbes::default());
+    probes.answer("/sidecar", 503);
+    let port = serve_http(Arc::clone(&probes)).await;
+    node.pods.apply(pod(serde_json::json!({
+        "metadata": {"name": "sidecar", "namespace": "default", "uid": "uid-sidecar"},
+        "spec": {
+            "initContainers": [{
+                "name": "proxy", "image": "example.com/wasm/sleep:v1", "restartPolicy": "Always",
+                "startupProbe": every_second(serde_json::json!({"httpGet": {"port": port, "path": "/sidecar"}, "failureThreshold": 1000})),
+            }],
+            "containers": [{"name": "main", "image": "example.com/wasm/sleep:v1"}],
+        }
+    })));
+    // Three startup attempts failed: the app container has not started.
+    let mut requests = probes.requests.subscribe();
+    let three = tokio::time::timeout(PROBE_DEADLINE, requests.wait_for(|_| probes.hits("/sidecar") >= 3))
+        .await
+        .is_ok_and(|seen| seen.is_ok());
+    assert!(three, "the sidecar's startup probe never ran three times");
+    let held = node.pods.store().get("uid-sidecar").expect("pod");
+    let main = container_status(&held, "main").and_then(|c| c.state.clone()).unwrap_or_default();
+    assert!(main.running.is_none(), "the app container waits for the sidecar: {main:?}");
+    probes.answer("/sidecar", 200);
+    let running = node
+        .wait_probe("uid-sidecar", "app running", |p| {
+            container_status(p, "main").and_then(|c| c.state.as_ref()).is_some_and(|s| s.running.is_some())
+        })
+        .await;
+    assert_eq!(restarts(&running, "main"), 0);
 }

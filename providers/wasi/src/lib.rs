@@ -47,7 +47,6 @@ use kubelet::provider::{
     PullSecrets, RunningContainer, StreamRequest, StreamingEndpoint,
 };
 use tokio::sync::watch;
-use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 
 use crate::logs::CriLog;
 use crate::pull::{PullPolicy, Puller};
@@ -104,6 +103,15 @@ fn limit(
 /// How much of an exec's stdout and stderr is kept (each); a module
 /// writing more gets a write error.
 const EXEC_OUTPUT_LIMIT: usize = 64 * 1024;
+
+/// A task aborted when dropped.
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
 
 struct Instance {
     pod_uid: String,
@@ -350,7 +358,9 @@ impl Provider for WasiProvider {
             cpu: Arc::default(),
             output: Output::Log(log.clone()),
         };
-        let template = (compiled.clone(), spec.clone());
+        // The template keeps no log file open: an exec's output is
+        // captured.
+        let template = (compiled.clone(), RunSpec { output: Output::capture(0), ..spec.clone() });
         let pod_uid = launch.pod.metadata.uid.clone().unwrap_or_default();
         let id = ContainerId(format!(
             "wasm-{}-{}-{}",
@@ -416,24 +426,26 @@ impl Provider for WasiProvider {
         let Some((compiled, mut spec)) = template else {
             return Err(ProviderError::new(ProviderErrorKind::NotFound, format!("container {id} is not running")));
         };
-        let (stdout, stderr) = (MemoryOutputPipe::new(EXEC_OUTPUT_LIMIT), MemoryOutputPipe::new(EXEC_OUTPUT_LIMIT));
+        let output = Output::capture(EXEC_OUTPUT_LIMIT);
         spec.args = command.to_vec();
-        spec.output = Output::Capture { stdout: stdout.clone(), stderr: stderr.clone() };
+        spec.output = output.clone();
         spec.cpu = Arc::default();
         let runtime = self.runtime.clone();
-        let mut run = self.threads().spawn(async move { runtime.run(compiled, spec).await });
-        let exit = match tokio::time::timeout(timeout, &mut run).await {
+        // The instance yields at every epoch tick: aborting ends it, at the
+        // timeout or when the caller (a probe of a container that ended)
+        // goes away.
+        let mut run = AbortOnDrop(self.threads().spawn(async move { runtime.run(compiled, spec).await }));
+        let exit = match tokio::time::timeout(timeout, &mut run.0).await {
             Ok(Ok(exit)) => exit,
             Ok(Err(e)) => return Err(ProviderError::new(ProviderErrorKind::Other, format!("exec in {id}: {e}"))),
             Err(_) => {
-                // The instance yields at every epoch tick: aborting ends it.
-                run.abort();
                 return Err(ProviderError::new(
                     ProviderErrorKind::Timeout,
                     format!("command {:?} timed out after {timeout:?}", command.join(" ")),
                 ));
             }
         };
+        let Output::Capture { stdout, stderr } = output else { unreachable!("made as a capture above") };
         let mut stderr = stderr.contents().to_vec();
         if let Some(message) = exit.message {
             stderr.extend_from_slice(message.as_bytes());

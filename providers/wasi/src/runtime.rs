@@ -68,6 +68,13 @@ pub enum Output {
     },
 }
 
+impl Output {
+    /// Output kept in memory, up to `capacity` bytes per stream.
+    pub fn capture(capacity: usize) -> Output {
+        Output::Capture { stdout: MemoryOutputPipe::new(capacity), stderr: MemoryOutputPipe::new(capacity) }
+    }
+}
+
 /// What a container runs with.
 #[derive(Clone)]
 pub struct RunSpec {

@@ -18,9 +18,14 @@ pub async fn follow(client: kube::Client, classes: ClassHandlers) {
     let mut listed: Vec<String> = Vec::new();
     while let Some(event) = events.next().await {
         match event {
-            Ok(watcher::Event::Apply(class) | watcher::Event::InitApply(class)) => {
+            Ok(watcher::Event::Apply(class)) => {
                 let name = class.metadata.name.clone().unwrap_or_default();
                 tracing::info!(runtime_class = %name, handler = %class.handler, "RuntimeClass seen");
+                classes.set(&name, &class.handler);
+            }
+            Ok(watcher::Event::InitApply(class)) => {
+                let name = class.metadata.name.clone().unwrap_or_default();
+                tracing::info!(runtime_class = %name, handler = %class.handler, "RuntimeClass listed");
                 listed.push(name.clone());
                 classes.set(&name, &class.handler);
             }

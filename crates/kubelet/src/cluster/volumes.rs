@@ -40,9 +40,14 @@ pub async fn follow_csi_drivers(client: kube::Client, objects: CsiDriverObjects)
     let mut listed: Vec<String> = Vec::new();
     while let Some(event) = events.next().await {
         match event {
-            Ok(watcher::Event::Apply(driver) | watcher::Event::InitApply(driver)) => {
+            Ok(watcher::Event::Apply(driver)) => {
                 let name = driver.metadata.name.clone().unwrap_or_default();
                 tracing::debug!(driver = %name, "CSIDriver object seen");
+                objects.set(&name, driver.spec);
+            }
+            Ok(watcher::Event::InitApply(driver)) => {
+                let name = driver.metadata.name.clone().unwrap_or_default();
+                tracing::debug!(driver = %name, "CSIDriver object listed");
                 listed.push(name.clone());
                 objects.set(&name, driver.spec);
             }

@@ -45,22 +45,16 @@ pub async fn start(
     let lifecycle = Arc::clone(&ctx.machine);
     let uid = ctx.data.id.uid.clone();
     if let Some(running) = lifecycle.take_adopted(&uid, name) {
-        let runtime = provider.runtime_type(&ctx.data.pod);
+        tracing::info!(pod.uid = %uid, container = name, id = %running.id, "container adopted, not restarted");
         if let Some(record) = ctx.data.containers.get_mut(name) {
-            record.runtime = runtime;
-            tracing::info!(pod.uid = %uid, container = name, id = %running.id, "container adopted, not restarted");
             record.restart_count = running.restart_count;
             record.previous_run = None;
-            record.id = Some(running.id.clone());
-            record.phase = ContainerPhase::Running { started_at: running.started_at };
-            record.started = Some(Instant::now());
-            record.wants_start = false;
         }
-        if ctx.data.pod_ips.is_empty() {
-            ctx.data.pod_ips = provider.pod_ips(&uid).await;
-        }
-        watch_exit(&mut ctx.data, provider, name, running.id.clone());
-        start_probes(&mut ctx.data, provider, name, running.id);
+        // Probe delays count from the container's own start.
+        let ran_for = Timestamp::now().duration_since(running.started_at);
+        let ran_for = Duration::try_from(ran_for).unwrap_or_default();
+        let started = Instant::now().checked_sub(ran_for).unwrap_or_else(Instant::now);
+        follow(&mut ctx.data, provider, name, running.id, running.started_at, started).await;
         return Ok(());
     }
     // Devices first: PreStartContainer runs before every start.
@@ -123,20 +117,36 @@ pub async fn start(
         retry: true,
     })?;
     tracing::info!(pod.uid = %uid, container = name, %id, restart = restart_count, "container started");
+    follow(data, provider, name, id, Timestamp::now(), Instant::now()).await;
+    Ok(())
+}
+
+/// Records that container `name` runs as `id` (started at `started_at`,
+/// `started` on the monotonic clock), learns the pod's IPs, and starts
+/// watching it: its exit and its probes.
+async fn follow(
+    data: &mut PodData,
+    provider: &Arc<dyn Provider>,
+    name: &str,
+    id: ContainerId,
+    started_at: Timestamp,
+    started: Instant,
+) {
     if data.pod_ips.is_empty() {
-        data.pod_ips = provider.pod_ips(&uid).await;
+        data.pod_ips = provider.pod_ips(&data.id.uid).await;
     }
     let runtime = provider.runtime_type(&data.pod);
     if let Some(record) = data.containers.get_mut(name) {
         record.runtime = runtime;
         record.id = Some(id.clone());
-        record.phase = ContainerPhase::Running { started_at: Timestamp::now() };
-        record.started = Some(Instant::now());
+        record.phase = ContainerPhase::Running { started_at };
+        record.started = Some(started);
         record.wants_start = false;
     }
+    // Finished waiter and probe tasks are reaped as new ones come.
+    while data.waiters.try_join_next().is_some() {}
     watch_exit(data, provider, name, id.clone());
-    start_probes(data, provider, name, id);
-    Ok(())
+    start_probes(data, provider, name, id, started);
 }
 
 /// A container the API showed before a node restart, and that did not
@@ -174,7 +184,7 @@ fn watch_exit(data: &mut PodData, provider: &Arc<dyn Provider>, name: &str, id: 
 /// Starts the probe workers of the container instance `id` that just
 /// started (or was adopted): readiness starts unready and startup
 /// unstarted; liveness and readiness wait for startup.
-fn start_probes(data: &mut PodData, provider: &Arc<dyn Provider>, name: &str, id: ContainerId) {
+fn start_probes(data: &mut PodData, provider: &Arc<dyn Provider>, name: &str, id: ContainerId, started: Instant) {
     let Some(record) = data.containers.get(name) else { return };
     let specs: Vec<ProbeSpec> = [ProbeKind::Startup, ProbeKind::Liveness, ProbeKind::Readiness]
         .into_iter()
@@ -184,7 +194,7 @@ fn start_probes(data: &mut PodData, provider: &Arc<dyn Provider>, name: &str, id
     let has = |kind| specs.iter().any(|s: &ProbeSpec| s.kind == kind);
     state.ready = has(ProbeKind::Readiness).then_some(false);
     state.started = has(ProbeKind::Startup).then_some(false);
-    let (start_sender, started) = tokio::sync::watch::channel(!has(ProbeKind::Startup));
+    let (start_sender, started_flag) = tokio::sync::watch::channel(!has(ProbeKind::Startup));
     let mut start_sender = Some(start_sender);
     let target = Target {
         provider: Arc::clone(provider),
@@ -197,8 +207,8 @@ fn start_probes(data: &mut PodData, provider: &Arc<dyn Provider>, name: &str, id
             spec,
             target: target.clone(),
             container: name.to_owned(),
-            started_at: Instant::now(),
-            started: started.clone(),
+            started_at: started,
+            started: started_flag.clone(),
             pod_grace: super::spec::grace_period(&data.pod),
             events: data.event_sender.clone(),
         };
@@ -358,6 +368,11 @@ pub fn schedule_restart(ctx: &mut Context<PodLifecycle>, name: &str) -> Option<D
 /// Returns what failed.
 pub async fn stop_all(ctx: &mut Context<PodLifecycle>, grace: Duration) -> Vec<String> {
     let Some(provider) = ctx.machine.provider.clone() else { return Vec::new() };
+    // Probes end first (upstream turns them off for a pod being removed):
+    // a liveness probe failing during the grace period must not cut it short.
+    for record in ctx.data.containers.values_mut() {
+        record.probes.stop();
+    }
     let running: Vec<(String, ContainerId)> = ctx
         .data
         .containers
@@ -408,4 +423,48 @@ pub async fn stop_all(ctx: &mut Context<PodLifecycle>, grace: Duration) -> Vec<S
         }
     }
     failures
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::provider::ContainerExit;
+
+    fn probed_pod() -> PodData {
+        let pod: k8s_openapi::api::core::v1::Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "p", "namespace": "default", "uid": "u"},
+            "spec": {"containers": [{"name": "c", "image": "i", "readinessProbe": {"exec": {"command": ["true"]}}}]}
+        }))
+        .expect("pod");
+        let mut data = PodData::new(Arc::new(pod));
+        let record = data.containers.get_mut("c").expect("record");
+        record.id = Some(ContainerId("new".into()));
+        record.phase = ContainerPhase::Running { started_at: Timestamp::now() };
+        record.probes.ready = Some(false);
+        data
+    }
+
+    fn report(id: &str, kind: ProbeKind, healthy: bool) -> ContainerEvent {
+        let message = if healthy { String::new() } else { "boom".to_owned() };
+        ContainerEvent::Probe(ProbeReport { container: "c".into(), id: ContainerId(id.into()), kind, healthy, message })
+    }
+
+    #[test]
+    fn probe_results_count_for_the_running_instance_only() {
+        let mut data = probed_pod();
+        assert_eq!(record_event(&mut data, report("old", ProbeKind::Readiness, true)), Recorded::Nothing);
+        assert!(!data.containers["c"].is_ready(), "a result about an earlier instance is ignored");
+        assert_eq!(record_event(&mut data, report("new", ProbeKind::Readiness, true)), Recorded::Status);
+        assert!(data.containers["c"].is_ready());
+        assert_eq!(record_event(&mut data, report("new", ProbeKind::Liveness, true)), Recorded::Nothing);
+        // A failed liveness probe: the exit that follows says why.
+        assert_eq!(record_event(&mut data, report("new", ProbeKind::Liveness, false)), Recorded::Status);
+        let exit = ContainerExit { exit_code: 137, reason: None, message: None, finished_at: Timestamp::now() };
+        let ended =
+            ContainerEvent::Exit(ExitReport { container: "c".into(), id: ContainerId("new".into()), exit: Ok(exit) });
+        assert_eq!(record_event(&mut data, ended), Recorded::Exit("c".into()));
+        let ContainerPhase::Terminated(terminated) = &data.containers["c"].phase else { panic!("terminated") };
+        assert_eq!(terminated.message.as_deref(), Some("Unhealthy: Liveness probe failed: boom"));
+        assert!(!data.containers["c"].is_ready());
+    }
 }

@@ -379,37 +379,47 @@ async fn get(request: &HttpRequest<'_>, path: &str) -> Result<http::Response<hyp
     }
     builder = builder.header(http::header::CONNECTION, "close");
     let req = builder.body(String::new()).map_err(|e| format!("Get \"{url}\": {e}"))?;
-    let send = |e: hyper::Error| format!("Get \"{url}\": {e}");
-    if request.https {
-        let tls = tls_connector();
+    let response = if request.https {
         let name = rustls::pki_types::ServerName::IpAddress(request.addr.ip().into());
-        let stream = tls.connect(name, stream).await.map_err(|e| format!("Get \"{url}\": tls: {e}"))?;
-        let (mut sender, conn) =
-            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await.map_err(send)?;
-        tokio::spawn(conn);
-        sender.send_request(req).await.map_err(send)
+        let stream = tls_connector()?.connect(name, stream).await.map_err(|e| format!("Get \"{url}\": tls: {e}"))?;
+        send(stream, req).await
     } else {
-        let (mut sender, conn) =
-            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await.map_err(send)?;
-        tokio::spawn(conn);
-        sender.send_request(req).await.map_err(send)
-    }
+        send(stream, req).await
+    };
+    response.map_err(|e| format!("Get \"{url}\": {e}"))
+}
+
+/// One HTTP/1.1 request on `stream` (closed after it).
+async fn send<S>(
+    stream: S,
+    request: http::Request<String>,
+) -> Result<http::Response<hyper::body::Incoming>, hyper::Error>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await?;
+    tokio::spawn(conn);
+    sender.send_request(request).await
 }
 
 /// TLS that does not check the server's certificate: upstream's HTTPS
 /// probes skip verification too (a pod's serving certificate rarely names
-/// its IP).
-fn tls_connector() -> tokio_rustls::TlsConnector {
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let schemes = provider.signature_verification_algorithms.supported_schemes();
-    let config = rustls::ClientConfig::builder_with_provider(provider).with_safe_default_protocol_versions().map(|b| {
-        b.dangerous().with_custom_certificate_verifier(Arc::new(AnyCertificate(schemes))).with_no_client_auth()
-    });
-    match config {
-        Ok(config) => tokio_rustls::TlsConnector::from(Arc::new(config)),
-        // The ring provider always supports the default versions.
-        Err(error) => unreachable!("ring supports TLS 1.2 and 1.3: {error}"),
-    }
+/// its IP). Built once.
+fn tls_connector() -> Result<tokio_rustls::TlsConnector, String> {
+    static CONNECTOR: std::sync::OnceLock<Result<tokio_rustls::TlsConnector, String>> = std::sync::OnceLock::new();
+    CONNECTOR
+        .get_or_init(|| {
+            let provider = Arc::new(rustls::crypto::ring::default_provider());
+            let schemes = provider.signature_verification_algorithms.supported_schemes();
+            let config = rustls::ClientConfig::builder_with_provider(provider)
+                .with_safe_default_protocol_versions()
+                .map_err(|e| format!("TLS for HTTPS probes: {e}"))?
+                .dangerous()
+                .with_custom_certificate_verifier(Arc::new(AnyCertificate(schemes)))
+                .with_no_client_auth();
+            Ok(tokio_rustls::TlsConnector::from(Arc::new(config)))
+        })
+        .clone()
 }
 
 #[derive(Debug)]
@@ -579,17 +589,11 @@ impl Worker {
         let mut last_error: Option<String> = None;
         loop {
             ticks.tick().await;
-            let action = match &spec.action {
-                Ok(action) => action,
-                Err(message) => {
-                    if last_error.as_deref() != Some(message) {
-                        tracing::warn!(container = %self.container, probe = spec.kind.title(), error = %message, "probe errored; its results are not counted");
-                        last_error = Some(message.clone());
-                    }
-                    continue;
-                }
+            let outcome = match &spec.action {
+                Ok(action) => probe_once(action, &self.target, spec.timeout).await,
+                Err(message) => Outcome::Error(message.clone()),
             };
-            let (healthy, message) = match probe_once(action, &self.target, spec.timeout).await {
+            let (healthy, message) = match outcome {
                 Outcome::Success => (true, String::new()),
                 Outcome::Failure(message) => {
                     tracing::debug!(container = %self.container, probe = spec.kind.title(), %message, "probe failed");
@@ -622,13 +626,30 @@ impl Worker {
                 return;
             }
             if !counted && spec.kind.kills() {
-                let grace = spec.termination_grace.unwrap_or(self.pod_grace);
-                tracing::info!(container = %self.container, id = %self.target.id, probe = spec.kind.title(), ?grace, "killing the container: its probe failed");
-                if let Err(error) = self.target.provider.stop_container(&self.target.id, grace).await {
-                    tracing::warn!(container = %self.container, %error, "could not kill the container after its probe failed");
-                }
+                self.kill().await;
                 return;
             }
+        }
+    }
+}
+
+impl Worker {
+    /// Kills the container after a failed liveness or startup probe,
+    /// trying again (with backoff) until the runtime takes it; the task is
+    /// aborted once the exit is recorded.
+    async fn kill(&self) {
+        let grace = self.spec.termination_grace.unwrap_or(self.pod_grace);
+        let mut retry = Duration::from_millis(500);
+        loop {
+            tracing::info!(container = %self.container, id = %self.target.id, probe = self.spec.kind.title(), ?grace, "killing the container: its probe failed");
+            match self.target.provider.stop_container(&self.target.id, grace).await {
+                Ok(()) => return,
+                Err(error) => {
+                    tracing::warn!(container = %self.container, %error, ?retry, "could not kill the container after its probe failed; trying again");
+                }
+            }
+            tokio::time::sleep(retry).await;
+            retry = (retry * 2).min(Duration::from_secs(30));
         }
     }
 }

@@ -47,17 +47,32 @@ impl State<PodLifecycle> for Initializing {
                 }
                 ctx.report(pod_status(&ctx.data, Stage::Pending));
                 if kind == Some(ContainerKind::RestartableInit) {
-                    break;
+                    // As upstream, the next init container waits for the
+                    // sidecar's startup probe (at once without one).
+                    let started = loop {
+                        if ctx.data.containers.get(&name).is_some_and(|c| c.has_started()) {
+                            break true;
+                        }
+                        let Some(event) = ctx.data.events.recv().await else { return std::future::pending().await };
+                        let Some(ended) = exited(ctx, event, Stage::Pending) else { continue };
+                        ctx.report(pod_status(&ctx.data, Stage::Pending));
+                        let delay = schedule_restart(ctx, &ended);
+                        if ended == name {
+                            set_crash_loop(ctx, &name, delay);
+                            break false;
+                        }
+                    };
+                    if started {
+                        break;
+                    }
+                    ctx.report(pod_status(&ctx.data, Stage::Pending));
+                    continue;
                 }
                 // Wait for this init container to end (sidecar exits are
                 // recorded; the sidecar restarts when the app containers start).
                 let exit_code = loop {
                     let Some(event) = ctx.data.events.recv().await else { return std::future::pending().await };
-                    let recorded = record_event(&mut ctx.data, event);
-                    if recorded == Recorded::Status {
-                        ctx.report(pod_status(&ctx.data, Stage::Pending));
-                    }
-                    if let Recorded::Exit(ended) = recorded {
+                    if let Some(ended) = exited(ctx, event, Stage::Pending) {
                         ctx.report(pod_status(&ctx.data, Stage::Pending));
                         if ended == name {
                             break match &ctx.data.containers[&name].phase {
@@ -82,12 +97,7 @@ impl State<PodLifecycle> for Initializing {
                     return Transition::next(&*self, Failed);
                 }
                 let delay = schedule_restart(ctx, &name);
-                if let Some(record) = ctx.data.containers.get_mut(&name) {
-                    record.phase = ContainerPhase::Waiting {
-                        reason: "CrashLoopBackOff".into(),
-                        message: Some(back_off_message(delay, &name, &ctx.data.id.name, &ctx.data.id.namespace, &uid)),
-                    };
-                }
+                set_crash_loop(ctx, &name, delay);
                 ctx.report(pod_status(&ctx.data, Stage::Pending));
             }
         }
@@ -155,15 +165,7 @@ async fn handle_exit(ctx: &mut Context<PodLifecycle>, name: &str) -> AfterExit {
     };
     if restarts {
         let delay = schedule_restart(ctx, name);
-        let id = ctx.data.id.clone();
-        if let Some(record) = ctx.data.containers.get_mut(name) {
-            let last = record.last_terminated.clone();
-            record.phase = ContainerPhase::Waiting {
-                reason: "CrashLoopBackOff".into(),
-                message: Some(back_off_message(delay, name, &id.name, &id.namespace, &id.uid)),
-            };
-            record.last_terminated = last;
-        }
+        set_crash_loop(ctx, name, delay);
         return AfterExit::Restart;
     }
     if apps_finished(ctx, policy) {
@@ -192,6 +194,7 @@ fn drain_exits(ctx: &mut Context<PodLifecycle>) {
         record_event(&mut ctx.data, event);
     }
     for record in ctx.data.containers.values_mut() {
+        record.probes.stop();
         if record.is_running() {
             record.phase = ContainerPhase::Terminated(crate::pod::data::Terminated {
                 exit_code: 0,
@@ -241,7 +244,7 @@ impl State<PodLifecycle> for Running {
         }
         loop {
             let Some(event) = ctx.data.events.recv().await else { return std::future::pending().await };
-            let Some(name) = exited(ctx, event) else { continue };
+            let Some(name) = exited(ctx, event, Stage::Running) else { continue };
             match handle_exit(ctx, &name).await {
                 AfterExit::Keep => ctx.report(pod_status(&ctx.data, Stage::Running)),
                 AfterExit::Restart => return Transition::next(&*self, CrashLoopBackOff),
@@ -255,16 +258,27 @@ impl State<PodLifecycle> for Running {
     }
 }
 
-/// Records an event of a running pod: a probe's change is reported at
-/// once; an exit returns the container's name.
-fn exited(ctx: &mut Context<PodLifecycle>, event: crate::pod::data::ContainerEvent) -> Option<String> {
+/// Records an event: a probe's change is reported at once (as `stage`);
+/// an exit returns the container's name.
+fn exited(ctx: &mut Context<PodLifecycle>, event: crate::pod::data::ContainerEvent, stage: Stage) -> Option<String> {
     match record_event(&mut ctx.data, event) {
         Recorded::Exit(name) => Some(name),
         Recorded::Status => {
-            ctx.report(pod_status(&ctx.data, Stage::Running));
+            ctx.report(pod_status(&ctx.data, stage));
             None
         }
         Recorded::Nothing => None,
+    }
+}
+
+/// Container `name` waits out its restart backoff (`CrashLoopBackOff`).
+fn set_crash_loop(ctx: &mut Context<PodLifecycle>, name: &str, delay: Option<std::time::Duration>) {
+    let id = ctx.data.id.clone();
+    if let Some(record) = ctx.data.containers.get_mut(name) {
+        record.phase = ContainerPhase::Waiting {
+            reason: "CrashLoopBackOff".into(),
+            message: Some(back_off_message(delay, name, &id.name, &id.namespace, &id.uid)),
+        };
     }
 }
 
@@ -297,7 +311,7 @@ impl State<PodLifecycle> for CrashLoopBackOff {
                 _ = tokio::time::sleep_until(until) => return Transition::next(&*self, Starting),
                 event = ctx.data.events.recv() => {
                     let Some(event) = event else { return std::future::pending().await };
-                    let Some(name) = exited(ctx, event) else { continue };
+                    let Some(name) = exited(ctx, event, Stage::Running) else { continue };
                     match handle_exit(ctx, &name).await {
                         AfterExit::Keep | AfterExit::Restart => ctx.report(pod_status(&ctx.data, Stage::Running)),
                         AfterExit::Done => return finish(&*self, ctx),

@@ -66,7 +66,7 @@ impl State<PodLifecycle> for ImagePull {
                     // problem: it keeps its reason through the backoff.
                     // Neither is an image that policy Never forbids pulling:
                     // upstream keeps `ErrImageNeverPull` (no pull to back off).
-                    let (config_error, reason) = match error.kind {
+                    let (keep_reason, reason) = match error.kind {
                         crate::provider::ProviderErrorKind::Config => (true, "CreateContainerConfigError"),
                         crate::provider::ProviderErrorKind::ImageNeverPull => (true, "ErrImageNeverPull"),
                         _ => (false, "ErrImagePull"),
@@ -85,7 +85,7 @@ impl State<PodLifecycle> for ImagePull {
                             container: name,
                             image: spec.image.unwrap_or_default(),
                             delay,
-                            config_error,
+                            keep_reason,
                         },
                     );
                 }
@@ -107,7 +107,7 @@ pub struct ImagePullBackOff {
     delay: std::time::Duration,
     /// The failure was not a pull's (the container's configuration, or
     /// policy Never): its reason and message stay as they are.
-    config_error: bool,
+    keep_reason: bool,
 }
 
 #[async_trait::async_trait]
@@ -123,7 +123,7 @@ impl State<PodLifecycle> for ImagePullBackOff {
 
     fn status(&self, ctx: &Context<PodLifecycle>) -> PodStatus {
         let mut status = pod_status(&ctx.data, Stage::Pending);
-        if self.config_error {
+        if self.keep_reason {
             return status;
         }
         for s in status.container_statuses.iter_mut().chain(status.init_container_statuses.iter_mut()).flatten() {
