@@ -291,6 +291,23 @@ async fn pull_secrets_are_the_registry_credentials() {
     let secrets = PullSecrets(vec![serde_json::to_vec(&config).expect("json")]);
     let pulled = provider.prepare_image_with_secrets(&pod, &container, &secrets).await.expect("pulled with the secret");
     assert!(pulled.image_id.starts_with("sha256:"), "{pulled:?}");
+
+    // Without a pull secret, the node's config.json is used (a wrong
+    // password in a pod's secret for another registry does not stand in
+    // the way).
+    let dir = tempfile::tempdir().expect("tempdir");
+    let docker_config = dir.path().join("config.json");
+    let mut config_with_file = CriConfig::new(containerd.endpoint());
+    config_with_file.docker_config = Some(docker_config.clone());
+    let with_file = CriProvider::new(config_with_file);
+    let refused = with_file.prepare_image(&pod, &container).await.expect_err("no config.json yet");
+    assert!(refused.message.contains("pulling image"), "{refused}");
+    std::fs::write(&docker_config, serde_json::to_vec(&config).expect("json")).expect("write config.json");
+    let other = serde_json::json!({"auths": {"other.example:5000": {"username": "x", "password": "y"}}});
+    let unrelated = PullSecrets(vec![serde_json::to_vec(&other).expect("json")]);
+    let pulled =
+        with_file.prepare_image_with_secrets(&pod, &container, &unrelated).await.expect("pulled with config.json");
+    assert!(pulled.image_id.starts_with("sha256:"), "{pulled:?}");
 }
 
 /// A device plugin's allocation reaches the container: its env, its device

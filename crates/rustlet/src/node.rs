@@ -94,6 +94,8 @@ pub(crate) async fn start(
                 cluster_domain: args.cluster_domain.clone(),
                 resolv_conf: (!args.resolv_conf.is_empty()).then(|| args.resolv_conf.clone().into()),
             };
+            // The same registry credentials as the WebAssembly provider's.
+            cri_config.docker_config = Some(args.root_dir.join("config.json"));
             let cri = rustlet_cri::CriProvider::new(cri_config);
             cri_provider = Some(cri.clone());
             match cri.version().await {

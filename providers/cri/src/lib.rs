@@ -74,6 +74,11 @@ pub struct CriConfig {
     pub relist_interval: Duration,
     /// The node's DNS settings, for each pod's `resolv.conf`.
     pub dns: dns::DnsSettings,
+    /// The node's registry credentials (a docker `config.json`, read at
+    /// each pull; the binary's is `<root-dir>/config.json`), tried after
+    /// the pod's pull secrets, as the kubelet's keyring falls back to the
+    /// node's docker config. `None`, or a missing file: none.
+    pub docker_config: Option<std::path::PathBuf>,
 }
 
 impl CriConfig {
@@ -84,6 +89,7 @@ impl CriConfig {
             call_timeout: Duration::from_secs(120),
             relist_interval: Duration::from_millis(100),
             dns: dns::DnsSettings::default(),
+            docker_config: None,
         }
     }
 }
@@ -148,6 +154,22 @@ impl CriProvider {
             .map_err(|s| other("Version", &s))?;
         *self.inner.runtime_name.lock().unwrap_or_else(|p| p.into_inner()) = Some(answer.runtime_name.clone());
         Ok((answer.runtime_name, answer.runtime_version))
+    }
+
+    /// The docker configs a pull tries, in order: the pod's pull secrets,
+    /// then the node's `config.json`.
+    fn credentials(&self, secrets: &PullSecrets) -> Vec<Vec<u8>> {
+        let mut configs = secrets.0.clone();
+        if let Some(path) = &self.inner.config.docker_config {
+            match std::fs::read(path) {
+                Ok(config) => configs.push(config),
+                Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+                Err(error) => {
+                    tracing::warn!(path = %path.display(), %error, "cannot read the node's registry credentials")
+                }
+            }
+        }
+        configs
     }
 
     /// Asks the runtime's name once (it is the scheme of container IDs in
@@ -571,7 +593,7 @@ impl Provider for CriProvider {
         }
         tracing::info!(%image, "pulling image");
         let mut images = self.images().await?;
-        let auth = auth::auth_for(&image, &secrets.0);
+        let auth = auth::auth_for(&image, &self.credentials(secrets));
         let request = cri::PullImageRequest { image: Some(image_spec(&image)), auth, sandbox_config: None };
         let answer = self.call(images.pull_image(request)).await.map_err(|s| {
             ProviderError::new(ProviderErrorKind::ImagePull, format!("pulling image {image:?}: {}", s.message()))
