@@ -330,3 +330,95 @@ async fn status_writes_go_out_in_parallel_and_never_above_the_api_qps() {
     assert!(busiest as f64 <= most * 1.05, "{busiest} status writes in one second; at most {most} allowed");
     shutdown.cancel();
 }
+
+/// The events written so far about pod `name`, following a watch until
+/// `pred` holds of them (or panicking with them after `deadline`).
+async fn wait_events(
+    api: &TestApi,
+    name: &str,
+    deadline: Duration,
+    pred: impl Fn(&[k8s_openapi::api::core::v1::Event]) -> bool,
+) -> Vec<k8s_openapi::api::core::v1::Event> {
+    use futures_util::StreamExt as _;
+    use k8s_openapi::api::core::v1::Event;
+    use kube::runtime::watcher;
+    let events: Api<Event> = Api::namespaced(api.admin.clone(), "default");
+    let mut stream = watcher(events, watcher::Config::default()).boxed();
+    let mut seen: std::collections::BTreeMap<String, Event> = std::collections::BTreeMap::new();
+    let about = |e: &Event| e.involved_object.name.as_deref() == Some(name);
+    let wait = async {
+        while let Some(event) = stream.next().await {
+            match event {
+                Ok(watcher::Event::Apply(e) | watcher::Event::InitApply(e)) if about(&e) => {
+                    seen.insert(e.metadata.name.clone().unwrap_or_default(), e);
+                }
+                Ok(watcher::Event::Delete(e)) => {
+                    seen.remove(e.metadata.name.as_deref().unwrap_or_default());
+                }
+                _ => continue,
+            }
+            let now: Vec<Event> = seen.values().cloned().collect();
+            if pred(&now) {
+                return now;
+            }
+        }
+        Vec::new()
+    };
+    match tokio::time::timeout(deadline, wait).await {
+        Ok(found) => found,
+        Err(_) => panic!("events of {name} not as expected within {deadline:?}: {seen:#?}"),
+    }
+}
+
+/// Pod events reach the API as the kubelet writes them (core/v1, source
+/// `kubelet` on the node): the container's image, creation and start, then
+/// a crash loop's back-offs as one Event whose count rises (aggregation),
+/// however often the container restarts.
+async fn pod_events_reach_the_api_aggregated(api: TestApi) {
+    use kubelet::cluster::{ApiSource, ClusterSettings};
+    use kubelet::node::{NodeBuilder, NodeConfig};
+    let root = tempfile::tempdir().expect("tempdir");
+    let mut config = NodeConfig::new(root.path(), api.node.clone());
+    config.http_address = None;
+    config.pods.restart_backoff = kubelet::pod::BackoffConfig {
+        initial: Duration::from_millis(20),
+        max: Duration::from_millis(100),
+        reset_after: Duration::from_secs(600),
+    };
+    let shutdown = CancellationToken::new();
+    let _stop = shutdown.clone().drop_guard();
+    let _node = NodeBuilder::new(config)
+        .provider(Arc::new(HostProcessProvider::new()))
+        .cluster(ClusterSettings::new(ApiSource::Client(api.node_client.clone())))
+        .start(shutdown.clone())
+        .await
+        .expect("node");
+    let name = format!("crashy-{}", api.node);
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "nodeName": api.node, "automountServiceAccountToken": false, "restartPolicy": "Always",
+            "containers": [{"name": "main", "image": "busybox", "command": ["sh", "-c", "exit 1"]}],
+        }
+    }))
+    .expect("pod");
+    let pods: Api<Pod> = Api::namespaced(api.admin.clone(), "default");
+    pods.create(&PostParams::default(), &pod).await.expect("create");
+    let reason = |e: &k8s_openapi::api::core::v1::Event| e.reason.clone().unwrap_or_default();
+    let count = |e: &k8s_openapi::api::core::v1::Event| e.count.unwrap_or(1);
+    let events = wait_events(&api, &name, SOON, |events| {
+        let reasons: Vec<String> = events.iter().map(reason).collect();
+        ["Pulling", "Pulled", "Created", "Started"].iter().all(|r| reasons.iter().any(|x| x == r))
+            && events.iter().any(|e| reason(e) == "BackOff" && count(e) >= 3)
+    })
+    .await;
+    let started = events.iter().find(|e| reason(e) == "Started").expect("Started");
+    assert_eq!(started.involved_object.field_path.as_deref(), Some("spec.containers{main}"));
+    let source = started.source.as_ref().expect("source");
+    assert_eq!((source.component.as_deref(), source.host.as_deref()), (Some("kubelet"), Some(api.node.as_str())));
+    let backoffs = events.iter().filter(|e| reason(e) == "BackOff").count();
+    assert_eq!(backoffs, 1, "a crash loop's back-offs are one Event whose count rises: {events:#?}");
+    pods.delete(&name, &DeleteParams::default()).await.expect("delete");
+    api.wait_for(&pods, &name, "gone", SOON, |p| p.is_none()).await;
+}
+rustlet_testkit::on_both_api_servers!(pod_events_reach_the_api_aggregated_on, pod_events_reach_the_api_aggregated);

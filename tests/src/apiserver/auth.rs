@@ -12,7 +12,7 @@
 //!   service account tokens: only those referenced by pods bound to it
 //!   (reading one object, or listing or watching with
 //!   `metadata.name=<that object>`);
-//! - csinodes: its own; csidrivers, runtimeclasses: read; events: create and patch.
+//! - csinodes: its own; csidrivers, runtimeclasses: read; core/v1 events: create and patch.
 
 use std::collections::HashSet;
 
@@ -114,7 +114,11 @@ pub fn authorize(identity: &Identity, request: &Request<'_>, store: &Store) -> R
                 _ => deny(&format!("no relationship found between node '{node}' and this object")),
             }
         }
-        "events" if matches!(request.verb, "create" | "patch" | "update") => Ok(()),
+        // The Node authorizer's rules: core/v1 events only (a node cannot
+        // write events.k8s.io Events).
+        "events" if request.resource.group.is_empty() && matches!(request.verb, "create" | "patch" | "update") => {
+            Ok(())
+        }
         "namespaces" if request.verb == "get" => Ok(()),
         "pods" => authorize_pod(identity, request, store, node),
         "secrets" | "configmaps" | "persistentvolumeclaims" | "persistentvolumes" | "serviceaccounts" => {

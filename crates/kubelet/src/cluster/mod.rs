@@ -171,6 +171,8 @@ pub(crate) struct NodeParts {
     pub(crate) tasks: tokio_util::task::TaskTracker,
     /// The persistent volumes published on the node (`volumesInUse`).
     pub(crate) volumes_in_use: VolumesInUse,
+    /// The pod events to write to the API.
+    pub(crate) events: Option<crate::events::EventQueue>,
 }
 
 /// Persistent volumes published on the node, by unique name, with their pods.
@@ -187,11 +189,21 @@ pub(crate) fn start(settings: ClusterSettings, parts: NodeParts, shutdown: Cance
     let desired =
         follow_node(description, parts.devices, parts.healthz.clone(), parts.volumes_in_use, shutdown.clone());
     let supervision = Supervision::new(shutdown.clone(), parts.healthz.clone(), parts.tasks.clone());
+    let tasks = parts.tasks.clone();
     parts.tasks.spawn(async move {
         let client = tokio::select! {
             () = shutdown.cancelled() => return,
             client = client(&settings) => client,
         };
+        if let Some(queue) = parts.events {
+            let (events_client, node, stop) = (client.clone(), name.clone(), shutdown.clone());
+            tasks.spawn(async move {
+                tokio::select! {
+                    () = stop.cancelled() => {}
+                    () = crate::events::publish(events_client, &node, queue) => {}
+                }
+            });
+        }
         tracing::info!(node = %name, "API client ready; joining the cluster");
         let node = node_sync::start(
             client.clone(),

@@ -324,6 +324,13 @@ impl NodeBuilder {
         if let Some(api_volumes) = api_volumes {
             lifecycle = lifecycle.with_objects(api_volumes);
         }
+        // In a cluster, pod events go to the API too.
+        let mut event_queue = None;
+        if cluster.is_some() {
+            let (recorder, queue) = crate::events::EventRecorder::queued();
+            lifecycle = lifecycle.with_events(recorder);
+            event_queue = Some(queue);
+        }
         let pods = Pods::start(lifecycle, shutdown.clone()).await;
         let static_pods = match &config.pods.manifest_dir {
             None => None,
@@ -413,6 +420,7 @@ impl NodeBuilder {
                     client: api_client,
                     tasks: tasks.clone(),
                     volumes_in_use,
+                    events: event_queue,
                 };
                 Some(cluster::start(settings, parts, shutdown.clone()))
             }

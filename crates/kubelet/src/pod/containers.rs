@@ -13,6 +13,7 @@ use super::data::{ContainerEvent, ContainerPhase, ExitReport, PodData, ProbeRepo
 use super::probe::{ProbeKind, ProbeSpec, Target, Worker};
 use super::run_options;
 use crate::device_manager::RunOptions;
+use crate::events::EventType;
 use crate::provider::{ContainerId, ContainerLaunch, Provider, ProviderErrorKind};
 
 /// Why a container did not start.
@@ -117,6 +118,8 @@ pub async fn start(
         retry: true,
     })?;
     tracing::info!(pod.uid = %uid, container = name, %id, restart = restart_count, "container started");
+    data.recorder.pod(&data.pod, Some(name), EventType::Normal, "Created", format!("Created container {name}"));
+    data.recorder.pod(&data.pod, Some(name), EventType::Normal, "Started", format!("Started container {name}"));
     follow(data, provider, name, id, Timestamp::now(), Instant::now()).await;
     Ok(())
 }
@@ -247,22 +250,23 @@ pub fn record_event(data: &mut PodData, event: ContainerEvent) -> Recorded {
 
 /// Records a probe's changed result; returns whether it counted.
 fn record_probe(data: &mut PodData, report: ProbeReport) -> bool {
-    let uid = data.id.uid.clone();
     let Some(record) = data.containers.get_mut(&report.container) else { return false };
     if record.id.as_ref() != Some(&report.id) || !record.is_running() {
         return false;
     }
     let probe = report.kind.title();
     if !report.healthy {
-        // Upstream's event reason and message for a failed probe.
-        tracing::warn!(pod.uid = %uid, container = %report.container, reason = "Unhealthy", "{probe} probe failed: {}", report.message);
+        let message = format!("{probe} probe failed: {}", report.message);
+        data.recorder.pod(&data.pod, Some(&report.container), EventType::Warning, "Unhealthy", message);
     }
+    let Some(record) = data.containers.get_mut(&report.container) else { return false };
     match (report.kind, report.healthy) {
         (ProbeKind::Readiness, ready) => record.probes.ready = Some(ready),
         (ProbeKind::Startup, true) => record.probes.started = Some(true),
         (kind, false) => {
             let what = if kind == ProbeKind::Startup { "startup" } else { "liveness" };
-            tracing::info!(pod.uid = %uid, container = %report.container, reason = "Killing", "Container {} failed {what} probe, will be restarted", report.container);
+            let message = format!("Container {} failed {what} probe, will be restarted", report.container);
+            data.recorder.pod(&data.pod, Some(&report.container), EventType::Normal, "Killing", message);
             record.probes.killed_by = Some(format!("Unhealthy: {probe} probe failed: {}", report.message));
         }
         (ProbeKind::Liveness, true) => return false,
@@ -279,8 +283,15 @@ fn record_probe(data: &mut PodData, report: ProbeReport) -> bool {
 pub fn record_start_failure(ctx: &mut Context<PodLifecycle>, name: &str, failure: &StartFailure) {
     let config = ctx.machine.config.restart_backoff;
     let uid = ctx.data.id.uid.clone();
-    let Some(record) = ctx.data.containers.get_mut(name) else { return };
     tracing::warn!(pod.uid = %uid, container = name, reason = failure.reason, error = %failure.message, "container did not start");
+    ctx.data.recorder.pod(
+        &ctx.data.pod,
+        Some(name),
+        EventType::Warning,
+        "Failed",
+        format!("Error: {}", failure.message),
+    );
+    let Some(record) = ctx.data.containers.get_mut(name) else { return };
     let now = Instant::now();
     record.backoff.fail(&config, Duration::ZERO, now);
     record.wants_start = failure.retry;
@@ -380,6 +391,15 @@ pub async fn stop_all(ctx: &mut Context<PodLifecycle>, grace: Duration) -> Vec<S
         .filter(|c| c.is_running())
         .filter_map(|c| c.id.clone().map(|id| (c.spec.name.clone(), id)))
         .collect();
+    for (name, _) in &running {
+        ctx.data.recorder.pod(
+            &ctx.data.pod,
+            Some(name),
+            EventType::Normal,
+            "Killing",
+            format!("Stopping container {name}"),
+        );
+    }
     let uid = ctx.data.id.uid.clone();
     let mut stops = tokio::task::JoinSet::new();
     let spawn_stops = |stops: &mut tokio::task::JoinSet<_>, grace: Duration, hurried: bool| {

@@ -269,6 +269,8 @@ pub struct PodData {
     pub events: mpsc::UnboundedReceiver<ContainerEvent>,
     /// Where those tasks send them.
     pub event_sender: mpsc::UnboundedSender<ContainerEvent>,
+    /// Where the pod's events (Kubernetes Events) go.
+    pub recorder: crate::events::EventRecorder,
     /// The waiter and probe tasks (aborted when the pod's data is dropped).
     pub waiters: JoinSet<()>,
 }
@@ -310,6 +312,7 @@ impl PodData {
             verdict: None,
             events,
             event_sender,
+            recorder: crate::events::EventRecorder::log_only(),
             waiters: JoinSet::new(),
         }
     }

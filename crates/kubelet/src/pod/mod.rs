@@ -117,6 +117,8 @@ pub struct PodLifecycle {
     /// Containers an earlier run of the node left running, by pod UID and
     /// container name; taken when the pod gets to start them.
     adopted: Mutex<HashMap<(String, String), RunningContainer>>,
+    /// Where pod events go.
+    events: crate::events::EventRecorder,
 }
 
 impl PodLifecycle {
@@ -132,7 +134,14 @@ impl PodLifecycle {
             admitted: admission::AdmittedPods::default(),
             store: PodStore::default(),
             adopted: Mutex::new(HashMap::new()),
+            events: crate::events::EventRecorder::log_only(),
         }
+    }
+
+    /// Records pod events with `events` (by default they are only logged).
+    pub fn with_events(mut self, events: crate::events::EventRecorder) -> Self {
+        self.events = events;
+        self
     }
 
     /// Reads the ConfigMaps, Secrets and service-account tokens pods
@@ -170,7 +179,9 @@ impl Machine for PodLifecycle {
     type Error = String;
 
     fn start(&self, _key: &String, manifest: &Arc<Pod>) -> (data::PodData, Box<dyn State<Self>>) {
-        (data::PodData::new(Arc::clone(manifest)), Box::new(states::Registered))
+        let mut data = data::PodData::new(Arc::clone(manifest));
+        data.recorder = self.events.clone();
+        (data, Box::new(states::Registered))
     }
 
     fn deleted(&self, _key: &String, _data: &data::PodData) -> Box<dyn State<Self>> {

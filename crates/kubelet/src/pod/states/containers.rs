@@ -274,6 +274,9 @@ fn exited(ctx: &mut Context<PodLifecycle>, event: crate::pod::data::ContainerEve
 /// Container `name` waits out its restart backoff (`CrashLoopBackOff`).
 fn set_crash_loop(ctx: &mut Context<PodLifecycle>, name: &str, delay: Option<std::time::Duration>) {
     let id = ctx.data.id.clone();
+    let message =
+        format!("Back-off restarting failed container {name} in pod {}_{}({})", id.name, id.namespace, id.uid);
+    ctx.data.recorder.pod(&ctx.data.pod, Some(name), crate::events::EventType::Warning, "BackOff", message);
     if let Some(record) = ctx.data.containers.get_mut(name) {
         record.phase = ContainerPhase::Waiting {
             reason: "CrashLoopBackOff".into(),

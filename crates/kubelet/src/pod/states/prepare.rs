@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use crate::events::EventType;
 use k8s_openapi::api::core::v1::PodStatus;
 use krator::{Context, State, Transition};
 use tokio::time::Instant;
@@ -50,14 +51,28 @@ impl State<PodLifecycle> for ImagePull {
                 continue;
             }
             let spec = record.spec.clone();
+            let image_name = spec.image.clone().unwrap_or_default();
+            let asked = Instant::now();
+            ctx.data.recorder.pod(
+                &pod,
+                Some(&name),
+                EventType::Normal,
+                "Pulling",
+                format!("Pulling image {image_name:?}"),
+            );
             match provider.prepare_image_with_secrets(&pod, &spec, &secrets).await {
                 Ok(image) => {
+                    let took = asked.elapsed();
+                    let message = format!("Container image {image_name:?} ready in {took:?} ({})", image.image_id);
+                    ctx.data.recorder.pod(&pod, Some(&name), EventType::Normal, "Pulled", message);
                     if let Some(record) = ctx.data.containers.get_mut(&name) {
                         record.image_id = Some(image.image_id);
                     }
                 }
                 Err(error) => {
                     tracing::warn!(pod.uid = %ctx.data.id.uid, container = %name, %error, "image pull failed");
+                    let message = format!("Failed to pull image {image_name:?}: {error}");
+                    ctx.data.recorder.pod(&pod, Some(&name), EventType::Warning, "Failed", message);
                     let mut backoff = self.backoff.clone();
                     let delay =
                         backoff.fail(&ctx.machine.config.image_backoff, std::time::Duration::ZERO, Instant::now());
@@ -112,7 +127,11 @@ pub struct ImagePullBackOff {
 
 #[async_trait::async_trait]
 impl State<PodLifecycle> for ImagePullBackOff {
-    async fn next(self: Box<Self>, _ctx: &mut Context<PodLifecycle>) -> Transition<PodLifecycle> {
+    async fn next(self: Box<Self>, ctx: &mut Context<PodLifecycle>) -> Transition<PodLifecycle> {
+        if !self.keep_reason {
+            let message = format!("Back-off pulling image {:?}", self.image);
+            ctx.data.recorder.pod(&ctx.data.pod, Some(&self.container), EventType::Normal, "BackOff", message);
+        }
         if let Some(until) = self.backoff.until() {
             tokio::time::sleep_until(until).await;
         }
@@ -159,6 +178,8 @@ impl State<PodLifecycle> for Volumes {
                 Ok(()) => break,
                 Err(error) => {
                     tracing::warn!(pod.uid = %ctx.data.id.uid, %error, "volumes not ready");
+                    let event = format!("MountVolume failed: {error}");
+                    ctx.data.recorder.pod(&ctx.data.pod, None, EventType::Warning, "FailedMount", event);
                     ctx.data.pending_message = Some(format!("volumes not ready: {error}"));
                     ctx.report(pod_status(&ctx.data, Stage::Pending));
                     let waiting_for_driver = matches!(error, VolumeError::DriverNotRegistered { .. });
