@@ -418,6 +418,12 @@ async fn pod_events_reach_the_api_aggregated(api: TestApi) {
     assert_eq!((source.component.as_deref(), source.host.as_deref()), (Some("kubelet"), Some(api.node.as_str())));
     let backoffs = events.iter().filter(|e| reason(e) == "BackOff").count();
     assert_eq!(backoffs, 1, "a crash loop's back-offs are one Event whose count rises: {events:#?}");
+    // The node's own events, as upstream's: its start and its conditions.
+    wait_events(&api, &api.node, SOON, |events| {
+        let reasons: Vec<String> = events.iter().map(reason).collect();
+        ["Starting", "NodeHasSufficientMemory", "NodeReady"].iter().all(|r| reasons.iter().any(|x| x == r))
+    })
+    .await;
     pods.delete(&name, &DeleteParams::default()).await.expect("delete");
     api.wait_for(&pods, &name, "gone", SOON, |p| p.is_none()).await;
 }

@@ -104,6 +104,18 @@ impl EventRecorder {
         self.record(Event { regarding, type_, reason: reason.to_owned(), message });
     }
 
+    /// Records an event about node `name` (upstream's node reference: the
+    /// name as UID, in no namespace; the Event goes to `default`).
+    pub fn node(&self, name: &str, type_: EventType, reason: &str, message: String) {
+        let regarding = ObjectReference {
+            kind: Some("Node".into()),
+            name: Some(name.to_owned()),
+            uid: Some(name.to_owned()),
+            ..ObjectReference::default()
+        };
+        self.record(Event { regarding, type_, reason: reason.to_owned(), message });
+    }
+
     /// Records `event`.
     pub fn record(&self, event: Event) {
         let object = format!(

@@ -173,6 +173,8 @@ pub(crate) struct NodeParts {
     pub(crate) volumes_in_use: VolumesInUse,
     /// The pod events to write to the API.
     pub(crate) events: Option<crate::events::EventQueue>,
+    /// Where node events are recorded (into `events`).
+    pub(crate) recorder: crate::events::EventRecorder,
 }
 
 /// Persistent volumes published on the node, by unique name, with their pods.
@@ -195,6 +197,7 @@ pub(crate) fn start(settings: ClusterSettings, parts: NodeParts, shutdown: Cance
             () = shutdown.cancelled() => return,
             client = client(&settings) => client,
         };
+        parts.recorder.node(&name, crate::events::EventType::Normal, "Starting", "Starting kubelet.".into());
         if let Some(queue) = parts.events {
             let (events_client, node, stop) = (client.clone(), name.clone(), shutdown.clone());
             tasks.spawn(async move {
@@ -207,7 +210,7 @@ pub(crate) fn start(settings: ClusterSettings, parts: NodeParts, shutdown: Cance
         tracing::info!(node = %name, "API client ready; joining the cluster");
         let node = node_sync::start(
             client.clone(),
-            NodeSyncConfig { node_name: name.clone(), ..settings.node_sync },
+            NodeSyncConfig { node_name: name.clone(), events: parts.recorder.clone(), ..settings.node_sync },
             desired,
             supervision.clone(),
         );

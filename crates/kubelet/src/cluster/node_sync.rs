@@ -64,6 +64,9 @@ pub struct NodeSyncConfig {
     pub retry_initial: Duration,
     /// The longest retry delay.
     pub retry_max: Duration,
+    /// Where node events go (`Starting`, `NodeReady`, …); by default they
+    /// are only logged.
+    pub events: crate::events::EventRecorder,
 }
 
 impl NodeSyncConfig {
@@ -79,6 +82,7 @@ impl NodeSyncConfig {
             patches_per_minute: 55,
             retry_initial: Duration::from_millis(200),
             retry_max: Duration::from_secs(10),
+            events: crate::events::EventRecorder::log_only(),
         }
     }
 }
@@ -293,9 +297,14 @@ impl StatusSync {
         add_pressure_conditions(conditions);
         for condition in conditions.iter_mut() {
             condition.last_heartbeat_time = Some(now.clone());
-            let kept = self
-                .conditions
-                .get(&condition.type_)
+            let previous = self.conditions.get(&condition.type_);
+            if previous.is_none_or(|p| p.status != condition.status)
+                && let Some(event) = condition_event(&condition.type_, condition.status == "True")
+            {
+                let message = format!("Node {} status is now: {event}", self.config.node_name);
+                self.config.events.node(&self.config.node_name, crate::events::EventType::Normal, event, message);
+            }
+            let kept = previous
                 .filter(|previous| previous.status == condition.status)
                 .and_then(|previous| previous.last_transition_time.clone());
             condition.last_transition_time = Some(kept.unwrap_or_else(|| now.clone()));
@@ -382,6 +391,21 @@ impl StatusSync {
 
 /// The pressure conditions the kubelet reports, when the node reports
 /// none of its own.
+/// Upstream's node event for condition `type_` becoming `status`.
+fn condition_event(type_: &str, status: bool) -> Option<&'static str> {
+    Some(match (type_, status) {
+        ("Ready", true) => "NodeReady",
+        ("Ready", false) => "NodeNotReady",
+        ("MemoryPressure", false) => "NodeHasSufficientMemory",
+        ("MemoryPressure", true) => "NodeHasInsufficientMemory",
+        ("DiskPressure", false) => "NodeHasNoDiskPressure",
+        ("DiskPressure", true) => "NodeHasDiskPressure",
+        ("PIDPressure", false) => "NodeHasSufficientPID",
+        ("PIDPressure", true) => "NodeHasInsufficientPID",
+        _ => return None,
+    })
+}
+
 fn add_pressure_conditions(conditions: &mut Vec<NodeCondition>) {
     let defaults = [
         ("MemoryPressure", "KubeletHasSufficientMemory", "kubelet has sufficient memory available"),

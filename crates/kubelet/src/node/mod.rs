@@ -325,11 +325,11 @@ impl NodeBuilder {
             lifecycle = lifecycle.with_objects(api_volumes);
         }
         // In a cluster, pod events go to the API too.
-        let mut event_queue = None;
+        let (mut event_queue, mut event_recorder) = (None, crate::events::EventRecorder::log_only());
         if cluster.is_some() {
             let (recorder, queue) = crate::events::EventRecorder::queued();
-            lifecycle = lifecycle.with_events(recorder);
-            event_queue = Some(queue);
+            lifecycle = lifecycle.with_events(recorder.clone());
+            (event_queue, event_recorder) = (Some(queue), recorder);
         }
         let pods = Pods::start(lifecycle, shutdown.clone()).await;
         let static_pods = match &config.pods.manifest_dir {
@@ -421,6 +421,7 @@ impl NodeBuilder {
                     tasks: tasks.clone(),
                     volumes_in_use,
                     events: event_queue,
+                    recorder: event_recorder,
                 };
                 Some(cluster::start(settings, parts, shutdown.clone()))
             }
