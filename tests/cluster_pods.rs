@@ -418,6 +418,18 @@ async fn pod_events_reach_the_api_aggregated(api: TestApi) {
     assert_eq!((source.component.as_deref(), source.host.as_deref()), (Some("kubelet"), Some(api.node.as_str())));
     let backoffs = events.iter().filter(|e| reason(e) == "BackOff").count();
     assert_eq!(backoffs, 1, "a crash loop's back-offs are one Event whose count rises: {events:#?}");
+    // `kubectl describe pod` (the real one) shows them from the kubelet.
+    if let Some(plane) = api.control_plane() {
+        let output = plane.kubectl().args(["describe", "pod", "-n", "default", &name]).output().expect("kubectl");
+        let text = String::from_utf8_lossy(&output.stdout);
+        assert!(output.status.success(), "{text}{}", String::from_utf8_lossy(&output.stderr));
+        // (Not the first line naming BackOff: that may be the state's
+        // CrashLoopBackOff.)
+        let back_off =
+            text.lines().find(|l| l.contains("Back-off restarting failed container main")).unwrap_or_default();
+        assert!(back_off.contains("BackOff") && back_off.contains("kubelet"), "{text}");
+        assert!(text.lines().any(|l| l.contains("Started") && l.contains("Started container main")), "{text}");
+    }
     // The node's own events, as upstream's: its start and its conditions.
     wait_events(&api, &api.node, SOON, |events| {
         let reasons: Vec<String> = events.iter().map(reason).collect();

@@ -296,6 +296,13 @@ impl ControlPlane {
         &self.url
     }
 
+    /// `kubectl` of the same release, as the administrator.
+    pub fn kubectl(&self) -> std::process::Command {
+        let mut command = std::process::Command::new(self.bin_dir.join("kubectl"));
+        command.arg("--kubeconfig").arg(self.admin_kubeconfig());
+        command
+    }
+
     /// The administrator's kubeconfig.
     pub fn admin_kubeconfig(&self) -> &Path {
         &self.admin_kubeconfig
