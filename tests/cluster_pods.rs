@@ -373,7 +373,9 @@ async fn wait_events(
 /// Pod events reach the API as the kubelet writes them (core/v1, source
 /// `kubelet` on the node): the container's image, creation and start, then
 /// a crash loop's back-offs as one Event whose count rises (aggregation),
-/// however often the container restarts.
+/// however often the container restarts; a pull failure and its back-off;
+/// a failing probe. `kubectl describe pod` shows them; the node's events
+/// are there too.
 async fn pod_events_reach_the_api_aggregated(api: TestApi) {
     use kubelet::cluster::{ApiSource, ClusterSettings};
     use kubelet::node::{NodeBuilder, NodeConfig};
@@ -387,8 +389,10 @@ async fn pod_events_reach_the_api_aggregated(api: TestApi) {
     };
     let shutdown = CancellationToken::new();
     let _stop = shutdown.clone().drop_guard();
+    let provider = HostProcessProvider::new();
+    provider.failing_images.lock().expect("lock").insert("missing:v1".into(), "manifest unknown".into());
     let _node = NodeBuilder::new(config)
-        .provider(Arc::new(HostProcessProvider::new()))
+        .provider(Arc::new(provider))
         .cluster(ClusterSettings::new(ApiSource::Client(api.node_client.clone())))
         .start(shutdown.clone())
         .await
@@ -429,6 +433,44 @@ async fn pod_events_reach_the_api_aggregated(api: TestApi) {
             text.lines().find(|l| l.contains("Back-off restarting failed container main")).unwrap_or_default();
         assert!(back_off.contains("BackOff") && back_off.contains("kubelet"), "{text}");
         assert!(text.lines().any(|l| l.contains("Started") && l.contains("Started container main")), "{text}");
+    }
+    // A pull failure and a probe failure, as `kubectl describe` shows them.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
+    let (missing, unhealthy) = (format!("missing-{}", api.node), format!("unhealthy-{}", api.node));
+    for (name, container) in [
+        (&missing, json!({"name": "main", "image": "missing:v1", "command": ["sleep", "600"]})),
+        (
+            &unhealthy,
+            json!({"name": "main", "image": "busybox", "command": ["sleep", "600"],
+                   "readinessProbe": {"httpGet": {"port": closed, "path": "/"}, "periodSeconds": 1, "failureThreshold": 1}}),
+        ),
+    ] {
+        let pod: Pod = serde_json::from_value(json!({
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {"nodeName": api.node, "automountServiceAccountToken": false, "terminationGracePeriodSeconds": 1,
+                     "containers": [container]},
+        }))
+        .expect("pod");
+        pods.create(&PostParams::default(), &pod).await.expect("create");
+    }
+    let has = |events: &[k8s_openapi::api::core::v1::Event], reason_: &str, text: &str| {
+        events.iter().any(|e| reason(e) == reason_ && e.message.as_deref().is_some_and(|m| m.contains(text)))
+    };
+    wait_events(&api, &missing, SOON, |events| {
+        has(events, "Failed", "Failed to pull image \"missing:v1\": manifest unknown")
+            && has(events, "BackOff", "Back-off pulling image \"missing:v1\"")
+    })
+    .await;
+    wait_events(&api, &unhealthy, SOON, |events| has(events, "Unhealthy", "Readiness probe failed: Get")).await;
+    if let Some(plane) = api.control_plane() {
+        for (name, line) in [(&missing, "Failed to pull image"), (&unhealthy, "Readiness probe failed")] {
+            let output = plane.kubectl().args(["describe", "pod", "-n", "default", name]).output().expect("kubectl");
+            let text = String::from_utf8_lossy(&output.stdout);
+            assert!(text.lines().any(|l| l.contains("Warning") && l.contains(line)), "{text}");
+        }
+    }
+    for name in [&missing, &unhealthy] {
+        pods.delete(name, &DeleteParams::default()).await.expect("delete");
     }
     // The node's own events, as upstream's: its start and its conditions.
     wait_events(&api, &api.node, SOON, |events| {

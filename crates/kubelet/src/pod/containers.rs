@@ -214,6 +214,8 @@ fn start_probes(data: &mut PodData, provider: &Arc<dyn Provider>, name: &str, id
             started: started_flag.clone(),
             pod_grace: super::spec::grace_period(&data.pod),
             events: data.event_sender.clone(),
+            pod: Arc::clone(&data.pod),
+            recorder: data.recorder.clone(),
         };
         state.tasks.push(data.waiters.spawn(worker.run()));
     }
@@ -254,12 +256,8 @@ fn record_probe(data: &mut PodData, report: ProbeReport) -> bool {
     if record.id.as_ref() != Some(&report.id) || !record.is_running() {
         return false;
     }
+    // (Each failed attempt was recorded as `Unhealthy` by the worker.)
     let probe = report.kind.title();
-    if !report.healthy {
-        let message = format!("{probe} probe failed: {}", report.message);
-        data.recorder.pod(&data.pod, Some(&report.container), EventType::Warning, "Unhealthy", message);
-    }
-    let Some(record) = data.containers.get_mut(&report.container) else { return false };
     match (report.kind, report.healthy) {
         (ProbeKind::Readiness, ready) => record.probes.ready = Some(ready),
         (ProbeKind::Startup, true) => record.probes.started = Some(true),

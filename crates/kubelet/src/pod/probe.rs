@@ -572,6 +572,10 @@ pub struct Worker {
     pub pod_grace: Duration,
     /// Where results go.
     pub events: mpsc::UnboundedSender<ContainerEvent>,
+    /// The pod, for its `Unhealthy` events.
+    pub pod: Arc<k8s_openapi::api::core::v1::Pod>,
+    /// Where those go (one per failed attempt, as upstream records them).
+    pub recorder: crate::events::EventRecorder,
 }
 
 impl Worker {
@@ -596,7 +600,9 @@ impl Worker {
             let (healthy, message) = match outcome {
                 Outcome::Success => (true, String::new()),
                 Outcome::Failure(message) => {
-                    tracing::debug!(container = %self.container, probe = spec.kind.title(), %message, "probe failed");
+                    let event = format!("{} probe failed: {message}", spec.kind.title());
+                    let warning = crate::events::EventType::Warning;
+                    self.recorder.pod(&self.pod, Some(&self.container), warning, "Unhealthy", event);
                     (false, message)
                 }
                 Outcome::Error(message) => {
