@@ -292,9 +292,8 @@ async fn pull_secrets_are_the_registry_credentials() {
     let pulled = provider.prepare_image_with_secrets(&pod, &container, &secrets).await.expect("pulled with the secret");
     assert!(pulled.image_id.starts_with("sha256:"), "{pulled:?}");
 
-    // Without a pull secret, the node's config.json is used (a wrong
-    // password in a pod's secret for another registry does not stand in
-    // the way).
+    // Without a pull secret for the registry (the pod's names another
+    // one), the node's config.json is used.
     let dir = tempfile::tempdir().expect("tempdir");
     let docker_config = dir.path().join("config.json");
     let mut config_with_file = CriConfig::new(containerd.endpoint());

@@ -1,7 +1,7 @@
 //! Events about pods, as the kubelet records them (`Pulling`, `Created`,
 //! `Started`, `Killing`, `BackOff`, `Unhealthy`, `FailedMount`, …).
 //!
-//! Every event is logged. In cluster mode they are also written to the API
+//! In cluster mode events are written to the API
 //! as core/v1 Events with source `kubelet` on the node, as the kubelet
 //! writes them, so `kubectl describe pod` shows them:
 //! - **aggregation**: an event repeating (same object, type, reason and
@@ -13,7 +13,11 @@
 //! - **spam filter**: as upstream's, each object may make 25 events at
 //!   once, then one per 5 minutes; the rest are dropped and counted;
 //! - **never a stall**: recording is a non-blocking send to a bounded queue
-//!   (1,000); a full queue drops the event and counts it.
+//!   (1,000); a full queue drops the event (logged at debug level). Events
+//!   still queued when the node shuts down are not written.
+//!
+//! Events are also logged at debug level (`RUSTLET_LOG=kubelet::events=debug`);
+//! the node's own log lines say the same things in its words.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -123,10 +127,9 @@ impl EventRecorder {
             event.regarding.namespace.as_deref().unwrap_or_default(),
             event.regarding.name.as_deref().unwrap_or_default()
         );
-        match event.type_ {
-            EventType::Normal => tracing::info!(event = %event.reason, %object, "{}", event.message),
-            EventType::Warning => tracing::warn!(event = %event.reason, %object, "{}", event.message),
-        }
+        // The node logs what happens in its own words; events are for the
+        // API (a failing probe makes one a period).
+        tracing::debug!(event = %event.reason, %object, type_ = ?event.type_, "{}", event.message);
         if let Some(queue) = &self.queue
             && queue.try_send(event).is_err()
         {
@@ -174,8 +177,9 @@ impl SpamFilter {
 /// one (upstream's event logger keeps its cache that long).
 const AGGREGATION_WINDOW: Duration = Duration::from_secs(600);
 
-/// What makes two events the same one: object UID, type, reason, message.
-type Similar = (String, String, String, String);
+/// What makes two events the same one: object UID and field path, type,
+/// reason, message.
+type Similar = (String, String, String, String, String);
 
 /// The Event written for one: its name, its count, when it was last
 /// written.
@@ -201,8 +205,13 @@ pub async fn publish(client: kube::Client, node: &str, mut queue: EventQueue) {
             EventType::Warning => "Warning",
         };
         let message = truncate(&event.message, 1024);
-        let key =
-            (event.regarding.uid.clone().unwrap_or_default(), type_.to_owned(), event.reason.clone(), message.clone());
+        let key = (
+            event.regarding.uid.clone().unwrap_or_default(),
+            event.regarding.field_path.clone().unwrap_or_default(),
+            type_.to_owned(),
+            event.reason.clone(),
+            message.clone(),
+        );
         let namespace = event.regarding.namespace.clone().unwrap_or_else(|| "default".into());
         let api: kube::Api<k8s_openapi::api::core::v1::Event> = kube::Api::namespaced(client.clone(), &namespace);
         let stamp = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(k8s_openapi::jiff::Timestamp::now());

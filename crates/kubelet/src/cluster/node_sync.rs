@@ -389,8 +389,6 @@ impl StatusSync {
     }
 }
 
-/// The pressure conditions the kubelet reports, when the node reports
-/// none of its own.
 /// Upstream's node event for condition `type_` becoming `status`.
 fn condition_event(type_: &str, status: bool) -> Option<&'static str> {
     Some(match (type_, status) {
@@ -406,6 +404,8 @@ fn condition_event(type_: &str, status: bool) -> Option<&'static str> {
     })
 }
 
+/// The pressure conditions the kubelet reports, when the node reports
+/// none of its own.
 fn add_pressure_conditions(conditions: &mut Vec<NodeCondition>) {
     let defaults = [
         ("MemoryPressure", "KubeletHasSufficientMemory", "kubelet has sufficient memory available"),

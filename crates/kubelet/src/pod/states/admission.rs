@@ -93,6 +93,5 @@ fn reject(ctx: &mut Context<PodLifecycle>, reason: &str, message: String) {
     });
     ctx.report(pod_status(&ctx.data, Stage::Done));
     tracing::warn!(pod = %ctx.data.id.full_name(), pod.uid = %ctx.data.id.uid, reason, %message, "pod rejected");
-    let event = format!("Pod was rejected: {message}");
-    ctx.data.recorder.pod(&ctx.data.pod, None, crate::events::EventType::Warning, reason, event);
+    ctx.data.recorder.pod(&ctx.data.pod, None, crate::events::EventType::Warning, reason, message);
 }

@@ -53,13 +53,13 @@ impl State<PodLifecycle> for ImagePull {
             let spec = record.spec.clone();
             let image_name = spec.image.clone().unwrap_or_default();
             let asked = Instant::now();
-            ctx.data.recorder.pod(
-                &pod,
-                Some(&name),
-                EventType::Normal,
-                "Pulling",
-                format!("Pulling image {image_name:?}"),
-            );
+            // A pull is known to happen under policy Always; otherwise the
+            // provider may find the image present.
+            let policy = crate::provider::PullPolicy::of(spec.image_pull_policy.as_deref(), &image_name);
+            if policy == crate::provider::PullPolicy::Always {
+                let message = format!("Pulling image {image_name:?}");
+                ctx.data.recorder.pod(&pod, Some(&name), EventType::Normal, "Pulling", message);
+            }
             match provider.prepare_image_with_secrets(&pod, &spec, &secrets).await {
                 Ok(image) => {
                     let took = asked.elapsed();
@@ -71,8 +71,14 @@ impl State<PodLifecycle> for ImagePull {
                 }
                 Err(error) => {
                     tracing::warn!(pod.uid = %ctx.data.id.uid, container = %name, %error, "image pull failed");
-                    let message = format!("Failed to pull image {image_name:?}: {error}");
-                    ctx.data.recorder.pod(&pod, Some(&name), EventType::Warning, "Failed", message);
+                    let (reason, message) = match error.kind {
+                        crate::provider::ProviderErrorKind::ImageNeverPull => {
+                            ("ErrImageNeverPull", error.message.clone())
+                        }
+                        crate::provider::ProviderErrorKind::Config => ("Failed", format!("Error: {error}")),
+                        _ => ("Failed", format!("Failed to pull image {image_name:?}: {error}")),
+                    };
+                    ctx.data.recorder.pod(&pod, Some(&name), EventType::Warning, reason, message);
                     let mut backoff = self.backoff.clone();
                     let delay =
                         backoff.fail(&ctx.machine.config.image_backoff, std::time::Duration::ZERO, Instant::now());
@@ -178,9 +184,14 @@ impl State<PodLifecycle> for Volumes {
                 Ok(()) => break,
                 Err(error) => {
                     tracing::warn!(pod.uid = %ctx.data.id.uid, %error, "volumes not ready");
-                    let event = format!("MountVolume failed: {error}");
-                    ctx.data.recorder.pod(&ctx.data.pod, None, EventType::Warning, "FailedMount", event);
-                    ctx.data.pending_message = Some(format!("volumes not ready: {error}"));
+                    let message = format!("volumes not ready: {error}");
+                    // One event per distinct error (the retries of one wait
+                    // would use up the pod's events).
+                    if ctx.data.pending_message.as_deref() != Some(message.as_str()) {
+                        let event = format!("MountVolume failed: {error}");
+                        ctx.data.recorder.pod(&ctx.data.pod, None, EventType::Warning, "FailedMount", event);
+                    }
+                    ctx.data.pending_message = Some(message);
                     ctx.report(pod_status(&ctx.data, Stage::Pending));
                     let waiting_for_driver = matches!(error, VolumeError::DriverNotRegistered { .. });
                     backoff.fail(&lifecycle.config.volume_backoff, std::time::Duration::ZERO, Instant::now());
