@@ -4,6 +4,7 @@
 //! Failed (with the panic in its message) instead of going.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use k8s_openapi::api::core::v1::PodStatus;
 use krator::{Context, State, Transition};
@@ -34,6 +35,10 @@ impl Terminating {
         Terminating { failed: Some(message.to_owned()) }
     }
 }
+
+/// How many times the provider is asked to remove a pod before the
+/// failure is reported.
+const PROVIDER_REMOVAL_ATTEMPTS: u32 = 5;
 
 #[async_trait::async_trait]
 impl State<PodLifecycle> for Terminating {
@@ -82,11 +87,22 @@ impl State<PodLifecycle> for Terminating {
                 failures.push(format!("device checkpoint: {error}"));
             }
         }
-        // 4. What the provider keeps, and the pod's logs.
-        if let Some(provider) = &lifecycle.provider
-            && let Err(error) = provider.remove_pod(&uid).await
-        {
-            failures.push(format!("provider: {error}"));
+        // 4. What the provider keeps (a runtime's teardown can fail for a
+        // moment, a CNI plugin racing the network namespace's removal:
+        // tried a few times with backoff), and the pod's logs.
+        if let Some(provider) = &lifecycle.provider {
+            let mut backoff = crate::retry::RetryBackoff::new(Duration::from_millis(200), Duration::from_secs(5));
+            for attempt in 1..=PROVIDER_REMOVAL_ATTEMPTS {
+                match provider.remove_pod(&uid).await {
+                    Ok(()) => break,
+                    Err(error) if attempt < PROVIDER_REMOVAL_ATTEMPTS => {
+                        let delay = backoff.next_delay();
+                        tracing::warn!(pod.uid = %uid, %error, attempt, retry_in = ?delay, "the provider could not remove the pod; retrying");
+                        tokio::time::sleep(delay).await;
+                    }
+                    Err(error) => failures.push(format!("provider: {error}")),
+                }
+            }
         }
         let logs = log_dir(&lifecycle, &ctx.data);
         if let Err(error) = std::fs::remove_dir_all(&logs)
