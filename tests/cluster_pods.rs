@@ -482,3 +482,240 @@ async fn pod_events_reach_the_api_aggregated(api: TestApi) {
     api.wait_for(&pods, &name, "gone", SOON, |p| p.is_none()).await;
 }
 rustlet_testkit::on_both_api_servers!(pod_events_reach_the_api_aggregated_on, pod_events_reach_the_api_aggregated);
+
+/// The host's address the default route leaves from, if it has one (a
+/// UDP "connect" sends nothing).
+fn host_ip() -> Option<std::net::IpAddr> {
+    let socket = std::net::UdpSocket::bind("0.0.0.0:0").ok()?;
+    socket.connect("192.0.2.1:9").ok()?;
+    socket.local_addr().ok().map(|a| a.ip()).filter(|ip| !ip.is_unspecified() && !ip.is_loopback())
+}
+
+/// Runs kubectl of the control plane; its stdout (panics on failure with
+/// stderr). Async: the node answering it runs on the test's runtime.
+async fn kubectl(plane: &rustlet_testkit::control_plane::ControlPlane, args: &[&str]) -> String {
+    let output = tokio::process::Command::from(plane.kubectl()).args(args).output().await.expect("run kubectl");
+    let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    assert!(output.status.success(), "kubectl {args:?} failed: {stdout}{stderr}");
+    stdout.into_owned()
+}
+
+/// The kubelet API as a cluster uses it, on the real kube-apiserver:
+/// `kubectl logs` with every option goes through the API server to the
+/// node's HTTPS port (advertised in the Node's daemonEndpoints, the API
+/// server authenticated by its client certificate and authorized by a
+/// SubjectAccessReview); `nodes/proxy` reaches `/pods`, `/runningpods/`,
+/// `/stats/summary`, `/metrics/resource`, `/configz` and `/healthz`; direct
+/// clients get 401 without credentials, 403 when the API denies them,
+/// 200 with a token or certificate it allows, and 400/404 for bad requests.
+#[tokio::test]
+async fn the_kubelet_api_serves_kubectl_through_the_real_api_server() {
+    use kubelet::cluster::{ApiSource, ClusterSettings};
+    use kubelet::node::{NodeBuilder, NodeConfig};
+    use kubelet::server::KubeletApiConfig;
+    use rustlet_testkit::https::{Credentials, get};
+    let Some(api) = TestApi::real("the_kubelet_api_serves_kubectl_through_the_real_api_server").await else {
+        return;
+    };
+    let plane = api.control_plane().expect("real");
+    let root = tempfile::tempdir().expect("tempdir");
+    let mut config = NodeConfig::new(root.path(), api.node.clone());
+    config.http_address = None;
+    // The API server proxies nodes/proxy to no loopback address: the
+    // node uses the host's own address where it has one.
+    let host_ip = host_ip();
+    let ip = host_ip.unwrap_or(std::net::IpAddr::from([127, 0, 0, 1]));
+    config.node_ips = vec![ip];
+    let mut kubelet_api = KubeletApiConfig::new(root.path());
+    kubelet_api.address = std::net::SocketAddr::new(ip, 0);
+    kubelet_api.client_ca = Some(plane.ca_file());
+    config.kubelet_api = Some(kubelet_api);
+    let shutdown = CancellationToken::new();
+    let _stop = shutdown.clone().drop_guard();
+    let node = NodeBuilder::new(config)
+        .provider(Arc::new(HostProcessProvider::new()))
+        .cluster(ClusterSettings::new(ApiSource::Client(api.node_client.clone())))
+        .start(shutdown.clone())
+        .await
+        .expect("node");
+    let address = node.kubelet_api_address().expect("the kubelet API is served");
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(api.admin.clone());
+    api.wait_for(&nodes, &api.node, "advertising its kubelet port", SOON, |n| {
+        let port =
+            n.and_then(|n| n.status.as_ref()?.daemon_endpoints.as_ref()?.kubelet_endpoint.as_ref().map(|e| e.port));
+        port == Some(i32::from(address.port()))
+    })
+    .await;
+
+    // A pod whose log grows when the test says so, and one that restarted.
+    let flag = root.path().join("go-on");
+    let counter = root.path().join("runs");
+    let (talker, restarted) = (format!("talker-{}", api.node), format!("restarted-{}", api.node));
+    let script = format!(
+        "echo alpha; echo beta; echo gamma; while [ ! -e {flag} ]; do sleep 0.05; done; echo delta; exec sleep 600",
+        flag = flag.display()
+    );
+    let again = format!(
+        "n=$(cat {c} 2>/dev/null || echo 0); n=$((n+1)); echo $n > {c}; echo run $n; [ $n -ge 2 ] && exec sleep 600; exit 1",
+        c = counter.display()
+    );
+    let pods: Api<Pod> = Api::namespaced(api.admin.clone(), "default");
+    for (name, script) in [(&talker, &script), (&restarted, &again)] {
+        let pod: Pod = serde_json::from_value(json!({
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {"nodeName": api.node, "automountServiceAccountToken": false, "terminationGracePeriodSeconds": 1,
+                     "containers": [{"name": "main", "image": "busybox", "command": ["sh", "-c", script]}]},
+        }))
+        .expect("pod");
+        pods.create(&PostParams::default(), &pod).await.expect("create");
+    }
+    api.wait_for(&pods, &talker, "running", SOON, |p| p.is_some_and(|p| running(&json_of(p)))).await;
+    api.wait_for(&pods, &restarted, "running after a restart", SOON, |p| {
+        let status = p.and_then(|p| p.status.as_ref()?.container_statuses.as_ref()?.first().cloned());
+        status.is_some_and(|s| s.restart_count >= 1 && s.state.as_ref().is_some_and(|s| s.running.is_some()))
+    })
+    .await;
+    // The pod runs; its first lines may still be on their way to the log.
+    let deadline = tokio::time::Instant::now() + SOON;
+    loop {
+        let all = kubectl(plane, &["logs", &talker]).await;
+        if all == "alpha\nbeta\ngamma\n" {
+            break;
+        }
+        assert!(all.len() < 17 && tokio::time::Instant::now() < deadline, "kubectl logs: {all:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(kubectl(plane, &["logs", &talker, "--tail=1"]).await, "gamma\n");
+    assert_eq!(kubectl(plane, &["logs", &talker, "--limit-bytes=3"]).await, "alp");
+    assert_eq!(kubectl(plane, &["logs", &talker, "--since=1h"]).await, "alpha\nbeta\ngamma\n");
+    let future = (jiff::Timestamp::now() + jiff::SignedDuration::from_secs(3600)).to_string();
+    assert_eq!(
+        kubectl(plane, &["logs", &talker, &format!("--since-time={future}")]).await,
+        "",
+        "nothing after the future"
+    );
+    let stamped = kubectl(plane, &["logs", &talker, "--timestamps"]).await;
+    for (line, text) in stamped.lines().zip(["alpha", "beta", "gamma"]) {
+        let (time, rest) = line.split_once(' ').expect("timestamp and text");
+        assert!(time.parse::<jiff::Timestamp>().is_ok(), "an RFC 3339 time: {line}");
+        assert_eq!(rest, text);
+    }
+    assert_eq!(kubectl(plane, &["logs", &restarted, "--previous"]).await, "run 1\n");
+    assert_eq!(kubectl(plane, &["logs", &restarted]).await, "run 2\n");
+    // -f: what is there, then each line as it is written.
+    let mut follow = tokio::process::Command::from(plane.kubectl());
+    follow.args(["logs", "-f", &talker]).stdout(std::process::Stdio::piped()).kill_on_drop(true);
+    let mut follow = follow.spawn().expect("kubectl logs -f");
+    let mut lines = tokio::io::BufReader::new(follow.stdout.take().expect("stdout"));
+    let mut seen = Vec::new();
+    let read = async {
+        use tokio::io::AsyncBufReadExt as _;
+        loop {
+            let mut line = String::new();
+            if lines.read_line(&mut line).await.expect("read") == 0 {
+                break;
+            }
+            seen.push(line.trim_end().to_owned());
+            if seen.len() == 3 {
+                std::fs::write(&flag, "").expect("let the container go on");
+            }
+            if seen.len() == 4 {
+                break;
+            }
+        }
+    };
+    tokio::time::timeout(SOON, read).await.expect("kubectl logs -f shows the new line");
+    assert_eq!(seen, ["alpha", "beta", "gamma", "delta"]);
+    drop(follow);
+
+    // nodes/proxy: the node's endpoints through the API server.
+    if host_ip.is_none() {
+        eprintln!("SKIP nodes/proxy: this host has no address but loopback, which the API server does not proxy to");
+    }
+    if host_ip.is_some() {
+        let raw = |path: &str| {
+            let path = format!("/api/v1/nodes/{}/proxy{path}", api.node);
+            async move { kubectl(plane, &["get", "--raw", &path]).await }
+        };
+        assert_eq!(raw("/healthz").await, "ok");
+        let listed: Value = serde_json::from_str(&raw("/pods").await).expect("a PodList");
+        assert!(listed["items"].as_array().expect("items").iter().any(|p| p["metadata"]["name"] == talker.as_str()));
+        let running_pods: Value = serde_json::from_str(&raw("/runningpods/").await).expect("a PodList");
+        assert!(
+            running_pods["items"].as_array().expect("items").iter().any(|p| p["metadata"]["name"] == talker.as_str())
+        );
+        let summary: Value = serde_json::from_str(&raw("/stats/summary").await).expect("a summary");
+        assert_eq!(summary["node"]["nodeName"], api.node.as_str());
+        assert!(summary["node"]["cpu"]["usageCoreNanoSeconds"].as_u64().is_some_and(|n| n > 0), "{summary}");
+        assert!(summary["node"]["memory"]["workingSetBytes"].as_u64().is_some_and(|n| n > 0), "{summary}");
+        assert!(summary["node"]["fs"]["capacityBytes"].as_u64().is_some_and(|n| n > 0), "{summary}");
+        let pod_stats = summary["pods"].as_array().expect("pods");
+        let talker_stats = pod_stats.iter().find(|p| p["podRef"]["name"] == talker.as_str()).expect("the pod's stats");
+        assert_eq!(talker_stats["containers"][0]["name"], "main");
+        let metrics = raw("/metrics/resource").await;
+        for series in ["node_cpu_usage_seconds_total", "node_memory_working_set_bytes"] {
+            let value: f64 = metrics
+                .lines()
+                .find(|l| l.starts_with(&format!("{series} ")))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("{series} in {metrics}"));
+            assert!(value > 0.0, "{series} = {value}");
+        }
+        assert!(
+            metrics.contains("container_start_time_seconds{container=\"main\",namespace=\"default\",pod=\"talker-"),
+            "{metrics}"
+        );
+        let configz: Value = serde_json::from_str(&raw("/configz").await).expect("configz");
+        assert_eq!(configz["kubeletconfig"]["authorization"]["mode"], "Webhook");
+        assert_eq!(configz["kubeletconfig"]["port"], address.port());
+    }
+
+    // Direct clients.
+    let logs = format!("/containerLogs/default/{talker}/main");
+    let (code, body) = get(address, &logs, Credentials::Anonymous).await.expect("request");
+    assert_eq!((code, body.as_str()), (401, "Unauthorized"), "no credentials");
+    let (code, body) = get(address, &logs, Credentials::Token("not-a-token")).await.expect("request");
+    assert_eq!(code, 401, "a token the API does not know: {body}");
+    let other_node = plane.node();
+    let (code, body) = get(address, &logs, Credentials::Token(&other_node.token)).await.expect("request");
+    assert_eq!(code, 403, "{body}");
+    assert!(
+        body.contains(&format!("user=system:node:{}, verb=get, resource=nodes, subresource=proxy", other_node.name)),
+        "{body}"
+    );
+    let (code, body) = get(address, &logs, Credentials::Token(plane.admin_token())).await.expect("request");
+    assert_eq!((code, body.as_str()), (200, "alpha\nbeta\ngamma\ndelta\n"), "the administrator's token");
+    let (cert_pem, key_pem) = plane.issue_client_certificate("cert-admin", "system:masters").expect("certificate");
+    let admin_cert = || Credentials::Certificate { cert_pem: &cert_pem, key_pem: &key_pem };
+    let (code, body) = get(address, "/stats/summary", admin_cert()).await.expect("request");
+    assert_eq!(code, 200, "a client certificate the CA signed: {body}");
+    let (code, body) = get(address, "/no/such/endpoint", admin_cert()).await.expect("request");
+    assert_eq!(code, 404, "{body}");
+    let (code, body) = get(address, &format!("{logs}?tailLines=x"), admin_cert()).await.expect("request");
+    assert_eq!((code, body.trim()), (400, "tailLines=x is not a number"));
+    let (code, body) = get(address, "/containerLogs/default/nobody/main", admin_cert()).await.expect("request");
+    assert_eq!(code, 404, "{body}");
+    let (code, body) =
+        get(address, &format!("/containerLogs/default/{talker}/sidecar"), admin_cert()).await.expect("request");
+    assert_eq!(code, 400, "{body}");
+    let (code, body) =
+        get(address, &format!("/exec/default/{talker}/main?command=ls"), admin_cert()).await.expect("request");
+    assert_eq!((code, body.trim()), (400, "you must specify at least 1 of stdin, stdout, stderr"));
+    // A certificate from another CA fails the handshake.
+    let stranger = {
+        let key = rcgen::KeyPair::generate().expect("key");
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
+        params.distinguished_name.push(rcgen::DnType::CommonName, "stranger");
+        (params.self_signed(&key).expect("cert").pem(), key.serialize_pem())
+    };
+    let refused = get(address, "/pods", Credentials::Certificate { cert_pem: &stranger.0, key_pem: &stranger.1 }).await;
+    assert!(refused.is_err(), "a certificate the CA did not sign is refused: {refused:?}");
+
+    for name in [&talker, &restarted] {
+        pods.delete(name, &DeleteParams::default()).await.expect("delete");
+    }
+    for name in [&talker, &restarted] {
+        api.wait_for(&pods, name, "gone", SOON, |p| p.is_none()).await;
+    }
+}

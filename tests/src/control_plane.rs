@@ -107,6 +107,8 @@ pub struct ControlPlane {
     processes: Mutex<Vec<Guarded>>,
     scheduler: OnceLock<Result<(), String>>,
     controller_manager: OnceLock<Result<(), String>>,
+    ca_params: rcgen::CertificateParams,
+    ca_key_pem: String,
 }
 
 static SHARED: OnceLock<Result<ControlPlane, String>> = OnceLock::new();
@@ -188,6 +190,13 @@ impl ControlPlane {
             ));
         }
         let tokens_file = write("tokens.csv", &tokens)?;
+        // What the API server shows nodes it proxies to (kubectl logs,
+        // exec, nodes/proxy): a client certificate in system:masters.
+        let (kubelet_client_pem, kubelet_client_key_pem) = pki
+            .issue("kube-apiserver-kubelet-client", &["system:masters"])
+            .map_err(|e| format!("certificates: {e}"))?;
+        let kubelet_client_cert = write("apiserver-kubelet-client.crt", &kubelet_client_pem)?;
+        let kubelet_client_key = write("apiserver-kubelet-client.key", &kubelet_client_key_pem)?;
 
         // kube-apiserver.
         let port = free_port()?;
@@ -211,6 +220,11 @@ impl ControlPlane {
             .args(["--service-account-issuer", "https://kubernetes.default.svc"])
             .args(["--authorization-mode", "Node,RBAC", "--enable-admission-plugins", "NodeRestriction"])
             .args(["--endpoint-reconciler-type", "none", "--service-cluster-ip-range", "10.96.0.0/16"])
+            .arg("--kubelet-client-certificate")
+            .arg(&kubelet_client_cert)
+            .arg("--kubelet-client-key")
+            .arg(&kubelet_client_key)
+            .args(["--kubelet-preferred-address-types", "InternalIP"])
             .arg("--cert-dir")
             .arg(dir.join("apiserver-certs"));
         let apiserver_log = dir.join("kube-apiserver.log");
@@ -231,6 +245,8 @@ impl ControlPlane {
             processes: Mutex::new(processes),
             scheduler: OnceLock::new(),
             controller_manager: OnceLock::new(),
+            ca_params: pki.ca_params.clone(),
+            ca_key_pem: pki.ca_key_pem.clone(),
         };
         plane.wait_ready(&apiserver_log).await?;
         plane.seed().await?;
@@ -301,6 +317,20 @@ impl ControlPlane {
         let mut command = std::process::Command::new(self.bin_dir.join("kubectl"));
         command.arg("--kubeconfig").arg(self.admin_kubeconfig());
         command
+    }
+
+    /// The cluster CA's certificate file (PEM): what the API server's
+    /// clients chain to, and a node's `--client-ca-file`.
+    pub fn ca_file(&self) -> PathBuf {
+        self.dir.join("ca.crt")
+    }
+
+    /// A client certificate and key (PEM) signed by the cluster CA for
+    /// user `common_name` in `group` (one: rcgen keeps one value per
+    /// attribute type).
+    pub fn issue_client_certificate(&self, common_name: &str, group: &str) -> Result<(String, String), String> {
+        let pki = Pki { ca_params: self.ca_params.clone(), ca_key_pem: self.ca_key_pem.clone(), ..Pki::empty() };
+        pki.issue(common_name, &[group]).map_err(|e| e.to_string())
     }
 
     /// The administrator's kubeconfig.
@@ -408,6 +438,7 @@ fn random_token() -> String {
 
 /// The control plane's certificates and keys (PEM).
 struct Pki {
+    ca_params: rcgen::CertificateParams,
     ca_pem: String,
     ca_key_pem: String,
     server_pem: String,
@@ -425,7 +456,7 @@ impl Pki {
         ca_params.distinguished_name.push(DnType::CommonName, "rustlet-test-ca");
         ca_params.key_usages =
             vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
-        let ca = ca_params.self_signed(&ca_key)?;
+        let ca = ca_params.clone().self_signed(&ca_key)?;
         let server_key = KeyPair::generate()?;
         let mut server_params = CertificateParams::new(vec!["localhost".to_owned(), "kubernetes".to_owned()])?;
         server_params.subject_alt_names.push(SanType::IpAddress(IpAddr::V4(Ipv4Addr::LOCALHOST)));
@@ -433,6 +464,7 @@ impl Pki {
         let server = server_params.signed_by(&server_key, &ca, &ca_key)?;
         let sa_key = KeyPair::generate()?;
         Ok(Pki {
+            ca_params,
             ca_pem: ca.pem(),
             ca_key_pem: ca_key.serialize_pem(),
             server_pem: server.pem(),
@@ -440,5 +472,33 @@ impl Pki {
             sa_key_pem: sa_key.serialize_pem(),
             sa_pub_pem: sa_key.public_key_pem(),
         })
+    }
+
+    fn empty() -> Pki {
+        Pki {
+            ca_params: rcgen::CertificateParams::default(),
+            ca_pem: String::new(),
+            ca_key_pem: String::new(),
+            server_pem: String::new(),
+            server_key_pem: String::new(),
+            sa_key_pem: String::new(),
+            sa_pub_pem: String::new(),
+        }
+    }
+
+    /// A client certificate for `common_name` in `groups`, signed by the CA.
+    fn issue(&self, common_name: &str, groups: &[&str]) -> Result<(String, String), rcgen::Error> {
+        use rcgen::{CertificateParams, DnType, ExtendedKeyUsagePurpose, KeyPair};
+        let ca_key = KeyPair::from_pem(&self.ca_key_pem)?;
+        let ca = self.ca_params.clone().self_signed(&ca_key)?;
+        let key = KeyPair::generate()?;
+        let mut params = CertificateParams::new(Vec::<String>::new())?;
+        params.distinguished_name.push(DnType::CommonName, common_name);
+        for group in groups {
+            params.distinguished_name.push(DnType::OrganizationName, *group);
+        }
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        let certificate = params.signed_by(&key, &ca, &ca_key)?;
+        Ok((certificate.pem(), key.serialize_pem()))
     }
 }

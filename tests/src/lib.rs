@@ -14,6 +14,8 @@
 //! - [`control_plane`]: a real etcd + kube-apiserver (and, on demand,
 //!   kube-scheduler and kube-controller-manager) for cluster tests.
 //! - [`test_api`]: one cluster test body run against both API servers.
+//! - [`https`]: one request to a node's kubelet API (HTTPS), with a bearer
+//!   token, a client certificate, or nothing.
 //! - [`registry`]: a real OCI registry (`docker-registry`) on loopback,
 //!   installed on first use, and pushes of wasm images to it.
 
@@ -24,6 +26,7 @@ pub mod containerd;
 pub mod control_plane;
 pub mod debian;
 pub mod host_provider;
+pub mod https;
 pub mod node_process;
 pub mod pod_state;
 pub mod process;

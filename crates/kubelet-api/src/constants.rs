@@ -22,3 +22,6 @@ pub const DEVICE_PLUGIN_VERSION: &str = "v1beta1";
 
 /// Node annotation holding a JSON map of CSI driver name to node ID.
 pub const CSI_NODE_ID_ANNOTATION: &str = "csi.volume.kubernetes.io/nodeid";
+
+/// The kubelet API's port (HTTPS).
+pub const KUBELET_PORT: u16 = 10250;

@@ -29,6 +29,7 @@ pub mod pod;
 pub mod provider;
 pub mod retry;
 pub mod runtime_class;
+pub mod server;
 pub mod static_pods;
 pub mod volume;
 

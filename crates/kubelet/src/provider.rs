@@ -237,6 +237,19 @@ pub struct ExecOutput {
     pub stderr: Vec<u8>,
 }
 
+/// A container's resource use as its runtime measures it (the kubelet's
+/// `/stats/summary` and `/metrics/resource`). Fields a runtime cannot
+/// measure are `None`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ContainerStats {
+    /// CPU time used since the container started, in nanoseconds.
+    pub cpu_usage_core_nanoseconds: Option<u64>,
+    /// Memory in use that cannot be reclaimed (the working set), in bytes.
+    pub memory_working_set_bytes: Option<u64>,
+    /// All memory in use, in bytes.
+    pub memory_usage_bytes: Option<u64>,
+}
+
 /// A streaming session asked of a provider: `kubectl exec` or `attach`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct StreamRequest {
@@ -340,6 +353,13 @@ pub trait Provider: Send + Sync + 'static {
         Err(ProviderError::new(ProviderErrorKind::Unsupported, "this provider does not support port-forward"))
     }
 
+    /// The container's CPU and memory use (the kubelet API's stats and
+    /// resource metrics); by default the provider measures nothing.
+    async fn container_stats(&self, id: &ContainerId) -> Result<ContainerStats, ProviderError> {
+        let _ = id;
+        Err(ProviderError::new(ProviderErrorKind::Unsupported, "this provider does not measure its containers"))
+    }
+
     /// The pod's own IPs when the provider gives it a network of its own (a
     /// CRI sandbox's); empty when the pod uses the node's (then its
     /// `podIPs` are the node's).
@@ -391,6 +411,16 @@ pub fn decode_cri_log(raw: &str) -> Vec<String> {
     lines
 }
 
+/// A log line with the time the runtime stamped on it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LogEntry {
+    /// The CRI timestamp (RFC 3339 with nanoseconds), as written; empty
+    /// for a line not in the CRI format.
+    pub time: String,
+    /// The line, with its newline.
+    pub text: String,
+}
+
 /// Decodes a CRI-format log as it grows: `feed` takes whatever bytes were
 /// appended and returns the lines completed by them; an entry not yet ended
 /// by a newline, and partial (`P`) entries, wait for the rest.
@@ -398,13 +428,23 @@ pub fn decode_cri_log(raw: &str) -> Vec<String> {
 pub struct CriLogDecoder {
     /// Raw bytes after the last newline seen (maybe part of a character).
     raw: Vec<u8>,
-    /// Messages of `P` entries waiting for their `F`.
-    pending: String,
+    /// Messages of `P` entries waiting for their `F`, and the first one's time.
+    pending: Option<LogEntry>,
 }
 
 impl CriLogDecoder {
     /// Takes appended bytes; returns the lines they complete.
     pub fn feed(&mut self, appended: &[u8]) -> Vec<String> {
+        self.feed_entries(appended).into_iter().map(|e| e.text).collect()
+    }
+
+    /// The log ended: whatever is left, as the last line.
+    pub fn finish(&mut self) -> Vec<String> {
+        self.finish_entries().into_iter().map(|e| e.text).collect()
+    }
+
+    /// [`CriLogDecoder::feed`], with each line's time.
+    pub fn feed_entries(&mut self, appended: &[u8]) -> Vec<LogEntry> {
         self.raw.extend_from_slice(appended);
         let Some(end) = self.raw.iter().rposition(|&b| b == b'\n') else { return Vec::new() };
         let complete: Vec<u8> = self.raw.drain(..=end).collect();
@@ -415,30 +455,33 @@ impl CriLogDecoder {
         lines
     }
 
-    /// The log ended: whatever is left, as the last line.
-    pub fn finish(&mut self) -> Vec<String> {
+    /// [`CriLogDecoder::finish`], with each line's time.
+    pub fn finish_entries(&mut self) -> Vec<LogEntry> {
         let mut lines = Vec::new();
         let rest = std::mem::take(&mut self.raw);
         if !rest.is_empty() {
             self.entry(&String::from_utf8_lossy(&rest), &mut lines);
         }
-        if !self.pending.is_empty() {
-            lines.push(std::mem::take(&mut self.pending));
+        if let Some(pending) = self.pending.take() {
+            lines.push(pending);
         }
         lines
     }
 
-    fn entry(&mut self, entry: &str, lines: &mut Vec<String>) {
+    fn entry(&mut self, entry: &str, lines: &mut Vec<LogEntry>) {
         let mut fields = entry.splitn(4, ' ');
-        let (_time, _stream, tag, message) = (fields.next(), fields.next(), fields.next(), fields.next());
+        let (time, _stream, tag, message) = (fields.next(), fields.next(), fields.next(), fields.next());
+        let time = time.unwrap_or_default();
+        let fresh = || LogEntry { time: time.to_owned(), text: String::new() };
         match (tag, message) {
-            (Some("P"), Some(message)) => self.pending.push_str(message),
+            (Some("P"), Some(message)) => self.pending.get_or_insert_with(fresh).text.push_str(message),
             (Some("F"), message) => {
-                self.pending.push_str(message.unwrap_or_default());
-                self.pending.push('\n');
-                lines.push(std::mem::take(&mut self.pending));
+                let mut line = self.pending.take().unwrap_or_else(fresh);
+                line.text.push_str(message.unwrap_or_default());
+                line.text.push('\n');
+                lines.push(line);
             }
-            _ => lines.push(format!("{entry}\n")),
+            _ => lines.push(LogEntry { time: String::new(), text: format!("{entry}\n") }),
         }
     }
 }

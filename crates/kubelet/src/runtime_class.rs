@@ -28,8 +28,8 @@ use async_trait::async_trait;
 use k8s_openapi::api::core::v1::{Container, Pod, Taint};
 
 use crate::provider::{
-    ContainerExit, ContainerId, ContainerLaunch, ExecOutput, PreparedImage, Provider, ProviderError, ProviderErrorKind,
-    PullSecrets, RunningContainer, StreamRequest, StreamingEndpoint,
+    ContainerExit, ContainerId, ContainerLaunch, ContainerStats, ExecOutput, PreparedImage, Provider, ProviderError,
+    ProviderErrorKind, PullSecrets, RunningContainer, StreamRequest, StreamingEndpoint,
 };
 
 /// The pod UID and the provider of a container.
@@ -226,6 +226,10 @@ impl Provider for RuntimeClasses {
 
     async fn attach(&self, id: &ContainerId, request: &StreamRequest) -> Result<StreamingEndpoint, ProviderError> {
         self.owner(id)?.attach(id, request).await
+    }
+
+    async fn container_stats(&self, id: &ContainerId) -> Result<ContainerStats, ProviderError> {
+        self.owner(id)?.container_stats(id).await
     }
 
     async fn port_forward(&self, pod_uid: &str, ports: &[u16]) -> Result<StreamingEndpoint, ProviderError> {

@@ -32,7 +32,7 @@ async fn run() -> Result<(), BoxError> {
     let root = tempfile::Builder::new().prefix("rustlet-bench-dp-").tempdir()?;
     let dir = root.path().join("device-plugins");
     let mut node = tokio::process::Command::new(env!("CARGO_BIN_EXE_rustlet"))
-        .args(["--standalone", "--log-format", "json", "--healthz-port", "0", "--root-dir"])
+        .args(["--standalone", "--log-format", "json", "--healthz-port", "0", "--port", "0", "--root-dir"])
         .arg(root.path())
         .env("RUSTLET_LOG", "info,kubelet::device_manager=debug")
         .stdout(Stdio::null())

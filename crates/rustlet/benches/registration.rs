@@ -167,7 +167,7 @@ struct Node {
 impl Node {
     async fn start(root: &Path, level: &str) -> Result<Node, BoxError> {
         let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_rustlet"))
-            .args(["--standalone", "--log-format", "json", "--healthz-port", "0", "--root-dir"])
+            .args(["--standalone", "--log-format", "json", "--healthz-port", "0", "--port", "0", "--root-dir"])
             .arg(root)
             .env("RUSTLET_LOG", level)
             .stdout(Stdio::null())

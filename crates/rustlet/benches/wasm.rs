@@ -80,6 +80,7 @@ async fn floor(rounds: usize, scratch: &Path) -> Result<Vec<Duration>, BoxError>
             memory_limit: Some(16 << 20),
             cpu_limit_milli: None,
             cpu: Arc::default(),
+            memory: Arc::default(),
             output: rustlet_wasi::runtime::Output::Log(log),
         };
         let began = Instant::now();

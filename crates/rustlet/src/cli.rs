@@ -218,6 +218,53 @@ pub(crate) struct NodeArgs {
     /// Port of the HTTP endpoint; 0 picks a free port (logged at start-up).
     #[arg(long, default_value_t = 10248)]
     pub(crate) healthz_port: u16,
+    /// Address of the kubelet API (HTTPS: logs, exec, attach,
+    /// port-forward, stats and metrics for the API server and
+    /// metrics-server).
+    #[arg(long, default_value = "0.0.0.0")]
+    pub(crate) address: IpAddr,
+    /// Port of the kubelet API, advertised in the Node's daemonEndpoints;
+    /// 0 picks a free port.
+    #[arg(long, default_value_t = kubelet_api::constants::KUBELET_PORT)]
+    pub(crate) port: u16,
+    /// The kubelet API's serving certificate (PEM, chain allowed); with
+    /// `--tls-private-key-file`. Without them a self-signed one is made in
+    /// `--cert-dir`.
+    #[arg(long, requires = "tls_private_key_file")]
+    pub(crate) tls_cert_file: Option<PathBuf>,
+    /// The serving certificate's private key (PEM).
+    #[arg(long, requires = "tls_cert_file")]
+    pub(crate) tls_private_key_file: Option<PathBuf>,
+    /// Where the node keeps the certificates it makes (default
+    /// `<root-dir>/pki`).
+    #[arg(long)]
+    pub(crate) cert_dir: Option<PathBuf>,
+    /// CA bundle that client certificates of kubelet API requests must
+    /// chain to (their CN is the user, their O the groups).
+    #[arg(long)]
+    pub(crate) client_ca_file: Option<PathBuf>,
+    /// Serve kubelet API requests that carry no credentials, as
+    /// `system:anonymous` (then subject to authorization).
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub(crate) anonymous_auth: bool,
+    /// Check bearer tokens on the kubelet API with a TokenReview (default:
+    /// on in cluster mode).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub(crate) authentication_token_webhook: Option<bool>,
+    /// How long a TokenReview answer is reused.
+    #[arg(long, default_value = "2m", value_parser = parse_duration)]
+    pub(crate) authentication_token_webhook_cache_ttl: Duration,
+    /// How kubelet API requests are authorized: `Webhook`
+    /// (SubjectAccessReview; default in cluster mode) or `AlwaysAllow`
+    /// (default standalone).
+    #[arg(long, value_enum)]
+    pub(crate) authorization_mode: Option<AuthorizationModeArg>,
+    /// How long an allowed SubjectAccessReview answer is reused.
+    #[arg(long, default_value = "5m", value_parser = parse_duration)]
+    pub(crate) authorization_webhook_cache_authorized_ttl: Duration,
+    /// How long a denied SubjectAccessReview answer is reused.
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    pub(crate) authorization_webhook_cache_unauthorized_ttl: Duration,
     /// Deadline for connecting to a plugin socket.
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
     pub(crate) plugin_dial_timeout: Duration,
@@ -238,6 +285,17 @@ pub(crate) struct NodeArgs {
     /// Pods this node runs at most.
     #[arg(long, default_value_t = kubelet::node::DEFAULT_MAX_PODS)]
     pub(crate) max_pods: usize,
+}
+
+/// `--authorization-mode` values, spelled as the kubelet's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum AuthorizationModeArg {
+    /// Every authenticated request is allowed.
+    #[value(name = "AlwaysAllow")]
+    AlwaysAllow,
+    /// A SubjectAccessReview decides.
+    #[value(name = "Webhook")]
+    Webhook,
 }
 
 /// Flags of `rustlet demo`.

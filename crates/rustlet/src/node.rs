@@ -10,7 +10,9 @@ use kubelet::health::HealthReporter;
 use kubelet::node::{Node, NodeBuilder, NodeConfig};
 use tokio_util::sync::CancellationToken;
 
-use crate::cli::NodeArgs;
+use kubelet::server::{AuthSettings, AuthorizationMode, KubeletApiConfig, ServingCertSource};
+
+use crate::cli::{AuthorizationModeArg, NodeArgs};
 
 /// The node's configuration from the command line.
 pub(crate) fn config(args: &NodeArgs) -> NodeConfig {
@@ -27,7 +29,55 @@ pub(crate) fn config(args: &NodeArgs) -> NodeConfig {
     if config.node_ips.is_empty() && args.kubeconfig.is_some() {
         config.node_ips = detect_node_ip().into_iter().collect();
     }
+    config.kubelet_api = Some(kubelet_api(args));
+    config.configz = configz(args);
     config
+}
+
+/// The kubelet API's settings from the command line. Cluster mode
+/// defaults to the token webhook and Webhook authorization (upstream's
+/// configuration-file defaults); a standalone node to AlwaysAllow.
+fn kubelet_api(args: &NodeArgs) -> KubeletApiConfig {
+    let cluster = args.kubeconfig.is_some();
+    let mut api = KubeletApiConfig::new(&args.root_dir);
+    api.address = SocketAddr::new(args.address, args.port);
+    if let Some(dir) = &args.cert_dir {
+        api.cert_dir = dir.clone();
+    }
+    if let (Some(cert), Some(key)) = (&args.tls_cert_file, &args.tls_private_key_file) {
+        api.serving = ServingCertSource::Files { cert: cert.clone(), key: key.clone() };
+    }
+    api.client_ca = args.client_ca_file.clone();
+    api.host_names = vec![host_name()];
+    api.auth = AuthSettings {
+        anonymous: args.anonymous_auth,
+        token_webhook: args.authentication_token_webhook.unwrap_or(cluster),
+        token_cache_ttl: args.authentication_token_webhook_cache_ttl,
+        authorization: match args.authorization_mode {
+            Some(AuthorizationModeArg::AlwaysAllow) => AuthorizationMode::AlwaysAllow,
+            Some(AuthorizationModeArg::Webhook) => AuthorizationMode::Webhook,
+            None if cluster => AuthorizationMode::Webhook,
+            None => AuthorizationMode::AlwaysAllow,
+        },
+        authorized_ttl: args.authorization_webhook_cache_authorized_ttl,
+        unauthorized_ttl: args.authorization_webhook_cache_unauthorized_ttl,
+    };
+    api
+}
+
+/// The flags `/configz` shows, in `KubeletConfiguration`'s names.
+fn configz(args: &NodeArgs) -> serde_json::Map<String, serde_json::Value> {
+    let mut map = serde_json::Map::new();
+    map.insert("clusterDNS".into(), args.cluster_dns.iter().map(ToString::to_string).collect());
+    map.insert("clusterDomain".into(), args.cluster_domain.clone().into());
+    map.insert("resolvConf".into(), args.resolv_conf.clone().into());
+    map.insert("kubeAPIQPS".into(), args.kube_api_qps.into());
+    map.insert("kubeAPIBurst".into(), args.kube_api_burst.into());
+    map.insert("runtimeRequestTimeout".into(), "2m0s".into());
+    if let Some(endpoint) = &args.container_runtime_endpoint {
+        map.insert("containerRuntimeEndpoint".into(), endpoint.clone().into());
+    }
+    map
 }
 
 /// Cluster mode's settings from the command line, if it is asked for.

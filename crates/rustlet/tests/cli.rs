@@ -41,7 +41,8 @@ fn start_csi_driver(root: &Path, name: &str, reports: mpsc::UnboundedSender<Repo
 async fn standalone_node_registers_plugins_and_serves_healthz_metrics_and_status() {
     let root = tempfile::tempdir().expect("tempdir");
     let root_str = root.path().to_str().expect("utf8");
-    let mut node = running(&["--standalone", "--root-dir", root_str, "--healthz-port", "0", "--node-name", "n1"]);
+    let mut node =
+        running(&["--standalone", "--root-dir", root_str, "--healthz-port", "0", "--port", "0", "--node-name", "n1"]);
     let address = node.http_address().await;
     assert_eq!(get(&address, "/healthz").await, (200, "ok".to_owned()));
 
@@ -97,6 +98,8 @@ async fn healthz_names_a_failing_component_until_it_recovers() {
         root.path().to_str().expect("utf8"),
         "--healthz-port",
         "0",
+        "--port",
+        "0",
         "--plugin-resync-period",
         "1s",
     ];
@@ -144,7 +147,15 @@ async fn healthz_names_a_failing_component_until_it_recovers() {
 #[tokio::test]
 async fn sigterm_stops_the_node_gracefully() {
     let root = tempfile::tempdir().expect("tempdir");
-    let mut node = running(&["--standalone", "--root-dir", root.path().to_str().expect("utf8"), "--healthz-port", "0"]);
+    let mut node = running(&[
+        "--standalone",
+        "--root-dir",
+        root.path().to_str().expect("utf8"),
+        "--healthz-port",
+        "0",
+        "--port",
+        "0",
+    ]);
     node.line_with("node started").await;
     let pid = node.child.id().expect("pid").to_string();
     let status = std::process::Command::new("kill").args(["-TERM", &pid]).status().expect("kill");
@@ -159,7 +170,7 @@ async fn registration_dir_that_is_a_file_is_a_clear_start_up_error() {
     let root = tempfile::tempdir().expect("tempdir");
     std::fs::write(root.path().join("plugins_registry"), b"oops").expect("write");
     let output = rustlet()
-        .args(["--standalone", "--root-dir", root.path().to_str().expect("utf8"), "--healthz-port", "0"])
+        .args(["--standalone", "--root-dir", root.path().to_str().expect("utf8"), "--healthz-port", "0", "--port", "0"])
         .output()
         .await
         .expect("run");
@@ -258,6 +269,8 @@ async fn get_and_logs_find_the_node_through_its_root_dir() {
         "--node-name",
         "Cli-Node",
         "--healthz-port",
+        "0",
+        "--port",
         "0",
     ]);
     node.lines_with_all(&["pod rejected", "node started"]).await;
@@ -366,6 +379,8 @@ async fn logs_follow_prints_lines_as_written_until_the_container_ends() {
         "n1",
         "--healthz-port",
         "0",
+        "--port",
+        "0",
     ]);
     node.line_with("container started").await;
 
@@ -434,6 +449,8 @@ async fn a_cpu_limit_caps_a_busy_module() {
         "--pod-manifest-path",
         &manifest_dir,
         "--healthz-port",
+        "0",
+        "--port",
         "0",
     ]);
     node.line_with("container started").await;

@@ -40,7 +40,7 @@ fn rustlet_as(node: &str, root: &Path, kubeconfig: &Path, extra: &[&str]) -> Nod
         .arg(kubeconfig)
         .arg("--root-dir")
         .arg(root)
-        .args(["--node-name", node, "--healthz-port", "0"])
+        .args(["--node-name", node, "--healthz-port", "0", "--port", "0"])
         .args(extra);
     NodeProcess::start(command)
 }
@@ -400,7 +400,16 @@ async fn reserved_node_labels_are_refused_at_start() {
         .arg(root.path().join("kubeconfig"))
         .arg("--root-dir")
         .arg(root.path())
-        .args(["--node-name", "n1", "--healthz-port", "0", "--node-labels", "zone=a,node-role.kubernetes.io/worker="])
+        .args([
+            "--node-name",
+            "n1",
+            "--healthz-port",
+            "0",
+            "--port",
+            "0",
+            "--node-labels",
+            "zone=a,node-role.kubernetes.io/worker=",
+        ])
         .output()
         .await
         .expect("run rustlet");

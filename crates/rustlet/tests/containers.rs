@@ -38,7 +38,7 @@ fn node_command(root: &Path, manifests: &Path, containerd: &Containerd) -> Comma
         .arg(root)
         .arg("--pod-manifest-path")
         .arg(manifests)
-        .args(["--node-name", "mixed", "--healthz-port", "0"])
+        .args(["--node-name", "mixed", "--healthz-port", "0", "--port", "0"])
         .arg("--container-runtime-endpoint")
         .arg(containerd.endpoint());
     command

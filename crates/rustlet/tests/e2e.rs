@@ -76,7 +76,16 @@ fn start_node(env: &Env, root: &Path) -> NodeProcess {
     command
         .env("RUSTLET_LOG", "info")
         .env_remove("RUSTLET_ROOT_DIR")
-        .args(["--kubeconfig", &env.node_kubeconfig, "--node-name", &env.node_name, "--healthz-port", "0"])
+        .args([
+            "--kubeconfig",
+            &env.node_kubeconfig,
+            "--node-name",
+            &env.node_name,
+            "--healthz-port",
+            "0",
+            "--port",
+            "0",
+        ])
         .arg("--root-dir")
         .arg(root);
     NodeProcess::start(command)

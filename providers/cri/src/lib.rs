@@ -40,8 +40,8 @@ use async_trait::async_trait;
 use k8s_openapi::api::core::v1::{Container, Pod};
 use k8s_openapi::jiff::Timestamp;
 use kubelet::provider::{
-    ContainerExit, ContainerId, ContainerLaunch, ExecOutput, PreparedImage, Provider, ProviderError, ProviderErrorKind,
-    PullPolicy, PullSecrets, RunningContainer, StreamRequest, StreamingEndpoint,
+    ContainerExit, ContainerId, ContainerLaunch, ContainerStats, ExecOutput, PreparedImage, Provider, ProviderError,
+    ProviderErrorKind, PullPolicy, PullSecrets, RunningContainer, StreamRequest, StreamingEndpoint,
 };
 use kubelet_api::cri::v1 as cri;
 use kubelet_api::cri::v1::image_service_client::ImageServiceClient;
@@ -706,6 +706,28 @@ impl Provider for CriProvider {
         };
         let answer = self.call(runtime.exec(request)).await.map_err(|s| other("Exec", &s))?;
         Ok(StreamingEndpoint::Url(answer.url))
+    }
+
+    async fn container_stats(&self, id: &ContainerId) -> Result<ContainerStats, ProviderError> {
+        let mut runtime = self.runtime().await?;
+        let request = cri::ContainerStatsRequest { container_id: id.0.clone() };
+        let answer = match self.call(runtime.container_stats(request)).await {
+            Ok(answer) => answer,
+            Err(s) if s.code() == tonic::Code::NotFound => {
+                return Err(ProviderError::new(
+                    ProviderErrorKind::NotFound,
+                    format!("ContainerStats: {}", describe(&s)),
+                ));
+            }
+            Err(s) => return Err(other("ContainerStats", &s)),
+        };
+        let stats = answer.stats.unwrap_or_default();
+        let memory = stats.memory.unwrap_or_default();
+        Ok(ContainerStats {
+            cpu_usage_core_nanoseconds: stats.cpu.and_then(|c| c.usage_core_nano_seconds).map(|v| v.value),
+            memory_working_set_bytes: memory.working_set_bytes.map(|v| v.value),
+            memory_usage_bytes: memory.usage_bytes.map(|v| v.value),
+        })
     }
 
     async fn attach(&self, id: &ContainerId, request: &StreamRequest) -> Result<StreamingEndpoint, ProviderError> {

@@ -43,8 +43,8 @@ use async_trait::async_trait;
 use k8s_openapi::api::core::v1::{Container, Pod, Taint};
 use k8s_openapi::jiff::Timestamp;
 use kubelet::provider::{
-    ContainerExit, ContainerId, ContainerLaunch, ExecOutput, PreparedImage, Provider, ProviderError, ProviderErrorKind,
-    PullSecrets, RunningContainer, StreamRequest, StreamingEndpoint,
+    ContainerExit, ContainerId, ContainerLaunch, ContainerStats, ExecOutput, PreparedImage, Provider, ProviderError,
+    ProviderErrorKind, PullSecrets, RunningContainer, StreamRequest, StreamingEndpoint,
 };
 use tokio::sync::watch;
 
@@ -356,6 +356,7 @@ impl Provider for WasiProvider {
             memory_limit,
             cpu_limit_milli,
             cpu: Arc::default(),
+            memory: Arc::default(),
             output: Output::Log(log.clone()),
         };
         // The template keeps no log file open: an exec's output is
@@ -430,6 +431,7 @@ impl Provider for WasiProvider {
         spec.args = command.to_vec();
         spec.output = output.clone();
         spec.cpu = Arc::default();
+        spec.memory = Arc::default();
         let runtime = self.runtime.clone();
         // The instance yields at every epoch tick: aborting ends it, at the
         // timeout or when the caller (a probe of a container that ended)
@@ -451,6 +453,23 @@ impl Provider for WasiProvider {
             stderr.extend_from_slice(message.as_bytes());
         }
         Ok(ExecOutput { exit_code: exit.exit_code, stdout: stdout.contents().to_vec(), stderr })
+    }
+
+    /// CPU time as measured around every poll of the module (exec probes
+    /// not included); memory is the instance's linear memory.
+    async fn container_stats(&self, id: &ContainerId) -> Result<ContainerStats, ProviderError> {
+        let instances = self.instances.lock().expect("lock");
+        let Some(instance) = instances.get(id).filter(|i| i.exit.borrow().is_none()) else {
+            return Err(ProviderError::new(ProviderErrorKind::NotFound, format!("container {id} is not running")));
+        };
+        let spec = &instance.template.1;
+        let cpu = u64::try_from(spec.cpu.used().as_nanos()).unwrap_or(u64::MAX);
+        let memory = spec.memory.load(Ordering::Acquire);
+        Ok(ContainerStats {
+            cpu_usage_core_nanoseconds: Some(cpu),
+            memory_working_set_bytes: Some(memory),
+            memory_usage_bytes: Some(memory),
+        })
     }
 
     async fn exec(&self, _: &ContainerId, _: &StreamRequest) -> Result<StreamingEndpoint, ProviderError> {

@@ -13,7 +13,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -92,24 +92,41 @@ pub struct RunSpec {
     pub cpu_limit_milli: Option<u64>,
     /// Where the container's CPU time is counted.
     pub cpu: Arc<CpuMeter>,
+    /// Where the container's linear memory is counted, in bytes.
+    pub memory: Arc<AtomicU64>,
     /// Where stdout and stderr go.
     pub output: Output,
 }
 
-/// Tracks memory growth against the limit.
+/// Tracks memory growth against the limit, and counts the instance's
+/// linear memory in its container's meter (given back when the store goes).
 pub struct MemLimiter {
     max: Option<usize>,
     hit: bool,
+    meter: Arc<AtomicU64>,
+    counted: u64,
+}
+
+impl Drop for MemLimiter {
+    fn drop(&mut self) {
+        self.meter.fetch_sub(self.counted, Ordering::AcqRel);
+    }
 }
 
 impl wasmtime::ResourceLimiter for MemLimiter {
-    fn memory_growing(&mut self, _current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
+    fn memory_growing(&mut self, current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
         match self.max {
             Some(max) if desired > max => {
                 self.hit = true;
                 Ok(false)
             }
-            _ => Ok(true),
+            _ => {
+                // Called for a memory's creation too (from 0).
+                let grown = u64::try_from(desired.saturating_sub(current)).unwrap_or(u64::MAX);
+                self.meter.fetch_add(grown, Ordering::AcqRel);
+                self.counted = self.counted.saturating_add(grown);
+                Ok(true)
+            }
         }
     }
 
@@ -268,7 +285,12 @@ impl Runtime {
         if let Some(cwd) = &spec.cwd {
             builder.initial_cwd(cwd);
         }
-        let limiter = MemLimiter { max: spec.memory_limit.map(|m| m.min(usize::MAX as u64) as usize), hit: false };
+        let limiter = MemLimiter {
+            max: spec.memory_limit.map(|m| m.min(usize::MAX as u64) as usize),
+            hit: false,
+            meter: spec.memory.clone(),
+            counted: 0,
+        };
         let throttle = spec.cpu_limit_milli.map(|milli| Throttle::new(spec.cpu.clone(), milli));
         let ended = match compiled {
             Compiled::Module(pre) => {

@@ -9,7 +9,8 @@ use std::collections::BTreeMap;
 use std::net::IpAddr;
 
 use k8s_openapi::api::core::v1::{
-    Node as NodeObject, NodeAddress, NodeCondition, NodeSpec, NodeStatus, NodeSystemInfo, Taint,
+    DaemonEndpoint, Node as NodeObject, NodeAddress, NodeCondition, NodeDaemonEndpoints, NodeSpec, NodeStatus,
+    NodeSystemInfo, Taint,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
@@ -51,6 +52,8 @@ pub(crate) struct NodeFacts<'a> {
     pub(crate) addresses: &'a [IpAddr],
     /// Bytes of the file system holding the root dir, if it can be read.
     pub(crate) ephemeral_storage: Option<u128>,
+    /// The kubelet API's port, if it is served.
+    pub(crate) kubelet_port: Option<u16>,
 }
 
 /// What describes the node besides its devices and health.
@@ -64,6 +67,8 @@ pub(crate) struct NodeDescription {
     pub(crate) addresses: Vec<IpAddr>,
     /// The root dir: its file system is the node's `ephemeral-storage`.
     pub(crate) root_dir: std::path::PathBuf,
+    /// The kubelet API's port (`status.daemonEndpoints`), if it is served.
+    pub(crate) kubelet_port: Option<u16>,
 }
 
 impl NodeDescription {
@@ -79,6 +84,7 @@ impl NodeDescription {
             taints: &self.taints,
             addresses: &self.addresses,
             ephemeral_storage: file_system_size(&self.root_dir),
+            kubelet_port: self.kubelet_port,
         })
     }
 }
@@ -180,6 +186,9 @@ pub(crate) fn node_object(facts: &NodeFacts<'_>) -> NodeObject {
                 ..NodeSystemInfo::default()
             }),
             addresses: Some(addresses(facts)),
+            daemon_endpoints: facts
+                .kubelet_port
+                .map(|port| NodeDaemonEndpoints { kubelet_endpoint: Some(DaemonEndpoint { port: i32::from(port) }) }),
             ..NodeStatus::default()
         }),
     }
@@ -247,6 +256,7 @@ mod tests {
             }],
             addresses: &["10.1.2.3".parse().expect("ip")],
             ephemeral_storage: file_system_size(std::path::Path::new("/")),
+            kubelet_port: Some(10250),
         };
         let node = node_object(&facts);
         let labels = node.metadata.labels.clone().unwrap_or_default();
@@ -257,6 +267,8 @@ mod tests {
         let taints = node.spec.clone().and_then(|s| s.taints).unwrap_or_default();
         assert_eq!(taints.len(), 1);
         let status = node.status.expect("status");
+        let port = status.daemon_endpoints.as_ref().and_then(|d| d.kubelet_endpoint.as_ref()).map(|e| e.port);
+        assert_eq!(port, Some(10250), "the kubelet API is advertised");
         let capacity = status.capacity.expect("capacity");
         assert_eq!(capacity["cpu"].0, "2500m");
         assert_eq!(capacity["memory"].0, "4194304Ki");

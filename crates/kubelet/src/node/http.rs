@@ -38,18 +38,18 @@ use crate::static_pods::StaticPods;
 
 /// What the handlers read.
 #[derive(Clone)]
-pub(super) struct HttpState {
-    pub(super) node_name: String,
-    pub(super) metrics: Arc<Registry>,
-    pub(super) plugins: PluginManagerHandle,
-    pub(super) csi_drivers: CsiDriverRegistry,
-    pub(super) node_info: InMemoryNodeInfo,
-    pub(super) devices: DeviceManager,
-    pub(super) healthz: Healthz,
-    pub(super) pods: Pods,
-    pub(super) static_pods: Option<StaticPods>,
-    pub(super) description: super::capacity::NodeDescription,
-    pub(super) root_dir: std::path::PathBuf,
+pub(crate) struct HttpState {
+    pub(crate) node_name: String,
+    pub(crate) metrics: Arc<Registry>,
+    pub(crate) plugins: PluginManagerHandle,
+    pub(crate) csi_drivers: CsiDriverRegistry,
+    pub(crate) node_info: InMemoryNodeInfo,
+    pub(crate) devices: DeviceManager,
+    pub(crate) healthz: Healthz,
+    pub(crate) pods: Pods,
+    pub(crate) static_pods: Option<StaticPods>,
+    pub(crate) description: super::capacity::NodeDescription,
+    pub(crate) root_dir: std::path::PathBuf,
 }
 
 /// Binds `address` and serves until `shutdown`. Returns the bound address
@@ -85,11 +85,11 @@ pub(super) async fn serve(
     Ok((bound, task))
 }
 
-pub(super) fn text(code: StatusCode, body: String) -> Response {
+pub(crate) fn text(code: StatusCode, body: String) -> Response {
     (code, [(header::CONTENT_TYPE, "text/plain; charset=utf-8")], body).into_response()
 }
 
-async fn healthz(State(state): State<HttpState>, RawQuery(query): RawQuery) -> Response {
+pub(crate) async fn healthz(State(state): State<HttpState>, RawQuery(query): RawQuery) -> Response {
     let verbose = query.is_some_and(|q| q.split('&').any(|p| p == "verbose" || p.starts_with("verbose=")));
     let report = state.healthz.report();
     let healthy = report.iter().all(|r| r.health.is_healthy());
@@ -112,7 +112,7 @@ async fn healthz(State(state): State<HttpState>, RawQuery(query): RawQuery) -> R
     }
 }
 
-async fn healthz_check(State(state): State<HttpState>, Path(check): Path<String>) -> Response {
+pub(crate) async fn healthz_check(State(state): State<HttpState>, Path(check): Path<String>) -> Response {
     match state.healthz.get(&check) {
         Some(ComponentHealth::Healthy) => text(StatusCode::OK, "ok".into()),
         Some(ComponentHealth::Failing { reason }) => {
@@ -122,7 +122,7 @@ async fn healthz_check(State(state): State<HttpState>, Path(check): Path<String>
     }
 }
 
-async fn metrics(State(state): State<HttpState>) -> Response {
+pub(crate) async fn metrics(State(state): State<HttpState>) -> Response {
     let mut body = String::new();
     match prometheus_client::encoding::text::encode(&mut body, &state.metrics) {
         Ok(()) => (
@@ -148,7 +148,7 @@ async fn status(State(state): State<HttpState>) -> Response {
     .into_response()
 }
 
-async fn pods(State(state): State<HttpState>) -> Response {
+pub(crate) async fn pods(State(state): State<HttpState>) -> Response {
     Json(serde_json::json!({
         "apiVersion": "v1",
         "kind": "PodList",

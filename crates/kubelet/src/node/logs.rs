@@ -1,10 +1,15 @@
 //! `/containerLogs/<namespace>/<pod>/<container>`: a container's log text,
 //! as the kubelet serves it to `kubectl logs`.
 //!
-//! Parameters: `previous=true` (the run before the current one),
-//! `tailLines=N` (only the last N lines), `follow=true` (keep the answer
-//! open and send lines as the container writes them, until that run of the
-//! container ends, the pod goes, or the client hangs up). Following is
+//! Parameters, every field of `PodLogOptions`: `previous=true` (the run
+//! before the current one), `tailLines=N` (only the last N lines),
+//! `sinceSeconds=N` or `sinceTime=<RFC 3339>` (only lines written since;
+//! tail first, then since, as the kubelet applies them), `timestamps=true`
+//! (each line starts with the runtime's RFC 3339 timestamp and a space),
+//! `limitBytes=N` (the answer ends after N bytes, maybe mid-line),
+//! `follow=true` (keep the answer open and send lines as the container
+//! writes them, until that run of the container ends, the pod goes, the
+//! byte limit is reached or the client hangs up). Following is
 //! event-driven: an inotify watch on the container's log directory and the
 //! pod store's change signal wake the sender, nothing polls.
 
@@ -22,7 +27,7 @@ use tokio_stream::StreamExt as _;
 
 use super::http::{HttpState, text};
 use crate::pod::PodStore;
-use crate::provider::CriLogDecoder;
+use crate::provider::{CriLogDecoder, LogEntry};
 
 /// The query parameters.
 #[derive(Debug, PartialEq, Eq)]
@@ -30,6 +35,9 @@ struct LogQuery {
     previous: bool,
     follow: bool,
     tail_lines: Option<usize>,
+    since: Option<jiff::Timestamp>,
+    timestamps: bool,
+    limit_bytes: Option<u64>,
 }
 
 fn flag(value: &str) -> bool {
@@ -37,20 +45,105 @@ fn flag(value: &str) -> bool {
 }
 
 impl LogQuery {
-    fn parse(query: Option<&str>) -> Result<LogQuery, String> {
-        let mut parsed = LogQuery { previous: false, follow: false, tail_lines: None };
+    fn parse(query: Option<&str>, now: jiff::Timestamp) -> Result<LogQuery, String> {
+        let mut parsed = LogQuery {
+            previous: false,
+            follow: false,
+            tail_lines: None,
+            since: None,
+            timestamps: false,
+            limit_bytes: None,
+        };
+        let (mut since_seconds, mut since_time) = (None, None);
         for pair in query.unwrap_or_default().split('&').filter(|p| !p.is_empty()) {
             let (key, value) = pair.split_once('=').unwrap_or((pair, "true"));
+            let number = |what: &str| -> Result<i64, String> {
+                value.parse::<i64>().map_err(|_| format!("{what}={value} is not a number"))
+            };
             match key {
                 "previous" => parsed.previous = flag(value),
                 "follow" => parsed.follow = flag(value),
+                "timestamps" => parsed.timestamps = flag(value),
                 "tailLines" => {
-                    parsed.tail_lines = Some(value.parse().map_err(|_| format!("tailLines={value} is not a number"))?)
+                    let n = number("tailLines")?;
+                    parsed.tail_lines = Some(usize::try_from(n).map_err(|_| "tailLines must be 0 or more".to_owned())?);
+                }
+                "limitBytes" => {
+                    let n = number("limitBytes")?;
+                    if n < 1 {
+                        return Err("limitBytes must be greater than 0".into());
+                    }
+                    parsed.limit_bytes = u64::try_from(n).ok();
+                }
+                "sinceSeconds" => {
+                    let n = number("sinceSeconds")?;
+                    if n < 1 {
+                        return Err("sinceSeconds must be greater than 0".into());
+                    }
+                    since_seconds = Some(n);
+                }
+                "sinceTime" => {
+                    let decoded = value.replace("%3A", ":").replace("%3a", ":").replace("%2B", "+").replace("%2b", "+");
+                    let time: jiff::Timestamp =
+                        decoded.parse().map_err(|e| format!("sinceTime={value} is not an RFC 3339 time: {e}"))?;
+                    since_time = Some(time);
                 }
                 _ => {}
             }
         }
+        parsed.since = match (since_seconds, since_time) {
+            (Some(_), Some(_)) => return Err("at most one of sinceTime or sinceSeconds may be specified".into()),
+            (Some(seconds), None) => Some(now - jiff::SignedDuration::from_secs(seconds)),
+            (None, time) => time,
+        };
         Ok(parsed)
+    }
+}
+
+/// Turns log entries into the answer's text: since, timestamps, the byte
+/// limit.
+struct Renderer {
+    since: Option<jiff::Timestamp>,
+    timestamps: bool,
+    remaining: Option<u64>,
+}
+
+impl Renderer {
+    fn new(query: &LogQuery) -> Self {
+        Renderer { since: query.since, timestamps: query.timestamps, remaining: query.limit_bytes }
+    }
+
+    /// Whether the byte limit is used up.
+    fn done(&self) -> bool {
+        self.remaining == Some(0)
+    }
+
+    fn render(&mut self, entries: Vec<LogEntry>) -> String {
+        let mut out = String::new();
+        for entry in entries {
+            if let Some(since) = self.since
+                && entry.time.parse::<jiff::Timestamp>().is_ok_and(|t| t < since)
+            {
+                continue;
+            }
+            if self.timestamps && !entry.time.is_empty() {
+                out.push_str(&entry.time);
+                out.push(' ');
+            }
+            out.push_str(&entry.text);
+        }
+        if let Some(remaining) = self.remaining.as_mut() {
+            let keep = usize::try_from(*remaining).unwrap_or(usize::MAX).min(out.len());
+            // Cut on a character boundary at or before the limit.
+            let cut = (0..=keep).rev().find(|&i| out.is_char_boundary(i)).unwrap_or(0);
+            out.truncate(cut);
+            *remaining -= cut as u64;
+            if cut < keep {
+                // A character straddles the limit: nothing more fits.
+                *remaining = 0;
+            }
+        }
+        out
     }
 }
 
@@ -89,12 +182,12 @@ impl LogTarget {
     }
 }
 
-pub(super) async fn container_logs(
+pub(crate) async fn container_logs(
     State(state): State<HttpState>,
     Path((namespace, name, container)): Path<(String, String, String)>,
     RawQuery(query): RawQuery,
 ) -> Response {
-    let query = match LogQuery::parse(query.as_deref()) {
+    let query = match LogQuery::parse(query.as_deref(), jiff::Timestamp::now()) {
         Ok(query) => query,
         Err(error) => return text(StatusCode::BAD_REQUEST, format!("{error}\n")),
     };
@@ -117,15 +210,19 @@ pub(super) async fn container_logs(
         return text(StatusCode::BAD_REQUEST, format!("{why} \"{container}\" in pod \"{name}\" has no logs yet\n"));
     };
     let target = LogTarget { uid, container, dir, run };
+    let renderer = Renderer::new(&query);
     if query.follow && !query.previous {
-        return follow(state.pods.store().clone(), target, query.tail_lines);
+        return follow(state.pods.store().clone(), target, query.tail_lines, renderer);
     }
-    let raw = match tokio::fs::read_to_string(target.file()).await {
+    let raw = match tokio::fs::read(target.file()).await {
         Ok(raw) => raw,
         Err(error) => return text(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot read the log: {error}\n")),
     };
-    let lines = crate::provider::decode_cri_log(&raw);
-    text(StatusCode::OK, tail(lines, query.tail_lines).concat())
+    let mut decoder = CriLogDecoder::default();
+    let mut entries = decoder.feed_entries(&raw);
+    entries.extend(decoder.finish_entries());
+    let mut renderer = renderer;
+    text(StatusCode::OK, renderer.render(tail(entries, query.tail_lines)))
 }
 
 fn has_container(pod: &Pod, container: &str) -> bool {
@@ -145,14 +242,14 @@ fn log_runs(dir: &FsPath) -> Vec<u32> {
         .collect()
 }
 
-fn tail(mut lines: Vec<String>, keep: Option<usize>) -> Vec<String> {
+fn tail<T>(mut lines: Vec<T>, keep: Option<usize>) -> Vec<T> {
     let skip = keep.map_or(0, |n| lines.len().saturating_sub(n));
     lines.drain(..skip);
     lines
 }
 
 /// Streams the log: what is there (tailed), then each line as it is written.
-fn follow(store: PodStore, target: LogTarget, tail_lines: Option<usize>) -> Response {
+fn follow(store: PodStore, target: LogTarget, tail_lines: Option<usize>, renderer: Renderer) -> Response {
     // The watch is made before the first read, so nothing written between
     // the read and the wait goes unnoticed.
     let events = Inotify::init().and_then(|inotify| {
@@ -167,7 +264,7 @@ fn follow(store: PodStore, target: LogTarget, tail_lines: Option<usize>) -> Resp
     };
     let (tx, rx) = mpsc::channel::<Result<String, std::io::Error>>(64);
     tokio::spawn(async move {
-        if let Err(error) = send_log(&store, &target, tail_lines, events, &tx).await {
+        if let Err(error) = send_log(&store, &target, tail_lines, renderer, events, &tx).await {
             tracing::debug!(%error, file = %target.file().display(), "log follow ended");
         }
     });
@@ -192,22 +289,26 @@ async fn send_log(
     store: &PodStore,
     target: &LogTarget,
     tail_lines: Option<usize>,
+    mut renderer: Renderer,
     mut events: inotify::EventStream<Vec<u8>>,
     tx: &mpsc::Sender<Result<String, std::io::Error>>,
 ) -> Result<(), FollowEnd> {
     let mut changes = store.changes();
     let mut file = tokio::fs::File::open(target.file()).await?;
     let mut decoder = CriLogDecoder::default();
-    send(tx, tail(read_more(&mut file, &mut decoder).await?, tail_lines)).await?;
+    send(tx, &mut renderer, tail(read_more(&mut file, &mut decoder).await?, tail_lines)).await?;
     loop {
+        if renderer.done() {
+            return Ok(());
+        }
         // Checked before reading: a run that ended has written everything,
         // so the read after this check is its last. Changes are marked seen
         // first, so one that comes after the check wakes the wait below.
         changes.borrow_and_update();
         let growing = target.may_grow(store);
-        send(tx, read_more(&mut file, &mut decoder).await?).await?;
+        send(tx, &mut renderer, read_more(&mut file, &mut decoder).await?).await?;
         if !growing {
-            return send(tx, decoder.finish()).await;
+            return send(tx, &mut renderer, decoder.finish_entries()).await;
         }
         tokio::select! {
             event = events.next() => {
@@ -218,8 +319,8 @@ async fn send_log(
             changed = changes.changed() => {
                 if changed.is_err() {
                     // The node is stopping: what was written is sent.
-                    send(tx, read_more(&mut file, &mut decoder).await?).await?;
-                    return send(tx, decoder.finish()).await;
+                    send(tx, &mut renderer, read_more(&mut file, &mut decoder).await?).await?;
+                    return send(tx, &mut renderer, decoder.finish_entries()).await;
                 }
             }
             () = tx.closed() => return Err(FollowEnd::ClientGone),
@@ -228,17 +329,25 @@ async fn send_log(
 }
 
 /// The lines completed by what was appended since the last read.
-async fn read_more(file: &mut tokio::fs::File, decoder: &mut CriLogDecoder) -> std::io::Result<Vec<String>> {
+async fn read_more(file: &mut tokio::fs::File, decoder: &mut CriLogDecoder) -> std::io::Result<Vec<LogEntry>> {
     let mut bytes = Vec::new();
     file.read_to_end(&mut bytes).await?;
-    Ok(decoder.feed(&bytes))
+    Ok(decoder.feed_entries(&bytes))
 }
 
-async fn send(tx: &mpsc::Sender<Result<String, std::io::Error>>, lines: Vec<String>) -> Result<(), FollowEnd> {
-    if lines.is_empty() {
+async fn send(
+    tx: &mpsc::Sender<Result<String, std::io::Error>>,
+    renderer: &mut Renderer,
+    lines: Vec<LogEntry>,
+) -> Result<(), FollowEnd> {
+    if lines.is_empty() || renderer.done() {
         return Ok(());
     }
-    tx.send(Ok(lines.concat())).await.map_err(|_| FollowEnd::ClientGone)
+    let text = renderer.render(lines);
+    if text.is_empty() {
+        return Ok(());
+    }
+    tx.send(Ok(text)).await.map_err(|_| FollowEnd::ClientGone)
 }
 
 #[cfg(test)]
@@ -247,11 +356,53 @@ mod tests {
 
     #[test]
     fn log_query_parses_kubectl_parameters() {
-        assert_eq!(
-            LogQuery::parse(Some("follow=true&tailLines=3")),
-            Ok(LogQuery { previous: false, follow: true, tail_lines: Some(3) })
-        );
-        assert_eq!(LogQuery::parse(Some("previous")), Ok(LogQuery { previous: true, follow: false, tail_lines: None }));
-        assert_eq!(LogQuery::parse(Some("tailLines=x")), Err("tailLines=x is not a number".to_owned()));
+        let now: jiff::Timestamp = "2026-11-24T10:00:00Z".parse().expect("time");
+        let parse = |q| LogQuery::parse(Some(q), now);
+        let query = parse("follow=true&tailLines=3").expect("valid");
+        assert!(query.follow && !query.previous && query.tail_lines == Some(3));
+        assert!(parse("previous").expect("valid").previous);
+        assert_eq!(parse("tailLines=x"), Err("tailLines=x is not a number".to_owned()));
+        assert_eq!(parse("tailLines=-1"), Err("tailLines must be 0 or more".to_owned()));
+        let query = parse("sinceSeconds=60&timestamps=true&limitBytes=10").expect("valid");
+        assert_eq!(query.since, Some("2026-11-24T09:59:00Z".parse().expect("time")));
+        assert!(query.timestamps);
+        assert_eq!(query.limit_bytes, Some(10));
+        let query = parse("sinceTime=2026-11-24T09%3A30%3A00Z").expect("valid");
+        assert_eq!(query.since, Some("2026-11-24T09:30:00Z".parse().expect("time")));
+        assert!(parse("sinceTime=yesterday").expect_err("bad time").contains("RFC 3339"));
+        assert!(parse("sinceSeconds=1&sinceTime=2026-11-24T09:30:00Z").expect_err("both").contains("at most one"));
+        assert!(parse("sinceSeconds=0").expect_err("zero").contains("greater than 0"));
+        assert!(parse("limitBytes=0").expect_err("zero").contains("greater than 0"));
+    }
+
+    fn entry(time: &str, text: &str) -> LogEntry {
+        LogEntry { time: time.into(), text: text.into() }
+    }
+
+    #[test]
+    fn rendering_applies_since_timestamps_and_the_byte_limit() {
+        let now: jiff::Timestamp = "2026-11-24T10:00:00Z".parse().expect("time");
+        let entries = || {
+            vec![
+                entry("2026-11-24T09:00:00.000000001Z", "old\n"),
+                entry("2026-11-24T09:59:30.5Z", "new\n"),
+                entry("2026-11-24T09:59:31Z", "newer\n"),
+            ]
+        };
+        let query = LogQuery::parse(Some("sinceSeconds=60"), now).expect("valid");
+        assert_eq!(Renderer::new(&query).render(entries()), "new\nnewer\n");
+        let query = LogQuery::parse(Some("timestamps=true&sinceSeconds=60"), now).expect("valid");
+        assert_eq!(Renderer::new(&query).render(entries()), "2026-11-24T09:59:30.5Z new\n2026-11-24T09:59:31Z newer\n");
+        let query = LogQuery::parse(Some("limitBytes=6"), now).expect("valid");
+        let mut renderer = Renderer::new(&query);
+        assert_eq!(renderer.render(entries()), "old\nne");
+        assert!(renderer.done());
+        assert_eq!(renderer.render(entries()), "", "nothing after the limit");
+        let query = LogQuery::parse(Some("limitBytes=2"), now).expect("valid");
+        assert_eq!(Renderer::new(&query).render(vec![entry("", "é!\n")]), "é", "cut on a character boundary");
+        let query = LogQuery::parse(Some("limitBytes=1"), now).expect("valid");
+        let mut renderer = Renderer::new(&query);
+        assert_eq!(renderer.render(vec![entry("", "é\n")]), "");
+        assert!(renderer.done(), "a character straddling the limit ends the answer");
     }
 }

@@ -33,9 +33,9 @@
 //! answers 500 naming the failing checks; `/healthz/<check>` answers for one.
 
 mod capacity;
-mod http;
+pub(crate) mod http;
 pub mod labels;
-mod logs;
+pub(crate) mod logs;
 
 pub(crate) use capacity::NodeDescription;
 pub use capacity::{DEFAULT_MAX_PODS, measure};
@@ -128,6 +128,11 @@ pub struct NodeConfig {
     /// the pods' `hostIP`/`podIP` (the WebAssembly provider runs modules in
     /// the node's network, as host-network pods). Empty: none reported.
     pub node_ips: Vec<IpAddr>,
+    /// The kubelet API (HTTPS, `:10250`); `None` serves none.
+    pub kubelet_api: Option<crate::server::KubeletApiConfig>,
+    /// What `/configz` shows besides the kubelet API's own settings (the
+    /// binary puts its flags here, in `KubeletConfiguration`'s names).
+    pub configz: serde_json::Map<String, serde_json::Value>,
 }
 
 impl NodeConfig {
@@ -144,6 +149,8 @@ impl NodeConfig {
             http_address: Some(SocketAddr::from(([127, 0, 0, 1], 10248))),
             shutdown_grace: Duration::from_secs(10),
             node_ips: Vec::new(),
+            kubelet_api: None,
+            configz: serde_json::Map::new(),
             root_dir,
         }
     }
@@ -180,6 +187,9 @@ pub enum NodeError {
         #[source]
         source: std::io::Error,
     },
+    /// The kubelet API could not start.
+    #[error(transparent)]
+    KubeletApi(#[from] crate::server::KubeletApiError),
     /// The HTTP endpoint could not listen.
     #[error("cannot bind the HTTP endpoint on {address}: {source}")]
     Http {
@@ -306,8 +316,9 @@ impl NodeBuilder {
             CsiVolumes::new(&root_dir, csi_drivers.view(), csi_objects.clone(), config.pods.csi_timeouts);
         // In a cluster, claims resolve through the API once it is connected.
         let (api_client, api_client_rx) = tokio::sync::watch::channel(None);
-        let api_volumes =
-            cluster.as_ref().map(|_| Arc::new(cluster::volumes::ApiVolumes::new(api_client_rx, &config.node_name)));
+        let api_volumes = cluster
+            .as_ref()
+            .map(|_| Arc::new(cluster::volumes::ApiVolumes::new(api_client_rx.clone(), &config.node_name)));
         let claims = claims.or_else(|| api_volumes.clone().map(|v| v as Arc<dyn VolumeClaims>));
         if let Some(claims) = claims {
             csi_volumes = csi_volumes.with_claims(claims);
@@ -320,6 +331,7 @@ impl NodeBuilder {
             );
         }
         let volumes_in_use = csi_volumes.volumes_in_use();
+        let api_provider = provider.clone();
         let mut lifecycle = PodLifecycle::new(pod_config, provider, Some(devices.clone())).with_csi(csi_volumes);
         if let Some(api_volumes) = api_volumes {
             lifecycle = lifecycle.with_objects(api_volumes);
@@ -377,6 +389,14 @@ impl NodeBuilder {
             let _ = sources_ready.await;
         }
 
+        // The kubelet API is bound first: the Node advertises its port.
+        let kubelet_api = match &config.kubelet_api {
+            None => None,
+            Some(api) => Some(
+                crate::server::bind(api, &config.node_name, &config.node_ips, api_client_rx.clone(), cluster.is_none())
+                    .await?,
+            ),
+        };
         let description = NodeDescription {
             name: config.node_name.clone(),
             allocatable,
@@ -385,24 +405,35 @@ impl NodeBuilder {
             taints: provider_taints,
             addresses: config.node_ips.clone(),
             root_dir: root_dir.clone(),
+            kubelet_port: kubelet_api.as_ref().map(|api| api.address.port()),
+        };
+        let http_state = http::HttpState {
+            node_name: config.node_name.clone(),
+            metrics: Arc::new(metrics),
+            plugins: plugins.clone(),
+            csi_drivers: csi_drivers.clone(),
+            node_info: node_info.clone(),
+            devices: devices.clone(),
+            healthz: healthz.clone(),
+            pods: pods.clone(),
+            static_pods: static_pods.clone(),
+            description: description.clone(),
+            root_dir: root_dir.clone(),
+        };
+        let kubelet_api_address = match (kubelet_api, &config.kubelet_api) {
+            (Some(bound), Some(api)) => {
+                let address = bound.address;
+                let configz = configz(&config, api, address);
+                let task = bound.serve(http_state.clone(), api_provider, configz, shutdown.clone());
+                supervise(&tasks, &healthz, "kubelet-api", task, shutdown.clone());
+                Some(address)
+            }
+            _ => None,
         };
         let http_address = match config.http_address {
             None => None,
             Some(address) => {
-                let state = http::HttpState {
-                    node_name: config.node_name.clone(),
-                    metrics: Arc::new(metrics),
-                    plugins: plugins.clone(),
-                    csi_drivers: csi_drivers.clone(),
-                    node_info: node_info.clone(),
-                    devices: devices.clone(),
-                    healthz: healthz.clone(),
-                    pods: pods.clone(),
-                    static_pods: static_pods.clone(),
-                    description: description.clone(),
-                    root_dir: root_dir.clone(),
-                };
-                let (bound, task) = http::serve(address, state, shutdown.clone()).await?;
+                let (bound, task) = http::serve(address, http_state, shutdown.clone()).await?;
                 supervise(&tasks, &healthz, "http-endpoint", task, shutdown.clone());
                 write_endpoint_file(&root_dir, bound);
                 Some(bound)
@@ -437,6 +468,7 @@ impl NodeBuilder {
             devices,
             healthz,
             http_address,
+            kubelet_api_address,
             tasks,
             pods,
             static_pods,
@@ -444,6 +476,43 @@ impl NodeBuilder {
             cluster,
         })
     }
+}
+
+/// What `/configz` shows: the node's settings in `KubeletConfiguration`'s
+/// names.
+fn configz(config: &NodeConfig, api: &crate::server::KubeletApiConfig, address: SocketAddr) -> serde_json::Value {
+    use crate::server::{AuthorizationMode, ServingCertSource};
+    let seconds = |d: Duration| format!("{}s", d.as_secs());
+    let mut kubelet = serde_json::json!({
+        "kind": "KubeletConfiguration",
+        "apiVersion": "kubelet.config.k8s.io/v1beta1",
+        "address": address.ip().to_string(),
+        "port": address.port(),
+        "maxPods": config.pods.max_pods,
+        "staticPodPath": config.pods.manifest_dir.as_ref().map(|d| d.display().to_string()).unwrap_or_default(),
+        "healthzBindAddress": config.http_address.map(|a| a.ip().to_string()).unwrap_or_default(),
+        "healthzPort": config.http_address.map_or(0, |a| a.port()),
+        "tlsCertFile": match &api.serving { ServingCertSource::Files { cert, .. } => cert.display().to_string(), ServingCertSource::SelfSigned => String::new() },
+        "tlsPrivateKeyFile": match &api.serving { ServingCertSource::Files { key, .. } => key.display().to_string(), ServingCertSource::SelfSigned => String::new() },
+        "authentication": {
+            "x509": {"clientCAFile": api.client_ca.as_ref().map(|p| p.display().to_string()).unwrap_or_default()},
+            "webhook": {"enabled": api.auth.token_webhook, "cacheTTL": seconds(api.auth.token_cache_ttl)},
+            "anonymous": {"enabled": api.auth.anonymous},
+        },
+        "authorization": {
+            "mode": match api.auth.authorization { AuthorizationMode::AlwaysAllow => "AlwaysAllow", AuthorizationMode::Webhook => "Webhook" },
+            "webhook": {
+                "cacheAuthorizedTTL": seconds(api.auth.authorized_ttl),
+                "cacheUnauthorizedTTL": seconds(api.auth.unauthorized_ttl),
+            },
+        },
+    });
+    if let Some(map) = kubelet.as_object_mut() {
+        for (key, value) in &config.configz {
+            map.insert(key.clone(), value.clone());
+        }
+    }
+    kubelet
 }
 
 /// Writes the endpoint's address where `rustlet get`/`logs` look for it.
@@ -506,6 +575,7 @@ pub struct Node {
     devices: DeviceManager,
     healthz: Healthz,
     http_address: Option<SocketAddr>,
+    kubelet_api_address: Option<SocketAddr>,
     tasks: TaskTracker,
     pods: Pods,
     static_pods: Option<StaticPods>,
@@ -579,6 +649,11 @@ impl Node {
     /// The bound address of the HTTP endpoint, if it serves one.
     pub fn http_address(&self) -> Option<SocketAddr> {
         self.http_address
+    }
+
+    /// Where the kubelet API (HTTPS) listens, if it is served.
+    pub fn kubelet_api_address(&self) -> Option<SocketAddr> {
+        self.kubelet_api_address
     }
 
     /// Waits for every component to stop (after shutdown was cancelled), at

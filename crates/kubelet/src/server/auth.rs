@@ -1,0 +1,391 @@
+//! Who is asking, and may they: the kubelet API's authentication (client
+//! certificates, bearer tokens by TokenReview, anonymous) and
+//! authorization (SubjectAccessReview on the node's `nodes` subresources,
+//! or everything allowed), with upstream's request mapping and caches.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, Method, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
+use k8s_openapi::api::authorization::v1::{ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec};
+use tokio::sync::watch;
+
+/// Who made a request.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct User {
+    /// The user name (`system:anonymous` for anonymous requests).
+    pub name: String,
+    /// The user's uid, if known.
+    pub uid: Option<String>,
+    /// The groups (`system:authenticated` or `system:unauthenticated`
+    /// included).
+    pub groups: Vec<String>,
+}
+
+impl User {
+    fn anonymous() -> User {
+        User { name: "system:anonymous".into(), uid: None, groups: vec!["system:unauthenticated".into()] }
+    }
+
+    /// The user of a verified client certificate: its common name, its
+    /// organizations as groups.
+    pub fn from_certificate(der: &[u8]) -> Option<User> {
+        let facts = super::x509::certificate_facts(der).ok()?;
+        let name = facts.common_name.filter(|n| !n.is_empty())?;
+        let mut groups = facts.organizations;
+        groups.push("system:authenticated".into());
+        Some(User { name, uid: None, groups })
+    }
+}
+
+/// The identity a TLS connection proved with its client certificate, put
+/// on each of its requests.
+#[derive(Clone, Debug, Default)]
+pub(super) struct PeerIdentity(pub(super) Option<User>);
+
+/// How requests are authorized (`--authorization-mode`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AuthorizationMode {
+    /// Everything any authenticated (or allowed anonymous) client asks.
+    AlwaysAllow,
+    /// A SubjectAccessReview per request (cached).
+    Webhook,
+}
+
+/// The authentication and authorization settings.
+#[derive(Clone, Debug)]
+pub struct AuthSettings {
+    /// Anonymous requests are served (as `system:anonymous`) rather than
+    /// refused with 401 (`--anonymous-auth`).
+    pub anonymous: bool,
+    /// Bearer tokens are checked with a TokenReview
+    /// (`--authentication-token-webhook`).
+    pub token_webhook: bool,
+    /// How long a TokenReview answer is reused.
+    pub token_cache_ttl: Duration,
+    /// How requests are authorized.
+    pub authorization: AuthorizationMode,
+    /// How long an allowed SubjectAccessReview answer is reused.
+    pub authorized_ttl: Duration,
+    /// How long a denied one is reused.
+    pub unauthorized_ttl: Duration,
+}
+
+impl Default for AuthSettings {
+    /// Upstream's configuration-file defaults: no anonymous requests, the
+    /// token webhook on (2 min cache), Webhook authorization (allowed
+    /// answers cached 5 min, denied 30 s).
+    fn default() -> Self {
+        AuthSettings {
+            anonymous: false,
+            token_webhook: true,
+            token_cache_ttl: Duration::from_secs(120),
+            authorization: AuthorizationMode::Webhook,
+            authorized_ttl: Duration::from_secs(300),
+            unauthorized_ttl: Duration::from_secs(30),
+        }
+    }
+}
+
+/// What a request asks of the node, as the kubelet maps it for
+/// authorization: a verb on a subresource of `nodes/<node>`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct NodeRequest {
+    /// get, create, update, patch, delete.
+    pub verb: &'static str,
+    /// stats, metrics, log, spec, checkpoint or proxy.
+    pub subresource: &'static str,
+}
+
+/// Upstream's mapping of a request to its attributes.
+pub fn node_request(method: &Method, path: &str) -> NodeRequest {
+    let verb = match *method {
+        Method::POST => "create",
+        Method::PUT => "update",
+        Method::PATCH => "patch",
+        Method::DELETE => "delete",
+        _ => "get",
+    };
+    let under = |prefix: &str| path == prefix || path.starts_with(&format!("{prefix}/"));
+    let subresource = if under("/stats") {
+        "stats"
+    } else if under("/metrics") {
+        "metrics"
+    } else if under("/logs") {
+        "log"
+    } else if under("/spec") {
+        "spec"
+    } else if under("/checkpoint") {
+        "checkpoint"
+    } else {
+        "proxy"
+    };
+    NodeRequest { verb, subresource }
+}
+
+/// An answer kept until it expires.
+struct Cached<T> {
+    value: T,
+    until: Instant,
+}
+
+/// A small expiring cache; bounded (the oldest half goes when full).
+struct Cache<K, V> {
+    entries: Mutex<HashMap<K, Cached<V>>>,
+}
+
+const CACHE_LIMIT: usize = 4096;
+
+impl<K: std::hash::Hash + Eq + Clone, V: Clone> Cache<K, V> {
+    fn new() -> Self {
+        Cache { entries: Mutex::new(HashMap::new()) }
+    }
+
+    fn get(&self, key: &K) -> Option<V> {
+        let entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
+        entries.get(key).filter(|c| c.until > Instant::now()).map(|c| c.value.clone())
+    }
+
+    fn put(&self, key: K, value: V, ttl: Duration) {
+        let mut entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
+        if entries.len() >= CACHE_LIMIT {
+            let now = Instant::now();
+            entries.retain(|_, c| c.until > now);
+            if entries.len() >= CACHE_LIMIT {
+                let mut ends: Vec<Instant> = entries.values().map(|c| c.until).collect();
+                ends.sort_unstable();
+                let cut = ends[ends.len() / 2];
+                entries.retain(|_, c| c.until > cut);
+            }
+        }
+        entries.insert(key, Cached { value, until: Instant::now() + ttl });
+    }
+}
+
+/// The authenticator and authorizer, shared by every connection.
+#[derive(Clone)]
+pub(super) struct Auth {
+    inner: Arc<AuthInner>,
+}
+
+struct AuthInner {
+    settings: AuthSettings,
+    node_name: String,
+    client: watch::Receiver<Option<kube::Client>>,
+    tokens: Cache<String, Option<User>>,
+    decisions: Cache<(User, NodeRequest), Decision>,
+}
+
+#[derive(Clone, Debug)]
+enum Decision {
+    Allowed,
+    Denied(String),
+}
+
+/// Why a request was not served.
+#[derive(Debug)]
+enum Refusal {
+    Unauthorized,
+    Forbidden(String),
+    Unavailable(String),
+}
+
+impl IntoResponse for Refusal {
+    fn into_response(self) -> Response {
+        let (code, body) = match self {
+            Refusal::Unauthorized => (StatusCode::UNAUTHORIZED, "Unauthorized".to_owned()),
+            Refusal::Forbidden(message) => (StatusCode::FORBIDDEN, message),
+            Refusal::Unavailable(message) => (StatusCode::SERVICE_UNAVAILABLE, message),
+        };
+        (code, [(header::CONTENT_TYPE, "text/plain; charset=utf-8")], body).into_response()
+    }
+}
+
+impl Auth {
+    pub(super) fn new(settings: AuthSettings, node_name: &str, client: watch::Receiver<Option<kube::Client>>) -> Self {
+        Auth {
+            inner: Arc::new(AuthInner {
+                settings,
+                node_name: node_name.to_owned(),
+                client,
+                tokens: Cache::new(),
+                decisions: Cache::new(),
+            }),
+        }
+    }
+
+    fn client(&self) -> Result<kube::Client, Refusal> {
+        self.inner.client.borrow().clone().ok_or_else(|| {
+            Refusal::Unavailable("not connected to the API server yet; cannot check this request".into())
+        })
+    }
+
+    async fn authenticate(&self, peer: Option<&User>, headers: &HeaderMap) -> Result<User, Refusal> {
+        if let Some(user) = peer {
+            return Ok(user.clone());
+        }
+        let bearer = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim)
+            .filter(|t| !t.is_empty());
+        if let Some(token) = bearer {
+            if !self.inner.settings.token_webhook {
+                return Err(Refusal::Unauthorized);
+            }
+            return self.review_token(token).await?.ok_or(Refusal::Unauthorized);
+        }
+        if self.inner.settings.anonymous { Ok(User::anonymous()) } else { Err(Refusal::Unauthorized) }
+    }
+
+    async fn review_token(&self, token: &str) -> Result<Option<User>, Refusal> {
+        if let Some(known) = self.inner.tokens.get(&token.to_owned()) {
+            return Ok(known);
+        }
+        let client = self.client()?;
+        let review = TokenReview {
+            spec: TokenReviewSpec { token: Some(token.to_owned()), audiences: None },
+            ..TokenReview::default()
+        };
+        let api: kube::Api<TokenReview> = kube::Api::all(client);
+        let answer = api.create(&kube::api::PostParams::default(), &review).await.map_err(|error| {
+            tracing::warn!(%error, "TokenReview failed");
+            Refusal::Unavailable(format!("cannot check the bearer token: {error}"))
+        })?;
+        let status = answer.status.unwrap_or_default();
+        let user = match (status.authenticated, status.user) {
+            (Some(true), Some(info)) => {
+                let mut groups = info.groups.unwrap_or_default();
+                if !groups.iter().any(|g| g == "system:authenticated") {
+                    groups.push("system:authenticated".into());
+                }
+                Some(User { name: info.username.unwrap_or_default(), uid: info.uid, groups })
+            }
+            _ => None,
+        };
+        self.inner.tokens.put(token.to_owned(), user.clone(), self.inner.settings.token_cache_ttl);
+        Ok(user)
+    }
+
+    async fn authorize(&self, user: &User, request: &NodeRequest) -> Result<(), Refusal> {
+        if self.inner.settings.authorization == AuthorizationMode::AlwaysAllow {
+            return Ok(());
+        }
+        let key = (user.clone(), request.clone());
+        let decision = match self.inner.decisions.get(&key) {
+            Some(decision) => decision,
+            None => {
+                let decision = self.review_access(user, request).await?;
+                let ttl = match decision {
+                    Decision::Allowed => self.inner.settings.authorized_ttl,
+                    Decision::Denied(_) => self.inner.settings.unauthorized_ttl,
+                };
+                self.inner.decisions.put(key, decision.clone(), ttl);
+                decision
+            }
+        };
+        match decision {
+            Decision::Allowed => Ok(()),
+            Decision::Denied(reason) => {
+                let mut message = format!(
+                    "Forbidden (user={}, verb={}, resource=nodes, subresource={})",
+                    user.name, request.verb, request.subresource
+                );
+                if !reason.is_empty() {
+                    message.push_str(&format!(": {reason}"));
+                }
+                Err(Refusal::Forbidden(message))
+            }
+        }
+    }
+
+    async fn review_access(&self, user: &User, request: &NodeRequest) -> Result<Decision, Refusal> {
+        let client = self.client()?;
+        let review = SubjectAccessReview {
+            spec: SubjectAccessReviewSpec {
+                user: Some(user.name.clone()),
+                uid: user.uid.clone(),
+                groups: Some(user.groups.clone()),
+                resource_attributes: Some(ResourceAttributes {
+                    verb: Some(request.verb.to_owned()),
+                    group: Some(String::new()),
+                    version: Some("v1".to_owned()),
+                    resource: Some("nodes".to_owned()),
+                    subresource: Some(request.subresource.to_owned()),
+                    name: Some(self.inner.node_name.clone()),
+                    ..ResourceAttributes::default()
+                }),
+                ..SubjectAccessReviewSpec::default()
+            },
+            ..SubjectAccessReview::default()
+        };
+        let api: kube::Api<SubjectAccessReview> = kube::Api::all(client);
+        let answer = api.create(&kube::api::PostParams::default(), &review).await.map_err(|error| {
+            tracing::warn!(%error, "SubjectAccessReview failed");
+            Refusal::Unavailable(format!("cannot authorize the request: {error}"))
+        })?;
+        let status = answer.status.unwrap_or_default();
+        Ok(if status.allowed { Decision::Allowed } else { Decision::Denied(status.reason.unwrap_or_default()) })
+    }
+}
+
+/// The middleware: authenticates, authorizes, then serves.
+pub(super) async fn check(State(auth): State<Auth>, request: Request, next: Next) -> Response {
+    let peer = request.extensions().get::<PeerIdentity>().and_then(|p| p.0.clone());
+    let user = match auth.authenticate(peer.as_ref(), request.headers()).await {
+        Ok(user) => user,
+        Err(refusal) => {
+            tracing::debug!(path = %request.uri().path(), ?refusal, "request not authenticated");
+            return refusal.into_response();
+        }
+    };
+    let attributes = node_request(request.method(), request.uri().path());
+    if let Err(refusal) = auth.authorize(&user, &attributes).await {
+        tracing::debug!(user = %user.name, path = %request.uri().path(), ?refusal, "request not authorized");
+        return refusal.into_response();
+    }
+    tracing::trace!(user = %user.name, method = %request.method(), path = %request.uri().path(), "kubelet API request");
+    next.run(request).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_map_to_node_subresources_as_upstream() {
+        let get = |path| node_request(&Method::GET, path);
+        assert_eq!(get("/stats/summary"), NodeRequest { verb: "get", subresource: "stats" });
+        assert_eq!(get("/stats"), NodeRequest { verb: "get", subresource: "stats" });
+        assert_eq!(get("/metrics/resource"), NodeRequest { verb: "get", subresource: "metrics" });
+        assert_eq!(get("/logs/syslog"), NodeRequest { verb: "get", subresource: "log" });
+        assert_eq!(get("/spec/"), NodeRequest { verb: "get", subresource: "spec" });
+        assert_eq!(get("/pods"), NodeRequest { verb: "get", subresource: "proxy" });
+        assert_eq!(get("/statsfoo"), NodeRequest { verb: "get", subresource: "proxy" });
+        assert_eq!(get("/containerLogs/a/b/c"), NodeRequest { verb: "get", subresource: "proxy" });
+        assert_eq!(node_request(&Method::HEAD, "/pods").verb, "get");
+        assert_eq!(node_request(&Method::POST, "/exec/a/b/c").verb, "create");
+        assert_eq!(node_request(&Method::PUT, "/x").verb, "update");
+        assert_eq!(node_request(&Method::PATCH, "/x").verb, "patch");
+        assert_eq!(node_request(&Method::DELETE, "/x").verb, "delete");
+    }
+
+    #[test]
+    fn the_cache_expires_and_stays_bounded() {
+        let cache: Cache<u32, u32> = Cache::new();
+        cache.put(1, 10, Duration::from_secs(60));
+        cache.put(2, 20, Duration::ZERO);
+        assert_eq!(cache.get(&1), Some(10));
+        assert_eq!(cache.get(&2), None, "expired at once");
+        for i in 0..(CACHE_LIMIT as u32 * 2) {
+            cache.put(i, i, Duration::from_secs(60));
+        }
+        assert!(cache.entries.lock().expect("lock").len() <= CACHE_LIMIT);
+    }
+}

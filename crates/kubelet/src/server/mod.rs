@@ -1,0 +1,301 @@
+//! The kubelet API: HTTPS on `--address`:`--port` (10250), what the API
+//! server proxies `kubectl logs`, `exec`, `attach`, `port-forward` and
+//! `kubectl top` (metrics-server) to, advertised in the Node's
+//! `status.daemonEndpoints.kubeletEndpoint.port`.
+//!
+//! - TLS with rustls: the serving certificate from files, or self-signed
+//!   under the cert dir as the kubelet makes one ([`tls`]).
+//! - Authentication: a client certificate verified against the client CA
+//!   (its common name is the user, its organizations the groups), else a
+//!   bearer token by TokenReview, else anonymous if allowed; otherwise 401.
+//!   Authorization: a SubjectAccessReview on `nodes/<node>` with the
+//!   kubelet's verb and subresource mapping, cached; or always allowed
+//!   ([`auth`]).
+//! - Endpoints: `/pods`, `/runningpods/`, `/containerLogs/...` (every
+//!   `PodLogOptions` field), `/exec/...`, `/attach/...` and
+//!   `/portForward/...` (proxied to the runtime's streaming server, as the
+//!   kubelet does), `/stats/summary`, `/metrics/resource`, `/metrics`,
+//!   `/healthz`, `/configz`.
+//!
+//! Each connection is served by its own task: a TLS handshake has 10 s, a
+//! request's head 30 s; a client cannot hold the listener.
+
+pub mod auth;
+mod stats;
+mod streaming;
+pub mod tls;
+pub mod x509;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Json;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{any, get};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::TcpListener;
+use tokio::sync::{Semaphore, watch};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tower::ServiceExt as _;
+use tracing::Instrument as _;
+
+pub use auth::{AuthSettings, AuthorizationMode, User};
+
+use crate::node::http::HttpState;
+use crate::provider::Provider;
+
+/// Where the serving certificate comes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ServingCertSource {
+    /// `--tls-cert-file` and `--tls-private-key-file`.
+    Files {
+        /// The certificate chain (PEM).
+        cert: PathBuf,
+        /// Its private key (PEM).
+        key: PathBuf,
+    },
+    /// Self-signed, made under the cert dir (`kubelet.crt`, `kubelet.key`)
+    /// and reused while it is valid.
+    SelfSigned,
+}
+
+/// The kubelet API's settings.
+#[derive(Clone, Debug)]
+pub struct KubeletApiConfig {
+    /// Where it listens (`--address`, `--port`; port 0 picks a free one).
+    pub address: SocketAddr,
+    /// The serving certificate.
+    pub serving: ServingCertSource,
+    /// Where the node keeps certificates it makes (`--cert-dir`).
+    pub cert_dir: PathBuf,
+    /// CA bundle client certificates are verified against
+    /// (`--client-ca-file`); none: client certificates are not accepted.
+    pub client_ca: Option<PathBuf>,
+    /// Authentication and authorization.
+    pub auth: AuthSettings,
+    /// The host names the serving certificate names besides the node's.
+    pub host_names: Vec<String>,
+}
+
+impl KubeletApiConfig {
+    /// The kubelet's defaults: `0.0.0.0:10250`, self-signed under
+    /// `<root_dir>/pki`, no client CA, upstream's authentication and
+    /// authorization defaults (see [`AuthSettings`]).
+    pub fn new(root_dir: &std::path::Path) -> Self {
+        KubeletApiConfig {
+            address: SocketAddr::from(([0, 0, 0, 0], kubelet_api::constants::KUBELET_PORT)),
+            serving: ServingCertSource::SelfSigned,
+            cert_dir: root_dir.join("pki"),
+            client_ca: None,
+            auth: AuthSettings::default(),
+            host_names: Vec::new(),
+        }
+    }
+}
+
+/// Why the kubelet API could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum KubeletApiError {
+    /// TLS could not be set up.
+    #[error("kubelet API TLS: {0}")]
+    Tls(#[from] tls::TlsError),
+    /// The address could not be bound.
+    #[error("cannot listen on {address} for the kubelet API: {source}")]
+    Bind {
+        /// The address asked for.
+        address: SocketAddr,
+        /// The system error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The settings cannot work together.
+    #[error("kubelet API: {0}")]
+    Settings(String),
+}
+
+/// What the handlers read.
+#[derive(Clone)]
+pub(crate) struct ApiState {
+    pub(crate) http: HttpState,
+    pub(crate) provider: Option<Arc<dyn Provider>>,
+    rates: Arc<stats::Rates>,
+    configz: Arc<serde_json::Value>,
+}
+
+/// A bound, not yet serving, kubelet API.
+pub(crate) struct BoundApi {
+    listener: TcpListener,
+    tls: Arc<rustls::ServerConfig>,
+    auth: auth::Auth,
+    /// Where it listens.
+    pub(crate) address: SocketAddr,
+}
+
+/// Connections served at once at most; more wait to be accepted.
+const MAX_CONNECTIONS: usize = 4096;
+/// A TLS handshake's deadline.
+const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(10);
+/// A request head's deadline.
+const HEADER_DEADLINE: Duration = Duration::from_secs(30);
+
+/// Sets up TLS and binds the address. `client` is the API client once
+/// cluster mode is connected (webhooks wait for it); `ips` the node's IPs
+/// for a self-signed certificate.
+pub(crate) async fn bind(
+    config: &KubeletApiConfig,
+    node_name: &str,
+    ips: &[std::net::IpAddr],
+    client: watch::Receiver<Option<kube::Client>>,
+    standalone: bool,
+) -> Result<BoundApi, KubeletApiError> {
+    if standalone && (config.auth.authorization == AuthorizationMode::Webhook) {
+        return Err(KubeletApiError::Settings(
+            "--authorization-mode=Webhook needs an API server; use AlwaysAllow on a standalone node".into(),
+        ));
+    }
+    let key = match &config.serving {
+        ServingCertSource::Files { cert, key } => tls::load_pair(cert, key)?,
+        ServingCertSource::SelfSigned => {
+            let mut names = vec![node_name.to_owned()];
+            names.extend(config.host_names.iter().filter(|n| *n != node_name).cloned());
+            tls::self_signed(&config.cert_dir, &names, ips)?
+        }
+    };
+    let serving = tls::ServingCertificate::new(key);
+    let tls = tls::server_config(serving, config.client_ca.as_deref())?;
+    let listener = TcpListener::bind(config.address)
+        .await
+        .map_err(|source| KubeletApiError::Bind { address: config.address, source })?;
+    let address = listener.local_addr().map_err(|source| KubeletApiError::Bind { address: config.address, source })?;
+    let auth = auth::Auth::new(config.auth.clone(), node_name, client);
+    Ok(BoundApi { listener, tls, auth, address })
+}
+
+impl BoundApi {
+    /// Serves until `shutdown`.
+    pub(crate) fn serve(
+        self,
+        http: HttpState,
+        provider: Option<Arc<dyn Provider>>,
+        configz: serde_json::Value,
+        shutdown: CancellationToken,
+    ) -> JoinHandle<()> {
+        let state = ApiState { http, provider, rates: Arc::default(), configz: Arc::new(configz) };
+        let router = router(state, self.auth.clone());
+        let acceptor = tokio_rustls::TlsAcceptor::from(self.tls);
+        let address = self.address;
+        let listener = self.listener;
+        tracing::info!(%address, "kubelet API listening (HTTPS)");
+        let span = tracing::info_span!("kubelet_api", %address);
+        tokio::spawn(
+            async move {
+                let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+                loop {
+                    let Ok(slot) = Arc::clone(&slots).acquire_owned().await else { return };
+                    let accepted = tokio::select! {
+                        () = shutdown.cancelled() => return,
+                        accepted = listener.accept() => accepted,
+                    };
+                    let (stream, peer) = match accepted {
+                        Ok(accepted) => accepted,
+                        Err(error) => {
+                            // Out of descriptors, say: the next accept may work.
+                            tracing::warn!(%error, "kubelet API accept failed");
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                            continue;
+                        }
+                    };
+                    let _ = stream.set_nodelay(true);
+                    let (acceptor, router, shutdown) = (acceptor.clone(), router.clone(), shutdown.clone());
+                    tokio::spawn(
+                        async move {
+                            let _slot = slot;
+                            connection(stream, acceptor, router, shutdown).await;
+                        }
+                        .instrument(tracing::debug_span!("connection", %peer)),
+                    );
+                }
+            }
+            .instrument(span),
+        )
+    }
+}
+
+/// Serves one connection: handshake, identity, HTTP/1.1 with upgrades.
+async fn connection(
+    stream: tokio::net::TcpStream,
+    acceptor: tokio_rustls::TlsAcceptor,
+    router: axum::Router,
+    shutdown: CancellationToken,
+) {
+    let tls = match tokio::time::timeout(HANDSHAKE_DEADLINE, acceptor.accept(stream)).await {
+        Ok(Ok(tls)) => tls,
+        Ok(Err(error)) => {
+            tracing::debug!(%error, "TLS handshake failed");
+            return;
+        }
+        Err(_) => {
+            tracing::debug!("TLS handshake timed out");
+            return;
+        }
+    };
+    let peer = tls
+        .get_ref()
+        .1
+        .peer_certificates()
+        .and_then(|chain| chain.first())
+        .and_then(|leaf| User::from_certificate(leaf));
+    let identity = auth::PeerIdentity(peer);
+    let service = hyper::service::service_fn(move |mut request: http::Request<hyper::body::Incoming>| {
+        request.extensions_mut().insert(identity.clone());
+        router.clone().oneshot(request.map(axum::body::Body::new))
+    });
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder.timer(TokioTimer::new()).header_read_timeout(HEADER_DEADLINE);
+    let connection = builder.serve_connection(TokioIo::new(tls), service).with_upgrades();
+    tokio::pin!(connection);
+    tokio::select! {
+        result = connection.as_mut() => {
+            if let Err(error) = result {
+                tracing::debug!(%error, "connection ended with an error");
+            }
+        }
+        () = shutdown.cancelled() => {
+            connection.as_mut().graceful_shutdown();
+            let _ = connection.await;
+        }
+    }
+}
+
+fn router(state: ApiState, auth: auth::Auth) -> axum::Router {
+    use crate::node::http as plain;
+    let http_routes = axum::Router::new()
+        .route("/healthz", get(plain::healthz))
+        .route("/healthz/{check}", get(plain::healthz_check))
+        .route("/metrics", get(plain::metrics))
+        .route("/pods", get(plain::pods))
+        .route("/containerLogs/{namespace}/{pod}/{container}", get(crate::node::logs::container_logs))
+        .with_state(state.http.clone());
+    axum::Router::new()
+        .route("/runningpods/", get(streaming::running_pods))
+        .route("/configz", get(configz))
+        .route("/stats/summary", get(stats::summary))
+        .route("/metrics/resource", get(stats::resource_metrics))
+        .route("/exec/{namespace}/{pod}/{container}", any(streaming::exec))
+        .route("/exec/{namespace}/{pod}/{uid}/{container}", any(streaming::exec_uid))
+        .route("/attach/{namespace}/{pod}/{container}", any(streaming::attach))
+        .route("/attach/{namespace}/{pod}/{uid}/{container}", any(streaming::attach_uid))
+        .route("/portForward/{namespace}/{pod}", any(streaming::port_forward))
+        .route("/portForward/{namespace}/{pod}/{uid}", any(streaming::port_forward_uid))
+        .with_state(state)
+        .merge(http_routes)
+        .layer(axum::middleware::from_fn_with_state(auth, auth::check))
+}
+
+async fn configz(State(state): State<ApiState>) -> Response {
+    Json(serde_json::json!({ "kubeletconfig": *state.configz })).into_response()
+}
