@@ -483,14 +483,6 @@ async fn pod_events_reach_the_api_aggregated(api: TestApi) {
 }
 rustlet_testkit::on_both_api_servers!(pod_events_reach_the_api_aggregated_on, pod_events_reach_the_api_aggregated);
 
-/// The host's address the default route leaves from, if it has one (a
-/// UDP "connect" sends nothing).
-fn host_ip() -> Option<std::net::IpAddr> {
-    let socket = std::net::UdpSocket::bind("0.0.0.0:0").ok()?;
-    socket.connect("192.0.2.1:9").ok()?;
-    socket.local_addr().ok().map(|a| a.ip()).filter(|ip| !ip.is_unspecified() && !ip.is_loopback())
-}
-
 /// Runs kubectl of the control plane; its stdout (panics on failure with
 /// stderr). Async: the node answering it runs on the test's runtime.
 async fn kubectl(plane: &rustlet_testkit::control_plane::ControlPlane, args: &[&str]) -> String {
@@ -523,7 +515,7 @@ async fn the_kubelet_api_serves_kubectl_through_the_real_api_server() {
     config.http_address = None;
     // The API server proxies nodes/proxy to no loopback address: the
     // node uses the host's own address where it has one.
-    let host_ip = host_ip();
+    let host_ip = rustlet_testkit::control_plane::host_ip();
     let ip = host_ip.unwrap_or(std::net::IpAddr::from([127, 0, 0, 1]));
     config.node_ips = vec![ip];
     let mut kubelet_api = KubeletApiConfig::new(root.path());
@@ -701,7 +693,9 @@ async fn the_kubelet_api_serves_kubectl_through_the_real_api_server() {
     assert_eq!(code, 400, "{body}");
     let (code, body) =
         get(address, &format!("/exec/default/{talker}/main?command=ls"), admin_cert()).await.expect("request");
-    assert_eq!((code, body.trim()), (400, "you must specify at least 1 of stdin, stdout, stderr"));
+    assert_eq!(code, 400, "{body}");
+    let status: Value = serde_json::from_str(&body).expect("a v1.Status");
+    assert_eq!(status["message"], "you must specify at least 1 of stdin, stdout, stderr");
     // A certificate from another CA fails the handshake.
     let stranger = {
         let key = rcgen::KeyPair::generate().expect("key");

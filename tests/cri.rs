@@ -752,3 +752,186 @@ async fn a_liveness_probe_does_not_cut_a_graceful_stop_short() {
     assert!(gone.is_some(), "the pod was removed");
     assert!(ctl.join("clean").exists(), "the container finished its cleanup: no probe killed it");
 }
+
+/// `kubectl exec`, `attach` and `port-forward` through the real
+/// kube-apiserver to a container on containerd: the node's kubelet API
+/// joins the API server's upgraded connection to containerd's streaming
+/// server. Output, stderr, the exit code and stdin reach kubectl; attach
+/// talks to the running process; a forwarded port reaches the container's
+/// server (on loopback). A WebAssembly container's exec says why not.
+#[tokio::test]
+async fn kubectl_exec_attach_and_port_forward_reach_a_container() {
+    use kube::api::{Api, DeleteParams, PostParams};
+    use kubelet::cluster::{ApiSource, ClusterSettings};
+    use kubelet::node::{NodeBuilder, NodeConfig};
+    use kubelet::runtime_class::RuntimeClasses;
+    use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _};
+    let test = "kubectl_exec_attach_and_port_forward_reach_a_container";
+    let Some(api) = rustlet_testkit::test_api::TestApi::real(test).await else { return };
+    let Some(containerd) = Containerd::shared(test) else { return };
+    let plane = api.control_plane().expect("real");
+    let registry = Registry::start().await.expect("registry");
+    containerd.trust_registry(&registry.host());
+    let image = push_busybox(&registry, "test/busybox", "v1", &[], &["sh"]).await.expect("push busybox");
+    let root = tempfile::Builder::new().prefix("rustlet-cri-streams-").tempdir().expect("tempdir");
+    let wasi = rustlet_wasi::WasiProvider::new(rustlet_wasi::WasiConfig::new(root.path())).expect("wasi");
+    let layout = root.path().join("layout");
+    let module = rustlet_wasi::examples::binary("sleep").expect("module");
+    rustlet_wasi::import::write_layout(&layout, &[("example.com/wasm/sleep:v1", &module)]).expect("layout");
+    rustlet_wasi::import::import(wasi.images(), &layout, None).expect("import");
+    let classes = RuntimeClasses::new("runc", Arc::new(CriProvider::new(CriConfig::new(containerd.endpoint()))))
+        .with_handler("wasmtime", Arc::new(wasi));
+    let mut settings = ClusterSettings::new(ApiSource::Client(api.node_client.clone()));
+    settings.runtime_classes = Some(classes.class_handlers());
+    let mut config = NodeConfig::new(root.path(), api.node.clone());
+    config.http_address = None;
+    let ip = rustlet_testkit::control_plane::host_ip().unwrap_or(std::net::IpAddr::from([127, 0, 0, 1]));
+    config.node_ips = vec![ip];
+    let mut kubelet_api = kubelet::server::KubeletApiConfig::new(root.path());
+    kubelet_api.address = std::net::SocketAddr::new(ip, 0);
+    kubelet_api.client_ca = Some(plane.ca_file());
+    config.kubelet_api = Some(kubelet_api);
+    let shutdown = CancellationToken::new();
+    let _stop = shutdown.clone().drop_guard();
+    let _node = NodeBuilder::new(config)
+        .provider(Arc::new(classes))
+        .cluster(settings)
+        .start(shutdown.clone())
+        .await
+        .expect("node");
+
+    let class = format!("wasm-{}", api.node);
+    let runtime_classes: Api<k8s_openapi::api::node::v1::RuntimeClass> = Api::all(api.admin.clone());
+    let object =
+        serde_json::from_value(serde_json::json!({"metadata": {"name": class}, "handler": "wasmtime"})).expect("class");
+    match runtime_classes.create(&PostParams::default(), &object).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(status)) if status.code == 409 => {}
+        Err(error) => panic!("RuntimeClass {class}: {error}"),
+    }
+    let (shell, wasm) = (format!("shell-{}", api.node), format!("wasm-{}", api.node));
+    let script = "mkdir -p /www && echo hello-from-pod > /www/index.html && httpd -p 8080 -h /www \
+                  && while read line; do echo \"got $line\"; done; exec sleep 600";
+    let pods: Api<Pod> = Api::namespaced(api.admin.clone(), "default");
+    for (name, class, container) in [
+        (
+            &shell,
+            None,
+            serde_json::json!({"name": "main", "image": image, "stdin": true, "command": ["sh", "-c", script]}),
+        ),
+        (
+            &wasm,
+            Some(class.as_str()),
+            serde_json::json!({"name": "main", "image": "example.com/wasm/sleep:v1", "imagePullPolicy": "Never"}),
+        ),
+    ] {
+        let pod: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {"nodeName": api.node, "runtimeClassName": class, "automountServiceAccountToken": false,
+                     "terminationGracePeriodSeconds": 1, "containers": [container]},
+        }))
+        .expect("pod");
+        pods.create(&PostParams::default(), &pod).await.expect("create");
+    }
+    for name in [&shell, &wasm] {
+        api.wait_for(&pods, name, "running", SOON, |p| {
+            p.and_then(|p| p.status.as_ref()?.container_statuses.as_ref()?.first()?.state.clone())
+                .is_some_and(|s| s.running.is_some())
+        })
+        .await;
+    }
+    let kubectl = || tokio::process::Command::from(plane.kubectl());
+
+    // exec: stdout, stderr and the exit code.
+    let output = kubectl()
+        .args(["exec", &shell, "--", "sh", "-c", "echo out; echo err >&2; exit 3"])
+        .output()
+        .await
+        .expect("kubectl exec");
+    let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    assert_eq!(stdout, "out\n", "{stderr}");
+    assert!(stderr.contains("err"), "{stderr}");
+    assert_eq!(output.status.code(), Some(3), "the command's exit code: {stderr}");
+    // exec -i: stdin reaches the command.
+    let mut cat = kubectl()
+        .args(["exec", "-i", &shell, "--", "cat"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("kubectl exec -i");
+    let mut stdin = cat.stdin.take().expect("stdin");
+    stdin.write_all(b"piped input\n").await.expect("write");
+    drop(stdin);
+    let output = tokio::time::timeout(SOON, cat.wait_with_output()).await.expect("cat ends").expect("output");
+    assert_eq!(String::from_utf8_lossy(&output.stdout), "piped input\n", "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(output.status.success());
+
+    // attach: the running process reads what is typed and answers.
+    let mut attach = kubectl()
+        .args(["attach", "-i", &shell, "-c", "main"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("kubectl attach");
+    let mut stdin = attach.stdin.take().expect("stdin");
+    let mut out = tokio::io::BufReader::new(attach.stdout.take().expect("stdout"));
+    let answered = async {
+        // Typed until the session is up and the answer comes back.
+        let mut line = String::new();
+        loop {
+            stdin.write_all(b"ping\n").await.expect("write");
+            line.clear();
+            if out.read_line(&mut line).await.expect("read") == 0 {
+                panic!("attach ended without an answer");
+            }
+            if line.trim() == "got ping" {
+                return;
+            }
+        }
+    };
+    tokio::time::timeout(SOON, answered).await.expect("the attached process answers");
+    drop(attach);
+
+    // port-forward: a local port reaches the container's server.
+    let mut forward = kubectl()
+        .args(["port-forward", &format!("pod/{shell}"), ":8080"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("kubectl port-forward");
+    let mut out = tokio::io::BufReader::new(forward.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    tokio::time::timeout(SOON, out.read_line(&mut line)).await.expect("forwarding").expect("read");
+    // "Forwarding from 127.0.0.1:NNNNN -> 8080"
+    let local = line
+        .split_whitespace()
+        .find(|w| w.starts_with("127.0.0.1:"))
+        .unwrap_or_else(|| panic!("no local address in {line:?}"))
+        .to_owned();
+    let mut stream = tokio::net::TcpStream::connect(&local).await.expect("connect to the forwarded port");
+    stream.write_all(b"GET /index.html HTTP/1.0\r\nHost: pod\r\n\r\n").await.expect("request");
+    let mut answer = String::new();
+    tokio::io::AsyncReadExt::read_to_string(&mut stream, &mut answer).await.expect("answer");
+    assert!(answer.starts_with("HTTP/1.") && answer.ends_with("hello-from-pod\n"), "{answer}");
+    drop(forward);
+
+    // A WebAssembly container's exec says clearly that it is not there.
+    let output = kubectl().args(["exec", &wasm, "--", "ls"]).output().await.expect("kubectl exec");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(
+        stderr.contains("Error from server (BadRequest): exec: interactive exec into a WebAssembly container"),
+        "{stderr}"
+    );
+
+    for name in [&shell, &wasm] {
+        pods.delete(name, &DeleteParams::default()).await.expect("delete");
+    }
+    for name in [&shell, &wasm] {
+        api.wait_for(&pods, name, "gone", SOON, |p| p.is_none()).await;
+    }
+}

@@ -428,6 +428,16 @@ pub fn write_kubeconfig(path: &Path, url: &str, ca_pem: &str, token: &str) -> st
     )
 }
 
+/// The host's address the default route leaves from, if it has one but
+/// loopback (a UDP "connect" sends nothing). The API server proxies
+/// `nodes/proxy` to no loopback address, so a node reached that way
+/// advertises this one.
+pub fn host_ip() -> Option<std::net::IpAddr> {
+    let socket = std::net::UdpSocket::bind("0.0.0.0:0").ok()?;
+    socket.connect("192.0.2.1:9").ok()?;
+    socket.local_addr().ok().map(|a| a.ip()).filter(|ip| !ip.is_unspecified() && !ip.is_loopback())
+}
+
 fn free_port() -> Result<u16, String> {
     std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).map_err(|e| e.to_string())
 }

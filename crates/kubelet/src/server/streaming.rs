@@ -13,15 +13,27 @@ use k8s_openapi::api::core::v1::Pod;
 use serde_json::json;
 
 use super::ApiState;
-use crate::node::http::text;
 use crate::provider::{ContainerId, ProviderError, ProviderErrorKind, StreamRequest, StreamingEndpoint};
 
 /// The pod `namespace/name` (with `uid`, if given) among the node's pods.
 /// Why a request cannot be served: its status and message.
 type Refused = (StatusCode, String);
 
+/// A refusal as a `v1.Status`: what a client of an upgrade reads when the
+/// upgrade does not happen (kubectl shows its reason and message; plain
+/// text shaped like `key: value` would be misread as YAML).
 fn refused((code, message): Refused) -> Response {
-    text(code, format!("{message}\n"))
+    let reason = match code {
+        StatusCode::NOT_FOUND => "NotFound",
+        StatusCode::BAD_REQUEST => "BadRequest",
+        StatusCode::BAD_GATEWAY | StatusCode::SERVICE_UNAVAILABLE => "ServiceUnavailable",
+        _ => "InternalError",
+    };
+    let status = json!({
+        "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+        "message": message, "reason": reason, "code": code.as_u16(),
+    });
+    (code, Json(status)).into_response()
 }
 
 fn find_pod(state: &ApiState, namespace: &str, name: &str, uid: Option<&str>) -> Result<Pod, Refused> {
@@ -124,7 +136,7 @@ fn provider_error(what: &str, error: &ProviderError) -> Response {
         ProviderErrorKind::Unsupported => StatusCode::BAD_REQUEST,
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     };
-    text(code, format!("{what}: {}\n", error.message))
+    refused((code, format!("{what}: {}", error.message)))
 }
 
 #[derive(Clone, Copy)]
@@ -142,7 +154,7 @@ async fn session(
 ) -> Response {
     let options = match stream_request(query.as_deref(), matches!(kind, Session::Exec)) {
         Ok(options) => options,
-        Err(error) => return text(StatusCode::BAD_REQUEST, format!("{error}\n")),
+        Err(error) => return refused((StatusCode::BAD_REQUEST, error)),
     };
     let pod = match find_pod(&state, &namespace, &pod, uid.as_deref()) {
         Ok(pod) => pod,
@@ -153,7 +165,7 @@ async fn session(
         Err(why) => return refused(why),
     };
     let Some(provider) = state.provider.as_ref() else {
-        return text(StatusCode::BAD_REQUEST, "this node runs no containers\n".into());
+        return refused((StatusCode::BAD_REQUEST, "this node runs no containers".into()));
     };
     let (what, endpoint) = match kind {
         Session::Exec => ("exec", provider.exec(&id, &options).await),
@@ -208,7 +220,7 @@ async fn forward(state: ApiState, namespace: String, name: String, uid: Option<S
         Err(why) => return refused(why),
     };
     let Some(provider) = state.provider.as_ref() else {
-        return text(StatusCode::BAD_REQUEST, "this node runs no containers\n".into());
+        return refused((StatusCode::BAD_REQUEST, "this node runs no containers".into()));
     };
     let uid = pod.metadata.uid.clone().unwrap_or_default();
     tracing::info!(%namespace, pod = %name, "port-forward session");
@@ -239,7 +251,7 @@ pub(super) async fn port_forward_uid(
 /// joins the two upgraded connections; an answer that is not an upgrade
 /// is passed back as it is.
 async fn proxy(mut request: Request, url: &str) -> Response {
-    let bad_gateway = |why: String| text(StatusCode::BAD_GATEWAY, format!("{why}\n"));
+    let bad_gateway = |why: String| refused((StatusCode::BAD_GATEWAY, why));
     let uri: http::Uri = match url.parse() {
         Ok(uri) => uri,
         Err(error) => return bad_gateway(format!("the runtime's streaming URL {url:?} is not a URL: {error}")),
