@@ -696,3 +696,236 @@ rustlet_testkit::on_both_api_servers!(
     the_nodes_status_writes_keep_others_conditions_and_report_volumes_in_use_on,
     the_nodes_status_writes_keep_others_conditions_and_report_volumes_in_use
 );
+
+/// TLS bootstrap end to end on the real control plane, as a kubeadm
+/// cluster joins a kubelet: a bootstrap token (a Secret in kube-system),
+/// upstream's RBAC bindings for `system:bootstrappers` and `system:nodes`,
+/// kube-controller-manager approving and signing. The node gets its client
+/// certificate with the token, writes the kubeconfig, registers under the
+/// issued identity and runs a pod; its serving certificate is requested
+/// (and approved by the test, as an administrator would); both are
+/// renewed before they expire (the signer issues them for a minute) with
+/// the node's own identity, and the node keeps working across the switch.
+/// A restart reuses what it has.
+#[tokio::test]
+async fn a_node_joins_by_tls_bootstrap_and_rotates_its_certificates() {
+    use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
+    use k8s_openapi::api::coordination::v1::Lease;
+    use k8s_openapi::api::core::v1::{Node as NodeObject, Secret};
+    use k8s_openapi::api::rbac::v1::ClusterRoleBinding;
+    use kubelet::cluster::certificates::BootstrapSettings;
+    use kubelet::server::{KubeletApiConfig, ServingCertSource};
+    let test = "a_node_joins_by_tls_bootstrap_and_rotates_its_certificates";
+    let Some(api) = TestApi::real(test).await else { return };
+    let plane = api.control_plane().expect("real");
+    plane.ensure_controller_manager().expect("kube-controller-manager");
+    let admin = api.admin.clone();
+
+    // What kubeadm sets up: who may ask, and whose requests are approved.
+    let bindings: Api<ClusterRoleBinding> = Api::all(admin.clone());
+    for (name, role, group) in [
+        ("rustlet:kubelet-bootstrap", "system:node-bootstrapper", "system:bootstrappers"),
+        (
+            "rustlet:node-autoapprove-bootstrap",
+            "system:certificates.k8s.io:certificatesigningrequests:nodeclient",
+            "system:bootstrappers",
+        ),
+        (
+            "rustlet:node-autoapprove-certificate-rotation",
+            "system:certificates.k8s.io:certificatesigningrequests:selfnodeclient",
+            "system:nodes",
+        ),
+    ] {
+        let binding: ClusterRoleBinding = serde_json::from_value(json!({
+            "metadata": {"name": name},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role},
+            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": group}],
+        }))
+        .expect("binding");
+        match bindings.create(&PostParams::default(), &binding).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(status)) if status.code == 409 => {}
+            Err(error) => panic!("ClusterRoleBinding {name}: {error}"),
+        }
+    }
+    // A bootstrap token.
+    let id: String = uuid::Uuid::new_v4().simple().to_string()[..6].to_owned();
+    let secret: String = uuid::Uuid::new_v4().simple().to_string()[..16].to_owned();
+    let token: Secret = serde_json::from_value(json!({
+        "metadata": {"name": format!("bootstrap-token-{id}"), "namespace": "kube-system"},
+        "type": "bootstrap.kubernetes.io/token",
+        "stringData": {"token-id": id, "token-secret": secret, "usage-bootstrap-authentication": "true"},
+    }))
+    .expect("secret");
+    Api::<Secret>::namespaced(admin.clone(), "kube-system")
+        .create(&PostParams::default(), &token)
+        .await
+        .expect("token");
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let root = dir.path().join("root");
+    let bootstrap_kubeconfig = dir.path().join("bootstrap.kubeconfig");
+    plane.write_kubeconfig(&bootstrap_kubeconfig, &format!("{id}.{secret}")).expect("bootstrap kubeconfig");
+    let kubeconfig = dir.path().join("kubelet.kubeconfig");
+    let cert_dir = root.join("pki");
+    let node_name = format!("joined-{id}");
+    let start = || {
+        let mut config = NodeConfig::new(&root, node_name.clone());
+        config.http_address = None;
+        let ip = rustlet_testkit::control_plane::host_ip().unwrap_or(std::net::IpAddr::from([127, 0, 0, 1]));
+        config.node_ips = vec![ip];
+        let mut kubelet_api = KubeletApiConfig::new(&root);
+        kubelet_api.address = std::net::SocketAddr::new(ip, 0);
+        kubelet_api.client_ca = Some(plane.ca_file());
+        kubelet_api.serving = ServingCertSource::Requested;
+        config.kubelet_api = Some(kubelet_api);
+        let settings = ClusterSettings::new(ApiSource::Bootstrap(BootstrapSettings {
+            kubeconfig: kubeconfig.clone(),
+            bootstrap_kubeconfig: Some(bootstrap_kubeconfig.clone()),
+            cert_dir: cert_dir.clone(),
+            rotate: true,
+        }));
+        let shutdown = CancellationToken::new();
+        let node = NodeBuilder::new(config)
+            .provider(Arc::new(HostProcessProvider::new()))
+            .cluster(settings)
+            .start(shutdown.clone());
+        (node, shutdown)
+    };
+    let (node, shutdown) = start();
+    let node = node.await.expect("node");
+    let stop = shutdown.clone().drop_guard();
+    let address = node.kubelet_api_address().expect("kubelet API");
+
+    // The client certificate: asked for with the token, approved by the
+    // controller, and the Node registered under it.
+    let nodes: Api<NodeObject> = Api::all(admin.clone());
+    api.wait_for(&nodes, &node_name, "registered", DEADLINE, |n| n.is_some()).await;
+    let csrs: Api<CertificateSigningRequest> = Api::all(admin.clone());
+    let requests = csrs.list(&Default::default()).await.expect("list CSRs").items;
+    let client_csr = requests
+        .iter()
+        .find(|c| c.spec.username.as_deref() == Some(&format!("system:bootstrap:{id}")))
+        .expect("the bootstrap CSR");
+    assert_eq!(client_csr.spec.signer_name, "kubernetes.io/kube-apiserver-client-kubelet");
+    let conditions = client_csr.status.as_ref().and_then(|s| s.conditions.clone()).unwrap_or_default();
+    assert!(conditions.iter().any(|c| c.type_ == "Approved" && c.reason.as_deref() == Some("AutoApproved")));
+    let written = std::fs::read_to_string(&kubeconfig).expect("the kubeconfig is written");
+    assert!(written.contains("kubelet-client-current.pem"), "{written}");
+    let client_cert = || {
+        let pem = std::fs::read(cert_dir.join("kubelet-client-current.pem")).expect("client certificate");
+        use rustls::pki_types::pem::PemObject as _;
+        let leaf = rustls::pki_types::CertificateDer::pem_slice_iter(&pem).next().expect("a cert").expect("pem");
+        kubelet::server::x509::certificate_facts(&leaf).expect("facts")
+    };
+    let first = client_cert();
+    assert_eq!(first.common_name.as_deref(), Some(format!("system:node:{node_name}").as_str()));
+    assert_eq!(first.organizations, ["system:nodes"]);
+
+    // The serving certificate: requested by the node, approved here.
+    let serving = loop {
+        let requests = csrs.list(&Default::default()).await.expect("list CSRs").items;
+        let pending = requests.into_iter().find(|c| {
+            c.spec.signer_name == "kubernetes.io/kubelet-serving"
+                && c.spec.username.as_deref() == Some(&format!("system:node:{node_name}"))
+        });
+        if let Some(pending) = pending {
+            break pending;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let approval = Patch::Merge(json!({"status": {"conditions": [
+        {"type": "Approved", "status": "True", "reason": "TestApproved", "message": "approved by the test"}
+    ]}}));
+    let name = serving.metadata.name.clone().expect("name");
+    csrs.patch_approval(&name, &PatchParams::default(), &approval).await.expect("approve");
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    let served = loop {
+        if let Ok(der) = rustlet_testkit::https::server_certificate(address).await {
+            break kubelet::server::x509::certificate_facts(&der).expect("facts");
+        }
+        assert!(tokio::time::Instant::now() < deadline, "no serving certificate after approval");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(served.common_name.as_deref(), Some(format!("system:node:{node_name}").as_str()));
+
+    // Rotation: both certificates are renewed before they expire, the
+    // client one by the node's own identity (auto-approved), the serving
+    // one approved here again.
+    let rotation_deadline =
+        tokio::time::Instant::now() + rustlet_testkit::control_plane::SIGNED_CERTIFICATE_LIFETIME * 3;
+    let mut approved = std::collections::BTreeSet::from([name]);
+    loop {
+        let client_rotated = client_cert().not_after > first.not_after;
+        let serving_rotated = rustlet_testkit::https::server_certificate(address)
+            .await
+            .ok()
+            .and_then(|der| kubelet::server::x509::certificate_facts(&der).ok())
+            .is_some_and(|f| f.not_after > served.not_after);
+        if client_rotated && serving_rotated {
+            break;
+        }
+        for csr in csrs.list(&Default::default()).await.expect("list CSRs").items {
+            let name = csr.metadata.name.clone().unwrap_or_default();
+            if csr.spec.signer_name == "kubernetes.io/kubelet-serving"
+                && csr.spec.username.as_deref() == Some(&format!("system:node:{node_name}"))
+                && approved.insert(name.clone())
+            {
+                csrs.patch_approval(&name, &PatchParams::default(), &approval).await.expect("approve");
+            }
+        }
+        assert!(
+            tokio::time::Instant::now() < rotation_deadline,
+            "not rotated in time: client {client_rotated}, serving {serving_rotated}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let renewals = csrs.list(&Default::default()).await.expect("list CSRs").items;
+    assert!(
+        renewals.iter().any(|c| c.spec.signer_name == "kubernetes.io/kube-apiserver-client-kubelet"
+            && c.spec.username.as_deref() == Some(&format!("system:node:{node_name}"))),
+        "the renewal is asked for by the node itself"
+    );
+    // The node keeps working after the switch: its Lease is renewed and a
+    // pod runs with its status in the API.
+    let leases: Api<Lease> = Api::namespaced(admin.clone(), "kube-node-lease");
+    let switched = jiff::Timestamp::now();
+    api.wait_for(&leases, &node_name, "renewed after the rotation", DEADLINE, |l| {
+        l.and_then(|l| l.spec.as_ref()?.renew_time.as_ref()).is_some_and(|t| t.0 > switched)
+    })
+    .await;
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), "default");
+    let pod_name = format!("after-rotation-{id}");
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": pod_name, "namespace": "default"},
+        "spec": {"nodeName": node_name, "automountServiceAccountToken": false, "terminationGracePeriodSeconds": 1,
+                 "containers": [{"name": "main", "image": "busybox", "command": ["sleep", "600"]}]},
+    }))
+    .expect("pod");
+    pods.create(&PostParams::default(), &pod).await.expect("create");
+    api.wait_for(&pods, &pod_name, "running", DEADLINE, |p| {
+        p.and_then(|p| p.status.as_ref()?.phase.clone()).as_deref() == Some("Running")
+    })
+    .await;
+    pods.delete(&pod_name, &DeleteParams::default()).await.expect("delete");
+    api.wait_for(&pods, &pod_name, "gone", DEADLINE, |p| p.is_none()).await;
+
+    // A restart uses what the node has: no new bootstrap request.
+    drop(stop);
+    node.stopped().await;
+    let before = csrs.list(&Default::default()).await.expect("list CSRs").items.len();
+    let (node, shutdown) = start();
+    let node = node.await.expect("node again");
+    let _stop = shutdown.clone().drop_guard();
+    let leases_again = jiff::Timestamp::now();
+    api.wait_for(&leases, &node_name, "renewed after the restart", DEADLINE, |l| {
+        l.and_then(|l| l.spec.as_ref()?.renew_time.as_ref()).is_some_and(|t| t.0 > leases_again)
+    })
+    .await;
+    let after = csrs.list(&Default::default()).await.expect("list CSRs").items;
+    assert!(
+        !after.iter().skip(before).any(|c| c.spec.username.as_deref() == Some(&format!("system:bootstrap:{id}"))),
+        "the restarted node did not bootstrap again"
+    );
+    drop(node);
+}

@@ -111,6 +111,10 @@ pub struct ControlPlane {
     ca_key_pem: String,
 }
 
+/// How long certificates kube-controller-manager signs are valid: short,
+/// so that a test sees a node renew its certificates.
+pub const SIGNED_CERTIFICATE_LIFETIME: Duration = Duration::from_secs(60);
+
 static SHARED: OnceLock<Result<ControlPlane, String>> = OnceLock::new();
 
 impl ControlPlane {
@@ -220,6 +224,7 @@ impl ControlPlane {
             .args(["--service-account-issuer", "https://kubernetes.default.svc"])
             .args(["--authorization-mode", "Node,RBAC", "--enable-admission-plugins", "NodeRestriction"])
             .args(["--endpoint-reconciler-type", "none", "--service-cluster-ip-range", "10.96.0.0/16"])
+            .arg("--enable-bootstrap-token-auth")
             .arg("--kubelet-client-certificate")
             .arg(&kubelet_client_cert)
             .arg("--kubelet-client-key")
@@ -387,9 +392,10 @@ impl ControlPlane {
             .clone()
     }
 
-    /// Starts `kube-controller-manager` with its default controllers
-    /// (node lifecycle, CSR approval and signing, garbage collector, ...),
-    /// once per test binary.
+    /// Starts `kube-controller-manager` with the certificate controllers
+    /// only (CSR approval, signing and cleanup; nothing that would taint or
+    /// evict other tests' nodes), once per test binary. Certificates it
+    /// signs live [`SIGNED_CERTIFICATE_LIFETIME`].
     pub fn ensure_controller_manager(&self) -> Result<(), String> {
         self.controller_manager
             .get_or_init(|| {
@@ -406,7 +412,9 @@ impl ControlPlane {
                     .arg(self.dir.join("ca.crt"))
                     .arg("--cluster-signing-key-file")
                     .arg(self.dir.join("ca.key"))
-                    .arg("--use-service-account-credentials=false");
+                    .arg("--use-service-account-credentials=false")
+                    .args(["--controllers", "csrapproving,csrsigning,csrcleaner"])
+                    .arg(format!("--cluster-signing-duration={}s", SIGNED_CERTIFICATE_LIFETIME.as_secs()));
                 let process = Guarded::spawn(command, &self.dir.join("kube-controller-manager.log"), None)?;
                 self.processes.lock().unwrap_or_else(|p| p.into_inner()).push(process);
                 Ok(())

@@ -125,3 +125,13 @@ pub async fn request(
 pub async fn get(address: SocketAddr, path: &str, credentials: Credentials<'_>) -> Result<(u16, String), String> {
     request(address, "GET", path, credentials).await
 }
+
+/// The certificate the server at `address` presents (DER), after a
+/// handshake without credentials.
+pub async fn server_certificate(address: SocketAddr) -> Result<Vec<u8>, String> {
+    let stream = tokio::net::TcpStream::connect(address).await.map_err(|e| format!("connect {address}: {e}"))?;
+    let name = ServerName::IpAddress(address.ip().into());
+    let tls = connector(&Credentials::Anonymous)?.connect(name, stream).await.map_err(|e| format!("TLS: {e}"))?;
+    let chain = tls.get_ref().1.peer_certificates().ok_or("no server certificate")?;
+    chain.first().map(|c| c.to_vec()).ok_or_else(|| "an empty chain".to_owned())
+}

@@ -163,6 +163,21 @@ pub(crate) struct NodeArgs {
     /// standalone parts run meanwhile.
     #[arg(long)]
     pub(crate) kubeconfig: Option<PathBuf>,
+    /// Kubeconfig with a bootstrap identity (a bootstrap token, say): while
+    /// `--kubeconfig` has no valid client certificate, the node asks the
+    /// cluster for one (a CertificateSigningRequest) with it, and writes
+    /// `--kubeconfig` to use the certificate it gets.
+    #[arg(long, requires = "kubeconfig")]
+    pub(crate) bootstrap_kubeconfig: Option<PathBuf>,
+    /// Renew the client certificate at 70–90% of its lifetime with a new
+    /// CertificateSigningRequest.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub(crate) rotate_certificates: bool,
+    /// Get the kubelet API's serving certificate from the cluster (signer
+    /// kubernetes.io/kubelet-serving; someone must approve it) and renew
+    /// it; until one is issued, the kubelet API refuses TLS handshakes.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub(crate) rotate_server_certificates: bool,
     /// Labels for the Node, `key=value,...` (cluster mode).
     #[arg(long, value_delimiter = ',', value_parser = parse_label)]
     pub(crate) node_labels: Vec<(String, String)>,

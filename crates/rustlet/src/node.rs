@@ -5,6 +5,7 @@
 use std::net::{IpAddr, SocketAddr};
 
 use anyhow::bail;
+use kubelet::cluster::certificates::BootstrapSettings;
 use kubelet::cluster::{ApiSource, ClusterSettings};
 use kubelet::health::HealthReporter;
 use kubelet::node::{Node, NodeBuilder, NodeConfig};
@@ -41,11 +42,11 @@ fn kubelet_api(args: &NodeArgs) -> KubeletApiConfig {
     let cluster = args.kubeconfig.is_some();
     let mut api = KubeletApiConfig::new(&args.root_dir);
     api.address = SocketAddr::new(args.address, args.port);
-    if let Some(dir) = &args.cert_dir {
-        api.cert_dir = dir.clone();
-    }
+    api.cert_dir = cert_dir(args);
     if let (Some(cert), Some(key)) = (&args.tls_cert_file, &args.tls_private_key_file) {
         api.serving = ServingCertSource::Files { cert: cert.clone(), key: key.clone() };
+    } else if args.rotate_server_certificates {
+        api.serving = ServingCertSource::Requested;
     }
     api.client_ca = args.client_ca_file.clone();
     api.host_names = vec![host_name()];
@@ -65,6 +66,12 @@ fn kubelet_api(args: &NodeArgs) -> KubeletApiConfig {
     api
 }
 
+/// Where the node keeps its keys and certificates (`--cert-dir`, default
+/// `<root-dir>/pki` as the kubelet's).
+fn cert_dir(args: &NodeArgs) -> std::path::PathBuf {
+    args.cert_dir.clone().unwrap_or_else(|| args.root_dir.join("pki"))
+}
+
 /// The flags `/configz` shows, in `KubeletConfiguration`'s names.
 fn configz(args: &NodeArgs) -> serde_json::Map<String, serde_json::Value> {
     let mut map = serde_json::Map::new();
@@ -74,6 +81,7 @@ fn configz(args: &NodeArgs) -> serde_json::Map<String, serde_json::Value> {
     map.insert("kubeAPIQPS".into(), args.kube_api_qps.into());
     map.insert("kubeAPIBurst".into(), args.kube_api_burst.into());
     map.insert("runtimeRequestTimeout".into(), "2m0s".into());
+    map.insert("rotateCertificates".into(), args.rotate_certificates.into());
     if let Some(endpoint) = &args.container_runtime_endpoint {
         map.insert("containerRuntimeEndpoint".into(), endpoint.clone().into());
     }
@@ -83,7 +91,17 @@ fn configz(args: &NodeArgs) -> serde_json::Map<String, serde_json::Value> {
 /// Cluster mode's settings from the command line, if it is asked for.
 pub(crate) fn cluster(args: &NodeArgs) -> Option<ClusterSettings> {
     let path = args.kubeconfig.clone()?;
-    let mut settings = ClusterSettings::new(ApiSource::Kubeconfig(path));
+    let source = if args.bootstrap_kubeconfig.is_some() || args.rotate_certificates {
+        ApiSource::Bootstrap(BootstrapSettings {
+            kubeconfig: path,
+            bootstrap_kubeconfig: args.bootstrap_kubeconfig.clone(),
+            cert_dir: cert_dir(args),
+            rotate: args.rotate_certificates,
+        })
+    } else {
+        ApiSource::Kubeconfig(path)
+    };
+    let mut settings = ClusterSettings::new(source);
     settings.node_labels = args.node_labels.iter().cloned().collect();
     settings.taints = args.register_with_taints.clone();
     // The client counts every request against the limit; the status

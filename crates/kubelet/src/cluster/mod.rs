@@ -23,6 +23,7 @@
 //! provider. Not yet: events, refreshing
 //! configMap/secret volumes and tokens after the pod started.
 
+pub mod certificates;
 pub mod csi_info;
 pub mod node_sync;
 pub mod pod_sync;
@@ -62,6 +63,10 @@ pub enum ApiSource {
     /// A kubeconfig file (its current context), read when the node starts
     /// and again with backoff while it is missing or unusable.
     Kubeconfig(PathBuf),
+    /// A kubeconfig made by TLS bootstrap when it has no valid client
+    /// certificate, its certificate renewed if asked
+    /// ([`certificates`]); retried with backoff like a kubeconfig.
+    Bootstrap(certificates::BootstrapSettings),
 }
 
 impl std::fmt::Debug for ApiSource {
@@ -69,6 +74,7 @@ impl std::fmt::Debug for ApiSource {
         match self {
             ApiSource::Client(_) => f.write_str("Client(..)"),
             ApiSource::Kubeconfig(path) => f.debug_tuple("Kubeconfig").field(path).finish(),
+            ApiSource::Bootstrap(settings) => f.debug_tuple("Bootstrap").field(settings).finish(),
         }
     }
 }
@@ -195,7 +201,7 @@ pub(crate) fn start(settings: ClusterSettings, parts: NodeParts, shutdown: Cance
     parts.tasks.spawn(async move {
         let client = tokio::select! {
             () = shutdown.cancelled() => return,
-            client = client(&settings) => client,
+            client = client(&settings, &name, &shutdown) => client,
         };
         parts.recorder.node(&name, crate::events::EventType::Normal, "Starting", "Starting kubelet.".into());
         if let Some(queue) = parts.events {
@@ -240,14 +246,28 @@ pub(crate) fn start(settings: ClusterSettings, parts: NodeParts, shutdown: Cance
 
 /// The API client: the given one, or one from the kubeconfig, read again
 /// with backoff until it works.
-async fn client(settings: &ClusterSettings) -> kube::Client {
+async fn client(settings: &ClusterSettings, node_name: &str, shutdown: &CancellationToken) -> kube::Client {
     let path = match &settings.api {
         ApiSource::Client(client) => return client.clone(),
         ApiSource::Kubeconfig(path) => path,
+        ApiSource::Bootstrap(bootstrap) => &bootstrap.kubeconfig,
     };
     let mut backoff = crate::retry::RetryBackoff::new(settings.kubeconfig_retry, Duration::from_secs(60));
     loop {
-        match from_kubeconfig_limited(path, settings.api_qps, settings.api_burst).await {
+        let made = match &settings.api {
+            ApiSource::Bootstrap(bootstrap) => match certificates::bootstrap(bootstrap, node_name, shutdown).await {
+                Ok(true) => {
+                    certificates::rotating_client(bootstrap, node_name, settings.api_qps, settings.api_burst, shutdown)
+                        .await
+                        .map_err(|e| e.to_string())
+                }
+                // Stopping: the caller sees the shutdown.
+                Ok(false) => std::future::pending().await,
+                Err(error) => Err(error.to_string()),
+            },
+            _ => from_kubeconfig_limited(path, settings.api_qps, settings.api_burst).await.map_err(|e| e.to_string()),
+        };
+        match made {
             Ok(client) => return client,
             Err(error) => {
                 let delay = backoff.next_delay();

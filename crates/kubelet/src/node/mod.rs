@@ -492,8 +492,9 @@ fn configz(config: &NodeConfig, api: &crate::server::KubeletApiConfig, address: 
         "staticPodPath": config.pods.manifest_dir.as_ref().map(|d| d.display().to_string()).unwrap_or_default(),
         "healthzBindAddress": config.http_address.map(|a| a.ip().to_string()).unwrap_or_default(),
         "healthzPort": config.http_address.map_or(0, |a| a.port()),
-        "tlsCertFile": match &api.serving { ServingCertSource::Files { cert, .. } => cert.display().to_string(), ServingCertSource::SelfSigned => String::new() },
-        "tlsPrivateKeyFile": match &api.serving { ServingCertSource::Files { key, .. } => key.display().to_string(), ServingCertSource::SelfSigned => String::new() },
+        "tlsCertFile": match &api.serving { ServingCertSource::Files { cert, .. } => cert.display().to_string(), _ => String::new() },
+        "tlsPrivateKeyFile": match &api.serving { ServingCertSource::Files { key, .. } => key.display().to_string(), _ => String::new() },
+        "serverTLSBootstrap": api.serving == ServingCertSource::Requested,
         "authentication": {
             "x509": {"clientCAFile": api.client_ca.as_ref().map(|p| p.display().to_string()).unwrap_or_default()},
             "webhook": {"enabled": api.auth.token_webhook, "cacheTTL": seconds(api.auth.token_cache_ttl)},

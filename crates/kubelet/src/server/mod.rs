@@ -61,6 +61,12 @@ pub enum ServingCertSource {
     /// Self-signed, made under the cert dir (`kubelet.crt`, `kubelet.key`)
     /// and reused while it is valid.
     SelfSigned,
+    /// Requested from the cluster (`--rotate-server-certificates`): a CSR
+    /// for signer `kubernetes.io/kubelet-serving` naming the node's host
+    /// names and IPs, kept in `<cert-dir>/kubelet-server-current.pem` and
+    /// renewed at 70–90% of its lifetime. Until one is issued (someone must
+    /// approve it), TLS handshakes fail.
+    Requested,
 }
 
 /// The kubelet API's settings.
@@ -131,6 +137,8 @@ pub(crate) struct BoundApi {
     listener: TcpListener,
     tls: Arc<rustls::ServerConfig>,
     auth: auth::Auth,
+    serving: tls::ServingCertificate,
+    renewal: Option<ServingRenewal>,
     /// Where it listens.
     pub(crate) address: SocketAddr,
 }
@@ -157,22 +165,39 @@ pub(crate) async fn bind(
             "--authorization-mode=Webhook needs an API server; use AlwaysAllow on a standalone node".into(),
         ));
     }
+    let mut names = vec![node_name.to_owned()];
+    names.extend(config.host_names.iter().filter(|n| *n != node_name).cloned());
+    let mut renewal = None;
     let key = match &config.serving {
-        ServingCertSource::Files { cert, key } => tls::load_pair(cert, key)?,
-        ServingCertSource::SelfSigned => {
-            let mut names = vec![node_name.to_owned()];
-            names.extend(config.host_names.iter().filter(|n| *n != node_name).cloned());
-            tls::self_signed(&config.cert_dir, &names, ips)?
+        ServingCertSource::Files { cert, key } => Some(tls::load_pair(cert, key)?),
+        ServingCertSource::SelfSigned => Some(tls::self_signed(&config.cert_dir, &names, ips)?),
+        ServingCertSource::Requested => {
+            if standalone {
+                return Err(KubeletApiError::Settings(
+                    "--rotate-server-certificates needs an API server to sign the certificate".into(),
+                ));
+            }
+            let current = crate::cluster::certificates::load_current(&config.cert_dir, "kubelet-server");
+            let key = current.as_ref().map(|c| tls::certified_from_pem(&c.cert_pem, &c.key_pem)).transpose()?;
+            renewal = Some(ServingRenewal {
+                cert_dir: config.cert_dir.clone(),
+                node_name: node_name.to_owned(),
+                names: names.clone(),
+                ips: ips.to_vec(),
+                current,
+                client: client.clone(),
+            });
+            key
         }
     };
     let serving = tls::ServingCertificate::new(key);
-    let tls = tls::server_config(serving, config.client_ca.as_deref())?;
+    let tls = tls::server_config(serving.clone(), config.client_ca.as_deref())?;
     let listener = TcpListener::bind(config.address)
         .await
         .map_err(|source| KubeletApiError::Bind { address: config.address, source })?;
     let address = listener.local_addr().map_err(|source| KubeletApiError::Bind { address: config.address, source })?;
     let auth = auth::Auth::new(config.auth.clone(), node_name, client);
-    Ok(BoundApi { listener, tls, auth, address })
+    Ok(BoundApi { listener, tls, auth, address, serving, renewal })
 }
 
 impl BoundApi {
@@ -185,6 +210,9 @@ impl BoundApi {
         shutdown: CancellationToken,
     ) -> JoinHandle<()> {
         let state = ApiState { http, provider, rates: Arc::default(), configz: Arc::new(configz) };
+        if let Some(renewal) = self.renewal {
+            tokio::spawn(renewal.run(self.serving.clone(), shutdown.clone()));
+        }
         let router = router(state, self.auth.clone());
         let acceptor = tokio_rustls::TlsAcceptor::from(self.tls);
         let address = self.address;
@@ -222,6 +250,75 @@ impl BoundApi {
             }
             .instrument(span),
         )
+    }
+}
+
+/// What the serving certificate is requested with, and the one in use.
+struct ServingRenewal {
+    cert_dir: PathBuf,
+    node_name: String,
+    names: Vec<String>,
+    ips: Vec<std::net::IpAddr>,
+    current: Option<crate::cluster::certificates::IssuedCertificate>,
+    client: watch::Receiver<Option<kube::Client>>,
+}
+
+impl ServingRenewal {
+    /// Requests the serving certificate when there is none, and again at
+    /// 70–90% of each one's lifetime; the new one serves from the next
+    /// handshake on.
+    async fn run(mut self, serving: tls::ServingCertificate, shutdown: CancellationToken) {
+        use crate::cluster::certificates::{Request, SERVING_SIGNER, request_certificate, store};
+        let client = tokio::select! {
+            () = shutdown.cancelled() => return,
+            client = self.client.wait_for(Option::is_some) => client.ok().and_then(|c| c.clone()),
+        };
+        let Some(client) = client else { return };
+        let mut backoff = crate::retry::RetryBackoff::new(Duration::from_secs(1), Duration::from_secs(60));
+        loop {
+            if let Some(current) = &self.current {
+                let at = current.renew_at();
+                let now = jiff::Timestamp::now();
+                let wait = if at > now { now.duration_until(at).unsigned_abs() } else { Duration::ZERO };
+                tracing::info!(not_after = %current.not_after, renew_at = %at, "serving certificate renewal scheduled");
+                tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    () = tokio::time::sleep(wait) => {}
+                }
+            }
+            let request = Request {
+                signer: SERVING_SIGNER,
+                node_name: &self.node_name,
+                dns_names: self.names.clone(),
+                ips: self.ips.clone(),
+                usages: &["digital signature", "server auth"],
+            };
+            let issued = match request_certificate(&client, &request, &shutdown).await {
+                Ok(Some(issued)) => issued,
+                Ok(None) => return,
+                Err(error) => {
+                    let delay = backoff.next_delay();
+                    tracing::error!(%error, retry_in = ?delay, "serving certificate request failed");
+                    tokio::select! {
+                        () = shutdown.cancelled() => return,
+                        () = tokio::time::sleep(delay) => {}
+                    }
+                    continue;
+                }
+            };
+            backoff.reset();
+            match store(&self.cert_dir, "kubelet-server", &issued)
+                .map_err(|e| e.to_string())
+                .and_then(|_| tls::certified_from_pem(&issued.cert_pem, &issued.key_pem).map_err(|e| e.to_string()))
+            {
+                Ok(key) => {
+                    serving.replace(key);
+                    tracing::info!(not_after = %issued.not_after, "serving certificate in use");
+                    self.current = Some(issued);
+                }
+                Err(error) => tracing::error!(%error, "the issued serving certificate cannot be used"),
+            }
+        }
     }
 }
 

@@ -83,33 +83,49 @@ pub fn load_pair(cert: &Path, key: &Path) -> Result<Arc<CertifiedKey>, TlsError>
 }
 
 /// The serving certificate in use; replaced whole when it is renewed, so a
-/// handshake sees either the old one or the new one.
+/// handshake sees either the old one or the new one. None yet (a requested
+/// certificate not issued yet): handshakes fail.
 #[derive(Clone, Debug)]
 pub struct ServingCertificate {
-    current: Arc<RwLock<Arc<CertifiedKey>>>,
+    current: Arc<RwLock<Option<Arc<CertifiedKey>>>>,
 }
 
 impl ServingCertificate {
-    /// Serves `key`.
-    pub fn new(key: Arc<CertifiedKey>) -> Self {
+    /// Serves `key` (none: nothing until [`ServingCertificate::replace`]).
+    pub fn new(key: Option<Arc<CertifiedKey>>) -> Self {
         ServingCertificate { current: Arc::new(RwLock::new(key)) }
     }
 
     /// Serves `key` from now on.
     pub fn replace(&self, key: Arc<CertifiedKey>) {
-        *self.current.write().unwrap_or_else(|p| p.into_inner()) = key;
+        *self.current.write().unwrap_or_else(|p| p.into_inner()) = Some(key);
     }
 
     /// The certificate served now.
-    pub fn current(&self) -> Arc<CertifiedKey> {
-        Arc::clone(&self.current.read().unwrap_or_else(|p| p.into_inner()))
+    pub fn current(&self) -> Option<Arc<CertifiedKey>> {
+        self.current.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 }
 
 impl ResolvesServerCert for ServingCertificate {
     fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
-        Some(self.current())
+        let current = self.current();
+        if current.is_none() {
+            tracing::debug!("TLS handshake refused: no serving certificate has been issued yet");
+        }
+        current
     }
+}
+
+/// A certificate and key from PEM text, ready to serve.
+pub fn certified_from_pem(cert_pem: &str, key_pem: &str) -> Result<Arc<CertifiedKey>, TlsError> {
+    let here = Path::new("<issued certificate>");
+    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert_pem.as_bytes())
+        .collect::<Result<_, _>>()
+        .map_err(|e| pem_error(here, format!("not PEM certificates: {e}")))?;
+    let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes())
+        .map_err(|e| pem_error(here, format!("no usable key: {e}")))?;
+    certified_key(chain, &key, here)
 }
 
 /// The self-signed certificate the kubelet makes when it is given none:

@@ -1,0 +1,537 @@
+//! TLS bootstrap and certificate rotation, as the kubelet does them.
+//!
+//! - **Bootstrap** (`--bootstrap-kubeconfig`): while `--kubeconfig` has no
+//!   valid client certificate, the node makes an ECDSA P-256 key and asks
+//!   the cluster for a certificate with a CertificateSigningRequest (signer
+//!   `kubernetes.io/kube-apiserver-client-kubelet`, CN `system:node:<node>`,
+//!   O `system:nodes`, usages digital signature and client auth), using the
+//!   bootstrap identity (a bootstrap token, say). Once the CSR is approved
+//!   (kube-controller-manager's csrapproving controller does it for
+//!   `system:bootstrappers` given upstream's RBAC bindings) and signed, the
+//!   key and certificate go to `<cert-dir>/kubelet-client-<time>.pem`, the
+//!   link `kubelet-client-current.pem` points at it, and `--kubeconfig` is
+//!   written to use it. A restart reuses them while they are valid.
+//! - **Rotation** (`--rotate-certificates`): at 70–90% of the certificate's
+//!   lifetime (counted from when the node got it: signers backdate
+//!   `notBefore`), the node asks again with its own identity. Once the new
+//!   certificate is written, requests go out on a new HTTP client (new
+//!   connections with the new certificate); requests under way, watches
+//!   included, finish on the old client's connections, which close when
+//!   nothing uses them. Nothing waits or fails for the switch (the API
+//!   server checks a client certificate when a request starts, so a watch
+//!   begun under the old one runs on). A failed renewal is retried with
+//!   backoff while the old certificate is valid.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use futures_util::StreamExt as _;
+use k8s_openapi::ByteString;
+use k8s_openapi::api::certificates::v1::{CertificateSigningRequest, CertificateSigningRequestSpec};
+use kube::api::{Api, PostParams};
+use kube::client::ConfigExt as _;
+use tokio_util::sync::CancellationToken;
+
+use crate::server::tls::write_private;
+use crate::server::x509::certificate_facts;
+
+/// The signer of kubelet client certificates.
+pub const CLIENT_SIGNER: &str = "kubernetes.io/kube-apiserver-client-kubelet";
+/// The signer of kubelet serving certificates.
+pub const SERVING_SIGNER: &str = "kubernetes.io/kubelet-serving";
+
+/// TLS bootstrap and rotation settings.
+#[derive(Clone, Debug)]
+pub struct BootstrapSettings {
+    /// The kubeconfig the node uses (`--kubeconfig`); written by the
+    /// bootstrap.
+    pub kubeconfig: PathBuf,
+    /// The kubeconfig with the bootstrap identity (`--bootstrap-kubeconfig`);
+    /// `None`: no bootstrap, `kubeconfig` must work as it is.
+    pub bootstrap_kubeconfig: Option<PathBuf>,
+    /// Where keys and certificates are kept (`--cert-dir`).
+    pub cert_dir: PathBuf,
+    /// Renew the client certificate before it expires
+    /// (`--rotate-certificates`).
+    pub rotate: bool,
+}
+
+/// Why a certificate could not be had.
+#[derive(Debug, thiserror::Error)]
+pub enum CertificateError {
+    /// A kubeconfig could not be read or used.
+    #[error("{path}: {reason}")]
+    Kubeconfig {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A file could not be written.
+    #[error("{0}")]
+    Files(#[from] crate::server::tls::TlsError),
+    /// The request could not be made or sent.
+    #[error("certificate signing request: {0}")]
+    Request(String),
+    /// The cluster refused it.
+    #[error("certificate signing request {name} was {outcome}: {message}")]
+    Refused {
+        /// The CSR's name.
+        name: String,
+        /// Denied or Failed.
+        outcome: String,
+        /// The condition's message.
+        message: String,
+    },
+}
+
+/// A certificate and its key as PEM, with its validity.
+#[derive(Clone, Debug)]
+pub struct IssuedCertificate {
+    /// The certificate chain (PEM).
+    pub cert_pem: String,
+    /// The private key (PEM).
+    pub key_pem: String,
+    /// When the node got it (or its `notBefore`, if later).
+    pub issued: jiff::Timestamp,
+    /// Its `notAfter`.
+    pub not_after: jiff::Timestamp,
+}
+
+impl IssuedCertificate {
+    /// When to renew it: 70–90% (random) of its lifetime after it was had.
+    pub fn renew_at(&self) -> jiff::Timestamp {
+        let lifetime = self.not_after.duration_since(self.issued);
+        let fraction = 0.7 + 0.2 * random_unit();
+        let after = jiff::SignedDuration::from_secs_f64(lifetime.as_secs_f64().max(0.0) * fraction);
+        self.issued + after
+    }
+
+    fn from_pem(cert_pem: String, key_pem: String, received: jiff::Timestamp) -> Result<Self, CertificateError> {
+        use rustls::pki_types::CertificateDer;
+        use rustls::pki_types::pem::PemObject as _;
+        let leaf = CertificateDer::pem_slice_iter(cert_pem.as_bytes())
+            .next()
+            .ok_or_else(|| CertificateError::Request("the issued certificate holds no CERTIFICATE block".into()))?
+            .map_err(|e| CertificateError::Request(format!("the issued certificate is not PEM: {e}")))?;
+        let facts = certificate_facts(&leaf).map_err(|e| CertificateError::Request(e.to_string()))?;
+        Ok(IssuedCertificate { cert_pem, key_pem, issued: received.max(facts.not_before), not_after: facts.not_after })
+    }
+}
+
+/// A number in [0, 1).
+fn random_unit() -> f64 {
+    (uuid::Uuid::new_v4().as_u128() >> 75) as f64 / (1u64 << 53) as f64
+}
+
+/// What a certificate is asked for.
+pub struct Request<'a> {
+    /// The signer.
+    pub signer: &'a str,
+    /// The node's name (the subject is `system:node:<node>` in
+    /// `system:nodes`).
+    pub node_name: &'a str,
+    /// DNS names (serving certificates).
+    pub dns_names: Vec<String>,
+    /// IP addresses (serving certificates).
+    pub ips: Vec<std::net::IpAddr>,
+    /// The key usages, in the API's words.
+    pub usages: &'a [&'a str],
+}
+
+/// Asks the cluster for a certificate with a new ECDSA P-256 key and waits
+/// until it is issued (or refused, or `shutdown`).
+pub async fn request_certificate(
+    client: &kube::Client,
+    request: &Request<'_>,
+    shutdown: &CancellationToken,
+) -> Result<Option<IssuedCertificate>, CertificateError> {
+    let fail = |e: &dyn std::fmt::Display| CertificateError::Request(e.to_string());
+    let key = rcgen::KeyPair::generate().map_err(|e| fail(&e))?;
+    let mut params = rcgen::CertificateParams::new(request.dns_names.clone()).map_err(|e| fail(&e))?;
+    params.subject_alt_names.extend(request.ips.iter().map(|ip| rcgen::SanType::IpAddress(*ip)));
+    params.distinguished_name = rcgen::DistinguishedName::new();
+    params.distinguished_name.push(rcgen::DnType::OrganizationName, "system:nodes");
+    params.distinguished_name.push(rcgen::DnType::CommonName, format!("system:node:{}", request.node_name));
+    let csr = params.serialize_request(&key).map_err(|e| fail(&e))?.pem().map_err(|e| fail(&e))?;
+    let object = CertificateSigningRequest {
+        metadata: kube::api::ObjectMeta { generate_name: Some("csr-".into()), ..Default::default() },
+        spec: CertificateSigningRequestSpec {
+            request: ByteString(csr.into_bytes()),
+            signer_name: request.signer.to_owned(),
+            usages: Some(request.usages.iter().map(|u| (*u).to_owned()).collect()),
+            ..CertificateSigningRequestSpec::default()
+        },
+        status: None,
+    };
+    let api: Api<CertificateSigningRequest> = Api::all(client.clone());
+    let created = api.create(&PostParams::default(), &object).await.map_err(|e| fail(&e))?;
+    let name = created.metadata.name.clone().unwrap_or_default();
+    tracing::info!(csr = %name, signer = request.signer, "certificate signing request sent; waiting for approval and signing");
+    let config = kube::runtime::watcher::Config::default().fields(&format!("metadata.name={name}"));
+    let mut events = kube::runtime::watcher(api, config).boxed();
+    loop {
+        let event = tokio::select! {
+            () = shutdown.cancelled() => return Ok(None),
+            event = events.next() => event,
+        };
+        let object = match event {
+            None => return Err(CertificateError::Request(format!("the watch of {name} ended"))),
+            Some(Err(error)) => {
+                tracing::debug!(csr = %name, %error, "CSR watch error; it resumes");
+                continue;
+            }
+            Some(Ok(
+                kube::runtime::watcher::Event::Apply(object) | kube::runtime::watcher::Event::InitApply(object),
+            )) => object,
+            Some(Ok(_)) => continue,
+        };
+        let status = object.status.unwrap_or_default();
+        for condition in status.conditions.iter().flatten() {
+            if matches!(condition.type_.as_str(), "Denied" | "Failed") && condition.status == "True" {
+                return Err(CertificateError::Refused {
+                    name,
+                    outcome: condition.type_.to_lowercase(),
+                    message: condition.message.clone().or(condition.reason.clone()).unwrap_or_default(),
+                });
+            }
+        }
+        if let Some(certificate) = status.certificate.filter(|c| !c.0.is_empty()) {
+            let cert_pem = String::from_utf8_lossy(&certificate.0).into_owned();
+            let issued = IssuedCertificate::from_pem(cert_pem, key.serialize_pem(), jiff::Timestamp::now())?;
+            tracing::info!(csr = %name, not_after = %issued.not_after, "certificate issued");
+            return Ok(Some(issued));
+        }
+    }
+}
+
+/// Writes `issued` as `<dir>/<prefix>-<time>.pem` (certificate and key)
+/// and points `<dir>/<prefix>-current.pem` at it; returns the link's path.
+pub fn store(dir: &Path, prefix: &str, issued: &IssuedCertificate) -> Result<PathBuf, CertificateError> {
+    let file_error = |path: &Path, source| crate::server::tls::TlsError::File { path: path.to_owned(), source };
+    std::fs::create_dir_all(dir).map_err(|e| file_error(dir, e))?;
+    let stamp = jiff::Timestamp::now().strftime("%Y-%m-%d-%H-%M-%S-%f").to_string();
+    let file = dir.join(format!("{prefix}-{stamp}.pem"));
+    write_private(&file, format!("{}{}", issued.cert_pem, issued.key_pem).as_bytes())?;
+    let current = dir.join(format!("{prefix}-current.pem"));
+    let link = dir.join(format!(".{prefix}-current.pem.tmp"));
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink(&file, &link).map_err(|e| file_error(&link, e))?;
+    std::fs::rename(&link, &current).map_err(|e| file_error(&current, e))?;
+    Ok(current)
+}
+
+/// Reads `<dir>/<prefix>-current.pem` if it holds a certificate valid now.
+pub fn load_current(dir: &Path, prefix: &str) -> Option<IssuedCertificate> {
+    let path = dir.join(format!("{prefix}-current.pem"));
+    let text = std::fs::read_to_string(&path).ok()?;
+    let received = std::fs::metadata(&path)
+        .and_then(|m| m.modified())
+        .ok()
+        .and_then(|t| jiff::Timestamp::try_from(t).ok())
+        .unwrap_or_else(jiff::Timestamp::now);
+    let key_start = text
+        .match_indices("-----BEGIN ")
+        .map(|(i, _)| i)
+        .find(|&i| text[i..].lines().next().is_some_and(|line| line.contains("PRIVATE KEY")))?;
+    let (cert_pem, key_pem) = text.split_at(key_start);
+    let issued = IssuedCertificate::from_pem(cert_pem.to_owned(), key_pem.to_owned(), received).ok()?;
+    (jiff::Timestamp::now() < issued.not_after).then_some(issued)
+}
+
+/// The kubeconfig at `path`, parsed.
+fn read_kubeconfig(path: &Path) -> Result<kube::config::Kubeconfig, CertificateError> {
+    kube::config::Kubeconfig::read_from(path)
+        .map_err(|e| CertificateError::Kubeconfig { path: path.to_owned(), reason: kubelet_api::uds::error_chain(&e) })
+}
+
+/// Whether the kubeconfig at `path` can be used as it is: it exists and,
+/// if it names a client certificate, that certificate is valid now.
+async fn usable(path: &Path) -> bool {
+    let Ok(kubeconfig) = read_kubeconfig(path) else { return false };
+    let options = kube::config::KubeConfigOptions::default();
+    let Ok(config) = kube::Config::from_custom_kubeconfig(kubeconfig, &options).await else { return false };
+    let data = match (&config.auth_info.client_certificate_data, &config.auth_info.client_certificate) {
+        (Some(data), _) => base64_decode(data),
+        (None, Some(file)) => std::fs::read(file).ok(),
+        (None, None) => return true,
+    };
+    let Some(pem) = data else { return false };
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject as _;
+    let leaf = CertificateDer::pem_slice_iter(&pem).next().and_then(Result::ok);
+    leaf.and_then(|leaf| certificate_facts(&leaf).ok()).is_some_and(|facts| jiff::Timestamp::now() < facts.not_after)
+}
+
+fn base64_decode(data: &str) -> Option<Vec<u8>> {
+    use base64::Engine as _;
+    base64::engine::general_purpose::STANDARD.decode(data.trim()).ok()
+}
+
+/// Writes a kubeconfig for the cluster of `bootstrap` using the client
+/// certificate and key in `pem`.
+fn write_kubeconfig(path: &Path, bootstrap: &Path, pem: &Path) -> Result<(), CertificateError> {
+    let source = read_kubeconfig(bootstrap)?;
+    let context_name = source.current_context.clone().unwrap_or_default();
+    let context =
+        source.contexts.iter().find(|c| c.name == context_name).and_then(|c| c.context.clone()).ok_or_else(|| {
+            CertificateError::Kubeconfig { path: bootstrap.to_owned(), reason: "no current context".into() }
+        })?;
+    let mut cluster =
+        source.clusters.iter().find(|c| c.name == context.cluster).and_then(|c| c.cluster.clone()).ok_or_else(
+            || CertificateError::Kubeconfig {
+                path: bootstrap.to_owned(),
+                reason: format!("no cluster {:?}", context.cluster),
+            },
+        )?;
+    // A relative CA path in the bootstrap kubeconfig is relative to it.
+    if let Some(ca) = cluster.certificate_authority.as_mut() {
+        let ca_path = Path::new(ca.as_str());
+        if ca_path.is_relative() {
+            *ca = bootstrap.parent().unwrap_or(Path::new(".")).join(ca_path).display().to_string();
+        }
+    }
+    let pem = pem.display().to_string();
+    let document = serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "default-cluster", "cluster": cluster}],
+        "contexts": [{"name": "default-context", "context": {"cluster": "default-cluster", "user": "default-auth", "namespace": "default"}}],
+        "current-context": "default-context",
+        "users": [{"name": "default-auth", "user": {"client-certificate": pem, "client-key": pem}}],
+    });
+    let text = serde_json::to_string_pretty(&document)
+        .map_err(|e| CertificateError::Kubeconfig { path: path.to_owned(), reason: e.to_string() })?;
+    if let Some(parent) = path.parent() {
+        let _ = std::fs::create_dir_all(parent);
+    }
+    write_private(path, text.as_bytes())?;
+    Ok(())
+}
+
+/// What a client certificate is asked for with.
+fn client_request(node_name: &str) -> Request<'_> {
+    Request {
+        signer: CLIENT_SIGNER,
+        node_name,
+        dns_names: Vec::new(),
+        ips: Vec::new(),
+        usages: &["digital signature", "client auth"],
+    }
+}
+
+/// Makes sure `settings.kubeconfig` works: bootstraps a client certificate
+/// with the bootstrap kubeconfig when it has none valid. `Ok(false)`:
+/// stopped by `shutdown`.
+pub async fn bootstrap(
+    settings: &BootstrapSettings,
+    node_name: &str,
+    shutdown: &CancellationToken,
+) -> Result<bool, CertificateError> {
+    if usable(&settings.kubeconfig).await {
+        return Ok(true);
+    }
+    let Some(bootstrap) = &settings.bootstrap_kubeconfig else {
+        return Err(CertificateError::Kubeconfig {
+            path: settings.kubeconfig.clone(),
+            reason: "missing, or its client certificate expired, and no bootstrap kubeconfig is given".into(),
+        });
+    };
+    // A certificate from an earlier bootstrap that did not get as far as
+    // the kubeconfig is used.
+    let current = match load_current(&settings.cert_dir, "kubelet-client") {
+        Some(_) => settings.cert_dir.join("kubelet-client-current.pem"),
+        None => {
+            tracing::info!(bootstrap = %bootstrap.display(), "no valid client certificate: TLS bootstrap");
+            let client = super::from_kubeconfig(bootstrap)
+                .await
+                .map_err(|e| CertificateError::Kubeconfig { path: bootstrap.clone(), reason: e.to_string() })?;
+            let Some(issued) = request_certificate(&client, &client_request(node_name), shutdown).await? else {
+                return Ok(false);
+            };
+            store(&settings.cert_dir, "kubelet-client", &issued)?
+        }
+    };
+    write_kubeconfig(&settings.kubeconfig, bootstrap, &current)?;
+    tracing::info!(kubeconfig = %settings.kubeconfig.display(), cert = %current.display(), "TLS bootstrap done");
+    Ok(true)
+}
+
+type Https = hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>;
+type Http = hyper_util::client::legacy::Client<Https, kube::client::Body>;
+
+fn http_client(https: Https) -> Http {
+    hyper_util::client::legacy::Builder::new(hyper_util::rt::TokioExecutor::new()).build(https)
+}
+
+/// Sends each request with the HTTP client of the current identity. A
+/// rotation puts a new client (new connections, new certificate) in place
+/// for the requests that follow; requests under way (watches included)
+/// finish on the old one's connections, which close once nothing uses
+/// them: nothing is cut off by the switch.
+#[derive(Clone)]
+struct RotatingHttp {
+    current: Arc<RwLock<Http>>,
+}
+
+impl tower::Service<http::Request<kube::client::Body>> for RotatingHttp {
+    type Response = http::Response<hyper::body::Incoming>;
+    type Error = hyper_util::client::legacy::Error;
+    type Future = hyper_util::client::legacy::ResponseFuture;
+
+    fn poll_ready(&mut self, _: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<kube::client::Body>) -> Self::Future {
+        let client = self.current.read().unwrap_or_else(|p| p.into_inner()).clone();
+        client.request(request)
+    }
+}
+
+async fn connector_of(path: &Path) -> Result<(kube::Config, Https), CertificateError> {
+    let kubeconfig = read_kubeconfig(path)?;
+    let options = kube::config::KubeConfigOptions::default();
+    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &options).await.map_err(|e| {
+        CertificateError::Kubeconfig { path: path.to_owned(), reason: kubelet_api::uds::error_chain(&e) }
+    })?;
+    let https = config.rustls_https_connector().map_err(|e| CertificateError::Kubeconfig {
+        path: path.to_owned(),
+        reason: kubelet_api::uds::error_chain(&e),
+    })?;
+    Ok((config, https))
+}
+
+/// A client from `settings.kubeconfig` whose connections follow the
+/// current client certificate, and (with `settings.rotate`) the task that
+/// renews it.
+pub async fn rotating_client(
+    settings: &BootstrapSettings,
+    node_name: &str,
+    qps: f64,
+    burst: u32,
+    shutdown: &CancellationToken,
+) -> Result<kube::Client, CertificateError> {
+    use tower::ServiceBuilder;
+    let (config, https) = connector_of(&settings.kubeconfig).await?;
+    let current = Arc::new(RwLock::new(http_client(https)));
+    let http = RotatingHttp { current: Arc::clone(&current) };
+    let bad = |e: kube::Error| CertificateError::Kubeconfig {
+        path: settings.kubeconfig.clone(),
+        reason: kubelet_api::uds::error_chain(&e),
+    };
+    let service = ServiceBuilder::new()
+        .layer(config.base_uri_layer())
+        .option_layer(config.auth_layer().map_err(bad)?)
+        .layer(config.extra_headers_layer().map_err(bad)?)
+        .map_err(|e: hyper_util::client::legacy::Error| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
+        .service(http);
+    let client = kube::client::ClientBuilder::new(service, config.default_namespace.clone())
+        .with_layer(&super::rate_limit::RateLimitLayer::new(qps, burst))
+        .build();
+    if settings.rotate {
+        let (settings, node_name, shutdown) = (settings.clone(), node_name.to_owned(), shutdown.clone());
+        let renewer = client.clone();
+        tokio::spawn(async move { rotate(settings, node_name, renewer, current, shutdown).await });
+    }
+    Ok(client)
+}
+
+/// Renews the client certificate before it expires, for as long as the
+/// node runs.
+async fn rotate(
+    settings: BootstrapSettings,
+    node_name: String,
+    client: kube::Client,
+    current: Arc<RwLock<Http>>,
+    shutdown: CancellationToken,
+) {
+    let mut backoff = crate::retry::RetryBackoff::new(Duration::from_secs(1), Duration::from_secs(60));
+    loop {
+        let Some(issued) = load_current(&settings.cert_dir, "kubelet-client") else {
+            tracing::warn!(dir = %settings.cert_dir.display(), "no current client certificate to rotate (the kubeconfig was not made by TLS bootstrap); rotation stops");
+            return;
+        };
+        let at = issued.renew_at();
+        let wait = jiff::Timestamp::now().duration_until(at).unsigned_abs();
+        let wait = if at > jiff::Timestamp::now() { wait } else { Duration::ZERO };
+        tracing::info!(not_after = %issued.not_after, renew_at = %at, "client certificate rotation scheduled");
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = tokio::time::sleep(wait) => {}
+        }
+        let renewed = async {
+            let Some(new) = request_certificate(&client, &client_request(&node_name), &shutdown).await? else {
+                return Ok(false);
+            };
+            store(&settings.cert_dir, "kubelet-client", &new)?;
+            let (_, https) = connector_of(&settings.kubeconfig).await?;
+            *current.write().unwrap_or_else(|p| p.into_inner()) = http_client(https);
+            Ok::<bool, CertificateError>(true)
+        };
+        match renewed.await {
+            Ok(false) => return,
+            Ok(true) => {
+                backoff.reset();
+                tracing::info!("client certificate rotated; new connections use it");
+            }
+            Err(error) => {
+                let delay = backoff.next_delay();
+                tracing::error!(%error, retry_in = ?delay, "client certificate renewal failed; the current one stays in use");
+                tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    () = tokio::time::sleep(delay) => {}
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn issued(lifetime_secs: i64) -> IssuedCertificate {
+        let issued: jiff::Timestamp = "2026-01-01T00:00:00Z".parse().expect("time");
+        IssuedCertificate {
+            cert_pem: String::new(),
+            key_pem: String::new(),
+            issued,
+            not_after: issued + jiff::SignedDuration::from_secs(lifetime_secs),
+        }
+    }
+
+    #[test]
+    fn renewal_falls_between_70_and_90_percent_of_the_lifetime() {
+        let certificate = issued(1000);
+        for _ in 0..200 {
+            let after = certificate.renew_at().duration_since(certificate.issued).as_secs_f64();
+            assert!((700.0..=900.0).contains(&after), "{after}");
+        }
+    }
+
+    #[test]
+    fn a_stored_certificate_is_loaded_back_while_valid() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let key = rcgen::KeyPair::generate().expect("key");
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
+        params.distinguished_name.push(rcgen::DnType::CommonName, "system:node:n1");
+        let now = time::OffsetDateTime::now_utc();
+        params.not_before = now - time::Duration::minutes(5);
+        params.not_after = now + time::Duration::hours(1);
+        let cert = params.self_signed(&key).expect("cert");
+        let issued =
+            IssuedCertificate::from_pem(cert.pem(), key.serialize_pem(), jiff::Timestamp::now()).expect("facts");
+        assert!(
+            issued.issued > jiff::Timestamp::now() - jiff::SignedDuration::from_secs(60),
+            "backdating is not counted"
+        );
+        let link = store(dir.path(), "kubelet-client", &issued).expect("store");
+        assert!(std::fs::symlink_metadata(&link).expect("link").file_type().is_symlink());
+        let loaded = load_current(dir.path(), "kubelet-client").expect("loaded");
+        assert_eq!(loaded.not_after, issued.not_after);
+        assert!(loaded.key_pem.contains("PRIVATE KEY"));
+        assert!(loaded.cert_pem.contains("BEGIN CERTIFICATE") && !loaded.cert_pem.contains("PRIVATE"));
+    }
+}
