@@ -89,25 +89,56 @@ fn connector(credentials: &Credentials<'_>) -> Result<tokio_rustls::TlsConnector
     Ok(tokio_rustls::TlsConnector::from(Arc::new(config)))
 }
 
-/// `method path` on the kubelet API at `address`: the status code and body.
+/// One kept-alive connection to a kubelet API, for several requests.
+pub struct Session {
+    sender: hyper::client::conn::http1::SendRequest<String>,
+    host: String,
+    token: Option<String>,
+}
+
+impl Session {
+    /// Connects (TCP and TLS) to `address` with `credentials`.
+    pub async fn connect(address: SocketAddr, credentials: Credentials<'_>) -> Result<Session, String> {
+        let stream = tokio::net::TcpStream::connect(address).await.map_err(|e| format!("connect {address}: {e}"))?;
+        let name = ServerName::IpAddress(address.ip().into());
+        let tls = connector(&credentials)?.connect(name, stream).await.map_err(|e| format!("TLS: {e}"))?;
+        let (sender, connection) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls))
+            .await
+            .map_err(|e| e.to_string())?;
+        tokio::spawn(connection);
+        let token = match credentials {
+            Credentials::Token(token) => Some(token.to_owned()),
+            _ => None,
+        };
+        Ok(Session { sender, host: address.to_string(), token })
+    }
+
+    /// `method path`: the status code and body.
+    pub async fn request(&mut self, method: &str, path: &str) -> Result<(u16, String), String> {
+        let mut builder = http::Request::builder().method(method).uri(path).header("host", &self.host);
+        if let Some(token) = &self.token {
+            builder = builder.header("authorization", format!("Bearer {token}"));
+        }
+        let request = builder.body(String::new()).map_err(|e| e.to_string())?;
+        // The connection takes the next request once the last one is done.
+        self.sender.ready().await.map_err(|e| e.to_string())?;
+        let response = self.sender.send_request(request).await.map_err(|e| e.to_string())?;
+        read(response).await
+    }
+}
+
+/// `method path` on the kubelet API at `address` on a connection of its
+/// own: the status code and body.
 pub async fn request(
     address: SocketAddr,
     method: &str,
     path: &str,
     credentials: Credentials<'_>,
 ) -> Result<(u16, String), String> {
-    let stream = tokio::net::TcpStream::connect(address).await.map_err(|e| format!("connect {address}: {e}"))?;
-    let name = ServerName::IpAddress(address.ip().into());
-    let tls = connector(&credentials)?.connect(name, stream).await.map_err(|e| format!("TLS: {e}"))?;
-    let (mut sender, connection) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls)).await.map_err(|e| e.to_string())?;
-    tokio::spawn(connection);
-    let mut builder = http::Request::builder().method(method).uri(path).header("host", address.to_string());
-    if let Credentials::Token(token) = credentials {
-        builder = builder.header("authorization", format!("Bearer {token}"));
-    }
-    let request = builder.body(String::new()).map_err(|e| e.to_string())?;
-    let response = sender.send_request(request).await.map_err(|e| e.to_string())?;
+    Session::connect(address, credentials).await?.request(method, path).await
+}
+
+async fn read(response: http::Response<hyper::body::Incoming>) -> Result<(u16, String), String> {
     let status = response.status().as_u16();
     let mut body = response.into_body();
     let mut bytes = Vec::new();
