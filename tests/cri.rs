@@ -758,7 +758,9 @@ async fn a_liveness_probe_does_not_cut_a_graceful_stop_short() {
 /// joins the API server's upgraded connection to containerd's streaming
 /// server. Output, stderr, the exit code and stdin reach kubectl; attach
 /// talks to the running process; a forwarded port reaches the container's
-/// server (on loopback). A WebAssembly container's exec says why not.
+/// server (on loopback). A WebAssembly container's exec runs a fresh
+/// instance of its module with kubectl's stdin, stdout, stderr and exit
+/// code; attach follows the running module's output.
 #[tokio::test]
 async fn kubectl_exec_attach_and_port_forward_reach_a_container() {
     use kube::api::{Api, DeleteParams, PostParams};
@@ -776,8 +778,8 @@ async fn kubectl_exec_attach_and_port_forward_reach_a_container() {
     let root = tempfile::Builder::new().prefix("rustlet-cri-streams-").tempdir().expect("tempdir");
     let wasi = rustlet_wasi::WasiProvider::new(rustlet_wasi::WasiConfig::new(root.path())).expect("wasi");
     let layout = root.path().join("layout");
-    let module = rustlet_wasi::examples::binary("sleep").expect("module");
-    rustlet_wasi::import::write_layout(&layout, &[("example.com/wasm/sleep:v1", &module)]).expect("layout");
+    let module = rustlet_wasi::examples::binary("talk").expect("module");
+    rustlet_wasi::import::write_layout(&layout, &[("example.com/wasm/talk:v1", &module)]).expect("layout");
     rustlet_wasi::import::import(wasi.images(), &layout, None).expect("import");
     let classes = RuntimeClasses::new("runc", Arc::new(CriProvider::new(CriConfig::new(containerd.endpoint()))))
         .with_handler("wasmtime", Arc::new(wasi));
@@ -822,7 +824,7 @@ async fn kubectl_exec_attach_and_port_forward_reach_a_container() {
         (
             &wasm,
             Some(class.as_str()),
-            serde_json::json!({"name": "main", "image": "example.com/wasm/sleep:v1", "imagePullPolicy": "Never"}),
+            serde_json::json!({"name": "main", "image": "example.com/wasm/talk:v1", "imagePullPolicy": "Never"}),
         ),
     ] {
         let pod: Pod = serde_json::from_value(serde_json::json!({
@@ -919,14 +921,58 @@ async fn kubectl_exec_attach_and_port_forward_reach_a_container() {
     assert!(answer.starts_with("HTTP/1.") && answer.ends_with("hello-from-pod\n"), "{answer}");
     drop(forward);
 
-    // A WebAssembly container's exec says clearly that it is not there.
-    let output = kubectl().args(["exec", &wasm, "--", "ls"]).output().await.expect("kubectl exec");
+    // A WebAssembly container: exec runs a fresh instance of its module
+    // with the command as its arguments, stdin, stdout, stderr and the
+    // exit code as a process's.
+    let mut talk = kubectl()
+        .args(["exec", "-i", &wasm, "--", "talk", "x"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("kubectl exec -i");
+    let mut stdin = talk.stdin.take().expect("stdin");
+    stdin.write_all(b"hello wasm\nsecond line\n").await.expect("write");
+    drop(stdin);
+    let output = tokio::time::timeout(SOON, talk.wait_with_output()).await.expect("exec ends").expect("output");
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(!output.status.success());
-    assert!(
-        stderr.contains("Error from server (BadRequest): exec: interactive exec into a WebAssembly container"),
-        "{stderr}"
-    );
+    assert_eq!(String::from_utf8_lossy(&output.stdout), "hello wasm\nsecond line\n", "{stderr}");
+    assert!(stderr.contains("done"), "{stderr}");
+    assert!(output.status.success(), "{stderr}");
+    let output = kubectl().args(["exec", &wasm, "--", "talk", "a", "b", "c"]).output().await.expect("kubectl exec");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "the module's exit code: {stderr}");
+    assert!(stderr.contains("command terminated with exit code 2"), "{stderr}");
+    // attach: the running module's output as it writes it.
+    let mut attach = kubectl()
+        .args(["attach", &wasm, "-c", "main"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("kubectl attach");
+    let mut out = tokio::io::BufReader::new(attach.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    let ticked = async {
+        loop {
+            line.clear();
+            if out.read_line(&mut line).await.expect("read") == 0 {
+                panic!("attach ended without output");
+            }
+            if line.trim() == "tick" {
+                return;
+            }
+        }
+    };
+    tokio::time::timeout(SOON, ticked).await.expect("the attached module's output arrives");
+    drop(attach);
+    // Attaching stdin is refused with the reason; port-forward too.
+    let output = kubectl().args(["attach", "-i", &wasm, "-c", "main"]).output().await.expect("kubectl attach -i");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success() && stderr.contains("no stdin to attach to"), "{stderr}");
+    let output = kubectl().args(["port-forward", &format!("pod/{wasm}"), ":8080"]).output().await.expect("pf");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success() && stderr.contains("not supported for WebAssembly pods"), "{stderr}");
 
     for name in [&shell, &wasm] {
         pods.delete(name, &DeleteParams::default()).await.expect("delete");

@@ -266,12 +266,46 @@ pub struct StreamRequest {
 }
 
 /// Where a streaming session is served.
-#[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum StreamingEndpoint {
     /// The runtime's own streaming server: the client is sent there (the
     /// URL a CRI runtime answers `Exec`, `Attach` and `PortForward` with).
     Url(String),
+    /// The provider runs the session itself; the node joins the client's
+    /// streams to it (SPDY, as the API server proxies them).
+    Session(Box<dyn StreamSession>),
+}
+
+impl std::fmt::Debug for StreamingEndpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StreamingEndpoint::Url(url) => f.debug_tuple("Url").field(url).finish(),
+            StreamingEndpoint::Session(_) => f.write_str("Session(..)"),
+        }
+    }
+}
+
+/// The standard streams of a session the provider runs
+/// ([`StreamingEndpoint::Session`]); each is there if the client asked for
+/// it. `stdin` ends when the client closes it; the provider closes
+/// `stdout` and `stderr` (by dropping them) when the session's output ends.
+#[derive(Debug, Default)]
+pub struct SessionStreams {
+    /// What the client types.
+    pub stdin: Option<tokio::io::DuplexStream>,
+    /// What the client reads as stdout.
+    pub stdout: Option<tokio::io::DuplexStream>,
+    /// What the client reads as stderr.
+    pub stderr: Option<tokio::io::DuplexStream>,
+}
+
+/// An exec or attach the provider runs itself.
+#[async_trait]
+pub trait StreamSession: Send {
+    /// Runs the session with `streams` to its end; the exit code of the
+    /// command (exec) or of the container (attach; 0 when the client left
+    /// first).
+    async fn run(self: Box<Self>, streams: SessionStreams) -> Result<i32, ProviderError>;
 }
 
 /// Registry credentials from a pod's `imagePullSecrets`, in the pod's

@@ -180,8 +180,8 @@ async fn main() {
     println!("GET /metrics/resource with {PODS} pods\n  rustlet  {}", metrics.in_us());
     println!("  floor (a request answered `ok`)  {}", bare.in_us());
     println!(
-        "RSS after: {} MiB; CPU of this process (node, client and floor): {:?}",
-        format!("{:.0}", common::rss_mib()),
+        "RSS after: {:.0} MiB; CPU of this process (node, client and floor): {:?}",
+        common::rss_mib(),
         common::process_cpu()
     );
     shutdown.cancel();

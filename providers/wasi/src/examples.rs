@@ -9,6 +9,7 @@
 //! | `sleep` | prints `sleeping`, then sleeps an hour at a time, forever |
 //! | `wait` | prints `waiting for go`, looks for a file `go` in its first preopened directory every 10 ms, then prints `got go` and exits 0 |
 //! | `check` | prints `running; probe me with check`, then sleeps like `sleep`; run with arguments (an exec probe's fresh instance), exits 0 when a file `healthy` is in its first preopened directory, else prints `not healthy` on stderr and exits 1 |
+//! | `talk` | prints `tick` every 200 ms; run with two or more arguments (`kubectl exec`'s fresh instance), copies stdin to stdout until it ends, prints `done` on stderr and exits with the number of arguments less 2 |
 //! | `spin` | prints `spinning`, then loops forever without a host call |
 //! | `exit3` | prints `exiting with 3` on stderr, exits 3 |
 //! | `trap` | prints `about to trap`, executes `unreachable` |
@@ -18,6 +19,7 @@
 /// WASI imports, memory and the helpers every module shares.
 const PRELUDE: &str = r#"
   (import "wasi_snapshot_preview1" "fd_write" (func $fd_write (param i32 i32 i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "fd_read" (func $fd_read (param i32 i32 i32 i32) (result i32)))
   (import "wasi_snapshot_preview1" "args_sizes_get" (func $args_sizes_get (param i32 i32) (result i32)))
   (import "wasi_snapshot_preview1" "args_get" (func $args_get (param i32 i32) (result i32)))
   (import "wasi_snapshot_preview1" "environ_sizes_get" (func $environ_sizes_get (param i32 i32) (result i32)))
@@ -144,6 +146,36 @@ pub fn text(name: &str) -> Option<String> {
     (call $sleep_forever))
 "#,
         ),
+        "talk" => module(
+            r#"
+  (data (i32.const 80) "tick\n")
+  (data (i32.const 96) "done\n")
+  (func (export "_start") (local $n i32)
+    (drop (call $args_sizes_get (i32.const 16) (i32.const 20)))
+    (if (i32.ge_u (i32.load (i32.const 16)) (i32.const 2))
+      (then
+        ;; iovec at 4096 over a 4 KiB buffer at 8192; bytes read at 4104
+        (block $eof
+          (loop $more
+            (i32.store (i32.const 4096) (i32.const 8192))
+            (i32.store (i32.const 4100) (i32.const 4096))
+            (br_if $eof (call $fd_read (i32.const 0) (i32.const 4096) (i32.const 1) (i32.const 4104)))
+            (local.set $n (i32.load (i32.const 4104)))
+            (br_if $eof (i32.eqz (local.get $n)))
+            (call $write (i32.const 1) (i32.const 8192) (local.get $n))
+            (br $more)))
+        (call $write (i32.const 2) (i32.const 96) (i32.const 5))
+        (call $proc_exit (i32.sub (i32.load (i32.const 16)) (i32.const 2)))))
+    ;; one clock subscription at 256: monotonic, relative, 200 ms
+    (i32.store8 (i32.const 264) (i32.const 0))
+    (i32.store (i32.const 272) (i32.const 1))
+    (i64.store (i32.const 280) (i64.const 200000000))
+    (loop $forever
+      (call $write (i32.const 1) (i32.const 80) (i32.const 5))
+      (drop (call $poll_oneoff (i32.const 256) (i32.const 512) (i32.const 1) (i32.const 600)))
+      (br $forever)))
+"#,
+        ),
         "spin" => module(
             r#"
   (data (i32.const 80) "spinning\n")
@@ -202,7 +234,7 @@ pub fn binary(name: &str) -> Result<Vec<u8>, String> {
 
 /// Every example's name.
 pub const NAMES: &[&str] =
-    &["hello", "sleep", "wait", "check", "spin", "exit3", "trap", "hog", "component-ok", "component-err"];
+    &["hello", "sleep", "wait", "check", "talk", "spin", "exit3", "trap", "hog", "component-ok", "component-err"];
 
 #[cfg(test)]
 mod tests {

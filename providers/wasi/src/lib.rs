@@ -44,7 +44,7 @@ use k8s_openapi::api::core::v1::{Container, Pod, Taint};
 use k8s_openapi::jiff::Timestamp;
 use kubelet::provider::{
     ContainerExit, ContainerId, ContainerLaunch, ContainerStats, ExecOutput, PreparedImage, Provider, ProviderError,
-    ProviderErrorKind, PullSecrets, RunningContainer, StreamRequest, StreamingEndpoint,
+    ProviderErrorKind, PullSecrets, RunningContainer, SessionStreams, StreamRequest, StreamSession, StreamingEndpoint,
 };
 use tokio::sync::watch;
 
@@ -104,6 +104,79 @@ fn limit(
 /// writing more gets a write error.
 const EXEC_OUTPUT_LIMIT: usize = 64 * 1024;
 
+/// An exec: a fresh instance with the client's streams.
+struct ExecSession {
+    runtime: Arc<Runtime>,
+    threads: tokio::runtime::Handle,
+    compiled: Compiled,
+    spec: RunSpec,
+}
+
+#[async_trait]
+impl StreamSession for ExecSession {
+    async fn run(self: Box<Self>, streams: SessionStreams) -> Result<i32, ProviderError> {
+        let ExecSession { runtime, threads, compiled, mut spec } = *self;
+        spec.output = Output::Session(Arc::new(Mutex::new(Some(streams))));
+        // The instance ends with the session: a client that leaves stops it.
+        let mut run = AbortOnDrop(threads.spawn(async move { runtime.run(compiled, spec).await }));
+        match (&mut run.0).await {
+            Ok(exit) => Ok(exit.exit_code),
+            Err(e) => Err(ProviderError::new(ProviderErrorKind::Other, format!("exec: {e}"))),
+        }
+    }
+}
+
+/// An attach: the running module's output as it writes it.
+struct AttachSession {
+    output: tokio::sync::broadcast::Receiver<logs::Attached>,
+    exit: watch::Receiver<Option<ContainerExit>>,
+    /// A terminal: stderr goes to stdout.
+    merge: bool,
+}
+
+#[async_trait]
+impl StreamSession for AttachSession {
+    async fn run(self: Box<Self>, streams: SessionStreams) -> Result<i32, ProviderError> {
+        use tokio::io::AsyncWriteExt as _;
+        let AttachSession { mut output, mut exit, merge } = *self;
+        let (mut stdout, mut stderr) = (streams.stdout, streams.stderr);
+        loop {
+            let (written, ended) = tokio::select! {
+                written = output.recv() => (Some(written), None),
+                ended = exit.wait_for(Option::is_some) => {
+                    (None, Some(ended.ok().and_then(|e| e.as_ref().map(|e| e.exit_code)).unwrap_or(0)))
+                }
+            };
+            match written {
+                Some(Ok((is_stderr, bytes))) => {
+                    let target = if is_stderr && !merge { stderr.as_mut() } else { stdout.as_mut() };
+                    if let Some(target) = target
+                        && target.write_all(&bytes).await.is_err()
+                    {
+                        // The client went away.
+                        return Ok(0);
+                    }
+                }
+                Some(Err(tokio::sync::broadcast::error::RecvError::Lagged(missed))) => {
+                    tracing::debug!(missed, "an attached client fell behind; output skipped");
+                }
+                Some(Err(tokio::sync::broadcast::error::RecvError::Closed)) => return Ok(0),
+                None => {}
+            }
+            if let Some(code) = ended {
+                // What was written before the end is sent first.
+                while let Ok((is_stderr, bytes)) = output.try_recv() {
+                    let target = if is_stderr && !merge { stderr.as_mut() } else { stdout.as_mut() };
+                    if let Some(target) = target {
+                        let _ = target.write_all(&bytes).await;
+                    }
+                }
+                return Ok(code);
+            }
+        }
+    }
+}
+
 /// A task aborted when dropped.
 struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
 
@@ -118,6 +191,8 @@ struct Instance {
     /// The module and what it runs with: an exec probe runs a fresh
     /// instance of it with the probe's command as its arguments.
     template: (Compiled, RunSpec),
+    /// The running instance's log (attach follows what it writes).
+    log: CriLog,
     exit: watch::Receiver<Option<ContainerExit>>,
     stop: watch::Sender<bool>,
 }
@@ -373,6 +448,7 @@ impl Provider for WasiProvider {
         let (stop, mut stopped) = watch::channel(false);
         let runtime = self.runtime.clone();
         let task_id = id.clone();
+        let attach_log = log.clone();
         self.threads().spawn(async move {
             let exit = tokio::select! {
                 exit = runtime.run(compiled, spec) => exit,
@@ -384,7 +460,8 @@ impl Provider for WasiProvider {
             tracing::debug!(container = %task_id, exit_code = exit.exit_code, "module ended");
             let _ = exit_tx.send(Some(exit));
         });
-        self.instances.lock().expect("lock").insert(id.clone(), Instance { pod_uid, template, exit, stop });
+        let instance = Instance { pod_uid, template, log: attach_log, exit, stop };
+        self.instances.lock().expect("lock").insert(id.clone(), instance);
         Ok(id)
     }
 
@@ -472,18 +549,41 @@ impl Provider for WasiProvider {
         })
     }
 
-    async fn exec(&self, _: &ContainerId, _: &StreamRequest) -> Result<StreamingEndpoint, ProviderError> {
-        Err(ProviderError::new(
-            ProviderErrorKind::Unsupported,
-            "interactive exec into a WebAssembly container is not supported yet (exec probes are)",
-        ))
+    /// `kubectl exec`: a fresh instance of the container's module with the
+    /// command as its arguments, the container's env, volumes and limits,
+    /// and the client's stdin, stdout and stderr.
+    async fn exec(&self, id: &ContainerId, request: &StreamRequest) -> Result<StreamingEndpoint, ProviderError> {
+        let template = {
+            let instances = self.instances.lock().expect("lock");
+            instances.get(id).filter(|i| i.exit.borrow().is_none()).map(|i| i.template.clone())
+        };
+        let Some((compiled, mut spec)) = template else {
+            return Err(ProviderError::new(ProviderErrorKind::NotFound, format!("container {id} is not running")));
+        };
+        spec.args = request.command.clone();
+        spec.cpu = Arc::default();
+        spec.memory = Arc::default();
+        let session = ExecSession { runtime: self.runtime.clone(), threads: self.threads().clone(), compiled, spec };
+        Ok(StreamingEndpoint::Session(Box::new(session)))
     }
 
-    async fn attach(&self, _: &ContainerId, _: &StreamRequest) -> Result<StreamingEndpoint, ProviderError> {
-        Err(ProviderError::new(
-            ProviderErrorKind::Unsupported,
-            "attach to a WebAssembly container is not supported yet",
-        ))
+    /// `kubectl attach`: what the running module writes from now on, until
+    /// it ends or the client leaves. Modules have no stdin to attach to.
+    async fn attach(&self, id: &ContainerId, request: &StreamRequest) -> Result<StreamingEndpoint, ProviderError> {
+        if request.stdin {
+            return Err(ProviderError::new(
+                ProviderErrorKind::Unsupported,
+                "a WebAssembly container has no stdin to attach to (attach without -i)",
+            ));
+        }
+        let instance = {
+            let instances = self.instances.lock().expect("lock");
+            instances.get(id).filter(|i| i.exit.borrow().is_none()).map(|i| (i.log.attach(), i.exit.clone()))
+        };
+        let Some((output, exit)) = instance else {
+            return Err(ProviderError::new(ProviderErrorKind::NotFound, format!("container {id} is not running")));
+        };
+        Ok(StreamingEndpoint::Session(Box::new(AttachSession { output, exit, merge: request.tty })))
     }
 
     async fn port_forward(&self, _: &str, _: &[u16]) -> Result<StreamingEndpoint, ProviderError> {

@@ -23,17 +23,29 @@ struct Inner {
     broken: bool,
 }
 
+/// Output as the module writes it, for attached clients: whether it is
+/// stderr, and the bytes.
+pub type Attached = (bool, Bytes);
+
 /// One container's log file.
 #[derive(Clone)]
 pub struct CriLog {
     inner: Arc<Mutex<Inner>>,
+    attached: tokio::sync::broadcast::Sender<Attached>,
 }
 
 impl CriLog {
     /// Appends to `path`.
     pub fn open(path: &Path) -> std::io::Result<CriLog> {
         let file = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
-        Ok(CriLog { inner: Arc::new(Mutex::new(Inner { file, partial: [Vec::new(), Vec::new()], broken: false })) })
+        let inner = Arc::new(Mutex::new(Inner { file, partial: [Vec::new(), Vec::new()], broken: false }));
+        Ok(CriLog { inner, attached: tokio::sync::broadcast::channel(256).0 })
+    }
+
+    /// What the module writes from now on (`kubectl attach`). A client
+    /// that falls 256 writes behind misses some (it is told it lagged).
+    pub fn attach(&self) -> tokio::sync::broadcast::Receiver<Attached> {
+        self.attached.subscribe()
     }
 
     /// A WASI output stream for `stream` (`stdout` or `stderr`).
@@ -43,6 +55,9 @@ impl CriLog {
 
     fn write(&self, stream: &'static str, mut bytes: &[u8]) {
         let index = usize::from(stream == "stderr");
+        if self.attached.receiver_count() > 0 {
+            let _ = self.attached.send((index == 1, Bytes::copy_from_slice(bytes)));
+        }
         let mut inner = self.inner.lock().expect("lock");
         let mut out = Vec::new();
         while !bytes.is_empty() {

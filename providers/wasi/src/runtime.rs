@@ -45,6 +45,9 @@ pub const STOPPED_EXIT_CODE: i32 = 143;
 /// SIGKILL, as the kernel's OOM killer).
 pub const OOM_EXIT_CODE: i32 = 137;
 
+/// How much of an interactive session's output may wait to be sent.
+const SESSION_BUDGET: usize = 64 * 1024;
+
 /// A compiled module, ready to instantiate.
 #[derive(Clone)]
 pub enum Compiled {
@@ -66,6 +69,10 @@ pub enum Output {
         /// stderr.
         stderr: MemoryOutputPipe,
     },
+    /// An interactive session's streams (`kubectl exec`), taken by the one
+    /// instance that runs with them; a stream the client did not ask for
+    /// is empty (stdin) or dropped (output).
+    Session(Arc<Mutex<Option<kubelet::provider::SessionStreams>>>),
 }
 
 impl Output {
@@ -271,6 +278,19 @@ impl Runtime {
         match &spec.output {
             Output::Log(log) => builder.stdout(log.stream("stdout")).stderr(log.stream("stderr")),
             Output::Capture { stdout, stderr } => builder.stdout(stdout.clone()).stderr(stderr.clone()),
+            Output::Session(streams) => {
+                let streams = streams.lock().unwrap_or_else(|p| p.into_inner()).take().unwrap_or_default();
+                if let Some(stdin) = streams.stdin {
+                    builder.stdin(wasmtime_wasi::cli::AsyncStdinStream::new(stdin));
+                }
+                if let Some(stdout) = streams.stdout {
+                    builder.stdout(wasmtime_wasi::cli::AsyncStdoutStream::new(SESSION_BUDGET, stdout));
+                }
+                if let Some(stderr) = streams.stderr {
+                    builder.stderr(wasmtime_wasi::cli::AsyncStdoutStream::new(SESSION_BUDGET, stderr));
+                }
+                &mut builder
+            }
         };
         for (host, guest, read_only) in &spec.preopens {
             let perms = if *read_only { FsPerms::ReadOnly } else { FsPerms::ReadWrite };

@@ -21,6 +21,8 @@
 //! request's head 30 s; a client cannot hold the listener.
 
 pub mod auth;
+mod spdy;
+mod spdy_dictionary;
 mod stats;
 mod streaming;
 pub mod tls;

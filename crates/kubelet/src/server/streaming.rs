@@ -13,7 +13,7 @@ use k8s_openapi::api::core::v1::Pod;
 use serde_json::json;
 
 use super::ApiState;
-use crate::provider::{ContainerId, ProviderError, ProviderErrorKind, StreamRequest, StreamingEndpoint};
+use crate::provider::{ContainerId, ProviderError, ProviderErrorKind, StreamRequest, StreamSession, StreamingEndpoint};
 
 /// The pod `namespace/name` (with `uid`, if given) among the node's pods.
 /// Why a request cannot be served: its status and message.
@@ -171,11 +171,73 @@ async fn session(
         Session::Exec => ("exec", provider.exec(&id, &options).await),
         Session::Attach => ("attach", provider.attach(&id, &options).await),
     };
+    // (The query is the API server's: `input`, `output`, `error`, `tty`.)
     tracing::info!(%namespace, pod = %pod.metadata.name.as_deref().unwrap_or_default(), %container, session = what, command = ?options.command, "streaming session");
     match endpoint {
         Ok(StreamingEndpoint::Url(url)) => proxy(request, &url).await,
+        Ok(StreamingEndpoint::Session(session)) => serve_session(request, session, options),
         Err(error) => provider_error(what, &error),
     }
+}
+
+/// Answers the client's upgrade and serves the provider's session on the
+/// connection (SPDY/3.1; the remote-command protocol negotiated as the
+/// kubelet does).
+fn serve_session(mut request: Request, session: Box<dyn StreamSession>, options: StreamRequest) -> Response {
+    let header_has = |name: header::HeaderName, needle: &str| {
+        request
+            .headers()
+            .get_all(name)
+            .iter()
+            .any(|v| v.to_str().is_ok_and(|v| v.to_ascii_lowercase().contains(needle)))
+    };
+    if header_has(header::UPGRADE, "websocket") {
+        // kubectl 1.30+ tries WebSocket first and falls back to SPDY on
+        // any answer but 101.
+        return refused((
+            StatusCode::BAD_REQUEST,
+            "WebSocket streaming is not served for this container; use SPDY/3.1".into(),
+        ));
+    }
+    if !header_has(header::CONNECTION, "upgrade") || !header_has(header::UPGRADE, "spdy/3.1") {
+        return refused((StatusCode::BAD_REQUEST, "unable to upgrade: missing upgrade headers in request".into()));
+    }
+    let offered: Vec<String> = request
+        .headers()
+        .get_all("x-stream-protocol-version")
+        .iter()
+        .filter_map(|v| v.to_str().ok().map(str::to_owned))
+        .collect();
+    if offered.is_empty() {
+        return refused((StatusCode::BAD_REQUEST, "unable to upgrade: X-Stream-Protocol-Version is required".into()));
+    }
+    let Some(protocol) = super::spdy::negotiate(offered.iter().map(String::as_str)) else {
+        let mut response = refused((
+            StatusCode::FORBIDDEN,
+            format!(
+                "unable to upgrade: unable to negotiate protocol: client supports {offered:?}, server accepts {:?}",
+                super::spdy::PROTOCOLS
+            ),
+        ));
+        for protocol in super::spdy::PROTOCOLS {
+            response.headers_mut().append("x-accepted-stream-protocol-versions", HeaderValue::from_static(protocol));
+        }
+        return response;
+    };
+    let upgrade = hyper::upgrade::on(&mut request);
+    tokio::spawn(async move {
+        match upgrade.await {
+            Ok(upgraded) => super::spdy::serve(TokioIo::new(upgraded), protocol, options, session).await,
+            Err(error) => tracing::debug!(%error, "the client did not upgrade"),
+        }
+    });
+    let mut response = Response::new(Body::empty());
+    *response.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+    let headers = response.headers_mut();
+    headers.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
+    headers.insert(header::UPGRADE, HeaderValue::from_static("SPDY/3.1"));
+    headers.insert("x-stream-protocol-version", HeaderValue::from_static(protocol));
+    response
 }
 
 pub(super) async fn exec(
@@ -227,6 +289,9 @@ async fn forward(state: ApiState, namespace: String, name: String, uid: Option<S
     // The ports come in the session's streams (SPDY); the runtime reads them there.
     match provider.port_forward(&uid, &[]).await {
         Ok(StreamingEndpoint::Url(url)) => proxy(request, &url).await,
+        Ok(StreamingEndpoint::Session(_)) => {
+            refused((StatusCode::BAD_REQUEST, "port-forward: the provider offered no port-forward server".into()))
+        }
         Err(error) => provider_error("port-forward", &error),
     }
 }
