@@ -795,7 +795,7 @@ async fn kubectl_exec_attach_and_port_forward_reach_a_container() {
     config.kubelet_api = Some(kubelet_api);
     let shutdown = CancellationToken::new();
     let _stop = shutdown.clone().drop_guard();
-    let _node = NodeBuilder::new(config)
+    let node = NodeBuilder::new(config)
         .provider(Arc::new(classes))
         .cluster(settings)
         .start(shutdown.clone())
@@ -966,6 +966,24 @@ async fn kubectl_exec_attach_and_port_forward_reach_a_container() {
     };
     tokio::time::timeout(SOON, ticked).await.expect("the attached module's output arrives");
     drop(attach);
+    // A direct client over WebSocket (v5.channel.k8s.io), with a client
+    // certificate the cluster's CA signed.
+    let address = node.kubelet_api_address().expect("kubelet API");
+    let (cert_pem, key_pem) = plane.issue_client_certificate("ws-client", "system:masters").expect("certificate");
+    let path = format!("/exec/default/{wasm}/main?command=talk&command=x&command=y&input=1&output=1&error=1");
+    let output = rustlet_testkit::https::websocket_session(
+        address,
+        &path,
+        rustlet_testkit::https::Credentials::Certificate { cert_pem: &cert_pem, key_pem: &key_pem },
+        b"over websocket\n",
+    )
+    .await
+    .expect("a WebSocket session");
+    assert_eq!(String::from_utf8_lossy(&output.stdout), "over websocket\n", "{output:?}");
+    assert_eq!(String::from_utf8_lossy(&output.stderr), "done\n");
+    let status: serde_json::Value = serde_json::from_str(&output.status).expect("a v1.Status");
+    assert_eq!(status["reason"], "NonZeroExitCode", "{status}");
+    assert_eq!(status["details"]["causes"][0]["message"], "1", "three arguments less 2: {status}");
     // Attaching stdin is refused with the reason; port-forward too.
     let output = kubectl().args(["attach", "-i", &wasm, "-c", "main"]).output().await.expect("kubectl attach -i");
     let stderr = String::from_utf8_lossy(&output.stderr);

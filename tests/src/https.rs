@@ -166,3 +166,99 @@ pub async fn server_certificate(address: SocketAddr) -> Result<Vec<u8>, String> 
     let chain = tls.get_ref().1.peer_certificates().ok_or("no server certificate")?;
     chain.first().map(|c| c.to_vec()).ok_or_else(|| "an empty chain".to_owned())
 }
+
+/// What a WebSocket exec session returned: stdout, stderr and the outcome
+/// (channel 3: a `v1.Status` JSON).
+#[derive(Debug, Default)]
+pub struct WebSocketOutput {
+    /// Channel 1.
+    pub stdout: Vec<u8>,
+    /// Channel 2.
+    pub stderr: Vec<u8>,
+    /// Channel 3.
+    pub status: String,
+}
+
+/// A `v5.channel.k8s.io` WebSocket session on `path` (an `/exec/...` or
+/// `/attach/...` URL with its query): sends `stdin` then closes it
+/// (`[255, 0]`), and reads every channel until the server closes.
+pub async fn websocket_session(
+    address: SocketAddr,
+    path: &str,
+    credentials: Credentials<'_>,
+    stdin: &[u8],
+) -> Result<WebSocketOutput, String> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let stream = tokio::net::TcpStream::connect(address).await.map_err(|e| format!("connect {address}: {e}"))?;
+    let name = ServerName::IpAddress(address.ip().into());
+    let mut tls = connector(&credentials)?.connect(name, stream).await.map_err(|e| format!("TLS: {e}"))?;
+    let authorization = match credentials {
+        Credentials::Token(token) => format!("Authorization: Bearer {token}\r\n"),
+        _ => String::new(),
+    };
+    let request = format!(
+        "GET {path} HTTP/1.1\r\nHost: {address}\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
+         Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\
+         Sec-WebSocket-Protocol: v5.channel.k8s.io\r\n{authorization}\r\n"
+    );
+    tls.write_all(request.as_bytes()).await.map_err(|e| e.to_string())?;
+    // The answer's head, byte by byte up to the blank line.
+    let mut head = Vec::new();
+    while !head.ends_with(b"\r\n\r\n") {
+        let byte = tls.read_u8().await.map_err(|e| format!("reading the answer: {e}"))?;
+        head.push(byte);
+        if head.len() > 16 * 1024 {
+            return Err("answer head too long".into());
+        }
+    }
+    let head = String::from_utf8_lossy(&head).into_owned();
+    if !head.starts_with("HTTP/1.1 101") {
+        let mut body = vec![0u8; 4096];
+        let n = tls.read(&mut body).await.unwrap_or(0);
+        return Err(format!("no upgrade: {head}{}", String::from_utf8_lossy(&body[..n])));
+    }
+    if !head.to_ascii_lowercase().contains("sec-websocket-accept: s3pplmbitxaq9kygzzhzrbk+xoo=") {
+        return Err(format!("a wrong Sec-WebSocket-Accept: {head}"));
+    }
+    let masked = |payload: &[u8]| {
+        let mask = [0x5au8, 0xa5, 0x3c, 0xc3];
+        let mut frame = vec![0x82u8];
+        match payload.len() {
+            n if n < 126 => frame.push(0x80 | n as u8),
+            n => {
+                frame.push(0x80 | 126);
+                frame.extend_from_slice(&(n as u16).to_be_bytes());
+            }
+        }
+        frame.extend_from_slice(&mask);
+        frame.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+        frame
+    };
+    if !stdin.is_empty() {
+        let mut payload = vec![0u8];
+        payload.extend_from_slice(stdin);
+        tls.write_all(&masked(&payload)).await.map_err(|e| e.to_string())?;
+    }
+    tls.write_all(&masked(&[255, 0])).await.map_err(|e| e.to_string())?;
+    let mut output = WebSocketOutput::default();
+    loop {
+        let mut frame_head = [0u8; 2];
+        if tls.read_exact(&mut frame_head).await.is_err() {
+            return Ok(output);
+        }
+        let length = match frame_head[1] & 0x7f {
+            126 => u64::from(tls.read_u16().await.map_err(|e| e.to_string())?),
+            127 => tls.read_u64().await.map_err(|e| e.to_string())?,
+            n => u64::from(n),
+        };
+        let mut payload = vec![0u8; usize::try_from(length).map_err(|e| e.to_string())?];
+        tls.read_exact(&mut payload).await.map_err(|e| e.to_string())?;
+        match (frame_head[0] & 0x0f, payload.split_first()) {
+            (0x8, _) => return Ok(output),
+            (0x2, Some((1, data))) => output.stdout.extend_from_slice(data),
+            (0x2, Some((2, data))) => output.stderr.extend_from_slice(data),
+            (0x2, Some((3, data))) => output.status.push_str(&String::from_utf8_lossy(data)),
+            _ => {}
+        }
+    }
+}

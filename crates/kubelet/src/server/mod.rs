@@ -26,6 +26,7 @@ mod spdy_dictionary;
 mod stats;
 mod streaming;
 pub mod tls;
+mod websocket;
 pub mod x509;
 
 use std::net::SocketAddr;

@@ -265,7 +265,7 @@ pub(crate) fn negotiate<'a>(client: impl Iterator<Item = &'a str>) -> Option<&'s
 }
 
 /// What the session's outcome puts on the error stream.
-fn outcome_message(protocol: &str, outcome: &Result<i32, String>, command: &[String]) -> Option<Vec<u8>> {
+pub(crate) fn outcome_message(protocol: &str, outcome: &Result<i32, String>, command: &[String]) -> Option<Vec<u8>> {
     let v4 = protocol == "v4.channel.k8s.io";
     match outcome {
         Ok(0) if v4 => Some(br#"{"metadata":{},"status":"Success"}"#.to_vec()),

@@ -192,12 +192,7 @@ fn serve_session(mut request: Request, session: Box<dyn StreamSession>, options:
             .any(|v| v.to_str().is_ok_and(|v| v.to_ascii_lowercase().contains(needle)))
     };
     if header_has(header::UPGRADE, "websocket") {
-        // kubectl 1.30+ tries WebSocket first and falls back to SPDY on
-        // any answer but 101.
-        return refused((
-            StatusCode::BAD_REQUEST,
-            "WebSocket streaming is not served for this container; use SPDY/3.1".into(),
-        ));
+        return serve_websocket(request, session, options);
     }
     if !header_has(header::CONNECTION, "upgrade") || !header_has(header::UPGRADE, "spdy/3.1") {
         return refused((StatusCode::BAD_REQUEST, "unable to upgrade: missing upgrade headers in request".into()));
@@ -390,6 +385,47 @@ async fn proxy(mut request: Request, url: &str) -> Response {
         response = response.header(name, value);
     }
     response.body(Body::empty()).unwrap_or_else(|_| bad_gateway("cannot answer the upgrade".into()))
+}
+
+/// A WebSocket session (`v5.channel.k8s.io`, `v4.channel.k8s.io`).
+fn serve_websocket(mut request: Request, session: Box<dyn StreamSession>, options: StreamRequest) -> Response {
+    let key = request.headers().get("sec-websocket-key").and_then(|v| v.to_str().ok()).map(str::to_owned);
+    let Some(key) = key else {
+        return refused((StatusCode::BAD_REQUEST, "unable to upgrade: Sec-WebSocket-Key is required".into()));
+    };
+    let offered: Vec<String> = request
+        .headers()
+        .get_all("sec-websocket-protocol")
+        .iter()
+        .filter_map(|v| v.to_str().ok().map(str::to_owned))
+        .collect();
+    let Some(protocol) = super::websocket::negotiate(offered.iter().map(String::as_str)) else {
+        // kubectl 1.30+ falls back to SPDY on any answer but 101.
+        return refused((
+            StatusCode::BAD_REQUEST,
+            format!(
+                "unable to upgrade: no WebSocket protocol in common: client supports {offered:?}, server accepts {:?}",
+                super::websocket::PROTOCOLS
+            ),
+        ));
+    };
+    let upgrade = hyper::upgrade::on(&mut request);
+    tokio::spawn(async move {
+        match upgrade.await {
+            Ok(upgraded) => super::websocket::serve(TokioIo::new(upgraded), protocol, options, session).await,
+            Err(error) => tracing::debug!(%error, "the client did not upgrade"),
+        }
+    });
+    let mut response = Response::new(Body::empty());
+    *response.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+    let headers = response.headers_mut();
+    headers.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
+    headers.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+    headers.insert("sec-websocket-protocol", HeaderValue::from_static(protocol));
+    if let Ok(accept) = HeaderValue::from_str(&super::websocket::accept_key(&key)) {
+        headers.insert("sec-websocket-accept", accept);
+    }
+    response
 }
 
 /// `GET /runningpods/`: the pods with a running container, as the runtime
