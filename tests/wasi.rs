@@ -569,19 +569,26 @@ async fn exec_probes_run_a_fresh_instance_of_the_module() {
     node.wait_probe("uid-liveness", "ready after its restart", |p| container_ready(p, "main")).await;
 }
 
-/// Interactive exec, attach and port-forward are refused with a reason
-/// (exec probes run; the kubelet API that would stream is not there yet).
+/// Streaming into a container that is not running is `NotFound`, attach
+/// with stdin and port-forward are refused with a reason (`kubectl exec`
+/// and `attach` themselves are tested through the API server in
+/// `tests/cri.rs`).
 #[tokio::test]
 async fn streaming_requests_are_refused_with_a_reason() {
     use kubelet::provider::{ContainerId, ProviderErrorKind, StreamRequest};
     let node = wasm_node(0).await;
     let id = ContainerId("wasm-any".into());
-    let exec = node.provider.exec(&id, &StreamRequest::default()).await.expect_err("unsupported");
-    let attach = node.provider.attach(&id, &StreamRequest::default()).await.expect_err("unsupported");
-    let forward = node.provider.port_forward("uid", &[80]).await.expect_err("unsupported");
-    for error in [&exec, &attach, &forward] {
-        assert_eq!(error.kind, ProviderErrorKind::Unsupported, "{error}");
+    let exec = node.provider.exec(&id, &StreamRequest::default()).await.expect_err("not running");
+    let attach = node.provider.attach(&id, &StreamRequest::default()).await.expect_err("not running");
+    for error in [&exec, &attach] {
+        assert_eq!(error.kind, ProviderErrorKind::NotFound, "{error}");
     }
+    let with_stdin = StreamRequest { stdin: true, ..StreamRequest::default() };
+    let attach = node.provider.attach(&id, &with_stdin).await.expect_err("no stdin");
+    assert_eq!(attach.kind, ProviderErrorKind::Unsupported);
+    assert!(attach.message.contains("no stdin to attach to"), "{attach}");
+    let forward = node.provider.port_forward("uid", &[80]).await.expect_err("unsupported");
+    assert_eq!(forward.kind, ProviderErrorKind::Unsupported, "{forward}");
     assert!(forward.message.contains("no network namespace of their own"), "{forward}");
     let gone = node.provider.exec_sync(&id, &["check".into()], Duration::from_secs(1)).await.expect_err("not running");
     assert_eq!(gone.kind, ProviderErrorKind::NotFound);

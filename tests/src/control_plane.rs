@@ -392,10 +392,10 @@ impl ControlPlane {
             .clone()
     }
 
-    /// Starts `kube-controller-manager` with the certificate controllers
-    /// only (CSR approval, signing and cleanup; nothing that would taint or
-    /// evict other tests' nodes), once per test binary. Certificates it
-    /// signs live [`SIGNED_CERTIFICATE_LIFETIME`].
+    /// Starts `kube-controller-manager` with its default controllers
+    /// (node lifecycle, which lifts a Ready node's not-ready taint; CSR
+    /// approval and signing; garbage collector, ...), once per test binary.
+    /// Certificates it signs live [`SIGNED_CERTIFICATE_LIFETIME`].
     pub fn ensure_controller_manager(&self) -> Result<(), String> {
         self.controller_manager
             .get_or_init(|| {
@@ -413,7 +413,6 @@ impl ControlPlane {
                     .arg("--cluster-signing-key-file")
                     .arg(self.dir.join("ca.key"))
                     .arg("--use-service-account-credentials=false")
-                    .args(["--controllers", "csrapproving,csrsigning,csrcleaner"])
                     .arg(format!("--cluster-signing-duration={}s", SIGNED_CERTIFICATE_LIFETIME.as_secs()));
                 let process = Guarded::spawn(command, &self.dir.join("kube-controller-manager.log"), None)?;
                 self.processes.lock().unwrap_or_else(|p| p.into_inner()).push(process);
