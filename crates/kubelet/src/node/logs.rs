@@ -21,7 +21,7 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use inotify::{Inotify, WatchMask};
 use k8s_openapi::api::core::v1::Pod;
-use tokio::io::AsyncReadExt as _;
+use tokio::io::{AsyncReadExt as _, AsyncSeekExt as _};
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt as _;
 
@@ -214,7 +214,17 @@ pub(crate) async fn container_logs(
     if query.follow && !query.previous {
         return follow(state.pods.store().clone(), target, query.tail_lines, renderer);
     }
-    let raw = match tokio::fs::read(target.file()).await {
+    let read = async {
+        let mut file = tokio::fs::File::open(target.file()).await?;
+        if let Some(lines) = query.tail_lines {
+            let start = tail_offset(&mut file, lines).await?;
+            file.seek(std::io::SeekFrom::Start(start)).await?;
+        }
+        let mut raw = Vec::new();
+        file.read_to_end(&mut raw).await?;
+        Ok::<Vec<u8>, std::io::Error>(raw)
+    };
+    let raw = match read.await {
         Ok(raw) => raw,
         Err(error) => return text(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot read the log: {error}\n")),
     };
@@ -240,6 +250,31 @@ fn log_runs(dir: &FsPath) -> Vec<u32> {
         .flatten()
         .filter_map(|e| e.file_name().to_str()?.strip_suffix(".log")?.parse().ok())
         .collect()
+}
+
+/// Where to start reading a log for its last `lines` lines: a raw line
+/// boundary with more than `lines` whole entries after it (the first may
+/// be the end of a longer, split line, and is dropped by [`tail`]), found
+/// by reading back from the end in doubling windows; 0 for a short log.
+async fn tail_offset(file: &mut tokio::fs::File, lines: usize) -> std::io::Result<u64> {
+    let size = file.metadata().await?.len();
+    let mut window: u64 = 64 * 1024;
+    loop {
+        let start = size.saturating_sub(window);
+        if start == 0 {
+            return Ok(0);
+        }
+        file.seek(std::io::SeekFrom::Start(start)).await?;
+        let mut bytes = Vec::new();
+        file.read_to_end(&mut bytes).await?;
+        if let Some(first) = bytes.iter().position(|b| *b == b'\n') {
+            let mut decoder = CriLogDecoder::default();
+            if decoder.feed_entries(&bytes[first + 1..]).len() > lines {
+                return Ok(start + first as u64 + 1);
+            }
+        }
+        window = window.saturating_mul(2);
+    }
 }
 
 fn tail<T>(mut lines: Vec<T>, keep: Option<usize>) -> Vec<T> {
@@ -295,6 +330,10 @@ async fn send_log(
 ) -> Result<(), FollowEnd> {
     let mut changes = store.changes();
     let mut file = tokio::fs::File::open(target.file()).await?;
+    if let Some(lines) = tail_lines {
+        let start = tail_offset(&mut file, lines).await?;
+        file.seek(std::io::SeekFrom::Start(start)).await?;
+    }
     let mut decoder = CriLogDecoder::default();
     send(tx, &mut renderer, tail(read_more(&mut file, &mut decoder).await?, tail_lines)).await?;
     loop {
@@ -353,6 +392,31 @@ async fn send(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn the_tail_is_read_from_the_end_of_a_long_log() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("0.log");
+        let mut log = String::new();
+        for i in 0..20_000 {
+            log.push_str(&format!("2026-11-24T10:00:00Z stdout F line {i}\n"));
+        }
+        // The last line is split in three partial entries.
+        log.push_str("2026-11-24T10:00:01Z stdout P last-");
+        log.push_str("\n2026-11-24T10:00:01Z stdout P split-");
+        log.push_str("\n2026-11-24T10:00:01Z stdout F line\n");
+        std::fs::write(&path, &log).expect("write");
+        let mut file = tokio::fs::File::open(&path).await.expect("open");
+        let start = tail_offset(&mut file, 3).await.expect("offset");
+        assert!(start > 0 && start < log.len() as u64, "read from near the end: {start}");
+        assert_eq!(log.as_bytes()[usize::try_from(start).expect("small") - 1], b'\n', "at a line boundary");
+        let mut decoder = CriLogDecoder::default();
+        let entries = decoder.feed_entries(&log.as_bytes()[usize::try_from(start).expect("small")..]);
+        let texts: Vec<String> = tail(entries, Some(3)).into_iter().map(|e| e.text).collect();
+        assert_eq!(texts, ["line 19998\n", "line 19999\n", "last-split-line\n"]);
+        let mut file = tokio::fs::File::open(&path).await.expect("open");
+        assert_eq!(tail_offset(&mut file, 1_000_000).await.expect("offset"), 0, "more than there is: all of it");
+    }
 
     #[test]
     fn log_query_parses_kubectl_parameters() {
