@@ -486,7 +486,11 @@ rustlet_testkit::on_both_api_servers!(pod_events_reach_the_api_aggregated_on, po
 /// Runs kubectl of the control plane; its stdout (panics on failure with
 /// stderr). Async: the node answering it runs on the test's runtime.
 async fn kubectl(plane: &rustlet_testkit::control_plane::ControlPlane, args: &[&str]) -> String {
-    let output = tokio::process::Command::from(plane.kubectl()).args(args).output().await.expect("run kubectl");
+    let run = tokio::process::Command::from(plane.kubectl()).args(args).kill_on_drop(true).output();
+    let output = tokio::time::timeout(SOON, run)
+        .await
+        .unwrap_or_else(|_| panic!("kubectl {args:?} did not end within {SOON:?}"))
+        .expect("run kubectl");
     let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
     assert!(output.status.success(), "kubectl {args:?} failed: {stdout}{stderr}");
     stdout.into_owned()
@@ -587,6 +591,7 @@ async fn the_kubelet_api_serves_kubectl_through_the_real_api_server() {
         "nothing after the future"
     );
     let stamped = kubectl(plane, &["logs", &talker, "--timestamps"]).await;
+    assert_eq!(stamped.lines().count(), 3, "{stamped}");
     for (line, text) in stamped.lines().zip(["alpha", "beta", "gamma"]) {
         let (time, rest) = line.split_once(' ').expect("timestamp and text");
         assert!(time.parse::<jiff::Timestamp>().is_ok(), "an RFC 3339 time: {line}");

@@ -140,6 +140,24 @@ pub struct Request<'a> {
     pub usages: &'a [&'a str],
 }
 
+/// How long a CSR is waited on before it is given up and asked again
+/// (upstream's).
+pub const CSR_DEADLINE: Duration = Duration::from_secs(15 * 60);
+
+/// [`request_certificate`] given up after [`CSR_DEADLINE`].
+pub async fn request_certificate_within(
+    client: &kube::Client,
+    request: &Request<'_>,
+    shutdown: &CancellationToken,
+) -> Result<Option<IssuedCertificate>, CertificateError> {
+    tokio::time::timeout(CSR_DEADLINE, request_certificate(client, request, shutdown)).await.unwrap_or_else(|_| {
+        Err(CertificateError::Request(format!(
+            "not approved and signed within {} minutes; asking again",
+            CSR_DEADLINE.as_secs() / 60
+        )))
+    })
+}
+
 /// Asks the cluster for a certificate with a new ECDSA P-256 key and waits
 /// until it is issued (or refused, or `shutdown`).
 pub async fn request_certificate(
@@ -217,7 +235,9 @@ pub fn store(dir: &Path, prefix: &str, issued: &IssuedCertificate) -> Result<Pat
     let current = dir.join(format!("{prefix}-current.pem"));
     let link = dir.join(format!(".{prefix}-current.pem.tmp"));
     let _ = std::fs::remove_file(&link);
-    std::os::unix::fs::symlink(&file, &link).map_err(|e| file_error(&link, e))?;
+    // Relative to the link's own directory, whatever the cert dir's path.
+    let target = format!("{prefix}-{stamp}.pem");
+    std::os::unix::fs::symlink(&target, &link).map_err(|e| file_error(&link, e))?;
     std::fs::rename(&link, &current).map_err(|e| file_error(&current, e))?;
     Ok(current)
 }
@@ -353,16 +373,23 @@ pub async fn bootstrap(
             store(&settings.cert_dir, "kubelet-client", &issued)?
         }
     };
+    let current = std::path::absolute(&current).unwrap_or(current);
     write_kubeconfig(&settings.kubeconfig, bootstrap, &current)?;
     tracing::info!(kubeconfig = %settings.kubeconfig.display(), cert = %current.display(), "TLS bootstrap done");
     Ok(true)
 }
 
 type Https = hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>;
-type Http = hyper_util::client::legacy::Client<Https, kube::client::Body>;
+type Http = hyper_util::client::legacy::Client<hyper_timeout::TimeoutConnector<Https>, kube::client::Body>;
 
-fn http_client(https: Https) -> Http {
-    hyper_util::client::legacy::Builder::new(hyper_util::rt::TokioExecutor::new()).build(https)
+/// An HTTP client on `https` with the kubeconfig's connect, read and write
+/// timeouts, as kube's own client has them.
+fn http_client(config: &kube::Config, https: Https) -> Http {
+    let mut connector = hyper_timeout::TimeoutConnector::new(https);
+    connector.set_connect_timeout(config.connect_timeout);
+    connector.set_read_timeout(config.read_timeout);
+    connector.set_write_timeout(config.write_timeout);
+    hyper_util::client::legacy::Builder::new(hyper_util::rt::TokioExecutor::new()).build(connector)
 }
 
 /// Sends each request with the HTTP client of the current identity. A
@@ -415,7 +442,7 @@ pub async fn rotating_client(
 ) -> Result<kube::Client, CertificateError> {
     use tower::ServiceBuilder;
     let (config, https) = connector_of(&settings.kubeconfig).await?;
-    let current = Arc::new(RwLock::new(http_client(https)));
+    let current = Arc::new(RwLock::new(http_client(&config, https)));
     let http = RotatingHttp { current: Arc::clone(&current) };
     let bad = |e: kube::Error| CertificateError::Kubeconfig {
         path: settings.kubeconfig.clone(),
@@ -430,7 +457,14 @@ pub async fn rotating_client(
     let client = kube::client::ClientBuilder::new(service, config.default_namespace.clone())
         .with_layer(&super::rate_limit::RateLimitLayer::new(qps, burst))
         .build();
-    if settings.rotate {
+    let link = settings.cert_dir.join("kubelet-client-current.pem");
+    let link = std::path::absolute(&link).unwrap_or(link);
+    let follows_cert_dir =
+        std::fs::read_to_string(&settings.kubeconfig).is_ok_and(|text| text.contains(&link.display().to_string()));
+    if settings.rotate && !follows_cert_dir {
+        tracing::warn!(kubeconfig = %settings.kubeconfig.display(), cert_dir = %settings.cert_dir.display(), "--rotate-certificates: the kubeconfig does not use <cert-dir>/kubelet-client-current.pem (it was not written by TLS bootstrap), so its certificate is not rotated");
+    }
+    if settings.rotate && follows_cert_dir {
         let (settings, node_name, shutdown) = (settings.clone(), node_name.to_owned(), shutdown.clone());
         let renewer = client.clone();
         tokio::spawn(async move { rotate(settings, node_name, renewer, current, shutdown).await });
@@ -444,30 +478,56 @@ async fn rotate(
     settings: BootstrapSettings,
     node_name: String,
     client: kube::Client,
-    current: Arc<RwLock<Http>>,
+    current_http: Arc<RwLock<Http>>,
     shutdown: CancellationToken,
 ) {
     let mut backoff = crate::retry::RetryBackoff::new(Duration::from_secs(1), Duration::from_secs(60));
     loop {
-        let Some(issued) = load_current(&settings.cert_dir, "kubelet-client") else {
-            tracing::warn!(dir = %settings.cert_dir.display(), "no current client certificate to rotate (the kubeconfig was not made by TLS bootstrap); rotation stops");
-            return;
+        // The current certificate, or (expired, or gone) none: then only
+        // the bootstrap identity can get a new one.
+        let current = load_current(&settings.cert_dir, "kubelet-client");
+        let renewer = match &current {
+            Some(issued) => {
+                let at = issued.renew_at();
+                let now = jiff::Timestamp::now();
+                let wait = if at > now { now.duration_until(at).unsigned_abs() } else { Duration::ZERO };
+                tracing::info!(not_after = %issued.not_after, renew_at = %at, "client certificate rotation scheduled");
+                tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    () = tokio::time::sleep(wait) => {}
+                }
+                client.clone()
+            }
+            None => {
+                let Some(bootstrap) = &settings.bootstrap_kubeconfig else {
+                    tracing::error!(dir = %settings.cert_dir.display(), "the client certificate expired (or is gone) and no bootstrap kubeconfig is given: the node cannot reach the API until it gets a new kubeconfig");
+                    return;
+                };
+                tracing::warn!("the client certificate expired: TLS bootstrap again with the bootstrap kubeconfig");
+                match super::from_kubeconfig(bootstrap).await {
+                    Ok(client) => client,
+                    Err(error) => {
+                        let delay = backoff.next_delay();
+                        tracing::error!(%error, retry_in = ?delay, "the bootstrap kubeconfig cannot be used");
+                        tokio::select! {
+                            () = shutdown.cancelled() => return,
+                            () = tokio::time::sleep(delay) => {}
+                        }
+                        continue;
+                    }
+                }
+            }
         };
-        let at = issued.renew_at();
-        let wait = jiff::Timestamp::now().duration_until(at).unsigned_abs();
-        let wait = if at > jiff::Timestamp::now() { wait } else { Duration::ZERO };
-        tracing::info!(not_after = %issued.not_after, renew_at = %at, "client certificate rotation scheduled");
-        tokio::select! {
-            () = shutdown.cancelled() => return,
-            () = tokio::time::sleep(wait) => {}
-        }
         let renewed = async {
-            let Some(new) = request_certificate(&client, &client_request(&node_name), &shutdown).await? else {
+            let Some(new) = request_certificate_within(&renewer, &client_request(&node_name), &shutdown).await? else {
                 return Ok(false);
             };
+            if new.not_after <= jiff::Timestamp::now() {
+                return Err(CertificateError::Request("the issued certificate has already expired".into()));
+            }
             store(&settings.cert_dir, "kubelet-client", &new)?;
-            let (_, https) = connector_of(&settings.kubeconfig).await?;
-            *current.write().unwrap_or_else(|p| p.into_inner()) = http_client(https);
+            let (config, https) = connector_of(&settings.kubeconfig).await?;
+            *current_http.write().unwrap_or_else(|p| p.into_inner()) = http_client(&config, https);
             Ok::<bool, CertificateError>(true)
         };
         match renewed.await {
@@ -478,7 +538,7 @@ async fn rotate(
             }
             Err(error) => {
                 let delay = backoff.next_delay();
-                tracing::error!(%error, retry_in = ?delay, "client certificate renewal failed; the current one stays in use");
+                tracing::error!(%error, retry_in = ?delay, "client certificate renewal failed; the current one stays in use while it is valid");
                 tokio::select! {
                     () = shutdown.cancelled() => return,
                     () = tokio::time::sleep(delay) => {}

@@ -93,7 +93,10 @@ impl LogQuery {
         }
         parsed.since = match (since_seconds, since_time) {
             (Some(_), Some(_)) => return Err("at most one of sinceTime or sinceSeconds may be specified".into()),
-            (Some(seconds), None) => Some(now - jiff::SignedDuration::from_secs(seconds)),
+            // Further back than time goes: everything.
+            (Some(seconds), None) => {
+                Some(now.checked_sub(jiff::SignedDuration::from_secs(seconds)).unwrap_or(jiff::Timestamp::MIN))
+            }
             (None, time) => time,
         };
         Ok(parsed)
@@ -436,6 +439,8 @@ mod tests {
         assert!(parse("sinceTime=yesterday").expect_err("bad time").contains("RFC 3339"));
         assert!(parse("sinceSeconds=1&sinceTime=2026-11-24T09:30:00Z").expect_err("both").contains("at most one"));
         assert!(parse("sinceSeconds=0").expect_err("zero").contains("greater than 0"));
+        let query = parse("sinceSeconds=400000000000").expect("huge but valid");
+        assert_eq!(query.since, Some(jiff::Timestamp::MIN), "further back than time goes");
         assert!(parse("limitBytes=0").expect_err("zero").contains("greater than 0"));
     }
 

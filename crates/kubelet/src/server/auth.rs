@@ -140,6 +140,8 @@ struct Cache<K, V> {
 }
 
 const CACHE_LIMIT: usize = 4096;
+/// Bearer tokens longer than this are refused without a TokenReview.
+const MAX_TOKEN: usize = 8 * 1024;
 
 impl<K: std::hash::Hash + Eq + Clone, V: Clone> Cache<K, V> {
     fn new() -> Self {
@@ -232,11 +234,12 @@ impl Auth {
         let bearer = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim)
+            .and_then(|v| v.split_once(' ').filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer")))
+            .map(|(_, token)| token.trim())
             .filter(|t| !t.is_empty());
         if let Some(token) = bearer {
-            if !self.inner.settings.token_webhook {
+            // A token this long is no token (and would bloat the cache).
+            if !self.inner.settings.token_webhook || token.len() > MAX_TOKEN {
                 return Err(Refusal::Unauthorized);
             }
             return self.review_token(token).await?.ok_or(Refusal::Unauthorized);

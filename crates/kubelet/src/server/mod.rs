@@ -271,7 +271,7 @@ impl ServingRenewal {
     /// 70–90% of each one's lifetime; the new one serves from the next
     /// handshake on.
     async fn run(mut self, serving: tls::ServingCertificate, shutdown: CancellationToken) {
-        use crate::cluster::certificates::{Request, SERVING_SIGNER, request_certificate, store};
+        use crate::cluster::certificates::{Request, SERVING_SIGNER, request_certificate_within, store};
         let client = tokio::select! {
             () = shutdown.cancelled() => return,
             client = self.client.wait_for(Option::is_some) => client.ok().and_then(|c| c.clone()),
@@ -296,7 +296,7 @@ impl ServingRenewal {
                 ips: self.ips.clone(),
                 usages: &["digital signature", "server auth"],
             };
-            let issued = match request_certificate(&client, &request, &shutdown).await {
+            let issued = match request_certificate_within(&client, &request, &shutdown).await {
                 Ok(Some(issued)) => issued,
                 Ok(None) => return,
                 Err(error) => {
@@ -319,7 +319,14 @@ impl ServingRenewal {
                     tracing::info!(not_after = %issued.not_after, "serving certificate in use");
                     self.current = Some(issued);
                 }
-                Err(error) => tracing::error!(%error, "the issued serving certificate cannot be used"),
+                Err(error) => {
+                    let delay = backoff.next_delay();
+                    tracing::error!(%error, retry_in = ?delay, "the issued serving certificate cannot be used");
+                    tokio::select! {
+                        () = shutdown.cancelled() => return,
+                        () = tokio::time::sleep(delay) => {}
+                    }
+                }
             }
         }
     }

@@ -33,8 +33,13 @@ pub(crate) const PROTOCOLS: &[&str] =
 
 /// How long the client has to open its streams.
 const STREAM_CREATION_DEADLINE: Duration = Duration::from_secs(30);
+/// A session with no frame from the client for this long is over
+/// (upstream's streaming idle timeout; kubectl pings every 5 s).
+const IDLE_DEADLINE: Duration = Duration::from_secs(4 * 3600);
 /// How long the session's output may take to drain after it ended.
 const DRAIN_DEADLINE: Duration = Duration::from_secs(10);
+/// Inflate passes for one header block at most (each yields at least 1 KiB).
+const MAX_INFLATE_PASSES: usize = 2048;
 /// A header block larger than this is refused.
 const MAX_HEADER_BLOCK: usize = 1 << 20;
 /// Bytes read from a provider's output per data frame at most.
@@ -130,19 +135,23 @@ impl<R: AsyncRead + Unpin> Reader<R> {
         }))
     }
 
-    /// Inflates and parses one header block.
+    /// Inflates and parses one header block. The zlib stream never ends
+    /// (each block is sync-flushed): an end, or a pass that makes no
+    /// progress, is an error, never a loop.
     fn headers(&mut self, block: &[u8]) -> std::io::Result<Vec<(String, String)>> {
         let mut out: Vec<u8> = Vec::with_capacity(block.len() * 4 + 64);
         let mut input = block;
-        loop {
-            let before_in = self.inflate.total_in();
+        for _ in 0..MAX_INFLATE_PASSES {
+            let (before_in, before_out) = (self.inflate.total_in(), self.inflate.total_out());
             if out.capacity() - out.len() < 1024 {
                 out.reserve(4096);
             }
             let result = self.inflate.decompress_vec(input, &mut out, flate2::FlushDecompress::Sync);
             let consumed = usize::try_from(self.inflate.total_in() - before_in).unwrap_or(usize::MAX);
+            let produced = self.inflate.total_out() - before_out;
             input = &input[consumed.min(input.len())..];
             match result {
+                Ok(flate2::Status::StreamEnd) => return Err(invalid("the SPDY header stream ended")),
                 Ok(_) => {}
                 Err(error) if error.needs_dictionary().is_some() => {
                     self.inflate
@@ -156,10 +165,13 @@ impl<R: AsyncRead + Unpin> Reader<R> {
                 return Err(invalid("SPDY header block too large"));
             }
             if input.is_empty() && out.capacity() > out.len() {
-                break;
+                return parse_header_block(&out);
+            }
+            if consumed == 0 && produced == 0 && out.capacity() > out.len() {
+                return Err(invalid("SPDY header block: no progress"));
             }
         }
-        parse_header_block(&out)
+        Err(invalid("SPDY header block: too many inflate passes"))
     }
 }
 
@@ -385,7 +397,7 @@ where
         Err(_) => {
             tracing::warn!("timed out waiting for the client to create its streams");
             drop(out);
-            let _ = writer.await;
+            let _ = tokio::time::timeout(DRAIN_DEADLINE, writer).await;
             return;
         }
     }
@@ -423,7 +435,7 @@ where
     let outcome = loop {
         tokio::select! {
             outcome = &mut run => break Some(outcome),
-            frame = reader.next() => match frame {
+            frame = tokio::time::timeout(IDLE_DEADLINE, reader.next()) => match frame.unwrap_or_else(|_| Err(invalid("idle"))) {
                 Ok(Some(Frame::Data { stream, fin, data })) if Some(stream) == stdin_stream => {
                     if let Some(pipe) = stdin_pipe.as_mut()
                         && !data.is_empty()
@@ -451,7 +463,7 @@ where
         tracing::debug!("the client left the streaming session");
         drop(run);
         drop(out);
-        let _ = writer.await;
+        let _ = tokio::time::timeout(DRAIN_DEADLINE, writer).await;
         return;
     };
     drop(run);
@@ -496,6 +508,18 @@ mod tests {
         ];
         let mut reader = Reader::new(tokio::io::empty());
         assert_eq!(reader.headers(&block).expect("headers"), [("streamtype".to_owned(), "error".to_owned())]);
+    }
+
+    #[test]
+    fn a_header_block_that_ends_the_zlib_stream_is_an_error_not_a_loop() {
+        use std::io::Write as _;
+        let mut encoder = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::default());
+        encoder.write_all(&[0, 0, 0, 0]).expect("write");
+        let mut block = encoder.finish().expect("finish");
+        block.push(0x42);
+        let mut reader = Reader::new(tokio::io::empty());
+        assert!(reader.headers(&block).is_err());
+        assert!(reader.headers(&[0x78, 0x9c, 0xff, 0xff, 0xff]).is_err(), "garbage");
     }
 
     #[test]

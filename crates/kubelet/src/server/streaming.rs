@@ -16,6 +16,10 @@ use super::ApiState;
 use crate::provider::{ContainerId, ProviderError, ProviderErrorKind, StreamRequest, StreamSession, StreamingEndpoint};
 
 /// The pod `namespace/name` (with `uid`, if given) among the node's pods.
+/// How long the runtime's streaming server has to accept a connection and
+/// to answer the upgrade.
+const PROXY_DEADLINE: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Why a request cannot be served: its status and message.
 type Refused = (StatusCode, String);
 
@@ -357,9 +361,10 @@ async fn proxy(mut request: Request, url: &str) -> Response {
         Ok(forwarded) => forwarded,
         Err(error) => return bad_gateway(format!("cannot build the request: {error}")),
     };
-    let mut answer = match sender.send_request(forwarded).await {
-        Ok(answer) => answer,
-        Err(error) => return bad_gateway(format!("the runtime's streaming server: {error}")),
+    let mut answer = match tokio::time::timeout(PROXY_DEADLINE, sender.send_request(forwarded)).await {
+        Ok(Ok(answer)) => answer,
+        Ok(Err(error)) => return bad_gateway(format!("the runtime's streaming server: {error}")),
+        Err(_) => return bad_gateway("the runtime's streaming server did not answer the upgrade".into()),
     };
     if answer.status() != StatusCode::SWITCHING_PROTOCOLS {
         let (parts, body) = answer.into_parts();

@@ -23,6 +23,8 @@ const MAX_MESSAGE: usize = 16 << 20;
 const DATA_CHUNK: usize = 32 * 1024;
 const PIPE: usize = 64 * 1024;
 const DRAIN_DEADLINE: Duration = Duration::from_secs(10);
+/// A session with no frame from the client for this long is over.
+const IDLE_DEADLINE: Duration = Duration::from_secs(4 * 3600);
 
 const STDIN: u8 = 0;
 const STDOUT: u8 = 1;
@@ -164,8 +166,8 @@ where
     let outcome = loop {
         tokio::select! {
             outcome = &mut run => break Some(outcome),
-            read = read_frame(&mut read_half) => {
-                let Ok(Some(frame)) = read else { break None };
+            read = tokio::time::timeout(IDLE_DEADLINE, read_frame(&mut read_half)) => {
+                let Ok(Ok(Some(frame))) = read else { break None };
                 match frame.opcode {
                     // Continuation, text, binary: one message may span frames.
                     0x0..=0x2 => {
@@ -204,7 +206,7 @@ where
         tracing::debug!("the WebSocket client left the session");
         drop(run);
         drop(out);
-        let _ = writer.await;
+        let _ = tokio::time::timeout(DRAIN_DEADLINE, writer).await;
         return;
     };
     drop(run);

@@ -117,6 +117,9 @@ pub fn certificate_facts(der: &[u8]) -> Result<CertificateFacts, X509Error> {
 /// A UTCTime (`YYMMDDHHMMSSZ`) or GeneralizedTime (`YYYYMMDDHHMMSSZ`).
 fn time(element: &Element<'_>) -> Result<jiff::Timestamp, X509Error> {
     let text = std::str::from_utf8(element.content).map_err(|_| X509Error("time is not text"))?;
+    if !text.is_ascii() {
+        return Err(X509Error("bad validity time"));
+    }
     let full = match element.tag {
         UTC_TIME if text.len() == 13 => {
             let year: u32 = text[..2].parse().map_err(|_| X509Error("bad UTCTime"))?;
