@@ -483,6 +483,22 @@ async fn pod_events_reach_the_api_aggregated(api: TestApi) {
 }
 rustlet_testkit::on_both_api_servers!(pod_events_reach_the_api_aggregated_on, pod_events_reach_the_api_aggregated);
 
+/// The node's `kubelet_api_streaming_sessions` gauge, read from its
+/// kubelet API's `/metrics`.
+async fn streaming_sessions(
+    address: std::net::SocketAddr,
+    credentials: rustlet_testkit::https::Credentials<'_>,
+) -> f64 {
+    let (code, metrics) = rustlet_testkit::https::get(address, "/metrics", credentials).await.expect("metrics");
+    assert_eq!(code, 200, "{metrics}");
+    metrics
+        .lines()
+        .find(|l| l.starts_with("kubelet_api_streaming_sessions "))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no kubelet_api_streaming_sessions in {metrics}"))
+}
+
 /// Runs kubectl of the control plane; its stdout (panics on failure with
 /// stderr). Async: the node answering it runs on the test's runtime.
 async fn kubectl(plane: &rustlet_testkit::control_plane::ControlPlane, args: &[&str]) -> String {
@@ -623,7 +639,17 @@ async fn the_kubelet_api_serves_kubectl_through_the_real_api_server() {
     };
     tokio::time::timeout(SOON, read).await.expect("kubectl logs -f shows the new line");
     assert_eq!(seen, ["alpha", "beta", "gamma", "delta"]);
+    // A client that goes away mid-follow leaves nothing behind: the
+    // session's task ends (and closes the log file).
+    let (cert_pem, key_pem) = plane.issue_client_certificate("cert-admin", "system:masters").expect("certificate");
+    let admin_cert = || Credentials::Certificate { cert_pem: &cert_pem, key_pem: &key_pem };
+    assert_eq!(streaming_sessions(address, admin_cert()).await, 1.0, "the follow is a session");
     drop(follow);
+    let deadline = tokio::time::Instant::now() + SOON;
+    while streaming_sessions(address, admin_cert()).await != 0.0 {
+        assert!(tokio::time::Instant::now() < deadline, "the follow of a client that left did not end");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 
     // nodes/proxy: the node's endpoints through the API server.
     if host_ip.is_none() {
@@ -683,8 +709,6 @@ async fn the_kubelet_api_serves_kubectl_through_the_real_api_server() {
     );
     let (code, body) = get(address, &logs, Credentials::Token(plane.admin_token())).await.expect("request");
     assert_eq!((code, body.as_str()), (200, "alpha\nbeta\ngamma\ndelta\n"), "the administrator's token");
-    let (cert_pem, key_pem) = plane.issue_client_certificate("cert-admin", "system:masters").expect("certificate");
-    let admin_cert = || Credentials::Certificate { cert_pem: &cert_pem, key_pem: &key_pem };
     let (code, body) = get(address, "/stats/summary", admin_cert()).await.expect("request");
     assert_eq!(code, 200, "a client certificate the CA signed: {body}");
     let (code, body) = get(address, "/no/such/endpoint", admin_cert()).await.expect("request");
@@ -696,6 +720,10 @@ async fn the_kubelet_api_serves_kubectl_through_the_real_api_server() {
     let (code, body) =
         get(address, &format!("/containerLogs/default/{talker}/sidecar"), admin_cert()).await.expect("request");
     assert_eq!(code, 400, "{body}");
+    let (code, body) = get(address, &format!("/exec/default/{talker}/nosuch?command=ls&output=1"), admin_cert())
+        .await
+        .expect("request");
+    assert_eq!(code, 404, "exec into a missing container: {body}");
     let (code, body) =
         get(address, &format!("/exec/default/{talker}/main?command=ls"), admin_cert()).await.expect("request");
     assert_eq!(code, 400, "{body}");

@@ -984,6 +984,56 @@ async fn kubectl_exec_attach_and_port_forward_reach_a_container() {
     let status: serde_json::Value = serde_json::from_str(&output.status).expect("a v1.Status");
     assert_eq!(status["reason"], "NonZeroExitCode", "{status}");
     assert_eq!(status["details"]["causes"][0]["message"], "1", "three arguments less 2: {status}");
+    // A client that goes away in the middle of an exec leaves nothing
+    // behind: the session ends, and the instance with it.
+    let cert = || rustlet_testkit::https::Credentials::Certificate { cert_pem: &cert_pem, key_pem: &key_pem };
+    let sessions = async || {
+        let (_, metrics) = rustlet_testkit::https::get(address, "/metrics", cert()).await.expect("metrics");
+        metrics
+            .lines()
+            .find(|l| l.starts_with("kubelet_api_streaming_sessions "))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<f64>().ok())
+            .expect("the sessions gauge")
+    };
+    let mut talk = kubectl()
+        .args(["exec", "-i", &wasm, "--", "talk", "x"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("kubectl exec -i");
+    let mut stdin = talk.stdin.take().expect("stdin");
+    let mut out = tokio::io::BufReader::new(talk.stdout.take().expect("stdout"));
+    stdin.write_all(b"are you there\n").await.expect("write");
+    let mut line = String::new();
+    tokio::time::timeout(SOON, out.read_line(&mut line)).await.expect("an echo").expect("read");
+    assert_eq!(line, "are you there\n");
+    assert_eq!(sessions().await, 1.0, "the exec is a session");
+    drop((stdin, out, talk));
+    let deadline = tokio::time::Instant::now() + SOON;
+    while sessions().await != 0.0 {
+        assert!(tokio::time::Instant::now() < deadline, "the exec of a client that left did not end");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // /metrics/resource as metrics-server reads it: non-zero CPU and
+    // memory for the running containers of both runtimes.
+    let (code, metrics) = rustlet_testkit::https::get(address, "/metrics/resource", cert()).await.expect("metrics");
+    assert_eq!(code, 200, "{metrics}");
+    let sample = |series: &str, pod: &str| -> f64 {
+        let prefix = format!("{series}{{container=\"main\",namespace=\"default\",pod=\"{pod}\"}} ");
+        let line = metrics.lines().find(|l| l.starts_with(&prefix)).unwrap_or_else(|| panic!("{prefix} in {metrics}"));
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(fields.len(), 3, "value and timestamp: {line}");
+        assert!(fields[2].parse::<i64>().is_ok_and(|ms| ms > 0), "a millisecond timestamp: {line}");
+        fields[1].parse().unwrap_or_else(|_| panic!("a number: {line}"))
+    };
+    for pod in [&shell, &wasm] {
+        assert!(sample("container_cpu_usage_seconds_total", pod) > 0.0, "{pod}: {metrics}");
+        assert!(sample("container_memory_working_set_bytes", pod) > 0.0, "{pod}: {metrics}");
+        assert!(sample("container_start_time_seconds", pod) > 1.7e9, "{pod}: {metrics}");
+    }
     // Attaching stdin is refused with the reason; port-forward too.
     let output = kubectl().args(["attach", "-i", &wasm, "-c", "main"]).output().await.expect("kubectl attach -i");
     let stderr = String::from_utf8_lossy(&output.stderr);

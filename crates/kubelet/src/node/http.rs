@@ -50,6 +50,26 @@ pub(crate) struct HttpState {
     pub(crate) static_pods: Option<StaticPods>,
     pub(crate) description: super::capacity::NodeDescription,
     pub(crate) root_dir: std::path::PathBuf,
+    /// Streaming sessions under way (log follows, exec, attach,
+    /// port-forward): `kubelet_api_streaming_sessions`.
+    pub(crate) sessions: prometheus_client::metrics::gauge::Gauge,
+}
+
+/// Counts a streaming session while it lives: a session whose client went
+/// away is gone from the count once its task has let go of everything.
+pub(crate) struct SessionGuard(prometheus_client::metrics::gauge::Gauge);
+
+impl SessionGuard {
+    pub(crate) fn new(sessions: &prometheus_client::metrics::gauge::Gauge) -> Self {
+        sessions.inc();
+        SessionGuard(sessions.clone())
+    }
+}
+
+impl Drop for SessionGuard {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
 }
 
 /// Binds `address` and serves until `shutdown`. Returns the bound address

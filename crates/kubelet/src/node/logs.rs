@@ -215,7 +215,8 @@ pub(crate) async fn container_logs(
     let target = LogTarget { uid, container, dir, run };
     let renderer = Renderer::new(&query);
     if query.follow && !query.previous {
-        return follow(state.pods.store().clone(), target, query.tail_lines, renderer);
+        let guard = super::http::SessionGuard::new(&state.sessions);
+        return follow(state.pods.store().clone(), target, query.tail_lines, renderer, guard);
     }
     let read = async {
         let mut file = tokio::fs::File::open(target.file()).await?;
@@ -287,7 +288,13 @@ fn tail<T>(mut lines: Vec<T>, keep: Option<usize>) -> Vec<T> {
 }
 
 /// Streams the log: what is there (tailed), then each line as it is written.
-fn follow(store: PodStore, target: LogTarget, tail_lines: Option<usize>, renderer: Renderer) -> Response {
+fn follow(
+    store: PodStore,
+    target: LogTarget,
+    tail_lines: Option<usize>,
+    renderer: Renderer,
+    guard: super::http::SessionGuard,
+) -> Response {
     // The watch is made before the first read, so nothing written between
     // the read and the wait goes unnoticed.
     let events = Inotify::init().and_then(|inotify| {
@@ -302,6 +309,7 @@ fn follow(store: PodStore, target: LogTarget, tail_lines: Option<usize>, rendere
     };
     let (tx, rx) = mpsc::channel::<Result<String, std::io::Error>>(64);
     tokio::spawn(async move {
+        let _guard = guard;
         if let Err(error) = send_log(&store, &target, tail_lines, renderer, events, &tx).await {
             tracing::debug!(%error, file = %target.file().display(), "log follow ended");
         }

@@ -407,8 +407,15 @@ impl NodeBuilder {
             root_dir: root_dir.clone(),
             kubelet_port: kubelet_api.as_ref().map(|api| api.address.port()),
         };
+        let sessions = prometheus_client::metrics::gauge::Gauge::default();
+        metrics.register(
+            "kubelet_api_streaming_sessions",
+            "Log follows, exec, attach and port-forward sessions under way",
+            sessions.clone(),
+        );
         let http_state = http::HttpState {
             node_name: config.node_name.clone(),
+            sessions,
             metrics: Arc::new(metrics),
             plugins: plugins.clone(),
             csi_drivers: csi_drivers.clone(),

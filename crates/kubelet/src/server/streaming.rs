@@ -13,6 +13,7 @@ use k8s_openapi::api::core::v1::Pod;
 use serde_json::json;
 
 use super::ApiState;
+use crate::node::http::SessionGuard;
 use crate::provider::{ContainerId, ProviderError, ProviderErrorKind, StreamRequest, StreamSession, StreamingEndpoint};
 
 /// The pod `namespace/name` (with `uid`, if given) among the node's pods.
@@ -178,8 +179,8 @@ async fn session(
     // (The query is the API server's: `input`, `output`, `error`, `tty`.)
     tracing::info!(%namespace, pod = %pod.metadata.name.as_deref().unwrap_or_default(), %container, session = what, command = ?options.command, "streaming session");
     match endpoint {
-        Ok(StreamingEndpoint::Url(url)) => proxy(request, &url).await,
-        Ok(StreamingEndpoint::Session(session)) => serve_session(request, session, options),
+        Ok(StreamingEndpoint::Url(url)) => proxy(request, &url, &state.http.sessions).await,
+        Ok(StreamingEndpoint::Session(session)) => serve_session(request, session, options, &state.http.sessions),
         Err(error) => provider_error(what, &error),
     }
 }
@@ -187,7 +188,12 @@ async fn session(
 /// Answers the client's upgrade and serves the provider's session on the
 /// connection (SPDY/3.1; the remote-command protocol negotiated as the
 /// kubelet does).
-fn serve_session(mut request: Request, session: Box<dyn StreamSession>, options: StreamRequest) -> Response {
+fn serve_session(
+    mut request: Request,
+    session: Box<dyn StreamSession>,
+    options: StreamRequest,
+    sessions: &prometheus_client::metrics::gauge::Gauge,
+) -> Response {
     let header_has = |name: header::HeaderName, needle: &str| {
         request
             .headers()
@@ -196,7 +202,7 @@ fn serve_session(mut request: Request, session: Box<dyn StreamSession>, options:
             .any(|v| v.to_str().is_ok_and(|v| v.to_ascii_lowercase().contains(needle)))
     };
     if header_has(header::UPGRADE, "websocket") {
-        return serve_websocket(request, session, options);
+        return serve_websocket(request, session, options, sessions);
     }
     if !header_has(header::CONNECTION, "upgrade") || !header_has(header::UPGRADE, "spdy/3.1") {
         return refused((StatusCode::BAD_REQUEST, "unable to upgrade: missing upgrade headers in request".into()));
@@ -224,7 +230,9 @@ fn serve_session(mut request: Request, session: Box<dyn StreamSession>, options:
         return response;
     };
     let upgrade = hyper::upgrade::on(&mut request);
+    let guard = SessionGuard::new(sessions);
     tokio::spawn(async move {
+        let _guard = guard;
         match upgrade.await {
             Ok(upgraded) => super::spdy::serve(TokioIo::new(upgraded), protocol, options, session).await,
             Err(error) => tracing::debug!(%error, "the client did not upgrade"),
@@ -287,7 +295,7 @@ async fn forward(state: ApiState, namespace: String, name: String, uid: Option<S
     tracing::info!(%namespace, pod = %name, "port-forward session");
     // The ports come in the session's streams (SPDY); the runtime reads them there.
     match provider.port_forward(&uid, &[]).await {
-        Ok(StreamingEndpoint::Url(url)) => proxy(request, &url).await,
+        Ok(StreamingEndpoint::Url(url)) => proxy(request, &url, &state.http.sessions).await,
         Ok(StreamingEndpoint::Session(_)) => {
             refused((StatusCode::BAD_REQUEST, "port-forward: the provider offered no port-forward server".into()))
         }
@@ -314,7 +322,7 @@ pub(super) async fn port_forward_uid(
 /// Sends the client's request to the runtime's streaming server `url` and
 /// joins the two upgraded connections; an answer that is not an upgrade
 /// is passed back as it is.
-async fn proxy(mut request: Request, url: &str) -> Response {
+async fn proxy(mut request: Request, url: &str, sessions: &prometheus_client::metrics::gauge::Gauge) -> Response {
     let bad_gateway = |why: String| refused((StatusCode::BAD_GATEWAY, why));
     let uri: http::Uri = match url.parse() {
         Ok(uri) => uri,
@@ -371,7 +379,9 @@ async fn proxy(mut request: Request, url: &str) -> Response {
         return Response::from_parts(parts, Body::new(body));
     }
     let backend_upgrade = hyper::upgrade::on(&mut answer);
+    let guard = SessionGuard::new(sessions);
     tokio::spawn(async move {
+        let _guard = guard;
         let (client, backend) = match tokio::join!(client_upgrade, backend_upgrade) {
             (Ok(client), Ok(backend)) => (client, backend),
             (client, backend) => {
@@ -393,7 +403,12 @@ async fn proxy(mut request: Request, url: &str) -> Response {
 }
 
 /// A WebSocket session (`v5.channel.k8s.io`, `v4.channel.k8s.io`).
-fn serve_websocket(mut request: Request, session: Box<dyn StreamSession>, options: StreamRequest) -> Response {
+fn serve_websocket(
+    mut request: Request,
+    session: Box<dyn StreamSession>,
+    options: StreamRequest,
+    sessions: &prometheus_client::metrics::gauge::Gauge,
+) -> Response {
     let key = request.headers().get("sec-websocket-key").and_then(|v| v.to_str().ok()).map(str::to_owned);
     let Some(key) = key else {
         return refused((StatusCode::BAD_REQUEST, "unable to upgrade: Sec-WebSocket-Key is required".into()));
@@ -415,7 +430,9 @@ fn serve_websocket(mut request: Request, session: Box<dyn StreamSession>, option
         ));
     };
     let upgrade = hyper::upgrade::on(&mut request);
+    let guard = SessionGuard::new(sessions);
     tokio::spawn(async move {
+        let _guard = guard;
         match upgrade.await {
             Ok(upgraded) => super::websocket::serve(TokioIo::new(upgraded), protocol, options, session).await,
             Err(error) => tracing::debug!(%error, "the client did not upgrade"),
