@@ -18,6 +18,14 @@
 //! with nothing of the node's (authentication, routing, reading the pod
 //! store, decoding the log).
 //!
+//! - **through the API server** (when `RUSTLET_KUBE_BIN_DIR` names the
+//!   Kubernetes binaries): a node in cluster mode on a real kube-apiserver
+//!   running a WebAssembly pod; `kubectl logs` of a 10 MB log and `kubectl
+//!   exec POD -- talk x` (a fresh instance, stdin empty, exit 0) round
+//!   trips, beside the API server's own floor in the same run (`kubectl get
+//!   pod`), each a whole kubectl process.
+//! - **idle cost**: the node process's CPU over 10 s with nothing asked.
+//!
 //! Run: `cargo bench -p rustlet --bench kubelet_api` (`RUSTLET_BENCH_QUICK=1`:
 //! fewer rounds).
 
@@ -179,6 +187,17 @@ async fn main() {
     println!("GET /stats/summary with {PODS} pods\n  rustlet  {}", summary.in_us());
     println!("GET /metrics/resource with {PODS} pods\n  rustlet  {}", metrics.in_us());
     println!("  floor (a request answered `ok`)  {}", bare.in_us());
+    let idle_from = common::process_cpu();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    println!(
+        "idle: {:?} of CPU in 10 s (the node and its kubelet API, nothing asked)",
+        common::process_cpu().saturating_sub(idle_from)
+    );
+    if std::env::var_os("RUSTLET_KUBE_BIN_DIR").is_some() {
+        through_the_api_server(n).await;
+    } else {
+        println!("through the API server: skipped (RUSTLET_KUBE_BIN_DIR is not set)");
+    }
     println!(
         "RSS after: {:.0} MiB; CPU of this process (node, client and floor): {:?}",
         common::rss_mib(),
@@ -186,4 +205,102 @@ async fn main() {
     );
     shutdown.cancel();
     node.stopped().await;
+}
+
+/// `kubectl logs` and `kubectl exec` through a real kube-apiserver, beside
+/// `kubectl get pod` as the floor.
+async fn through_the_api_server(n: usize) {
+    use kubelet::cluster::{ApiSource, ClusterSettings};
+    use rustlet_testkit::control_plane::ControlPlane;
+    let Some(plane) = ControlPlane::shared("kubelet_api bench") else { return };
+    let identity = plane.node();
+    let root = tempfile::tempdir().expect("tempdir");
+    let wasi = rustlet_wasi::WasiProvider::new(rustlet_wasi::WasiConfig::new(root.path())).expect("wasi");
+    let layout = root.path().join("layout");
+    let module = rustlet_wasi::examples::binary("talk").expect("module");
+    rustlet_wasi::import::write_layout(&layout, &[("example.com/wasm/talk:v1", &module)]).expect("layout");
+    rustlet_wasi::import::import(wasi.images(), &layout, None).expect("import");
+    let mut config = NodeConfig::new(root.path(), identity.name.clone());
+    config.http_address = None;
+    config.node_ips = vec![std::net::IpAddr::from([127, 0, 0, 1])];
+    let mut api = KubeletApiConfig::new(root.path());
+    api.address = "127.0.0.1:0".parse().expect("address");
+    api.client_ca = Some(plane.ca_file());
+    config.kubelet_api = Some(api);
+    let client = plane.client(&identity.token).await.expect("node client");
+    let shutdown = CancellationToken::new();
+    let _node = NodeBuilder::new(config)
+        .provider(Arc::new(wasi))
+        .cluster(ClusterSettings::new(ApiSource::Client(client)))
+        .start(shutdown.clone())
+        .await
+        .expect("node");
+    let name = format!("bench-{}", identity.name);
+    let manifest = serde_json::json!({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
+        "spec": {"nodeName": identity.name, "automountServiceAccountToken": false, "terminationGracePeriodSeconds": 1,
+                 "containers": [{"name": "main", "image": "example.com/wasm/talk:v1", "imagePullPolicy": "Never"}]},
+    });
+    let file = root.path().join("pod.json");
+    std::fs::write(&file, manifest.to_string()).expect("manifest");
+    let kubectl = |args: &[&str]| {
+        let output = plane.kubectl().args(args).output().expect("kubectl");
+        assert!(output.status.success(), "kubectl {args:?}: {}", String::from_utf8_lossy(&output.stderr));
+        output.stdout
+    };
+    kubectl(&["apply", "-f", &file.display().to_string()]);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let phase = kubectl(&["get", "pod", &name, "-o", "jsonpath={.status.phase}"]);
+        if phase == b"Running" {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the bench pod is not Running");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // 10 MB more in the container's log (the module writes its ticks too).
+    let logs = root.path().join("logs");
+    let log = walk(&logs).into_iter().find(|p| p.extension().is_some_and(|e| e == "log")).expect("the pod's log");
+    let mut text = String::with_capacity(10_200_000);
+    let mut i = 0;
+    while text.len() < 10_000_000 {
+        text.push_str(&format!("2026-11-24T10:00:00.{i:09}Z stdout F line {i:>8} {}\n", "x".repeat(50)));
+        i += 1;
+    }
+    {
+        use std::io::Write as _;
+        let mut file = std::fs::OpenOptions::new().append(true).open(&log).expect("log");
+        file.write_all(text.as_bytes()).expect("append");
+    }
+    let rounds = (n / 200).max(5);
+    let time = |args: &[&str]| {
+        let mut samples = Vec::new();
+        for _ in 0..rounds {
+            let began = Instant::now();
+            kubectl(args);
+            samples.push(began.elapsed());
+        }
+        figures(samples)
+    };
+    let floor = time(&["get", "pod", &name, "-o", "name"]);
+    let logs = time(&["logs", &name]);
+    let exec = time(&["exec", &name, "--", "talk", "x"]);
+    println!("through kube-apiserver v1.28.7 (each a whole kubectl process, {rounds} rounds)");
+    println!("  kubectl logs (10 MB)   {}", logs.in_ms());
+    println!("  kubectl exec -- talk x {}", exec.in_ms());
+    println!("  floor: kubectl get pod {}", floor.in_ms());
+    shutdown.cancel();
+}
+
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            found.extend(walk(&path));
+        } else {
+            found.push(path);
+        }
+    }
+    found
 }
