@@ -180,6 +180,8 @@ pub fn write_private(path: &Path, bytes: &[u8]) -> Result<(), TlsError> {
     use std::io::Write as _;
     use std::os::unix::fs::OpenOptionsExt as _;
     let temp = path.with_extension("tmp");
+    // A leftover temporary file would keep its own permissions.
+    let _ = std::fs::remove_file(&temp);
     let write = || {
         let mut file = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&temp)?;
         file.write_all(bytes)?;
