@@ -483,20 +483,12 @@ async fn pod_events_reach_the_api_aggregated(api: TestApi) {
 }
 rustlet_testkit::on_both_api_servers!(pod_events_reach_the_api_aggregated_on, pod_events_reach_the_api_aggregated);
 
-/// The node's `kubelet_api_streaming_sessions` gauge, read from its
-/// kubelet API's `/metrics`.
+/// The node's `kubelet_api_streaming_sessions` gauge.
 async fn streaming_sessions(
     address: std::net::SocketAddr,
     credentials: rustlet_testkit::https::Credentials<'_>,
 ) -> f64 {
-    let (code, metrics) = rustlet_testkit::https::get(address, "/metrics", credentials).await.expect("metrics");
-    assert_eq!(code, 200, "{metrics}");
-    metrics
-        .lines()
-        .find(|l| l.starts_with("kubelet_api_streaming_sessions "))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no kubelet_api_streaming_sessions in {metrics}"))
+    rustlet_testkit::https::metric(address, "kubelet_api_streaming_sessions", credentials).await.expect("the gauge")
 }
 
 /// Runs kubectl of the control plane; its stdout (panics on failure with

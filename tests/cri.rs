@@ -539,6 +539,27 @@ async fn probes_drive_readiness_and_liveness_restarts() {
     assert_eq!(restarts(&restarted, "web") + restarts(&restarted, "tcp") + restarts(&restarted, "slow"), 0);
 }
 
+/// Containers on `containerd` (handler `runc`) beside WebAssembly
+/// (handler `wasmtime`) with the example module `example` imported as
+/// `example.com/wasm/<example>:v1`.
+fn containerd_and_wasm(
+    containerd: &Containerd,
+    root: &std::path::Path,
+    example: &str,
+) -> kubelet::runtime_class::RuntimeClasses {
+    let wasi = rustlet_wasi::WasiProvider::new(rustlet_wasi::WasiConfig::new(root)).expect("wasi");
+    let layout = root.join("layout");
+    let module = rustlet_wasi::examples::binary(example).expect("module");
+    let reference = format!("example.com/wasm/{example}:v1");
+    rustlet_wasi::import::write_layout(&layout, &[(reference.as_str(), &module)]).expect("layout");
+    rustlet_wasi::import::import(wasi.images(), &layout, None).expect("import");
+    kubelet::runtime_class::RuntimeClasses::new(
+        "runc",
+        Arc::new(CriProvider::new(CriConfig::new(containerd.endpoint()))),
+    )
+    .with_handler("wasmtime", Arc::new(wasi))
+}
+
 /// Cluster mode with two runtimes, through the API server (the real
 /// kube-apiserver, and the in-process one): RuntimeClass objects are read
 /// from the API, so a pod of class `wasm-<node>` (handler `wasmtime`) runs
@@ -551,20 +572,13 @@ async fn a_cluster_runs_pods_on_the_runtime_of_their_class(api: rustlet_testkit:
     use kube::api::{Api, DeleteParams, PostParams};
     use kubelet::cluster::{ApiSource, ClusterSettings};
     use kubelet::node::{NodeBuilder, NodeConfig};
-    use kubelet::runtime_class::RuntimeClasses;
 
     let Some(containerd) = Containerd::shared(&format!("cluster_runtime_class_{}", api.kind())) else { return };
     let registry = Registry::start().await.expect("registry");
     containerd.trust_registry(&registry.host());
     let image = push_busybox(&registry, "test/busybox", "v1", &[], &["sh"]).await.expect("push busybox");
     let root = tempfile::Builder::new().prefix("rustlet-cri-cluster-").tempdir().expect("tempdir");
-    let wasi = rustlet_wasi::WasiProvider::new(rustlet_wasi::WasiConfig::new(root.path())).expect("wasi");
-    let layout = root.path().join("layout");
-    let module = rustlet_wasi::examples::binary("sleep").expect("module");
-    rustlet_wasi::import::write_layout(&layout, &[("example.com/wasm/sleep:v1", &module)]).expect("layout");
-    rustlet_wasi::import::import(wasi.images(), &layout, None).expect("import");
-    let classes = RuntimeClasses::new("runc", Arc::new(CriProvider::new(CriConfig::new(containerd.endpoint()))))
-        .with_handler("wasmtime", Arc::new(wasi));
+    let classes = containerd_and_wasm(containerd, root.path(), "sleep");
     let mut settings = ClusterSettings::new(ApiSource::Client(api.node_client.clone()));
     settings.runtime_classes = Some(classes.class_handlers());
     let mut config = NodeConfig::new(root.path(), api.node.clone());
@@ -766,7 +780,6 @@ async fn kubectl_exec_attach_and_port_forward_reach_a_container() {
     use kube::api::{Api, DeleteParams, PostParams};
     use kubelet::cluster::{ApiSource, ClusterSettings};
     use kubelet::node::{NodeBuilder, NodeConfig};
-    use kubelet::runtime_class::RuntimeClasses;
     use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _};
     let test = "kubectl_exec_attach_and_port_forward_reach_a_container";
     let Some(api) = rustlet_testkit::test_api::TestApi::real(test).await else { return };
@@ -776,13 +789,7 @@ async fn kubectl_exec_attach_and_port_forward_reach_a_container() {
     containerd.trust_registry(&registry.host());
     let image = push_busybox(&registry, "test/busybox", "v1", &[], &["sh"]).await.expect("push busybox");
     let root = tempfile::Builder::new().prefix("rustlet-cri-streams-").tempdir().expect("tempdir");
-    let wasi = rustlet_wasi::WasiProvider::new(rustlet_wasi::WasiConfig::new(root.path())).expect("wasi");
-    let layout = root.path().join("layout");
-    let module = rustlet_wasi::examples::binary("talk").expect("module");
-    rustlet_wasi::import::write_layout(&layout, &[("example.com/wasm/talk:v1", &module)]).expect("layout");
-    rustlet_wasi::import::import(wasi.images(), &layout, None).expect("import");
-    let classes = RuntimeClasses::new("runc", Arc::new(CriProvider::new(CriConfig::new(containerd.endpoint()))))
-        .with_handler("wasmtime", Arc::new(wasi));
+    let classes = containerd_and_wasm(containerd, root.path(), "talk");
     let mut settings = ClusterSettings::new(ApiSource::Client(api.node_client.clone()));
     settings.runtime_classes = Some(classes.class_handlers());
     let mut config = NodeConfig::new(root.path(), api.node.clone());
@@ -988,13 +995,7 @@ async fn kubectl_exec_attach_and_port_forward_reach_a_container() {
     // behind: the session ends, and the instance with it.
     let cert = || rustlet_testkit::https::Credentials::Certificate { cert_pem: &cert_pem, key_pem: &key_pem };
     let sessions = async || {
-        let (_, metrics) = rustlet_testkit::https::get(address, "/metrics", cert()).await.expect("metrics");
-        metrics
-            .lines()
-            .find(|l| l.starts_with("kubelet_api_streaming_sessions "))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse::<f64>().ok())
-            .expect("the sessions gauge")
+        rustlet_testkit::https::metric(address, "kubelet_api_streaming_sessions", cert()).await.expect("the gauge")
     };
     let mut talk = kubectl()
         .args(["exec", "-i", &wasm, "--", "talk", "x"])

@@ -262,3 +262,18 @@ pub async fn websocket_session(
         }
     }
 }
+
+/// The value of the unlabelled series `name` on the kubelet API's
+/// `/metrics` (a gauge such as `kubelet_api_streaming_sessions`).
+pub async fn metric(address: SocketAddr, name: &str, credentials: Credentials<'_>) -> Result<f64, String> {
+    let (code, metrics) = get(address, "/metrics", credentials).await?;
+    if code != 200 {
+        return Err(format!("/metrics answered {code}: {metrics}"));
+    }
+    metrics
+        .lines()
+        .find(|l| l.strip_prefix(name).is_some_and(|rest| rest.starts_with(' ')))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| format!("no {name} in {metrics}"))
+}
