@@ -828,9 +828,18 @@ impl Provider for CriProvider {
             self.call(runtime.stop_pod_sandbox(cri::StopPodSandboxRequest { pod_sandbox_id: id.clone() }))
                 .await
                 .map_err(|s| other("StopPodSandbox", &s))?;
-            self.call(runtime.remove_pod_sandbox(cri::RemovePodSandboxRequest { pod_sandbox_id: id.clone() }))
+            match self
+                .call(runtime.remove_pod_sandbox(cri::RemovePodSandboxRequest { pod_sandbox_id: id.clone() }))
                 .await
-                .map_err(|s| other("RemovePodSandbox", &s))?;
+            {
+                Ok(_) => {}
+                // Something of it was already gone (a container removed
+                // concurrently): what is asked, no sandbox, holds.
+                Err(s) if s.code() == tonic::Code::NotFound => {
+                    tracing::debug!(pod.uid = %pod_uid, sandbox = %id, error = %describe(&s), "RemovePodSandbox: already gone");
+                }
+                Err(s) => return Err(other("RemovePodSandbox", &s)),
+            }
             tracing::info!(pod.uid = %pod_uid, sandbox = %id, "pod sandbox removed");
         }
         Ok(())
