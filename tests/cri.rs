@@ -573,12 +573,12 @@ async fn a_cluster_runs_pods_on_the_runtime_of_their_class(api: rustlet_testkit:
     use kubelet::cluster::{ApiSource, ClusterSettings};
     use kubelet::node::{NodeBuilder, NodeConfig};
 
-    let Some(containerd) = Containerd::shared(&format!("cluster_runtime_class_{}", api.kind())) else { return };
+    let Some(containerd) = Containerd::private(&format!("cluster_runtime_class_{}", api.kind())) else { return };
     let registry = Registry::start().await.expect("registry");
     containerd.trust_registry(&registry.host());
     let image = push_busybox(&registry, "test/busybox", "v1", &[], &["sh"]).await.expect("push busybox");
     let root = tempfile::Builder::new().prefix("rustlet-cri-cluster-").tempdir().expect("tempdir");
-    let classes = containerd_and_wasm(containerd, root.path(), "sleep");
+    let classes = containerd_and_wasm(&containerd, root.path(), "sleep");
     let mut settings = ClusterSettings::new(ApiSource::Client(api.node_client.clone()));
     settings.runtime_classes = Some(classes.class_handlers());
     let mut config = NodeConfig::new(root.path(), api.node.clone());
@@ -783,13 +783,13 @@ async fn kubectl_exec_attach_and_port_forward_reach_a_container() {
     use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _};
     let test = "kubectl_exec_attach_and_port_forward_reach_a_container";
     let Some(api) = rustlet_testkit::test_api::TestApi::real(test).await else { return };
-    let Some(containerd) = Containerd::shared(test) else { return };
+    let Some(containerd) = Containerd::private(test) else { return };
     let plane = api.control_plane().expect("real");
     let registry = Registry::start().await.expect("registry");
     containerd.trust_registry(&registry.host());
     let image = push_busybox(&registry, "test/busybox", "v1", &[], &["sh"]).await.expect("push busybox");
     let root = tempfile::Builder::new().prefix("rustlet-cri-streams-").tempdir().expect("tempdir");
-    let classes = containerd_and_wasm(containerd, root.path(), "talk");
+    let classes = containerd_and_wasm(&containerd, root.path(), "talk");
     let mut settings = ClusterSettings::new(ApiSource::Client(api.node_client.clone()));
     settings.runtime_classes = Some(classes.class_handlers());
     let mut config = NodeConfig::new(root.path(), api.node.clone());

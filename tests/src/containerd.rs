@@ -6,6 +6,9 @@
 //! oom_score_adj even for root, and without it every sandbox fails.
 //!
 //! One containerd serves every test of a test binary ([`Containerd::shared`]).
+//! A test that runs a whole node takes one of its own
+//! ([`Containerd::private`]): a node starting releases every pod container
+//! it does not know, as the kubelet does, and would stop the other tests'.
 //! When the binary exits, a watcher shell kills it and the shims it left,
 //! unmounts what they mounted under its dir, and removes the dir. A test
 //! registry is made reachable over plain HTTP with

@@ -63,7 +63,7 @@ async fn wait_pod(address: &str, name: &str, pred: impl Fn(&Value) -> bool) -> V
 /// same start, restart count 0) instead of starting another.
 #[tokio::test]
 async fn a_killed_node_adopts_its_running_containers() {
-    let Some(containerd) = Containerd::shared("a_killed_node_adopts_its_running_containers") else {
+    let Some(containerd) = Containerd::private("a_killed_node_adopts_its_running_containers") else {
         return;
     };
     let registry = Registry::start().await.expect("registry");
@@ -76,7 +76,7 @@ async fn a_killed_node_adopts_its_running_containers() {
         "apiVersion: v1\nkind: Pod\nmetadata: {{name: steady}}\nspec:\n  terminationGracePeriodSeconds: 1\n  containers:\n  - name: main\n    image: {image}\n    command: [sh, -c, 'exec sleep 600']\n"
     );
     std::fs::write(manifests.join("steady.yaml"), manifest).expect("write");
-    let mut node = NodeProcess::start(node_command(root.path(), &manifests, containerd));
+    let mut node = NodeProcess::start(node_command(root.path(), &manifests, &containerd));
     let address = node.http_address().await;
     node.line_with("container started").await;
     let first = wait_pod(&address, "steady-mixed", running).await;
@@ -87,7 +87,7 @@ async fn a_killed_node_adopts_its_running_containers() {
     let before = status(&first);
 
     node.child.kill().await.expect("kill -9");
-    let mut node = NodeProcess::start(node_command(root.path(), &manifests, containerd));
+    let mut node = NodeProcess::start(node_command(root.path(), &manifests, &containerd));
     // Adoption and the endpoint come up in either order.
     node.lines_with_all(&["container adopted, not restarted", "node started"]).await;
     let endpoint = std::fs::read_to_string(root.path().join("rustlet-endpoint")).expect("the endpoint file");
@@ -101,7 +101,7 @@ async fn a_killed_node_adopts_its_running_containers() {
 
 #[tokio::test]
 async fn a_container_pod_and_a_webassembly_pod_run_on_one_node() {
-    let Some(containerd) = Containerd::shared("a_container_pod_and_a_webassembly_pod_run_on_one_node") else {
+    let Some(containerd) = Containerd::private("a_container_pod_and_a_webassembly_pod_run_on_one_node") else {
         return;
     };
     let registry = Registry::start().await.expect("registry");
@@ -158,7 +158,7 @@ spec:
 "
     );
     std::fs::write(manifests.join("pods.yaml"), manifest).expect("write");
-    let mut node = NodeProcess::start(node_command(root.path(), &manifests, containerd));
+    let mut node = NodeProcess::start(node_command(root.path(), &manifests, &containerd));
     let runtime = node.line_with("container runtime").await;
     assert!(runtime.contains("runtime=containerd"), "{runtime}");
     let address = node.http_address().await;
