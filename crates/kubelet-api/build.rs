@@ -11,6 +11,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "csi/v1/csi.proto",
         "runtime/v1/api.proto",
         "health/v1/health.proto",
+        "dra/v1/api.proto",
+        "dra/v1beta1/api.proto",
+        "podresources/v1/api.proto",
     ];
     for file in &files {
         println!("cargo:rerun-if-changed={}", proto_root.join(file).display());

@@ -19,7 +19,7 @@
 //! - [`registry`]: a real OCI registry (`docker-registry`) on loopback,
 //!   installed on first use, and pushes of wasm images to it.
 
-pub use rustlet_sample_plugins::{csi_driver, device_plugin, registration, report};
+pub use rustlet_sample_plugins::{csi_driver, device_plugin, dra_driver, registration, report};
 
 pub mod apiserver;
 pub mod containerd;

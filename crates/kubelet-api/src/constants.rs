@@ -25,3 +25,15 @@ pub const CSI_NODE_ID_ANNOTATION: &str = "csi.volume.kubernetes.io/nodeid";
 
 /// The kubelet API's port (HTTPS).
 pub const KUBELET_PORT: u16 = 10250;
+
+/// The DRA versions the node serves, newest first, as a driver lists them
+/// in `PluginInfo.supported_versions` (`<package>.<service>`).
+pub const DRA_PLUGIN_VERSIONS: [&str; 2] = ["v1.DRAPlugin", "v1beta1.DRAPlugin"];
+
+/// The PodResources API's directory under the root dir; its socket is
+/// [`KUBELET_SOCKET`] there.
+pub const POD_RESOURCES_DIR: &str = "pod-resources";
+
+/// The directory under the root dir where plugins keep their own sockets
+/// (`plugins/<driver>/…`), beside `plugins_registry/`.
+pub const PLUGINS_DIR: &str = "plugins";

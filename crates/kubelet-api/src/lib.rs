@@ -3,7 +3,8 @@
 //! This crate holds no logic. It has three parts:
 //! - generated gRPC clients and servers (tonic + prost), grouped by API and
 //!   version: [`pluginregistration`], [`deviceplugin::v1beta1`], [`csi::v1`],
-//!   [`cri::v1`], [`health::v1`];
+//!   [`cri::v1`], [`health::v1`], [`dra::v1`], [`dra::v1beta1`],
+//!   [`podresources::v1`];
 //! - wire constants shared by both sides ([`constants`]);
 //! - Unix-socket dial and serve helpers ([`uds`]), because every plugin API
 //!   runs over a Unix socket rather than TCP.
@@ -56,5 +57,31 @@ pub mod health {
     #[allow(missing_docs, clippy::all)]
     pub mod v1 {
         tonic::include_proto!("grpc.health.v1");
+    }
+}
+
+/// Dynamic Resource Allocation kubelet plugins (`DRAPlugin`): the node is
+/// the client of each driver's endpoint.
+pub mod dra {
+    /// `k8s.io.kubelet.pkg.apis.dra.v1` (registered as `v1.DRAPlugin`).
+    #[allow(missing_docs, clippy::all)]
+    pub mod v1 {
+        tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1");
+    }
+    /// `k8s.io.kubelet.pkg.apis.dra.v1beta1` (registered as
+    /// `v1beta1.DRAPlugin`); the same messages as [`v1`](super::v1).
+    #[allow(missing_docs, clippy::all)]
+    pub mod v1beta1 {
+        tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1beta1");
+    }
+}
+
+/// The PodResources API (`v1.PodResourcesLister`) the node serves on
+/// `<root-dir>/pod-resources/kubelet.sock`.
+pub mod podresources {
+    /// PodResources `v1`.
+    #[allow(missing_docs, clippy::all)]
+    pub mod v1 {
+        tonic::include_proto!("v1");
     }
 }

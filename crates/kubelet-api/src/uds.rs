@@ -107,6 +107,17 @@ impl tower::Service<http::Request<tonic::body::Body>> for UdsChannel {
 /// established within `timeout`. Refused connections are retried for
 /// [`REFUSED_GRACE`] (bounded by `timeout`).
 pub async fn dial(path: impl AsRef<Path>, timeout: Duration) -> Result<UdsChannel, UdsError> {
+    Ok(dial_watched(path, timeout).await?.0)
+}
+
+/// [`dial`], with a receiver that completes when the connection ends (the
+/// server closed it or went away, or every clone of the channel was
+/// dropped): what a client that keeps a connection open watches to know it
+/// is still connected, without polling.
+pub async fn dial_watched(
+    path: impl AsRef<Path>,
+    timeout: Duration,
+) -> Result<(UdsChannel, tokio::sync::oneshot::Receiver<()>), UdsError> {
     let path = path.as_ref().to_path_buf();
     let grace = REFUSED_GRACE.min(timeout);
     let connect = async {
@@ -123,10 +134,12 @@ pub async fn dial(path: impl AsRef<Path>, timeout: Duration) -> Result<UdsChanne
     };
     // Drives the connection until every clone of the channel is dropped. A
     // connection error needs no report here: the calls on it fail with it.
+    let (ended, end) = tokio::sync::oneshot::channel();
     tokio::spawn(async move {
         let _ = connection.await;
+        let _ = ended.send(());
     });
-    Ok(UdsChannel { sender })
+    Ok((UdsChannel { sender }, end))
 }
 
 /// How long a refused connection is retried at once (after yielding to

@@ -21,6 +21,7 @@
 pub mod cluster;
 pub mod csi;
 pub mod device_manager;
+pub mod dra;
 pub mod events;
 pub mod health;
 pub mod node;

@@ -10,6 +10,9 @@
 //! - [`device_plugin`]: a device plugin with a configurable device list,
 //!   health flips on command, and registration through `kubelet.sock` or
 //!   `plugins_registry`.
+//! - [`dra_driver`]: a DRA driver (`DRAPlugin` v1 and v1beta1) with
+//!   per-instance sockets for seamless upgrade, claims prepared from its
+//!   own device list and CDI spec files for its devices.
 //! - [`report`]: what a plugin saw the node do, as events (JSON lines for
 //!   plugin processes), so a caller can wait for "the plugin was told it is
 //!   registered" as an event with a deadline.
@@ -19,5 +22,6 @@
 
 pub mod csi_driver;
 pub mod device_plugin;
+pub mod dra_driver;
 pub mod registration;
 pub mod report;

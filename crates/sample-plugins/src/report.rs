@@ -78,6 +78,20 @@ pub enum Report {
         /// Devices named.
         devices: Vec<String>,
     },
+    /// A DRA driver instance answered `NodePrepareResources`.
+    DraPrepare {
+        /// The instance (its per-instance name).
+        instance: String,
+        /// Per claim UID: its devices, or the error.
+        claims: Vec<(String, Result<Vec<String>, String>)>,
+    },
+    /// A DRA driver instance answered `NodeUnprepareResources`.
+    DraUnprepare {
+        /// The instance.
+        instance: String,
+        /// The claim UIDs released.
+        claims: Vec<String>,
+    },
     /// A `ListAndWatch` stream closed (the node hung up or was replaced).
     ListAndWatchClosed {
         /// The resource.

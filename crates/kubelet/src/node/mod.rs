@@ -120,6 +120,8 @@ pub struct NodeConfig {
     pub devices: DeviceManagerConfig,
     /// The `CSIPlugin` handler.
     pub csi: CsiHandlerConfig,
+    /// The `DRAPlugin` handler and its calls.
+    pub dra: crate::dra::DraConfig,
     /// Pods.
     pub pods: PodSettings,
     /// How long [`Node::stopped`] waits for the components after shutdown.
@@ -144,6 +146,7 @@ impl NodeConfig {
             plugins: PluginManagerConfig::new(root_dir.join(PLUGINS_REGISTRY_DIR)),
             devices: DeviceManagerConfig::new(root_dir.join(DEVICE_PLUGINS_DIR)),
             csi: CsiHandlerConfig::default(),
+            dra: crate::dra::DraConfig::default(),
             pods: PodSettings::default(),
             node_name: node_name.into(),
             http_address: Some(SocketAddr::from(([127, 0, 0, 1], 10248))),
@@ -298,6 +301,8 @@ impl NodeBuilder {
         let mut manager = PluginManager::new(config.plugins.clone());
         manager.add_handler(PluginType::Csi, Arc::new(csi)).map_err(plugin_error)?;
         manager.add_handler(PluginType::DevicePlugin, Arc::new(devices.plugin_handler())).map_err(plugin_error)?;
+        let dra_drivers = crate::dra::DraDrivers::new(config.dra, shutdown.clone());
+        manager.add_handler(PluginType::Dra, Arc::new(dra_drivers.plugin_handler())).map_err(plugin_error)?;
         for (plugin_type, handler) in handlers {
             manager.add_handler(plugin_type, handler).map_err(plugin_error)?;
         }
@@ -470,6 +475,7 @@ impl NodeBuilder {
             config,
             plugins,
             csi_drivers,
+            dra_drivers,
             csi_objects,
             node_info,
             devices,
@@ -578,6 +584,7 @@ pub struct Node {
     config: NodeConfig,
     plugins: PluginManagerHandle,
     csi_drivers: CsiDriverRegistry,
+    dra_drivers: crate::dra::DraDrivers,
     csi_objects: CsiDriverObjects,
     node_info: InMemoryNodeInfo,
     devices: DeviceManager,
@@ -615,6 +622,11 @@ impl Node {
     /// The CSI drivers registered on this node.
     pub fn csi_drivers(&self) -> &CsiDriverRegistry {
         &self.csi_drivers
+    }
+
+    /// The DRA drivers registered on the node, and their calls.
+    pub fn dra_drivers(&self) -> &crate::dra::DraDrivers {
+        &self.dra_drivers
     }
 
     /// The node's CSI facts (annotation, topology labels, CSINode drivers).

@@ -1,0 +1,281 @@
+//! A sample DRA driver: a `DRAPlugin` kubelet plugin (v1 and v1beta1) with
+//! its registration socket, as a real driver built on upstream's helper
+//! lays them out.
+//!
+//! - Registration socket `<plugins_registry>/<driver>-<instance>-reg.sock`,
+//!   service endpoint `<plugins>/<driver>/dra-<instance>.sock`: each
+//!   instance has its own pair, so two instances of one driver run side by
+//!   side during an upgrade (seamless upgrade).
+//! - Devices: a fixed list. A CDI spec file for them is written at start
+//!   (`<cdi_dir>/<driver>.json`, kind `<driver>/device`); each device's edit
+//!   sets `DRA_DEVICE_<NAME>=<name>` in the container.
+//! - `NodePrepareResources` gives each new claim the first device no other
+//!   prepared claim holds and answers its CDI ID; a claim prepared again
+//!   gets the same device. The prepared claims are kept in
+//!   `<plugins>/<driver>/prepared.json`, which every instance shares, so an
+//!   upgraded instance knows what the older one prepared.
+//!   `NodeUnprepareResources` releases them.
+//! - Every answer is reported ([`Report::DraPrepare`],
+//!   [`Report::DraUnprepare`]).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use kubelet_api::constants::{DRA_PLUGIN_TYPE, DRA_PLUGIN_VERSIONS};
+use kubelet_api::dra::{v1, v1beta1};
+use prost::Message;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+
+use crate::registration::{Behaviour, Identity, RegistrationPlugin};
+use crate::report::{Report, Reporter};
+
+/// A driver instance's settings.
+#[derive(Clone, Debug)]
+pub struct DraDriverConfig {
+    /// The driver's name (a DNS subdomain, e.g. `gpu.example.com`).
+    pub driver: String,
+    /// This instance's name, unique among the driver's instances.
+    pub instance: String,
+    /// The node's `plugins_registry` directory.
+    pub registry_dir: PathBuf,
+    /// The node's `plugins` directory (the endpoint goes under
+    /// `<plugins>/<driver>/`).
+    pub plugins_dir: PathBuf,
+    /// Where the CDI spec file goes.
+    pub cdi_dir: PathBuf,
+    /// The pool the devices are in (the node's name, as in its
+    /// ResourceSlices).
+    pub pool: String,
+    /// The device names.
+    pub devices: Vec<String>,
+    /// The versions announced, in order of preference.
+    pub versions: Vec<String>,
+}
+
+impl DraDriverConfig {
+    /// A driver `driver` instance `instance` on the node whose root dir is
+    /// `root_dir`, with `devices`, announcing both versions (v1 first).
+    pub fn new(driver: &str, instance: &str, root_dir: &Path, pool: &str, devices: Vec<String>) -> Self {
+        DraDriverConfig {
+            driver: driver.to_owned(),
+            instance: instance.to_owned(),
+            registry_dir: root_dir.join(kubelet_api::constants::PLUGINS_REGISTRY_DIR),
+            plugins_dir: root_dir.join(kubelet_api::constants::PLUGINS_DIR),
+            cdi_dir: root_dir.join("cdi"),
+            pool: pool.to_owned(),
+            devices,
+            versions: DRA_PLUGIN_VERSIONS.iter().map(|v| (*v).to_owned()).collect(),
+        }
+    }
+
+    /// The registration socket.
+    pub fn registration_socket(&self) -> PathBuf {
+        self.registry_dir.join(format!("{}-{}-reg.sock", self.driver, self.instance))
+    }
+
+    /// The `DRAPlugin` endpoint.
+    pub fn endpoint(&self) -> PathBuf {
+        self.plugins_dir.join(&self.driver).join(format!("dra-{}.sock", self.instance))
+    }
+
+    /// The CDI kind of the devices (`<driver>/device`).
+    pub fn cdi_kind(&self) -> String {
+        format!("{}/device", self.driver)
+    }
+
+    /// The CDI ID of `device`.
+    pub fn cdi_id(&self, device: &str) -> String {
+        format!("{}={device}", self.cdi_kind())
+    }
+
+    fn state_file(&self) -> PathBuf {
+        self.plugins_dir.join(&self.driver).join("prepared.json")
+    }
+}
+
+/// A running driver instance.
+#[derive(Clone)]
+pub struct DraDriver {
+    config: Arc<DraDriverConfig>,
+    /// Serializes the state file's read-modify-write within this process.
+    lock: Arc<Mutex<()>>,
+    reporter: Reporter,
+}
+
+/// Claim UID → its devices.
+type Prepared = BTreeMap<String, Vec<String>>;
+
+impl DraDriver {
+    /// A driver instance with `config`, reporting to `reporter`.
+    pub fn new(config: DraDriverConfig, reporter: Reporter) -> Self {
+        DraDriver { config: Arc::new(config), lock: Arc::default(), reporter }
+    }
+
+    /// Writes the CDI spec, binds the endpoint, then the registration
+    /// socket (so the node finds the service ready), and serves both until
+    /// `shutdown`.
+    pub fn spawn(self, shutdown: CancellationToken) -> std::io::Result<tokio::task::JoinHandle<()>> {
+        self.write_cdi_spec()?;
+        let endpoint = self.config.endpoint();
+        let listener = kubelet_api::uds::bind(&endpoint).map_err(std::io::Error::other)?;
+        let identity = Identity {
+            plugin_type: DRA_PLUGIN_TYPE.to_owned(),
+            name: self.config.driver.clone(),
+            endpoint: endpoint.display().to_string(),
+            versions: self.config.versions.clone(),
+        };
+        let registration = RegistrationPlugin::new(
+            self.config.registration_socket(),
+            identity,
+            Behaviour::Normal,
+            self.reporter.clone(),
+        )
+        .spawn(shutdown.clone())?;
+        let driver = self.clone();
+        Ok(tokio::spawn(async move {
+            let router = tonic::transport::Server::builder()
+                .add_service(v1::dra_plugin_server::DraPluginServer::new(driver.clone()))
+                .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(driver));
+            if let Err(error) = kubelet_api::uds::serve(router, listener, shutdown.cancelled_owned()).await {
+                tracing::warn!(endpoint = %endpoint.display(), %error, "DRA driver stopped");
+            }
+            let _ = registration.await;
+        }))
+    }
+
+    fn write_cdi_spec(&self) -> std::io::Result<()> {
+        std::fs::create_dir_all(&self.config.cdi_dir)?;
+        let devices: Vec<serde_json::Value> = self
+            .config
+            .devices
+            .iter()
+            .map(|d| {
+                let variable: String =
+                    d.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_uppercase() } else { '_' }).collect();
+                serde_json::json!({"name": d, "containerEdits": {"env": [format!("DRA_DEVICE_{variable}={d}")]}})
+            })
+            .collect();
+        let spec = serde_json::json!({"cdiVersion": "0.6.0", "kind": self.config.cdi_kind(), "devices": devices});
+        let path = self.config.cdi_dir.join(format!("{}.json", self.config.driver));
+        let temporary = path.with_extension("json.tmp");
+        std::fs::write(&temporary, serde_json::to_vec_pretty(&spec).unwrap_or_default())?;
+        std::fs::rename(temporary, path)
+    }
+
+    fn load(&self) -> Prepared {
+        std::fs::read(self.config.state_file()).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default()
+    }
+
+    fn store(&self, prepared: &Prepared) -> Result<(), Status> {
+        let path = self.config.state_file();
+        let temporary = path.with_extension("json.tmp");
+        std::fs::write(&temporary, serde_json::to_vec(prepared).unwrap_or_default())
+            .and_then(|()| std::fs::rename(&temporary, &path))
+            .map_err(|e| Status::internal(format!("cannot record prepared claims in {}: {e}", path.display())))
+    }
+
+    fn prepare(&self, request: v1::NodePrepareResourcesRequest) -> Result<v1::NodePrepareResourcesResponse, Status> {
+        let _guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        let mut prepared = self.load();
+        let mut answer = v1::NodePrepareResourcesResponse::default();
+        let mut report = Vec::new();
+        for claim in request.claims {
+            let devices = match prepared.get(&claim.uid) {
+                Some(devices) => Ok(devices.clone()),
+                None => {
+                    let held: Vec<&String> = prepared.values().flatten().collect();
+                    match self.config.devices.iter().find(|d| !held.contains(d)) {
+                        Some(free) => {
+                            let devices = vec![free.clone()];
+                            prepared.insert(claim.uid.clone(), devices.clone());
+                            Ok(devices)
+                        }
+                        None => Err(format!(
+                            "no free device of driver {} for ResourceClaim {}/{}",
+                            self.config.driver, claim.namespace, claim.name
+                        )),
+                    }
+                }
+            };
+            let entry = match &devices {
+                Ok(devices) => v1::NodePrepareResourceResponse {
+                    devices: devices
+                        .iter()
+                        .map(|d| v1::Device {
+                            request_names: Vec::new(),
+                            pool_name: self.config.pool.clone(),
+                            device_name: d.clone(),
+                            cdi_device_ids: vec![self.config.cdi_id(d)],
+                        })
+                        .collect(),
+                    error: String::new(),
+                },
+                Err(error) => v1::NodePrepareResourceResponse { devices: Vec::new(), error: error.clone() },
+            };
+            answer.claims.insert(claim.uid.clone(), entry);
+            report.push((claim.uid, devices));
+        }
+        self.store(&prepared)?;
+        self.reporter.report(Report::DraPrepare { instance: self.config.instance.clone(), claims: report });
+        Ok(answer)
+    }
+
+    fn unprepare(
+        &self,
+        request: v1::NodeUnprepareResourcesRequest,
+    ) -> Result<v1::NodeUnprepareResourcesResponse, Status> {
+        let _guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        let mut prepared = self.load();
+        let mut answer = v1::NodeUnprepareResourcesResponse::default();
+        let mut released = Vec::new();
+        for claim in request.claims {
+            prepared.remove(&claim.uid);
+            answer.claims.insert(claim.uid.clone(), v1::NodeUnprepareResourceResponse { error: String::new() });
+            released.push(claim.uid);
+        }
+        self.store(&prepared)?;
+        self.reporter.report(Report::DraUnprepare { instance: self.config.instance.clone(), claims: released });
+        Ok(answer)
+    }
+}
+
+/// One version's message as the other's (the same on the wire).
+fn convert<A: Message, B: Message + Default>(from: &A) -> B {
+    B::decode(from.encode_to_vec().as_slice()).unwrap_or_default()
+}
+
+#[tonic::async_trait]
+impl v1::dra_plugin_server::DraPlugin for DraDriver {
+    async fn node_prepare_resources(
+        &self,
+        request: Request<v1::NodePrepareResourcesRequest>,
+    ) -> Result<Response<v1::NodePrepareResourcesResponse>, Status> {
+        self.prepare(request.into_inner()).map(Response::new)
+    }
+
+    async fn node_unprepare_resources(
+        &self,
+        request: Request<v1::NodeUnprepareResourcesRequest>,
+    ) -> Result<Response<v1::NodeUnprepareResourcesResponse>, Status> {
+        self.unprepare(request.into_inner()).map(Response::new)
+    }
+}
+
+#[tonic::async_trait]
+impl v1beta1::dra_plugin_server::DraPlugin for DraDriver {
+    async fn node_prepare_resources(
+        &self,
+        request: Request<v1beta1::NodePrepareResourcesRequest>,
+    ) -> Result<Response<v1beta1::NodePrepareResourcesResponse>, Status> {
+        self.prepare(convert(&request.into_inner())).map(|a| Response::new(convert(&a)))
+    }
+
+    async fn node_unprepare_resources(
+        &self,
+        request: Request<v1beta1::NodeUnprepareResourcesRequest>,
+    ) -> Result<Response<v1beta1::NodeUnprepareResourcesResponse>, Status> {
+        self.unprepare(convert(&request.into_inner())).map(|a| Response::new(convert(&a)))
+    }
+}
