@@ -31,11 +31,15 @@ async fn start_node(root: &Path) -> (Node, CancellationToken) {
 }
 
 async fn driver(root: &Path, instance: &str, versions: &[&str]) -> PluginProcess {
+    driver_in_pool(root, instance, versions, "dra-node").await
+}
+
+async fn driver_in_pool(root: &Path, instance: &str, versions: &[&str], pool: &str) -> PluginProcess {
     let mut args: Vec<String> = ["--root-dir", &root.display().to_string(), "--driver", DRIVER, "--instance", instance]
         .iter()
         .map(|s| (*s).to_owned())
         .collect();
-    args.extend(["--pool".into(), "dra-node".into(), "--count".into(), "4".into()]);
+    args.extend(["--pool".into(), pool.into(), "--count".into(), "4".into()]);
     for version in versions {
         args.extend(["--version".to_owned(), (*version).to_owned()]);
     }
@@ -185,4 +189,212 @@ async fn seamless_upgrade_sends_calls_to_the_newest_connected_instance() {
             .expect("rm");
     }
     assert!(drivers.wait_until(SOON, <[DraInstance]>::is_empty).await, "{:?}", drivers.list());
+}
+
+mod cluster {
+    //! Pods with resource claims on a node in a cluster (the in-process API
+    //! server: the v1.28 binaries predate `resource.k8s.io/v1`), their
+    //! claims prepared through a real driver process.
+
+    use std::sync::Arc;
+
+    use k8s_openapi::api::core::v1::Pod;
+    use k8s_openapi::api::resource::v1::ResourceClaim;
+    use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+    use kubelet::cluster::{ApiSource, ClusterSettings};
+    use kubelet::node::{Node, NodeBuilder, NodeConfig};
+    use kubelet_api::podresources::v1 as podresources;
+    use rustlet_testkit::host_provider::HostProcessProvider;
+    use rustlet_testkit::report::Report;
+    use rustlet_testkit::test_api::{TestApi, json_of};
+    use serde_json::json;
+    use tokio_util::sync::CancellationToken;
+
+    use super::{DRIVER, SOON, driver_in_pool, test_config, wait_file};
+
+    pub(super) async fn cluster_node(api: &TestApi, root: &std::path::Path) -> (Node, CancellationToken) {
+        let mut config = NodeConfig::new(root, api.node.clone());
+        config.http_address = None;
+        config.plugins = test_config(&root.join("plugins_registry"));
+        let mut settings = ClusterSettings::new(ApiSource::Client(api.node_client.clone()));
+        settings.slice_wiping_delay = std::time::Duration::from_millis(500);
+        let shutdown = CancellationToken::new();
+        let node = NodeBuilder::new(config)
+            .provider(Arc::new(HostProcessProvider::new()))
+            .cluster(settings)
+            .start(shutdown.clone())
+            .await
+            .expect("node");
+        (node, shutdown)
+    }
+
+    fn claim(name: &str) -> ResourceClaim {
+        serde_json::from_value(json!({
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.example.com"}}]}},
+        }))
+        .expect("claim")
+    }
+
+    fn pod(name: &str, node: &str, claim: &str) -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {
+                "nodeName": node,
+                "automountServiceAccountToken": false,
+                "terminationGracePeriodSeconds": 1,
+                "resourceClaims": [{"name": "gpu", "resourceClaimName": claim}],
+                "containers": [{
+                    "name": "main", "image": "busybox",
+                    "command": ["sh", "-c", "echo \"cdi=$CDI_DEVICES\"; exec sleep 600"],
+                    "resources": {"claims": [{"name": "gpu"}]},
+                }],
+            },
+        }))
+        .expect("pod")
+    }
+
+    /// Allocates `claim` to device `device` of the driver and reserves it
+    /// for `pods` (as the scheduler does).
+    async fn allocate(claims: &Api<ResourceClaim>, claim: &str, device: &str, pods: &[&Pod], node: &str) {
+        let reserved: Vec<serde_json::Value> =
+            pods.iter().map(|p| json!({"resource": "pods", "name": p.metadata.name, "uid": p.metadata.uid})).collect();
+        let status = json!({"status": {
+            "allocation": {"devices": {"results": [
+                {"request": "gpu", "driver": DRIVER, "pool": node, "device": device},
+            ]}},
+            "reservedFor": reserved,
+        }});
+        claims.patch_status(claim, &PatchParams::default(), &Patch::Merge(&status)).await.expect("allocate");
+    }
+
+    fn prepares_of(uid: &str) -> impl FnMut(&Report) -> bool + '_ {
+        move |r| matches!(r, Report::DraPrepare { claims, .. } if claims.iter().any(|(u, _)| u == uid))
+    }
+
+    async fn pod_resources(
+        root: &std::path::Path,
+    ) -> podresources::pod_resources_lister_client::PodResourcesListerClient<kubelet_api::uds::UdsChannel> {
+        let channel = kubelet_api::uds::dial(root.join("pod-resources/kubelet.sock"), SOON).await.expect("dial");
+        podresources::pod_resources_lister_client::PodResourcesListerClient::new(channel)
+    }
+
+    fn log_of(root: &std::path::Path, pod: &Pod) -> std::path::PathBuf {
+        let name = pod.metadata.name.as_deref().unwrap_or_default();
+        let uid = pod.metadata.uid.as_deref().unwrap_or_default();
+        root.join(format!("logs/pods/default_{name}_{uid}/main/0.log"))
+    }
+
+    /// A pod waits with the reason until its claim is reserved for it and
+    /// allocated; the claim is prepared once through the driver, its CDI
+    /// device reaches the container; a second pod sharing it prepares
+    /// nothing; PodResources shows both; the claim is released once, when
+    /// the last pod is gone; a restarted node neither prepares again nor
+    /// forgets; a static pod with a claim is refused.
+    #[tokio::test]
+    async fn a_claim_is_prepared_once_shared_and_released_with_its_last_pod() {
+        let api = TestApi::fake().await;
+        let root = tempfile::Builder::new().prefix("rustlet-dra-").tempdir().expect("tempdir");
+        let (node, shutdown) = cluster_node(&api, root.path()).await;
+        let mut gpu = driver_in_pool(root.path(), "a", &[], &api.node).await;
+        gpu.wait_for(SOON, |r| matches!(r, Report::Notified { registered: true, .. })).await.expect("registered");
+
+        let claims: Api<ResourceClaim> = Api::namespaced(api.admin.clone(), "default");
+        let pods: Api<Pod> = Api::namespaced(api.admin.clone(), "default");
+        let created = claims.create(&PostParams::default(), &claim("shared-gpu")).await.expect("claim");
+        let claim_uid = created.metadata.uid.clone().expect("uid");
+        let first = pods.create(&PostParams::default(), &pod("first", &api.node, "shared-gpu")).await.expect("pod");
+
+        // Not reserved for it yet: it waits, saying why.
+        let message =
+            |p: Option<&Pod>| p.and_then(|p| p.status.as_ref()).and_then(|s| s.message.clone()).unwrap_or_default();
+        let waiting = api
+            .wait_for(&pods, "first", "waiting for its claim", SOON, |p| {
+                message(p).contains("is not allowed to use ResourceClaim shared-gpu")
+            })
+            .await
+            .expect("pod");
+        assert_eq!(waiting.status.as_ref().and_then(|s| s.phase.as_deref()), Some("Pending"));
+
+        allocate(&claims, "shared-gpu", "dev-0", &[&first], &api.node).await;
+        let running = |p: Option<&Pod>| p.is_some_and(|p| json_of(p)["status"]["phase"] == "Running");
+        let first = api.wait_for(&pods, "first", "Running", SOON, running).await.expect("pod");
+        gpu.wait_for(SOON, prepares_of(&claim_uid)).await.expect("prepared");
+        let cdi = format!("{DRIVER}/device=dev-0");
+        let log = wait_file(&log_of(root.path(), &first), |t| t.contains("cdi=")).await;
+        assert!(log.contains(&format!("cdi={cdi}")), "{log}");
+
+        // A second pod shares the claim: nothing is prepared again.
+        let second = pods.create(&PostParams::default(), &pod("second", &api.node, "shared-gpu")).await.expect("pod");
+        allocate(&claims, "shared-gpu", "dev-0", &[&first, &second], &api.node).await;
+        let second = api.wait_for(&pods, "second", "Running", SOON, running).await.expect("pod");
+        let log = wait_file(&log_of(root.path(), &second), |t| t.contains("cdi=")).await;
+        assert!(log.contains(&format!("cdi={cdi}")), "{log}");
+        assert_eq!(node.dra_claims().pods_of(&claim_uid).len(), 2);
+
+        // PodResources: both pods, with the claim's device.
+        let mut lister = pod_resources(root.path()).await;
+        let listed = lister.list(podresources::ListPodResourcesRequest {}).await.expect("List").into_inner();
+        for name in ["first", "second"] {
+            let pod =
+                listed.pod_resources.iter().find(|p| p.name == name).unwrap_or_else(|| panic!("{name}: {listed:?}"));
+            let dynamic = &pod.containers[0].dynamic_resources;
+            assert_eq!(dynamic.len(), 1, "{pod:?}");
+            assert_eq!(
+                (dynamic[0].claim_name.as_str(), dynamic[0].claim_namespace.as_str()),
+                ("shared-gpu", "default")
+            );
+            let resource = &dynamic[0].claim_resources[0];
+            assert_eq!(
+                (resource.driver_name.as_str(), resource.pool_name.as_str(), resource.device_name.as_str()),
+                (DRIVER, api.node.as_str(), "dev-0")
+            );
+            assert_eq!(resource.cdi_devices[0].name, cdi);
+        }
+        let one = lister
+            .get(podresources::GetPodResourcesRequest { pod_name: "first".into(), pod_namespace: "default".into() })
+            .await
+            .expect("Get")
+            .into_inner();
+        assert_eq!(one.pod_resources.expect("pod").containers[0].dynamic_resources[0].claim_name, "shared-gpu");
+        let missing = lister
+            .get(podresources::GetPodResourcesRequest { pod_name: "absent".into(), pod_namespace: "default".into() })
+            .await
+            .expect_err("no such pod");
+        assert_eq!(
+            (missing.code(), missing.message()),
+            (tonic::Code::Unknown, "pod absent in namespace default not found")
+        );
+
+        // The node restarts (its checkpoint holds the claim): the pods are
+        // adopted and nothing is prepared again.
+        shutdown.cancel();
+        node.stopped().await;
+        let (node, shutdown) = cluster_node(&api, root.path()).await;
+        assert_eq!(node.dra_claims().pods_of(&claim_uid).len(), 2, "restored from the checkpoint");
+
+        // The first pod goes: the claim stays; the last goes: released once.
+        pods.delete("first", &DeleteParams::default()).await.expect("delete");
+        api.wait_for(&pods, "first", "deleted", SOON, |p| p.is_none()).await;
+        assert!(node.dra_claims().is_prepared(&claim_uid), "still used by the second pod");
+        pods.delete("second", &DeleteParams::default()).await.expect("delete");
+        api.wait_for(&pods, "second", "deleted", SOON, |p| p.is_none()).await;
+        // The next call the driver answers is the release: nothing was
+        // prepared again in between (the second pod, the restart).
+        let next = gpu
+            .wait_for(SOON, |r| matches!(r, Report::DraPrepare { .. } | Report::DraUnprepare { .. }))
+            .await
+            .expect("released");
+        assert!(matches!(&next, Report::DraUnprepare { claims, .. } if claims.contains(&claim_uid)), "{next:?}");
+        // Prepared exactly once (the restart prepared nothing), released once.
+        let more = gpu
+            .wait_for(std::time::Duration::from_millis(300), |r| {
+                matches!(r, Report::DraPrepare { .. } | Report::DraUnprepare { .. })
+            })
+            .await;
+        assert!(more.is_err(), "no other call: {more:?}");
+        assert!(!node.dra_claims().is_prepared(&claim_uid));
+        shutdown.cancel();
+        node.stopped().await;
+    }
 }

@@ -2,9 +2,10 @@
 //! process: its env is the container's run options, its working dir the
 //! spec's, and every mount is exposed as an env var naming the host path
 //! (`MOUNT_<VOLUME>` for a pod volume, upper-cased with `-` as `_`;
-//! `DEVICE_MOUNT_<n>` for a device plugin's mount). Output goes to the
-//! container's log file in the CRI format. Tests see real exits, device env
-//! and files written into volumes.
+//! `DEVICE_MOUNT_<n>` for a device plugin's mount; the CDI devices, from
+//! device plugins and resource claims, as `CDI_DEVICES`, comma-separated).
+//! Output goes to the container's log file in the CRI format. Tests see real
+//! exits, device env and files written into volumes.
 //!
 //! Two ways to run a process:
 //! - [`HostProcessProvider::new`]: the node's own children (they die with
@@ -235,6 +236,9 @@ impl Provider for HostProcessProvider {
                 }
             };
             env.push((name, mount.host_path.display().to_string()));
+        }
+        if !options.cdi_devices.is_empty() {
+            env.push(("CDI_DEVICES".to_owned(), options.cdi_devices.join(",")));
         }
         if let Some(detached) = &self.detached {
             return self.start_detached(detached, launch, argv, env).await;

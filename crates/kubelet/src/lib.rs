@@ -27,6 +27,7 @@ pub mod health;
 pub mod node;
 pub mod plugin_manager;
 pub mod pod;
+pub mod pod_resources;
 pub mod provider;
 pub mod retry;
 pub mod runtime_class;

@@ -12,7 +12,12 @@
 //!   service account tokens: only those referenced by pods bound to it
 //!   (reading one object, or listing or watching with
 //!   `metadata.name=<that object>`);
-//! - csinodes: its own; csidrivers, runtimeclasses: read; core/v1 events: create and patch.
+//! - csinodes: its own; csidrivers, runtimeclasses: read; core/v1 events: create and patch;
+//! - resourceclaims: read those referenced by pods bound to it (by name,
+//!   or as generated for a template and recorded in the pod's status);
+//! - resourceslices: read all, delete collections of its own (a
+//!   `spec.nodeName=<node>` field selector); create, change and delete
+//!   those whose `spec.nodeName` is itself (NodeRestriction).
 
 use std::collections::HashSet;
 
@@ -120,6 +125,17 @@ pub fn authorize(identity: &Identity, request: &Request<'_>, store: &Store) -> R
             Ok(())
         }
         "namespaces" if request.verb == "get" => Ok(()),
+        "resourceclaims" if reading => {
+            let Some(name) = request.name else {
+                return deny("no relationship found between node and this object (a node may not list all of them)");
+            };
+            if references(store, node).contains(&("resourceclaims", request.namespace.to_owned(), name.to_owned())) {
+                Ok(())
+            } else {
+                deny(&format!("no relationship found between node '{node}' and this object"))
+            }
+        }
+        "resourceslices" => authorize_slice(identity, request, store, node),
         "pods" => authorize_pod(identity, request, store, node),
         "secrets" | "configmaps" | "persistentvolumeclaims" | "persistentvolumes" | "serviceaccounts" => {
             let allowed_verb = match (request.resource.plural, request.subresource) {
@@ -144,6 +160,34 @@ pub fn authorize(identity: &Identity, request: &Request<'_>, store: &Store) -> R
             }
         }
         _ => deny("not allowed for nodes"),
+    }
+}
+
+/// ResourceSlices: the Node authorizer lets a node read them and delete
+/// collections; NodeRestriction lets it write only its own.
+fn authorize_slice(identity: &Identity, request: &Request<'_>, store: &Store, node: &str) -> Result<(), ApiError> {
+    let deny = |why: &str| Err(forbidden(identity, request, why));
+    let own = |slice: &Value| slice.pointer("/spec/nodeName").and_then(Value::as_str) == Some(node);
+    match request.verb {
+        "get" | "list" | "watch" | "deletecollection" => Ok(()),
+        "create" => {
+            if request.body.is_some_and(own) {
+                Ok(())
+            } else {
+                Err(admission_forbidden(
+                    request,
+                    &format!("node \"{node}\" is not allowed to create resourceslices with a different nodeName"),
+                ))
+            }
+        }
+        _ => {
+            let key = super::store::Key::new(request.resource, "", request.name.unwrap_or_default());
+            match store.get(&key) {
+                Some(slice) if own(slice) => Ok(()),
+                None => Ok(()),
+                Some(_) => deny(&format!("node \"{node}\" can only modify its own resourceslices")),
+            }
+        }
     }
 }
 
@@ -251,6 +295,16 @@ fn references(store: &Store, node: &str) -> HashSet<(&'static str, String, Strin
         let spec = pod.get("spec").cloned().unwrap_or(Value::Null);
         let sa = spec.get("serviceAccountName").and_then(Value::as_str).unwrap_or("default");
         found.insert(("serviceaccounts", ns.clone(), sa.to_owned()));
+        for claim in spec.get("resourceClaims").and_then(Value::as_array).into_iter().flatten() {
+            if let Some(name) = claim.get("resourceClaimName").and_then(Value::as_str) {
+                found.insert(("resourceclaims", ns.clone(), name.to_owned()));
+            }
+        }
+        for status in pod.pointer("/status/resourceClaimStatuses").and_then(Value::as_array).into_iter().flatten() {
+            if let Some(name) = status.get("resourceClaimName").and_then(Value::as_str) {
+                found.insert(("resourceclaims", ns.clone(), name.to_owned()));
+            }
+        }
         let mut add = |plural: &'static str, name: Option<&Value>| {
             if let Some(name) = name.and_then(Value::as_str) {
                 found.insert((plural, ns.clone(), name.to_owned()));

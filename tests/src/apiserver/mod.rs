@@ -500,6 +500,7 @@ async fn serve(
         ("PUT", true) => "update",
         ("PATCH", true) => "patch",
         ("DELETE", true) => "delete",
+        ("DELETE", false) => "deletecollection",
         _ => return Err(ApiError::new(405, "MethodNotAllowed", format!("{method} is not supported here"))),
     };
     let body_value = parse_body(body)?;
@@ -697,6 +698,45 @@ async fn serve(
                 store.remove(resource, &key)?
             };
             Ok(object_response(StatusCode::OK, &object))
+        }
+        "deletecollection" if resource.plural == "resourceslices" => {
+            let field_selector = query.get("fieldSelector").cloned().unwrap_or_default();
+            for term in field_selector.split(',').filter(|t| !t.is_empty()) {
+                let label = term.split(['=', '!']).next().unwrap_or_default();
+                if !matches!(label, "metadata.name" | "spec.nodeName" | "spec.driver") {
+                    return Err(ApiError::new(
+                        400,
+                        "BadRequest",
+                        format!("field label not supported for resource.k8s.io/v1, Kind=ResourceSlice: {label}"),
+                    ));
+                }
+            }
+            // The Node authorizer: a node deletes its own slices only.
+            if let Identity::Node(node) = identity
+                && !field_selector.split(',').any(|t| t == format!("spec.nodeName={node}"))
+            {
+                return Err(ApiError::new(
+                    403,
+                    "Forbidden",
+                    format!(
+                        "resourceslices is forbidden: User \"system:node:{node}\" cannot deletecollection resource \"resourceslices\" in API group \"resource.k8s.io\" at the cluster scope: can only delete ResourceSlices with fieldSelector spec.nodeName={node}"
+                    ),
+                ));
+            }
+            let mut store = shared.store();
+            let doomed: Vec<Value> = store.list(resource, None).into_iter().filter(|o| matches(o)).collect();
+            let mut removed = Vec::new();
+            for object in doomed {
+                let name = object.pointer("/metadata/name").and_then(Value::as_str).unwrap_or_default().to_owned();
+                removed.push(store.remove(resource, &Key::new(resource, "", &name))?);
+            }
+            Ok(object_response(
+                StatusCode::OK,
+                &json!({
+                    "kind": "ResourceSliceList", "apiVersion": resource.api_version(),
+                    "metadata": {"resourceVersion": store.rv().to_string()}, "items": removed,
+                }),
+            ))
         }
         _ => Err(ApiError::new(405, "MethodNotAllowed", format!("{verb} is not supported"))),
     }

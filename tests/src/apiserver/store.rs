@@ -113,6 +113,22 @@ pub const RESOURCES: &[Resource] = &[
         namespaced: false,
         has_status: true,
     },
+    Resource {
+        group: "resource.k8s.io",
+        version: "v1",
+        plural: "resourceclaims",
+        kind: "ResourceClaim",
+        namespaced: true,
+        has_status: true,
+    },
+    Resource {
+        group: "resource.k8s.io",
+        version: "v1",
+        plural: "resourceslices",
+        kind: "ResourceSlice",
+        namespaced: false,
+        has_status: false,
+    },
 ];
 
 /// The resource served at `group/version/plural`.

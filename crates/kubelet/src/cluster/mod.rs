@@ -24,6 +24,7 @@
 //! configMap/secret volumes and tokens after the pod started.
 
 pub mod certificates;
+pub mod claims;
 pub mod csi_info;
 pub mod node_sync;
 pub mod pod_sync;
@@ -109,6 +110,9 @@ pub struct ClusterSettings {
     /// [`crate::runtime_class::RuntimeClasses`]); `None`: they are not
     /// read (a node with one runtime).
     pub runtime_classes: Option<crate::runtime_class::ClassHandlers>,
+    /// How long after a DRA driver's last instance went away its
+    /// ResourceSlices of this node are deleted (upstream: 30 s).
+    pub slice_wiping_delay: Duration,
 }
 
 impl ClusterSettings {
@@ -124,6 +128,7 @@ impl ClusterSettings {
             api_qps: rate_limit::DEFAULT_QPS,
             api_burst: rate_limit::DEFAULT_BURST,
             runtime_classes: None,
+            slice_wiping_delay: claims::SLICE_WIPING_DELAY,
         }
     }
 }
@@ -181,6 +186,8 @@ pub(crate) struct NodeParts {
     pub(crate) events: Option<crate::events::EventQueue>,
     /// Where node events are recorded (into `events`).
     pub(crate) recorder: crate::events::EventRecorder,
+    /// The DRA drivers (their ResourceSlices are wiped when they are gone).
+    pub(crate) dra: crate::dra::DraDrivers,
 }
 
 /// Persistent volumes published on the node, by unique name, with their pods.
@@ -222,6 +229,11 @@ pub(crate) fn start(settings: ClusterSettings, parts: NodeParts, shutdown: Cance
         );
         parts.csi.start(client.clone(), &name, node.registered(), supervision.clone());
         parts.client.send_replace(Some(client.clone()));
+        {
+            let (slices_client, node, drivers, stop) = (client.clone(), name.clone(), parts.dra, shutdown.clone());
+            let delay = settings.slice_wiping_delay;
+            tasks.spawn(claims::wipe_slices(slices_client, node, drivers, delay, stop));
+        }
         let (drivers_client, objects) = (client.clone(), parts.csi_objects);
         supervision.spawn("cluster-csidriver-watch", move || {
             volumes::follow_csi_drivers(drivers_client.clone(), objects.clone())

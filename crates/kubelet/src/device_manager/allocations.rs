@@ -225,6 +225,22 @@ impl Allocations {
     }
 
     /// The checkpoint entries, in pod, container, resource order.
+    /// Container → resource → device IDs of `pod`.
+    pub(crate) fn held_by_pod(&self, pod: &str) -> BTreeMap<String, BTreeMap<String, Vec<String>>> {
+        self.pods
+            .get(pod)
+            .map(|containers| {
+                containers
+                    .iter()
+                    .map(|(name, record)| {
+                        let held = record.resources.iter().map(|(r, h)| (r.clone(), h.device_ids.clone())).collect();
+                        (name.clone(), held)
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
     pub(crate) fn parts(&self) -> Vec<Arc<Part>> {
         self.pods
             .values()

@@ -260,6 +260,47 @@ impl DeviceManager {
         self.lock().get(resource).map(|r| r.devices.values().cloned().collect()).unwrap_or_default()
     }
 
+    /// Every healthy device of every resource, as `(resource, device)`,
+    /// sorted: what the node can hand out (PodResources'
+    /// `GetAllocatableResources`).
+    pub fn allocatable_devices(&self) -> Vec<(String, Device)> {
+        self.lock()
+            .iter()
+            .flat_map(|(name, r)| {
+                r.devices.values().filter(|d| d.health == Health::Healthy).map(move |d| (name.clone(), d.clone()))
+            })
+            .collect()
+    }
+
+    /// What `pod_uid`'s containers hold: container name → resource →
+    /// devices (with their NUMA nodes, as known now), for PodResources.
+    pub fn pod_devices(&self, pod_uid: &str) -> BTreeMap<String, BTreeMap<String, Vec<Device>>> {
+        let held = self.allocations().held_by_pod(pod_uid);
+        let resources = self.lock();
+        held.into_iter()
+            .map(|(container, by_resource)| {
+                let devices = by_resource
+                    .into_iter()
+                    .map(|(resource, ids)| {
+                        let known = resources.get(&resource).map(|r| &r.devices);
+                        let devices = ids
+                            .into_iter()
+                            .map(|id| {
+                                known.and_then(|k| k.get(&id)).cloned().unwrap_or(Device {
+                                    id,
+                                    health: Health::Unhealthy,
+                                    numa_nodes: Vec::new(),
+                                })
+                            })
+                            .collect();
+                        (resource, devices)
+                    })
+                    .collect();
+                (container, devices)
+            })
+            .collect()
+    }
+
     /// The options of the plugin serving `resource`, if one is connected.
     pub fn plugin_options(&self, resource: &str) -> Option<PluginOptions> {
         self.lock().get(resource).filter(|r| r.endpoint.is_some()).and_then(|r| r.options)

@@ -18,9 +18,17 @@
 //!
 //! Calls ([`DraDrivers::prepare`], [`DraDrivers::unprepare`]) are batched
 //! per driver and bounded by upstream's deadline (45 s).
+//!
+//! **Claims.** [`DraClaims`] prepares each claim once, for the first pod
+//! that needs it, releases it when the last pod using it is gone, and keeps
+//! both facts in a checkpoint (`<root-dir>/dra_manager_state`) across
+//! restarts. The CDI device IDs a driver returns go to the containers that
+//! reference the claim in `resources.claims`.
 
+mod claims;
 mod plugins;
 
+pub use claims::{ClaimSource, ContainerClaim, DRA_CHECKPOINT_FILE, DraClaims, ResolvedClaim, claim_name};
 pub use plugins::{
     ClaimRef, DraConfig, DraDrivers, DraError, DraInstance, DraPluginHandler, DraVersion, PreparedDevice,
 };

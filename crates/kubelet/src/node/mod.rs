@@ -132,6 +132,9 @@ pub struct NodeConfig {
     pub node_ips: Vec<IpAddr>,
     /// The kubelet API (HTTPS, `:10250`); `None` serves none.
     pub kubelet_api: Option<crate::server::KubeletApiConfig>,
+    /// The PodResources API (`<root_dir>/pod-resources/kubelet.sock`);
+    /// `None` serves none.
+    pub pod_resources: Option<crate::pod_resources::PodResourcesConfig>,
     /// What `/configz` shows besides the kubelet API's own settings (the
     /// binary puts its flags here, in `KubeletConfiguration`'s names).
     pub configz: serde_json::Map<String, serde_json::Value>,
@@ -153,6 +156,7 @@ impl NodeConfig {
             shutdown_grace: Duration::from_secs(10),
             node_ips: Vec::new(),
             kubelet_api: None,
+            pod_resources: Some(crate::pod_resources::PodResourcesConfig::new(&root_dir)),
             configz: serde_json::Map::new(),
             root_dir,
         }
@@ -189,6 +193,15 @@ pub enum NodeError {
         /// The system error.
         #[source]
         source: std::io::Error,
+    },
+    /// The PodResources API could not listen.
+    #[error("cannot serve the PodResources API on {socket}: {source}")]
+    PodResources {
+        /// The socket.
+        socket: PathBuf,
+        /// What failed.
+        #[source]
+        source: kubelet_api::uds::UdsError,
     },
     /// The kubelet API could not start.
     #[error(transparent)]
@@ -338,6 +351,13 @@ impl NodeBuilder {
         let volumes_in_use = csi_volumes.volumes_in_use();
         let api_provider = provider.clone();
         let mut lifecycle = PodLifecycle::new(pod_config, provider, Some(devices.clone())).with_csi(csi_volumes);
+        // Resource claims: resolved through the API in a cluster; a
+        // standalone node refuses pods with claims.
+        let dra_claims = crate::dra::DraClaims::load(&root_dir, dra_drivers.clone());
+        let claim_source = cluster.as_ref().map(|_| {
+            Arc::new(cluster::claims::ApiClaims::new(api_client_rx.clone())) as Arc<dyn crate::dra::ClaimSource>
+        });
+        lifecycle = lifecycle.with_claims(dra_claims.clone(), claim_source);
         if let Some(api_volumes) = api_volumes {
             lifecycle = lifecycle.with_objects(api_volumes);
         }
@@ -349,6 +369,17 @@ impl NodeBuilder {
             (event_queue, event_recorder) = (Some(queue), recorder);
         }
         let pods = Pods::start(lifecycle, shutdown.clone()).await;
+        if let Some(pod_resources) = &config.pod_resources {
+            let task = crate::pod_resources::serve(
+                pod_resources,
+                pods.clone(),
+                devices.clone(),
+                Some(dra_claims.clone()),
+                shutdown.clone(),
+            )
+            .map_err(|source| NodeError::PodResources { socket: pod_resources.socket.clone(), source })?;
+            supervise(&tasks, &healthz, "pod-resources", task, shutdown.clone());
+        }
         let static_pods = match &config.pods.manifest_dir {
             None => None,
             Some(dir) => {
@@ -465,6 +496,7 @@ impl NodeBuilder {
                     volumes_in_use,
                     events: event_queue,
                     recorder: event_recorder,
+                    dra: dra_drivers.clone(),
                 };
                 Some(cluster::start(settings, parts, shutdown.clone()))
             }
@@ -476,6 +508,7 @@ impl NodeBuilder {
             plugins,
             csi_drivers,
             dra_drivers,
+            dra_claims,
             csi_objects,
             node_info,
             devices,
@@ -585,6 +618,7 @@ pub struct Node {
     plugins: PluginManagerHandle,
     csi_drivers: CsiDriverRegistry,
     dra_drivers: crate::dra::DraDrivers,
+    dra_claims: crate::dra::DraClaims,
     csi_objects: CsiDriverObjects,
     node_info: InMemoryNodeInfo,
     devices: DeviceManager,
@@ -627,6 +661,11 @@ impl Node {
     /// The DRA drivers registered on the node, and their calls.
     pub fn dra_drivers(&self) -> &crate::dra::DraDrivers {
         &self.dra_drivers
+    }
+
+    /// The resource claims prepared on the node.
+    pub fn dra_claims(&self) -> &crate::dra::DraClaims {
+        &self.dra_claims
     }
 
     /// The node's CSI facts (annotation, topology labels, CSINode drivers).

@@ -85,8 +85,17 @@ pub async fn start(
         ),
         None => None,
     };
-    let run_options = run_options::build(&data.pod, &record.spec, &data.volumes, &device_options, env_objects.as_ref())
-        .map_err(|e| StartFailure { reason: "CreateContainerConfigError", message: e.to_string(), retry: true })?;
+    let mut run_options =
+        run_options::build(&data.pod, &record.spec, &data.volumes, &device_options, env_objects.as_ref())
+            .map_err(|e| StartFailure { reason: "CreateContainerConfigError", message: e.to_string(), retry: true })?;
+    // The CDI devices of the resource claims it uses.
+    if let Some((claims, _)) = &lifecycle.claims {
+        for id in claims.cdi_devices(&data.pod, name) {
+            if !run_options.cdi_devices.contains(&id) {
+                run_options.cdi_devices.push(id);
+            }
+        }
+    }
     if let Some(record) = data.containers.get_mut(name) {
         continue_previous_run(record);
     }

@@ -119,6 +119,9 @@ pub struct PodLifecycle {
     adopted: Mutex<HashMap<(String, String), RunningContainer>>,
     /// Where pod events go.
     events: crate::events::EventRecorder,
+    /// Resource claims: prepared through their DRA drivers, resolved
+    /// through the API (`None`: pods with claims are refused).
+    claims: Option<(crate::dra::DraClaims, Option<Arc<dyn crate::dra::ClaimSource>>)>,
 }
 
 impl PodLifecycle {
@@ -135,7 +138,19 @@ impl PodLifecycle {
             store: PodStore::default(),
             adopted: Mutex::new(HashMap::new()),
             events: crate::events::EventRecorder::log_only(),
+            claims: None,
         }
+    }
+
+    /// Prepares pods' resource claims with `claims`, resolving them with
+    /// `source` (the API; without one, pods with claims are refused).
+    pub fn with_claims(
+        mut self,
+        claims: crate::dra::DraClaims,
+        source: Option<Arc<dyn crate::dra::ClaimSource>>,
+    ) -> Self {
+        self.claims = Some((claims, source));
+        self
     }
 
     /// Records pod events with `events` (by default they are only logged).
@@ -407,6 +422,11 @@ impl Pods {
                 }
                 let _ = provider.remove_pod(&orphan.pod_uid).await;
             }
+        }
+        if let Some((claims, _)) = &lifecycle.claims
+            && let Err(error) = claims.retain_pods(&live).await
+        {
+            tracing::warn!(%error, "releasing the resource claims of pods no longer on the node");
         }
         if let Some(devices) = &lifecycle.devices {
             devices.retain_pods(live.iter().map(String::as_str));

@@ -4,7 +4,7 @@
 use k8s_openapi::api::core::v1::PodStatus;
 use krator::{Context, State, Transition};
 
-use super::{AlreadyFinished, Failed, ImagePull};
+use super::{AlreadyFinished, Claims, Failed};
 use crate::device_manager::{PodContainer, PodDeviceRequest};
 use crate::pod::PodLifecycle;
 use crate::pod::data::PodVerdict;
@@ -73,7 +73,7 @@ impl State<PodLifecycle> for Resources {
             }
         }
         tracing::info!(pod.uid = %uid, "pod admitted");
-        Transition::next(&*self, ImagePull::first())
+        Transition::next(&*self, Claims)
     }
 
     fn status(&self, ctx: &Context<PodLifecycle>) -> PodStatus {
@@ -84,7 +84,7 @@ impl State<PodLifecycle> for Resources {
 /// Marks the pod rejected (upstream's phase, reason and message).
 /// The status is published before the log line, so whoever reads the line
 /// finds the pod rejected.
-fn reject(ctx: &mut Context<PodLifecycle>, reason: &str, message: String) {
+pub(super) fn reject(ctx: &mut Context<PodLifecycle>, reason: &str, message: String) {
     ctx.data.verdict = Some(PodVerdict {
         phase: "Failed",
         reason: Some(reason.to_owned()),

@@ -2,12 +2,14 @@
 //! `pod`).
 
 mod admission;
+mod claims;
 mod containers;
 mod finished;
 mod prepare;
 mod terminating;
 
 pub use admission::{Registered, Resources};
+pub use claims::Claims;
 pub use containers::{CrashLoopBackOff, Initializing, Running, Starting};
 pub use finished::{AlreadyFinished, Completed, Failed};
 pub use prepare::{ImagePull, ImagePullBackOff, NO_PROVIDER_MESSAGE, NoProvider, Volumes};
@@ -18,7 +20,9 @@ use krator::TransitionTo;
 impl TransitionTo<Resources> for Registered {}
 impl TransitionTo<AlreadyFinished> for Registered {}
 impl TransitionTo<Failed> for Registered {}
-impl TransitionTo<ImagePull> for Resources {}
+impl TransitionTo<Claims> for Resources {}
+impl TransitionTo<ImagePull> for Claims {}
+impl TransitionTo<Failed> for Claims {}
 impl TransitionTo<Failed> for Resources {}
 impl TransitionTo<Volumes> for ImagePull {}
 impl TransitionTo<ImagePullBackOff> for ImagePull {}

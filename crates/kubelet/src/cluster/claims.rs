@@ -1,0 +1,171 @@
+//! Resource claims and ResourceSlices through the API (`resource.k8s.io/v1`).
+//!
+//! - [`ApiClaims`] resolves a pod's claims: the named ResourceClaim, or the
+//!   one generated from a template and recorded in the pod's
+//!   `status.resourceClaimStatuses` (which must be owned by the pod); each
+//!   must be reserved for the pod and allocated. The drivers come from the
+//!   allocation's results.
+//! - [`wipe_slices`]: the ResourceSlices are the drivers' to publish. At
+//!   start the node deletes those of this node (the drivers publish them
+//!   again when they register), and once no instance of a driver has been
+//!   connected for the wiping delay (upstream: 30 s), that driver's slices
+//!   of this node are deleted, so the scheduler stops placing claims on
+//!   devices nobody serves.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
+use kube::api::{Api, DeleteParams, ListParams};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use super::describe;
+use crate::dra::{ClaimRef, ClaimSource, DraDrivers, ResolvedClaim, claim_name};
+
+/// Upstream's delay between a driver's last instance going away and the
+/// deletion of its ResourceSlices.
+pub const SLICE_WIPING_DELAY: Duration = Duration::from_secs(30);
+
+/// Resolves claims with the client `client` holds once it holds one.
+pub struct ApiClaims {
+    client: watch::Receiver<Option<kube::Client>>,
+}
+
+impl ApiClaims {
+    /// Claims read with the node's client.
+    pub fn new(client: watch::Receiver<Option<kube::Client>>) -> Self {
+        ApiClaims { client }
+    }
+}
+
+#[async_trait::async_trait]
+impl ClaimSource for ApiClaims {
+    async fn resolve(&self, pod: &Pod) -> Result<Vec<ResolvedClaim>, String> {
+        let client = self.client.borrow().clone().ok_or_else(|| "not connected to the API server yet".to_owned())?;
+        let namespace = pod.metadata.namespace.clone().unwrap_or_else(|| "default".into());
+        let pod_name = pod.metadata.name.clone().unwrap_or_default();
+        let pod_uid = pod.metadata.uid.clone().unwrap_or_default();
+        let api: Api<ResourceClaim> = Api::namespaced(client, &namespace);
+        let mut resolved = Vec::new();
+        let pod_claims = pod.spec.as_ref().and_then(|s| s.resource_claims.clone()).unwrap_or_default();
+        for pod_claim in &pod_claims {
+            let Some(name) = claim_name(pod, &pod_claim.name)? else { continue };
+            let claim = api.get(&name).await.map_err(|e| format!("fetch ResourceClaim {name}: {}", describe(&e)))?;
+            let claim_uid = claim.metadata.uid.clone().unwrap_or_default();
+            if pod_claim.resource_claim_template_name.is_some() {
+                let owned = claim
+                    .metadata
+                    .owner_references
+                    .iter()
+                    .flatten()
+                    .any(|o| o.controller == Some(true) && o.uid == pod_uid);
+                if !owned {
+                    return Err(format!(
+                        "ResourceClaim {namespace}/{name} was not created for pod {namespace}/{pod_name} (pod is not owner)"
+                    ));
+                }
+            }
+            let status = claim.status.as_ref();
+            let reserved =
+                status.and_then(|s| s.reserved_for.as_ref()).is_some_and(|r| r.iter().any(|c| c.uid == pod_uid));
+            if !reserved {
+                return Err(format!(
+                    "pod {pod_name} ({pod_uid}) is not allowed to use ResourceClaim {name} ({claim_uid})"
+                ));
+            }
+            let allocation = status
+                .and_then(|s| s.allocation.as_ref())
+                .ok_or_else(|| format!("ResourceClaim {name}: not allocated"))?;
+            let drivers: BTreeSet<String> = allocation
+                .devices
+                .as_ref()
+                .and_then(|d| d.results.as_ref())
+                .map(|results| results.iter().map(|r| r.driver.clone()).collect())
+                .unwrap_or_default();
+            resolved.push(ResolvedClaim {
+                claim: ClaimRef { namespace: namespace.clone(), uid: claim_uid, name },
+                drivers,
+            });
+        }
+        Ok(resolved)
+    }
+}
+
+/// Deletes this node's ResourceSlices (of one driver, or all), retrying
+/// with backoff until it is done or `stop` is cancelled.
+async fn delete_slices(client: &kube::Client, node: &str, driver: Option<&str>, stop: &CancellationToken) {
+    let api: Api<ResourceSlice> = Api::all(client.clone());
+    let mut selector = format!("spec.nodeName={node}");
+    if let Some(driver) = driver {
+        selector.push_str(&format!(",spec.driver={driver}"));
+    }
+    let mut backoff = crate::retry::RetryBackoff::new(Duration::from_secs(1), Duration::from_secs(300));
+    loop {
+        match api.delete_collection(&DeleteParams::default(), &ListParams::default().fields(&selector)).await {
+            Ok(_) => {
+                tracing::info!(node, driver = driver.unwrap_or("(all)"), "ResourceSlices of this node deleted");
+                return;
+            }
+            Err(kube::Error::Api(status)) if status.code == 404 => return,
+            Err(error) => {
+                let delay = backoff.next_delay();
+                tracing::warn!(node, driver = driver.unwrap_or("(all)"), error = %describe(&error), retry_in = ?delay, "cannot delete ResourceSlices; retrying");
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    () = tokio::time::sleep(delay) => {}
+                }
+            }
+        }
+    }
+}
+
+/// Deletes this node's ResourceSlices at start, then each driver's once
+/// none of its instances has been connected for `delay`. Runs until
+/// `stop`.
+pub async fn wipe_slices(
+    client: kube::Client,
+    node: String,
+    drivers: DraDrivers,
+    delay: Duration,
+    stop: CancellationToken,
+) {
+    delete_slices(&client, &node, None, &stop).await;
+    let mut changes = drivers.changes();
+    // Drivers seen usable, and when each became unusable.
+    let mut unusable_since: BTreeMap<String, tokio::time::Instant> = BTreeMap::new();
+    let mut known: BTreeSet<String> = BTreeSet::new();
+    loop {
+        changes.mark_unchanged();
+        let listed: BTreeSet<String> = drivers.list().into_iter().map(|i| i.driver).collect();
+        known.extend(listed.iter().cloned());
+        let now = tokio::time::Instant::now();
+        for driver in &known {
+            if drivers.usable(driver) {
+                unusable_since.remove(driver);
+            } else {
+                unusable_since.entry(driver.clone()).or_insert(now);
+            }
+        }
+        let due: Vec<String> =
+            unusable_since.iter().filter(|(_, since)| now >= **since + delay).map(|(d, _)| d.clone()).collect();
+        for driver in due {
+            tracing::info!(%driver, ?delay, "no instance of the DRA driver connected for the wiping delay");
+            delete_slices(&client, &node, Some(&driver), &stop).await;
+            unusable_since.remove(&driver);
+            known.remove(&driver);
+        }
+        let next = unusable_since.values().map(|since| *since + delay).min();
+        tokio::select! {
+            () = stop.cancelled() => return,
+            changed = changes.changed() => if changed.is_err() { return },
+            () = async {
+                match next {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            } => {}
+        }
+    }
+}

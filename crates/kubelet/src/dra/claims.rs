@@ -1,0 +1,452 @@
+//! The resource claims prepared on this node: which pods use each, what
+//! its drivers prepared, kept in a checkpoint (`<root-dir>/dra_manager_state`)
+//! so that a restarted node neither prepares a claim again nor forgets to
+//! release it.
+//!
+//! A claim is prepared once, by the first pod that needs it (one
+//! `NodePrepareResources` per driver for all of that pod's new claims), and
+//! released (`NodeUnprepareResources`) when the last pod using it is gone.
+//! The pod's reference is written before the driver is called, so a node
+//! killed in between releases the claim if the pod is gone when it is back.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use k8s_openapi::api::core::v1::Pod;
+
+use super::plugins::{ClaimRef, DraDrivers, PreparedDevice};
+
+/// The checkpoint's file name in the root dir (upstream's name).
+pub const DRA_CHECKPOINT_FILE: &str = "dra_manager_state";
+
+const CHECKPOINT_KIND: &str = "DRACheckpoint";
+const CHECKPOINT_API_VERSION: &str = "checkpoint.dra.rustlet.dev/v1";
+
+/// A claim of a pod, resolved through the API: what to prepare.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ResolvedClaim {
+    /// The claim.
+    pub claim: ClaimRef,
+    /// The drivers of its allocated devices.
+    pub drivers: BTreeSet<String>,
+}
+
+/// Resolves a pod's resource claims (through the API): the claims to
+/// prepare, or why the pod must wait (not allocated, not reserved for it,
+/// not created yet...).
+#[async_trait::async_trait]
+pub trait ClaimSource: Send + Sync + 'static {
+    /// The pod's claims, each allocated and reserved for it.
+    async fn resolve(&self, pod: &Pod) -> Result<Vec<ResolvedClaim>, String>;
+}
+
+/// A claim a container uses, with the devices prepared for it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ContainerClaim {
+    /// The ResourceClaim's name.
+    pub name: String,
+    /// Its namespace.
+    pub namespace: String,
+    /// `(driver, device)` for the devices serving the container's request.
+    pub devices: Vec<(String, PreparedDevice)>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ClaimEntry {
+    claim: ClaimRef,
+    /// The pods using it (UIDs).
+    pods: BTreeSet<String>,
+    /// Its drivers.
+    drivers: BTreeSet<String>,
+    /// Per driver, what it prepared.
+    devices: BTreeMap<String, Vec<PreparedDevice>>,
+    /// Every driver prepared it.
+    prepared: bool,
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Checkpoint {
+    kind: String,
+    api_version: String,
+    entries: Vec<ClaimEntry>,
+}
+
+struct Inner {
+    drivers: DraDrivers,
+    path: PathBuf,
+    /// Claim UID → entry. Read by the sync readers (run options,
+    /// PodResources); changed only under `operation`.
+    state: Mutex<BTreeMap<String, ClaimEntry>>,
+    /// One prepare or release at a time.
+    operation: tokio::sync::Mutex<()>,
+}
+
+/// The claims prepared on this node. Cheap to clone.
+#[derive(Clone)]
+pub struct DraClaims {
+    inner: Arc<Inner>,
+}
+
+/// The name of the ResourceClaim behind the pod's claim `pod_claim`:
+/// `resourceClaimName`, or for a template the generated claim recorded in
+/// `status.resourceClaimStatuses`. `Ok(None)`: the template's claim was
+/// intentionally not created (nothing to prepare).
+pub fn claim_name(pod: &Pod, pod_claim: &str) -> Result<Option<String>, String> {
+    let namespace = pod.metadata.namespace.as_deref().unwrap_or_default();
+    let name = pod.metadata.name.as_deref().unwrap_or_default();
+    let spec = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.resource_claims.as_ref())
+        .and_then(|claims| claims.iter().find(|c| c.name == pod_claim))
+        .ok_or_else(|| format!("pod \"{namespace}/{name}\" has no resource claim {pod_claim:?}"))?;
+    if let Some(claim) = &spec.resource_claim_name {
+        return Ok(Some(claim.clone()));
+    }
+    if spec.resource_claim_template_name.is_none() {
+        return Err(format!(
+            "pod \"{namespace}/{name}\", spec.resourceClaim {pod_claim:?}: none of the supported fields are set"
+        ));
+    }
+    let status = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.resource_claim_statuses.as_ref())
+        .and_then(|statuses| statuses.iter().find(|s| s.name == pod_claim))
+        .ok_or_else(|| format!("pod \"{namespace}/{name}\": ResourceClaim not created yet"))?;
+    Ok(status.resource_claim_name.clone())
+}
+
+impl DraClaims {
+    /// The claims of the node whose root dir is `root_dir`, restored from
+    /// its checkpoint (a corrupt one is moved aside and reported), prepared
+    /// through `drivers`.
+    pub fn load(root_dir: &Path, drivers: DraDrivers) -> Self {
+        let path = root_dir.join(DRA_CHECKPOINT_FILE);
+        let state = restore(&path);
+        if !state.is_empty() {
+            tracing::info!(claims = state.len(), path = %path.display(), "prepared resource claims restored from the checkpoint");
+        }
+        DraClaims {
+            inner: Arc::new(Inner { drivers, path, state: Mutex::new(state), operation: tokio::sync::Mutex::new(()) }),
+        }
+    }
+
+    /// The drivers the claims are prepared through.
+    pub fn drivers(&self) -> &DraDrivers {
+        &self.inner.drivers
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, ClaimEntry>> {
+        self.inner.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn persist(&self) -> Result<(), String> {
+        let checkpoint = Checkpoint {
+            kind: CHECKPOINT_KIND.into(),
+            api_version: CHECKPOINT_API_VERSION.into(),
+            entries: self.state().values().cloned().collect(),
+        };
+        let bytes = serde_json::to_vec(&checkpoint).map_err(|e| e.to_string())?;
+        write_atomically(&self.inner.path, &bytes)
+            .map_err(|e| format!("cannot write the DRA checkpoint {}: {e}", self.inner.path.display()))
+    }
+
+    /// Whether `claim_uid` is prepared.
+    pub fn is_prepared(&self, claim_uid: &str) -> bool {
+        self.state().get(claim_uid).is_some_and(|e| e.prepared)
+    }
+
+    /// The UIDs of the pods using `claim_uid`.
+    pub fn pods_of(&self, claim_uid: &str) -> BTreeSet<String> {
+        self.state().get(claim_uid).map(|e| e.pods.clone()).unwrap_or_default()
+    }
+
+    /// Prepares what `pod_uid` needs of `claims`: claims prepared already
+    /// only gain the pod; the others are prepared with one call per
+    /// driver. Every failure is in the error, each naming its claim.
+    pub async fn prepare_pod(&self, pod_uid: &str, claims: &[ResolvedClaim]) -> Result<(), String> {
+        let _operation = self.inner.operation.lock().await;
+        let mut batches: BTreeMap<String, Vec<ClaimRef>> = BTreeMap::new();
+        {
+            let mut state = self.state();
+            for resolved in claims {
+                let claim = &resolved.claim;
+                if let Some(other) = state.values().find(|e| {
+                    e.claim.namespace == claim.namespace && e.claim.name == claim.name && e.claim.uid != claim.uid
+                }) {
+                    return Err(format!(
+                        "old ResourceClaim with same name {} and different UID {} still exists (previous pod force-deleted?)",
+                        claim.name, other.claim.uid
+                    ));
+                }
+                let entry = state.entry(claim.uid.clone()).or_insert_with(|| ClaimEntry {
+                    claim: claim.clone(),
+                    pods: BTreeSet::new(),
+                    drivers: resolved.drivers.clone(),
+                    devices: BTreeMap::new(),
+                    prepared: false,
+                });
+                entry.pods.insert(pod_uid.to_owned());
+                if !entry.prepared {
+                    for driver in &resolved.drivers {
+                        if !entry.devices.contains_key(driver) {
+                            batches.entry(driver.clone()).or_default().push(claim.clone());
+                        }
+                    }
+                }
+            }
+        }
+        self.persist()?;
+        let mut failures = Vec::new();
+        for (driver, batch) in batches {
+            match self.inner.drivers.prepare(&driver, &batch).await {
+                Err(error) => failures.push(format!("NodePrepareResources: {error}")),
+                Ok(answers) => {
+                    let mut state = self.state();
+                    for claim in &batch {
+                        match answers.get(&claim.uid) {
+                            Some(Ok(devices)) => {
+                                if let Some(entry) = state.get_mut(&claim.uid) {
+                                    entry.devices.insert(driver.clone(), devices.clone());
+                                }
+                            }
+                            Some(Err(reason)) => failures.push(format!(
+                                "NodePrepareResources failed for ResourceClaim {}: {reason}",
+                                claim.name
+                            )),
+                            None => failures.push(format!("NodePrepareResources skipped ResourceClaim {}", claim.name)),
+                        }
+                    }
+                }
+            }
+        }
+        {
+            let mut state = self.state();
+            for resolved in claims {
+                if let Some(entry) = state.get_mut(&resolved.claim.uid)
+                    && !entry.prepared
+                    && entry.drivers.iter().all(|d| entry.devices.contains_key(d))
+                {
+                    entry.prepared = true;
+                    tracing::info!(claim = %format!("{}/{}", entry.claim.namespace, entry.claim.name), claim.uid = %entry.claim.uid, drivers = ?entry.drivers, "resource claim prepared");
+                }
+            }
+        }
+        self.persist()?;
+        if failures.is_empty() { Ok(()) } else { Err(format!("prepare dynamic resources: {}", failures.join("; "))) }
+    }
+
+    /// Drops `pod_uid` from its claims and releases those no pod uses any
+    /// more (one call per driver). A claim its driver failed to release
+    /// stays recorded, and is released again with the next release.
+    pub async fn unprepare_pod(&self, pod_uid: &str) -> Result<(), String> {
+        self.release(|pods| pods.remove(pod_uid)).await
+    }
+
+    /// Drops every pod not in `live` from the claims and releases the claims
+    /// left without pods (after a restart: pods gone while the node was
+    /// down).
+    pub async fn retain_pods(&self, live: &[String]) -> Result<(), String> {
+        self.release(|pods| {
+            let before = pods.len();
+            pods.retain(|p| live.contains(p));
+            pods.len() != before
+        })
+        .await
+    }
+
+    async fn release(&self, mut drop_pods: impl FnMut(&mut BTreeSet<String>) -> bool) -> Result<(), String> {
+        let _operation = self.inner.operation.lock().await;
+        let mut batches: BTreeMap<String, Vec<ClaimRef>> = BTreeMap::new();
+        let changed = {
+            let mut state = self.state();
+            let mut changed = false;
+            for entry in state.values_mut() {
+                changed |= drop_pods(&mut entry.pods);
+                if entry.pods.is_empty() {
+                    for driver in &entry.drivers {
+                        batches.entry(driver.clone()).or_default().push(entry.claim.clone());
+                    }
+                }
+            }
+            // Nothing left to release for these.
+            state.retain(|_, e| !(e.pods.is_empty() && e.drivers.is_empty()));
+            changed
+        };
+        if !changed && batches.is_empty() {
+            return Ok(());
+        }
+        self.persist()?;
+        let mut failures = Vec::new();
+        for (driver, batch) in batches {
+            match self.inner.drivers.unprepare(&driver, &batch).await {
+                Err(error) => failures.push(format!("NodeUnprepareResources: {error}")),
+                Ok(answers) => {
+                    let mut state = self.state();
+                    for claim in &batch {
+                        match answers.get(&claim.uid) {
+                            Some(Ok(())) => {
+                                if let Some(entry) = state.get_mut(&claim.uid) {
+                                    entry.devices.remove(&driver);
+                                    entry.drivers.remove(&driver);
+                                    if entry.drivers.is_empty() {
+                                        tracing::info!(claim = %format!("{}/{}", claim.namespace, claim.name), claim.uid = %claim.uid, "resource claim released");
+                                        state.remove(&claim.uid);
+                                    }
+                                }
+                            }
+                            Some(Err(reason)) => failures.push(format!(
+                                "NodeUnprepareResources failed for ResourceClaim {}: {reason}",
+                                claim.name
+                            )),
+                            None => {
+                                failures.push(format!("NodeUnprepareResources skipped ResourceClaim {}", claim.name))
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        self.persist()?;
+        if failures.is_empty() { Ok(()) } else { Err(format!("unprepare dynamic resources: {}", failures.join("; "))) }
+    }
+
+    /// The claims `container` of `pod` uses (`resources.claims`), with the
+    /// prepared devices serving its request.
+    pub fn container_claims(&self, pod: &Pod, container: &str) -> Vec<ContainerClaim> {
+        let namespace = pod.metadata.namespace.clone().unwrap_or_default();
+        let Some(spec) = pod.spec.as_ref() else { return Vec::new() };
+        let all = spec.init_containers.iter().flatten().chain(spec.containers.iter());
+        let Some(container) = all.into_iter().find(|c| c.name == container) else { return Vec::new() };
+        let uses = container.resources.as_ref().and_then(|r| r.claims.as_ref());
+        let state = self.state();
+        let mut out = Vec::new();
+        for used in uses.into_iter().flatten() {
+            let Ok(Some(name)) = claim_name(pod, &used.name) else { continue };
+            let Some(entry) = state.values().find(|e| e.claim.namespace == namespace && e.claim.name == name) else {
+                continue;
+            };
+            let request = used.request.as_deref().unwrap_or_default();
+            let devices = entry
+                .devices
+                .iter()
+                .flat_map(|(driver, devices)| devices.iter().map(move |d| (driver, d)))
+                .filter(|(_, d)| {
+                    request.is_empty()
+                        || d.request_names.is_empty()
+                        || d.request_names.iter().any(|r| r == request || r.split('/').next() == Some(request))
+                })
+                .map(|(driver, d)| (driver.clone(), d.clone()))
+                .collect();
+            out.push(ContainerClaim { name, namespace: namespace.clone(), devices });
+        }
+        out
+    }
+
+    /// The CDI device IDs for `container` of `pod`, in claim order, without
+    /// repeats.
+    pub fn cdi_devices(&self, pod: &Pod, container: &str) -> Vec<String> {
+        let mut ids: Vec<String> = Vec::new();
+        for claim in self.container_claims(pod, container) {
+            for (_, device) in claim.devices {
+                for id in device.cdi_device_ids {
+                    if !ids.contains(&id) {
+                        ids.push(id);
+                    }
+                }
+            }
+        }
+        ids
+    }
+}
+
+fn restore(path: &Path) -> BTreeMap<String, ClaimEntry> {
+    let bytes = match std::fs::read(path) {
+        Ok(bytes) => bytes,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return BTreeMap::new(),
+        Err(error) => {
+            tracing::error!(path = %path.display(), %error, "cannot read the DRA checkpoint; starting without it");
+            return BTreeMap::new();
+        }
+    };
+    match serde_json::from_slice::<Checkpoint>(&bytes) {
+        Ok(checkpoint) if checkpoint.kind == CHECKPOINT_KIND && checkpoint.api_version == CHECKPOINT_API_VERSION => {
+            checkpoint.entries.into_iter().map(|e| (e.claim.uid.clone(), e)).collect()
+        }
+        other => {
+            let reason = match other {
+                Ok(c) => format!("kind {:?} apiVersion {:?} is not ours", c.kind, c.api_version),
+                Err(e) => e.to_string(),
+            };
+            let stamp = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or_default();
+            let aside = path.with_file_name(format!("{DRA_CHECKPOINT_FILE}.corrupt-{stamp}"));
+            let moved = std::fs::rename(path, &aside);
+            tracing::error!(path = %path.display(), %reason, moved_to = %aside.display(), moved = moved.is_ok(), "the DRA checkpoint is corrupt; moved aside, starting clean");
+            BTreeMap::new()
+        }
+    }
+}
+
+/// Writes `bytes` to `path` atomically and durably (a temporary file,
+/// fsynced, renamed over it; then the directory fsynced).
+fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write as _;
+    let dir = path.parent().unwrap_or_else(|| Path::new("."));
+    let temporary = dir.join(format!(".{DRA_CHECKPOINT_FILE}.tmp"));
+    let mut file = std::fs::File::create(&temporary)?;
+    file.write_all(bytes)?;
+    file.sync_all()?;
+    drop(file);
+    std::fs::rename(&temporary, path)?;
+    std::fs::File::open(dir).and_then(|d| d.sync_all())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(value: serde_json::Value) -> Pod {
+        serde_json::from_value(value).expect("pod")
+    }
+
+    #[test]
+    fn claim_names_come_from_the_spec_or_the_status() {
+        let p = pod(serde_json::json!({
+            "metadata": {"name": "p", "namespace": "ns"},
+            "spec": {"containers": [], "resourceClaims": [
+                {"name": "direct", "resourceClaimName": "shared-gpu"},
+                {"name": "templated", "resourceClaimTemplateName": "gpu-template"},
+                {"name": "skipped", "resourceClaimTemplateName": "gpu-template"},
+                {"name": "pending", "resourceClaimTemplateName": "gpu-template"},
+                {"name": "empty"},
+            ]},
+            "status": {"resourceClaimStatuses": [
+                {"name": "templated", "resourceClaimName": "p-templated-x7k2"},
+                {"name": "skipped"},
+            ]},
+        }));
+        assert_eq!(claim_name(&p, "direct"), Ok(Some("shared-gpu".into())));
+        assert_eq!(claim_name(&p, "templated"), Ok(Some("p-templated-x7k2".into())));
+        assert_eq!(claim_name(&p, "skipped"), Ok(None));
+        assert_eq!(claim_name(&p, "pending"), Err("pod \"ns/p\": ResourceClaim not created yet".into()));
+        assert!(claim_name(&p, "empty").expect_err("no field").contains("none of the supported fields are set"));
+    }
+
+    #[test]
+    fn a_corrupt_checkpoint_is_moved_aside() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join(DRA_CHECKPOINT_FILE);
+        std::fs::write(&path, b"{not json").expect("write");
+        assert!(restore(&path).is_empty());
+        assert!(!path.exists());
+        let aside = std::fs::read_dir(dir.path()).expect("dir").count();
+        assert_eq!(aside, 1, "the corrupt file is kept aside");
+    }
+}

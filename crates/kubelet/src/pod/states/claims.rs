@@ -1,0 +1,82 @@
+//! Claims: the pod's resource claims are resolved through the API and
+//! prepared through their DRA drivers before anything else of the pod runs.
+
+use std::sync::Arc;
+
+use k8s_openapi::api::core::v1::PodStatus;
+use krator::{Context, State, Transition};
+
+use super::{Failed, ImagePull};
+use crate::events::EventType;
+use crate::pod::PodLifecycle;
+use crate::pod::status::{Stage, pod_status};
+use crate::retry::RetryBackoff;
+
+/// Why a static pod with claims is refused.
+pub const STATIC_CLAIMS_MESSAGE: &str =
+    "static pods cannot use resource claims: no API server allocates a claim to a pod from a manifest";
+
+/// The pod's claims are allocated and reserved for it, then prepared;
+/// waited for (with the reason in the pod's status and one event per
+/// distinct reason) and retried with backoff, and at once when a DRA driver
+/// registers or connects.
+pub struct Claims;
+
+fn is_static(ctx: &Context<PodLifecycle>) -> bool {
+    ctx.data.pod.metadata.annotations.as_ref().and_then(|a| a.get("kubernetes.io/config.source")).map(String::as_str)
+        == Some("file")
+}
+
+#[async_trait::async_trait]
+impl State<PodLifecycle> for Claims {
+    async fn next(self: Box<Self>, ctx: &mut Context<PodLifecycle>) -> Transition<PodLifecycle> {
+        let has_claims =
+            ctx.data.pod.spec.as_ref().and_then(|s| s.resource_claims.as_ref()).is_some_and(|c| !c.is_empty());
+        if !has_claims {
+            return Transition::next(&*self, ImagePull::first());
+        }
+        let lifecycle = Arc::clone(&ctx.machine);
+        let (claims, source) = match &lifecycle.claims {
+            Some((claims, Some(source))) if !is_static(ctx) => (claims.clone(), Arc::clone(source)),
+            _ => {
+                super::admission::reject(ctx, "InvalidPod", STATIC_CLAIMS_MESSAGE.into());
+                return Transition::next(&*self, Failed);
+            }
+        };
+        let uid = ctx.data.id.uid.clone();
+        let mut backoff = RetryBackoff::new(std::time::Duration::from_millis(200), std::time::Duration::from_secs(10));
+        let mut changes = claims.drivers().changes();
+        loop {
+            changes.mark_unchanged();
+            let pod = Arc::clone(&ctx.data.pod);
+            let outcome = match source.resolve(&pod).await {
+                Ok(resolved) => claims.prepare_pod(&uid, &resolved).await,
+                Err(reason) => Err(reason),
+            };
+            match outcome {
+                Ok(()) => break,
+                Err(reason) => {
+                    tracing::warn!(pod.uid = %uid, %reason, "resource claims not ready");
+                    let message = format!("resource claims not ready: {reason}");
+                    if ctx.data.pending_message.as_deref() != Some(message.as_str()) {
+                        ctx.data.recorder.pod(&pod, None, EventType::Warning, "FailedPrepareDynamicResources", reason);
+                    }
+                    ctx.data.pending_message = Some(message);
+                    ctx.report(pod_status(&ctx.data, Stage::Pending));
+                    let delay = backoff.next_delay();
+                    tokio::select! {
+                        () = tokio::time::sleep(delay) => {}
+                        _ = changes.changed() => {}
+                    }
+                }
+            }
+        }
+        ctx.data.pending_message = None;
+        tracing::info!(pod.uid = %uid, "resource claims prepared");
+        Transition::next(&*self, ImagePull::first())
+    }
+
+    fn status(&self, ctx: &Context<PodLifecycle>) -> PodStatus {
+        pod_status(&ctx.data, Stage::Pending)
+    }
+}
