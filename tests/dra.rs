@@ -31,10 +31,17 @@ async fn start_node(root: &Path) -> (Node, CancellationToken) {
 }
 
 async fn driver(root: &Path, instance: &str, versions: &[&str]) -> PluginProcess {
-    driver_in_pool(root, instance, versions, "dra-node").await
+    driver_in_pool(root, instance, versions, "dra-node", None).await
 }
 
-async fn driver_in_pool(root: &Path, instance: &str, versions: &[&str], pool: &str) -> PluginProcess {
+/// An instance for node `pool`, with the node's kubeconfig if given.
+async fn driver_in_pool(
+    root: &Path,
+    instance: &str,
+    versions: &[&str],
+    pool: &str,
+    kubeconfig: Option<&Path>,
+) -> PluginProcess {
     let mut args: Vec<String> = ["--root-dir", &root.display().to_string(), "--driver", DRIVER, "--instance", instance]
         .iter()
         .map(|s| (*s).to_owned())
@@ -42,6 +49,9 @@ async fn driver_in_pool(root: &Path, instance: &str, versions: &[&str], pool: &s
     args.extend(["--pool".into(), pool.into(), "--count".into(), "4".into()]);
     for version in versions {
         args.extend(["--version".to_owned(), (*version).to_owned()]);
+    }
+    if let Some(kubeconfig) = kubeconfig {
+        args.extend(["--kubeconfig".to_owned(), kubeconfig.display().to_string()]);
     }
     PluginProcess::spawn(dra_driver_bin(), &args).await.expect("start fake-dra-driver")
 }
@@ -127,7 +137,15 @@ async fn a_driver_gets_its_preferred_served_version_and_older_apis_are_refused()
     assert!(error.contains("none of services supported by the plugin ([\"v1alpha3.NodeService\"])"), "{error}");
     assert!(error.contains("[\"v1.DRAPlugin\", \"v1beta1.DRAPlugin\"]"), "{error}");
     assert!(error.contains(DRIVER), "{error}");
-    assert_eq!(node.dra_drivers().list().len(), 1, "the refused driver is not registered");
+    assert!(error.contains("older DRA API"), "{error}");
+    // What the Kubernetes 1.28 kubelet-plugin helper (and so its
+    // dra-test-driver) announces.
+    let mut legacy = driver(root.path(), "legacy", &["1.0.0"]).await;
+    let (registered, error) = verdict(&mut legacy).await;
+    assert!(!registered);
+    assert!(error.contains("none of services supported by the plugin ([\"1.0.0\"])"), "{error}");
+    assert!(error.contains("upgrade the driver"), "{error}");
+    assert_eq!(node.dra_drivers().list().len(), 1, "the refused drivers are not registered");
 
     let unknown = node.dra_drivers().prepare("absent.example.com", &[claim(2)]).await.expect_err("no such driver");
     assert_eq!(unknown.to_string(), "DRA driver absent.example.com is not registered");
@@ -199,7 +217,7 @@ mod cluster {
     use std::sync::Arc;
 
     use k8s_openapi::api::core::v1::Pod;
-    use k8s_openapi::api::resource::v1::ResourceClaim;
+    use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
     use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
     use kubelet::cluster::{ApiSource, ClusterSettings};
     use kubelet::node::{Node, NodeBuilder, NodeConfig};
@@ -296,7 +314,7 @@ mod cluster {
         let api = TestApi::fake().await;
         let root = tempfile::Builder::new().prefix("rustlet-dra-").tempdir().expect("tempdir");
         let (node, shutdown) = cluster_node(&api, root.path()).await;
-        let mut gpu = driver_in_pool(root.path(), "a", &[], &api.node).await;
+        let mut gpu = driver_in_pool(root.path(), "a", &[], &api.node, Some(&api.node_kubeconfig)).await;
         gpu.wait_for(SOON, |r| matches!(r, Report::Notified { registered: true, .. })).await.expect("registered");
 
         let claims: Api<ResourceClaim> = Api::namespaced(api.admin.clone(), "default");
@@ -316,17 +334,18 @@ mod cluster {
             .expect("pod");
         assert_eq!(waiting.status.as_ref().and_then(|s| s.phase.as_deref()), Some("Pending"));
 
-        allocate(&claims, "shared-gpu", "dev-0", &[&first], &api.node).await;
+        // The driver prepares the device allocated (not its first).
+        allocate(&claims, "shared-gpu", "dev-2", &[&first], &api.node).await;
         let running = |p: Option<&Pod>| p.is_some_and(|p| json_of(p)["status"]["phase"] == "Running");
         let first = api.wait_for(&pods, "first", "Running", SOON, running).await.expect("pod");
         gpu.wait_for(SOON, prepares_of(&claim_uid)).await.expect("prepared");
-        let cdi = format!("{DRIVER}/device=dev-0");
+        let cdi = format!("{DRIVER}/device=dev-2");
         let log = wait_file(&log_of(root.path(), &first), |t| t.contains("cdi=")).await;
         assert!(log.contains(&format!("cdi={cdi}")), "{log}");
 
         // A second pod shares the claim: nothing is prepared again.
         let second = pods.create(&PostParams::default(), &pod("second", &api.node, "shared-gpu")).await.expect("pod");
-        allocate(&claims, "shared-gpu", "dev-0", &[&first, &second], &api.node).await;
+        allocate(&claims, "shared-gpu", "dev-2", &[&first, &second], &api.node).await;
         let second = api.wait_for(&pods, "second", "Running", SOON, running).await.expect("pod");
         let log = wait_file(&log_of(root.path(), &second), |t| t.contains("cdi=")).await;
         assert!(log.contains(&format!("cdi={cdi}")), "{log}");
@@ -347,7 +366,7 @@ mod cluster {
             let resource = &dynamic[0].claim_resources[0];
             assert_eq!(
                 (resource.driver_name.as_str(), resource.pool_name.as_str(), resource.device_name.as_str()),
-                (DRIVER, api.node.as_str(), "dev-0")
+                (DRIVER, api.node.as_str(), "dev-2")
             );
             assert_eq!(resource.cdi_devices[0].name, cdi);
         }
@@ -394,6 +413,92 @@ mod cluster {
             .await;
         assert!(more.is_err(), "no other call: {more:?}");
         assert!(!node.dra_claims().is_prepared(&claim_uid));
+        shutdown.cancel();
+        node.stopped().await;
+    }
+
+    fn slice(name: &str, node: &str, driver: &str) -> ResourceSlice {
+        serde_json::from_value(json!({
+            "metadata": {"name": name},
+            "spec": {"driver": driver, "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+                     "nodeName": node, "devices": [{"name": "dev-0"}]},
+        }))
+        .expect("slice")
+    }
+
+    /// ResourceSlices are the drivers': the node deletes its own at start
+    /// (another node's stay), the driver publishes its slice under the
+    /// node's identity (and again when it is deleted); during an upgrade
+    /// the driver keeps its slice; once no instance is connected for the
+    /// wiping delay, its slice of this node is deleted.
+    #[tokio::test]
+    async fn the_nodes_slices_are_wiped_at_start_and_after_the_last_instance_goes() {
+        let api = TestApi::fake().await;
+        let slices: Api<ResourceSlice> = Api::all(api.admin.clone());
+        let stale = format!("{}-stale", api.node);
+        slices.create(&PostParams::default(), &slice(&stale, &api.node, DRIVER)).await.expect("stale slice");
+        slices.create(&PostParams::default(), &slice("elsewhere", "n2", DRIVER)).await.expect("other node's slice");
+        let root = tempfile::Builder::new().prefix("rustlet-dra-").tempdir().expect("tempdir");
+        let (node, shutdown) = cluster_node(&api, root.path()).await;
+        api.wait_for(&slices, &stale, "wiped at start", SOON, |s| s.is_none()).await;
+
+        let kubeconfig = Some(api.node_kubeconfig.as_path());
+        let mut a = driver_in_pool(root.path(), "a", &[], &api.node, kubeconfig).await;
+        let published = format!("{}-{DRIVER}", api.node);
+        a.wait_for(SOON, |r| matches!(r, Report::SlicePublished { .. })).await.expect("published");
+        api.wait_for(&slices, &published, "published", SOON, |s| s.is_some()).await;
+        let mut b = driver_in_pool(root.path(), "b", &[], &api.node, kubeconfig).await;
+        let drivers = node.dra_drivers();
+        assert!(drivers.wait_until(SOON, |i| i.iter().filter(|i| i.connected).count() == 2).await);
+        // The old instance goes: the driver stays usable, nothing is wiped.
+        a.kill().await;
+        assert!(drivers.wait_until(SOON, |i| i.iter().filter(|i| i.connected).count() == 1).await);
+        assert!(drivers.usable(DRIVER));
+        // A deleted slice is published again by the instance left.
+        slices.delete(&published, &DeleteParams::default()).await.expect("delete");
+        b.wait_for(SOON, |r| matches!(r, Report::SlicePublished { .. })).await.expect("published again");
+        // The last instance goes: after the delay, the slice goes too.
+        b.kill().await;
+        api.wait_for(&slices, &published, "wiped after the delay", SOON, |s| s.is_none()).await;
+        assert!(slices.get_opt("elsewhere").await.expect("get").is_some(), "another node's slice stays");
+        shutdown.cancel();
+        node.stopped().await;
+    }
+
+    /// A static pod cannot use a claim: no API server allocates one to it.
+    #[tokio::test]
+    async fn a_static_pod_with_a_claim_is_refused() {
+        let root = tempfile::Builder::new().prefix("rustlet-dra-").tempdir().expect("tempdir");
+        let manifests = root.path().join("manifests");
+        std::fs::create_dir_all(&manifests).expect("mkdir");
+        let pod = json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "static-claim", "namespace": "default"},
+            "spec": {
+                "resourceClaims": [{"name": "gpu", "resourceClaimName": "some-claim"}],
+                "containers": [{"name": "main", "image": "busybox", "command": ["sleep", "600"], "resources": {"claims": [{"name": "gpu"}]}}],
+            },
+        });
+        std::fs::write(manifests.join("pod.json"), pod.to_string()).expect("manifest");
+        let mut config = NodeConfig::new(root.path(), "dra-node");
+        config.http_address = None;
+        config.pods.manifest_dir = Some(manifests);
+        let shutdown = CancellationToken::new();
+        let node = NodeBuilder::new(config)
+            .provider(Arc::new(HostProcessProvider::new()))
+            .start(shutdown.clone())
+            .await
+            .expect("node");
+        let failed = node
+            .pods()
+            .store()
+            .wait_for(SOON, |pods| pods.values().any(|p| json_of(p)["status"]["phase"] == "Failed"))
+            .await
+            .expect("refused");
+        let pod = json_of(failed.values().next().expect("pod"));
+        assert_eq!(pod["status"]["reason"], "InvalidPod", "{pod}");
+        let message = pod["status"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains("static pods cannot use resource claims"), "{message}");
         shutdown.cancel();
         node.stopped().await;
     }

@@ -9,9 +9,14 @@
 //! - Devices: a fixed list. A CDI spec file for them is written at start
 //!   (`<cdi_dir>/<driver>.json`, kind `<driver>/device`); each device's edit
 //!   sets `DRA_DEVICE_<NAME>=<name>` in the container.
-//! - `NodePrepareResources` gives each new claim the first device no other
-//!   prepared claim holds and answers its CDI ID; a claim prepared again
-//!   gets the same device. The prepared claims are kept in
+//! - With an API client ([`DraDriver::with_client`], the node's identity):
+//!   its devices are published as a ResourceSlice of the node
+//!   (`<pool>-<driver>`), recreated whenever it is deleted (the node wipes
+//!   its slices at start), and `NodePrepareResources` prepares the devices
+//!   the scheduler allocated to the claim (its `status.allocation`).
+//! - Without one, `NodePrepareResources` gives each new claim the first
+//!   device no other prepared claim holds. Either way it answers the CDI
+//!   IDs, and a claim prepared again gets the same devices. The prepared claims are kept in
 //!   `<plugins>/<driver>/prepared.json`, which every instance shares, so an
 //!   upgraded instance knows what the older one prepared.
 //!   `NodeUnprepareResources` releases them.
@@ -20,7 +25,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use kubelet_api::constants::{DRA_PLUGIN_TYPE, DRA_PLUGIN_VERSIONS};
 use kubelet_api::dra::{v1, v1beta1};
@@ -30,6 +35,11 @@ use tonic::{Request, Response, Status};
 
 use crate::registration::{Behaviour, Identity, RegistrationPlugin};
 use crate::report::{Report, Reporter};
+
+use futures_util::StreamExt as _;
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
+use kube::api::{Api, PostParams};
+use kube::runtime::watcher;
 
 /// A driver instance's settings.
 #[derive(Clone, Debug)]
@@ -100,8 +110,9 @@ impl DraDriverConfig {
 pub struct DraDriver {
     config: Arc<DraDriverConfig>,
     /// Serializes the state file's read-modify-write within this process.
-    lock: Arc<Mutex<()>>,
+    lock: Arc<tokio::sync::Mutex<()>>,
     reporter: Reporter,
+    client: Option<kube::Client>,
 }
 
 /// Claim UID → its devices.
@@ -110,7 +121,115 @@ type Prepared = BTreeMap<String, Vec<String>>;
 impl DraDriver {
     /// A driver instance with `config`, reporting to `reporter`.
     pub fn new(config: DraDriverConfig, reporter: Reporter) -> Self {
-        DraDriver { config: Arc::new(config), lock: Arc::default(), reporter }
+        DraDriver { config: Arc::new(config), lock: Arc::default(), reporter, client: None }
+    }
+
+    /// Publishes the devices as a ResourceSlice and prepares what the
+    /// claims' allocations say, with `client` (the node's identity).
+    pub fn with_client(mut self, client: kube::Client) -> Self {
+        self.client = Some(client);
+        self
+    }
+
+    /// The name of the ResourceSlice this driver publishes.
+    pub fn slice_name(&self) -> String {
+        format!("{}-{}", self.config.pool, self.config.driver).to_lowercase()
+    }
+
+    /// Keeps the ResourceSlice of the devices in the API until `shutdown`:
+    /// created when absent at the start of each watch, and again whenever
+    /// it is deleted.
+    async fn keep_slice(self, client: kube::Client, shutdown: CancellationToken) {
+        let api: Api<ResourceSlice> = Api::all(client);
+        let name = self.slice_name();
+        let devices: Vec<serde_json::Value> =
+            self.config.devices.iter().map(|d| serde_json::json!({"name": d})).collect();
+        let slice: ResourceSlice = match serde_json::from_value(serde_json::json!({
+            "metadata": {"name": name},
+            "spec": {
+                "driver": self.config.driver,
+                "pool": {"name": self.config.pool, "generation": 1, "resourceSliceCount": 1},
+                "nodeName": self.config.pool,
+                "devices": devices,
+            },
+        })) {
+            Ok(slice) => slice,
+            Err(error) => {
+                tracing::error!(%error, "cannot build the ResourceSlice");
+                return;
+            }
+        };
+        let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
+        let mut events = watcher(api.clone(), config).boxed();
+        let mut present = false;
+        loop {
+            let event = tokio::select! {
+                () = shutdown.cancelled() => return,
+                event = events.next() => event,
+            };
+            let publish = match event {
+                None => return,
+                Some(Ok(watcher::Event::Init)) => {
+                    present = false;
+                    false
+                }
+                Some(Ok(watcher::Event::InitApply(_) | watcher::Event::Apply(_))) => {
+                    present = true;
+                    false
+                }
+                Some(Ok(watcher::Event::InitDone)) => !present,
+                Some(Ok(watcher::Event::Delete(_))) => {
+                    present = false;
+                    true
+                }
+                Some(Err(error)) => {
+                    tracing::warn!(%error, "ResourceSlice watch failed; resuming");
+                    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                    false
+                }
+            };
+            if publish {
+                match api.create(&PostParams::default(), &slice).await {
+                    Ok(_) => self
+                        .reporter
+                        .report(Report::SlicePublished { instance: self.config.instance.clone(), name: name.clone() }),
+                    Err(kube::Error::Api(status)) if status.code == 409 => {}
+                    Err(error) => tracing::warn!(%error, slice = %name, "cannot publish the ResourceSlice"),
+                }
+            }
+        }
+    }
+
+    /// The devices of this driver and pool allocated to the claim.
+    async fn allocated(&self, client: &kube::Client, claim: &v1::Claim) -> Result<Vec<String>, String> {
+        let api: Api<ResourceClaim> = Api::namespaced(client.clone(), &claim.namespace);
+        let object = api
+            .get(&claim.name)
+            .await
+            .map_err(|e| format!("reading ResourceClaim {}/{}: {e}", claim.namespace, claim.name))?;
+        if object.metadata.uid.as_deref() != Some(claim.uid.as_str()) {
+            return Err(format!(
+                "ResourceClaim {}/{} is not the claim with UID {}",
+                claim.namespace, claim.name, claim.uid
+            ));
+        }
+        let devices: Vec<String> = object
+            .status
+            .and_then(|s| s.allocation)
+            .and_then(|a| a.devices)
+            .and_then(|d| d.results)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|r| r.driver == self.config.driver && r.pool == self.config.pool)
+            .map(|r| r.device)
+            .collect();
+        if devices.is_empty() {
+            return Err(format!(
+                "ResourceClaim {}/{} has no device of driver {} allocated in pool {}",
+                claim.namespace, claim.name, self.config.driver, self.config.pool
+            ));
+        }
+        Ok(devices)
     }
 
     /// Writes the CDI spec, binds the endpoint, then the registration
@@ -133,6 +252,9 @@ impl DraDriver {
             self.reporter.clone(),
         )
         .spawn(shutdown.clone())?;
+        if let Some(client) = self.client.clone() {
+            tokio::spawn(self.clone().keep_slice(client, shutdown.clone()));
+        }
         let driver = self.clone();
         Ok(tokio::spawn(async move {
             let router = tonic::transport::Server::builder()
@@ -176,15 +298,25 @@ impl DraDriver {
             .map_err(|e| Status::internal(format!("cannot record prepared claims in {}: {e}", path.display())))
     }
 
-    fn prepare(&self, request: v1::NodePrepareResourcesRequest) -> Result<v1::NodePrepareResourcesResponse, Status> {
-        let _guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+    async fn prepare(
+        &self,
+        request: v1::NodePrepareResourcesRequest,
+    ) -> Result<v1::NodePrepareResourcesResponse, Status> {
+        let _guard = self.lock.lock().await;
         let mut prepared = self.load();
         let mut answer = v1::NodePrepareResourcesResponse::default();
         let mut report = Vec::new();
         for claim in request.claims {
-            let devices = match prepared.get(&claim.uid) {
-                Some(devices) => Ok(devices.clone()),
-                None => {
+            let devices = match (prepared.get(&claim.uid), &self.client) {
+                (Some(devices), _) => Ok(devices.clone()),
+                (None, Some(client)) => {
+                    let allocated = self.allocated(client, &claim).await;
+                    if let Ok(devices) = &allocated {
+                        prepared.insert(claim.uid.clone(), devices.clone());
+                    }
+                    allocated
+                }
+                (None, None) => {
                     let held: Vec<&String> = prepared.values().flatten().collect();
                     match self.config.devices.iter().find(|d| !held.contains(d)) {
                         Some(free) => {
@@ -222,11 +354,11 @@ impl DraDriver {
         Ok(answer)
     }
 
-    fn unprepare(
+    async fn unprepare(
         &self,
         request: v1::NodeUnprepareResourcesRequest,
     ) -> Result<v1::NodeUnprepareResourcesResponse, Status> {
-        let _guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        let _guard = self.lock.lock().await;
         let mut prepared = self.load();
         let mut answer = v1::NodeUnprepareResourcesResponse::default();
         let mut released = Vec::new();
@@ -252,14 +384,14 @@ impl v1::dra_plugin_server::DraPlugin for DraDriver {
         &self,
         request: Request<v1::NodePrepareResourcesRequest>,
     ) -> Result<Response<v1::NodePrepareResourcesResponse>, Status> {
-        self.prepare(request.into_inner()).map(Response::new)
+        self.prepare(request.into_inner()).await.map(Response::new)
     }
 
     async fn node_unprepare_resources(
         &self,
         request: Request<v1::NodeUnprepareResourcesRequest>,
     ) -> Result<Response<v1::NodeUnprepareResourcesResponse>, Status> {
-        self.unprepare(request.into_inner()).map(Response::new)
+        self.unprepare(request.into_inner()).await.map(Response::new)
     }
 }
 
@@ -269,13 +401,13 @@ impl v1beta1::dra_plugin_server::DraPlugin for DraDriver {
         &self,
         request: Request<v1beta1::NodePrepareResourcesRequest>,
     ) -> Result<Response<v1beta1::NodePrepareResourcesResponse>, Status> {
-        self.prepare(convert(&request.into_inner())).map(|a| Response::new(convert(&a)))
+        self.prepare(convert(&request.into_inner())).await.map(|a| Response::new(convert(&a)))
     }
 
     async fn node_unprepare_resources(
         &self,
         request: Request<v1beta1::NodeUnprepareResourcesRequest>,
     ) -> Result<Response<v1beta1::NodeUnprepareResourcesResponse>, Status> {
-        self.unprepare(convert(&request.into_inner())).map(|a| Response::new(convert(&a)))
+        self.unprepare(convert(&request.into_inner())).await.map(|a| Response::new(convert(&a)))
     }
 }

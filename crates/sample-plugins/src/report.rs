@@ -85,6 +85,13 @@ pub enum Report {
         /// Per claim UID: its devices, or the error.
         claims: Vec<(String, Result<Vec<String>, String>)>,
     },
+    /// A DRA driver instance published its ResourceSlice.
+    SlicePublished {
+        /// The instance.
+        instance: String,
+        /// The slice's name.
+        name: String,
+    },
     /// A DRA driver instance answered `NodeUnprepareResources`.
     DraUnprepare {
         /// The instance.

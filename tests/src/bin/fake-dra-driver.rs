@@ -4,7 +4,7 @@
 //! crashed driver does).
 //!
 //!   fake-dra-driver --root-dir /r --driver gpu.example.com --instance a \
-//!     --pool node-1 --count 2 [--version v1beta1.DRAPlugin]...
+//!     --pool node-1 --count 2 [--version v1beta1.DRAPlugin]... [--kubeconfig node.kubeconfig]
 
 use std::path::PathBuf;
 
@@ -36,6 +36,10 @@ struct Args {
     /// Where the CDI spec goes (default: `<root-dir>/cdi`).
     #[arg(long)]
     cdi_dir: Option<PathBuf>,
+    /// The node's kubeconfig: publish a ResourceSlice, prepare what the
+    /// claims' allocations say.
+    #[arg(long)]
+    kubeconfig: Option<PathBuf>,
 }
 
 #[tokio::main]
@@ -49,7 +53,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     if let Some(dir) = args.cdi_dir {
         config.cdi_dir = dir;
     }
-    let driver = DraDriver::new(config, Reporter::Stdout);
+    let mut driver = DraDriver::new(config, Reporter::Stdout);
+    if let Some(path) = args.kubeconfig {
+        let kubeconfig = kube::config::Kubeconfig::read_from(&path)?;
+        let options = kube::config::KubeConfigOptions::default();
+        let config = kube::Config::from_custom_kubeconfig(kubeconfig, &options).await?;
+        driver = driver.with_client(kube::Client::try_from(config)?);
+    }
     let server = driver.spawn(CancellationToken::new())?;
     Reporter::Stdout.report(Report::Listening { sockets: 2 });
     server.await?;

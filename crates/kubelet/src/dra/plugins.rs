@@ -93,9 +93,11 @@ pub enum DraError {
     },
     /// None of the plugin's versions is one the node serves.
     #[error(
-        "invalid supported gRPC versions of DRA driver plugin {driver} at endpoint {endpoint}: none of services supported by the plugin ({offered:?}) are supported by the node ({served:?})"
+        "invalid supported gRPC versions of DRA driver plugin {driver} at endpoint {endpoint}: none of services supported by the plugin ({offered:?}) are supported by the node ({served:?}){hint}"
     )]
     Unsupported {
+        /// Advice when the list is an older API's.
+        hint: &'static str,
         /// The driver.
         driver: String,
         /// Its endpoint.
@@ -271,7 +273,16 @@ impl DraDrivers {
         if plugin.supported_versions.is_empty() {
             return Err(DraError::NoVersions { driver: plugin.name.clone(), endpoint: plugin.endpoint.clone() });
         }
+        let older = plugin
+            .supported_versions
+            .iter()
+            .any(|v| v == "1.0.0" || v.starts_with("v1alpha") && v.ends_with("NodeService"));
         let version = DraVersion::choose(&plugin.supported_versions).ok_or_else(|| DraError::Unsupported {
+            hint: if older {
+                "; this is a driver of an older DRA API (Kubernetes 1.26-1.33: \"1.0.0\" or v1alpha3/v1alpha4 NodeService), which the node does not serve: upgrade the driver to the v1 or v1beta1 DRAPlugin service"
+            } else {
+                ""
+            },
             driver: plugin.name.clone(),
             endpoint: plugin.endpoint.clone(),
             offered: plugin.supported_versions.clone(),
