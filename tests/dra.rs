@@ -503,3 +503,142 @@ mod cluster {
         node.stopped().await;
     }
 }
+
+mod pod_resources {
+    //! The PodResources API on a node with a device plugin (real processes,
+    //! real sockets): what a monitoring agent reads.
+
+    use std::sync::Arc;
+
+    use kubelet::node::{NodeBuilder, NodeConfig};
+    use kubelet_api::podresources::v1 as api;
+    use rustlet_testkit::host_provider::HostProcessProvider;
+    use rustlet_testkit::process::PluginProcess;
+    use rustlet_testkit::report::Report;
+    use rustlet_testkit::test_api::json_of;
+    use serde_json::json;
+    use tokio_util::sync::CancellationToken;
+
+    use super::{SOON, device_plugin_bin};
+
+    const GPU: &str = "example.com/gpu";
+
+    /// `List`, `Get` and `GetAllocatableResources` show the device-plugin
+    /// devices per container, grouped by NUMA node, healthy ones only as
+    /// allocatable, no CPUs or memory; past the burst, calls are refused
+    /// with upstream's status, and never more pass than the token bucket
+    /// allows.
+    #[tokio::test]
+    async fn a_monitoring_agent_reads_each_containers_devices_and_is_rate_limited() {
+        let root = tempfile::Builder::new().prefix("rustlet-podres-").tempdir().expect("tempdir");
+        let manifests = root.path().join("manifests");
+        std::fs::create_dir_all(&manifests).expect("mkdir");
+        let mut config = NodeConfig::new(root.path(), "res-node");
+        config.http_address = None;
+        config.pods.manifest_dir = Some(manifests.clone());
+        let shutdown = CancellationToken::new();
+        let node = NodeBuilder::new(config)
+            .provider(Arc::new(HostProcessProvider::new()))
+            .start(shutdown.clone())
+            .await
+            .expect("node");
+        let socket = root.path().join("device-plugins/gpu.sock").display().to_string();
+        let args = [
+            "--socket",
+            &socket,
+            "--resource",
+            GPU,
+            "--device",
+            "gpu-0:Healthy:0",
+            "--device",
+            "gpu-1:Healthy:1",
+            "--device",
+            "gpu-2:Unhealthy:0",
+        ];
+        let mut plugin = PluginProcess::spawn(device_plugin_bin(), args).await.expect("device plugin");
+        plugin.wait_for(SOON, |r| matches!(r, Report::DeviceRegistered { .. })).await.expect("registered");
+        let mut capacity = node.devices().capacity();
+        tokio::time::timeout(SOON, capacity.wait_for(|c| c.get(GPU).is_some_and(|c| c.allocatable == 2)))
+            .await
+            .expect("devices in time")
+            .expect("device manager");
+
+        let pod = json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "trainer", "namespace": "ml"},
+            "spec": {"containers": [
+                {"name": "main", "image": "busybox", "command": ["sleep", "600"], "resources": {"limits": {GPU: "2"}}},
+                {"name": "helper", "image": "busybox", "command": ["sleep", "600"]},
+            ]},
+        });
+        std::fs::write(manifests.join("trainer.json"), pod.to_string()).expect("manifest");
+        node.pods()
+            .store()
+            .wait_for(SOON, |pods| pods.values().any(|p| json_of(p)["status"]["phase"] == "Running"))
+            .await
+            .expect("Running");
+
+        let channel = kubelet_api::uds::dial(root.path().join("pod-resources/kubelet.sock"), SOON).await.expect("dial");
+        let mut lister = api::pod_resources_lister_client::PodResourcesListerClient::new(channel.clone());
+        let listed = lister.list(api::ListPodResourcesRequest {}).await.expect("List").into_inner();
+        assert_eq!(listed.pod_resources.len(), 1, "{listed:?}");
+        let trainer = &listed.pod_resources[0];
+        assert_eq!((trainer.name.as_str(), trainer.namespace.as_str()), ("trainer-res-node", "ml"));
+        let names: Vec<&str> = trainer.containers.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(names, ["main", "helper"]);
+        let main = &trainer.containers[0];
+        let mut placed: Vec<(String, Vec<String>, Vec<i64>)> = main
+            .devices
+            .iter()
+            .map(|d| {
+                let numa = d.topology.as_ref().map(|t| t.nodes.iter().map(|n| n.id).collect()).unwrap_or_default();
+                (d.resource_name.clone(), d.device_ids.clone(), numa)
+            })
+            .collect();
+        placed.sort();
+        assert_eq!(
+            placed,
+            [(GPU.to_owned(), vec!["gpu-0".to_owned()], vec![0]), (GPU.to_owned(), vec!["gpu-1".to_owned()], vec![1])]
+        );
+        assert!(main.cpu_ids.is_empty() && main.memory.is_empty() && main.dynamic_resources.is_empty());
+        assert!(trainer.containers[1].devices.is_empty());
+
+        let one = lister
+            .get(api::GetPodResourcesRequest { pod_name: "trainer-res-node".into(), pod_namespace: "ml".into() })
+            .await
+            .expect("Get")
+            .into_inner();
+        assert_eq!(one.pod_resources.as_ref().map(|p| p.containers.len()), Some(2));
+        let allocatable = lister
+            .get_allocatable_resources(api::AllocatableResourcesRequest {})
+            .await
+            .expect("allocatable")
+            .into_inner();
+        let mut ids: Vec<&str> =
+            allocatable.devices.iter().flat_map(|d| d.device_ids.iter().map(String::as_str)).collect();
+        ids.sort_unstable();
+        assert_eq!(ids, ["gpu-0", "gpu-1"], "healthy devices only");
+        assert!(allocatable.cpu_ids.is_empty() && allocatable.memory.is_empty());
+
+        // Far more calls at once than the bucket holds.
+        const CALLS: usize = 1000;
+        let started = std::time::Instant::now();
+        let calls = (0..CALLS).map(|_| {
+            let mut lister = api::pod_resources_lister_client::PodResourcesListerClient::new(channel.clone());
+            async move { lister.list(api::ListPodResourcesRequest {}).await.map(|_| ()) }
+        });
+        let answers = futures_util::future::join_all(calls).await;
+        let elapsed = started.elapsed().as_secs_f64();
+        let refused: Vec<&tonic::Status> = answers.iter().filter_map(|a| a.as_ref().err()).collect();
+        for status in &refused {
+            assert_eq!((status.code(), status.message()), (tonic::Code::ResourceExhausted, "rejected by rate limit"));
+        }
+        let passed = CALLS - refused.len();
+        // The bucket's bound: its burst, plus 100 per second of the run.
+        let bound = 10.0 + 100.0 * elapsed + 1.0;
+        assert!((passed as f64) <= bound, "{passed} passed in {elapsed:.2} s (bound {bound:.0})");
+        assert!(!refused.is_empty(), "{passed} of {CALLS} passed in {elapsed:.2} s");
+        shutdown.cancel();
+        node.stopped().await;
+    }
+}
