@@ -423,3 +423,120 @@ async fn reserved_node_labels_are_refused_at_start() {
     );
     assert!(stderr.contains("allowed prefix (kubelet.kubernetes.io, node.kubernetes.io)"), "{stderr}");
 }
+
+/// A pod with a resource claim (and a device-plugin device) on the binary:
+/// the claim is prepared once through a real DRA driver; `kill -9` of the
+/// node and a restart prepare nothing again (the checkpoint says it is
+/// prepared); PodResources shows both the device
+/// and the claim; the pod's deletion releases the claim exactly once.
+#[tokio::test]
+async fn a_claim_is_prepared_once_across_a_kill_9_and_released_once() {
+    use k8s_openapi::api::resource::v1::ResourceClaim;
+    use kube::api::{Patch, PatchParams};
+    use kubelet_api::podresources::v1 as podresources;
+    use rustlet_sample_plugins::dra_driver::{DraDriver, DraDriverConfig};
+    use rustlet_sample_plugins::report::Report;
+
+    const DRIVER: &str = "gpu.dra.example.com";
+    // The driver's next prepare or release (registration and slice reports
+    // skipped), and those already reported.
+    async fn next_call(calls: &mut tokio::sync::mpsc::UnboundedReceiver<Report>) -> Report {
+        loop {
+            let report = tokio::time::timeout(SOON, calls.recv()).await.expect("a call in time").expect("driver");
+            if matches!(report, Report::DraPrepare { .. } | Report::DraUnprepare { .. }) {
+                return report;
+            }
+        }
+    }
+    fn reported_calls(calls: &mut tokio::sync::mpsc::UnboundedReceiver<Report>) -> Vec<Report> {
+        std::iter::from_fn(|| calls.try_recv().ok())
+            .filter(|r| matches!(r, Report::DraPrepare { .. } | Report::DraUnprepare { .. }))
+            .collect()
+    }
+    let root = tempfile::tempdir().expect("tempdir");
+    import_example(root.path(), "sleep").await;
+    let api = TestApi::fake().await;
+    let mut node = rustlet_on(&api, root.path(), &[]);
+    node.line_with("node started").await;
+    let plugins = CancellationToken::new();
+    let _devices = device_plugin(root.path(), 2, &plugins).await;
+    let (reports, mut calls) = tokio::sync::mpsc::unbounded_channel();
+    let config = DraDriverConfig::new(DRIVER, "a", root.path(), &api.node, vec!["dev-0".into(), "dev-1".into()]);
+    DraDriver::new(config, Reporter::Channel(reports))
+        .with_client(api.node_client.clone())
+        .spawn(plugins.child_token())
+        .expect("DRA driver");
+    node.line_with("DRA driver instance connected").await;
+
+    let claims: Api<ResourceClaim> = Api::namespaced(api.admin.clone(), "default");
+    let pods: Api<Pod> = Api::namespaced(api.admin.clone(), "default");
+    let claim: ResourceClaim = serde_json::from_value(json!({
+        "metadata": {"name": "gpu-claim", "namespace": "default"},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.example.com"}}]}},
+    }))
+    .expect("claim");
+    let claim_uid = claims.create(&PostParams::default(), &claim).await.expect("claim").metadata.uid.expect("uid");
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "dra-sleeper", "namespace": "default"},
+        "spec": {
+            "nodeName": api.node,
+            "terminationGracePeriodSeconds": 5,
+            "resourceClaims": [{"name": "gpu", "resourceClaimName": "gpu-claim"}],
+            "containers": [{
+                "name": "main", "image": "example.com/test/sleep:v1", "imagePullPolicy": "Never",
+                "resources": {"limits": {RESOURCE: "1"}, "claims": [{"name": "gpu"}]},
+            }],
+        },
+    }))
+    .expect("pod");
+    let created = pods.create(&PostParams::default(), &pod).await.expect("pod");
+    let allocation = json!({"status": {
+        "allocation": {"devices": {"results": [{"request": "gpu", "driver": DRIVER, "pool": api.node, "device": "dev-1"}]}},
+        "reservedFor": [{"resource": "pods", "name": "dra-sleeper", "uid": created.metadata.uid}],
+    }});
+    claims.patch_status("gpu-claim", &PatchParams::default(), &Patch::Merge(&allocation)).await.expect("allocate");
+    let running =
+        |p: Option<&Pod>| p.is_some_and(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"));
+    api.wait_for(&pods, "dra-sleeper", "Running", SOON, running).await.expect("pod");
+    let prepared = next_call(&mut calls).await;
+    assert!(
+        matches!(&prepared, Report::DraPrepare { claims, .. } if claims[0].0 == claim_uid && claims[0].1 == Ok(vec!["dev-1".to_owned()])),
+        "{prepared:?}"
+    );
+
+    node.child.kill().await.expect("kill -9");
+    let mut node = rustlet_on(&api, root.path(), &[]);
+    // The restarted node takes the pod through its claims again (nothing
+    // to prepare: the checkpoint says prepared) and runs its module again
+    // (a WebAssembly instance lives in the node's process).
+    node.lines_with_all(&["node started", "resource claims prepared", "container started"]).await;
+    api.wait_for(&pods, "dra-sleeper", "Running", SOON, running).await.expect("pod");
+    assert_eq!(reported_calls(&mut calls), [], "nothing prepared again");
+
+    // PodResources: the device-plugin device and the claim's device.
+    let channel = kubelet_api::uds::dial(root.path().join("pod-resources/kubelet.sock"), SOON).await.expect("dial");
+    let mut lister = podresources::pod_resources_lister_client::PodResourcesListerClient::new(channel);
+    let listed = lister
+        .get(podresources::GetPodResourcesRequest { pod_name: "dra-sleeper".into(), pod_namespace: "default".into() })
+        .await
+        .expect("Get")
+        .into_inner();
+    let main = &listed.pod_resources.expect("pod").containers[0];
+    assert_eq!(main.devices.len(), 1, "{main:?}");
+    assert_eq!((main.devices[0].resource_name.as_str(), main.devices[0].device_ids.len()), (RESOURCE, 1));
+    let claim_resource = &main.dynamic_resources[0];
+    assert_eq!(claim_resource.claim_name, "gpu-claim");
+    assert_eq!(claim_resource.claim_resources[0].device_name, "dev-1");
+    assert_eq!(claim_resource.claim_resources[0].cdi_devices[0].name, format!("{DRIVER}/device=dev-1"));
+
+    pods.delete("dra-sleeper", &DeleteParams::default()).await.expect("delete");
+    api.wait_for(&pods, "dra-sleeper", "deleted", SOON, |p| p.is_none()).await;
+    let released = next_call(&mut calls).await;
+    assert!(
+        matches!(&released, Report::DraUnprepare { claims, .. } if claims == &vec![claim_uid.clone()]),
+        "{released:?}"
+    );
+    node.line_with("resource claim released").await;
+    assert_eq!(reported_calls(&mut calls), [], "released once, nothing else");
+    plugins.cancel();
+}
