@@ -125,6 +125,7 @@ pub(crate) async fn run(args: DemoArgs, signals: HealthReporter, shutdown: Cance
     }
 
     let control = demo_device_plugin(&node, &plugins).await?;
+    demo_dra_driver(&node, &plugins).await?;
     demo_static_pod(&node).await?;
     drop(control);
 
@@ -322,6 +323,87 @@ async fn demo_device_plugin(node: &Node, plugins: &CancellationToken) -> anyhow:
     let freed = node.devices().free_pod("demo-pod-uid");
     println!("  -> pod removed: {freed} devices freed");
     Ok(control)
+}
+
+/// A DRA driver upgraded without a gap: two instances of one driver side
+/// by side, the claim prepared by the newest, the old one stopped; the
+/// claim released. A pod's claim comes from the API server, so the
+/// standalone demo prepares one the way the node does for such a pod.
+async fn demo_dra_driver(node: &Node, plugins: &CancellationToken) -> anyhow::Result<()> {
+    use rustlet_sample_plugins::dra_driver::{DraDriver, DraDriverConfig};
+    const DRIVER: &str = "gpu.dra.rustlet.dev";
+    let devices = vec!["gpu-0".to_owned(), "gpu-1".to_owned()];
+    let drivers = node.dra_drivers();
+    let connected = |n: usize| {
+        let drivers = drivers.clone();
+        async move {
+            if drivers.wait_until(STEP_DEADLINE, |i| i.iter().filter(|i| i.connected).count() == n).await {
+                anyhow::Ok(())
+            } else {
+                bail!("the DRA driver's instances did not connect in time: {:?}", drivers.list())
+            }
+        }
+    };
+    let old = plugins.child_token();
+    let config = DraDriverConfig::new(DRIVER, "v1-0", node.root_dir(), node.name(), devices.clone());
+    let (old_reports, mut old_calls) = tokio::sync::mpsc::unbounded_channel();
+    DraDriver::new(config, Reporter::Channel(old_reports)).spawn(old.clone())?;
+    connected(1).await?;
+    println!(
+        "
+started DRA driver {DRIVER} (instance v1-0, devices {devices:?})"
+    );
+    let config = DraDriverConfig::new(DRIVER, "v1-1", node.root_dir(), node.name(), devices.clone());
+    let (new_reports, mut new_calls) = tokio::sync::mpsc::unbounded_channel();
+    DraDriver::new(config, Reporter::Channel(new_reports)).spawn(plugins.child_token())?;
+    connected(2).await?;
+    for instance in drivers.list() {
+        println!("  -> instance at {} registered ({}), connected", instance.endpoint, instance.version);
+    }
+    let claim =
+        kubelet::dra::ClaimRef { namespace: "default".into(), uid: "demo-claim-uid".into(), name: "demo-gpu".into() };
+    let prepared = drivers.prepare(DRIVER, std::slice::from_ref(&claim)).await?;
+    let devices = prepared.get(&claim.uid).cloned().unwrap_or_else(|| Err("no answer".into()));
+    let devices = devices.map_err(|e| anyhow::anyhow!("the claim was not prepared: {e}"))?;
+    let cdi: Vec<&String> = devices.iter().flat_map(|d| d.cdi_device_ids.iter()).collect();
+    // Each instance reports a prepare before answering it.
+    let prepared_by = |calls: &mut tokio::sync::mpsc::UnboundedReceiver<rustlet_sample_plugins::report::Report>| {
+        std::iter::from_fn(|| calls.try_recv().ok())
+            .any(|r| matches!(r, rustlet_sample_plugins::report::Report::DraPrepare { .. }))
+    };
+    let by = match (prepared_by(&mut old_calls), prepared_by(&mut new_calls)) {
+        (false, true) => "the newest instance (v1-1)",
+        (true, false) => "the old instance (v1-0)",
+        _ => bail!("expected exactly one instance to prepare the claim"),
+    };
+    println!("  -> claim default/demo-gpu prepared by {by}: CDI devices {cdi:?}");
+    println!("     (in a cluster the node prepares a pod's allocated claims this way; static pods cannot have claims)");
+    old.cancel();
+    connected(1).await?;
+    println!("  -> the old instance stopped: the driver stays usable ({})", drivers.usable(DRIVER));
+    let released = drivers.unprepare(DRIVER, std::slice::from_ref(&claim)).await?;
+    if let Some(Err(error)) = released.get(&claim.uid) {
+        bail!("the claim was not released: {error}");
+    }
+    println!("  -> claim released");
+
+    // What a monitoring agent reads.
+    use kubelet_api::podresources::v1 as podresources;
+    let socket = node.root_dir().join("pod-resources").join("kubelet.sock");
+    let channel = kubelet_api::uds::dial(&socket, STEP_DEADLINE).await?;
+    let mut lister = podresources::pod_resources_lister_client::PodResourcesListerClient::new(channel);
+    let allocatable =
+        lister.get_allocatable_resources(podresources::AllocatableResourcesRequest {}).await?.into_inner();
+    let devices: Vec<String> = allocatable
+        .devices
+        .iter()
+        .map(|d| {
+            let numa: Vec<i64> = d.topology.iter().flat_map(|t| t.nodes.iter().map(|n| n.id)).collect();
+            format!("{} {} (NUMA {numa:?})", d.resource_name, d.device_ids.join(","))
+        })
+        .collect();
+    println!("\nPodResources API ({}): allocatable devices: {}", socket.display(), devices.join("; "));
+    Ok(())
 }
 
 async fn next_event(

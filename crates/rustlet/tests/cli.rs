@@ -229,6 +229,10 @@ async fn demo_runs_its_scenario_to_completion() {
         "-> gpu-1 reported unhealthy: capacity 3, allocatable 2",
         r#"-> pod demo-pod container app allocated ["gpu-0", "gpu-2"]"#,
         "-> pod removed: 2 devices freed",
+        "-> claim default/demo-gpu prepared by the newest instance (v1-1): CDI devices [\"gpu.dra.rustlet.dev/device=gpu-0\"]",
+        "-> the old instance stopped: the driver stays usable (true)",
+        "-> claim released",
+        "allocatable devices: gpu.rustlet.dev/demo gpu-0 (NUMA [0]); gpu.rustlet.dev/demo gpu-2 (NUMA [1])",
         "-> deregistered CSIPlugin plugin hostpath.csi.rustlet.dev",
         "demo complete",
     ] {
