@@ -582,6 +582,33 @@ async fn serve(
             answer["status"] = json!({"token": token, "expirationTimestamp": expires.to_string()});
             Ok(object_response(StatusCode::CREATED, &answer))
         }
+        // The scheduler's bind: `pods/<name>/binding` sets `spec.nodeName`
+        // of a pod not bound yet.
+        "create" if sub == Some("binding") && resource.plural == "pods" => {
+            let name = route.name.clone().unwrap_or_default();
+            let key = Key::new(resource, &namespace, &name);
+            let target = body_value.pointer("/target/name").and_then(Value::as_str).unwrap_or_default().to_owned();
+            if target.is_empty() {
+                return Err(ApiError::new(400, "BadRequest", "a binding needs target.name"));
+            }
+            let mut store = shared.store();
+            let mut pod = store.get(&key).cloned().ok_or_else(|| ApiError::not_found(resource, &name))?;
+            if let Some(bound) = pod.pointer("/spec/nodeName").and_then(Value::as_str).filter(|n| !n.is_empty()) {
+                return Err(ApiError::new(
+                    409,
+                    "Conflict",
+                    format!(
+                        "Operation cannot be fulfilled on pods/binding \"{name}\": pod {name} is already assigned to node \"{bound}\""
+                    ),
+                ));
+            }
+            pod["spec"]["nodeName"] = Value::String(target);
+            store.replace(resource, &key, pod, false)?;
+            Ok(object_response(
+                StatusCode::CREATED,
+                &json!({"kind": "Status", "apiVersion": "v1", "status": "Success"}),
+            ))
+        }
         "create" => {
             if route.name.is_some() {
                 return Err(ApiError::new(405, "MethodNotAllowed", "POST to a named object"));
