@@ -94,8 +94,15 @@ impl ClaimSource for ApiClaims {
 }
 
 /// Deletes this node's ResourceSlices (of one driver, or all), retrying
-/// with backoff until it is done or `stop` is cancelled.
-async fn delete_slices(client: &kube::Client, node: &str, driver: Option<&str>, stop: &CancellationToken) {
+/// with backoff until it is done, `stop` is cancelled, or (for one driver)
+/// an instance of it is connected again (its slices are its own then).
+async fn delete_slices(
+    client: &kube::Client,
+    node: &str,
+    driver: Option<&str>,
+    drivers: &DraDrivers,
+    stop: &CancellationToken,
+) {
     let api: Api<ResourceSlice> = Api::all(client.clone());
     let mut selector = format!("spec.nodeName={node}");
     if let Some(driver) = driver {
@@ -103,6 +110,14 @@ async fn delete_slices(client: &kube::Client, node: &str, driver: Option<&str>, 
     }
     let mut backoff = crate::retry::RetryBackoff::new(Duration::from_secs(1), Duration::from_secs(300));
     loop {
+        if driver.is_some_and(|d| drivers.usable(d)) {
+            tracing::info!(
+                node,
+                driver = driver.unwrap_or_default(),
+                "the DRA driver is back; its ResourceSlices stay"
+            );
+            return;
+        }
         match api.delete_collection(&DeleteParams::default(), &ListParams::default().fields(&selector)).await {
             Ok(_) => {
                 tracing::info!(node, driver = driver.unwrap_or("(all)"), "ResourceSlices of this node deleted");
@@ -131,7 +146,7 @@ pub async fn wipe_slices(
     delay: Duration,
     stop: CancellationToken,
 ) {
-    delete_slices(&client, &node, None, &stop).await;
+    delete_slices(&client, &node, None, &drivers, &stop).await;
     let mut changes = drivers.changes();
     // Drivers seen usable, and when each became unusable.
     let mut unusable_since: BTreeMap<String, tokio::time::Instant> = BTreeMap::new();
@@ -148,15 +163,20 @@ pub async fn wipe_slices(
                 unusable_since.entry(driver.clone()).or_insert(now);
             }
         }
-        let due: Vec<String> =
-            unusable_since.iter().filter(|(_, since)| now >= **since + delay).map(|(d, _)| d.clone()).collect();
+        // A delay too large to add is no deadline at all (wiping disabled).
+        let due_at = |since: &tokio::time::Instant| since.checked_add(delay);
+        let due: Vec<String> = unusable_since
+            .iter()
+            .filter(|(_, since)| due_at(since).is_some_and(|at| now >= at))
+            .map(|(d, _)| d.clone())
+            .collect();
         for driver in due {
             tracing::info!(%driver, ?delay, "no instance of the DRA driver connected for the wiping delay");
-            delete_slices(&client, &node, Some(&driver), &stop).await;
+            delete_slices(&client, &node, Some(&driver), &drivers, &stop).await;
             unusable_since.remove(&driver);
             known.remove(&driver);
         }
-        let next = unusable_since.values().map(|since| *since + delay).min();
+        let next = unusable_since.values().filter_map(due_at).min();
         tokio::select! {
             () = stop.cancelled() => return,
             changed = changes.changed() => if changed.is_err() { return },

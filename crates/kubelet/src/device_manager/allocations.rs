@@ -224,7 +224,6 @@ impl Allocations {
         self.change_uses(resource, ids, |u| u.reserved = false);
     }
 
-    /// The checkpoint entries, in pod, container, resource order.
     /// Container → resource → device IDs of `pod`.
     pub(crate) fn held_by_pod(&self, pod: &str) -> BTreeMap<String, BTreeMap<String, Vec<String>>> {
         self.pods
@@ -241,6 +240,7 @@ impl Allocations {
             .unwrap_or_default()
     }
 
+    /// The checkpoint entries, in pod, container, resource order.
     pub(crate) fn parts(&self) -> Vec<Arc<Part>> {
         self.pods
             .values()

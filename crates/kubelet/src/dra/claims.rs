@@ -78,10 +78,16 @@ struct Inner {
     drivers: DraDrivers,
     path: PathBuf,
     /// Claim UID → entry. Read by the sync readers (run options,
-    /// PodResources); changed only under `operation`.
+    /// PodResources); each change is made under this lock, the driver calls
+    /// outside it.
     state: Mutex<BTreeMap<String, ClaimEntry>>,
-    /// One prepare or release at a time.
-    operation: tokio::sync::Mutex<()>,
+    /// One call at a time per driver: a claim two pods need at once is
+    /// prepared once, and a hung driver holds up only its own claims.
+    driver_calls: Mutex<BTreeMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// One checkpoint write at a time.
+    writing: Mutex<()>,
+    /// Wakes [`DraClaims::keep_releasing`]: claims were left without pods.
+    released: tokio::sync::Notify,
 }
 
 /// The claims prepared on this node. Cheap to clone.
@@ -131,7 +137,14 @@ impl DraClaims {
             tracing::info!(claims = state.len(), path = %path.display(), "prepared resource claims restored from the checkpoint");
         }
         DraClaims {
-            inner: Arc::new(Inner { drivers, path, state: Mutex::new(state), operation: tokio::sync::Mutex::new(()) }),
+            inner: Arc::new(Inner {
+                drivers,
+                path,
+                state: Mutex::new(state),
+                driver_calls: Mutex::default(),
+                writing: Mutex::default(),
+                released: tokio::sync::Notify::new(),
+            }),
         }
     }
 
@@ -144,7 +157,13 @@ impl DraClaims {
         self.inner.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    fn driver_lock(&self, driver: &str) -> Arc<tokio::sync::Mutex<()>> {
+        let mut locks = self.inner.driver_calls.lock().unwrap_or_else(|p| p.into_inner());
+        Arc::clone(locks.entry(driver.to_owned()).or_default())
+    }
+
     fn persist(&self) -> Result<(), String> {
+        let _writing = self.inner.writing.lock().unwrap_or_else(|p| p.into_inner());
         let checkpoint = Checkpoint {
             kind: CHECKPOINT_KIND.into(),
             api_version: CHECKPOINT_API_VERSION.into(),
@@ -165,12 +184,16 @@ impl DraClaims {
         self.state().get(claim_uid).map(|e| e.pods.clone()).unwrap_or_default()
     }
 
+    /// Claims no pod uses any more that a driver has not released yet.
+    pub fn leftovers(&self) -> usize {
+        self.state().values().filter(|e| e.pods.is_empty()).count()
+    }
+
     /// Prepares what `pod_uid` needs of `claims`: claims prepared already
     /// only gain the pod; the others are prepared with one call per
     /// driver. Every failure is in the error, each naming its claim.
     pub async fn prepare_pod(&self, pod_uid: &str, claims: &[ResolvedClaim]) -> Result<(), String> {
-        let _operation = self.inner.operation.lock().await;
-        let mut batches: BTreeMap<String, Vec<ClaimRef>> = BTreeMap::new();
+        let mut drivers: BTreeSet<String> = BTreeSet::new();
         {
             let mut state = self.state();
             for resolved in claims {
@@ -183,51 +206,72 @@ impl DraClaims {
                         claim.name, other.claim.uid
                     ));
                 }
-                let entry = state.entry(claim.uid.clone()).or_insert_with(|| ClaimEntry {
-                    claim: claim.clone(),
+            }
+            for resolved in claims {
+                let entry = state.entry(resolved.claim.uid.clone()).or_insert_with(|| ClaimEntry {
+                    claim: resolved.claim.clone(),
                     pods: BTreeSet::new(),
-                    drivers: resolved.drivers.clone(),
+                    drivers: BTreeSet::new(),
                     devices: BTreeMap::new(),
                     prepared: false,
                 });
                 entry.pods.insert(pod_uid.to_owned());
-                if !entry.prepared {
-                    for driver in &resolved.drivers {
-                        if !entry.devices.contains_key(driver) {
-                            batches.entry(driver.clone()).or_default().push(claim.clone());
-                        }
-                    }
+                entry.drivers.extend(resolved.drivers.iter().cloned());
+                if entry.drivers.iter().any(|d| !entry.devices.contains_key(d)) {
+                    entry.prepared = false;
                 }
+                drivers.extend(entry.drivers.iter().filter(|d| !entry.devices.contains_key(*d)).cloned());
             }
         }
+        // The pod's reference is on disk before any driver is called.
         self.persist()?;
+        let wanted: BTreeSet<&str> = claims.iter().map(|c| c.claim.uid.as_str()).collect();
         let mut failures = Vec::new();
-        for (driver, batch) in batches {
+        for driver in drivers {
+            let lock = self.driver_lock(&driver);
+            let _calls = lock.lock().await;
+            // Decided under this driver's lock: what another pod prepared
+            // meanwhile is not prepared again.
+            let batch: Vec<ClaimRef> = self
+                .state()
+                .values()
+                .filter(|e| wanted.contains(e.claim.uid.as_str()))
+                .filter(|e| e.drivers.contains(&driver) && !e.devices.contains_key(&driver))
+                .map(|e| e.claim.clone())
+                .collect();
+            if batch.is_empty() {
+                continue;
+            }
             match self.inner.drivers.prepare(&driver, &batch).await {
                 Err(error) => failures.push(format!("NodePrepareResources: {error}")),
                 Ok(answers) => {
-                    let mut state = self.state();
-                    for claim in &batch {
-                        match answers.get(&claim.uid) {
-                            Some(Ok(devices)) => {
-                                if let Some(entry) = state.get_mut(&claim.uid) {
-                                    entry.devices.insert(driver.clone(), devices.clone());
+                    {
+                        let mut state = self.state();
+                        for claim in &batch {
+                            match answers.get(&claim.uid) {
+                                Some(Ok(devices)) => {
+                                    if let Some(entry) = state.get_mut(&claim.uid) {
+                                        entry.devices.insert(driver.clone(), devices.clone());
+                                    }
+                                }
+                                Some(Err(reason)) => failures.push(format!(
+                                    "NodePrepareResources failed for ResourceClaim {}: {reason}",
+                                    claim.name
+                                )),
+                                None => {
+                                    failures.push(format!("NodePrepareResources skipped ResourceClaim {}", claim.name))
                                 }
                             }
-                            Some(Err(reason)) => failures.push(format!(
-                                "NodePrepareResources failed for ResourceClaim {}: {reason}",
-                                claim.name
-                            )),
-                            None => failures.push(format!("NodePrepareResources skipped ResourceClaim {}", claim.name)),
                         }
                     }
+                    self.persist()?;
                 }
             }
         }
         {
             let mut state = self.state();
-            for resolved in claims {
-                if let Some(entry) = state.get_mut(&resolved.claim.uid)
+            for uid in &wanted {
+                if let Some(entry) = state.get_mut(*uid)
                     && !entry.prepared
                     && entry.drivers.iter().all(|d| entry.devices.contains_key(d))
                 {
@@ -241,78 +285,170 @@ impl DraClaims {
     }
 
     /// Drops `pod_uid` from its claims and releases those no pod uses any
-    /// more (one call per driver). A claim its driver failed to release
-    /// stays recorded, and is released again with the next release.
+    /// more (one call per driver). A pod with no claims costs nothing. A
+    /// claim its driver failed to release stays recorded and is released
+    /// again later ([`DraClaims::release_leftovers`]).
     pub async fn unprepare_pod(&self, pod_uid: &str) -> Result<(), String> {
-        self.release(|pods| pods.remove(pod_uid)).await
+        let (held, emptied) = {
+            let mut state = self.state();
+            let mut held = false;
+            let mut emptied = BTreeSet::new();
+            for entry in state.values_mut() {
+                if entry.pods.remove(pod_uid) {
+                    held = true;
+                    if entry.pods.is_empty() {
+                        emptied.insert(entry.claim.uid.clone());
+                    }
+                }
+            }
+            (held, emptied)
+        };
+        // Most pods hold no claim: nothing to write or call.
+        if !held {
+            return Ok(());
+        }
+        self.persist()?;
+        self.release(&emptied).await
     }
 
-    /// Drops every pod not in `live` from the claims and releases the claims
-    /// left without pods (after a restart: pods gone while the node was
-    /// down).
-    pub async fn retain_pods(&self, live: &[String]) -> Result<(), String> {
-        self.release(|pods| {
-            let before = pods.len();
-            pods.retain(|p| live.contains(p));
-            pods.len() != before
-        })
-        .await
-    }
-
-    async fn release(&self, mut drop_pods: impl FnMut(&mut BTreeSet<String>) -> bool) -> Result<(), String> {
-        let _operation = self.inner.operation.lock().await;
-        let mut batches: BTreeMap<String, Vec<ClaimRef>> = BTreeMap::new();
+    /// Drops every pod not in `live` from the claims (after a restart: pods
+    /// gone while the node was down); the claims left without pods are
+    /// released in the background by [`DraClaims::keep_releasing`], so a
+    /// driver that is not back yet holds up nothing.
+    pub fn retain_pods(&self, live: &[String]) -> Result<(), String> {
         let changed = {
             let mut state = self.state();
             let mut changed = false;
             for entry in state.values_mut() {
-                changed |= drop_pods(&mut entry.pods);
-                if entry.pods.is_empty() {
-                    for driver in &entry.drivers {
-                        batches.entry(driver.clone()).or_default().push(entry.claim.clone());
-                    }
-                }
+                let before = entry.pods.len();
+                entry.pods.retain(|p| live.contains(p));
+                changed |= entry.pods.len() != before;
             }
-            // Nothing left to release for these.
-            state.retain(|_, e| !(e.pods.is_empty() && e.drivers.is_empty()));
             changed
         };
-        if !changed && batches.is_empty() {
+        if changed {
+            self.persist()?;
+        }
+        self.inner.released.notify_one();
+        Ok(())
+    }
+
+    /// Releases every claim no pod uses that is still recorded (a driver
+    /// failed or was away when it was released).
+    pub async fn release_leftovers(&self) -> Result<(), String> {
+        let leftovers: BTreeSet<String> =
+            self.state().values().filter(|e| e.pods.is_empty()).map(|e| e.claim.uid.clone()).collect();
+        self.release(&leftovers).await
+    }
+
+    /// Releases the claims left without pods: when asked
+    /// ([`DraClaims::retain_pods`]), whenever a DRA driver registers,
+    /// connects or goes away, and every `period` while some are left, until
+    /// `stop`.
+    pub async fn keep_releasing(self, period: std::time::Duration, stop: tokio_util::sync::CancellationToken) {
+        let mut changes = self.drivers().changes();
+        loop {
+            let left = self.leftovers();
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = self.inner.released.notified() => {}
+                changed = changes.changed() => if changed.is_err() { return },
+                () = tokio::time::sleep(period), if left > 0 => {}
+            }
+            if self.leftovers() > 0
+                && let Err(error) = self.release_leftovers().await
+            {
+                tracing::warn!(%error, "resource claims of removed pods not released yet; trying again later");
+            }
+        }
+    }
+
+    /// Releases the claims in `uids` that no pod uses: per driver, one call
+    /// for all of them.
+    async fn release(&self, uids: &BTreeSet<String>) -> Result<(), String> {
+        if uids.is_empty() {
             return Ok(());
         }
-        self.persist()?;
+        let drivers: BTreeSet<String> = {
+            let mut state = self.state();
+            // A claim without drivers has nothing to release.
+            state.retain(|uid, e| !(uids.contains(uid) && e.pods.is_empty() && e.drivers.is_empty()));
+            state.values().filter(|e| uids.contains(&e.claim.uid)).flat_map(|e| e.drivers.iter().cloned()).collect()
+        };
         let mut failures = Vec::new();
-        for (driver, batch) in batches {
+        for driver in drivers {
+            let lock = self.driver_lock(&driver);
+            let _calls = lock.lock().await;
+            // Decided under the driver's lock: a pod that took the claim
+            // again meanwhile keeps it.
+            let batch: Vec<ClaimRef> = self
+                .state()
+                .values()
+                .filter(|e| uids.contains(&e.claim.uid) && e.pods.is_empty() && e.drivers.contains(&driver))
+                .map(|e| e.claim.clone())
+                .collect();
+            if batch.is_empty() {
+                continue;
+            }
             match self.inner.drivers.unprepare(&driver, &batch).await {
                 Err(error) => failures.push(format!("NodeUnprepareResources: {error}")),
                 Ok(answers) => {
-                    let mut state = self.state();
-                    for claim in &batch {
-                        match answers.get(&claim.uid) {
-                            Some(Ok(())) => {
-                                if let Some(entry) = state.get_mut(&claim.uid) {
-                                    entry.devices.remove(&driver);
-                                    entry.drivers.remove(&driver);
-                                    if entry.drivers.is_empty() {
-                                        tracing::info!(claim = %format!("{}/{}", claim.namespace, claim.name), claim.uid = %claim.uid, "resource claim released");
-                                        state.remove(&claim.uid);
+                    {
+                        let mut state = self.state();
+                        for claim in &batch {
+                            match answers.get(&claim.uid) {
+                                Some(Ok(())) => {
+                                    if let Some(entry) = state.get_mut(&claim.uid) {
+                                        entry.devices.remove(&driver);
+                                        entry.drivers.remove(&driver);
+                                        entry.prepared = false;
+                                        if entry.drivers.is_empty() && entry.pods.is_empty() {
+                                            tracing::info!(claim = %format!("{}/{}", claim.namespace, claim.name), claim.uid = %claim.uid, "resource claim released");
+                                            state.remove(&claim.uid);
+                                        }
                                     }
                                 }
-                            }
-                            Some(Err(reason)) => failures.push(format!(
-                                "NodeUnprepareResources failed for ResourceClaim {}: {reason}",
-                                claim.name
-                            )),
-                            None => {
-                                failures.push(format!("NodeUnprepareResources skipped ResourceClaim {}", claim.name))
+                                Some(Err(reason)) => failures.push(format!(
+                                    "NodeUnprepareResources failed for ResourceClaim {}: {reason}",
+                                    claim.name
+                                )),
+                                None => failures
+                                    .push(format!("NodeUnprepareResources skipped ResourceClaim {}", claim.name)),
                             }
                         }
                     }
+                    self.persist()?;
                 }
             }
         }
-        self.persist()?;
         if failures.is_empty() { Ok(()) } else { Err(format!("unprepare dynamic resources: {}", failures.join("; "))) }
+    }
+
+    /// The claims `container` of `pod` uses that are not prepared on the
+    /// node (by their ResourceClaim names, or the reason they cannot be
+    /// named): a container must not start without them.
+    pub fn unprepared_claims(&self, pod: &Pod, container: &str) -> Vec<String> {
+        let namespace = pod.metadata.namespace.clone().unwrap_or_default();
+        let Some(spec) = pod.spec.as_ref() else { return Vec::new() };
+        let all = spec.init_containers.iter().flatten().chain(spec.containers.iter());
+        let Some(container) = all.into_iter().find(|c| c.name == container) else { return Vec::new() };
+        let uses = container.resources.as_ref().and_then(|r| r.claims.as_ref());
+        let state = self.state();
+        let mut missing = Vec::new();
+        for used in uses.into_iter().flatten() {
+            match claim_name(pod, &used.name) {
+                Ok(None) => {}
+                Ok(Some(name)) => {
+                    let prepared =
+                        state.values().any(|e| e.claim.namespace == namespace && e.claim.name == name && e.prepared);
+                    if !prepared {
+                        missing.push(name);
+                    }
+                }
+                Err(reason) => missing.push(reason),
+            }
+        }
+        missing
     }
 
     /// The claims `container` of `pod` uses (`resources.claims`), with the

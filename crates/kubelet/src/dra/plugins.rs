@@ -279,7 +279,7 @@ impl DraDrivers {
             .any(|v| v == "1.0.0" || v.starts_with("v1alpha") && v.ends_with("NodeService"));
         let version = DraVersion::choose(&plugin.supported_versions).ok_or_else(|| DraError::Unsupported {
             hint: if older {
-                "; this is a driver of an older DRA API (Kubernetes 1.26-1.33: \"1.0.0\" or v1alpha3/v1alpha4 NodeService), which the node does not serve: upgrade the driver to the v1 or v1beta1 DRAPlugin service"
+                "; this is a driver of an older DRA API (Kubernetes 1.26-1.31: \"1.0.0\" or v1alpha3/v1alpha4 NodeService), which the node does not serve: upgrade the driver to the v1 or v1beta1 DRAPlugin service"
             } else {
                 ""
             },
@@ -301,16 +301,18 @@ impl DraDrivers {
     fn insert(&self, plugin: &PluginInfo) -> Result<(), DraError> {
         let version = self.check_new(plugin)?;
         let stop = self.inner.shutdown.child_token();
-        let instance = DraInstance {
-            driver: plugin.name.clone(),
-            endpoint: plugin.endpoint.clone(),
-            socket_path: plugin.socket_path.clone(),
-            version,
-            registered: self.inner.sequence.fetch_add(1, Ordering::Relaxed) + 1,
-            connected: false,
-        };
-        let instances = {
+        let (instance, instances) = {
             let mut drivers = self.lock();
+            // Numbered under the lock: registration order and the order of
+            // the driver's list agree.
+            let instance = DraInstance {
+                driver: plugin.name.clone(),
+                endpoint: plugin.endpoint.clone(),
+                socket_path: plugin.socket_path.clone(),
+                version,
+                registered: self.inner.sequence.fetch_add(1, Ordering::Relaxed) + 1,
+                connected: false,
+            };
             let entries = drivers.entry(plugin.name.clone()).or_default();
             // A racing registration of the same endpoint lost to this one.
             if entries.iter().any(|e| e.instance.endpoint == plugin.endpoint) {
@@ -320,7 +322,7 @@ impl DraDrivers {
                 });
             }
             entries.push(Entry { instance: instance.clone(), channel: None, stop: stop.clone() });
-            entries.len()
+            (instance, entries.len())
         };
         tracing::info!(driver = %plugin.name, endpoint = %plugin.endpoint, %version, instances, "DRA driver instance registered");
         self.changed();
@@ -364,7 +366,8 @@ impl DraDrivers {
     }
 
     /// Holds a connection to the instance open and notices when it ends;
-    /// dials again with backoff until the instance is deregistered.
+    /// dials again with backoff until the instance is deregistered (or the
+    /// node stops: its connection is closed then).
     async fn watch_connection(self, instance: DraInstance, stop: CancellationToken) {
         let (first, longest) = self.inner.config.reconnect;
         let mut backoff = RetryBackoff::new(first, longest);
@@ -380,10 +383,19 @@ impl DraDrivers {
                         return;
                     }
                     tracing::info!(driver = %instance.driver, endpoint = %instance.endpoint, "DRA driver instance connected");
-                    backoff = RetryBackoff::new(first, longest);
+                    let connected_at = tokio::time::Instant::now();
                     tokio::select! {
-                        () = stop.cancelled() => return,
+                        () = stop.cancelled() => {
+                            self.set_channel(&instance, None);
+                            return;
+                        }
                         _ = ended => {}
+                    }
+                    // A connection that lasted starts the backoff afresh; one
+                    // that ends at once (an endpoint that accepts and hangs
+                    // up) keeps backing off.
+                    if connected_at.elapsed() >= longest {
+                        backoff = RetryBackoff::new(first, longest);
                     }
                     if !self.set_channel(&instance, None) {
                         return;
@@ -453,9 +465,9 @@ impl DraDrivers {
                         .await
                         .map(tonic::Response::into_inner),
                     DraVersion::V1beta1 => v1beta1::dra_plugin_client::DraPluginClient::new(channel)
-                        .node_prepare_resources(convert::<_, v1beta1::NodePrepareResourcesRequest>(&request))
+                        .node_prepare_resources(convert::<_, v1beta1::NodePrepareResourcesRequest>(&request)?)
                         .await
-                        .map(|a| convert(&a.into_inner())),
+                        .and_then(|a| convert(&a.into_inner())),
                 }
             })
             .await?;
@@ -502,9 +514,9 @@ impl DraDrivers {
                         .await
                         .map(tonic::Response::into_inner),
                     DraVersion::V1beta1 => v1beta1::dra_plugin_client::DraPluginClient::new(channel)
-                        .node_unprepare_resources(convert::<_, v1beta1::NodeUnprepareResourcesRequest>(&request))
+                        .node_unprepare_resources(convert::<_, v1beta1::NodeUnprepareResourcesRequest>(&request)?)
                         .await
-                        .map(|a| convert(&a.into_inner())),
+                        .and_then(|a| convert(&a.into_inner())),
                 }
             })
             .await?;
@@ -554,9 +566,11 @@ fn wire_claim(claim: &ClaimRef) -> v1::Claim {
 }
 
 /// One version's message as the other's: the two are the same on the wire.
-fn convert<A: Message, B: Message + Default>(from: &A) -> B {
-    // Bytes one version encoded always decode as the other.
-    B::decode(from.encode_to_vec().as_slice()).unwrap_or_default()
+/// (Bytes one version encoded decode as the other; a failure is reported
+/// as the call's, never hidden.)
+fn convert<A: Message, B: Message + Default>(from: &A) -> Result<B, tonic::Status> {
+    B::decode(from.encode_to_vec().as_slice())
+        .map_err(|e| tonic::Status::internal(format!("converting between DRA v1 and v1beta1: {e}")))
 }
 
 /// Handles plugins of type `DRAPlugin`: validate chooses the version and
@@ -606,7 +620,7 @@ mod tests {
         let request = v1::NodePrepareResourcesRequest {
             claims: vec![v1::Claim { namespace: "ns".into(), uid: "u".into(), name: "n".into() }],
         };
-        let other: v1beta1::NodePrepareResourcesRequest = convert(&request);
+        let other: v1beta1::NodePrepareResourcesRequest = convert(&request).expect("same wire format");
         assert_eq!(other.claims[0].uid, "u");
         assert_eq!(other.claims[0].name, "n");
     }

@@ -194,15 +194,6 @@ pub enum NodeError {
         #[source]
         source: std::io::Error,
     },
-    /// The PodResources API could not listen.
-    #[error("cannot serve the PodResources API on {socket}: {source}")]
-    PodResources {
-        /// The socket.
-        socket: PathBuf,
-        /// What failed.
-        #[source]
-        source: kubelet_api::uds::UdsError,
-    },
     /// The kubelet API could not start.
     #[error(transparent)]
     KubeletApi(#[from] crate::server::KubeletApiError),
@@ -369,16 +360,26 @@ impl NodeBuilder {
             (event_queue, event_recorder) = (Some(queue), recorder);
         }
         let pods = Pods::start(lifecycle, shutdown.clone()).await;
+        // Claims their drivers did not release yet are released in the
+        // background.
+        tasks.spawn(dra_claims.clone().keep_releasing(Duration::from_secs(30), shutdown.clone()));
+        // A node that cannot serve the PodResources API (a root dir whose
+        // socket path is too long, say) still runs its pods.
         if let Some(pod_resources) = &config.pod_resources {
-            let task = crate::pod_resources::serve(
+            match crate::pod_resources::serve(
                 pod_resources,
                 pods.clone(),
                 devices.clone(),
                 Some(dra_claims.clone()),
                 shutdown.clone(),
-            )
-            .map_err(|source| NodeError::PodResources { socket: pod_resources.socket.clone(), source })?;
-            supervise(&tasks, &healthz, "pod-resources", task, shutdown.clone());
+            ) {
+                Ok(task) => supervise(&tasks, &healthz, "pod-resources", task, shutdown.clone()),
+                Err(error) => tracing::error!(
+                    socket = %pod_resources.socket.display(),
+                    %error,
+                    "cannot serve the PodResources API; the node runs without it"
+                ),
+            }
         }
         let static_pods = match &config.pods.manifest_dir {
             None => None,

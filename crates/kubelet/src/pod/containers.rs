@@ -88,8 +88,17 @@ pub async fn start(
     let mut run_options =
         run_options::build(&data.pod, &record.spec, &data.volumes, &device_options, env_objects.as_ref())
             .map_err(|e| StartFailure { reason: "CreateContainerConfigError", message: e.to_string(), retry: true })?;
-    // The CDI devices of the resource claims it uses.
+    // The CDI devices of the resource claims it uses, which must be
+    // prepared.
     if let Some((claims, _)) = &lifecycle.claims {
+        let missing = claims.unprepared_claims(&data.pod, name);
+        if !missing.is_empty() {
+            return Err(StartFailure {
+                reason: "CreateContainerConfigError",
+                message: format!("resource claims not prepared: {}", missing.join(", ")),
+                retry: true,
+            });
+        }
         for id in claims.cdi_devices(&data.pod, name) {
             if !run_options.cdi_devices.contains(&id) {
                 run_options.cdi_devices.push(id);

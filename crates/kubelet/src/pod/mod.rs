@@ -424,7 +424,7 @@ impl Pods {
             }
         }
         if let Some((claims, _)) = &lifecycle.claims
-            && let Err(error) = claims.retain_pods(&live).await
+            && let Err(error) = claims.retain_pods(&live)
         {
             tracing::warn!(%error, "releasing the resource claims of pods no longer on the node");
         }

@@ -12,14 +12,17 @@ use crate::pod::PodLifecycle;
 use crate::pod::status::{Stage, pod_status};
 use crate::retry::RetryBackoff;
 
+/// The least time between two tries, even when a driver changes.
+const MIN_RETRY: std::time::Duration = std::time::Duration::from_millis(100);
+
 /// Why a static pod with claims is refused.
 pub const STATIC_CLAIMS_MESSAGE: &str =
     "static pods cannot use resource claims: no API server allocates a claim to a pod from a manifest";
 
 /// The pod's claims are allocated and reserved for it, then prepared;
 /// waited for (with the reason in the pod's status and one event per
-/// distinct reason) and retried with backoff, and at once when a DRA driver
-/// registers or connects.
+/// distinct reason) and retried with backoff, and soon after any change of
+/// the DRA drivers (one registers, connects or goes away).
 pub struct Claims;
 
 fn is_static(ctx: &Context<PodLifecycle>) -> bool {
@@ -48,6 +51,9 @@ impl State<PodLifecycle> for Claims {
         let mut changes = claims.drivers().changes();
         loop {
             changes.mark_unchanged();
+            // The latest pod: a template's claim is named in its status,
+            // which may come after the pod was bound.
+            ctx.data.pod = ctx.latest_manifest();
             let pod = Arc::clone(&ctx.data.pod);
             let outcome = match source.resolve(&pod).await {
                 Ok(resolved) => claims.prepare_pod(&uid, &resolved).await,
@@ -66,7 +72,11 @@ impl State<PodLifecycle> for Claims {
                     let delay = backoff.next_delay();
                     tokio::select! {
                         () = tokio::time::sleep(delay) => {}
-                        _ = changes.changed() => {}
+                        _ = changes.changed() => {
+                            // A driver flapping must not turn this into a
+                            // busy loop: a short pause even then.
+                            tokio::time::sleep(delay.min(MIN_RETRY)).await;
+                        }
                     }
                 }
             }

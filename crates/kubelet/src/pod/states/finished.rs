@@ -1,5 +1,6 @@
 //! Completed and Failed: the pod is done; it stays until removed, but what
-//! it held (its admission slot, cpu and memory, its devices) is free for
+//! it held (its admission slot, cpu and memory, its devices, its resource
+//! claims) is free for
 //! other pods at once, as upstream's admission and device manager ignore
 //! terminal pods. AlreadyFinished: the API showed the pod finished when the
 //! node took it on (after a node restart): it is never run again.
@@ -27,6 +28,13 @@ async fn release_resources(ctx: &mut Context<PodLifecycle>) {
         && let Err(error) = devices.persisted().await
     {
         tracing::warn!(pod.uid = %uid, %error, "device checkpoint after the pod finished");
+    }
+    // Its resource claims too: the claim controller takes a finished pod out
+    // of a claim's reservations, and the devices may go to another claim.
+    if let Some((claims, _)) = &lifecycle.claims
+        && let Err(error) = claims.unprepare_pod(uid).await
+    {
+        tracing::warn!(pod.uid = %uid, %error, "resource claims not released yet; the node keeps trying");
     }
 }
 

@@ -87,23 +87,14 @@ impl State<PodLifecycle> for Terminating {
                 failures.push(format!("device checkpoint: {error}"));
             }
         }
-        // 3b. Resource claims this pod was the last user of are released
-        // (a driver failing for a moment is tried again with backoff; a
-        // claim still not released stays in the checkpoint and is tried
-        // again with the next release).
-        if let Some((claims, _)) = &lifecycle.claims {
-            let mut backoff = crate::retry::RetryBackoff::new(Duration::from_millis(200), Duration::from_secs(5));
-            for attempt in 1..=PROVIDER_REMOVAL_ATTEMPTS {
-                match claims.unprepare_pod(&uid).await {
-                    Ok(()) => break,
-                    Err(error) if attempt < PROVIDER_REMOVAL_ATTEMPTS => {
-                        let delay = backoff.next_delay();
-                        tracing::warn!(pod.uid = %uid, %error, attempt, retry_in = ?delay, "resource claims not released; retrying");
-                        tokio::time::sleep(delay).await;
-                    }
-                    Err(error) => failures.push(error),
-                }
-            }
+        // 3b. Resource claims this pod was the last user of are released.
+        // One that its driver does not release now stays in the checkpoint
+        // and is released in the background (when the driver is back, and
+        // periodically): a driver never holds up the pod's removal.
+        if let Some((claims, _)) = &lifecycle.claims
+            && let Err(error) = claims.unprepare_pod(&uid).await
+        {
+            tracing::warn!(pod.uid = %uid, %error, "resource claims not released yet; the node keeps trying");
         }
         // 4. What the provider keeps (a runtime's teardown can fail for a
         // moment, a CNI plugin racing the network namespace's removal:
