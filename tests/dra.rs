@@ -286,6 +286,20 @@ mod cluster {
         claims.patch_status(claim, &PatchParams::default(), &Patch::Merge(&status)).await.expect("allocate");
     }
 
+    /// A node in a cluster with the driver's instance `a` registered, and
+    /// the admin's claims and pods.
+    async fn node_with_driver(
+        api: &TestApi,
+        root: &std::path::Path,
+    ) -> (Node, CancellationToken, super::PluginProcess, Api<ResourceClaim>, Api<Pod>) {
+        let (node, shutdown) = cluster_node(api, root).await;
+        let mut gpu = driver_in_pool(root, "a", &[], &api.node, Some(&api.node_kubeconfig)).await;
+        gpu.wait_for(SOON, |r| matches!(r, Report::Notified { registered: true, .. })).await.expect("registered");
+        let claims = Api::namespaced(api.admin.clone(), "default");
+        let pods = Api::namespaced(api.admin.clone(), "default");
+        (node, shutdown, gpu, claims, pods)
+    }
+
     fn prepares_of(uid: &str) -> impl FnMut(&Report) -> bool + '_ {
         move |r| matches!(r, Report::DraPrepare { claims, .. } if claims.iter().any(|(u, _)| u == uid))
     }
@@ -313,12 +327,7 @@ mod cluster {
     async fn a_claim_is_prepared_once_shared_and_released_with_its_last_pod() {
         let api = TestApi::fake().await;
         let root = tempfile::Builder::new().prefix("rustlet-dra-").tempdir().expect("tempdir");
-        let (node, shutdown) = cluster_node(&api, root.path()).await;
-        let mut gpu = driver_in_pool(root.path(), "a", &[], &api.node, Some(&api.node_kubeconfig)).await;
-        gpu.wait_for(SOON, |r| matches!(r, Report::Notified { registered: true, .. })).await.expect("registered");
-
-        let claims: Api<ResourceClaim> = Api::namespaced(api.admin.clone(), "default");
-        let pods: Api<Pod> = Api::namespaced(api.admin.clone(), "default");
+        let (node, shutdown, mut gpu, claims, pods) = node_with_driver(&api, root.path()).await;
         let created = claims.create(&PostParams::default(), &claim("shared-gpu")).await.expect("claim");
         let claim_uid = created.metadata.uid.clone().expect("uid");
         let first = pods.create(&PostParams::default(), &pod("first", &api.node, "shared-gpu")).await.expect("pod");
@@ -472,11 +481,7 @@ mod cluster {
     async fn a_finished_pod_releases_its_claim() {
         let api = TestApi::fake().await;
         let root = tempfile::Builder::new().prefix("rustlet-dra-").tempdir().expect("tempdir");
-        let (node, shutdown) = cluster_node(&api, root.path()).await;
-        let mut gpu = driver_in_pool(root.path(), "a", &[], &api.node, Some(&api.node_kubeconfig)).await;
-        gpu.wait_for(SOON, |r| matches!(r, Report::Notified { registered: true, .. })).await.expect("registered");
-        let claims: Api<ResourceClaim> = Api::namespaced(api.admin.clone(), "default");
-        let pods: Api<Pod> = Api::namespaced(api.admin.clone(), "default");
+        let (node, shutdown, mut gpu, claims, pods) = node_with_driver(&api, root.path()).await;
         let claim_uid =
             claims.create(&PostParams::default(), &claim("job-gpu")).await.expect("claim").metadata.uid.expect("uid");
         let mut job = pod("job", &api.node, "job-gpu");

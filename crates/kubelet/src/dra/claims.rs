@@ -429,13 +429,9 @@ impl DraClaims {
     /// named): a container must not start without them.
     pub fn unprepared_claims(&self, pod: &Pod, container: &str) -> Vec<String> {
         let namespace = pod.metadata.namespace.clone().unwrap_or_default();
-        let Some(spec) = pod.spec.as_ref() else { return Vec::new() };
-        let all = spec.init_containers.iter().flatten().chain(spec.containers.iter());
-        let Some(container) = all.into_iter().find(|c| c.name == container) else { return Vec::new() };
-        let uses = container.resources.as_ref().and_then(|r| r.claims.as_ref());
         let state = self.state();
         let mut missing = Vec::new();
-        for used in uses.into_iter().flatten() {
+        for used in claims_used(pod, container) {
             match claim_name(pod, &used.name) {
                 Ok(None) => {}
                 Ok(Some(name)) => {
@@ -455,13 +451,9 @@ impl DraClaims {
     /// prepared devices serving its request.
     pub fn container_claims(&self, pod: &Pod, container: &str) -> Vec<ContainerClaim> {
         let namespace = pod.metadata.namespace.clone().unwrap_or_default();
-        let Some(spec) = pod.spec.as_ref() else { return Vec::new() };
-        let all = spec.init_containers.iter().flatten().chain(spec.containers.iter());
-        let Some(container) = all.into_iter().find(|c| c.name == container) else { return Vec::new() };
-        let uses = container.resources.as_ref().and_then(|r| r.claims.as_ref());
         let state = self.state();
         let mut out = Vec::new();
-        for used in uses.into_iter().flatten() {
+        for used in claims_used(pod, container) {
             let Ok(Some(name)) = claim_name(pod, &used.name) else { continue };
             let Some(entry) = state.values().find(|e| e.claim.namespace == namespace && e.claim.name == name) else {
                 continue;
@@ -498,6 +490,18 @@ impl DraClaims {
         }
         ids
     }
+}
+
+/// The pod's claims `container` uses (`resources.claims`).
+fn claims_used<'a>(pod: &'a Pod, container: &str) -> Vec<&'a k8s_openapi::api::core::v1::ResourceClaim> {
+    let Some(spec) = pod.spec.as_ref() else { return Vec::new() };
+    let all = spec.init_containers.iter().flatten().chain(spec.containers.iter());
+    all.into_iter()
+        .find(|c| c.name == container)
+        .and_then(|c| c.resources.as_ref())
+        .and_then(|r| r.claims.as_ref())
+        .map(|claims| claims.iter().collect())
+        .unwrap_or_default()
 }
 
 fn restore(path: &Path) -> BTreeMap<String, ClaimEntry> {
