@@ -228,45 +228,24 @@ impl DraClaims {
         let wanted: BTreeSet<&str> = claims.iter().map(|c| c.claim.uid.as_str()).collect();
         let mut failures = Vec::new();
         for driver in drivers {
-            let lock = self.driver_lock(&driver);
-            let _calls = lock.lock().await;
-            // Decided under this driver's lock: what another pod prepared
-            // meanwhile is not prepared again.
-            let batch: Vec<ClaimRef> = self
-                .state()
-                .values()
-                .filter(|e| wanted.contains(e.claim.uid.as_str()))
-                .filter(|e| e.drivers.contains(&driver) && !e.devices.contains_key(&driver))
-                .map(|e| e.claim.clone())
-                .collect();
-            if batch.is_empty() {
-                continue;
-            }
-            match self.inner.drivers.prepare(&driver, &batch).await {
-                Err(error) => failures.push(format!("NodePrepareResources: {error}")),
-                Ok(answers) => {
-                    {
-                        let mut state = self.state();
-                        for claim in &batch {
-                            match answers.get(&claim.uid) {
-                                Some(Ok(devices)) => {
-                                    if let Some(entry) = state.get_mut(&claim.uid) {
-                                        entry.devices.insert(driver.clone(), devices.clone());
-                                    }
-                                }
-                                Some(Err(reason)) => failures.push(format!(
-                                    "NodePrepareResources failed for ResourceClaim {}: {reason}",
-                                    claim.name
-                                )),
-                                None => {
-                                    failures.push(format!("NodePrepareResources skipped ResourceClaim {}", claim.name))
-                                }
-                            }
-                        }
-                    }
-                    self.persist()?;
-                }
-            }
+            let calls = self.inner.drivers.clone();
+            let name = driver.clone();
+            self.call_driver(
+                &driver,
+                "NodePrepareResources",
+                // What another pod prepared meanwhile is not prepared again.
+                |e| {
+                    wanted.contains(e.claim.uid.as_str())
+                        && e.drivers.contains(&driver)
+                        && !e.devices.contains_key(&driver)
+                },
+                |batch| async move { calls.prepare(&name, &batch).await },
+                |entry, devices| {
+                    entry.devices.insert(driver.clone(), devices);
+                },
+                &mut failures,
+            )
+            .await?;
         }
         {
             let mut state = self.state();
@@ -377,51 +356,94 @@ impl DraClaims {
         };
         let mut failures = Vec::new();
         for driver in drivers {
-            let lock = self.driver_lock(&driver);
-            let _calls = lock.lock().await;
-            // Decided under the driver's lock: a pod that took the claim
-            // again meanwhile keeps it.
-            let batch: Vec<ClaimRef> = self
-                .state()
-                .values()
-                .filter(|e| uids.contains(&e.claim.uid) && e.pods.is_empty() && e.drivers.contains(&driver))
-                .map(|e| e.claim.clone())
-                .collect();
-            if batch.is_empty() {
-                continue;
-            }
-            match self.inner.drivers.unprepare(&driver, &batch).await {
-                Err(error) => failures.push(format!("NodeUnprepareResources: {error}")),
-                Ok(answers) => {
+            let calls = self.inner.drivers.clone();
+            let name = driver.clone();
+            let released = self
+                .call_driver(
+                    &driver,
+                    "NodeUnprepareResources",
+                    // A pod that took the claim again meanwhile keeps it.
+                    |e| uids.contains(&e.claim.uid) && e.pods.is_empty() && e.drivers.contains(&driver),
+                    |batch| async move { calls.unprepare(&name, &batch).await },
+                    |entry, ()| {
+                        entry.devices.remove(&driver);
+                        entry.drivers.remove(&driver);
+                        entry.prepared = false;
+                    },
+                    &mut failures,
+                )
+                .await?;
+            // Released by every driver and used by no pod: forgotten.
+            let forgotten = {
+                let mut state = self.state();
+                let mut forgotten = false;
+                for uid in released {
+                    if state.get(&uid).is_some_and(|e| e.drivers.is_empty() && e.pods.is_empty())
+                        && let Some(entry) = state.remove(&uid)
                     {
-                        let mut state = self.state();
-                        for claim in &batch {
-                            match answers.get(&claim.uid) {
-                                Some(Ok(())) => {
-                                    if let Some(entry) = state.get_mut(&claim.uid) {
-                                        entry.devices.remove(&driver);
-                                        entry.drivers.remove(&driver);
-                                        entry.prepared = false;
-                                        if entry.drivers.is_empty() && entry.pods.is_empty() {
-                                            tracing::info!(claim = %format!("{}/{}", claim.namespace, claim.name), claim.uid = %claim.uid, "resource claim released");
-                                            state.remove(&claim.uid);
-                                        }
-                                    }
-                                }
-                                Some(Err(reason)) => failures.push(format!(
-                                    "NodeUnprepareResources failed for ResourceClaim {}: {reason}",
-                                    claim.name
-                                )),
-                                None => failures
-                                    .push(format!("NodeUnprepareResources skipped ResourceClaim {}", claim.name)),
-                            }
-                        }
+                        tracing::info!(claim = %format!("{}/{}", entry.claim.namespace, entry.claim.name), claim.uid = %uid, "resource claim released");
+                        forgotten = true;
                     }
-                    self.persist()?;
                 }
+                forgotten
+            };
+            if forgotten {
+                self.persist()?;
             }
         }
         if failures.is_empty() { Ok(()) } else { Err(format!("unprepare dynamic resources: {}", failures.join("; "))) }
+    }
+
+    /// One call to `driver` (`rpc`) for the claims `pick` chooses, decided
+    /// under the driver's lock; `apply` records each claim the driver
+    /// answered for, every other outcome is a failure naming its claim. The
+    /// checkpoint is written after the answers; returns the UIDs answered
+    /// for.
+    async fn call_driver<T, Fut>(
+        &self,
+        driver: &str,
+        rpc: &str,
+        pick: impl Fn(&ClaimEntry) -> bool,
+        call: impl FnOnce(Vec<ClaimRef>) -> Fut,
+        mut apply: impl FnMut(&mut ClaimEntry, T),
+        failures: &mut Vec<String>,
+    ) -> Result<Vec<String>, String>
+    where
+        Fut: std::future::Future<Output = Result<BTreeMap<String, Result<T, String>>, super::DraError>>,
+    {
+        let lock = self.driver_lock(driver);
+        let _calls = lock.lock().await;
+        let batch: Vec<ClaimRef> = self.state().values().filter(|e| pick(e)).map(|e| e.claim.clone()).collect();
+        if batch.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut answers = match call(batch.clone()).await {
+            Ok(answers) => answers,
+            Err(error) => {
+                failures.push(format!("{rpc}: {error}"));
+                return Ok(Vec::new());
+            }
+        };
+        let mut done = Vec::new();
+        {
+            let mut state = self.state();
+            for claim in &batch {
+                match answers.remove(&claim.uid) {
+                    Some(Ok(value)) => {
+                        if let Some(entry) = state.get_mut(&claim.uid) {
+                            apply(entry, value);
+                            done.push(claim.uid.clone());
+                        }
+                    }
+                    Some(Err(reason)) => {
+                        failures.push(format!("{rpc} failed for ResourceClaim {}: {reason}", claim.name))
+                    }
+                    None => failures.push(format!("{rpc} skipped ResourceClaim {}", claim.name)),
+                }
+            }
+        }
+        self.persist()?;
+        Ok(done)
     }
 
     /// The claims `container` of `pod` uses that are not prepared on the
