@@ -300,8 +300,9 @@ mod cluster {
         (node, shutdown, gpu, claims, pods)
     }
 
+    /// The driver's report of preparing `uid` (its refusals skipped).
     fn prepares_of(uid: &str) -> impl FnMut(&Report) -> bool + '_ {
-        move |r| matches!(r, Report::DraPrepare { claims, .. } if claims.iter().any(|(u, _)| u == uid))
+        move |r| matches!(r, Report::DraPrepare { claims, .. } if claims.iter().any(|(u, d)| u == uid && d.is_ok()))
     }
 
     async fn pod_resources(
@@ -342,6 +343,23 @@ mod cluster {
             .await
             .expect("pod");
         assert_eq!(waiting.status.as_ref().and_then(|s| s.phase.as_deref()), Some("Pending"));
+
+        // Reserved, but allocated in a pool this driver does not serve
+        // here: the driver refuses it, and the pod shows the driver's word.
+        let reserved = json!({"status": {
+            "allocation": {"devices": {"results": [
+                {"request": "gpu", "driver": DRIVER, "pool": "another-node", "device": "dev-0"},
+            ]}},
+            "reservedFor": [{"resource": "pods", "name": "first", "uid": first.metadata.uid}],
+        }});
+        claims.patch_status("shared-gpu", &PatchParams::default(), &Patch::Merge(&reserved)).await.expect("patch");
+        api.wait_for(&pods, "first", "the driver's refusal", SOON, |p| {
+            let message = message(p);
+            message.contains("NodePrepareResources failed for ResourceClaim shared-gpu")
+                && message.contains("has no device of driver gpu.dra.example.com allocated in pool n1")
+        })
+        .await
+        .expect("pod");
 
         // The driver prepares the device allocated (not its first).
         allocate(&claims, "shared-gpu", "dev-2", &[&first], &api.node).await;

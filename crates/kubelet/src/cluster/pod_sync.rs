@@ -587,6 +587,11 @@ enum Write {
 enum WriteError {
     /// The pod is gone (or replaced by a pod of the same name): forget it.
     Gone,
+    /// The API lost the pod while the node still runs (or stops) it: a
+    /// status write found it deleted before the watch said so. Stop it at
+    /// once, as when the watch reports it gone: the watch's word will find
+    /// it forgotten already.
+    Vanished,
     /// Someone else's pod holds the mirror pod's name: look again later
     /// (that pod may be bound to another node, where no watch of this
     /// node's pods sees it go).
@@ -648,6 +653,11 @@ impl Writer {
                 }
                 Err(WriteError::Gone) => {
                     table.remove(&uid);
+                }
+                Err(WriteError::Vanished) => {
+                    table.remove(&uid);
+                    tracing::info!(pod.uid = %uid, "pod no longer in the API; stopping it at once");
+                    self.pods.remove_now(&uid);
                 }
                 Err(WriteError::Blocked) => {
                     let Some(known) = table.get_mut(&uid) else { continue };
@@ -754,8 +764,11 @@ impl Writer {
                 }
                 // Gone, or another pod of that name now.
                 Err(error) if is_code(&error, 404) || is_code(&error, 409) && known.mirror.is_none() => {
-                    if known.deleting || is_code(&error, 404) {
+                    if known.mirror.is_some() {
+                        // A static pod's mirror: the static pod runs on.
                         Err(WriteError::Gone)
+                    } else if known.deleting || is_code(&error, 404) {
+                        Err(WriteError::Vanished)
                     } else {
                         Err(WriteError::Retry(error))
                     }

@@ -605,6 +605,38 @@ mod tests {
         list.iter().map(|v| (*v).to_owned()).collect()
     }
 
+    fn plugin(endpoint: &str, offered: &[&str]) -> PluginInfo {
+        PluginInfo {
+            plugin_type: crate::plugin_manager::PluginType::Dra,
+            name: "gpu.example.com".into(),
+            endpoint: endpoint.into(),
+            supported_versions: versions(offered),
+            socket_path: PathBuf::from("/r/plugins_registry/gpu-reg.sock"),
+        }
+    }
+
+    #[tokio::test]
+    async fn an_empty_version_list_and_a_second_registration_of_an_endpoint_are_refused() {
+        let drivers = DraDrivers::new(DraConfig::default(), CancellationToken::new());
+        let empty = drivers.check_new(&plugin("/r/dra-a.sock", &[])).expect_err("no versions");
+        assert_eq!(
+            empty.to_string(),
+            "invalid supported gRPC versions of DRA driver plugin gpu.example.com at endpoint /r/dra-a.sock: empty list of supported gRPC services (aka supported versions)"
+        );
+        drivers.insert(&plugin("/r/dra-a.sock", &["v1.DRAPlugin"])).expect("first");
+        let twice = drivers.insert(&plugin("/r/dra-a.sock", &["v1.DRAPlugin"])).expect_err("same endpoint");
+        assert_eq!(
+            twice.to_string(),
+            "endpoint /r/dra-a.sock already registered for DRA driver plugin gpu.example.com"
+        );
+        drivers.insert(&plugin("/r/dra-b.sock", &["v1beta1.DRAPlugin"])).expect("another instance");
+        let listed = drivers.list();
+        assert_eq!(listed.len(), 2);
+        assert!(listed[0].registered < listed[1].registered, "{listed:?}");
+        drivers.remove("gpu.example.com", "/r/dra-a.sock");
+        assert_eq!(drivers.list().len(), 1, "the other instance stays");
+    }
+
     #[test]
     fn the_plugins_first_served_version_is_chosen() {
         assert_eq!(DraVersion::choose(&versions(&["v1beta1.DRAPlugin", "v1.DRAPlugin"])), Some(DraVersion::V1beta1));
