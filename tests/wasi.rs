@@ -47,15 +47,23 @@ fn fast_backoff() -> BackoffConfig {
 
 /// A node running the wasi provider, with `gpus` fake devices.
 async fn wasm_node(gpus: u64) -> WasmNode {
+    wasm_node_with(gpus, Allocatable { cpu_milli: 4000, memory: 8 << 30, pods: 500 }, None).await
+}
+
+/// A node running the wasi provider, with `gpus` fake devices, offering
+/// `allocatable`, its provider seeing `max_map_count` (None: the kernel's).
+async fn wasm_node_with(gpus: u64, allocatable: Allocatable, max_map_count: Option<u64>) -> WasmNode {
     let root = tempfile::Builder::new().prefix("rustlet-wasi-").tempdir().expect("tempdir");
     let shutdown = CancellationToken::new();
     let device_dir = root.path().join("device-plugins");
     let devices = DeviceManager::start(DeviceManagerConfig::new(&device_dir), shutdown.clone()).expect("devices");
     let plugin = if gpus > 0 { Some(gpu_plugin(&devices, &device_dir, GPU, gpus).await) } else { None };
-    let mut config = PodConfig::new(root.path(), Allocatable { cpu_milli: 4000, memory: 8 << 30, pods: 500 });
+    let mut config = PodConfig::new(root.path(), allocatable);
     config.restart_backoff = fast_backoff();
     config.image_backoff = fast_backoff();
-    let provider = Arc::new(WasiProvider::new(WasiConfig::new(root.path())).expect("wasi provider"));
+    let mut wasi = WasiConfig::new(root.path());
+    wasi.max_map_count = max_map_count;
+    let provider = Arc::new(WasiProvider::new(wasi).expect("wasi provider"));
     let dyn_provider: Arc<dyn Provider> = provider.clone();
     let lifecycle = PodLifecycle::new(config, Some(dyn_provider), Some(devices.clone()));
     let pods = Pods::start(lifecycle, shutdown.clone()).await;
@@ -263,6 +271,92 @@ async fn a_module_over_its_memory_limit_is_oom_killed() {
     let done = node.wait_pod("uid-hog", "Failed", |p| phase(p) == Some("Failed")).await;
     assert_eq!(container_state(&done).1, Some((137, Some("OOMKilled".into()))));
     assert!(node.log("hog", "uid-hog", "main", 0).contains("allocating"));
+}
+
+#[tokio::test]
+async fn a_module_that_cannot_be_instantiated_fails_alone_and_the_node_runs_on() {
+    let node = wasm_node(0).await;
+    node.import_examples();
+    node.pods.apply(simple_pod("before", "uid-before", "example.com/wasm/sleep:v1", "Always"));
+    node.wait_pod("uid-before", "Running", |p| phase(p) == Some("Running")).await;
+    node.pods.apply(pod(serde_json::json!({
+        "metadata": {"name": "greedy", "namespace": "default", "uid": "uid-greedy"},
+        "spec": {
+            "restartPolicy": "Never",
+            "containers": [{"name": "main", "image": "example.com/wasm/greedy:v1", "resources": {"limits": {"memory": "16Mi"}}}]
+        }
+    })));
+    let failed = node.wait_pod("uid-greedy", "Failed", |p| phase(p) == Some("Failed")).await;
+    let (_, terminated, message) = container_state(&failed);
+    assert_eq!(terminated, Some((137, Some("OOMKilled".into()))));
+    assert_eq!(
+        message.as_deref(),
+        Some(
+            "the module cannot start: it declares 67108864 bytes of linear memory, over its memory limit of 16777216 bytes"
+        )
+    );
+    // The node runs on: the pod before it still runs, and a new one starts.
+    assert_eq!(node.pods.store().get("uid-before").as_ref().and_then(phase), Some("Running"));
+    node.pods.apply(simple_pod("after", "uid-after", "example.com/wasm/sleep:v1", "Always"));
+    node.wait_pod("uid-after", "Running", |p| phase(p) == Some("Running")).await;
+}
+
+/// The pod's rejection: (phase, reason, message).
+fn rejection(pod: &Pod) -> (Option<&str>, Option<&str>, Option<&str>) {
+    let status = pod.status.as_ref();
+    (phase(pod), status.and_then(|s| s.reason.as_deref()), status.and_then(|s| s.message.as_deref()))
+}
+
+#[tokio::test]
+async fn a_node_at_its_mapping_ceiling_refuses_the_next_pod_as_out_of_pods() {
+    // A kernel allowing the node's own mappings and two pods' worth.
+    let max_map_count = rustlet_wasi::RESERVED_MAPPINGS + 2 * rustlet_wasi::MAPPINGS_PER_POD;
+    let allocatable = Allocatable { cpu_milli: 4000, memory: 8 << 30, pods: 500 };
+    let node = wasm_node_with(0, allocatable, Some(max_map_count)).await;
+    assert_eq!(node.provider.pod_ceiling().map(|c| c.0), Some(2));
+    node.import_examples();
+    for i in 0..2 {
+        node.pods.apply(simple_pod(&format!("p{i}"), &format!("uid-p{i}"), "example.com/wasm/sleep:v1", "Always"));
+        node.wait_pod(&format!("uid-p{i}"), "Running", |p| phase(p) == Some("Running")).await;
+    }
+    node.pods.apply(simple_pod("p2", "uid-p2", "example.com/wasm/sleep:v1", "Always"));
+    let refused = node.wait_pod("uid-p2", "rejected", |p| phase(p) == Some("Failed")).await;
+    assert_eq!(
+        rejection(&refused),
+        (
+            Some("Failed"),
+            Some("OutOfpods"),
+            Some("Pod was rejected: Node didn't have enough resource: pods, requested: 1, used: 2, capacity: 2")
+        )
+    );
+    // A pod gone makes room for the next.
+    node.pods.delete("uid-p0");
+    node.wait_gone("uid-p0").await;
+    node.pods.apply(simple_pod("p3", "uid-p3", "example.com/wasm/sleep:v1", "Always"));
+    node.wait_pod("uid-p3", "Running", |p| phase(p) == Some("Running")).await;
+}
+
+#[tokio::test]
+async fn admission_counts_each_instances_memory_beside_the_pods_limit() {
+    let overhead = rustlet_wasi::INSTANCE_OVERHEAD;
+    // Room for a 16 MiB pod and one more instance, with its overhead.
+    let allocatable = Allocatable { cpu_milli: 4000, memory: (16 << 20) + 2 * overhead, pods: 500 };
+    let node = wasm_node_with(0, allocatable, None).await;
+    node.import_examples();
+    node.pods.apply(pod(serde_json::json!({
+        "metadata": {"name": "sized", "namespace": "default", "uid": "uid-sized"},
+        "spec": {"containers": [{"name": "main", "image": "example.com/wasm/sleep:v1", "resources": {"limits": {"memory": "16Mi"}}}]}
+    })));
+    node.wait_pod("uid-sized", "Running", |p| phase(p) == Some("Running")).await;
+    node.pods.apply(simple_pod("small", "uid-small", "example.com/wasm/sleep:v1", "Always"));
+    node.wait_pod("uid-small", "Running", |p| phase(p) == Some("Running")).await;
+    node.pods.apply(simple_pod("one-more", "uid-one-more", "example.com/wasm/sleep:v1", "Always"));
+    let refused = node.wait_pod("uid-one-more", "rejected", |p| phase(p) == Some("Failed")).await;
+    let used = (16 << 20) + 2 * overhead;
+    let expected = format!(
+        "Pod was rejected: Node didn't have enough resource: memory, requested: {overhead}, used: {used}, capacity: {used}"
+    );
+    assert_eq!(rejection(&refused), (Some("Failed"), Some("OutOfmemory"), Some(expected.as_str())));
 }
 
 #[tokio::test]

@@ -428,6 +428,23 @@ pub trait Provider: Send + Sync + 'static {
     fn node_taints(&self) -> Vec<k8s_openapi::api::core::v1::Taint> {
         Vec::new()
     }
+
+    /// Memory, in bytes, that running `pod` costs beyond what its
+    /// containers request (as a RuntimeClass's `overhead`): admission adds
+    /// it to the pod's memory request. The WebAssembly provider runs
+    /// modules inside the node, so each instance's stack and bookkeeping
+    /// count here.
+    fn pod_overhead(&self, pod: &Pod) -> u128 {
+        let _ = pod;
+        0
+    }
+
+    /// The most pods this provider can run in the node's process, from the
+    /// process's own limits (memory mappings, address space), and why; the
+    /// node admits no more than that, whatever `--max-pods` says.
+    fn pod_ceiling(&self) -> Option<(usize, String)> {
+        None
+    }
 }
 
 /// One line of container output in the CRI log format:

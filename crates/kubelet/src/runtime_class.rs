@@ -295,6 +295,15 @@ impl Provider for RuntimeClasses {
     fn node_taints(&self) -> Vec<Taint> {
         self.default.node_taints()
     }
+
+    fn pod_overhead(&self, pod: &Pod) -> u128 {
+        self.provider_for(pod).map(|p| p.pod_overhead(pod)).unwrap_or(0)
+    }
+
+    fn pod_ceiling(&self) -> Option<(usize, String)> {
+        // All providers share the node's process: the lowest ceiling holds.
+        std::iter::once(&self.default).chain(self.handlers.values()).filter_map(|p| p.pod_ceiling()).min_by_key(|c| c.0)
+    }
 }
 
 #[cfg(test)]

@@ -14,6 +14,7 @@
 //! | `exit3` | prints `exiting with 3` on stderr, exits 3 |
 //! | `trap` | prints `about to trap`, executes `unreachable` |
 //! | `hog` | prints `allocating`, grows its memory until refused, then traps |
+//! | `greedy` | declares 64 MiB of memory at start (1,024 pages), then returns: under a smaller memory limit it cannot be instantiated |
 //! | `component-ok` / `component-err` | preview 2 components whose `wasi:cli/run` returns ok / err |
 
 /// WASI imports, memory and the helpers every module shares.
@@ -210,6 +211,7 @@ pub fn text(name: &str) -> Option<String> {
     unreachable)
 "#,
         ),
+        "greedy" => r#"(module (memory (export "memory") 1024) (func (export "_start")))"#.to_owned(),
         "component-ok" | "component-err" => {
             let result = if name == "component-ok" { 0 } else { 1 };
             format!(
@@ -233,8 +235,20 @@ pub fn binary(name: &str) -> Result<Vec<u8>, String> {
 }
 
 /// Every example's name.
-pub const NAMES: &[&str] =
-    &["hello", "sleep", "wait", "check", "talk", "spin", "exit3", "trap", "hog", "component-ok", "component-err"];
+pub const NAMES: &[&str] = &[
+    "hello",
+    "sleep",
+    "wait",
+    "check",
+    "talk",
+    "spin",
+    "exit3",
+    "trap",
+    "hog",
+    "greedy",
+    "component-ok",
+    "component-err",
+];
 
 #[cfg(test)]
 mod tests {

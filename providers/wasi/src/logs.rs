@@ -2,11 +2,17 @@
 //! file (`<time> <stream> F <line>`), written as the module writes: a line
 //! is in the file once the module wrote its newline, and a last line with
 //! no newline is written when the module ends.
+//!
+//! Open files are bounded: the first [`open_log_budget`] logs keep their
+//! file open; the others open it for each write and close it again, so
+//! tens of thousands of idle containers hold no file descriptors (the
+//! process's limit is often 20,000 or less, and cannot always be raised).
 
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
@@ -17,10 +23,67 @@ use wasmtime_wasi::p2::{OutputStream, Pollable, StreamResult};
 /// entries, as the CRI runtimes do (16 KiB).
 const MAX_LINE: usize = 16 * 1024;
 
+/// Log files held open now, across all containers.
+static OPEN_LOGS: AtomicUsize = AtomicUsize::new(0);
+
+/// How many log files stay open between writes: a quarter of the
+/// process's open-file limit, at most 4,096.
+pub fn open_log_budget() -> usize {
+    static BUDGET: OnceLock<usize> = OnceLock::new();
+    *BUDGET.get_or_init(|| {
+        let soft = rlimit::getrlimit(rlimit::Resource::NOFILE).map_or(1024, |(soft, _)| soft);
+        usize::try_from(soft / 4).unwrap_or(usize::MAX).min(4096)
+    })
+}
+
+/// Log files held open between writes now.
+pub fn open_logs() -> usize {
+    OPEN_LOGS.load(Ordering::Relaxed)
+}
+
 struct Inner {
-    file: std::fs::File,
+    path: PathBuf,
+    /// Kept open while within the budget (counted in `OPEN_LOGS`).
+    file: Option<std::fs::File>,
     partial: [Vec<u8>; 2],
     broken: bool,
+    /// An open failure was logged already.
+    warned: bool,
+}
+
+impl Inner {
+    fn append(&mut self, bytes: &[u8]) {
+        if self.broken {
+            return;
+        }
+        let written = match &mut self.file {
+            Some(file) => file.write_all(bytes),
+            None => match std::fs::OpenOptions::new().append(true).open(&self.path) {
+                Ok(mut file) => file.write_all(bytes),
+                Err(error) => {
+                    // Out of descriptors, for one: this output is lost, the
+                    // next may go through.
+                    if !self.warned {
+                        self.warned = true;
+                        tracing::warn!(path = %self.path.display(), %error, "a container log file cannot be opened; output is dropped until it can");
+                    }
+                    return;
+                }
+            },
+        };
+        if written.is_err() {
+            self.broken = true;
+            tracing::warn!("a container log file cannot be written; its output is dropped");
+        }
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        if self.file.take().is_some() {
+            OPEN_LOGS.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
 }
 
 /// Output as the module writes it, for attached clients: whether it is
@@ -31,21 +94,46 @@ pub type Attached = (bool, Bytes);
 #[derive(Clone)]
 pub struct CriLog {
     inner: Arc<Mutex<Inner>>,
-    attached: tokio::sync::broadcast::Sender<Attached>,
+    /// Made at the first attach (256 slots of memory per container
+    /// otherwise).
+    attached: Arc<OnceLock<tokio::sync::broadcast::Sender<Attached>>>,
 }
 
 impl CriLog {
     /// Appends to `path`.
     pub fn open(path: &Path) -> std::io::Result<CriLog> {
-        let file = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
-        let inner = Arc::new(Mutex::new(Inner { file, partial: [Vec::new(), Vec::new()], broken: false }));
-        Ok(CriLog { inner, attached: tokio::sync::broadcast::channel(256).0 })
+        let keep = OPEN_LOGS
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| (n < open_log_budget()).then_some(n + 1))
+            .is_ok();
+        CriLog::open_kept(path, keep)
+    }
+
+    /// Appends to `path`, keeping it open if `keep` (counted in
+    /// `OPEN_LOGS` already).
+    fn open_kept(path: &Path, keep: bool) -> std::io::Result<CriLog> {
+        let file = match std::fs::OpenOptions::new().create(true).append(true).open(path) {
+            Ok(file) => file,
+            Err(error) => {
+                if keep {
+                    OPEN_LOGS.fetch_sub(1, Ordering::Relaxed);
+                }
+                return Err(error);
+            }
+        };
+        let inner = Inner {
+            path: path.to_owned(),
+            file: keep.then_some(file),
+            partial: [Vec::new(), Vec::new()],
+            broken: false,
+            warned: false,
+        };
+        Ok(CriLog { inner: Arc::new(Mutex::new(inner)), attached: Arc::default() })
     }
 
     /// What the module writes from now on (`kubectl attach`). A client
     /// that falls 256 writes behind misses some (it is told it lagged).
     pub fn attach(&self) -> tokio::sync::broadcast::Receiver<Attached> {
-        self.attached.subscribe()
+        self.attached.get_or_init(|| tokio::sync::broadcast::channel(256).0).subscribe()
     }
 
     /// A WASI output stream for `stream` (`stdout` or `stderr`).
@@ -55,8 +143,10 @@ impl CriLog {
 
     fn write(&self, stream: &'static str, mut bytes: &[u8]) {
         let index = usize::from(stream == "stderr");
-        if self.attached.receiver_count() > 0 {
-            let _ = self.attached.send((index == 1, Bytes::copy_from_slice(bytes)));
+        if let Some(attached) = self.attached.get()
+            && attached.receiver_count() > 0
+        {
+            let _ = attached.send((index == 1, Bytes::copy_from_slice(bytes)));
         }
         let mut inner = self.inner.lock().expect("lock");
         let mut out = Vec::new();
@@ -77,9 +167,8 @@ impl CriLog {
                 out.extend_from_slice(entry(stream, "F", &line).as_bytes());
             }
         }
-        if !out.is_empty() && !inner.broken && inner.file.write_all(&out).is_err() {
-            inner.broken = true;
-            tracing::warn!("a container log file cannot be written; its output is dropped");
+        if !out.is_empty() {
+            inner.append(&out);
         }
     }
 
@@ -93,8 +182,8 @@ impl CriLog {
                 out.push_str(&entry(stream, "F", &line));
             }
         }
-        if !out.is_empty() && !inner.broken {
-            let _ = inner.file.write_all(out.as_bytes());
+        if !out.is_empty() {
+            inner.append(out.as_bytes());
         }
     }
 }
@@ -166,6 +255,23 @@ impl tokio::io::AsyncWrite for CriStream {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_log_past_the_open_file_budget_opens_its_file_for_each_write() -> std::io::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("c.log");
+        let log = CriLog::open_kept(&path, false)?;
+        assert!(log.inner.lock().expect("lock").file.is_none(), "no descriptor held between writes");
+        let mut out = log.stream("stdout");
+        let mut err = log.stream("stderr");
+        OutputStream::write(&mut out, Bytes::from_static(b"one\ntw")).expect("write");
+        OutputStream::write(&mut err, Bytes::from_static(b"oops\n")).expect("write");
+        OutputStream::write(&mut out, Bytes::from_static(b"o\n")).expect("write");
+        let text = std::fs::read_to_string(&path)?;
+        let lines: Vec<&str> = text.lines().map(|l| l.split_once(' ').map_or(l, |(_, rest)| rest)).collect();
+        assert_eq!(lines, ["stdout F one", "stderr F oops", "stdout F two"]);
+        Ok(())
+    }
 
     #[test]
     fn lines_become_cri_entries() -> std::io::Result<()> {

@@ -110,6 +110,8 @@ pub struct RunSpec {
 pub struct MemLimiter {
     max: Option<usize>,
     hit: bool,
+    /// The first size refused: (asked for, limit, whether at creation).
+    refused: Option<(usize, usize, bool)>,
     meter: Arc<AtomicU64>,
     counted: u64,
 }
@@ -125,6 +127,7 @@ impl wasmtime::ResourceLimiter for MemLimiter {
         match self.max {
             Some(max) if desired > max => {
                 self.hit = true;
+                self.refused.get_or_insert((desired, max, current == 0));
                 Ok(false)
             }
             _ => {
@@ -161,6 +164,27 @@ impl WasiView for P2State {
     }
 }
 
+/// How the engine lays out each instance's linear memory and async stack.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// wasmtime's defaults, for a few large instances: 4 GiB of address
+    /// space and guard regions per linear memory (no bounds checks), a
+    /// copy-on-write image of the module's data, one mapping with a guard
+    /// page per async stack. About 6 mappings per idle instance.
+    WasmtimeDefaults,
+    /// For many small instances ([`crate::dense`]): one mapping per linear
+    /// memory, sized to it, with bounds checks in compiled code; async
+    /// stacks cut from shared slabs. About 1 mapping per idle instance.
+    Dense,
+}
+
+/// Stack depth compiled wasm code may use (wasmtime's default).
+pub const MAX_WASM_STACK: usize = 512 << 10;
+/// Each async stack: wasm's share plus room for host calls (WASI) made
+/// from it (wasmtime's default size). Only the pages a module touches
+/// cost memory.
+pub const ASYNC_STACK: usize = 2 << 20;
+
 /// The engine, the linkers and the compiled-module cache.
 pub struct Runtime {
     engine: Engine,
@@ -169,6 +193,7 @@ pub struct Runtime {
     compiled: Mutex<HashMap<String, Arc<OnceCell<Compiled>>>>,
     compilations: std::sync::atomic::AtomicU64,
     ticker_stop: Arc<AtomicBool>,
+    stacks: Option<Arc<crate::dense::SlabStacks>>,
 }
 
 impl Drop for Runtime {
@@ -178,10 +203,33 @@ impl Drop for Runtime {
 }
 
 impl Runtime {
-    /// A runtime with its epoch ticker running.
+    /// A runtime with its epoch ticker running, laid out for many small
+    /// instances ([`Layout::Dense`]).
     pub fn new() -> Result<Runtime, String> {
+        Runtime::with_layout(Layout::Dense)
+    }
+
+    /// A runtime with its epoch ticker running, laid out as `layout` says.
+    pub fn with_layout(layout: Layout) -> Result<Runtime, String> {
         let mut config = Config::new();
         config.epoch_interruption(true);
+        config.max_wasm_stack(MAX_WASM_STACK);
+        config.async_stack_size(ASYNC_STACK);
+        let stacks = match layout {
+            Layout::WasmtimeDefaults => None,
+            Layout::Dense => {
+                let stacks = Arc::new(crate::dense::SlabStacks::default());
+                config
+                    .memory_reservation(0)
+                    .memory_reservation_for_growth(0)
+                    .memory_guard_size(0)
+                    .guard_before_linear_memory(false)
+                    .memory_init_cow(false)
+                    .with_host_memory(Arc::new(crate::dense::DenseMemories))
+                    .with_host_stack(stacks.clone());
+                Some(stacks)
+            }
+        };
         let engine = Engine::new(&config).map_err(|e| format!("wasmtime engine: {e}"))?;
         let mut p1 = Linker::new(&engine);
         wasmtime_wasi::p1::add_to_linker_async(&mut p1, |s: &mut P1State| &mut s.wasi)
@@ -210,7 +258,14 @@ impl Runtime {
             compiled: Mutex::new(HashMap::new()),
             compilations: std::sync::atomic::AtomicU64::new(0),
             ticker_stop,
+            stacks,
         })
+    }
+
+    /// Slabs of async stacks mapped so far, and stacks in use now (zeroes
+    /// with [`Layout::WasmtimeDefaults`]).
+    pub fn stack_counts(&self) -> (usize, usize) {
+        self.stacks.as_ref().map_or((0, 0), |s| s.counts())
     }
 
     /// How many modules were compiled so far (a second pod of one image
@@ -308,6 +363,7 @@ impl Runtime {
         let limiter = MemLimiter {
             max: spec.memory_limit.map(|m| m.min(usize::MAX as u64) as usize),
             hit: false,
+            refused: None,
             meter: spec.memory.clone(),
             counted: 0,
         };
@@ -325,7 +381,7 @@ impl Runtime {
                     spec.cpu.clone(),
                 )
                 .await;
-                outcome(result.map(|()| 0), store.data().limiter.hit)
+                outcome(result.map(|()| 0), &store.data().limiter)
             }
             Compiled::Component(pre) => {
                 let state = P2State { ctx: builder.build(), table: ResourceTable::new(), limiter };
@@ -339,7 +395,7 @@ impl Runtime {
                     spec.cpu.clone(),
                 )
                 .await;
-                outcome(result.map(|r| if r.is_ok() { 0 } else { 1 }), store.data().limiter.hit)
+                outcome(result.map(|r| if r.is_ok() { 0 } else { 1 }), &store.data().limiter)
             }
         };
         if let Output::Log(log) = &spec.output {
@@ -367,8 +423,20 @@ pub(crate) fn ended(exit_code: i32, reason: Option<&str>, message: Option<String
     ContainerExit { exit_code, reason: reason.map(str::to_owned), message, finished_at: jiff::Timestamp::now() }
 }
 
-fn outcome(result: wasmtime::Result<i32>, memory_limit_hit: bool) -> ContainerExit {
-    let oom = || ended(OOM_EXIT_CODE, Some("OOMKilled"), Some("the module went over its memory limit".into()));
+fn outcome(result: wasmtime::Result<i32>, limiter: &MemLimiter) -> ContainerExit {
+    let memory_limit_hit = limiter.hit;
+    let oom = || {
+        let message = match limiter.refused {
+            Some((asked, limit, true)) => format!(
+                "the module cannot start: it declares {asked} bytes of linear memory, over its memory limit of {limit} bytes"
+            ),
+            Some((asked, limit, false)) => {
+                format!("the module went over its memory limit: it asked for {asked} bytes, the limit is {limit}")
+            }
+            None => "the module went over its memory limit".into(),
+        };
+        ended(OOM_EXIT_CODE, Some("OOMKilled"), Some(message))
+    };
     match result {
         Ok(code) if memory_limit_hit && code != 0 => oom(),
         Ok(code) => ended(code, None, None),

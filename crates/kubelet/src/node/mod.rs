@@ -315,7 +315,20 @@ impl NodeBuilder {
         healthz.add("plugin-manager", plugins.health());
         supervise(&tasks, &healthz, "plugin-manager-task", manager_task, shutdown.clone());
 
-        let allocatable = config.pods.allocatable.unwrap_or_else(|| measure(config.pods.max_pods));
+        let mut allocatable = config.pods.allocatable.unwrap_or_else(|| measure(config.pods.max_pods));
+        if let Some((ceiling, why)) = provider.as_ref().and_then(|p| p.pod_ceiling()) {
+            if ceiling < allocatable.pods {
+                tracing::warn!(
+                    max_pods = allocatable.pods,
+                    ceiling,
+                    reason = %why,
+                    "the node's process holds fewer pods than --max-pods: allocatable pods lowered"
+                );
+                allocatable.pods = ceiling;
+            } else {
+                tracing::info!(ceiling, reason = %why, "pods the node's process can hold");
+            }
+        }
         let mut pod_config = PodConfig::new(&root_dir, allocatable);
         pod_config.restart_backoff = config.pods.restart_backoff;
         pod_config.image_backoff = config.pods.image_backoff;

@@ -46,7 +46,16 @@ impl Rejection {
 /// The pods the node has admitted, with their requests.
 #[derive(Debug, Default)]
 pub struct AdmittedPods {
-    pods: Mutex<BTreeMap<String, PodRequests>>,
+    pods: Mutex<Admitted>,
+}
+
+/// The admitted pods and the sums of their requests (kept as pods come and
+/// go, so that admitting one costs the same with 50,000 admitted as with 1).
+#[derive(Debug, Default)]
+struct Admitted {
+    requests: BTreeMap<String, PodRequests>,
+    cpu_milli: u128,
+    memory: u128,
 }
 
 impl AdmittedPods {
@@ -63,21 +72,23 @@ impl AdmittedPods {
         allocatable: Allocatable,
         devices: &Capacities,
         held: impl Fn(&str, &str) -> usize,
+        overhead: u128,
     ) -> Result<(), Rejection> {
-        let requests = pod_requests(pod)
+        let mut requests = pod_requests(pod)
             .map_err(|e| Rejection { reason: "InvalidPod".into(), message: format!("resource requests: {e}") })?;
+        requests.memory = requests.memory.saturating_add(overhead);
         let mut pods = self.pods.lock().unwrap_or_else(|p| p.into_inner());
-        if pods.contains_key(uid) {
+        if pods.requests.contains_key(uid) {
             return Ok(());
         }
-        if pods.len() >= allocatable.pods {
-            return Err(Rejection::out_of("pods", 1, pods.len() as u128, allocatable.pods as u128));
+        if pods.requests.len() >= allocatable.pods {
+            return Err(Rejection::out_of("pods", 1, pods.requests.len() as u128, allocatable.pods as u128));
         }
-        let used_cpu: u128 = pods.values().map(|r| r.cpu_milli).sum();
+        let used_cpu = pods.cpu_milli;
         if requests.cpu_milli > 0 && used_cpu + requests.cpu_milli > allocatable.cpu_milli {
             return Err(Rejection::out_of("cpu", requests.cpu_milli, used_cpu, allocatable.cpu_milli));
         }
-        let used_memory: u128 = pods.values().map(|r| r.memory).sum();
+        let used_memory = pods.memory;
         if requests.memory > 0 && used_memory + requests.memory > allocatable.memory {
             return Err(Rejection::out_of("memory", requests.memory, used_memory, allocatable.memory));
         }
@@ -91,12 +102,18 @@ impl AdmittedPods {
                 }
             }
         }
-        pods.insert(uid.to_owned(), requests);
+        pods.cpu_milli += requests.cpu_milli;
+        pods.memory += requests.memory;
+        pods.requests.insert(uid.to_owned(), requests);
         Ok(())
     }
 
     /// Counts the pod out.
     pub fn release(&self, uid: &str) {
-        self.pods.lock().unwrap_or_else(|p| p.into_inner()).remove(uid);
+        let mut pods = self.pods.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(requests) = pods.requests.remove(uid) {
+            pods.cpu_milli -= requests.cpu_milli;
+            pods.memory -= requests.memory;
+        }
     }
 }

@@ -127,7 +127,13 @@ pub struct PodLifecycle {
 impl PodLifecycle {
     /// A lifecycle running containers with `provider` (none: pods wait after
     /// their volumes are ready) and devices from `devices`.
-    pub fn new(config: PodConfig, provider: Option<Arc<dyn Provider>>, devices: Option<DeviceManager>) -> Self {
+    ///
+    /// The provider's pod ceiling ([`Provider::pod_ceiling`]) lowers the
+    /// allocatable pod count when it is below it.
+    pub fn new(mut config: PodConfig, provider: Option<Arc<dyn Provider>>, devices: Option<DeviceManager>) -> Self {
+        if let Some((ceiling, _)) = provider.as_ref().and_then(|p| p.pod_ceiling()) {
+            config.allocatable.pods = config.allocatable.pods.min(ceiling);
+        }
         let volumes = VolumeManager::new(&config.root_dir);
         PodLifecycle {
             config,

@@ -83,7 +83,7 @@ impl PodStore {
     }
 
     /// Reads the pods (by UID) in place, without copying them.
-    pub(crate) fn read<R>(&self, f: impl FnOnce(&BTreeMap<String, Pod>) -> R) -> R {
+    pub fn read<R>(&self, f: impl FnOnce(&BTreeMap<String, Pod>) -> R) -> R {
         f(&self.lock())
     }
 

@@ -50,7 +50,9 @@ impl State<PodLifecycle> for Resources {
                 .and_then(|d| d.allocated(&uid, container).get(resource).map(Vec::len))
                 .unwrap_or(0)
         };
-        let admitted = lifecycle.admitted.admit(&uid, &ctx.data.pod, lifecycle.config.allocatable, &capacities, held);
+        let overhead = lifecycle.provider.as_ref().map_or(0, |p| p.pod_overhead(&ctx.data.pod));
+        let admitted =
+            lifecycle.admitted.admit(&uid, &ctx.data.pod, lifecycle.config.allocatable, &capacities, held, overhead);
         if let Err(rejection) = admitted {
             reject(ctx, &rejection.reason, rejection.message);
             return Transition::next(&*self, Failed);

@@ -1,0 +1,307 @@
+//! Linear memories and async stacks laid out for tens of thousands of small
+//! instances on one node.
+//!
+//! wasmtime's defaults suit a few large instances: each linear memory
+//! reserves 4 GiB of address space plus guard regions (bounds checks are
+//! elided), and each async stack is its own mapping with a guard page.
+//! Every pod then costs about 6 memory mappings and 4 GiB of address
+//! space, so a node runs out of `vm.max_map_count` (65,530 by default)
+//! near 11,000 pods and of the 128 TiB address space near 32,000, and the
+//! process aborts on its next allocation. Here instead:
+//!
+//! - **Linear memories** ([`DenseMemories`]) are one private anonymous
+//!   mapping each, read-write and reserved without swap accounting, sized
+//!   to the memory's current size. Compiled code checks bounds against the
+//!   current size (the engine's reservation is 0), so nothing past it is
+//!   ever touched. Growth past the mapping doubles it with `mremap`, which
+//!   moves page tables instead of copying bytes. Address space per memory
+//!   is its size rounded up to a power of two; pages cost memory only
+//!   once written.
+//! - **Async stacks** ([`SlabStacks`]) are cut from slabs of
+//!   [`STACKS_PER_SLAB`]: one mapping per slab, with one guard page under
+//!   it, instead of two mappings per stack. A stack given back is emptied
+//!   with `madvise(MADV_DONTNEED)` (its memory returns to the system, and
+//!   it reads as zeroes next time) and reused. Wasm code cannot overflow
+//!   its stack: compiled code checks its depth against `max_wasm_stack`,
+//!   and the stack is larger by the room host calls need (see
+//!   [`crate::runtime`]). What a guard page per stack would add is a clean
+//!   crash instead of a corrupt neighbour if the host's own code (WASI)
+//!   went deeper than that room; the slab's one guard catches it for the
+//!   lowest stack only.
+
+// Mapping memory for wasmtime needs unsafe calls; each says why it is sound.
+#![allow(unsafe_code)]
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
+
+use rustix::mm::{Advice, MapFlags, MremapFlags, ProtFlags};
+use wasmtime::{LinearMemory, MemoryCreator, MemoryType, StackCreator, StackMemory};
+
+/// Stacks per slab (one mapping).
+pub const STACKS_PER_SLAB: usize = 64;
+
+const PAGE: usize = 4096;
+
+fn round_up(n: usize, to: usize) -> Option<usize> {
+    n.checked_add(to - 1).map(|n| n / to * to)
+}
+
+/// Creates linear memories as single growable mappings.
+#[derive(Default)]
+pub struct DenseMemories;
+
+// SAFETY: every memory is a private, zero-filled, page-aligned mapping of
+// at least its byte size, owned by the `Linear` it is returned in; the
+// engine is configured with no guard region and no reservation, so
+// compiled code checks every access against `byte_size`.
+unsafe impl MemoryCreator for DenseMemories {
+    fn new_memory(
+        &self,
+        _ty: MemoryType,
+        minimum: usize,
+        maximum: Option<usize>,
+        _reserved_size_in_bytes: Option<usize>,
+        guard_size_in_bytes: usize,
+    ) -> Result<Box<dyn LinearMemory>, String> {
+        if guard_size_in_bytes != 0 {
+            return Err(format!("dense memories have no guard region, asked for {guard_size_in_bytes} bytes"));
+        }
+        let capacity = round_up(minimum.max(PAGE), PAGE).ok_or("memory size out of range")?;
+        // SAFETY: a fresh anonymous mapping, not aliased.
+        let ptr = unsafe {
+            rustix::mm::mmap_anonymous(
+                std::ptr::null_mut(),
+                capacity,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::PRIVATE | MapFlags::NORESERVE,
+            )
+        }
+        .map_err(|e| format!("cannot map {capacity} bytes of linear memory: {e}"))?;
+        Ok(Box::new(Linear { ptr: ptr as usize, size: minimum, capacity, maximum }))
+    }
+}
+
+/// One linear memory: `capacity` bytes mapped at `ptr`, `size` of them in
+/// use.
+struct Linear {
+    ptr: usize,
+    size: usize,
+    capacity: usize,
+    maximum: Option<usize>,
+}
+
+// SAFETY: `ptr..ptr + capacity` is mapped read-write for as long as this
+// value lives, and `size <= capacity`.
+unsafe impl LinearMemory for Linear {
+    fn byte_size(&self) -> usize {
+        self.size
+    }
+
+    fn byte_capacity(&self) -> usize {
+        self.capacity
+    }
+
+    fn grow_to(&mut self, new_size: usize) -> wasmtime::Result<()> {
+        if let Some(maximum) = self.maximum
+            && new_size > maximum
+        {
+            wasmtime::bail!("memory of {new_size} bytes is over its maximum of {maximum}");
+        }
+        if new_size > self.capacity {
+            let doubled = self.capacity.saturating_mul(2);
+            let wanted = new_size.max(match self.maximum {
+                Some(maximum) => doubled.min(maximum),
+                None => doubled,
+            });
+            let capacity = round_up(wanted, PAGE).ok_or_else(|| wasmtime::format_err!("memory size out of range"))?;
+            // SAFETY: the old range is ours and mapped; MAYMOVE gives a new
+            // address that this value owns from now on.
+            let ptr =
+                unsafe { rustix::mm::mremap(self.ptr as *mut c_void, self.capacity, capacity, MremapFlags::MAYMOVE) }
+                    .map_err(|e| wasmtime::format_err!("cannot grow linear memory to {capacity} bytes: {e}"))?;
+            self.ptr = ptr as usize;
+            self.capacity = capacity;
+        }
+        self.size = new_size;
+        Ok(())
+    }
+
+    fn as_ptr(&self) -> *mut u8 {
+        self.ptr as *mut u8
+    }
+}
+
+impl Drop for Linear {
+    fn drop(&mut self) {
+        // SAFETY: the mapping is ours and nothing refers to it any more.
+        let _ = unsafe { rustix::mm::munmap(self.ptr as *mut c_void, self.capacity) };
+    }
+}
+
+/// Async stacks cut from shared slabs.
+#[derive(Default)]
+pub struct SlabStacks {
+    pools: Mutex<HashMap<usize, Arc<Pool>>>,
+}
+
+impl SlabStacks {
+    /// Mappings made so far (slabs), and stacks handed out now.
+    pub fn counts(&self) -> (usize, usize) {
+        let pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
+        pools.values().fold((0, 0), |(slabs, used), pool| {
+            let inner = pool.inner.lock().unwrap_or_else(|p| p.into_inner());
+            (slabs + inner.slabs, used + inner.slabs * STACKS_PER_SLAB - inner.free.len())
+        })
+    }
+}
+
+/// The stacks of one size.
+struct Pool {
+    size: usize,
+    inner: Mutex<PoolInner>,
+}
+
+#[derive(Default)]
+struct PoolInner {
+    /// Bottoms of free stacks.
+    free: Vec<usize>,
+    slabs: usize,
+}
+
+impl Pool {
+    fn take(self: &Arc<Pool>) -> Result<SlabStack, wasmtime::Error> {
+        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        if inner.free.is_empty() {
+            let bytes = self
+                .size
+                .checked_mul(STACKS_PER_SLAB)
+                .and_then(|b| b.checked_add(PAGE))
+                .ok_or_else(|| wasmtime::format_err!("stack size out of range"))?;
+            // SAFETY: a fresh anonymous mapping, not aliased; its first page
+            // becomes the guard.
+            let base = unsafe {
+                rustix::mm::mmap_anonymous(
+                    std::ptr::null_mut(),
+                    bytes,
+                    ProtFlags::READ | ProtFlags::WRITE,
+                    MapFlags::PRIVATE | MapFlags::NORESERVE,
+                )
+            }
+            .map_err(|e| wasmtime::format_err!("cannot map a slab of {bytes} bytes of stacks: {e}"))?;
+            // SAFETY: the first page of the mapping just made.
+            unsafe { rustix::mm::mprotect(base, PAGE, rustix::mm::MprotectFlags::empty()) }
+                .map_err(|e| wasmtime::format_err!("cannot protect a stack slab's guard page: {e}"))?;
+            let first = base as usize + PAGE;
+            inner.free.extend((0..STACKS_PER_SLAB).rev().map(|i| first + i * self.size));
+            inner.slabs += 1;
+        }
+        let bottom = inner.free.pop().expect("a slab was just added");
+        Ok(SlabStack { bottom, pool: self.clone() })
+    }
+}
+
+/// One stack of a slab.
+struct SlabStack {
+    bottom: usize,
+    pool: Arc<Pool>,
+}
+
+// SAFETY: `bottom..bottom + size` is mapped read-write, page-aligned, zero
+// when handed out (fresh, or emptied by MADV_DONTNEED), and used by this
+// stack alone until it is dropped.
+unsafe impl StackMemory for SlabStack {
+    fn top(&self) -> *mut u8 {
+        (self.bottom + self.pool.size) as *mut u8
+    }
+
+    fn range(&self) -> Range<usize> {
+        self.bottom..self.bottom + self.pool.size
+    }
+
+    fn guard_range(&self) -> Range<*mut u8> {
+        self.bottom as *mut u8..self.bottom as *mut u8
+    }
+}
+
+impl Drop for SlabStack {
+    fn drop(&mut self) {
+        // SAFETY: the stack is no longer in use; its pages go back to the
+        // system and read as zeroes when next touched.
+        let emptied = unsafe { rustix::mm::madvise(self.bottom as *mut c_void, self.pool.size, Advice::LinuxDontNeed) };
+        if emptied.is_ok() {
+            self.pool.inner.lock().unwrap_or_else(|p| p.into_inner()).free.push(self.bottom);
+        }
+        // A stack that could not be emptied is not reused (it stays mapped
+        // with its slab).
+    }
+}
+
+// SAFETY: each stack is page-aligned, zero-filled when handed out, and
+// owned by one fiber at a time.
+unsafe impl StackCreator for SlabStacks {
+    fn new_stack(&self, size: usize, _zeroed: bool) -> Result<Box<dyn StackMemory>, wasmtime::Error> {
+        let size = round_up(size.max(PAGE), PAGE).ok_or_else(|| wasmtime::format_err!("stack size out of range"))?;
+        let pool = self
+            .pools
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(size)
+            .or_insert_with(|| Arc::new(Pool { size, inner: Mutex::default() }))
+            .clone();
+        Ok(Box::new(pool.take()?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_memory_grows_in_place_and_then_moves_keeping_its_bytes() {
+        let mut memory = DenseMemories.new_memory(MemoryType::new(1, None), 65536, None, Some(0), 0).expect("memory");
+        assert_eq!(memory.byte_size(), 65536);
+        // SAFETY: within byte_size.
+        unsafe { memory.as_ptr().add(100).write(42) };
+        memory.grow_to(65536 * 3).expect("grow");
+        assert_eq!(memory.byte_size(), 65536 * 3);
+        assert!(memory.byte_capacity() >= 65536 * 3);
+        // SAFETY: within byte_size.
+        unsafe {
+            assert_eq!(memory.as_ptr().add(100).read(), 42);
+            assert_eq!(memory.as_ptr().add(65536 * 3 - 1).read(), 0);
+        }
+    }
+
+    #[test]
+    fn a_memory_refuses_to_grow_past_its_maximum_or_with_a_guard() {
+        let mut memory =
+            DenseMemories.new_memory(MemoryType::new(1, Some(2)), 65536, Some(131072), Some(0), 0).expect("memory");
+        let error = memory.grow_to(196608).expect_err("over the maximum");
+        assert!(error.to_string().contains("over its maximum"), "{error}");
+        assert_eq!(memory.byte_size(), 65536);
+        let refused = DenseMemories.new_memory(MemoryType::new(1, None), 65536, None, Some(0), 4096);
+        assert!(refused.err().is_some_and(|e| e.contains("no guard region")));
+    }
+
+    #[test]
+    fn stacks_share_slabs_and_come_back_empty() {
+        let stacks = SlabStacks::default();
+        let first: Vec<_> = (0..STACKS_PER_SLAB + 1).map(|_| stacks.new_stack(65536, false).expect("stack")).collect();
+        assert_eq!(stacks.counts(), (2, STACKS_PER_SLAB + 1));
+        for stack in &first {
+            // SAFETY: the highest byte of a stack we own.
+            unsafe { stack.top().sub(1).write(7) };
+        }
+        let bottoms: std::collections::HashSet<usize> = first.iter().map(|s| s.range().start).collect();
+        assert_eq!(bottoms.len(), STACKS_PER_SLAB + 1, "no two stacks overlap at their bottoms");
+        drop(first);
+        assert_eq!(stacks.counts(), (2, 0));
+        let again = stacks.new_stack(65536, true).expect("stack");
+        // SAFETY: a byte of a stack we own.
+        assert_eq!(unsafe { again.top().sub(1).read() }, 0, "a reused stack reads as zeroes");
+        assert_eq!(stacks.counts(), (2, 1));
+    }
+}
