@@ -27,7 +27,11 @@ bench:
     cargo bench -p rustlet --bench wasm
     cargo bench -p rustlet --bench cluster
     cargo bench -p rustlet --bench cri
+    cargo bench -p rustlet --bench kubelet_api
+    cargo bench -p rustlet --bench dra
+    cargo bench -p rustlet --bench density
 
-# End-to-end suite against a real cluster (needs RUSTLET_E2E_KUBECONFIG).
-e2e:
-    @echo "no e2e suite yet: cluster mode is not implemented (see README.md)"
+# The end-to-end scenario against an existing cluster (docs/cluster.md):
+# give an administrator's kubeconfig.
+e2e kubeconfig:
+    RUSTLET_E2E_KUBECONFIG={{kubeconfig}} cargo test -p rustlet --test e2e -- --nocapture

@@ -11,7 +11,8 @@
 //!   manifests written at once → all Running: time, RSS, CPU, mappings,
 //!   address space; the time per pod in each tenth of the pods (does a
 //!   pod's start cost grow as the node fills?); all manifests removed →
-//!   all gone: time, RSS after;
+//!   all gone: time, RSS at once and 10 s later (the provider gives the
+//!   heap back once removals settle);
 //! - **floor**: the same number of instances of the module created and
 //!   started directly on the provider's runtime, no node: the same
 //!   figures.
@@ -168,6 +169,8 @@ async fn floor(n: usize, layout: Layout) -> Result<(), BoxError> {
     let gone = began.elapsed();
     let after = footprint();
     println!("    all stopped in {:.2} s; after: {}", gone.as_secs_f64(), describe(after));
+    rustlet_wasi::dense::release_free_heap();
+    println!("    after the heap is trimmed (as the provider does): {}", describe(footprint()));
     Ok(())
 }
 
@@ -265,7 +268,11 @@ async fn node(n: usize) -> Result<(), BoxError> {
     let gone = poll_until(deadline, || store.read(|pods| pods.is_empty())).await?;
     let _ = began;
     let after = footprint();
-    println!("    all gone in {:.2} s; after: {}", gone.as_secs_f64(), describe(after));
+    println!("    all gone in {:.2} s; at once after: {}", gone.as_secs_f64(), describe(after));
+    // The provider trims the heap once removals have settled (two quiet
+    // ticks of 2 s); 10 s is well past that.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    println!("    10 s later: {}", describe(footprint()));
     shutdown.cancel();
     node.stopped().await;
     Ok(())

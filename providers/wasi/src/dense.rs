@@ -40,6 +40,16 @@ use std::sync::{Arc, Mutex};
 use rustix::mm::{Advice, MapFlags, MremapFlags, ProtFlags};
 use wasmtime::{LinearMemory, MemoryCreator, MemoryType, StackCreator, StackMemory};
 
+/// Gives the heap's free memory back to the system. glibc keeps what was
+/// freed for reuse; after 50,000 pods left, that was 2.4 GiB of RSS.
+pub fn release_free_heap() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only walks glibc's own heap under its locks.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 /// Stacks per slab (one mapping).
 pub const STACKS_PER_SLAB: usize = 64;
 

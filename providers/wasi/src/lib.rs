@@ -79,6 +79,10 @@ pub struct WasiConfig {
     pub max_map_count: Option<u64>,
 }
 
+/// How often the provider looks whether removed pods left heap to give
+/// back.
+const TRIM_TICK: Duration = Duration::from_secs(2);
+
 /// Mappings kept for the node's own use (libraries, threads' stacks, heap
 /// arenas, sockets' buffers) when counting what pods may take.
 pub const RESERVED_MAPPINGS: u64 = 8192;
@@ -237,7 +241,6 @@ impl<T> Drop for AbortOnDrop<T> {
 }
 
 struct Instance {
-    pod_uid: String,
     /// The module and what it runs with: an exec probe runs a fresh
     /// instance of it with the probe's command as its arguments.
     template: (Compiled, RunSpec),
@@ -254,6 +257,11 @@ pub struct WasiProvider {
     runtime: Arc<Runtime>,
     threads: Option<tokio::runtime::Runtime>,
     instances: Mutex<HashMap<ContainerId, Instance>>,
+    /// Each pod's containers in `instances` (a pod's removal looks up its
+    /// own, whatever the number of pods).
+    pod_containers: Mutex<HashMap<String, Vec<ContainerId>>>,
+    /// Pods removed since the heap was last trimmed.
+    removed_since_trim: Arc<AtomicU64>,
     /// Image names each pod uses (they are not garbage-collected).
     pod_images: Arc<Mutex<HashMap<String, HashSet<String>>>>,
     next: AtomicU64,
@@ -290,12 +298,33 @@ impl WasiProvider {
                 collect_garbage(&store, &runtime, &pod_images, config.image_gc_min_age);
             }
         });
+        // The heap keeps what removed pods freed unless told to give it
+        // back: once a burst of removals has settled (no removal for a
+        // whole tick), it is trimmed.
+        let removed_since_trim = Arc::new(AtomicU64::new(0));
+        let removed = removed_since_trim.clone();
+        threads.spawn(async move {
+            let mut seen = 0;
+            loop {
+                tokio::time::sleep(TRIM_TICK).await;
+                let now = removed.load(Ordering::Relaxed);
+                if now > 0 && now == seen {
+                    removed.fetch_sub(now, Ordering::Relaxed);
+                    seen = 0;
+                    let _ = tokio::task::spawn_blocking(dense::release_free_heap).await;
+                } else {
+                    seen = now;
+                }
+            }
+        });
         Ok(WasiProvider {
             store,
             puller,
             runtime,
             threads: Some(threads),
             instances: Mutex::new(HashMap::new()),
+            pod_containers: Mutex::default(),
+            removed_since_trim,
             pod_images,
             next: AtomicU64::new(0),
             ceiling: pod_ceiling(config.max_map_count),
@@ -512,7 +541,8 @@ impl Provider for WasiProvider {
             tracing::debug!(container = %task_id, exit_code = exit.exit_code, "module ended");
             let _ = exit_tx.send(Some(exit));
         });
-        let instance = Instance { pod_uid, template, log: attach_log, exit, stop };
+        self.pod_containers.lock().expect("lock").entry(pod_uid).or_default().push(id.clone());
+        let instance = Instance { template, log: attach_log, exit, stop };
         self.instances.lock().expect("lock").insert(id.clone(), instance);
         Ok(id)
     }
@@ -652,8 +682,15 @@ impl Provider for WasiProvider {
     }
 
     async fn remove_pod(&self, pod_uid: &str) -> Result<(), ProviderError> {
-        self.instances.lock().expect("lock").retain(|_, i| i.pod_uid != pod_uid);
+        let ids = self.pod_containers.lock().expect("lock").remove(pod_uid).unwrap_or_default();
+        {
+            let mut instances = self.instances.lock().expect("lock");
+            for id in ids {
+                instances.remove(&id);
+            }
+        }
         self.pod_images.lock().expect("lock").remove(pod_uid);
+        self.removed_since_trim.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 
