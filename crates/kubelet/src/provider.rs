@@ -430,10 +430,10 @@ pub trait Provider: Send + Sync + 'static {
     }
 
     /// Memory, in bytes, that running `pod` costs beyond what its
-    /// containers request (as a RuntimeClass's `overhead`): admission adds
-    /// it to the pod's memory request. The WebAssembly provider runs
-    /// modules inside the node, so each instance's stack and bookkeeping
-    /// count here.
+    /// containers request: admission adds it to the pod's memory request.
+    /// The WebAssembly provider runs modules inside the node, so each
+    /// instance's stack and bookkeeping count here. (Unlike a
+    /// RuntimeClass's `overhead`, the scheduler does not see it.)
     fn pod_overhead(&self, pod: &Pod) -> u128 {
         let _ = pod;
         0

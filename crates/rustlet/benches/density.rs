@@ -269,8 +269,8 @@ async fn node(n: usize) -> Result<(), BoxError> {
     let _ = began;
     let after = footprint();
     println!("    all gone in {:.2} s; at once after: {}", gone.as_secs_f64(), describe(after));
-    // The provider trims the heap once removals have settled (two quiet
-    // ticks of 2 s); 10 s is well past that.
+    // The provider trims the heap once removals have settled (a quiet tick
+    // of 2 s, so 2–4 s after the last); 10 s is well past that.
     tokio::time::sleep(Duration::from_secs(10)).await;
     println!("    10 s later: {}", describe(footprint()));
     shutdown.cancel();

@@ -15,8 +15,8 @@
 //!   current size (the engine's reservation is 0), so nothing past it is
 //!   ever touched. Growth past the mapping doubles it with `mremap`, which
 //!   moves page tables instead of copying bytes. Address space per memory
-//!   is its size rounded up to a power of two; pages cost memory only
-//!   once written.
+//!   is at most twice its size (capped at its maximum); pages cost memory
+//!   only once written.
 //! - **Async stacks** ([`SlabStacks`]) are cut from slabs of
 //!   [`STACKS_PER_SLAB`]: one mapping per slab, with one guard page under
 //!   it, instead of two mappings per stack. A stack given back is emptied
@@ -53,7 +53,11 @@ pub fn release_free_heap() {
 /// Stacks per slab (one mapping).
 pub const STACKS_PER_SLAB: usize = 64;
 
-const PAGE: usize = 4096;
+/// The host's page size (4 KiB on x86-64; 16 or 64 KiB on some arm64 and
+/// ppc64 kernels): mappings, stacks and guards are multiples of it.
+fn page() -> usize {
+    rustix::param::page_size()
+}
 
 fn round_up(n: usize, to: usize) -> Option<usize> {
     n.checked_add(to - 1).map(|n| n / to * to)
@@ -64,22 +68,28 @@ fn round_up(n: usize, to: usize) -> Option<usize> {
 pub struct DenseMemories;
 
 // SAFETY: every memory is a private, zero-filled, page-aligned mapping of
-// at least its byte size, owned by the `Linear` it is returned in; the
-// engine is configured with no guard region and no reservation, so
-// compiled code checks every access against `byte_size`.
+// at least its byte size, owned by the `Linear` it is returned in. Memories
+// with a reservation or a guard region are refused: only with neither does
+// compiled code check every access against `byte_size` (wasmtime elides
+// checks only when reservation + guard cover 4 GiB, and uses a reservation
+// as a fixed bound). The engine must also have `memory_init_cow(false)`:
+// copy-on-write images need wasmtime's own mappings.
 unsafe impl MemoryCreator for DenseMemories {
     fn new_memory(
         &self,
         _ty: MemoryType,
         minimum: usize,
         maximum: Option<usize>,
-        _reserved_size_in_bytes: Option<usize>,
+        reserved_size_in_bytes: Option<usize>,
         guard_size_in_bytes: usize,
     ) -> Result<Box<dyn LinearMemory>, String> {
         if guard_size_in_bytes != 0 {
             return Err(format!("dense memories have no guard region, asked for {guard_size_in_bytes} bytes"));
         }
-        let capacity = round_up(minimum.max(PAGE), PAGE).ok_or("memory size out of range")?;
+        if let Some(reserved) = reserved_size_in_bytes.filter(|r| *r != 0) {
+            return Err(format!("dense memories have no reservation, asked for {reserved} bytes"));
+        }
+        let capacity = round_up(minimum.max(page()), page()).ok_or("memory size out of range")?;
         // SAFETY: a fresh anonymous mapping, not aliased.
         let ptr = unsafe {
             rustix::mm::mmap_anonymous(
@@ -126,7 +136,7 @@ unsafe impl LinearMemory for Linear {
                 Some(maximum) => doubled.min(maximum),
                 None => doubled,
             });
-            let capacity = round_up(wanted, PAGE).ok_or_else(|| wasmtime::format_err!("memory size out of range"))?;
+            let capacity = round_up(wanted, page()).ok_or_else(|| wasmtime::format_err!("memory size out of range"))?;
             // SAFETY: the old range is ours and mapped; MAYMOVE gives a new
             // address that this value owns from now on.
             let ptr =
@@ -188,7 +198,7 @@ impl Pool {
             let bytes = self
                 .size
                 .checked_mul(STACKS_PER_SLAB)
-                .and_then(|b| b.checked_add(PAGE))
+                .and_then(|b| b.checked_add(page()))
                 .ok_or_else(|| wasmtime::format_err!("stack size out of range"))?;
             // SAFETY: a fresh anonymous mapping, not aliased; its first page
             // becomes the guard.
@@ -202,9 +212,9 @@ impl Pool {
             }
             .map_err(|e| wasmtime::format_err!("cannot map a slab of {bytes} bytes of stacks: {e}"))?;
             // SAFETY: the first page of the mapping just made.
-            unsafe { rustix::mm::mprotect(base, PAGE, rustix::mm::MprotectFlags::empty()) }
+            unsafe { rustix::mm::mprotect(base, page(), rustix::mm::MprotectFlags::empty()) }
                 .map_err(|e| wasmtime::format_err!("cannot protect a stack slab's guard page: {e}"))?;
-            let first = base as usize + PAGE;
+            let first = base as usize + page();
             inner.free.extend((0..STACKS_PER_SLAB).rev().map(|i| first + i * self.size));
             inner.slabs += 1;
         }
@@ -253,7 +263,8 @@ impl Drop for SlabStack {
 // owned by one fiber at a time.
 unsafe impl StackCreator for SlabStacks {
     fn new_stack(&self, size: usize, _zeroed: bool) -> Result<Box<dyn StackMemory>, wasmtime::Error> {
-        let size = round_up(size.max(PAGE), PAGE).ok_or_else(|| wasmtime::format_err!("stack size out of range"))?;
+        let size =
+            round_up(size.max(page()), page()).ok_or_else(|| wasmtime::format_err!("stack size out of range"))?;
         let pool = self
             .pools
             .lock()
@@ -271,17 +282,26 @@ mod tests {
 
     #[test]
     fn a_memory_grows_in_place_and_then_moves_keeping_its_bytes() {
-        let mut memory = DenseMemories.new_memory(MemoryType::new(1, None), 65536, None, Some(0), 0).expect("memory");
-        assert_eq!(memory.byte_size(), 65536);
+        const WASM_PAGE: usize = 65536;
+        let mut memory =
+            DenseMemories.new_memory(MemoryType::new(2, None), 2 * WASM_PAGE, None, Some(0), 0).expect("memory");
+        assert_eq!(memory.byte_size(), 2 * WASM_PAGE);
         // SAFETY: within byte_size.
         unsafe { memory.as_ptr().add(100).write(42) };
-        memory.grow_to(65536 * 3).expect("grow");
-        assert_eq!(memory.byte_size(), 65536 * 3);
-        assert!(memory.byte_capacity() >= 65536 * 3);
+        // Past the mapping: it doubles (4 pages).
+        memory.grow_to(3 * WASM_PAGE).expect("grow");
+        assert_eq!((memory.byte_size(), memory.byte_capacity()), (3 * WASM_PAGE, 4 * WASM_PAGE));
+        // Within the mapping: nothing moves.
+        let base = memory.as_ptr();
+        memory.grow_to(4 * WASM_PAGE).expect("grow");
+        assert_eq!(memory.as_ptr(), base, "growth within the mapping keeps the base");
+        // One grow past double takes exactly what it asks.
+        memory.grow_to(20 * WASM_PAGE).expect("grow");
+        assert_eq!(memory.byte_capacity(), 20 * WASM_PAGE);
         // SAFETY: within byte_size.
         unsafe {
             assert_eq!(memory.as_ptr().add(100).read(), 42);
-            assert_eq!(memory.as_ptr().add(65536 * 3 - 1).read(), 0);
+            assert_eq!(memory.as_ptr().add(20 * WASM_PAGE - 1).read(), 0);
         }
     }
 
@@ -294,6 +314,8 @@ mod tests {
         assert_eq!(memory.byte_size(), 65536);
         let refused = DenseMemories.new_memory(MemoryType::new(1, None), 65536, None, Some(0), 4096);
         assert!(refused.err().is_some_and(|e| e.contains("no guard region")));
+        let refused = DenseMemories.new_memory(MemoryType::new(1, None), 65536, None, Some(1 << 32), 0);
+        assert!(refused.err().is_some_and(|e| e.contains("no reservation")));
     }
 
     #[test]

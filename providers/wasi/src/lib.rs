@@ -82,16 +82,20 @@ pub struct WasiConfig {
 /// How often the provider looks whether removed pods left heap to give
 /// back.
 const TRIM_TICK: Duration = Duration::from_secs(2);
+/// Removals after which the heap is trimmed even while more go on.
+const TRIM_AFTER: u64 = 1000;
 
 /// Mappings kept for the node's own use (libraries, threads' stacks, heap
 /// arenas, sockets' buffers) when counting what pods may take.
 pub const RESERVED_MAPPINGS: u64 = 8192;
-/// Mappings one pod takes at most: its linear memory (async stacks share
-/// slabs of 64; adjacent memories often share one). Measured: 0.04 per
-/// idle pod with 10,000 pods.
+/// Mappings each pod is counted for: one linear memory (async stacks share
+/// slabs of 64, two mappings per slab; adjacent memories often share one).
+/// Measured: 0.03–0.05 per idle pod of one container. A pod with several
+/// containers, exec instances or a component with several core modules
+/// takes more; the reserve above absorbs some of that.
 pub const MAPPINGS_PER_POD: u64 = 1;
-/// Address space one instance takes, counted against a finite
-/// `RLIMIT_AS`: its async stack and room for a small linear memory.
+/// Address space each pod is counted for against a finite `RLIMIT_AS`: an
+/// async stack and room for a small linear memory.
 pub const ADDRESS_SPACE_PER_POD: u64 = 4 << 20;
 /// Memory each running instance costs beyond its linear memory (its
 /// stack's touched pages, store, WASI context and the node's bookkeeping),
@@ -103,28 +107,27 @@ pub const INSTANCE_OVERHEAD: u128 = 128 << 10;
 /// `RLIMIT_AS`, and why.
 fn pod_ceiling(max_map_count: Option<u64>) -> Option<(usize, String)> {
     let map_count = max_map_count
-        .or_else(|| std::fs::read_to_string("/proc/sys/vm/max_map_count").ok().and_then(|v| v.trim().parse().ok()))?;
-    let by_maps = map_count.saturating_sub(RESERVED_MAPPINGS) / MAPPINGS_PER_POD;
-    let mut ceiling = (
-        usize::try_from(by_maps).unwrap_or(usize::MAX),
-        format!(
-            "vm.max_map_count {map_count}: {RESERVED_MAPPINGS} mappings kept for the node, {MAPPINGS_PER_POD} per WebAssembly pod"
-        ),
-    );
-    if let Ok((soft, _)) = rlimit::getrlimit(rlimit::Resource::AS)
-        && soft != rlimit::INFINITY
-    {
-        let by_space = soft.saturating_sub(1 << 30) / ADDRESS_SPACE_PER_POD;
-        if by_space < by_maps {
-            ceiling = (
-                usize::try_from(by_space).unwrap_or(usize::MAX),
+        .or_else(|| std::fs::read_to_string("/proc/sys/vm/max_map_count").ok().and_then(|v| v.trim().parse().ok()));
+    let by_maps = map_count.map(|count| {
+        (
+            count.saturating_sub(RESERVED_MAPPINGS) / MAPPINGS_PER_POD,
+            format!(
+                "vm.max_map_count {count}: {RESERVED_MAPPINGS} mappings kept for the node, {MAPPINGS_PER_POD} per WebAssembly pod"
+            ),
+        )
+    });
+    let by_space = rlimit::getrlimit(rlimit::Resource::AS).ok().filter(|(soft, _)| *soft != rlimit::INFINITY).map(
+        |(soft, _)| {
+            (
+                soft.saturating_sub(1 << 30) / ADDRESS_SPACE_PER_POD,
                 format!(
                     "address space limit (RLIMIT_AS) {soft} bytes: 1 GiB kept for the node, {ADDRESS_SPACE_PER_POD} bytes per WebAssembly pod"
                 ),
-            );
-        }
-    }
-    Some(ceiling)
+            )
+        },
+    );
+    let (pods, why) = by_maps.into_iter().chain(by_space).min_by_key(|c| c.0)?;
+    Some((usize::try_from(pods).unwrap_or(usize::MAX), why))
 }
 
 impl WasiConfig {
@@ -299,8 +302,9 @@ impl WasiProvider {
             }
         });
         // The heap keeps what removed pods freed unless told to give it
-        // back: once a burst of removals has settled (no removal for a
-        // whole tick), it is trimmed.
+        // back: it is trimmed once a burst of removals has settled (no
+        // removal for a whole tick), or after every TRIM_AFTER removals
+        // while they go on.
         let removed_since_trim = Arc::new(AtomicU64::new(0));
         let removed = removed_since_trim.clone();
         threads.spawn(async move {
@@ -308,7 +312,7 @@ impl WasiProvider {
             loop {
                 tokio::time::sleep(TRIM_TICK).await;
                 let now = removed.load(Ordering::Relaxed);
-                if now > 0 && now == seen {
+                if (now > 0 && now == seen) || now >= TRIM_AFTER {
                     removed.fetch_sub(now, Ordering::Relaxed);
                     seen = 0;
                     let _ = tokio::task::spawn_blocking(dense::release_free_heap).await;

@@ -172,7 +172,9 @@ impl CriLog {
         }
     }
 
-    /// Writes what is left of unterminated lines.
+    /// Writes what is left of unterminated lines, and gives back the open
+    /// file's place in the budget (the container ended: later writes, if
+    /// any, open the file for themselves).
     pub fn finish(&self) {
         let mut inner = self.inner.lock().expect("lock");
         let mut out = String::new();
@@ -184,6 +186,9 @@ impl CriLog {
         }
         if !out.is_empty() {
             inner.append(out.as_bytes());
+        }
+        if inner.file.take().is_some() {
+            OPEN_LOGS.fetch_sub(1, Ordering::Relaxed);
         }
     }
 }
@@ -255,6 +260,22 @@ impl tokio::io::AsyncWrite for CriStream {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_finished_log_gives_its_open_file_back() -> std::io::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("c.log");
+        // A place in the budget, taken as `open` takes it.
+        OPEN_LOGS.fetch_add(1, Ordering::Relaxed);
+        let log = CriLog::open_kept(&path, true)?;
+        assert!(log.inner.lock().expect("lock").file.is_some());
+        OutputStream::write(&mut log.stream("stdout"), Bytes::from_static(b"last words")).expect("write");
+        log.finish();
+        assert!(log.inner.lock().expect("lock").file.is_none(), "the descriptor is closed when the container ends");
+        let text = std::fs::read_to_string(&path)?;
+        assert!(text.ends_with(" stdout F last words\n"), "{text:?}");
+        Ok(())
+    }
 
     #[test]
     fn a_log_past_the_open_file_budget_opens_its_file_for_each_write() -> std::io::Result<()> {

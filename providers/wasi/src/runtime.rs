@@ -112,6 +112,8 @@ pub struct MemLimiter {
     hit: bool,
     /// The first size refused: (asked for, limit, whether at creation).
     refused: Option<(usize, usize, bool)>,
+    /// The memory was created (the limiter's first call is its creation).
+    created: bool,
     meter: Arc<AtomicU64>,
     counted: u64,
 }
@@ -127,10 +129,12 @@ impl wasmtime::ResourceLimiter for MemLimiter {
         match self.max {
             Some(max) if desired > max => {
                 self.hit = true;
-                self.refused.get_or_insert((desired, max, current == 0));
+                let at_creation = !std::mem::replace(&mut self.created, true);
+                self.refused.get_or_insert((desired, max, at_creation && current == 0));
                 Ok(false)
             }
             _ => {
+                self.created = true;
                 // Called for a memory's creation too (from 0).
                 let grown = u64::try_from(desired.saturating_sub(current)).unwrap_or(u64::MAX);
                 self.meter.fetch_add(grown, Ordering::AcqRel);
@@ -364,6 +368,7 @@ impl Runtime {
             max: spec.memory_limit.map(|m| m.min(usize::MAX as u64) as usize),
             hit: false,
             refused: None,
+            created: false,
             meter: spec.memory.clone(),
             counted: 0,
         };
@@ -456,5 +461,53 @@ fn outcome(result: wasmtime::Result<i32>, limiter: &MemLimiter) -> ContainerExit
             };
             ended(TRAP_EXIT_CODE, None, Some(message))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn run_module(runtime: &Runtime, digest: &str, text: &str) -> ContainerExit {
+        let module = wat::parse_str(text).expect("assembles");
+        let compiled = runtime.compiled(digest, ModuleKind::Module, move || Ok(module)).await.expect("compiles");
+        let spec = RunSpec {
+            args: vec!["test".into()],
+            env: Vec::new(),
+            preopens: Vec::new(),
+            cwd: None,
+            memory_limit: None,
+            cpu_limit_milli: None,
+            cpu: Arc::default(),
+            memory: Arc::default(),
+            output: Output::capture(1024),
+        };
+        runtime.run(compiled, spec).await
+    }
+
+    #[tokio::test]
+    async fn dense_memories_are_bounds_checked_and_keep_their_bytes_when_moved() {
+        let runtime = Runtime::with_layout(Layout::Dense).expect("runtime");
+        // The mapping behind a memory may be larger than the memory (2 → 3
+        // pages doubles it to 4): an access just past the memory's end,
+        // inside the mapping, must still trap.
+        let past_the_end = r#"(module (memory (export "memory") 2)
+            (func (export "_start")
+              (drop (memory.grow (i32.const 1)))
+              (drop (i32.load (i32.mul (memory.size) (i32.const 65536))))))"#;
+        let exit = run_module(&runtime, "sha256:oob", past_the_end).await;
+        assert_eq!(exit.exit_code, TRAP_EXIT_CODE, "{exit:?}");
+        assert!(exit.message.as_deref().is_some_and(|m| m.contains("out of bounds")), "{exit:?}");
+        // Growing 1 → 41 pages moves the mapping (mremap): what was
+        // written before is still there, and the new end is writable.
+        let grow = r#"(module (memory (export "memory") 1)
+            (func (export "_start")
+              (i32.store (i32.const 100) (i32.const 42))
+              (if (i32.eq (memory.grow (i32.const 40)) (i32.const -1)) (then unreachable))
+              (if (i32.ne (i32.load (i32.const 100)) (i32.const 42)) (then unreachable))
+              (i32.store (i32.const 2686972) (i32.const 7))
+              (if (i32.ne (i32.load (i32.const 2686972)) (i32.const 7)) (then unreachable))))"#;
+        let exit = run_module(&runtime, "sha256:grow", grow).await;
+        assert_eq!((exit.exit_code, exit.message), (0, None));
     }
 }

@@ -76,7 +76,10 @@ impl AdmittedPods {
     ) -> Result<(), Rejection> {
         let mut requests = pod_requests(pod)
             .map_err(|e| Rejection { reason: "InvalidPod".into(), message: format!("resource requests: {e}") })?;
-        requests.memory = requests.memory.saturating_add(overhead);
+        requests.memory = requests.memory.checked_add(overhead).ok_or_else(|| Rejection {
+            reason: "InvalidPod".into(),
+            message: format!("resource requests: memory {} is out of range", requests.memory),
+        })?;
         let mut pods = self.pods.lock().unwrap_or_else(|p| p.into_inner());
         if pods.requests.contains_key(uid) {
             return Ok(());
@@ -85,11 +88,11 @@ impl AdmittedPods {
             return Err(Rejection::out_of("pods", 1, pods.requests.len() as u128, allocatable.pods as u128));
         }
         let used_cpu = pods.cpu_milli;
-        if requests.cpu_milli > 0 && used_cpu + requests.cpu_milli > allocatable.cpu_milli {
+        if requests.cpu_milli > 0 && used_cpu.saturating_add(requests.cpu_milli) > allocatable.cpu_milli {
             return Err(Rejection::out_of("cpu", requests.cpu_milli, used_cpu, allocatable.cpu_milli));
         }
         let used_memory = pods.memory;
-        if requests.memory > 0 && used_memory + requests.memory > allocatable.memory {
+        if requests.memory > 0 && used_memory.saturating_add(requests.memory) > allocatable.memory {
             return Err(Rejection::out_of("memory", requests.memory, used_memory, allocatable.memory));
         }
         for container in containers(pod).into_iter().map(|(_, c)| c) {
