@@ -118,17 +118,7 @@ async fn floor(n: usize, layout: Layout) -> Result<(), BoxError> {
         let output = Output::capture(1024);
         let Output::Capture { stdout, .. } = &output else { unreachable!() };
         outputs.push(stdout.clone());
-        let spec = RunSpec {
-            args: vec!["sleep".into()],
-            env: Vec::new(),
-            preopens: Vec::new(),
-            cwd: None,
-            memory_limit: None,
-            cpu_limit_milli: None,
-            cpu: Arc::default(),
-            memory: Arc::default(),
-            output,
-        };
+        let spec = RunSpec::bare(vec!["sleep".into()], output);
         let runtime = runtime.clone();
         let compiled = compiled.clone();
         tasks.push(tokio::spawn(async move { runtime.run(compiled, spec).await }));

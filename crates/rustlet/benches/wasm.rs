@@ -20,7 +20,6 @@
 mod common;
 
 use std::path::Path;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kubelet::node::{NodeBuilder, NodeConfig};
@@ -73,15 +72,8 @@ async fn floor(rounds: usize, scratch: &Path) -> Result<Vec<Duration>, BoxError>
     for i in 0..rounds {
         let log = rustlet_wasi::logs::CriLog::open(&scratch.join(format!("floor-{i}.log")))?;
         let spec = RunSpec {
-            args: vec!["floor".into()],
-            env: Vec::new(),
-            preopens: Vec::new(),
-            cwd: None,
             memory_limit: Some(16 << 20),
-            cpu_limit_milli: None,
-            cpu: Arc::default(),
-            memory: Arc::default(),
-            output: rustlet_wasi::runtime::Output::Log(log),
+            ..RunSpec::bare(vec!["floor".into()], rustlet_wasi::runtime::Output::Log(log))
         };
         let began = Instant::now();
         let exit = runtime.run(compiled.clone(), spec).await;

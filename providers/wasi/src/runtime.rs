@@ -105,6 +105,24 @@ pub struct RunSpec {
     pub output: Output,
 }
 
+impl RunSpec {
+    /// A module run with `args` and nothing else: no env, volumes or
+    /// limits, its output to `output`.
+    pub fn bare(args: Vec<String>, output: Output) -> RunSpec {
+        RunSpec {
+            args,
+            env: Vec::new(),
+            preopens: Vec::new(),
+            cwd: None,
+            memory_limit: None,
+            cpu_limit_milli: None,
+            cpu: Arc::default(),
+            memory: Arc::default(),
+            output,
+        }
+    }
+}
+
 /// Tracks memory growth against the limit, and counts the instance's
 /// linear memory in its container's meter (given back when the store goes).
 pub struct MemLimiter {
@@ -471,17 +489,7 @@ mod tests {
     async fn run_module(runtime: &Runtime, digest: &str, text: &str) -> ContainerExit {
         let module = wat::parse_str(text).expect("assembles");
         let compiled = runtime.compiled(digest, ModuleKind::Module, move || Ok(module)).await.expect("compiles");
-        let spec = RunSpec {
-            args: vec!["test".into()],
-            env: Vec::new(),
-            preopens: Vec::new(),
-            cwd: None,
-            memory_limit: None,
-            cpu_limit_milli: None,
-            cpu: Arc::default(),
-            memory: Arc::default(),
-            output: Output::capture(1024),
-        };
+        let spec = RunSpec::bare(vec!["test".into()], Output::capture(1024));
         runtime.run(compiled, spec).await
     }
 
