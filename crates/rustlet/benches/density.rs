@@ -111,7 +111,6 @@ async fn floor(n: usize, layout: Layout) -> Result<(), BoxError> {
     let compiled = runtime.compiled("sha256:density", ModuleKind::Module, move || Ok(module)).await?;
     let before = footprint();
     let cpu_before = common::process_cpu();
-    let began = Instant::now();
     let mut outputs = Vec::with_capacity(n);
     let mut tasks = Vec::with_capacity(n);
     for _ in 0..n {
@@ -148,7 +147,6 @@ async fn floor(n: usize, layout: Layout) -> Result<(), BoxError> {
     if slabs > 0 {
         println!("    async stacks: {stacks} in use from {slabs} slab mappings");
     }
-    let _ = began;
     let began = Instant::now();
     for task in &tasks {
         task.abort();
@@ -162,21 +160,6 @@ async fn floor(n: usize, layout: Layout) -> Result<(), BoxError> {
     rustlet_wasi::dense::release_free_heap();
     println!("    after the heap is trimmed (as the provider does): {}", describe(footprint()));
     Ok(())
-}
-
-fn manifest(name: &str) -> String {
-    format!(
-        "apiVersion: v1
-kind: Pod
-metadata: {{name: {name}}}
-spec:
-  terminationGracePeriodSeconds: 5
-  containers:
-  - name: main
-    image: {IMAGE}
-    imagePullPolicy: Never
-"
-    )
 }
 
 /// The node with `n` static pods of the module.
@@ -198,7 +181,7 @@ async fn node(n: usize) -> Result<(), BoxError> {
     let staging = root.path().join("staging");
     std::fs::create_dir_all(&staging)?;
     for i in 0..n {
-        std::fs::write(staging.join(format!("p{i}.yaml")), manifest(&format!("p{i}")))?;
+        std::fs::write(staging.join(format!("p{i}.yaml")), common::wasm_manifest(&format!("p{i}"), IMAGE, None))?;
     }
     let before = footprint();
     let cpu_before = common::process_cpu();
@@ -251,12 +234,10 @@ async fn node(n: usize) -> Result<(), BoxError> {
         })
         .collect();
     println!("    ms per pod in each tenth (checked every 100 ms): {}", per_pod.join(" "));
-    let began = Instant::now();
     for i in 0..n {
         std::fs::remove_file(manifests.join(format!("p{i}.yaml")))?;
     }
     let gone = poll_until(deadline, || store.read(|pods| pods.is_empty())).await?;
-    let _ = began;
     let after = footprint();
     println!("    all gone in {:.2} s; at once after: {}", gone.as_secs_f64(), describe(after));
     // The provider trims the heap once removals have settled (a quiet tick

@@ -39,26 +39,10 @@ fn quick() -> bool {
     std::env::var("RUSTLET_BENCH_QUICK").is_ok_and(|v| v == "1")
 }
 
-fn manifest(name: &str) -> String {
-    format!(
-        "apiVersion: v1
-kind: Pod
-metadata: {{name: {name}}}
-spec:
-  terminationGracePeriodSeconds: 5
-  containers:
-  - name: main
-    image: {IMAGE}
-    imagePullPolicy: Never
-    resources: {{limits: {{memory: 16Mi}}}}
-"
-    )
-}
-
 /// Writes a manifest as editors do: a temp file renamed in place.
 fn write_manifest(dir: &Path, name: &str) -> std::io::Result<()> {
     let temp = dir.join(format!(".{name}.tmp"));
-    std::fs::write(&temp, manifest(name))?;
+    std::fs::write(&temp, common::wasm_manifest(name, IMAGE, Some("{memory: 16Mi}")))?;
     std::fs::rename(temp, dir.join(format!("{name}.yaml")))
 }
 

@@ -59,6 +59,22 @@ fn page() -> usize {
     rustix::param::page_size()
 }
 
+/// A fresh private read-write mapping of `bytes`, reserved without swap
+/// accounting (pages cost memory once written).
+fn map_fresh(bytes: usize) -> std::io::Result<*mut c_void> {
+    // SAFETY: a new anonymous mapping at an address the kernel picks:
+    // nothing else refers to it.
+    unsafe {
+        rustix::mm::mmap_anonymous(
+            std::ptr::null_mut(),
+            bytes,
+            ProtFlags::READ | ProtFlags::WRITE,
+            MapFlags::PRIVATE | MapFlags::NORESERVE,
+        )
+    }
+    .map_err(std::io::Error::from)
+}
+
 fn round_up(n: usize, to: usize) -> Option<usize> {
     n.checked_add(to - 1).map(|n| n / to * to)
 }
@@ -90,16 +106,7 @@ unsafe impl MemoryCreator for DenseMemories {
             return Err(format!("dense memories have no reservation, asked for {reserved} bytes"));
         }
         let capacity = round_up(minimum.max(page()), page()).ok_or("memory size out of range")?;
-        // SAFETY: a fresh anonymous mapping, not aliased.
-        let ptr = unsafe {
-            rustix::mm::mmap_anonymous(
-                std::ptr::null_mut(),
-                capacity,
-                ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::PRIVATE | MapFlags::NORESERVE,
-            )
-        }
-        .map_err(|e| format!("cannot map {capacity} bytes of linear memory: {e}"))?;
+        let ptr = map_fresh(capacity).map_err(|e| format!("cannot map {capacity} bytes of linear memory: {e}"))?;
         Ok(Box::new(Linear { ptr: ptr as usize, size: minimum, capacity, maximum }))
     }
 }
@@ -200,17 +207,9 @@ impl Pool {
                 .checked_mul(STACKS_PER_SLAB)
                 .and_then(|b| b.checked_add(page()))
                 .ok_or_else(|| wasmtime::format_err!("stack size out of range"))?;
-            // SAFETY: a fresh anonymous mapping, not aliased; its first page
-            // becomes the guard.
-            let base = unsafe {
-                rustix::mm::mmap_anonymous(
-                    std::ptr::null_mut(),
-                    bytes,
-                    ProtFlags::READ | ProtFlags::WRITE,
-                    MapFlags::PRIVATE | MapFlags::NORESERVE,
-                )
-            }
-            .map_err(|e| wasmtime::format_err!("cannot map a slab of {bytes} bytes of stacks: {e}"))?;
+            // Its first page becomes the guard.
+            let base = map_fresh(bytes)
+                .map_err(|e| wasmtime::format_err!("cannot map a slab of {bytes} bytes of stacks: {e}"))?;
             // SAFETY: the first page of the mapping just made.
             unsafe { rustix::mm::mprotect(base, page(), rustix::mm::MprotectFlags::empty()) }
                 .map_err(|e| wasmtime::format_err!("cannot protect a stack slab's guard page: {e}"))?;

@@ -156,6 +156,24 @@ pub fn sleep_provider(
     Ok(provider)
 }
 
+/// A static pod manifest: one container running `image` (imported, never
+/// pulled), with `limits` (YAML flow mapping) when given.
+pub fn wasm_manifest(name: &str, image: &str, limits: Option<&str>) -> String {
+    let resources = limits.map(|l| format!("    resources: {{limits: {l}}}\n")).unwrap_or_default();
+    format!(
+        "apiVersion: v1
+kind: Pod
+metadata: {{name: {name}}}
+spec:
+  terminationGracePeriodSeconds: 5
+  containers:
+  - name: main
+    image: {image}
+    imagePullPolicy: Never
+{resources}"
+    )
+}
+
 /// Whether every container of `pod` runs.
 pub fn is_running(pod: &k8s_openapi::api::core::v1::Pod) -> bool {
     pod.status
