@@ -20,6 +20,17 @@
 
 pub mod cluster;
 pub mod csi;
+
+/// The Kubernetes release whose node behaviour Rustlet implements (what
+/// the upstream node-conformance suite of that release checks).
+pub const KUBERNETES_VERSION: &str = "v1.28.7";
+
+/// Rustlet's version as the Node reports it (`status.nodeInfo.kubeletVersion`)
+/// and `rustlet --version` prints it: the Kubernetes release it implements,
+/// with Rustlet's own version as semver build metadata, so that version
+/// skew checks (kubeadm's, the API server's) read the Kubernetes version.
+pub const VERSION: &str = concat!("v1.28.7+rustlet.", env!("CARGO_PKG_VERSION"));
+
 pub mod device_manager;
 pub mod dra;
 pub mod events;

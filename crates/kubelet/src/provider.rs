@@ -111,6 +111,9 @@ pub struct ContainerLaunch {
     /// Where the container's output goes (CRI log format), under
     /// `<root-dir>/logs/pods/<namespace>_<name>_<uid>/<container>/<restart>.log`.
     pub log_path: PathBuf,
+    /// An ephemeral container's target (`targetContainerName`): the running
+    /// container whose process namespace it joins.
+    pub target: Option<ContainerId>,
 }
 
 /// How a container ended.
@@ -400,6 +403,36 @@ pub trait Provider: Send + Sync + 'static {
     async fn pod_ips(&self, pod_uid: &str) -> Vec<std::net::IpAddr> {
         let _ = pod_uid;
         Vec::new()
+    }
+
+    /// Gives the pod its network before its first container starts (a CRI
+    /// sandbox), so that its IPs are known to the containers' env
+    /// (`status.podIP`) and `/etc/hosts`; returns them. `log_directory` is
+    /// where the pod's container logs go. By default nothing is prepared
+    /// and the pod uses the node's network.
+    async fn prepare_pod(
+        &self,
+        pod: &Pod,
+        log_directory: &std::path::Path,
+    ) -> Result<Vec<std::net::IpAddr>, ProviderError> {
+        let _ = (pod, log_directory);
+        Ok(Vec::new())
+    }
+
+    /// Whether a mount's host path may be a single file (bind-mounted onto a
+    /// file in the container) for `pod`: then the node gives its containers
+    /// the kubelet's `/etc/hosts` and a termination-message file. A
+    /// provider that mounts directories only (WASI preopens) says no.
+    fn mounts_files(&self, pod: &Pod) -> bool {
+        let _ = pod;
+        false
+    }
+
+    /// The runtime's name and version as the Node reports them
+    /// (`status.nodeInfo.containerRuntimeVersion`: `containerd://1.6.20`);
+    /// empty: Rustlet's own.
+    fn runtime_version(&self) -> String {
+        String::new()
     }
 
     /// Forgets what the provider keeps for a removed pod (after its

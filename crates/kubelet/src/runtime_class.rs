@@ -195,6 +195,22 @@ impl Provider for RuntimeClasses {
         self.provider_for(pod)?.prepare_image_with_secrets(pod, container, secrets).await
     }
 
+    async fn prepare_pod(
+        &self,
+        pod: &Pod,
+        log_directory: &std::path::Path,
+    ) -> Result<Vec<std::net::IpAddr>, ProviderError> {
+        self.provider_for(pod)?.prepare_pod(pod, log_directory).await
+    }
+
+    fn mounts_files(&self, pod: &Pod) -> bool {
+        self.provider_for(pod).is_ok_and(|p| p.mounts_files(pod))
+    }
+
+    fn runtime_version(&self) -> String {
+        self.default.runtime_version()
+    }
+
     async fn start_container(&self, launch: &ContainerLaunch) -> Result<ContainerId, ProviderError> {
         let provider = self.provider_for(&launch.pod)?;
         let id = provider.start_container(launch).await?;

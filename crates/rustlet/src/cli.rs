@@ -9,7 +9,7 @@ use k8s_openapi::api::core::v1::Taint;
 
 /// Rustlet: a Kubernetes node agent in Rust.
 #[derive(Parser)]
-#[command(version, about, args_conflicts_with_subcommands = true)]
+#[command(version = kubelet::VERSION, about, args_conflicts_with_subcommands = true)]
 pub(crate) struct Cli {
     #[command(subcommand)]
     pub(crate) command: Option<Command>,
@@ -211,6 +211,11 @@ pub(crate) struct NodeArgs {
     /// `svc.<domain>` and `<domain>`.
     #[arg(long, default_value = "")]
     pub(crate) cluster_domain: String,
+    /// Sysctls pods may set beyond the safe ones (comma-separated names, or
+    /// prefixes ending in `*`, as `kernel.msg*`); others reject the pod
+    /// (`SysctlForbidden`).
+    #[arg(long, value_delimiter = ',')]
+    pub(crate) allowed_unsafe_sysctls: Vec<String>,
     /// The resolver configuration container pods with dnsPolicy Default
     /// get (and whose searches ClusterFirst adds); empty: none.
     #[arg(long, default_value = "/etc/resolv.conf")]

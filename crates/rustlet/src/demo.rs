@@ -71,6 +71,7 @@ pub(crate) async fn run(args: DemoArgs, signals: HealthReporter, shutdown: Cance
         runtime_status_period: std::time::Duration::from_secs(5),
         cluster_dns: Vec::new(),
         cluster_domain: String::new(),
+        allowed_unsafe_sysctls: Vec::new(),
         resolv_conf: "/etc/resolv.conf".into(),
         node_ip: Vec::new(),
     };

@@ -26,6 +26,8 @@ pub(crate) fn config(args: &NodeArgs) -> NodeConfig {
     config.plugins.resync_period = args.plugin_resync_period;
     config.pods.manifest_dir = args.pod_manifest_path.clone();
     config.pods.max_pods = args.max_pods;
+    config.pods.cluster_domain = args.cluster_domain.clone();
+    config.pods.allowed_unsafe_sysctls = args.allowed_unsafe_sysctls.clone();
     config.node_ips = args.node_ip.clone();
     if config.node_ips.is_empty() && args.kubeconfig.is_some() {
         config.node_ips = detect_node_ip().into_iter().collect();

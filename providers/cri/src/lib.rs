@@ -112,6 +112,8 @@ struct Inner {
     relisting: Mutex<bool>,
     /// The runtime's name from `Version` (`containerd`), once asked.
     runtime_name: Mutex<Option<String>>,
+    /// `<name>://<version>` from `Version`, once asked.
+    runtime_version: Mutex<Option<String>>,
 }
 
 impl std::fmt::Debug for CriProvider {
@@ -141,6 +143,7 @@ impl CriProvider {
                 relisted: watch::channel((0, HashSet::new())).0,
                 relisting: Mutex::new(false),
                 runtime_name: Mutex::new(None),
+                runtime_version: Mutex::new(None),
             }),
         }
     }
@@ -153,6 +156,8 @@ impl CriProvider {
             .await
             .map_err(|s| other("Version", &s))?;
         *self.inner.runtime_name.lock().unwrap_or_else(|p| p.into_inner()) = Some(answer.runtime_name.clone());
+        *self.inner.runtime_version.lock().unwrap_or_else(|p| p.into_inner()) =
+            Some(format!("{}://{}", answer.runtime_name, answer.runtime_version));
         Ok((answer.runtime_name, answer.runtime_version))
     }
 
@@ -422,6 +427,20 @@ fn namespaces(pod: &Pod) -> cri::NamespaceOption {
     }
 }
 
+/// A container's namespaces: the pod's, except that an ephemeral container
+/// with a target joins the target's process namespace (`kubectl debug
+/// --target`).
+fn container_namespaces(launch: &ContainerLaunch) -> cri::NamespaceOption {
+    let mut options = namespaces(&launch.pod);
+    if let Some(target) = &launch.target
+        && options.pid == cri::NamespaceMode::Container as i32
+    {
+        options.pid = cri::NamespaceMode::Target as i32;
+        options.target_id = target.0.clone();
+    }
+    options
+}
+
 /// The sandbox config of `pod`, its logs under `log_directory`.
 fn sandbox_config(pod: &Pod, log_directory: String, dns: &dns::DnsSettings) -> cri::PodSandboxConfig {
     let meta = &pod.metadata;
@@ -461,7 +480,8 @@ fn sandbox_config(pod: &Pod, log_directory: String, dns: &dns::DnsSettings) -> c
         .collect();
     cri::PodSandboxConfig {
         metadata: Some(cri::PodSandboxMetadata { name: name.clone(), uid, namespace, attempt: 0 }),
-        hostname: if host_network { String::new() } else { spec.hostname.clone().unwrap_or(name) },
+        // As upstream, a name too long for the kernel is cut to 63.
+        hostname: if host_network { String::new() } else { kubelet::pod::pod_hostname(pod) },
         log_directory,
         dns_config: Some(dns::dns_config(pod, dns)),
         port_mappings,
@@ -557,7 +577,7 @@ fn container_config(launch: &ContainerLaunch) -> cri::ContainerConfig {
         tty: container.tty.unwrap_or(false),
         linux: Some(cri::LinuxContainerConfig {
             resources: Some(resources(container)),
-            security_context: Some(security::security_context(pod, container, namespaces(pod))),
+            security_context: Some(security::security_context(pod, container, container_namespaces(launch))),
         }),
         cdi_devices: options.cdi_devices.iter().map(|name| cri::CdiDevice { name: name.clone() }).collect(),
     }
@@ -599,6 +619,22 @@ impl Provider for CriProvider {
             ProviderError::new(ProviderErrorKind::ImagePull, format!("pulling image {image:?}: {}", s.message()))
         })?;
         Ok(PreparedImage { image_id: answer.image_ref })
+    }
+
+    async fn prepare_pod(&self, pod: &Pod, log_directory: &Path) -> Result<Vec<std::net::IpAddr>, ProviderError> {
+        self.learn_runtime_name().await;
+        let config = sandbox_config(pod, log_directory.display().to_string(), &self.inner.config.dns);
+        let uid = pod.metadata.uid.as_deref().unwrap_or_default();
+        self.sandbox(uid, &config).await?;
+        Ok(self.pod_ips(uid).await)
+    }
+
+    fn mounts_files(&self, _: &Pod) -> bool {
+        true
+    }
+
+    fn runtime_version(&self) -> String {
+        self.inner.runtime_version.lock().unwrap_or_else(|p| p.into_inner()).clone().unwrap_or_default()
     }
 
     async fn start_container(&self, launch: &ContainerLaunch) -> Result<ContainerId, ProviderError> {

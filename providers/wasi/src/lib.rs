@@ -410,6 +410,9 @@ fn argv(container: &Container, launch: &ContainerLaunch, default_args: &[String]
     std::iter::once(program).chain(rest).collect()
 }
 
+/// The wasmtime release this provider is built with (the workspace pins it).
+pub const WASMTIME_VERSION: &str = "48.0.8";
+
 #[async_trait]
 impl Provider for WasiProvider {
     async fn prepare_image(&self, pod: &Pod, container: &Container) -> Result<PreparedImage, ProviderError> {
@@ -700,6 +703,10 @@ impl Provider for WasiProvider {
 
     fn runtime_type(&self, _: &Pod) -> String {
         "wasmtime".to_owned()
+    }
+
+    fn runtime_version(&self) -> String {
+        format!("wasmtime://{WASMTIME_VERSION}")
     }
 
     fn node_labels(&self) -> BTreeMap<String, String> {

@@ -12,7 +12,7 @@
 //!   service account tokens: only those referenced by pods bound to it
 //!   (reading one object, or listing or watching with
 //!   `metadata.name=<that object>`);
-//! - csinodes: its own; csidrivers, runtimeclasses: read; core/v1 events: create and patch;
+//! - csinodes: its own; csidrivers, runtimeclasses, services: read; core/v1 events: create and patch;
 //! - resourceclaims: read those referenced by pods bound to it (by name,
 //!   or as generated for a template and recorded in the pod's status);
 //! - resourceslices: read all, delete collections of its own (a
@@ -105,7 +105,7 @@ pub fn authorize(identity: &Identity, request: &Request<'_>, store: &Store) -> R
         "leases" => deny("can only access its own lease"),
         "csinodes" if own && request.verb != "list" => Ok(()),
         "csinodes" => deny(&format!("can only access CSINode with the same name as the requesting node '{node}'")),
-        "csidrivers" | "runtimeclasses" if reading => Ok(()),
+        "csidrivers" | "runtimeclasses" | "services" if reading => Ok(()),
         // The Node authorizer: a VolumeAttachment to this node, by name.
         "volumeattachments" if request.verb == "get" => {
             let attachments = super::store::resource("storage.k8s.io", "v1", "volumeattachments").expect("resource");

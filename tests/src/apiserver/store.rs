@@ -121,6 +121,7 @@ pub const RESOURCES: &[Resource] = &[
         namespaced: true,
         has_status: true,
     },
+    Resource { group: "", version: "v1", plural: "services", kind: "Service", namespaced: true, has_status: true },
     Resource {
         group: "resource.k8s.io",
         version: "v1",

@@ -109,7 +109,26 @@ async fn delete_slices(
         selector.push_str(&format!(",spec.driver={driver}"));
     }
     let mut backoff = crate::retry::RetryBackoff::new(Duration::from_secs(1), Duration::from_secs(300));
+    let mut served = false;
     loop {
+        // What the server does not serve (resource.k8s.io/v1 is not in
+        // Kubernetes 1.28) holds no slices: asked once, not retried.
+        if !served {
+            match client.list_api_group_resources("resource.k8s.io/v1").await {
+                Ok(list) if list.resources.iter().any(|r| r.name == "resourceslices") => served = true,
+                Err(kube::Error::Api(status)) if status.code != 404 => {
+                    tracing::debug!(code = status.code, "API discovery of resource.k8s.io/v1 failed");
+                }
+                Ok(_) | Err(kube::Error::Api(_)) => {
+                    tracing::info!(
+                        node,
+                        "this API server does not serve resource.k8s.io/v1 ResourceSlices: none to delete"
+                    );
+                    return;
+                }
+                Err(error) => tracing::debug!(error = %describe(&error), "API discovery of resource.k8s.io/v1 failed"),
+            }
+        }
         if driver.is_some_and(|d| drivers.usable(d)) {
             tracing::info!(
                 node,
@@ -124,6 +143,11 @@ async fn delete_slices(
                 return;
             }
             Err(kube::Error::Api(status)) if status.code == 404 => return,
+            // A refusal (403, 405, 422) will not change by asking again.
+            Err(kube::Error::Api(status)) if (400..500).contains(&status.code) && status.code != 429 => {
+                tracing::warn!(node, driver = driver.unwrap_or("(all)"), code = status.code, error = %status.message, "the API server refuses to delete this node's ResourceSlices; not retrying");
+                return;
+            }
             Err(error) => {
                 let delay = backoff.next_delay();
                 tracing::warn!(node, driver = driver.unwrap_or("(all)"), error = %describe(&error), retry_in = ?delay, "cannot delete ResourceSlices; retrying");

@@ -243,4 +243,14 @@ impl ApiObjects for ApiVolumes {
             .map_err(|e| format!("cannot get a token for service account {namespace}/{account}: {}", describe(&e)))?;
         answer.status.map(|s| s.token).ok_or_else(|| "the token request was answered without a token".to_owned())
     }
+
+    async fn services(&self, namespace: &str) -> Result<Vec<k8s_openapi::api::core::v1::Service>, String> {
+        let client = self.client()?;
+        let api: Api<k8s_openapi::api::core::v1::Service> = Api::namespaced(client, namespace);
+        let list = api
+            .list(&kube::api::ListParams::default())
+            .await
+            .map_err(|e| format!("cannot list the services of {namespace}: {}", describe(&e)))?;
+        Ok(list.items)
+    }
 }

@@ -82,6 +82,9 @@ pub enum ContainerKind {
     RestartableInit,
     /// An app container.
     App,
+    /// An ephemeral container (`kubectl debug`): added to a running pod,
+    /// run once, never restarted; it has no resources and no devices.
+    Ephemeral,
 }
 
 /// One container's device request.
@@ -507,7 +510,7 @@ fn allocation_order(containers: &[PodContainer]) -> Vec<&PodContainer> {
     let rank = |kind| match kind {
         ContainerKind::Init => 0,
         ContainerKind::RestartableInit => 1,
-        ContainerKind::App => 2,
+        ContainerKind::App | ContainerKind::Ephemeral => 2,
     };
     let mut order: Vec<&PodContainer> = containers.iter().collect();
     // A stable sort: the order given is kept within a kind.

@@ -54,6 +54,8 @@ pub(crate) struct NodeFacts<'a> {
     pub(crate) ephemeral_storage: Option<u128>,
     /// The kubelet API's port, if it is served.
     pub(crate) kubelet_port: Option<u16>,
+    /// The container runtime's name and version (`containerd://1.6.20`).
+    pub(crate) runtime_version: &'a str,
 }
 
 /// What describes the node besides its devices and health.
@@ -69,6 +71,8 @@ pub(crate) struct NodeDescription {
     pub(crate) root_dir: std::path::PathBuf,
     /// The kubelet API's port (`status.daemonEndpoints`), if it is served.
     pub(crate) kubelet_port: Option<u16>,
+    /// The container runtime's name and version, from the provider.
+    pub(crate) runtime_version: String,
 }
 
 impl NodeDescription {
@@ -85,13 +89,14 @@ impl NodeDescription {
             addresses: &self.addresses,
             ephemeral_storage: file_system_size(&self.root_dir),
             kubelet_port: self.kubelet_port,
+            runtime_version: &self.runtime_version,
         })
     }
 }
 
 /// The size of the file system holding `path` (what the kubelet reports as
 /// `ephemeral-storage` capacity for its root dir).
-fn file_system_size(path: &std::path::Path) -> Option<u128> {
+pub(crate) fn file_system_size(path: &std::path::Path) -> Option<u128> {
     let stats = rustix::fs::statvfs(path).ok()?;
     Some(u128::from(stats.f_blocks) * u128::from(stats.f_frsize))
 }
@@ -177,12 +182,19 @@ pub(crate) fn node_object(facts: &NodeFacts<'_>) -> NodeObject {
                 operating_system: std::env::consts::OS.into(),
                 kernel_version: uname("osrelease").unwrap_or_default(),
                 os_image: os_image(),
-                kubelet_version: format!("v{}-rustlet", env!("CARGO_PKG_VERSION")),
+                kubelet_version: crate::VERSION.to_owned(),
                 kube_proxy_version: String::new(),
-                container_runtime_version: "rustlet://provider".into(),
+                container_runtime_version: if facts.runtime_version.is_empty() {
+                    format!("rustlet://{}", env!("CARGO_PKG_VERSION"))
+                } else {
+                    facts.runtime_version.to_owned()
+                },
                 machine_id: std::fs::read_to_string("/etc/machine-id").map(|s| s.trim().to_owned()).unwrap_or_default(),
                 boot_id: uname("random/boot_id").unwrap_or_default(),
-                system_uuid: String::new(),
+                // As upstream: the firmware's product UUID, where it can be read.
+                system_uuid: std::fs::read_to_string("/sys/class/dmi/id/product_uuid")
+                    .map(|s| s.trim().to_owned())
+                    .unwrap_or_default(),
                 ..NodeSystemInfo::default()
             }),
             addresses: Some(addresses(facts)),
@@ -257,8 +269,12 @@ mod tests {
             addresses: &["10.1.2.3".parse().expect("ip")],
             ephemeral_storage: file_system_size(std::path::Path::new("/")),
             kubelet_port: Some(10250),
+            runtime_version: "containerd://1.6.20",
         };
         let node = node_object(&facts);
+        let info = node.status.as_ref().and_then(|s| s.node_info.clone()).expect("node info");
+        assert_eq!(info.container_runtime_version, "containerd://1.6.20");
+        assert!(info.kubelet_version.starts_with("v1.28.7+rustlet."), "{}", info.kubelet_version);
         let labels = node.metadata.labels.clone().unwrap_or_default();
         assert_eq!(labels["kubernetes.io/arch"], "wasm32-wasi", "the provider's label wins");
         assert_eq!(labels["kubernetes.io/hostname"], "n1");

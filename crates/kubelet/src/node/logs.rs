@@ -236,14 +236,20 @@ pub(crate) async fn container_logs(
     let mut entries = decoder.feed_entries(&raw);
     entries.extend(decoder.finish_entries());
     let mut renderer = renderer;
-    text(StatusCode::OK, renderer.render(tail(entries, query.tail_lines)))
+    let body = renderer.render(tail(entries, query.tail_lines));
+    // Chunked, as the kubelet answers: the API server's WebSocket log
+    // copier drops the last read that comes with the end of the body, so a
+    // body with a Content-Length (one read, then EOF) reaches a WebSocket
+    // client empty.
+    let chunk = futures_util::stream::once(async move { Ok::<_, std::io::Error>(body) });
+    (StatusCode::OK, [(header::CONTENT_TYPE, "text/plain; charset=utf-8")], Body::from_stream(chunk)).into_response()
 }
 
 fn has_container(pod: &Pod, container: &str) -> bool {
-    pod.spec
-        .iter()
-        .flat_map(|s| s.init_containers.iter().flatten().chain(s.containers.iter()))
-        .any(|c| c.name == container)
+    pod.spec.iter().any(|s| {
+        s.init_containers.iter().flatten().chain(s.containers.iter()).any(|c| c.name == container)
+            || s.ephemeral_containers.iter().flatten().any(|c| c.name == container)
+    })
 }
 
 /// The run numbers that have a log file in `dir`.

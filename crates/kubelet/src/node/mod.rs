@@ -32,7 +32,7 @@
 //! (a panic, say) turns its check to failing with the reason. `/healthz`
 //! answers 500 naming the failing checks; `/healthz/<check>` answers for one.
 
-mod capacity;
+pub(crate) mod capacity;
 pub(crate) mod http;
 pub mod labels;
 pub(crate) mod logs;
@@ -86,6 +86,10 @@ pub struct PodSettings {
     pub image_backoff: BackoffConfig,
     /// Deadlines of the CSI volume calls.
     pub csi_timeouts: CsiNodeTimeouts,
+    /// The cluster's DNS domain (`--cluster-domain`), for pods' `/etc/hosts`.
+    pub cluster_domain: String,
+    /// Sysctls pods may set beyond the safe ones (`--allowed-unsafe-sysctls`).
+    pub allowed_unsafe_sysctls: Vec<String>,
 }
 
 impl Default for PodSettings {
@@ -98,6 +102,8 @@ impl Default for PodSettings {
             restart_backoff: BackoffConfig::default(),
             image_backoff: BackoffConfig::default(),
             csi_timeouts: CsiNodeTimeouts::default(),
+            cluster_domain: String::new(),
+            allowed_unsafe_sysctls: Vec::new(),
         }
     }
 }
@@ -333,6 +339,8 @@ impl NodeBuilder {
         pod_config.restart_backoff = config.pods.restart_backoff;
         pod_config.image_backoff = config.pods.image_backoff;
         pod_config.host_ips = config.node_ips.clone();
+        pod_config.cluster_domain = config.pods.cluster_domain.clone();
+        pod_config.allowed_unsafe_sysctls = config.pods.allowed_unsafe_sysctls.clone();
         let csi_objects = CsiDriverObjects::new();
         let mut csi_volumes =
             CsiVolumes::new(&root_dir, csi_drivers.view(), csi_objects.clone(), config.pods.csi_timeouts);
@@ -354,6 +362,7 @@ impl NodeBuilder {
         }
         let volumes_in_use = csi_volumes.volumes_in_use();
         let api_provider = provider.clone();
+        let provider_runtime = provider.clone();
         let mut lifecycle = PodLifecycle::new(pod_config, provider, Some(devices.clone())).with_csi(csi_volumes);
         // Resource claims: resolved through the API in a cluster; a
         // standalone node refuses pods with claims.
@@ -456,6 +465,9 @@ impl NodeBuilder {
             addresses: config.node_ips.clone(),
             root_dir: root_dir.clone(),
             kubelet_port: kubelet_api.as_ref().map(|api| api.address.port()),
+            // Asked after the pods started: a CRI runtime has answered
+            // `Version` by now (listing what an earlier run left running).
+            runtime_version: provider_runtime.as_ref().map(|p| p.runtime_version()).unwrap_or_default(),
         };
         let sessions = prometheus_client::metrics::gauge::Gauge::default();
         metrics.register(

@@ -10,8 +10,10 @@ use tokio::time::Instant;
 
 use super::PodLifecycle;
 use super::data::{ContainerEvent, ContainerPhase, ExitReport, PodData, ProbeReport, ProbeState, Terminated};
+use super::node_files;
 use super::probe::{ProbeKind, ProbeSpec, Target, Worker};
 use super::run_options;
+use crate::device_manager::ContainerKind;
 use crate::device_manager::RunOptions;
 use crate::events::EventType;
 use crate::provider::{ContainerId, ContainerLaunch, Provider, ProviderErrorKind};
@@ -55,9 +57,13 @@ pub async fn start(
         let ran_for = Timestamp::now().duration_since(running.started_at);
         let ran_for = Duration::try_from(ran_for).unwrap_or_default();
         let started = Instant::now().checked_sub(ran_for).unwrap_or_else(Instant::now);
-        follow(&mut ctx.data, provider, name, running.id, running.started_at, started).await;
+        let also = own_addresses(&lifecycle, &ctx.data);
+        follow(&mut ctx.data, provider, name, running.id, running.started_at, started, also).await;
         return Ok(());
     }
+    // A container added to the running pod (an ephemeral one) has its
+    // image prepared now.
+    pull_if_needed(ctx, provider, name).await?;
     // Devices first: PreStartContainer runs before every start.
     let device_options = match &lifecycle.devices {
         Some(devices) => devices.container_run_options(&uid, name).await.map_err(|e| StartFailure {
@@ -68,6 +74,24 @@ pub async fn start(
         None => RunOptions::default(),
     };
     let data = &mut ctx.data;
+    if !data.containers.contains_key(name) {
+        return Err(StartFailure {
+            reason: "RunContainerError",
+            message: format!("no container {name}"),
+            retry: false,
+        });
+    }
+    // The pod's network first: its IPs are in the env (`status.podIP`) and
+    // in /etc/hosts.
+    let host_network = data.pod.spec.as_ref().and_then(|s| s.host_network).unwrap_or(false);
+    if data.pod_ips.is_empty() && !host_network {
+        let directory = log_dir(&lifecycle, data);
+        data.pod_ips = provider.prepare_pod(&data.pod, &directory).await.map_err(|e| StartFailure {
+            reason: "ContainerCreating",
+            message: format!("Failed to create pod sandbox: {}", e.message),
+            retry: true,
+        })?;
+    }
     let Some(record) = data.containers.get(name) else {
         return Err(StartFailure {
             reason: "RunContainerError",
@@ -75,19 +99,33 @@ pub async fn start(
             retry: false,
         });
     };
-    // The ConfigMaps and Secrets its env references, read now (as upstream
-    // does at every start).
-    let env_objects = match lifecycle.volumes.objects() {
-        Some(objects) => Some(
-            crate::volume::api_data::env_objects(objects.as_ref(), &data.pod, &record.spec)
-                .await
-                .map_err(|message| StartFailure { reason: "CreateContainerConfigError", message, retry: true })?,
+    // The ConfigMaps and Secrets its env references, and the services whose
+    // link variables it gets, read now (as upstream does at every start).
+    let (env_objects, services) = match lifecycle.volumes.objects() {
+        Some(objects) => (
+            Some(
+                crate::volume::api_data::env_objects(objects.as_ref(), &data.pod, &record.spec)
+                    .await
+                    .map_err(|message| StartFailure { reason: "CreateContainerConfigError", message, retry: true })?,
+            ),
+            crate::volume::api_data::link_services(objects.as_ref(), &data.pod).await,
         ),
-        None => None,
+        None => (None, Vec::new()),
     };
-    let mut run_options =
-        run_options::build(&data.pod, &record.spec, &data.volumes, &device_options, env_objects.as_ref())
-            .map_err(|e| StartFailure { reason: "CreateContainerConfigError", message: e.to_string(), retry: true })?;
+    let downward = lifecycle.downward_context(data);
+    let sources = run_options::EnvSources { objects: env_objects.as_ref(), services: &services, downward: &downward };
+    let mut run_options = run_options::build(&data.pod, &record.spec, &data.volumes, &device_options, sources)
+        .map_err(|e| StartFailure { reason: "CreateContainerConfigError", message: e.to_string(), retry: true })?;
+    let mut message_file = None;
+    if provider.mounts_files(&data.pod) {
+        let files = node_files::prepare(&lifecycle, data, &record.spec, &downward).map_err(|message| StartFailure {
+            reason: "CreateContainerConfigError",
+            message,
+            retry: true,
+        })?;
+        run_options.mounts.extend(files.mounts);
+        message_file = files.termination_message;
+    }
     // The CDI devices of the resource claims it uses, which must be
     // prepared.
     if let Some((claims, _)) = &lifecycle.claims {
@@ -107,6 +145,11 @@ pub async fn start(
     }
     if let Some(record) = data.containers.get_mut(name) {
         continue_previous_run(record);
+        // A restart counts when the new instance is made (upstream's count
+        // of the instances that came before), not when its backoff begins.
+        if std::mem::take(&mut record.restart_pending) {
+            record.restart_count += 1;
+        }
     }
     let Some(record) = data.containers.get(name) else {
         return Err(StartFailure {
@@ -116,13 +159,26 @@ pub async fn start(
         });
     };
     let restart_count = record.restart_count;
+    let log_path = log_path(&lifecycle, data, name, restart_count);
+    let message_source = super::data::MessageSource {
+        file: message_file,
+        log: (record.spec.termination_message_policy.as_deref() == Some("FallbackToLogsOnError"))
+            .then(|| log_path.clone()),
+    };
+    let target = record
+        .target
+        .as_ref()
+        .and_then(|t| data.containers.get(t))
+        .filter(|t| t.is_running())
+        .and_then(|t| t.id.clone());
     let launch = ContainerLaunch {
+        target,
         pod: Arc::clone(&data.pod),
         container: record.spec.clone(),
         kind: record.kind,
         restart_count,
         run_options,
-        log_path: log_path(&lifecycle, data, name, restart_count),
+        log_path,
     };
     if let Some(parent) = launch.log_path.parent() {
         let _ = std::fs::create_dir_all(parent);
@@ -136,10 +192,84 @@ pub async fn start(
         retry: true,
     })?;
     tracing::info!(pod.uid = %uid, container = name, %id, restart = restart_count, "container started");
+    if let Some(record) = data.containers.get_mut(name) {
+        record.message_source = message_source;
+    }
     data.recorder.pod(&data.pod, Some(name), EventType::Normal, "Created", format!("Created container {name}"));
     data.recorder.pod(&data.pod, Some(name), EventType::Normal, "Started", format!("Started container {name}"));
-    follow(data, provider, name, id, Timestamp::now(), Instant::now()).await;
+    let also = own_addresses(&lifecycle, data);
+    follow(data, provider, name, id.clone(), Timestamp::now(), Instant::now(), also).await;
+    run_post_start(data, provider, name, &id, &downward).await;
     Ok(())
+}
+
+/// Prepares the image of container `name` if nothing has yet (an
+/// ephemeral container's: the pod's images were prepared before it
+/// existed).
+async fn pull_if_needed(
+    ctx: &mut Context<PodLifecycle>,
+    provider: &Arc<dyn Provider>,
+    name: &str,
+) -> Result<(), StartFailure> {
+    let Some(record) = ctx.data.containers.get(name).filter(|r| r.image_id.is_none()) else { return Ok(()) };
+    let spec = record.spec.clone();
+    let secrets = match ctx.machine.volumes.objects() {
+        Some(objects) => crate::volume::api_data::pull_secrets(objects.as_ref(), &ctx.data.pod).await,
+        None => crate::provider::PullSecrets::default(),
+    };
+    let image = provider
+        .prepare_image_with_secrets(&ctx.data.pod, &spec, &secrets)
+        .await
+        .map_err(|e| StartFailure { reason: "ErrImagePull", message: e.message, retry: true })?;
+    if let Some(record) = ctx.data.containers.get_mut(name) {
+        record.image_id = Some(image.image_id);
+    }
+    Ok(())
+}
+
+/// The most a postStart hook may take (upstream sets none; the pod's
+/// removal interrupts it anyway).
+const POST_START_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// Runs container `name`'s postStart hook, if it has one; a failure stops
+/// the container (its exit then follows the restart policy).
+async fn run_post_start(
+    data: &mut PodData,
+    provider: &Arc<dyn Provider>,
+    name: &str,
+    id: &ContainerId,
+    downward: &crate::volume::DownwardContext,
+) {
+    let Some(spec) = data.containers.get(name).map(|r| r.spec.clone()) else { return };
+    if super::hooks::Hook::PostStart.handler(&spec).is_none() {
+        return;
+    }
+    let address =
+        data.pod_ips.first().or(downward.pod_ips.first()).copied().unwrap_or(std::net::Ipv4Addr::LOCALHOST.into());
+    let hook = super::hooks::Hook::PostStart;
+    match super::hooks::run(hook, provider, &data.pod, &spec, id, address, POST_START_TIMEOUT).await {
+        Ok(()) => tracing::debug!(pod.uid = %data.id.uid, container = name, "postStart hook done"),
+        Err(message) => {
+            tracing::warn!(pod.uid = %data.id.uid, container = name, %message, "postStart hook failed: stopping the container");
+            data.recorder.pod(&data.pod, Some(name), EventType::Warning, hook.failure_reason(), message);
+            let grace = super::spec::grace_period(&data.pod);
+            if let Err(error) = provider.stop_container(id, grace).await {
+                tracing::warn!(pod.uid = %data.id.uid, container = name, %error, "stopping after a failed postStart hook");
+            }
+        }
+    }
+}
+
+/// Addresses other than its own IP that a probe may name as the pod's: a
+/// host-network pod's are the node's IPs (and loopback).
+fn own_addresses(lifecycle: &PodLifecycle, data: &PodData) -> Vec<std::net::IpAddr> {
+    let host_network = data.pod.spec.as_ref().and_then(|s| s.host_network).unwrap_or(false);
+    if !host_network {
+        return Vec::new();
+    }
+    let mut also = lifecycle.config.host_ips.clone();
+    also.push(std::net::Ipv4Addr::LOCALHOST.into());
+    also
 }
 
 /// Records that container `name` runs as `id` (started at `started_at`,
@@ -152,6 +282,7 @@ async fn follow(
     id: ContainerId,
     started_at: Timestamp,
     started: Instant,
+    also: Vec<std::net::IpAddr>,
 ) {
     if data.pod_ips.is_empty() {
         data.pod_ips = provider.pod_ips(&data.id.uid).await;
@@ -167,7 +298,7 @@ async fn follow(
     // Finished waiter and probe tasks are reaped as new ones come.
     while data.waiters.try_join_next().is_some() {}
     watch_exit(data, provider, name, id.clone());
-    start_probes(data, provider, name, id, started);
+    start_probes(data, provider, name, id, started, also);
 }
 
 /// A container the API showed before a node restart, and that did not
@@ -205,7 +336,14 @@ fn watch_exit(data: &mut PodData, provider: &Arc<dyn Provider>, name: &str, id: 
 /// Starts the probe workers of the container instance `id` that just
 /// started (or was adopted): readiness starts unready and startup
 /// unstarted; liveness and readiness wait for startup.
-fn start_probes(data: &mut PodData, provider: &Arc<dyn Provider>, name: &str, id: ContainerId, started: Instant) {
+fn start_probes(
+    data: &mut PodData,
+    provider: &Arc<dyn Provider>,
+    name: &str,
+    id: ContainerId,
+    started: Instant,
+    also: Vec<std::net::IpAddr>,
+) {
     let Some(record) = data.containers.get(name) else { return };
     let specs: Vec<ProbeSpec> = [ProbeKind::Startup, ProbeKind::Liveness, ProbeKind::Readiness]
         .into_iter()
@@ -221,6 +359,7 @@ fn start_probes(data: &mut PodData, provider: &Arc<dyn Provider>, name: &str, id
         provider: Arc::clone(provider),
         id,
         address: data.pod_ips.first().copied().unwrap_or(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST)),
+        also,
     };
     for spec in specs {
         let worker = Worker {
@@ -250,6 +389,11 @@ pub enum Recorded {
     Exit(String),
     /// A probe changed the container's status.
     Status,
+    /// Containers were added that should start now (ephemeral ones).
+    StartDue,
+    /// The pod ran past its deadline: its verdict is set, its containers
+    /// must stop.
+    Deadline,
     /// Nothing: the event was about an instance that is gone.
     Nothing,
 }
@@ -265,7 +409,121 @@ pub fn record_event(data: &mut PodData, event: ContainerEvent) -> Recorded {
                 Recorded::Nothing
             }
         }
+        ContainerEvent::Ephemeral(added) => {
+            let mut any = false;
+            for (spec, target) in added {
+                if data.containers.contains_key(&spec.name) {
+                    continue;
+                }
+                tracing::info!(pod.uid = %data.id.uid, container = %spec.name, target = ?target, "ephemeral container added");
+                let mut record = super::data::ContainerRecord::new(ContainerKind::Ephemeral, &spec);
+                record.target = target;
+                data.order.push(spec.name.clone());
+                data.containers.insert(spec.name.clone(), record);
+                any = true;
+            }
+            if any { Recorded::StartDue } else { Recorded::Nothing }
+        }
+        ContainerEvent::DeadlineExceeded => {
+            if data.verdict.is_some() {
+                return Recorded::Nothing;
+            }
+            tracing::info!(pod.uid = %data.id.uid, "the pod ran past its activeDeadlineSeconds: stopping it");
+            data.recorder.pod(
+                &data.pod,
+                None,
+                EventType::Normal,
+                super::data::DEADLINE_EXCEEDED,
+                super::data::DEADLINE_MESSAGE.to_owned(),
+            );
+            data.verdict = Some(super::data::PodVerdict {
+                phase: "Failed",
+                reason: Some(super::data::DEADLINE_EXCEEDED.into()),
+                message: Some(super::data::DEADLINE_MESSAGE.into()),
+                rejected: false,
+            });
+            Recorded::Deadline
+        }
     }
+}
+
+/// Watches the pod's manifest while it lives: tells the lifecycle when
+/// ephemeral containers are added and when `activeDeadlineSeconds`
+/// (counted from the pod's start, and changeable while it runs) runs out.
+pub fn watch_manifest(
+    data: &mut PodData,
+    mut manifest: tokio::sync::watch::Receiver<Arc<k8s_openapi::api::core::v1::Pod>>,
+) {
+    let sender = data.event_sender.clone();
+    let start_time = data.start_time;
+    let mut seen: std::collections::HashSet<String> =
+        ephemeral_of(&manifest.borrow()).into_iter().map(|(c, _)| c.name).collect();
+    let uid = data.id.uid.clone();
+    data.waiters.spawn(async move {
+        let mut open = true;
+        let mut deadline_sent = false;
+        loop {
+            let deadline = {
+                let pod = manifest.borrow_and_update();
+                let added: Vec<_> = ephemeral_of(&pod).into_iter().filter(|(c, _)| !seen.contains(&c.name)).collect();
+                if !added.is_empty() {
+                    seen.extend(added.iter().map(|(c, _)| c.name.clone()));
+                    if sender.send(ContainerEvent::Ephemeral(added)).is_err() {
+                        return;
+                    }
+                }
+                pod.spec.as_ref().and_then(|s| s.active_deadline_seconds).filter(|_| !deadline_sent)
+            };
+            let sleep = deadline.map(|seconds| {
+                let at =
+                    start_time.checked_add(k8s_openapi::jiff::SignedDuration::from_secs(seconds)).unwrap_or(start_time);
+                let left = Timestamp::now().duration_until(at);
+                Instant::now() + Duration::try_from(left).unwrap_or_default()
+            });
+            tokio::select! {
+                changed = manifest.changed(), if open => {
+                    if changed.is_err() {
+                        open = false;
+                    }
+                }
+                () = sleep_until_or_forever(sleep) => {
+                    tracing::debug!(pod.uid = %uid, "activeDeadlineSeconds reached");
+                    deadline_sent = true;
+                    if sender.send(ContainerEvent::DeadlineExceeded).is_err() {
+                        return;
+                    }
+                }
+            }
+            if !open && deadline_sent {
+                return;
+            }
+        }
+    });
+}
+
+async fn sleep_until_or_forever(until: Option<Instant>) {
+    match until {
+        Some(until) => tokio::time::sleep_until(until).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The pod's ephemeral containers as containers, with their targets.
+fn ephemeral_of(pod: &k8s_openapi::api::core::v1::Pod) -> Vec<(k8s_openapi::api::core::v1::Container, Option<String>)> {
+    let Some(spec) = pod.spec.as_ref() else { return Vec::new() };
+    spec.ephemeral_containers
+        .iter()
+        .flatten()
+        .filter_map(|e| {
+            // The same fields under the same names, but the target.
+            let mut value = serde_json::to_value(e).ok()?;
+            if let Some(object) = value.as_object_mut() {
+                object.remove("targetContainerName");
+            }
+            let container = serde_json::from_value(value).ok()?;
+            Some((container, e.target_container_name.clone().filter(|t| !t.is_empty())))
+        })
+        .collect()
 }
 
 /// Records a probe's changed result; returns whether it counted.
@@ -320,7 +578,7 @@ pub fn record_start_failure(ctx: &mut Context<PodLifecycle>, name: &str, failure
             finished_at: Timestamp::now(),
             container_id: None,
         });
-        record.restart_count += 1;
+        record.restart_pending = true;
         record.phase = ContainerPhase::Waiting {
             reason: "CrashLoopBackOff".into(),
             message: Some(format!("back-off restarting failed container {name}: {}", failure.message)),
@@ -348,7 +606,7 @@ fn record_exit(data: &mut PodData, report: ExitReport) -> Option<String> {
         Ok(exit) => Terminated {
             exit_code: exit.exit_code,
             reason: exit.reason.unwrap_or_else(|| if exit.exit_code == 0 { "Completed" } else { "Error" }.to_owned()),
-            message: killed_by.or(exit.message),
+            message: join_messages(killed_by.or(exit.message), record.message_source.read(exit.exit_code)),
             started_at,
             finished_at: exit.finished_at,
             container_id: Some(report.id.clone()),
@@ -373,6 +631,15 @@ fn record_exit(data: &mut PodData, report: ExitReport) -> Option<String> {
     Some(report.container)
 }
 
+/// The runtime's word on an exit and the container's termination message,
+/// joined as upstream joins them (`<runtime's>: <container's>`).
+fn join_messages(runtime: Option<String>, container: Option<String>) -> Option<String> {
+    match (runtime, container) {
+        (Some(runtime), Some(container)) => Some(format!("{runtime}: {container}")),
+        (runtime, container) => runtime.or(container),
+    }
+}
+
 /// Marks a terminated container for a restart after its backoff; returns the
 /// delay.
 pub fn schedule_restart(ctx: &mut Context<PodLifecycle>, name: &str) -> Option<Duration> {
@@ -383,7 +650,7 @@ pub fn schedule_restart(ctx: &mut Context<PodLifecycle>, name: &str) -> Option<D
     if let ContainerPhase::Terminated(t) = &record.phase {
         record.last_terminated = Some(t.clone());
     }
-    record.restart_count += 1;
+    record.restart_pending = true;
     record.wants_start = true;
     Some(delay)
 }
@@ -407,6 +674,17 @@ pub async fn stop_all(ctx: &mut Context<PodLifecycle>, grace: Duration) -> Vec<S
         .filter(|c| c.is_running())
         .filter_map(|c| c.id.clone().map(|id| (c.spec.name.clone(), id)))
         .collect();
+    let specs: std::collections::HashMap<String, k8s_openapi::api::core::v1::Container> =
+        ctx.data.containers.values().map(|c| (c.spec.name.clone(), c.spec.clone())).collect();
+    let pod = Arc::clone(&ctx.data.pod);
+    let recorder = ctx.data.recorder.clone();
+    let address = ctx
+        .data
+        .pod_ips
+        .first()
+        .or(ctx.machine.config.host_ips.first())
+        .copied()
+        .unwrap_or(std::net::Ipv4Addr::LOCALHOST.into());
     for (name, _) in &running {
         ctx.data.recorder.pod(
             &ctx.data.pod,
@@ -421,7 +699,28 @@ pub async fn stop_all(ctx: &mut Context<PodLifecycle>, grace: Duration) -> Vec<S
     let spawn_stops = |stops: &mut tokio::task::JoinSet<_>, grace: Duration, hurried: bool| {
         for (name, id) in running.clone() {
             let provider = Arc::clone(&provider);
-            stops.spawn(async move { (name, hurried, provider.stop_container(&id, grace).await) });
+            // The first stop runs the preStop hook within the grace period
+            // and gives the stop what is left (at least 2 s); a hurried
+            // one only stops.
+            let hook = (!hurried)
+                .then(|| specs.get(&name).cloned())
+                .flatten()
+                .filter(|spec| super::hooks::Hook::PreStop.handler(spec).is_some() && !grace.is_zero());
+            let (pod, recorder) = (Arc::clone(&pod), recorder.clone());
+            stops.spawn(async move {
+                let mut grace = grace;
+                if let Some(spec) = hook {
+                    let began = Instant::now();
+                    let pre_stop = super::hooks::Hook::PreStop;
+                    if let Err(message) = super::hooks::run(pre_stop, &provider, &pod, &spec, &id, address, grace).await
+                    {
+                        tracing::warn!(container = %name, %message, "preStop hook failed");
+                        recorder.pod(&pod, Some(&name), EventType::Warning, pre_stop.failure_reason(), message);
+                    }
+                    grace = grace.saturating_sub(began.elapsed()).max(super::hooks::MIN_STOP_GRACE);
+                }
+                (name, hurried, provider.stop_container(&id, grace).await)
+            });
         }
     };
     spawn_stops(&mut stops, grace, false);

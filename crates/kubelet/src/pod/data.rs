@@ -87,6 +87,57 @@ pub struct ContainerRecord {
     /// The scheme of its IDs in the status (`containerd`), from its
     /// provider; empty: bare IDs.
     pub runtime: String,
+    /// It ended and starts again: the restart counts when the next
+    /// instance is made.
+    pub restart_pending: bool,
+    /// Where the running (or last) instance's termination message is read.
+    pub message_source: MessageSource,
+    /// An ephemeral container's `targetContainerName`: the container whose
+    /// process namespace it joins.
+    pub target: Option<String>,
+}
+
+/// Where a container's termination message comes from, as upstream reads
+/// it: the file mounted at its `terminationMessagePath` (at most 4 KiB),
+/// else, under `FallbackToLogsOnError` and a failed exit, the end of its
+/// log (the last 80 lines, at most 2 KiB).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MessageSource {
+    /// The termination-message file on the host.
+    pub file: Option<std::path::PathBuf>,
+    /// The instance's log, when its policy falls back to it.
+    pub log: Option<std::path::PathBuf>,
+}
+
+/// The most of a termination-message file that is read.
+pub const MAX_TERMINATION_MESSAGE: u64 = 4096;
+/// The most of a log's end that becomes a termination message…
+pub const MAX_TERMINATION_LOG_BYTES: usize = 2048;
+/// …and in lines.
+pub const MAX_TERMINATION_LOG_LINES: usize = 80;
+
+impl MessageSource {
+    /// The termination message of an instance that exited with `exit_code`.
+    pub fn read(&self, exit_code: i32) -> Option<String> {
+        use std::io::Read as _;
+        if let Some(file) = &self.file
+            && let Ok(opened) = std::fs::File::open(file)
+        {
+            let mut text = Vec::new();
+            if opened.take(MAX_TERMINATION_MESSAGE).read_to_end(&mut text).is_ok() && !text.is_empty() {
+                return Some(String::from_utf8_lossy(&text).into_owned());
+            }
+        }
+        let log = self.log.as_ref().filter(|_| exit_code != 0)?;
+        let raw = std::fs::read_to_string(log).ok()?;
+        let lines = crate::provider::decode_cri_log(&raw);
+        let tail = lines[lines.len().saturating_sub(MAX_TERMINATION_LOG_LINES)..].concat();
+        let mut end = tail.len().min(MAX_TERMINATION_LOG_BYTES);
+        while !tail.is_char_boundary(end) {
+            end -= 1;
+        }
+        Some(tail[..end].to_owned()).filter(|t| !t.is_empty())
+    }
 }
 
 /// A container's run as the API status recorded it before a node restart.
@@ -120,7 +171,8 @@ impl PreviousRun {
 }
 
 impl ContainerRecord {
-    fn new(kind: ContainerKind, spec: &Container) -> Self {
+    /// A record for a container of `kind` that has not run yet.
+    pub fn new(kind: ContainerKind, spec: &Container) -> Self {
         ContainerRecord {
             spec: spec.clone(),
             kind,
@@ -135,6 +187,9 @@ impl ContainerRecord {
             previous_run: None,
             probes: ProbeState::default(),
             runtime: String::new(),
+            restart_pending: false,
+            message_source: MessageSource::default(),
+            target: None,
         }
     }
 
@@ -152,6 +207,12 @@ impl ContainerRecord {
     /// Whether it is ready: started, and its readiness probe (if any) passed.
     pub fn is_ready(&self) -> bool {
         self.kind != ContainerKind::Init && self.has_started() && self.probes.ready != Some(false)
+    }
+
+    /// Whether its readiness counts for the pod's (ephemeral containers'
+    /// does not, nor does an init container's).
+    pub fn counts_for_readiness(&self) -> bool {
+        matches!(self.kind, ContainerKind::App | ContainerKind::RestartableInit)
     }
 
     /// Whether it ended with exit code 0.
@@ -198,7 +259,17 @@ pub enum ContainerEvent {
     Exit(ExitReport),
     /// A probe's result changed.
     Probe(ProbeReport),
+    /// Ephemeral containers were added to the pod (`kubectl debug`), with
+    /// the containers they target.
+    Ephemeral(Vec<(Container, Option<String>)>),
+    /// The pod's `activeDeadlineSeconds` ran out.
+    DeadlineExceeded,
 }
+
+/// The reason of a pod that ran past its `activeDeadlineSeconds`.
+pub const DEADLINE_EXCEEDED: &str = "DeadlineExceeded";
+/// …and its message (upstream's).
+pub const DEADLINE_MESSAGE: &str = "Pod was active on the node longer than the specified deadline";
 
 /// Where a running instance's probes stand.
 #[derive(Clone, Debug, Default)]

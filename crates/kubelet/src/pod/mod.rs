@@ -29,6 +29,8 @@ mod admission;
 mod backoff;
 mod containers;
 mod data;
+pub mod hooks;
+mod node_files;
 pub mod probe;
 pub mod quantity;
 mod run_options;
@@ -37,6 +39,7 @@ mod spec;
 mod states;
 mod status;
 mod store;
+pub mod sysctls;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -50,6 +53,7 @@ use tokio_util::sync::CancellationToken;
 pub use admission::{Allocatable, Rejection};
 pub use backoff::BackoffConfig;
 pub use data::{ContainerPhase, Terminated};
+pub use node_files::{MAX_HOSTNAME, hosts_file, pod_hostname, truncate_hostname};
 pub use quantity::{QuantityError, parse_milli, parse_units};
 pub use sources::{PodSource, SourcesReady};
 pub use spec::{DEFAULT_GRACE_PERIOD, PodIdentity, RestartPolicy};
@@ -86,6 +90,16 @@ pub struct PodConfig {
     /// The node's IPs: every pod's `hostIPs`, and its `podIPs` (pods run in
     /// the node's network). Empty: none reported.
     pub host_ips: Vec<std::net::IpAddr>,
+    /// The cluster's DNS domain (`--cluster-domain`), for the fully
+    /// qualified name in a pod's `/etc/hosts`; empty: none.
+    pub cluster_domain: String,
+    /// How often a running pod's configMap, secret, projected and
+    /// downwardAPI volumes are written again from the API objects (a
+    /// change of the pod's labels or annotations writes them at once).
+    pub volume_refresh: std::time::Duration,
+    /// Sysctls pods may set beyond the safe ones (`--allowed-unsafe-sysctls`:
+    /// names, or prefixes ending in `*`).
+    pub allowed_unsafe_sysctls: Vec<String>,
 }
 
 impl PodConfig {
@@ -102,6 +116,9 @@ impl PodConfig {
                 reset_after: std::time::Duration::MAX,
             },
             host_ips: Vec::new(),
+            cluster_domain: String::new(),
+            volume_refresh: std::time::Duration::from_secs(20),
+            allowed_unsafe_sysctls: Vec::new(),
         }
     }
 }
@@ -122,6 +139,9 @@ pub struct PodLifecycle {
     /// Resource claims: prepared through their DRA drivers, resolved
     /// through the API (`None`: pods with claims are refused).
     claims: Option<(crate::dra::DraClaims, Option<Arc<dyn crate::dra::ClaimSource>>)>,
+    /// The size of the root dir's file system: the default of an unset
+    /// `ephemeral-storage` limit in the downward API.
+    ephemeral_storage: u128,
 }
 
 impl PodLifecycle {
@@ -135,6 +155,7 @@ impl PodLifecycle {
             config.allocatable.pods = config.allocatable.pods.min(ceiling);
         }
         let volumes = VolumeManager::new(&config.root_dir);
+        let ephemeral_storage = crate::node::capacity::file_system_size(&config.root_dir).unwrap_or_default();
         PodLifecycle {
             config,
             provider,
@@ -145,6 +166,21 @@ impl PodLifecycle {
             adopted: Mutex::new(HashMap::new()),
             events: crate::events::EventRecorder::log_only(),
             claims: None,
+            ephemeral_storage,
+        }
+    }
+
+    /// What the downward API reads of `data`'s pod besides its spec: its
+    /// IPs (the node's when it has none of its own) and the node's
+    /// allocatable resources.
+    pub(crate) fn downward_context(&self, data: &data::PodData) -> crate::volume::DownwardContext {
+        let pod_ips = if data.pod_ips.is_empty() { self.config.host_ips.clone() } else { data.pod_ips.clone() };
+        crate::volume::DownwardContext {
+            pod_ips,
+            host_ips: self.config.host_ips.clone(),
+            allocatable_cpu_milli: self.config.allocatable.cpu_milli,
+            allocatable_memory: self.config.allocatable.memory,
+            allocatable_ephemeral_storage: self.ephemeral_storage,
         }
     }
 

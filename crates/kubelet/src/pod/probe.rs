@@ -12,8 +12,10 @@
 //! restart policy decides what comes next, as for any exit.
 //!
 //! Probes go only to the pod itself: its own IP when its provider gave it a
-//! network of its own, else loopback (host-network pods, WebAssembly pods).
-//! A `host` naming anything else is refused with a clear message.
+//! network of its own, else loopback (host-network pods, WebAssembly pods);
+//! a host-network pod's own addresses are every node IP too (kubeadm's API
+//! server probes the advertise address). A `host` naming anything else is
+//! refused with a clear message.
 //!
 //! A probe that cannot run at all (a named port the container does not
 //! declare, a provider that cannot exec) is an error, not a failure: the
@@ -154,7 +156,7 @@ impl ProbeSpec {
 
 /// A port as a probe names it: a number, or the name of one of the
 /// container's ports.
-fn port(port: &IntOrString, container: &Container) -> Result<u16, String> {
+pub(crate) fn port(port: &IntOrString, container: &Container) -> Result<u16, String> {
     match port {
         IntOrString::Int(n) => u16::try_from(*n).ok().filter(|n| *n > 0).ok_or_else(|| format!("invalid port {n}")),
         IntOrString::String(name) => {
@@ -220,6 +222,9 @@ pub struct Target {
     pub id: ContainerId,
     /// The pod's address: its own IP, else loopback.
     pub address: IpAddr,
+    /// Other addresses that are the pod's own (a host-network pod's: the
+    /// node's IPs).
+    pub also: Vec<IpAddr>,
 }
 
 impl Target {
@@ -232,7 +237,7 @@ impl Target {
             host.trim_matches(['[', ']']).parse::<IpAddr>().map_err(|_| host.to_owned())
         };
         match named {
-            Ok(ip) if ip == self.address => Ok(ip),
+            Ok(ip) if ip == self.address || self.also.contains(&ip) => Ok(ip),
             _ => Err(format!(
                 "probe host {host:?} is not this pod's address {}: probes go only to the pod itself",
                 self.address
@@ -314,6 +319,19 @@ struct HttpRequest<'a> {
     addr: SocketAddr,
     host_header: String,
     headers: &'a [(String, String)],
+}
+
+/// One GET of `path` at `addr` (a lifecycle hook's): the status, or why
+/// there was none. Certificates are not checked for HTTPS, as upstream.
+pub(crate) async fn get_status(
+    https: bool,
+    addr: SocketAddr,
+    host_header: String,
+    headers: &[(String, String)],
+    path: &str,
+) -> Result<u16, String> {
+    let request = HttpRequest { https, addr, host_header, headers };
+    get(&request, path).await.map(|response| response.status().as_u16())
 }
 
 /// GETs `path`, following up to 10 redirects within the same host.

@@ -1,13 +1,21 @@
 //! One container's run options: the spec's command, env and volume mounts,
 //! merged with what its devices add.
+//!
+//! Env as upstream builds it: the services' link variables first (when
+//! `enableServiceLinks`; the API server's own `kubernetes` service always),
+//! then `envFrom`, then `env` (each value's `$(VAR)` references expanded
+//! against what came before; `fieldRef` and `resourceFieldRef` from the
+//! downward API). `command` and `args` have their `$(VAR)` references
+//! expanded against the container's env, and so has a mount's
+//! `subPathExpr`.
 
 use std::path::PathBuf;
 
-use k8s_openapi::api::core::v1::{Container, Pod};
+use k8s_openapi::api::core::v1::{Container, Pod, Service};
 
 use crate::device_manager::RunOptions;
 use crate::provider::{ContainerRunOptions, EnvVar, Mount};
-use crate::volume::{EnvObjects, ObjectKind, PodVolumes, field_value};
+use crate::volume::{DownwardContext, EnvObjects, ObjectKind, PodVolumes, field_value, resource_value};
 
 /// Why a container's configuration cannot be run
 /// (`CreateContainerConfigError`).
@@ -15,15 +23,29 @@ use crate::volume::{EnvObjects, ObjectKind, PodVolumes, field_value};
 #[error("{0}")]
 pub struct ConfigError(pub String);
 
+/// What a container's env reads besides its spec.
+#[derive(Clone, Copy, Debug)]
+pub struct EnvSources<'a> {
+    /// The ConfigMaps and Secrets it references (`None`: no API).
+    pub objects: Option<&'a EnvObjects>,
+    /// The services whose link variables it gets (already chosen: the
+    /// pod's namespace's when it enables service links, and the API
+    /// server's own).
+    pub services: &'a [Service],
+    /// The downward API's pod IPs and node resources.
+    pub downward: &'a DownwardContext,
+}
+
 /// Builds the run options of `container`.
 pub fn build(
     pod: &Pod,
     container: &Container,
     volumes: &PodVolumes,
     devices: &RunOptions,
-    objects: Option<&EnvObjects>,
+    sources: EnvSources<'_>,
 ) -> Result<ContainerRunOptions, ConfigError> {
-    let mut env: Vec<EnvVar> = Vec::new();
+    let objects = sources.objects;
+    let mut env: Vec<EnvVar> = service_env(sources.services);
     let namespace = pod.metadata.namespace.as_deref().unwrap_or("default");
     // envFrom first: env entries override what it brings.
     for from in container.env_from.iter().flatten() {
@@ -55,9 +77,11 @@ pub fn build(
                     (None, None) => None,
                 };
                 if let Some(field) = &from.field_ref {
-                    field_value(pod, &field.field_path).ok_or_else(|| {
-                        ConfigError(format!("env {:?}: unsupported fieldRef {:?}", var.name, field.field_path))
-                    })?
+                    field_value(pod, &field.field_path, sources.downward)
+                        .map_err(|e| ConfigError(format!("env {:?}: {e}", var.name)))?
+                } else if let Some(resource) = &from.resource_field_ref {
+                    resource_value(pod, Some(&container.name), resource, sources.downward)
+                        .map_err(|e| ConfigError(format!("env {:?}: {e}", var.name)))?
                 } else if let Some((kind, name, key, optional)) = key_ref {
                     let Some(objects) = objects else {
                         return Err(ConfigError(format!(
@@ -98,17 +122,25 @@ pub fn build(
             return Err(ConfigError(format!("volumeMount {:?}: the pod has no such volume", mount.name)));
         };
         let mut host_path: PathBuf = volume.host_path.clone();
-        if let Some(sub) = mount.sub_path.as_deref().filter(|s| !s.is_empty()) {
+        let expanded = mount.sub_path_expr.as_deref().filter(|s| !s.is_empty()).map(|e| expand(e, &env));
+        if let Some(sub) = expanded.as_deref().or(mount.sub_path.as_deref()).filter(|s| !s.is_empty()) {
             if sub.starts_with('/') || sub.split('/').any(|p| p == "..") {
                 return Err(ConfigError(format!(
                     "volumeMount {:?}: subPath {sub:?} must stay inside the volume",
                     mount.name
                 )));
             }
+            let volume_root = host_path.clone();
             host_path = host_path.join(sub);
             if !host_path.exists() {
-                std::fs::create_dir_all(&host_path)
-                    .map_err(|e| ConfigError(format!("volumeMount {:?}: subPath {sub:?}: {e}", mount.name)))?;
+                let failed =
+                    |e: std::io::Error| ConfigError(format!("volumeMount {:?}: subPath {sub:?}: {e}", mount.name));
+                std::fs::create_dir_all(&host_path).map_err(failed)?;
+                // As upstream, with the volume's own mode (an emptyDir's
+                // 0777), so that the container's user can write it.
+                if let Ok(meta) = std::fs::metadata(&volume_root) {
+                    let _ = std::fs::set_permissions(&host_path, meta.permissions());
+                }
             }
         }
         mounts.push(Mount {
@@ -126,9 +158,12 @@ pub fn build(
             volume: None,
         });
     }
+    let expand_all =
+        |list: &Option<Vec<String>>| list.iter().flatten().map(|item| expand(item, &env)).collect::<Vec<String>>();
+    let (command, args) = (expand_all(&container.command), expand_all(&container.args));
     Ok(ContainerRunOptions {
-        command: container.command.clone().unwrap_or_default(),
-        args: container.args.clone().unwrap_or_default(),
+        command,
+        args,
         working_dir: container.working_dir.clone(),
         env,
         mounts,
@@ -136,6 +171,48 @@ pub fn build(
         annotations: devices.annotations.clone(),
         cdi_devices: devices.cdi_devices.clone(),
     })
+}
+
+/// The link variables of `services`, as upstream names them
+/// (`<NAME>_SERVICE_HOST`, `<NAME>_SERVICE_PORT[_<PORT NAME>]`, and the
+/// docker-link `<NAME>_PORT…` family). Services without a cluster IP (and
+/// headless ones) have none.
+pub fn service_env(services: &[Service]) -> Vec<EnvVar> {
+    let mut env = Vec::new();
+    let name_of = |text: &str| text.replace('-', "_").to_uppercase();
+    let mut push = |name: String, value: String| env.push(EnvVar { name, value });
+    for service in services {
+        let Some(spec) = service.spec.as_ref() else { continue };
+        let Some(ip) = spec.cluster_ip.as_deref().filter(|ip| !ip.is_empty() && *ip != "None") else { continue };
+        let prefix = name_of(service.metadata.name.as_deref().unwrap_or_default());
+        let ports = spec.ports.as_deref().unwrap_or_default();
+        push(format!("{prefix}_SERVICE_HOST"), ip.to_owned());
+        if let Some(first) = ports.first() {
+            push(format!("{prefix}_SERVICE_PORT"), first.port.to_string());
+        }
+        for port in ports {
+            if let Some(port_name) = port.name.as_deref().filter(|n| !n.is_empty()) {
+                push(format!("{prefix}_SERVICE_PORT_{}", name_of(port_name)), port.port.to_string());
+            }
+        }
+        let host = match ip.parse::<std::net::IpAddr>() {
+            Ok(std::net::IpAddr::V6(v6)) => format!("[{v6}]"),
+            _ => ip.to_owned(),
+        };
+        for (i, port) in ports.iter().enumerate() {
+            let protocol = port.protocol.as_deref().unwrap_or("TCP");
+            let url = format!("{}://{host}:{}", protocol.to_lowercase(), port.port);
+            if i == 0 {
+                push(format!("{prefix}_PORT"), url.clone());
+            }
+            let port_prefix = format!("{prefix}_PORT_{}_{}", port.port, protocol.to_uppercase());
+            push(port_prefix.clone(), url);
+            push(format!("{port_prefix}_PROTO"), protocol.to_lowercase());
+            push(format!("{port_prefix}_PORT"), port.port.to_string());
+            push(format!("{port_prefix}_ADDR"), ip.to_owned());
+        }
+    }
+    env
 }
 
 fn set(env: &mut Vec<EnvVar>, name: &str, value: String) {
@@ -182,5 +259,90 @@ mod tests {
     fn references_to_earlier_variables_expand() {
         let env = vec![EnvVar { name: "A".into(), value: "x".into() }];
         assert_eq!(expand("$(A)-$(B)-$$(A)-$", &env), "x-$(B)-$(A)-$");
+    }
+
+    fn pod(spec: serde_json::Value) -> Pod {
+        serde_json::from_value(
+            serde_json::json!({"metadata": {"name": "p", "namespace": "ns", "uid": "u"}, "spec": spec}),
+        )
+        .expect("pod")
+    }
+
+    fn options(pod: &Pod, services: &[Service]) -> Result<ContainerRunOptions, ConfigError> {
+        let context = DownwardContext {
+            pod_ips: vec!["10.1.2.3".parse().expect("ip")],
+            host_ips: vec!["192.0.2.7".parse().expect("ip")],
+            allocatable_cpu_milli: 4000,
+            allocatable_memory: 8 << 30,
+            allocatable_ephemeral_storage: 0,
+        };
+        let container = &pod.spec.as_ref().expect("spec").containers[0];
+        let sources = EnvSources { objects: None, services, downward: &context };
+        build(pod, container, &PodVolumes::new(), &RunOptions::default(), sources)
+    }
+
+    #[test]
+    fn command_and_args_expand_the_containers_env() {
+        let pod = pod(serde_json::json!({"containers": [{
+            "name": "c", "command": ["sh", "-c", "echo $(TEST_VAR)"], "args": ["$(TEST_VAR)", "$$(TEST_VAR)", "$(NONE)"],
+            "env": [{"name": "TEST_VAR", "value": "test-value"}],
+        }]}));
+        let options = options(&pod, &[]).expect("options");
+        assert_eq!(options.command, ["sh", "-c", "echo test-value"]);
+        assert_eq!(options.args, ["test-value", "$(TEST_VAR)", "$(NONE)"]);
+    }
+
+    #[test]
+    fn env_reads_pod_and_host_ips_and_resources() {
+        let pod = pod(serde_json::json!({"containers": [{
+            "name": "c",
+            "resources": {"limits": {"memory": "64Mi"}, "requests": {"cpu": "250m"}},
+            "env": [
+                {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                {"name": "HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}},
+                {"name": "CPU_LIMIT", "valueFrom": {"resourceFieldRef": {"resource": "limits.cpu"}}},
+                {"name": "CPU_REQUEST_M", "valueFrom": {"resourceFieldRef": {"resource": "requests.cpu", "divisor": "1m"}}},
+                {"name": "MEMORY_LIMIT", "valueFrom": {"resourceFieldRef": {"resource": "limits.memory"}}},
+                {"name": "BAD", "valueFrom": {"fieldRef": {"fieldPath": "status.phase"}}},
+            ],
+        }]}));
+        let error = options(&pod, &[]).expect_err("status.phase is refused");
+        assert_eq!(error.to_string(), "env \"BAD\": unsupported fieldRef \"status.phase\"");
+        let mut pod = pod;
+        pod.spec.as_mut().expect("spec").containers[0].env.as_mut().expect("env").pop();
+        let options = options(&pod, &[]).expect("options");
+        let value = |name| options.env_value(name).map(str::to_owned);
+        assert_eq!(value("POD_IP").as_deref(), Some("10.1.2.3"));
+        assert_eq!(value("HOST_IP").as_deref(), Some("192.0.2.7"));
+        assert_eq!(value("CPU_LIMIT").as_deref(), Some("4"), "an unset limit is the node's allocatable");
+        assert_eq!(value("CPU_REQUEST_M").as_deref(), Some("250"));
+        assert_eq!(value("MEMORY_LIMIT").as_deref(), Some("67108864"));
+    }
+
+    #[test]
+    fn services_give_link_variables_that_env_overrides() {
+        let service: Service = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "fooservice", "namespace": "ns"},
+            "spec": {"clusterIP": "10.0.0.11", "ports": [{"port": 8765, "protocol": "TCP", "name": "http-port"}]},
+        }))
+        .expect("service");
+        let headless: Service = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "headless"}, "spec": {"clusterIP": "None", "ports": [{"port": 1}]},
+        }))
+        .expect("service");
+        let pod = pod(serde_json::json!({"containers": [{
+            "name": "c", "env": [{"name": "FOOSERVICE_SERVICE_PORT", "value": "own"},
+                                 {"name": "URL", "value": "$(FOOSERVICE_PORT)"}],
+        }]}));
+        let options = options(&pod, &[service, headless]).expect("options");
+        let value = |name| options.env_value(name).map(str::to_owned);
+        assert_eq!(value("FOOSERVICE_SERVICE_HOST").as_deref(), Some("10.0.0.11"));
+        assert_eq!(value("FOOSERVICE_SERVICE_PORT").as_deref(), Some("own"));
+        assert_eq!(value("FOOSERVICE_SERVICE_PORT_HTTP_PORT").as_deref(), Some("8765"));
+        assert_eq!(value("FOOSERVICE_PORT_8765_TCP").as_deref(), Some("tcp://10.0.0.11:8765"));
+        assert_eq!(value("FOOSERVICE_PORT_8765_TCP_PROTO").as_deref(), Some("tcp"));
+        assert_eq!(value("FOOSERVICE_PORT_8765_TCP_ADDR").as_deref(), Some("10.0.0.11"));
+        assert_eq!(value("URL").as_deref(), Some("tcp://10.0.0.11:8765"));
+        assert!(value("HEADLESS_SERVICE_HOST").is_none());
     }
 }

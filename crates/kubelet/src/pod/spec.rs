@@ -145,6 +145,9 @@ pub fn pod_requests(pod: &Pod) -> Result<PodRequests, QuantityError> {
                 long_running.cpu_milli += requests.cpu_milli;
                 long_running.memory += requests.memory;
             }
+            // (Ephemeral containers have no resources; `containers` never
+            // lists them.)
+            ContainerKind::Ephemeral => {}
         }
     }
     Ok(PodRequests {

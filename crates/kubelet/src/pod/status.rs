@@ -53,6 +53,7 @@ pub fn pod_status(data: &PodData, stage: Stage) -> PodStatus {
     let init: Vec<&ContainerRecord> =
         data.ordered().filter(|c| matches!(c.kind, ContainerKind::Init | ContainerKind::RestartableInit)).collect();
     let apps: Vec<&ContainerRecord> = data.ordered().filter(|c| c.kind == ContainerKind::App).collect();
+    let ephemeral: Vec<&ContainerRecord> = data.ordered().filter(|c| c.kind == ContainerKind::Ephemeral).collect();
     // A pod the API showed started before a node restart: its containers
     // ran, so it is Running while the node takes it on again (its phase
     // never goes back to Pending).
@@ -81,11 +82,8 @@ pub fn pod_status(data: &PodData, stage: Stage) -> PodStatus {
         }
     };
     let now = Timestamp::now();
-    let unready: Vec<&str> = data
-        .ordered()
-        .filter(|c| c.kind != ContainerKind::Init && !c.is_ready())
-        .map(|c| c.spec.name.as_str())
-        .collect();
+    let unready: Vec<&str> =
+        data.ordered().filter(|c| c.counts_for_readiness() && !c.is_ready()).map(|c| c.spec.name.as_str()).collect();
     let unready_apps_or_sidecars = !unready.is_empty();
     let uninitialized: Vec<&str> = init
         .iter()
@@ -96,6 +94,7 @@ pub fn pod_status(data: &PodData, stage: Stage) -> PodStatus {
         .map(|c| c.spec.name.as_str())
         .collect();
     let succeeded_pod = phase == "Succeeded";
+    let has_init_containers = init.iter().any(|c| c.kind == ContainerKind::Init);
     let mut conditions = vec![condition("PodScheduled", true, None, None, now)];
     conditions.push(condition("PodReadyToStartContainers", data.volumes_ready, None, None, now));
     let initialized = data.initialized || succeeded_pod;
@@ -131,8 +130,11 @@ pub fn pod_status(data: &PodData, stage: Stage) -> PodStatus {
         reason: data.verdict.as_ref().and_then(|v| v.reason.clone()),
         message: data.verdict.as_ref().and_then(|v| v.message.clone()).or_else(|| data.pending_message.clone()),
         conditions: Some(conditions),
-        init_container_statuses: (!init.is_empty()).then(|| init.iter().map(|c| container_status(c)).collect()),
-        container_statuses: Some(apps.iter().map(|c| container_status(c)).collect()),
+        init_container_statuses: (!init.is_empty())
+            .then(|| init.iter().map(|c| container_status(c, has_init_containers)).collect()),
+        container_statuses: Some(apps.iter().map(|c| container_status(c, has_init_containers)).collect()),
+        ephemeral_container_statuses: (!ephemeral.is_empty())
+            .then(|| ephemeral.iter().map(|c| container_status(c, false)).collect()),
         start_time: Some(Time(data.start_time)),
         qos_class: Some(qos_class(data).to_owned()),
         // The pod's own network, if its provider gave it one; else the
@@ -177,12 +179,22 @@ fn terminated_state(t: &Terminated, runtime: &str) -> ContainerState {
     }
 }
 
-fn container_status(c: &ContainerRecord) -> ContainerStatus {
+/// A container's status. As upstream: in a pod with init containers, a
+/// container that waits for nothing but its turn says `PodInitializing`
+/// (not `ContainerCreating`); an init container that completed is ready.
+fn container_status(c: &ContainerRecord, has_init_containers: bool) -> ContainerStatus {
     let state = match &c.phase {
-        ContainerPhase::Waiting { reason, message } => ContainerState {
-            waiting: Some(ContainerStateWaiting { reason: Some(reason.clone()), message: message.clone() }),
-            ..ContainerState::default()
-        },
+        ContainerPhase::Waiting { reason, message } => {
+            let reason = if has_init_containers && reason == "ContainerCreating" && message.is_none() {
+                "PodInitializing".to_owned()
+            } else {
+                reason.clone()
+            };
+            ContainerState {
+                waiting: Some(ContainerStateWaiting { reason: Some(reason), message: message.clone() }),
+                ..ContainerState::default()
+            }
+        }
         ContainerPhase::Running { started_at } => ContainerState {
             running: Some(ContainerStateRunning { started_at: Some(Time(*started_at)) }),
             ..ContainerState::default()
@@ -194,7 +206,11 @@ fn container_status(c: &ContainerRecord) -> ContainerStatus {
         image: c.spec.image.clone().unwrap_or_default(),
         image_id: c.image_id.clone().unwrap_or_default(),
         container_id: c.id.as_ref().map(|id| shown_id(&c.runtime, id)),
-        ready: c.is_ready(),
+        ready: match c.kind {
+            ContainerKind::Init => c.succeeded(),
+            ContainerKind::Ephemeral => false,
+            _ => c.is_ready(),
+        },
         started: Some(c.has_started()),
         restart_count: i32::try_from(c.restart_count).unwrap_or(i32::MAX),
         state: Some(state),

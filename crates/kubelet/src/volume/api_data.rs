@@ -14,17 +14,22 @@
 //!
 //! [`pull_secrets`] reads a pod's `imagePullSecrets` for its image pulls.
 //!
-//! Not done: refreshing the files when the objects change (upstream syncs
-//! them about every minute), renewing tokens before they expire, secrets
-//! on tmpfs (they are written to the pod's directory).
+//! The files are written with the kubelet's atomic layout (see
+//! [`super::atomic_writer`]) and written again while the pod runs (see
+//! [`super::VolumeManager::refresh`]): a changed object, or an optional
+//! one created later, reaches the running containers.
+//!
+//! Not done: renewing tokens before they expire, secrets on tmpfs (they
+//! are written to the pod's directory).
 
 use std::collections::BTreeMap;
-use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
 
 use k8s_openapi::api::core::v1::{KeyToPath, Pod, VolumeProjection};
 
 use super::VolumeError;
+use super::atomic_writer::{FileData, Payload};
+use super::downward_api::DownwardContext;
 
 /// The kinds of object a pod may reference.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -65,13 +70,42 @@ pub trait ApiObjects: Send + Sync + 'static {
         audience: Option<&str>,
         expiration_seconds: i64,
     ) -> Result<String, String>;
+
+    /// The services of `namespace`, for the link variables of a container's
+    /// env; by default none.
+    async fn services(&self, namespace: &str) -> Result<Vec<k8s_openapi::api::core::v1::Service>, String> {
+        let _ = namespace;
+        Ok(Vec::new())
+    }
 }
 
-/// A file to write: relative path, content, mode.
-struct File {
-    path: String,
-    content: Vec<u8>,
-    mode: u32,
+/// The services whose link variables `pod`'s containers get, as upstream
+/// chooses them: those of the pod's namespace when it enables service
+/// links (the default), and the API server's own `kubernetes` service of
+/// `default` always. A listing that fails is logged and gives none (a
+/// container does not wait on it).
+pub async fn link_services(objects: &dyn ApiObjects, pod: &Pod) -> Vec<k8s_openapi::api::core::v1::Service> {
+    let namespace = pod.metadata.namespace.as_deref().unwrap_or("default");
+    let links = pod.spec.as_ref().and_then(|s| s.enable_service_links).unwrap_or(true);
+    let mut chosen: BTreeMap<String, k8s_openapi::api::core::v1::Service> = BTreeMap::new();
+    let list = |namespace: &str, services: Result<Vec<k8s_openapi::api::core::v1::Service>, String>| match services {
+        Ok(services) => services,
+        Err(error) => {
+            tracing::warn!(%namespace, %error, "cannot list services for the containers' link variables");
+            Vec::new()
+        }
+    };
+    for service in list("default", objects.services("default").await) {
+        if service.metadata.name.as_deref() == Some("kubernetes") {
+            chosen.insert("kubernetes".into(), service);
+        }
+    }
+    if links {
+        for service in list(namespace, objects.services(namespace).await) {
+            chosen.insert(service.metadata.name.clone().unwrap_or_default(), service);
+        }
+    }
+    chosen.into_values().collect()
 }
 
 fn invalid(volume: &str, reason: String) -> VolumeError {
@@ -100,26 +134,25 @@ async fn object_files(
     namespace: &str,
     source: ObjectRef<'_>,
     default_mode: u32,
-) -> Result<Vec<File>, VolumeError> {
+) -> Result<Payload, VolumeError> {
     let ObjectRef { kind, name, items, optional } = source;
     let optional = optional.unwrap_or(false);
     let data = objects.data(kind, namespace, name).await.map_err(|e| invalid(volume, e))?;
     let Some(data) = data else {
         if optional {
-            return Ok(Vec::new());
+            return Ok(Payload::new());
         }
         return Err(invalid(volume, format!("{} \"{name}\" not found", kind.noun())));
     };
-    let mut files = Vec::new();
+    let mut files = Payload::new();
     match items {
         Some(items) if !items.is_empty() => {
             for item in items {
                 match data.get(&item.key) {
-                    Some(content) => files.push(File {
-                        path: item.path.clone(),
-                        content: content.clone(),
-                        mode: item.mode.map_or(default_mode, |m| m as u32),
-                    }),
+                    Some(content) => {
+                        let mode = item.mode.map_or(default_mode, |m| m as u32);
+                        files.insert(item.path.clone(), FileData { content: content.clone(), mode });
+                    }
                     None if optional => {}
                     None => {
                         return Err(invalid(
@@ -132,48 +165,27 @@ async fn object_files(
         }
         _ => {
             for (key, content) in data {
-                files.push(File { path: key, content, mode: default_mode });
+                files.insert(key, FileData { content, mode: default_mode });
             }
         }
     }
     Ok(files)
 }
 
-/// Writes `files` into `dir` (each whole, then renamed into place).
-fn write_files(volume: &str, dir: &Path, files: &[File]) -> Result<(), VolumeError> {
-    let io = |path: &Path, source: std::io::Error| VolumeError::Io {
-        volume: volume.to_owned(),
-        path: path.to_owned(),
-        source,
-    };
-    std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
-    for file in files {
-        if file.path.starts_with('/') || file.path.split('/').any(|part| part == ".." || part.is_empty()) {
-            return Err(invalid(volume, format!("path {:?} must be relative and must not contain '..'", file.path)));
-        }
-        let target = dir.join(&file.path);
-        if let Some(parent) = target.parent() {
-            std::fs::create_dir_all(parent).map_err(|e| io(parent, e))?;
-        }
-        let partial = target.with_extension("partial");
-        std::fs::write(&partial, &file.content).map_err(|e| io(&partial, e))?;
-        std::fs::set_permissions(&partial, std::fs::Permissions::from_mode(file.mode & 0o777))
-            .map_err(|e| io(&partial, e))?;
-        std::fs::rename(&partial, &target).map_err(|e| io(&target, e))?;
-    }
-    Ok(())
-}
-
 fn mode(mode: Option<i32>) -> u32 {
     mode.map_or(0o644, |m| m as u32)
 }
 
-/// Prepares a `configMap`, `secret` or `projected` volume of `pod` in `dir`.
+/// Prepares a `configMap`, `secret` or `projected` volume of `pod` in `dir`
+/// (or writes it again with what the objects hold now); its files belong
+/// to `fs_group` when the pod has one.
 pub async fn prepare(
     objects: &dyn ApiObjects,
     pod: &Pod,
     volume: &k8s_openapi::api::core::v1::Volume,
     dir: &Path,
+    context: &DownwardContext,
+    fs_group: Option<u32>,
 ) -> Result<PathBuf, VolumeError> {
     let namespace = pod.metadata.namespace.as_deref().unwrap_or("default");
     let name = volume.name.as_str();
@@ -186,7 +198,7 @@ pub async fn prepare(
             let name = secret.secret_name.as_deref().unwrap_or_default();
             Some(ObjectRef::new(ObjectKind::Secret, name, &secret.items, secret.optional))
         });
-    let mut files = Vec::new();
+    let mut files = Payload::new();
     if let Some(object) = object {
         let default_mode = volume.config_map.as_ref().and_then(|c| c.default_mode);
         let default_mode = mode(default_mode.or_else(|| volume.secret.as_ref().and_then(|s| s.default_mode)));
@@ -194,10 +206,10 @@ pub async fn prepare(
     } else if let Some(projected) = &volume.projected {
         let default_mode = mode(projected.default_mode);
         for source in projected.sources.iter().flatten() {
-            files.extend(projection(objects, pod, name, namespace, source, default_mode).await?);
+            files.extend(projection(objects, pod, name, namespace, source, default_mode, context).await?);
         }
     }
-    write_files(name, dir, &files)?;
+    super::atomic_writer::write(name, dir, &files, fs_group)?;
     Ok(dir.to_owned())
 }
 
@@ -208,7 +220,8 @@ async fn projection(
     namespace: &str,
     source: &VolumeProjection,
     default_mode: u32,
-) -> Result<Vec<File>, VolumeError> {
+    context: &DownwardContext,
+) -> Result<Payload, VolumeError> {
     let object = source
         .config_map
         .as_ref()
@@ -218,16 +231,8 @@ async fn projection(
         return object_files(objects, volume, namespace, object, default_mode).await;
     }
     if let Some(downward) = &source.downward_api {
-        let mut files = Vec::new();
-        for item in downward.items.iter().flatten() {
-            let field = item.field_ref.as_ref().ok_or_else(|| {
-                invalid(volume, format!("item {:?}: only fieldRef is supported in projections", item.path))
-            })?;
-            let value = super::field_value(pod, &field.field_path)
-                .ok_or_else(|| invalid(volume, format!("unsupported fieldRef {:?}", field.field_path)))?;
-            files.push(File { path: item.path.clone(), content: value.into_bytes(), mode: mode(item.mode) });
-        }
-        return Ok(files);
+        let items = downward.items.as_deref().unwrap_or_default();
+        return super::downward_api::files(volume, items, pod, context, default_mode);
     }
     if let Some(token) = &source.service_account_token {
         let expiration = token.expiration_seconds.unwrap_or(3600);
@@ -238,9 +243,10 @@ async fn projection(
             .service_account_token(pod, token.audience.as_deref(), expiration)
             .await
             .map_err(|e| invalid(volume, e))?;
-        return Ok(vec![File { path: token.path.clone(), content: text.into_bytes(), mode: default_mode }]);
+        let file = FileData { content: text.into_bytes(), mode: default_mode };
+        return Ok(Payload::from([(token.path.clone(), file)]));
     }
-    Ok(Vec::new())
+    Ok(Payload::new())
 }
 
 /// The objects a container's env references, fetched: (kind, name) → data

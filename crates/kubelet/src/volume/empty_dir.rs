@@ -1,6 +1,9 @@
 //! `emptyDir` volumes: a directory per pod under the pod's volume dir,
 //! removed with the pod; `medium: Memory` is a tmpfs where the node may
-//! mount one.
+//! mount one. As upstream, the directory is world-writable (0777), so that
+//! containers running as any user can write it; with a pod `fsGroup` it
+//! belongs to that group and is set-group-ID, so what is created in it does
+//! too.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -8,13 +11,17 @@ use std::process::Command;
 use super::VolumeError;
 
 /// Creates the volume's directory (a tmpfs for `medium: Memory`, when the
-/// node can mount; otherwise a plain directory and a warning).
-pub fn prepare(volume: &str, dir: &Path, memory: bool, size_limit: Option<&str>) -> Result<PathBuf, VolumeError> {
-    std::fs::create_dir_all(dir).map_err(|source| VolumeError::Io {
-        volume: volume.to_owned(),
-        path: dir.to_owned(),
-        source,
-    })?;
+/// node can mount; otherwise a plain directory and a warning), mode 0777,
+/// in `fs_group` when the pod has one.
+pub fn prepare(
+    volume: &str,
+    dir: &Path,
+    memory: bool,
+    size_limit: Option<&str>,
+    fs_group: Option<u32>,
+) -> Result<PathBuf, VolumeError> {
+    let io = |source: std::io::Error| VolumeError::Io { volume: volume.to_owned(), path: dir.to_owned(), source };
+    std::fs::create_dir_all(dir).map_err(io)?;
     if memory && !is_mount_point(dir) {
         let mut options = "mode=0777".to_owned();
         if let Some(limit) = size_limit {
@@ -37,6 +44,13 @@ pub fn prepare(volume: &str, dir: &Path, memory: bool, size_limit: Option<&str>)
             ),
         }
     }
+    // The umask narrowed what create_dir_all made: set the mode itself.
+    let mut mode = 0o777;
+    if let Some(gid) = fs_group {
+        std::os::unix::fs::chown(dir, None, Some(gid)).map_err(io)?;
+        mode |= 0o2000;
+    }
+    std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(mode)).map_err(io)?;
     Ok(dir.to_owned())
 }
 
@@ -74,4 +88,31 @@ pub(crate) fn is_mount_point(dir: &Path) -> bool {
         return false;
     };
     own.dev() != parent.dev()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
+
+    use super::*;
+
+    #[test]
+    fn the_directory_is_world_writable_whatever_the_umask() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let dir = root.path().join("v");
+        prepare("v", &dir, false, None, None).expect("prepare");
+        assert_eq!(std::fs::metadata(&dir).expect("meta").permissions().mode() & 0o7777, 0o777);
+    }
+
+    #[test]
+    fn an_fs_group_owns_the_directory_and_is_inherited() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let dir = root.path().join("v");
+        // Our own group: chown to it works without privileges.
+        let gid = std::fs::metadata(root.path()).expect("meta").gid();
+        prepare("v", &dir, false, None, Some(gid)).expect("prepare");
+        let meta = std::fs::metadata(&dir).expect("meta");
+        assert_eq!(meta.permissions().mode() & 0o7777, 0o2777);
+        assert_eq!(meta.gid(), gid);
+    }
 }

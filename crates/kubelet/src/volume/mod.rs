@@ -15,6 +15,7 @@
 //! [`CsiVolumes`] (see [`csi`] for the sequence).
 
 pub mod api_data;
+pub mod atomic_writer;
 pub mod csi;
 mod downward_api;
 mod empty_dir;
@@ -30,7 +31,7 @@ use k8s_openapi::api::core::v1::{Pod, Volume};
 
 pub use api_data::{ApiObjects, EnvObjects, ObjectKind};
 pub use csi::{ClaimedVolume, CsiDriverObjects, CsiMount, CsiVolumes, StaticClaims, VolumeClaims};
-pub use downward_api::field_value;
+pub use downward_api::{DownwardContext, DownwardError, field_value, resource_value};
 pub use host_path::HostPathType;
 
 /// Why a pod volume could not be prepared or torn down.
@@ -219,9 +220,16 @@ impl VolumeManager {
 
     /// Prepares every volume of `pod`. What was prepared before an error is
     /// in `prepared` (for [`teardown`](Self::teardown)); calling again after
-    /// an error prepares the rest.
-    pub async fn prepare(&self, pod: &Pod, prepared: &mut PodVolumes) -> Result<(), VolumeError> {
+    /// an error prepares the rest. `context` is what downward API items
+    /// read besides the pod.
+    pub async fn prepare(
+        &self,
+        pod: &Pod,
+        prepared: &mut PodVolumes,
+        context: &DownwardContext,
+    ) -> Result<(), VolumeError> {
         let uid = pod.metadata.uid.clone().unwrap_or_default();
+        let fs_group = fs_group(pod);
         for volume in pod.spec.iter().flat_map(|s| s.volumes.iter().flatten()) {
             if prepared.get(&volume.name).is_some_and(|v| v.ready) {
                 continue;
@@ -241,11 +249,11 @@ impl VolumeManager {
             };
             if let (Some(plugin), Some(objects)) = (plugin, &self.objects) {
                 let dir = self.plugin_dir(&uid, plugin, &volume.name);
-                let host_path = api_data::prepare(objects.as_ref(), pod, volume, &dir).await?;
+                let host_path = api_data::prepare(objects.as_ref(), pod, volume, &dir, context, fs_group).await?;
                 prepared.insert(volume.name.clone(), PreparedVolume::ready(host_path, VolumeKind::ApiData));
                 continue;
             }
-            let ready = self.prepare_one(&uid, pod, volume)?;
+            let ready = self.prepare_one(&uid, pod, volume, context, fs_group)?;
             tracing::debug!(pod.uid = %uid, volume = %volume.name, path = %ready.host_path.display(), "volume ready");
             prepared.insert(volume.name.clone(), ready);
         }
@@ -268,7 +276,59 @@ impl VolumeManager {
         }
     }
 
-    fn prepare_one(&self, uid: &str, pod: &Pod, volume: &Volume) -> Result<PreparedVolume, VolumeError> {
+    /// Writes the volumes whose contents follow the API and the pod
+    /// (configMap, secret, projected, downwardAPI) again from what the
+    /// objects and `pod` hold now: a changed object or label, or an
+    /// optional object created later, reaches the running containers.
+    /// Returns how many volumes changed; a volume that cannot be written
+    /// keeps its last contents (the error is returned after the others
+    /// were tried).
+    pub async fn refresh(
+        &self,
+        pod: &Pod,
+        prepared: &PodVolumes,
+        context: &DownwardContext,
+    ) -> Result<usize, Vec<VolumeError>> {
+        let fs_group = fs_group(pod);
+        let mut changed = 0;
+        let mut errors = Vec::new();
+        for volume in pod.spec.iter().flat_map(|s| s.volumes.iter().flatten()) {
+            let Some(ready) = prepared.get(&volume.name).filter(|v| v.ready) else { continue };
+            let result = match (ready.kind, &volume.downward_api, &self.objects) {
+                (VolumeKind::DownwardApi, Some(source), _) => {
+                    let default_mode = source.default_mode.map_or(0o644, |m| m as u32);
+                    let items = source.items.as_deref().unwrap_or_default();
+                    downward_api::files(&volume.name, items, pod, context, default_mode)
+                        .and_then(|files| atomic_writer::write(&volume.name, &ready.host_path, &files, fs_group))
+                }
+                (VolumeKind::ApiData, _, Some(objects)) => {
+                    let before = std::fs::read_link(ready.host_path.join(atomic_writer::DATA_LINK)).ok();
+                    api_data::prepare(objects.as_ref(), pod, volume, &ready.host_path, context, fs_group)
+                        .await
+                        .map(|_| std::fs::read_link(ready.host_path.join(atomic_writer::DATA_LINK)).ok() != before)
+                }
+                _ => continue,
+            };
+            match result {
+                Ok(true) => {
+                    changed += 1;
+                    tracing::info!(pod.uid = ?pod.metadata.uid, volume = %volume.name, "volume contents updated");
+                }
+                Ok(false) => {}
+                Err(error) => errors.push(error),
+            }
+        }
+        if errors.is_empty() { Ok(changed) } else { Err(errors) }
+    }
+
+    fn prepare_one(
+        &self,
+        uid: &str,
+        pod: &Pod,
+        volume: &Volume,
+        context: &DownwardContext,
+        fs_group: Option<u32>,
+    ) -> Result<PreparedVolume, VolumeError> {
         let name = volume.name.as_str();
         if let Some(host) = &volume.host_path {
             let host_path = host_path::prepare(name, &host.path, host.type_.as_deref())?;
@@ -278,12 +338,12 @@ impl VolumeManager {
             let dir = self.plugin_dir(uid, "kubernetes.io~empty-dir", name);
             let memory = empty.medium.as_deref() == Some("Memory");
             let limit = empty.size_limit.as_ref().map(|q| q.0.as_str());
-            let host_path = empty_dir::prepare(name, &dir, memory, limit)?;
+            let host_path = empty_dir::prepare(name, &dir, memory, limit, fs_group)?;
             return Ok(PreparedVolume::ready(host_path, VolumeKind::EmptyDir));
         }
         if let Some(downward) = &volume.downward_api {
             let dir = self.plugin_dir(uid, "kubernetes.io~downward-api", name);
-            let host_path = downward_api::prepare(name, &dir, downward, pod)?;
+            let host_path = downward_api::prepare(name, &dir, downward, pod, context, fs_group)?;
             return Ok(PreparedVolume::ready(host_path, VolumeKind::DownwardApi));
         }
         let unsupported = |kind: &'static str, reason: &'static str| VolumeError::Unsupported {
@@ -339,6 +399,15 @@ impl VolumeManager {
         }
         errors
     }
+}
+
+/// The pod's `fsGroup`: the group its volumes' files belong to.
+pub fn fs_group(pod: &Pod) -> Option<u32> {
+    pod.spec
+        .as_ref()
+        .and_then(|s| s.security_context.as_ref())
+        .and_then(|c| c.fs_group)
+        .and_then(|g| u32::try_from(g).ok())
 }
 
 /// Removes a pod's directory, refusing to cross into a mount left behind

@@ -26,6 +26,22 @@ impl State<PodLifecycle> for Registered {
             reject(ctx, "InvalidPod", "the pod has no containers".into());
             return Transition::next(&*self, Failed);
         }
+        // Upstream's admission: a pod for another operating system, and
+        // sysctls the node does not allow, are refused.
+        let os = ctx.data.pod.spec.as_ref().and_then(|s| s.os.as_ref()).map(|os| os.name.clone());
+        if let Some(os) = os.filter(|os| os != std::env::consts::OS) {
+            tracing::info!(pod.uid = %ctx.data.id.uid, %os, "the pod is for another operating system");
+            reject(ctx, "PodOSNotSupported", "Failed to admit pod as the OS field doesn't match node OS".into());
+            return Transition::next(&*self, Failed);
+        }
+        if let Err(message) = crate::pod::sysctls::check(&ctx.data.pod, &ctx.machine.config.allowed_unsafe_sysctls) {
+            reject(ctx, crate::pod::sysctls::SYSCTL_FORBIDDEN, message);
+            return Transition::next(&*self, Failed);
+        }
+        // Ephemeral containers added and `activeDeadlineSeconds` running
+        // out reach the states as events from here on.
+        let manifest = ctx.manifest.clone();
+        crate::pod::containers::watch_manifest(&mut ctx.data, manifest);
         Transition::next(&*self, Resources)
     }
 

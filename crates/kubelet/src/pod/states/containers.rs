@@ -54,7 +54,11 @@ impl State<PodLifecycle> for Initializing {
                             break true;
                         }
                         let Some(event) = ctx.data.events.recv().await else { return std::future::pending().await };
-                        let Some(ended) = exited(ctx, event, Stage::Pending) else { continue };
+                        let ended = exited(ctx, event, Stage::Pending);
+                        if ctx.data.verdict.is_some() {
+                            return past_deadline(&*self, ctx).await;
+                        }
+                        let Some(ended) = ended else { continue };
                         ctx.report(pod_status(&ctx.data, Stage::Pending));
                         let delay = schedule_restart(ctx, &ended);
                         if ended == name {
@@ -72,7 +76,11 @@ impl State<PodLifecycle> for Initializing {
                 // recorded; the sidecar restarts when the app containers start).
                 let exit_code = loop {
                     let Some(event) = ctx.data.events.recv().await else { return std::future::pending().await };
-                    if let Some(ended) = exited(ctx, event, Stage::Pending) {
+                    let ended = exited(ctx, event, Stage::Pending);
+                    if ctx.data.verdict.is_some() {
+                        return past_deadline(&*self, ctx).await;
+                    }
+                    if let Some(ended) = ended {
                         ctx.report(pod_status(&ctx.data, Stage::Pending));
                         if ended == name {
                             break match &ctx.data.containers[&name].phase {
@@ -161,6 +169,8 @@ async fn handle_exit(ctx: &mut Context<PodLifecycle>, name: &str) -> AfterExit {
     };
     let restarts = match record.kind {
         ContainerKind::RestartableInit => !apps_finished(ctx, policy),
+        // Ephemeral containers run once.
+        ContainerKind::Ephemeral => false,
         _ => policy.restarts(exit_code),
     };
     if restarts {
@@ -244,7 +254,12 @@ impl State<PodLifecycle> for Running {
         }
         loop {
             let Some(event) = ctx.data.events.recv().await else { return std::future::pending().await };
-            let Some(name) = exited(ctx, event, Stage::Running) else { continue };
+            let name = match happened(ctx, event, Stage::Running) {
+                None => continue,
+                Some(Happened::StartDue) => return Transition::next(&*self, Starting),
+                Some(Happened::Deadline) => return past_deadline(&*self, ctx).await,
+                Some(Happened::Exit(name)) => name,
+            };
             match handle_exit(ctx, &name).await {
                 AfterExit::Keep => ctx.report(pod_status(&ctx.data, Stage::Running)),
                 AfterExit::Restart => return Transition::next(&*self, CrashLoopBackOff),
@@ -258,17 +273,59 @@ impl State<PodLifecycle> for Running {
     }
 }
 
-/// Records an event: a probe's change is reported at once (as `stage`);
-/// an exit returns the container's name.
-fn exited(ctx: &mut Context<PodLifecycle>, event: crate::pod::data::ContainerEvent, stage: Stage) -> Option<String> {
+/// What an event asks of the state that received it.
+enum Happened {
+    /// A container (its name) ended.
+    Exit(String),
+    /// Containers were added that should start (ephemeral ones).
+    StartDue,
+    /// The pod ran past its deadline.
+    Deadline,
+}
+
+/// Records an event: a probe's change is reported at once (as `stage`).
+fn happened(
+    ctx: &mut Context<PodLifecycle>,
+    event: crate::pod::data::ContainerEvent,
+    stage: Stage,
+) -> Option<Happened> {
     match record_event(&mut ctx.data, event) {
-        Recorded::Exit(name) => Some(name),
+        Recorded::Exit(name) => Some(Happened::Exit(name)),
         Recorded::Status => {
             ctx.report(pod_status(&ctx.data, stage));
             None
         }
+        Recorded::StartDue => {
+            ctx.report(pod_status(&ctx.data, stage));
+            Some(Happened::StartDue)
+        }
+        Recorded::Deadline => Some(Happened::Deadline),
         Recorded::Nothing => None,
     }
+}
+
+/// [`happened`] for states that only wait for exits (init containers run):
+/// the container that ended, if one did. Ephemeral containers added then
+/// start once the app containers do; a deadline shows in the verdict.
+fn exited(ctx: &mut Context<PodLifecycle>, event: crate::pod::data::ContainerEvent, stage: Stage) -> Option<String> {
+    match happened(ctx, event, stage) {
+        Some(Happened::Exit(name)) => Some(name),
+        _ => None,
+    }
+}
+
+/// The pod ran past its `activeDeadlineSeconds` (its verdict says so): its
+/// containers are stopped within the grace period and it ends Failed.
+async fn past_deadline<S>(from: &S, ctx: &mut Context<PodLifecycle>) -> Transition<PodLifecycle>
+where
+    S: krator::TransitionTo<Failed>,
+{
+    let grace = grace_period(&ctx.data.pod);
+    for failure in stop_all(ctx, grace).await {
+        tracing::warn!(pod.uid = %ctx.data.id.uid, %failure, "stopping the containers of a pod past its deadline");
+    }
+    drain_exits(ctx);
+    Transition::next(from, Failed)
 }
 
 /// Container `name` waits out its restart backoff (`CrashLoopBackOff`).
@@ -314,7 +371,12 @@ impl State<PodLifecycle> for CrashLoopBackOff {
                 _ = tokio::time::sleep_until(until) => return Transition::next(&*self, Starting),
                 event = ctx.data.events.recv() => {
                     let Some(event) = event else { return std::future::pending().await };
-                    let Some(name) = exited(ctx, event, Stage::Running) else { continue };
+                    let name = match happened(ctx, event, Stage::Running) {
+                        None => continue,
+                        Some(Happened::StartDue) => return Transition::next(&*self, Starting),
+                        Some(Happened::Deadline) => return past_deadline(&*self, ctx).await,
+                        Some(Happened::Exit(name)) => name,
+                    };
                     match handle_exit(ctx, &name).await {
                         AfterExit::Keep | AfterExit::Restart => ctx.report(pod_status(&ctx.data, Stage::Running)),
                         AfterExit::Done => return finish(&*self, ctx),

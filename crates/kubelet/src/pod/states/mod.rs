@@ -34,6 +34,7 @@ impl TransitionTo<Failed> for Initializing {}
 impl TransitionTo<Running> for Starting {}
 impl TransitionTo<CrashLoopBackOff> for Starting {}
 impl TransitionTo<CrashLoopBackOff> for Running {}
+impl TransitionTo<Starting> for Running {}
 impl TransitionTo<Completed> for Running {}
 impl TransitionTo<Failed> for Running {}
 impl TransitionTo<Starting> for CrashLoopBackOff {}

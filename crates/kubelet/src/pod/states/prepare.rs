@@ -180,7 +180,8 @@ impl State<PodLifecycle> for Volumes {
                 changes.mark_unchanged();
             }
             let pod = Arc::clone(&ctx.data.pod);
-            match lifecycle.volumes.prepare(&pod, &mut ctx.data.volumes).await {
+            let context = lifecycle.downward_context(&ctx.data);
+            match lifecycle.volumes.prepare(&pod, &mut ctx.data.volumes, &context).await {
                 Ok(()) => break,
                 Err(error) => {
                     tracing::warn!(pod.uid = %ctx.data.id.uid, %error, "volumes not ready");
@@ -221,6 +222,7 @@ impl State<PodLifecycle> for Volumes {
         }
         ctx.data.pending_message = None;
         ctx.data.volumes_ready = true;
+        spawn_volume_refresh(ctx);
         if lifecycle.provider.is_none() {
             return Transition::next(&*self, NoProvider);
         }
@@ -230,6 +232,52 @@ impl State<PodLifecycle> for Volumes {
     fn status(&self, ctx: &Context<PodLifecycle>) -> PodStatus {
         pod_status(&ctx.data, Stage::Pending)
     }
+}
+
+/// Keeps the pod's configMap, secret, projected and downwardAPI volumes
+/// up to date while it runs (until its data is dropped or its removal
+/// aborts its tasks): written again every [`PodConfig::volume_refresh`],
+/// and at once when the pod's manifest changes (labels, annotations).
+///
+/// [`PodConfig::volume_refresh`]: crate::pod::PodConfig::volume_refresh
+fn spawn_volume_refresh(ctx: &mut Context<PodLifecycle>) {
+    use crate::volume::VolumeKind;
+    let prepared = ctx.data.volumes.clone();
+    if !prepared.values().any(|v| matches!(v.kind, VolumeKind::ApiData | VolumeKind::DownwardApi)) {
+        return;
+    }
+    let volumes = ctx.machine.volumes.clone();
+    let context = ctx.machine.downward_context(&ctx.data);
+    let period = ctx.machine.config.volume_refresh;
+    let mut manifest = ctx.manifest.clone();
+    let uid = ctx.data.id.uid.clone();
+    let task = async move {
+        let mut manifest_open = true;
+        let mut next = Instant::now() + period;
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep_until(next) => next = Instant::now() + period,
+                changed = manifest.changed(), if manifest_open => {
+                    if changed.is_err() {
+                        manifest_open = false;
+                        continue;
+                    }
+                }
+            }
+            let pod = Arc::clone(&manifest.borrow_and_update());
+            if pod.metadata.deletion_timestamp.is_some() {
+                continue;
+            }
+            if let Err(errors) = volumes.refresh(&pod, &prepared, &context).await {
+                let reasons: Vec<String> = errors.iter().map(ToString::to_string).collect();
+                tracing::warn!(pod.uid = %uid, errors = %reasons.join("; "), "volume contents not updated; trying again later");
+            }
+        }
+    };
+    ctx.data.waiters.spawn(tracing::Instrument::instrument(
+        task,
+        tracing::info_span!("volume_refresh", pod.uid = %ctx.data.id.uid),
+    ));
 }
 
 /// The node has no provider: the pod is admitted and its volumes are ready,
