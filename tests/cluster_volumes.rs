@@ -414,7 +414,7 @@ async fn config_maps_secrets_and_tokens_reach_the_container(api: TestApi) {
     let script = "cat \"$MOUNT_CONF/greeting\"; echo; cat \"$MOUNT_CREDS/password\"; echo; \
                   cat \"$MOUNT_ALL/colour\"; echo; cat \"$MOUNT_ALL/name\"; echo; \
                   test -s \"$MOUNT_ALL/token\" && echo token-present; \
-                  stat -c %a \"$MOUNT_CONF/greeting\"; \
+                  stat -L -c %a \"$MOUNT_CONF/greeting\"; \
                   echo \"env GREETING=$GREETING PASSWORD=$PASSWORD X_colour=$X_colour OPT=${OPT-unset} EXTRA=${EXTRA-unset}\"";
     let pod = |name: &str, needs: &str| -> Pod {
         serde_json::from_value(json!({
@@ -494,6 +494,138 @@ async fn config_maps_secrets_and_tokens_reach_the_container(api: TestApi) {
 rustlet_testkit::on_both_api_servers!(
     config_maps_secrets_and_tokens_reach_the_container_on,
     config_maps_secrets_and_tokens_reach_the_container
+);
+
+/// Volume contents follow the API while the pod runs, as upstream's
+/// atomic writer keeps them: a changed ConfigMap, an optional ConfigMap and
+/// Secret created after the pod started, and new labels reach the running
+/// container's files; secret files belong to the pod's `fsGroup` and are
+/// group-readable; a projected downwardAPI source carries resources; the
+/// env has the link variables of the namespace's services.
+async fn volume_contents_follow_the_api_while_the_pod_runs(api: TestApi) {
+    use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service};
+    use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
+
+    let root = tempfile::tempdir().expect("tempdir");
+    let provider = std::sync::Arc::new(rustlet_testkit::host_provider::HostProcessProvider::new());
+    let mut config = NodeConfig::new(root.path(), api.node.clone());
+    config.http_address = None;
+    config.pods.volume_refresh = Duration::from_millis(300);
+    let shutdown = CancellationToken::new();
+    let _stop = shutdown.clone().drop_guard();
+    let _node = NodeBuilder::new(config)
+        .provider(provider)
+        .cluster(ClusterSettings::new(ApiSource::Client(api.node_client.clone())))
+        .start(shutdown.clone())
+        .await
+        .expect("node");
+    let admin = api.admin.clone();
+    let config_maps: Api<ConfigMap> = Api::namespaced(admin.clone(), "default");
+    let secrets: Api<Secret> = Api::namespaced(admin.clone(), "default");
+    let object = |name: &str, value: &str| -> ConfigMap {
+        serde_json::from_value(json!({"metadata": {"name": name, "namespace": "default"}, "data": {"data-1": value}}))
+            .expect("configmap")
+    };
+    config_maps.create(&PostParams::default(), &object("live", "value-1")).await.expect("configmap");
+    let service: Service = serde_json::from_value(json!({
+        "metadata": {"name": "fooservice", "namespace": "default"},
+        "spec": {"ports": [{"port": 8765, "protocol": "TCP", "targetPort": 8080}]},
+    }))
+    .expect("service");
+    let service = Api::<Service>::namespaced(admin.clone(), "default")
+        .create(&PostParams::default(), &service)
+        .await
+        .expect("service");
+    let cluster_ip = service.spec.and_then(|s| s.cluster_ip).expect("a cluster IP");
+
+    let script = "echo \"FOOSERVICE_SERVICE_HOST=$FOOSERVICE_SERVICE_HOST\"; \
+                  while true; do \
+                    echo \"live=$(cat $MOUNT_LIVE/data-1) opt=$(cat $MOUNT_OPT/data-1 2>/dev/null) \
+                    secret=$(cat $MOUNT_SECRET/data-1 2>/dev/null) labels=$(cat $MOUNT_INFO/labels | tr '\\n' ' ')\"; \
+                    sleep 0.2; done";
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "follower", "namespace": "default", "labels": {"key1": "value1"}},
+        "spec": {
+            "nodeName": api.node,
+            "automountServiceAccountToken": false,
+            "securityContext": {"fsGroup": 4321},
+            "containers": [{
+                "name": "main", "image": "busybox", "command": ["sh", "-c", script],
+                "resources": {"limits": {"memory": "64Mi"}, "requests": {"cpu": "250m"}},
+                "volumeMounts": [
+                    {"name": "live", "mountPath": "/live"}, {"name": "opt", "mountPath": "/opt"},
+                    {"name": "secret", "mountPath": "/secret"}, {"name": "info", "mountPath": "/info"},
+                ],
+            }],
+            "volumes": [
+                {"name": "live", "configMap": {"name": "live"}},
+                {"name": "opt", "configMap": {"name": "later", "optional": true}},
+                {"name": "secret", "secret": {"secretName": "later-secret", "optional": true, "defaultMode": 0o400}},
+                {"name": "info", "projected": {"sources": [{"downwardAPI": {"items": [
+                    {"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}},
+                    {"path": "memory_limit", "resourceFieldRef": {"containerName": "main", "resource": "limits.memory", "divisor": "1Mi"}},
+                    {"path": "cpu_request", "resourceFieldRef": {"containerName": "main", "resource": "requests.cpu", "divisor": "1m"}},
+                ]}}]}},
+            ],
+        },
+    }))
+    .expect("pod");
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), "default");
+    let created = pods.create(&PostParams::default(), &pod).await.expect("pod");
+    let uid = created.metadata.uid.clone().expect("uid");
+    let log = kubelet::pod::pod_log_dir(root.path(), "default", "follower", &uid).join("main").join("0.log");
+    let first = rustlet_testkit::wait_file(&log, |text| text.contains("live=value-1"), SOON).await;
+    assert!(first.contains(&format!("FOOSERVICE_SERVICE_HOST={cluster_ip}")), "{first}");
+    assert!(first.contains("labels=key1=\"value1\""), "{first}");
+    let info = root.path().join(format!("pods/{uid}/volumes/kubernetes.io~projected/info"));
+    assert_eq!(std::fs::read_to_string(info.join("memory_limit")).expect("memory_limit"), "64");
+    assert_eq!(std::fs::read_to_string(info.join("cpu_request")).expect("cpu_request"), "250");
+
+    // Changes while it runs.
+    config_maps
+        .replace("live", &PostParams::default(), &{
+            let mut live = config_maps.get("live").await.expect("get");
+            live.data = Some([("data-1".to_owned(), "value-2".to_owned())].into());
+            live
+        })
+        .await
+        .expect("update");
+    config_maps.create(&PostParams::default(), &object("later", "created-later")).await.expect("configmap");
+    let secret: Secret = serde_json::from_value(json!({
+        "metadata": {"name": "later-secret", "namespace": "default"}, "stringData": {"data-1": "secret-later"},
+    }))
+    .expect("secret");
+    secrets.create(&PostParams::default(), &secret).await.expect("secret");
+    pods.patch(
+        "follower",
+        &PatchParams::default(),
+        &Patch::Merge(&json!({"metadata": {"labels": {"key3": "value3"}}})),
+    )
+    .await
+    .expect("labels");
+    let text = rustlet_testkit::wait_file(
+        &log,
+        |text| {
+            text.lines().any(|l| {
+                l.contains("live=value-2")
+                    && l.contains("opt=created-later")
+                    && l.contains("secret=secret-later")
+                    && l.contains("key3=\"value3\"")
+            })
+        },
+        SOON,
+    )
+    .await;
+    assert!(!text.is_empty());
+    // The secret's file: the pod's fsGroup, group-readable (0400 → 0440).
+    let file = root.path().join(format!("pods/{uid}/volumes/kubernetes.io~secret/secret/data-1"));
+    let meta = std::fs::metadata(&file).expect("secret file");
+    assert_eq!((meta.gid(), meta.permissions().mode() & 0o777), (4321, 0o440));
+    pods.delete("follower", &DeleteParams::default()).await.expect("delete");
+}
+rustlet_testkit::on_both_api_servers!(
+    volume_contents_follow_the_api_while_the_pod_runs_on,
+    volume_contents_follow_the_api_while_the_pod_runs
 );
 
 /// A pod's `imagePullSecrets` (a `kubernetes.io/dockerconfigjson` Secret)

@@ -6,6 +6,8 @@
 //! tests say why and skip, unless `RUSTLET_REQUIRE_CONTAINERD=1`.
 
 mod common;
+#[path = "cri/conformance.rs"]
+mod conformance;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -51,6 +53,11 @@ async fn cri_node(containerd: &Containerd) -> CriNode {
 /// [`cri_node`] with a device manager and, when `gpus` > 0, the fake
 /// device plugin serving that many devices of [`GPU`].
 async fn cri_node_with_gpus(containerd: &Containerd, gpus: u64) -> CriNode {
+    cri_node_with(containerd, gpus, |_| {}).await
+}
+
+/// [`cri_node_with_gpus`], its pod settings changed by `tweak`.
+async fn cri_node_with(containerd: &Containerd, gpus: u64, tweak: impl FnOnce(&mut PodConfig)) -> CriNode {
     let registry = Registry::start().await.expect("registry");
     containerd.trust_registry(&registry.host());
     let image = push_busybox(&registry, "test/busybox", "v1", &[], &["sh"]).await.expect("push busybox");
@@ -73,6 +80,7 @@ async fn cri_node_with_gpus(containerd: &Containerd, gpus: u64) -> CriNode {
         max: Duration::from_millis(400),
         reset_after: Duration::from_secs(600),
     };
+    tweak(&mut config);
     let device_dir = root.path().join("device-plugins");
     let mut device_config = kubelet::device_manager::DeviceManagerConfig::new(&device_dir);
     device_config.call_timeout = common::LIVENESS_DEADLINE;

@@ -385,30 +385,6 @@ impl std::io::Write for CaptureWriter {
 
 /// Waits until the file at `path` exists and its content satisfies `pred`
 /// (checked on every inotify event of its directory, within [`SOON`]).
-pub async fn wait_file(path: &Path, mut pred: impl FnMut(&str) -> bool) -> String {
-    use tokio_stream::StreamExt;
-    let dir = path.parent().expect("a file in a directory");
-    let inotify = inotify::Inotify::init().expect("inotify");
-    // MODIFY too: a writer that keeps the file open (a container runtime
-    // appending to a log) closes nothing.
-    let mask = inotify::WatchMask::CLOSE_WRITE
-        | inotify::WatchMask::MOVED_TO
-        | inotify::WatchMask::CREATE
-        | inotify::WatchMask::MODIFY;
-    inotify.watches().add(dir, mask).expect("watch");
-    let mut events = inotify.into_event_stream(vec![0u8; 4096]).expect("stream");
-    let wait = async {
-        loop {
-            if let Ok(text) = std::fs::read_to_string(path)
-                && pred(&text)
-            {
-                return text;
-            }
-            events.next().await.expect("inotify alive").expect("inotify event");
-        }
-    };
-    match tokio::time::timeout(SOON, wait).await {
-        Ok(text) => text,
-        Err(_) => panic!("{} not as expected within {SOON:?}: {:?}", path.display(), std::fs::read_to_string(path)),
-    }
+pub async fn wait_file(path: &Path, pred: impl FnMut(&str) -> bool) -> String {
+    rustlet_testkit::wait_file(path, pred, SOON).await
 }

@@ -288,7 +288,7 @@ pub fn is_root() -> bool {
 /// The busybox applets the test images link.
 const APPLETS: &[&str] = &[
     "sh", "sleep", "echo", "cat", "ls", "env", "true", "false", "test", "id", "hostname", "kill", "wc", "grep", "head",
-    "printf", "mkdir", "touch", "dd", "nc", "wget", "ip", "date", "httpd", "rm",
+    "printf", "mkdir", "touch", "dd", "nc", "wget", "ip", "date", "httpd", "rm", "stat", "readlink", "ps",
 ];
 
 /// An uncompressed layer tar: Debian's static busybox at `/bin/busybox`,

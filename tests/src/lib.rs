@@ -33,3 +33,38 @@ pub mod process;
 pub mod raw_h2;
 pub mod registry;
 pub mod test_api;
+
+/// Waits until the file at `path` exists and its content satisfies `pred`
+/// (checked on every inotify event of its directory), within `within`.
+pub async fn wait_file(
+    path: &std::path::Path,
+    mut pred: impl FnMut(&str) -> bool,
+    within: std::time::Duration,
+) -> String {
+    use tokio_stream::StreamExt;
+    let dir = path.parent().expect("a file in a directory");
+    std::fs::create_dir_all(dir).expect("the file's directory");
+    let inotify = inotify::Inotify::init().expect("inotify");
+    // MODIFY too: a writer that keeps the file open (a container runtime
+    // appending to a log) closes nothing.
+    let mask = inotify::WatchMask::CLOSE_WRITE
+        | inotify::WatchMask::MOVED_TO
+        | inotify::WatchMask::CREATE
+        | inotify::WatchMask::MODIFY;
+    inotify.watches().add(dir, mask).expect("watch");
+    let mut events = inotify.into_event_stream(vec![0u8; 4096]).expect("stream");
+    let wait = async {
+        loop {
+            if let Ok(text) = std::fs::read_to_string(path)
+                && pred(&text)
+            {
+                return text;
+            }
+            events.next().await.expect("inotify alive").expect("inotify event");
+        }
+    };
+    match tokio::time::timeout(within, wait).await {
+        Ok(text) => text,
+        Err(_) => panic!("{} not as expected within {within:?}: {:?}", path.display(), std::fs::read_to_string(path)),
+    }
+}

@@ -394,6 +394,24 @@ impl Store {
         {
             spec.entry("attachRequired").or_insert(Value::Bool(true));
         }
+        // A Service gets a cluster IP (from 10.96.0.0/12, as kubeadm's
+        // default range) unless it is headless; its ports' protocol
+        // defaults to TCP.
+        if resource.plural == "services"
+            && let Some(spec) = object.get_mut("spec").and_then(Value::as_object_mut)
+        {
+            if spec.get("clusterIP").and_then(Value::as_str).is_none_or(str::is_empty) {
+                let n = self.uids;
+                let ip = format!("10.96.{}.{}", (n >> 8) & 0xff, (n & 0xff).max(1));
+                spec.insert("clusterIP".into(), ip.clone().into());
+                spec.insert("clusterIPs".into(), json!([ip]));
+            }
+            for port in spec.get_mut("ports").and_then(Value::as_array_mut).into_iter().flatten() {
+                if let Some(port) = port.as_object_mut() {
+                    port.entry("protocol").or_insert_with(|| "TCP".into());
+                }
+            }
+        }
         let Some(meta) = object.get_mut("metadata").and_then(Value::as_object_mut) else {
             return Err(ApiError::new(400, "BadRequest", "metadata is not an object"));
         };

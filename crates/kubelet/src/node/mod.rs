@@ -90,6 +90,9 @@ pub struct PodSettings {
     pub cluster_domain: String,
     /// Sysctls pods may set beyond the safe ones (`--allowed-unsafe-sysctls`).
     pub allowed_unsafe_sysctls: Vec<String>,
+    /// How often running pods' configMap, secret, projected and downwardAPI
+    /// volumes are written again from the API (20 s).
+    pub volume_refresh: Duration,
 }
 
 impl Default for PodSettings {
@@ -104,6 +107,7 @@ impl Default for PodSettings {
             csi_timeouts: CsiNodeTimeouts::default(),
             cluster_domain: String::new(),
             allowed_unsafe_sysctls: Vec::new(),
+            volume_refresh: Duration::from_secs(20),
         }
     }
 }
@@ -341,6 +345,7 @@ impl NodeBuilder {
         pod_config.host_ips = config.node_ips.clone();
         pod_config.cluster_domain = config.pods.cluster_domain.clone();
         pod_config.allowed_unsafe_sysctls = config.pods.allowed_unsafe_sysctls.clone();
+        pod_config.volume_refresh = config.pods.volume_refresh;
         let csi_objects = CsiDriverObjects::new();
         let mut csi_volumes =
             CsiVolumes::new(&root_dir, csi_drivers.view(), csi_objects.clone(), config.pods.csi_timeouts);

@@ -138,7 +138,7 @@ pub fn prepare(
     if let Some(target) = container.termination_message_path.as_deref().filter(|p| !p.is_empty()) {
         let dir = pod_dir.join("containers").join(&container.name);
         std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-        let file = dir.join(uuid::Uuid::new_v4().simple().to_string()[..8].to_owned());
+        let file = dir.join(&uuid::Uuid::new_v4().simple().to_string()[..8]);
         std::fs::File::create(&file).map_err(|e| format!("{}: {e}", file.display()))?;
         // Any user the container runs as may write it.
         std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o666))
