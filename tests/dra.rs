@@ -492,6 +492,40 @@ mod cluster {
         node.stopped().await;
     }
 
+    /// A server that does not serve `resource.k8s.io/v1` (Kubernetes 1.28)
+    /// holds no slices: the node asks discovery, deletes nothing and does
+    /// not retry (it used to retry a refused delete forever).
+    #[tokio::test]
+    async fn no_slices_are_deleted_where_the_server_does_not_serve_them() {
+        let api = TestApi::fake().await;
+        let server = api.fake_server().expect("the in-process server");
+        let slices: Api<ResourceSlice> = Api::all(api.admin.clone());
+        let stale = format!("{}-stale", api.node);
+        slices.create(&PostParams::default(), &slice(&stale, &api.node, DRIVER)).await.expect("stale slice");
+        // As a 1.28 server answers: no such group version.
+        server.inject(rustlet_testkit::apiserver::Fault::status(
+            Some(axum::http::Method::GET),
+            "/apis/resource.k8s.io/v1",
+            404,
+            usize::MAX,
+        ));
+        let root = tempfile::Builder::new().prefix("rustlet-dra-").tempdir().expect("tempdir");
+        let (node, shutdown) = cluster_node(&api, root.path()).await;
+        let asked = server
+            .wait_requests(SOON, |r| r.iter().any(|l| l.uri == "/apis/resource.k8s.io/v1" && l.status == 404))
+            .await;
+        assert!(asked.is_ok(), "the node asks discovery first");
+        shutdown.cancel();
+        node.stopped().await;
+        let deletes: Vec<String> = server
+            .requests()
+            .into_iter()
+            .filter(|l| l.method == axum::http::Method::DELETE && l.uri.contains("resourceslices"))
+            .map(|l| l.uri)
+            .collect();
+        assert!(deletes.is_empty(), "{deletes:?}");
+    }
+
     /// A pod that finishes (it stays in the API) releases its claim at
     /// once: the claim controller takes a finished pod out of the claim's
     /// reservations, and its devices may go to another claim.

@@ -340,6 +340,31 @@ async fn get_and_logs_find_the_node_through_its_root_dir() {
     let (ok, text, _) = run_cli(&["logs", "duo-cli-node", "-c", "a", "--tail", "1", "--root-dir", &root_dir]).await;
     assert!(ok);
     assert_eq!(text, "second\n");
+    // As the kubelet answers an HTTP/1.1 client: chunked, no Content-Length
+    // (the API server's WebSocket log copier drops a body that ends in the
+    // same read as it arrives).
+    let endpoint = std::fs::read_to_string(root.path().join(kubelet::node::ENDPOINT_FILE)).expect("endpoint");
+    let address = endpoint.trim().trim_start_matches("http://").trim_end_matches('/').to_owned();
+    let answer = http11_get(&address, "/containerLogs/default/duo-cli-node/a").await;
+    let (head, body) = answer.split_once("\r\n\r\n").expect("an HTTP answer");
+    let head = head.to_ascii_lowercase();
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert!(head.contains("transfer-encoding: chunked") && !head.contains("content-length"), "{head}");
+    assert!(body.contains("first\nsecond\n"), "{body:?}");
+}
+
+/// One HTTP/1.1 GET of `path` at `address`; the whole answer, raw.
+async fn http11_get(address: &str, path: &str) -> String {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut stream = tokio::net::TcpStream::connect(address).await.expect("connect");
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.expect("send");
+    let mut answer = Vec::new();
+    tokio::time::timeout(std::time::Duration::from_secs(60), stream.read_to_end(&mut answer))
+        .await
+        .expect("an answer in time")
+        .expect("read");
+    String::from_utf8_lossy(&answer).into_owned()
 }
 
 /// `rustlet logs -f` prints what the container wrote, then each line as it

@@ -356,6 +356,30 @@ struct Route {
     subresource: Option<String>,
 }
 
+/// The discovery document of a group version the server serves
+/// (`/api/v1`, `/apis/<group>/<version>`): its resources.
+fn discovery(path: &str) -> Option<Value> {
+    let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
+    let (group, version) = match parts.as_slice() {
+        ["api", version] => ("", *version),
+        ["apis", group, version] => (*group, *version),
+        _ => return None,
+    };
+    let resources: Vec<Value> = store::RESOURCES
+        .iter()
+        .filter(|r| r.group == group && r.version == version)
+        .map(|r| {
+            json!({"name": r.plural, "singularName": "", "namespaced": r.namespaced, "kind": r.kind,
+                   "verbs": ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"]})
+        })
+        .collect();
+    if resources.is_empty() {
+        return None;
+    }
+    let group_version = if group.is_empty() { version.to_owned() } else { format!("{group}/{version}") };
+    Some(json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": group_version, "resources": resources}))
+}
+
 fn route(path: &str) -> Result<Route, ApiError> {
     let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
     let not_found =
@@ -484,6 +508,11 @@ async fn serve(
     headers: &HeaderMap,
     body: &Bytes,
 ) -> Result<Response, ApiError> {
+    if *method == Method::GET
+        && let Some(list) = discovery(uri.path())
+    {
+        return Ok(object_response(StatusCode::OK, &list));
+    }
     let route = route(uri.path())?;
     let query = query_map(uri);
     let resource = route.resource;

@@ -230,19 +230,22 @@ pub struct Target {
 impl Target {
     /// The address for a probe naming `host`: the pod's own only.
     fn address_for(&self, host: Option<&str>) -> Result<IpAddr, String> {
-        let Some(host) = host else { return Ok(self.address) };
-        let named = if host.eq_ignore_ascii_case("localhost") && self.address.is_loopback() {
-            Ok(self.address)
-        } else {
-            host.trim_matches(['[', ']']).parse::<IpAddr>().map_err(|_| host.to_owned())
-        };
-        match named {
-            Ok(ip) if ip == self.address || self.also.contains(&ip) => Ok(ip),
-            _ => Err(format!(
-                "probe host {host:?} is not this pod's address {}: probes go only to the pod itself",
-                self.address
-            )),
-        }
+        own_address(self.address, &self.also, host)
+    }
+}
+
+/// The address a probe naming `host` goes to, if it is the pod's own:
+/// `address`, or one of `also` (a host-network pod's node IPs).
+fn own_address(address: IpAddr, also: &[IpAddr], host: Option<&str>) -> Result<IpAddr, String> {
+    let Some(host) = host else { return Ok(address) };
+    let named = if host.eq_ignore_ascii_case("localhost") && address.is_loopback() {
+        Ok(address)
+    } else {
+        host.trim_matches(['[', ']']).parse::<IpAddr>().map_err(|_| host.to_owned())
+    };
+    match named {
+        Ok(ip) if ip == address || also.contains(&ip) => Ok(ip),
+        _ => Err(format!("probe host {host:?} is not this pod's address {address}: probes go only to the pod itself")),
     }
 }
 
@@ -744,6 +747,20 @@ mod tests {
         assert_eq!(readiness.period, Duration::from_secs(1));
         assert!(readiness.action.expect_err("no such port").contains("\"metrics\""));
         assert_eq!(ProbeSpec::of(ProbeKind::Startup, &container), None);
+    }
+
+    #[test]
+    fn a_host_network_pods_own_addresses_are_the_nodes() {
+        let loopback = IpAddr::from([127, 0, 0, 1]);
+        let node_ip = IpAddr::from([192, 0, 2, 10]);
+        // kubeadm's API server probes its advertise address, the node's IP.
+        assert_eq!(own_address(loopback, &[node_ip, loopback], Some("192.0.2.10")), Ok(node_ip));
+        assert_eq!(own_address(loopback, &[], None), Ok(loopback));
+        assert_eq!(own_address(loopback, &[], Some("localhost")), Ok(loopback));
+        let refused = own_address(loopback, &[], Some("192.0.2.10")).expect_err("not the pod's");
+        assert!(refused.contains("probes go only to the pod itself"), "{refused}");
+        let elsewhere = own_address(IpAddr::from([10, 0, 0, 5]), &[], Some("10.0.0.6"));
+        assert!(elsewhere.is_err());
     }
 
     #[test]
