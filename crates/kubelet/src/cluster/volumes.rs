@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 use futures_util::StreamExt as _;
 use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::{
-    ConfigMap, PersistentVolume, PersistentVolumeClaim, Pod, Secret, SecretReference, ServiceAccount,
+    ConfigMap, PersistentVolume, PersistentVolumeClaim, Pod, Secret, SecretReference, Service, ServiceAccount,
 };
 use k8s_openapi::api::storage::v1::{CSIDriver, VolumeAttachment};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -77,13 +77,20 @@ pub async fn follow_csi_drivers(client: kube::Client, objects: CsiDriverObjects)
 pub struct ApiVolumes {
     client: watch::Receiver<Option<kube::Client>>,
     node_name: String,
+    /// The services of each namespace as last listed, and when: a burst
+    /// of container starts lists a namespace once (see [`SERVICES_FRESH`]).
+    services: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, (std::time::Instant, Vec<Service>)>>>,
 }
+
+/// How long a namespace's listed services are reused for containers'
+/// link variables (upstream reads them from a watch cache).
+pub const SERVICES_FRESH: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl ApiVolumes {
     /// Reads with the client `client` holds once it holds one, for node
     /// `node_name` (whose VolumeAttachments it reads).
     pub fn new(client: watch::Receiver<Option<kube::Client>>, node_name: &str) -> ApiVolumes {
-        ApiVolumes { client, node_name: node_name.to_owned() }
+        ApiVolumes { client, node_name: node_name.to_owned(), services: std::sync::Arc::default() }
     }
 
     fn client(&self) -> Result<kube::Client, String> {
@@ -244,13 +251,22 @@ impl ApiObjects for ApiVolumes {
         answer.status.map(|s| s.token).ok_or_else(|| "the token request was answered without a token".to_owned())
     }
 
-    async fn services(&self, namespace: &str) -> Result<Vec<k8s_openapi::api::core::v1::Service>, String> {
+    async fn services(&self, namespace: &str) -> Result<Vec<Service>, String> {
+        let cached = self.services.lock().unwrap_or_else(|p| p.into_inner()).get(namespace).cloned();
+        if let Some((at, services)) = cached.filter(|(at, _)| at.elapsed() < SERVICES_FRESH) {
+            tracing::trace!(%namespace, age = ?at.elapsed(), "services from the last listing");
+            return Ok(services);
+        }
         let client = self.client()?;
-        let api: Api<k8s_openapi::api::core::v1::Service> = Api::namespaced(client, namespace);
+        let api: Api<Service> = Api::namespaced(client, namespace);
+        let listed_at = std::time::Instant::now();
         let list = api
             .list(&kube::api::ListParams::default())
             .await
             .map_err(|e| format!("cannot list the services of {namespace}: {}", describe(&e)))?;
+        let mut cache = self.services.lock().unwrap_or_else(|p| p.into_inner());
+        cache.retain(|_, (at, _)| at.elapsed() < SERVICES_FRESH);
+        cache.insert(namespace.to_owned(), (listed_at, list.items.clone()));
         Ok(list.items)
     }
 }

@@ -254,6 +254,11 @@ fn spawn_volume_refresh(ctx: &mut Context<PodLifecycle>) {
     let task = async move {
         let mut manifest_open = true;
         let mut next = Instant::now() + period;
+        // What of the pod its volumes show: a change of anything else (its
+        // status, written back by the node) waits for the period.
+        let shown =
+            |pod: &k8s_openapi::api::core::v1::Pod| (pod.metadata.labels.clone(), pod.metadata.annotations.clone());
+        let mut last = shown(&manifest.borrow());
         loop {
             tokio::select! {
                 () = tokio::time::sleep_until(next) => next = Instant::now() + period,
@@ -262,12 +267,16 @@ fn spawn_volume_refresh(ctx: &mut Context<PodLifecycle>) {
                         manifest_open = false;
                         continue;
                     }
+                    if shown(&manifest.borrow_and_update()) == last {
+                        continue;
+                    }
                 }
             }
             let pod = Arc::clone(&manifest.borrow_and_update());
             if pod.metadata.deletion_timestamp.is_some() {
                 continue;
             }
+            last = shown(&pod);
             if let Err(errors) = volumes.refresh(&pod, &prepared, &context).await {
                 let reasons: Vec<String> = errors.iter().map(ToString::to_string).collect();
                 tracing::warn!(pod.uid = %uid, errors = %reasons.join("; "), "volume contents not updated; trying again later");
