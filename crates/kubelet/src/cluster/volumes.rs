@@ -79,8 +79,11 @@ pub struct ApiVolumes {
     node_name: String,
     /// The services of each namespace as last listed, and when: a burst
     /// of container starts lists a namespace once (see [`SERVICES_FRESH`]).
-    services: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, (std::time::Instant, Vec<Service>)>>>,
+    services: std::sync::Arc<std::sync::Mutex<ServiceCache>>,
 }
+
+/// Each namespace's services as last listed, and when.
+type ServiceCache = std::collections::HashMap<String, (std::time::Instant, Vec<Service>)>;
 
 /// How long a namespace's listed services are reused for containers'
 /// link variables (upstream reads them from a watch cache).
