@@ -80,6 +80,20 @@ pub struct ApiVolumes {
     /// The services of each namespace as last listed, and when: a burst
     /// of container starts lists a namespace once (see [`SERVICES_FRESH`]).
     services: std::sync::Arc<std::sync::Mutex<ServiceCache>>,
+    /// Tokens requested for pods, reused until 80% of their life has
+    /// passed (upstream's token manager renews them then).
+    tokens: std::sync::Arc<std::sync::Mutex<TokenCache>>,
+}
+
+/// Tokens by (pod UID, audience, expiration seconds): when requested, and
+/// the token.
+type TokenCache = std::collections::HashMap<(String, Option<String>, i64), (std::time::Instant, String)>;
+
+/// Whether a token requested `age` ago for `expiration_seconds` is still
+/// fresh: less than 80% of its life has passed.
+fn token_fresh(age: std::time::Duration, expiration_seconds: i64) -> bool {
+    let life = std::time::Duration::from_secs(u64::try_from(expiration_seconds).unwrap_or(0));
+    age < life.mul_f64(0.8)
 }
 
 /// Each namespace's services as last listed, and when.
@@ -93,11 +107,49 @@ impl ApiVolumes {
     /// Reads with the client `client` holds once it holds one, for node
     /// `node_name` (whose VolumeAttachments it reads).
     pub fn new(client: watch::Receiver<Option<kube::Client>>, node_name: &str) -> ApiVolumes {
-        ApiVolumes { client, node_name: node_name.to_owned(), services: std::sync::Arc::default() }
+        ApiVolumes {
+            client,
+            node_name: node_name.to_owned(),
+            services: std::sync::Arc::default(),
+            tokens: std::sync::Arc::default(),
+        }
     }
 
     fn client(&self) -> Result<kube::Client, String> {
         self.client.borrow().clone().ok_or_else(|| "not connected to the API server yet".to_owned())
+    }
+
+    /// A new token for `pod`'s service account (a TokenRequest bound to it).
+    async fn request_token(
+        &self,
+        pod: &Pod,
+        audience: Option<&str>,
+        expiration_seconds: i64,
+    ) -> Result<String, String> {
+        let client = self.client()?;
+        let namespace = pod.metadata.namespace.clone().unwrap_or_else(|| "default".into());
+        let account =
+            pod.spec.as_ref().and_then(|s| s.service_account_name.clone()).unwrap_or_else(|| "default".into());
+        let request = TokenRequest {
+            metadata: ObjectMeta::default(),
+            spec: TokenRequestSpec {
+                audiences: audience.map(|a| vec![a.to_owned()]).unwrap_or_default(),
+                expiration_seconds: Some(expiration_seconds),
+                bound_object_ref: Some(BoundObjectReference {
+                    api_version: Some("v1".into()),
+                    kind: Some("Pod".into()),
+                    name: pod.metadata.name.clone(),
+                    uid: pod.metadata.uid.clone(),
+                }),
+            },
+            status: None,
+        };
+        let api: Api<ServiceAccount> = Api::namespaced(client, &namespace);
+        let answer = api
+            .create_token_request(&account, &super::post_params(), &request)
+            .await
+            .map_err(|e| format!("cannot get a token for service account {namespace}/{account}: {}", describe(&e)))?;
+        answer.status.map(|s| s.token).ok_or_else(|| "the token request was answered without a token".to_owned())
     }
 
     /// The data of the secret `reference` names (none: empty).
@@ -228,30 +280,17 @@ impl ApiObjects for ApiVolumes {
         audience: Option<&str>,
         expiration_seconds: i64,
     ) -> Result<String, String> {
-        let client = self.client()?;
-        let namespace = pod.metadata.namespace.clone().unwrap_or_else(|| "default".into());
-        let account =
-            pod.spec.as_ref().and_then(|s| s.service_account_name.clone()).unwrap_or_else(|| "default".into());
-        let request = TokenRequest {
-            metadata: ObjectMeta::default(),
-            spec: TokenRequestSpec {
-                audiences: audience.map(|a| vec![a.to_owned()]).unwrap_or_default(),
-                expiration_seconds: Some(expiration_seconds),
-                bound_object_ref: Some(BoundObjectReference {
-                    api_version: Some("v1".into()),
-                    kind: Some("Pod".into()),
-                    name: pod.metadata.name.clone(),
-                    uid: pod.metadata.uid.clone(),
-                }),
-            },
-            status: None,
-        };
-        let api: Api<ServiceAccount> = Api::namespaced(client, &namespace);
-        let answer = api
-            .create_token_request(&account, &super::post_params(), &request)
-            .await
-            .map_err(|e| format!("cannot get a token for service account {namespace}/{account}: {}", describe(&e)))?;
-        answer.status.map(|s| s.token).ok_or_else(|| "the token request was answered without a token".to_owned())
+        let key = (pod.metadata.uid.clone().unwrap_or_default(), audience.map(str::to_owned), expiration_seconds);
+        let cached = self.tokens.lock().unwrap_or_else(|p| p.into_inner()).get(&key).cloned();
+        if let Some((_, token)) = cached.filter(|(at, _)| token_fresh(at.elapsed(), expiration_seconds)) {
+            return Ok(token);
+        }
+        let requested_at = std::time::Instant::now();
+        let token = self.request_token(pod, audience, expiration_seconds).await?;
+        let mut tokens = self.tokens.lock().unwrap_or_else(|p| p.into_inner());
+        tokens.retain(|(_, _, expiration), (at, _)| token_fresh(at.elapsed(), *expiration));
+        tokens.insert(key, (requested_at, token.clone()));
+        Ok(token)
     }
 
     async fn services(&self, namespace: &str) -> Result<Vec<Service>, String> {
@@ -271,5 +310,17 @@ impl ApiObjects for ApiVolumes {
         cache.retain(|_, (at, _)| at.elapsed() < SERVICES_FRESH);
         cache.insert(namespace.to_owned(), (listed_at, list.items.clone()));
         Ok(list.items)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    #[test]
+    fn a_token_is_renewed_after_four_fifths_of_its_life() {
+        assert!(super::token_fresh(Duration::from_secs(479), 600));
+        assert!(!super::token_fresh(Duration::from_secs(480), 600));
+        assert!(!super::token_fresh(Duration::ZERO, 0));
     }
 }

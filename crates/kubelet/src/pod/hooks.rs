@@ -10,9 +10,10 @@
 //!   and the stop goes on.
 //!
 //! Handlers: `exec` (a command in the container, through the provider;
-//! a non-zero exit fails) and `httpGet` (a GET to `host`, by default the
+//! a non-zero exit fails), `httpGet` (a GET to `host`, by default the
 //! pod's IP, at `port` and `path`; HTTPS without checking the certificate;
-//! any answer succeeds, as upstream). As upstream, a hook's `host` may name
+//! any answer succeeds, as upstream) and `sleep` (the API's newer handler:
+//! waits its `seconds`, within the hook's time). As upstream, a hook's `host` may name
 //! any address: the pod's author asks the node to call it.
 
 use std::net::{IpAddr, SocketAddr};
@@ -129,6 +130,12 @@ pub async fn run(
             }
         };
     }
+    if let Some(sleep) = &handler.sleep {
+        let seconds = Duration::from_secs(u64::try_from(sleep.seconds).unwrap_or(0));
+        // Cut short by the hook's time (a preStop's grace period), as upstream.
+        tokio::time::sleep(seconds.min(timeout)).await;
+        return Ok(());
+    }
     if handler.tcp_socket.is_some() {
         // The API keeps tcpSocket for compatibility and the kubelet does
         // not run it either.
@@ -152,6 +159,21 @@ mod tests {
 
     fn container(lifecycle: serde_json::Value) -> Container {
         serde_json::from_value(serde_json::json!({"name": "c", "lifecycle": lifecycle})).expect("container")
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_sleep_hook_waits_its_seconds_within_the_hooks_time() {
+        let pod = Pod::default();
+        let c = container(serde_json::json!({"preStop": {"sleep": {"seconds": 30}}}));
+        let provider: Arc<dyn Provider> = Arc::new(NoExec);
+        let id = ContainerId("x".into());
+        let address = IpAddr::from([127, 0, 0, 1]);
+        let began = tokio::time::Instant::now();
+        run(Hook::PreStop, &provider, &pod, &c, &id, address, Duration::from_secs(60)).await.expect("slept");
+        assert_eq!(began.elapsed().as_secs(), 30);
+        let began = tokio::time::Instant::now();
+        run(Hook::PreStop, &provider, &pod, &c, &id, address, Duration::from_secs(5)).await.expect("cut short");
+        assert_eq!(began.elapsed().as_secs(), 5);
     }
 
     #[test]

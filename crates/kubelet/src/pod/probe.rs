@@ -665,7 +665,20 @@ impl Worker {
     /// trying again (with backoff) until the runtime takes it; the task is
     /// aborted once the exit is recorded.
     async fn kill(&self) {
-        let grace = self.spec.termination_grace.unwrap_or(self.pod_grace);
+        let mut grace = self.spec.termination_grace.unwrap_or(self.pod_grace);
+        // As upstream, the preStop hook runs first, within the grace period.
+        let spec = self.pod.spec.iter().flat_map(|s| s.containers.iter()).find(|c| c.name == self.container);
+        if let Some(spec) = spec.filter(|c| super::hooks::Hook::PreStop.handler(c).is_some() && !grace.is_zero()) {
+            let began = Instant::now();
+            let hook = super::hooks::Hook::PreStop;
+            let t = &self.target;
+            if let Err(message) = super::hooks::run(hook, &t.provider, &self.pod, spec, &t.id, t.address, grace).await {
+                tracing::warn!(container = %self.container, %message, "preStop hook failed");
+                let reason = hook.failure_reason();
+                self.recorder.pod(&self.pod, Some(&self.container), crate::events::EventType::Warning, reason, message);
+            }
+            grace = grace.saturating_sub(began.elapsed()).max(super::hooks::MIN_STOP_GRACE);
+        }
         let mut retry = Duration::from_millis(500);
         loop {
             tracing::info!(container = %self.container, id = %self.target.id, probe = self.spec.kind.title(), ?grace, "killing the container: its probe failed");

@@ -19,8 +19,7 @@
 //! [`super::VolumeManager::refresh`]): a changed object, or an optional
 //! one created later, reaches the running containers.
 //!
-//! Not done: renewing tokens before they expire, secrets on tmpfs (they
-//! are written to the pod's directory).
+//! Not done: secrets on tmpfs (they are written to the pod's directory).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
