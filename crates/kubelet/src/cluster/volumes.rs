@@ -85,14 +85,14 @@ pub struct ApiVolumes {
     tokens: std::sync::Arc<std::sync::Mutex<TokenCache>>,
 }
 
-/// Tokens by (pod UID, audience, expiration seconds): when requested, and
-/// the token.
-type TokenCache = std::collections::HashMap<(String, Option<String>, i64), (std::time::Instant, String)>;
+/// Tokens by (pod UID, audience, expiration seconds asked): when
+/// requested, the life the server granted, and the token.
+type TokenCache =
+    std::collections::HashMap<(String, Option<String>, i64), (std::time::Instant, std::time::Duration, String)>;
 
-/// Whether a token requested `age` ago for `expiration_seconds` is still
-/// fresh: less than 80% of its life has passed.
-fn token_fresh(age: std::time::Duration, expiration_seconds: i64) -> bool {
-    let life = std::time::Duration::from_secs(u64::try_from(expiration_seconds).unwrap_or(0));
+/// Whether a token requested `age` ago with `life` granted is still fresh:
+/// less than 80% of its life has passed.
+fn token_fresh(age: std::time::Duration, life: std::time::Duration) -> bool {
     age < life.mul_f64(0.8)
 }
 
@@ -119,13 +119,14 @@ impl ApiVolumes {
         self.client.borrow().clone().ok_or_else(|| "not connected to the API server yet".to_owned())
     }
 
-    /// A new token for `pod`'s service account (a TokenRequest bound to it).
+    /// A new token for `pod`'s service account (a TokenRequest bound to it),
+    /// and when it expires.
     async fn request_token(
         &self,
         pod: &Pod,
         audience: Option<&str>,
         expiration_seconds: i64,
-    ) -> Result<String, String> {
+    ) -> Result<(String, Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>), String> {
         let client = self.client()?;
         let namespace = pod.metadata.namespace.clone().unwrap_or_else(|| "default".into());
         let account =
@@ -149,7 +150,10 @@ impl ApiVolumes {
             .create_token_request(&account, &super::post_params(), &request)
             .await
             .map_err(|e| format!("cannot get a token for service account {namespace}/{account}: {}", describe(&e)))?;
-        answer.status.map(|s| s.token).ok_or_else(|| "the token request was answered without a token".to_owned())
+        answer
+            .status
+            .map(|s| (s.token, Some(s.expiration_timestamp)))
+            .ok_or_else(|| "the token request was answered without a token".to_owned())
     }
 
     /// The data of the secret `reference` names (none: empty).
@@ -282,14 +286,20 @@ impl ApiObjects for ApiVolumes {
     ) -> Result<String, String> {
         let key = (pod.metadata.uid.clone().unwrap_or_default(), audience.map(str::to_owned), expiration_seconds);
         let cached = self.tokens.lock().unwrap_or_else(|p| p.into_inner()).get(&key).cloned();
-        if let Some((_, token)) = cached.filter(|(at, _)| token_fresh(at.elapsed(), expiration_seconds)) {
+        if let Some((_, _, token)) = cached.filter(|(at, life, _)| token_fresh(at.elapsed(), *life)) {
             return Ok(token);
         }
         let requested_at = std::time::Instant::now();
-        let token = self.request_token(pod, audience, expiration_seconds).await?;
+        let (token, expires) = self.request_token(pod, audience, expiration_seconds).await?;
+        // The server may grant less than asked (a maximum expiration):
+        // renewal follows what it granted.
+        let asked = std::time::Duration::from_secs(u64::try_from(expiration_seconds).unwrap_or(0));
+        let granted = expires
+            .map(|at| std::time::Duration::try_from(jiff::Timestamp::now().duration_until(at.0)).unwrap_or_default())
+            .unwrap_or(asked);
         let mut tokens = self.tokens.lock().unwrap_or_else(|p| p.into_inner());
-        tokens.retain(|(_, _, expiration), (at, _)| token_fresh(at.elapsed(), *expiration));
-        tokens.insert(key, (requested_at, token.clone()));
+        tokens.retain(|_, (at, life, _)| token_fresh(at.elapsed(), *life));
+        tokens.insert(key, (requested_at, granted.min(asked), token.clone()));
         Ok(token)
     }
 
@@ -319,8 +329,9 @@ mod tests {
 
     #[test]
     fn a_token_is_renewed_after_four_fifths_of_its_life() {
-        assert!(super::token_fresh(Duration::from_secs(479), 600));
-        assert!(!super::token_fresh(Duration::from_secs(480), 600));
-        assert!(!super::token_fresh(Duration::ZERO, 0));
+        let life = Duration::from_secs(600);
+        assert!(super::token_fresh(Duration::from_secs(479), life));
+        assert!(!super::token_fresh(Duration::from_secs(480), life));
+        assert!(!super::token_fresh(Duration::ZERO, Duration::ZERO));
     }
 }

@@ -71,8 +71,26 @@ pub(crate) struct NodeDescription {
     pub(crate) root_dir: std::path::PathBuf,
     /// The kubelet API's port (`status.daemonEndpoints`), if it is served.
     pub(crate) kubelet_port: Option<u16>,
-    /// The container runtime's name and version, from the provider.
-    pub(crate) runtime_version: String,
+    /// The container runtime's name and version, from the provider (asked
+    /// at every status write: a runtime that did not answer at start shows
+    /// once it does).
+    pub(crate) runtime_version: RuntimeVersion,
+}
+
+/// Where the Node's `containerRuntimeVersion` comes from.
+#[derive(Clone, Default)]
+pub(crate) struct RuntimeVersion(pub(crate) Option<std::sync::Arc<dyn crate::provider::Provider>>);
+
+impl RuntimeVersion {
+    fn get(&self) -> String {
+        self.0.as_ref().map(|p| p.runtime_version()).unwrap_or_default()
+    }
+}
+
+impl std::fmt::Debug for RuntimeVersion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.get())
+    }
 }
 
 impl NodeDescription {
@@ -89,7 +107,7 @@ impl NodeDescription {
             addresses: &self.addresses,
             ephemeral_storage: file_system_size(&self.root_dir),
             kubelet_port: self.kubelet_port,
-            runtime_version: &self.runtime_version,
+            runtime_version: &self.runtime_version.get(),
         })
     }
 }

@@ -176,6 +176,7 @@ impl LogTarget {
                 .iter()
                 .flatten()
                 .chain(s.container_statuses.iter().flatten())
+                .chain(s.ephemeral_container_statuses.iter().flatten())
                 .find(|c| c.name == self.container)
         });
         status.is_some_and(|c| {

@@ -470,9 +470,7 @@ impl NodeBuilder {
             addresses: config.node_ips.clone(),
             root_dir: root_dir.clone(),
             kubelet_port: kubelet_api.as_ref().map(|api| api.address.port()),
-            // Asked after the pods started: a CRI runtime has answered
-            // `Version` by now (listing what an earlier run left running).
-            runtime_version: provider_runtime.as_ref().map(|p| p.runtime_version()).unwrap_or_default(),
+            runtime_version: capacity::RuntimeVersion(provider_runtime),
         };
         let sessions = prometheus_client::metrics::gauge::Gauge::default();
         metrics.register(

@@ -61,6 +61,23 @@ pub async fn start(
         follow(&mut ctx.data, provider, name, running.id, running.started_at, started, also).await;
         return Ok(());
     }
+    // An ephemeral container that ran before the node restarted and did
+    // not survive it is not run again: its end is unknown.
+    if let Some(record) = ctx.data.containers.get_mut(name)
+        && record.kind == ContainerKind::Ephemeral
+        && let Some(previous) = record.previous_run.take()
+    {
+        record.wants_start = false;
+        record.phase = ContainerPhase::Terminated(Terminated {
+            exit_code: 137,
+            reason: "ContainerStatusUnknown".into(),
+            message: Some("the node restarted while the ephemeral container ran; its end was not seen".into()),
+            started_at: previous.started_at,
+            finished_at: Timestamp::now(),
+            container_id: previous.container_id,
+        });
+        return Ok(());
+    }
     // A container added to the running pod (an ephemeral one) has its
     // image prepared now.
     pull_if_needed(ctx, provider, name).await?;
@@ -418,11 +435,34 @@ pub fn record_event(data: &mut PodData, event: ContainerEvent) -> Recorded {
                 tracing::info!(pod.uid = %data.id.uid, container = %spec.name, target = ?target, "ephemeral container added");
                 let mut record = super::data::ContainerRecord::new(ContainerKind::Ephemeral, &spec);
                 record.target = target;
+                // One the API showed before a node restart: adopted if it
+                // still runs, never run again if it ended (ephemeral
+                // containers run once).
+                let before = data
+                    .pod
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.ephemeral_container_statuses.as_ref())
+                    .and_then(|s| s.iter().find(|c| c.name == spec.name));
+                if let Some(before) = before {
+                    record.previous_run = Some(super::data::PreviousRun::of(before));
+                    if let Some(ended) = before.state.as_ref().and_then(|s| s.terminated.as_ref()) {
+                        record.phase = ContainerPhase::Terminated(Terminated {
+                            exit_code: ended.exit_code,
+                            reason: ended.reason.clone().unwrap_or_else(|| "Completed".into()),
+                            message: ended.message.clone(),
+                            started_at: ended.started_at.as_ref().map(|t| t.0),
+                            finished_at: ended.finished_at.as_ref().map_or_else(Timestamp::now, |t| t.0),
+                            container_id: ended.container_id.clone().map(ContainerId),
+                        });
+                        record.wants_start = false;
+                    }
+                }
+                any |= record.wants_start;
                 data.order.push(spec.name.clone());
                 data.containers.insert(spec.name.clone(), record);
-                any = true;
             }
-            if any { Recorded::StartDue } else { Recorded::Nothing }
+            if any { Recorded::StartDue } else { Recorded::Status }
         }
         ContainerEvent::DeadlineExceeded => {
             if data.verdict.is_some() {
@@ -456,8 +496,9 @@ pub fn watch_manifest(
 ) {
     let sender = data.event_sender.clone();
     let start_time = data.start_time;
-    let mut seen: std::collections::HashSet<String> =
-        ephemeral_of(&manifest.borrow()).into_iter().map(|(c, _)| c.name).collect();
+    // Those the pod has now are new to this run of the node too (after a
+    // node restart they are adopted or reported as they ended).
+    let mut seen: std::collections::HashSet<String> = std::collections::HashSet::new();
     let uid = data.id.uid.clone();
     data.waiters.spawn(async move {
         let mut open = true;

@@ -119,18 +119,22 @@ pub const MAX_TERMINATION_LOG_LINES: usize = 80;
 impl MessageSource {
     /// The termination message of an instance that exited with `exit_code`.
     pub fn read(&self, exit_code: i32) -> Option<String> {
-        use std::io::Read as _;
         if let Some(file) = &self.file
-            && let Ok(opened) = std::fs::File::open(file)
+            && let Ok(text) = read_end(file, MAX_TERMINATION_MESSAGE)
+            && !text.is_empty()
         {
-            let mut text = Vec::new();
-            if opened.take(MAX_TERMINATION_MESSAGE).read_to_end(&mut text).is_ok() && !text.is_empty() {
-                return Some(String::from_utf8_lossy(&text).into_owned());
-            }
+            return Some(String::from_utf8_lossy(&text).into_owned());
         }
         let log = self.log.as_ref().filter(|_| exit_code != 0)?;
-        let raw = std::fs::read_to_string(log).ok()?;
-        let lines = crate::provider::decode_cri_log(&raw);
+        // Enough of the end for 80 lines of 2 KiB with their framing; the
+        // first line read may be cut, and is dropped when more follow.
+        let raw = read_end(log, 64 * 1024).ok()?;
+        let raw = String::from_utf8_lossy(&raw);
+        let raw = match raw.split_once('\n') {
+            Some((_, rest)) if raw.len() as u64 == 64 * 1024 && !rest.is_empty() => rest,
+            _ => &raw,
+        };
+        let lines = crate::provider::decode_cri_log(raw);
         let tail = lines[lines.len().saturating_sub(MAX_TERMINATION_LOG_LINES)..].concat();
         let mut end = tail.len().min(MAX_TERMINATION_LOG_BYTES);
         while !tail.is_char_boundary(end) {
@@ -138,6 +142,18 @@ impl MessageSource {
         }
         Some(tail[..end].to_owned()).filter(|t| !t.is_empty())
     }
+}
+
+/// The last `most` bytes of the file at `path` (upstream reads a
+/// termination message's end, not its start).
+fn read_end(path: &std::path::Path, most: u64) -> std::io::Result<Vec<u8>> {
+    use std::io::{Read as _, Seek as _};
+    let mut file = std::fs::File::open(path)?;
+    let size = file.metadata()?.len();
+    file.seek(std::io::SeekFrom::Start(size.saturating_sub(most)))?;
+    let mut text = Vec::new();
+    file.take(most).read_to_end(&mut text)?;
+    Ok(text)
 }
 
 /// A container's run as the API status recorded it before a node restart.
@@ -154,7 +170,8 @@ pub struct PreviousRun {
 }
 
 impl PreviousRun {
-    fn of(status: &ContainerStatus) -> PreviousRun {
+    /// What `status` says of the run.
+    pub fn of(status: &ContainerStatus) -> PreviousRun {
         let state = status.state.as_ref();
         let running = state.and_then(|s| s.running.as_ref());
         let terminated = state.and_then(|s| s.terminated.as_ref());
@@ -406,5 +423,29 @@ impl PodData {
                 record.phase = ContainerPhase::Waiting { reason: reason.to_owned(), message: message.clone() };
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_termination_message_is_the_files_end_else_the_failed_logs_end() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("message");
+        let log = dir.path().join("0.log");
+        let source = MessageSource { file: Some(file.clone()), log: Some(log.clone()) };
+        std::fs::write(&file, "").expect("file");
+        let lines: String = (0..100).map(|i| crate::provider::cri_log_line("stdout", &format!("line {i}"))).collect();
+        std::fs::write(&log, format!("{lines}2026-01-01T00:00:00Z stdout P DONE\n")).expect("log");
+        assert_eq!(source.read(0), None, "a success does not fall back to the log");
+        let message = source.read(1).expect("the log's end");
+        assert!(message.starts_with("line 21\n") && message.ends_with("line 99\nDONE"), "{message:?}");
+        // A file's last 4 KiB win over the log.
+        std::fs::write(&file, format!("{}END", "x".repeat(5000))).expect("file");
+        let message = source.read(1).expect("the file");
+        assert_eq!(message.len(), MAX_TERMINATION_MESSAGE as usize);
+        assert!(message.ends_with("xEND"));
     }
 }

@@ -15,7 +15,7 @@ use k8s_openapi::api::core::v1::{Container, Pod, Service};
 
 use crate::device_manager::RunOptions;
 use crate::provider::{ContainerRunOptions, EnvVar, Mount};
-use crate::volume::{DownwardContext, EnvObjects, ObjectKind, PodVolumes, field_value, resource_value};
+use crate::volume::{DownwardContext, EnvObjects, ObjectKind, PodVolumes, VolumeKind, field_value, resource_value};
 
 /// Why a container's configuration cannot be run
 /// (`CreateContainerConfigError`).
@@ -117,31 +117,23 @@ pub fn build(
         set(&mut env, name, value.clone());
     }
     let mut mounts = Vec::new();
-    for mount in container.volume_mounts.iter().flatten() {
+    for (index, mount) in container.volume_mounts.iter().flatten().enumerate() {
         let Some(volume) = volumes.get(&mount.name) else {
             return Err(ConfigError(format!("volumeMount {:?}: the pod has no such volume", mount.name)));
         };
         let mut host_path: PathBuf = volume.host_path.clone();
         let expanded = mount.sub_path_expr.as_deref().filter(|s| !s.is_empty()).map(|e| expand(e, &env));
         if let Some(sub) = expanded.as_deref().or(mount.sub_path.as_deref()).filter(|s| !s.is_empty()) {
+            let failed = |why: String| ConfigError(format!("volumeMount {:?}: subPath {sub:?}: {why}", mount.name));
             if sub.starts_with('/') || sub.split('/').any(|p| p == "..") {
-                return Err(ConfigError(format!(
-                    "volumeMount {:?}: subPath {sub:?} must stay inside the volume",
-                    mount.name
-                )));
+                return Err(failed("must stay inside the volume".into()));
             }
-            let volume_root = host_path.clone();
-            host_path = host_path.join(sub);
-            if !host_path.exists() {
-                let failed =
-                    |e: std::io::Error| ConfigError(format!("volumeMount {:?}: subPath {sub:?}: {e}", mount.name));
-                std::fs::create_dir_all(&host_path).map_err(failed)?;
-                // As upstream, with the volume's own mode (an emptyDir's
-                // 0777), so that the container's user can write it.
-                if let Ok(meta) = std::fs::metadata(&volume_root) {
-                    let _ = std::fs::set_permissions(&host_path, meta.permissions());
-                }
-            }
+            let atomic = matches!(volume.kind, VolumeKind::ApiData | VolumeKind::DownwardApi);
+            host_path = if atomic {
+                subpath_copy(&volume.host_path, sub, &mount.name, &container.name, index).map_err(failed)?
+            } else {
+                subpath_inside(&volume.host_path, sub).map_err(failed)?
+            };
         }
         mounts.push(Mount {
             container_path: mount.mount_path.clone(),
@@ -171,6 +163,102 @@ pub fn build(
         annotations: devices.annotations.clone(),
         cdi_devices: devices.cdi_devices.clone(),
     })
+}
+
+/// `sub` inside the volume at `root`, resolved without leaving it: every
+/// part that exists is followed (symlinks too) and must stay inside the
+/// volume; the parts that do not exist yet are made as directories with
+/// the volume's own mode (an emptyDir's 0777, so the container's user can
+/// write them), as upstream makes a subPath.
+fn subpath_inside(root: &std::path::Path, sub: &str) -> Result<PathBuf, String> {
+    let root = std::fs::canonicalize(root).map_err(|e| format!("{}: {e}", root.display()))?;
+    let mode = std::fs::metadata(&root).map(|m| m.permissions()).ok();
+    let mut current = root.clone();
+    let parts: Vec<&str> = sub.split('/').filter(|p| !p.is_empty() && *p != ".").collect();
+    for (i, part) in parts.iter().enumerate() {
+        let next = current.join(part);
+        match std::fs::symlink_metadata(&next) {
+            Ok(_) => {
+                let real = std::fs::canonicalize(&next).map_err(|e| format!("{}: {e}", next.display()))?;
+                if !real.starts_with(&root) {
+                    return Err(format!("leads out of the volume (to {})", real.display()));
+                }
+                current = real;
+            }
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+                for missing in &parts[i..] {
+                    current = current.join(missing);
+                    std::fs::create_dir(&current).map_err(|e| format!("{}: {e}", current.display()))?;
+                    if let Some(mode) = &mode {
+                        let _ = std::fs::set_permissions(&current, mode.clone());
+                    }
+                }
+                return Ok(current);
+            }
+            Err(error) => return Err(format!("{}: {error}", next.display())),
+        }
+    }
+    Ok(current)
+}
+
+/// A subPath of a volume whose contents are swapped while the pod runs
+/// (configMap, secret, projected, downwardAPI): as upstream, it does not
+/// follow later versions; it is a copy of what the path holds now, under
+/// `<pod dir>/volume-subpaths/<volume>/<container>/<mount index>`, so that
+/// removing an old version never pulls a file from under a container. A
+/// path the volume does not have is an empty directory.
+fn subpath_copy(
+    root: &std::path::Path,
+    sub: &str,
+    volume: &str,
+    container: &str,
+    index: usize,
+) -> Result<PathBuf, String> {
+    // `<pod dir>/volumes/<plugin>/<volume>`.
+    let pod_dir = root.ancestors().nth(3).ok_or_else(|| format!("{} is not a pod volume", root.display()))?;
+    let target = pod_dir.join("volume-subpaths").join(volume).join(container).join(index.to_string());
+    let io = |path: &std::path::Path, e: std::io::Error| format!("{}: {e}", path.display());
+    match std::fs::symlink_metadata(&target) {
+        Ok(meta) if meta.is_dir() => std::fs::remove_dir_all(&target).map_err(|e| io(&target, e))?,
+        Ok(_) => std::fs::remove_file(&target).map_err(|e| io(&target, e))?,
+        Err(_) => {}
+    }
+    if let Some(parent) = target.parent() {
+        std::fs::create_dir_all(parent).map_err(|e| io(parent, e))?;
+    }
+    let canonical_root = std::fs::canonicalize(root).map_err(|e| io(root, e))?;
+    let source = match std::fs::canonicalize(root.join(sub)) {
+        Ok(source) if source.starts_with(&canonical_root) => source,
+        Ok(source) => return Err(format!("leads out of the volume (to {})", source.display())),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+            std::fs::create_dir(&target).map_err(|e| io(&target, e))?;
+            return Ok(target);
+        }
+        Err(error) => return Err(io(&root.join(sub), error)),
+    };
+    copy_tree(&source, &target).map_err(|e| io(&source, e))?;
+    Ok(target)
+}
+
+/// Copies a file (with its mode) or a directory tree.
+fn copy_tree(from: &std::path::Path, to: &std::path::Path) -> std::io::Result<()> {
+    let meta = std::fs::metadata(from)?;
+    if !meta.is_dir() {
+        std::fs::copy(from, to)?;
+    } else {
+        std::fs::create_dir(to)?;
+        std::fs::set_permissions(to, meta.permissions())?;
+    }
+    // Its group too (a pod's fsGroup); the node's own user may not change it.
+    let _ = std::os::unix::fs::chown(to, None, Some(std::os::unix::fs::MetadataExt::gid(&meta)));
+    if !meta.is_dir() {
+        return Ok(());
+    }
+    for entry in std::fs::read_dir(from)? {
+        let entry = entry?;
+        copy_tree(&entry.path(), &to.join(entry.file_name()))?;
+    }
+    Ok(())
 }
 
 /// The link variables of `services`, as upstream names them
@@ -279,6 +367,38 @@ mod tests {
         let container = &pod.spec.as_ref().expect("spec").containers[0];
         let sources = EnvSources { objects: None, services, downward: &context };
         build(pod, container, &PodVolumes::new(), &RunOptions::default(), sources)
+    }
+
+    #[test]
+    fn a_subpath_cannot_leave_its_volume_through_a_symlink() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let volume = dir.path().join("v");
+        std::fs::create_dir(&volume).expect("volume");
+        std::os::unix::fs::symlink(dir.path(), volume.join("escape")).expect("symlink");
+        let error = subpath_inside(&volume, "escape/made").expect_err("outside");
+        assert!(error.starts_with("leads out of the volume"), "{error}");
+        assert!(!dir.path().join("made").exists(), "nothing is made outside the volume");
+        let made = subpath_inside(&volume, "a/b").expect("inside");
+        assert!(made.is_dir() && made.ends_with("v/a/b"), "{}", made.display());
+    }
+
+    #[test]
+    fn a_subpath_of_an_atomic_volume_is_a_copy_that_outlives_its_version() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let volume = dir.path().join("pod/volumes/kubernetes.io~configmap/conf");
+        let file = |content: &str| crate::volume::atomic_writer::FileData { content: content.into(), mode: 0o600 };
+        let payload = crate::volume::atomic_writer::Payload::from([("app.conf".to_owned(), file("v1"))]);
+        crate::volume::atomic_writer::write("conf", &volume, &payload, None).expect("write");
+        let copy = subpath_copy(&volume, "app.conf", "conf", "main", 2).expect("copy");
+        assert!(copy.ends_with("pod/volume-subpaths/conf/main/2"), "{}", copy.display());
+        // A new version removes the old one: the copy stays as it was.
+        let payload = crate::volume::atomic_writer::Payload::from([("app.conf".to_owned(), file("v2"))]);
+        crate::volume::atomic_writer::write("conf", &volume, &payload, None).expect("write");
+        assert_eq!(std::fs::read_to_string(&copy).expect("copy"), "v1");
+        let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&copy).expect("meta").permissions());
+        assert_eq!(mode & 0o777, 0o600);
+        let missing = subpath_copy(&volume, "absent", "conf", "main", 3).expect("an empty dir");
+        assert!(missing.is_dir());
     }
 
     #[test]

@@ -94,7 +94,7 @@ pub fn pod_status(data: &PodData, stage: Stage) -> PodStatus {
         .map(|c| c.spec.name.as_str())
         .collect();
     let succeeded_pod = phase == "Succeeded";
-    let has_init_containers = init.iter().any(|c| c.kind == ContainerKind::Init);
+    let has_init_containers = !init.is_empty();
     let mut conditions = vec![condition("PodScheduled", true, None, None, now)];
     conditions.push(condition("PodReadyToStartContainers", data.volumes_ready, None, None, now));
     let initialized = data.initialized || succeeded_pod;
@@ -125,7 +125,7 @@ pub fn pod_status(data: &PodData, stage: Stage) -> PodStatus {
             )
         });
     }
-    PodStatus {
+    let mut status = PodStatus {
         phase: Some(phase),
         reason: data.verdict.as_ref().and_then(|v| v.reason.clone()),
         message: data.verdict.as_ref().and_then(|v| v.message.clone()).or_else(|| data.pending_message.clone()),
@@ -143,6 +143,37 @@ pub fn pod_status(data: &PodData, stage: Stage) -> PodStatus {
         pod_ips: (!data.pod_ips.is_empty())
             .then(|| data.pod_ips.iter().map(|ip| PodIP { ip: ip.to_string() }).collect()),
         ..PodStatus::default()
+    };
+    limit_termination_messages(&mut status, init.len() + apps.len());
+    status
+}
+
+/// The most termination-message bytes a pod's statuses carry, shared
+/// evenly by its containers (upstream's 12 KiB).
+pub const MAX_POD_TERMINATION_MESSAGES: usize = 12 * 1024;
+
+/// Cuts each terminated state's message to the pod's share per container
+/// (its first bytes), as upstream's status manager does.
+fn limit_termination_messages(status: &mut PodStatus, containers: usize) {
+    let share = MAX_POD_TERMINATION_MESSAGES / containers.max(1);
+    let statuses = status
+        .container_statuses
+        .iter_mut()
+        .chain(status.init_container_statuses.iter_mut())
+        .chain(status.ephemeral_container_statuses.iter_mut())
+        .flatten();
+    for container in statuses {
+        for state in [container.state.as_mut(), container.last_state.as_mut()].into_iter().flatten() {
+            if let Some(message) = state.terminated.as_mut().and_then(|t| t.message.as_mut())
+                && message.len() > share
+            {
+                let mut end = share;
+                while !message.is_char_boundary(end) {
+                    end -= 1;
+                }
+                message.truncate(end);
+            }
+        }
     }
 }
 
@@ -239,5 +270,38 @@ fn qos_class(data: &PodData) -> &'static str {
         (false, _) => "BestEffort",
         (true, true) => "Guaranteed",
         (true, false) => "Burstable",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::api::core::v1::{ContainerState, ContainerStateTerminated, ContainerStatus};
+
+    use super::*;
+
+    #[test]
+    fn termination_messages_share_twelve_kib_across_the_containers() {
+        let terminated = |message: &str| ContainerState {
+            terminated: Some(ContainerStateTerminated { message: Some(message.to_owned()), ..Default::default() }),
+            ..Default::default()
+        };
+        let long = "é".repeat(4000);
+        let mut status = PodStatus {
+            container_statuses: Some(vec![
+                ContainerStatus {
+                    state: Some(terminated(&long)),
+                    last_state: Some(terminated(&long)),
+                    ..Default::default()
+                };
+                4
+            ]),
+            ..Default::default()
+        };
+        limit_termination_messages(&mut status, 4);
+        for container in status.container_statuses.iter().flatten() {
+            let message = container.state.as_ref().and_then(|s| s.terminated.as_ref()).and_then(|t| t.message.clone());
+            // 3072 bytes each, cut on a character boundary.
+            assert_eq!(message.map(|m| m.len()), Some(3072));
+        }
     }
 }

@@ -6,7 +6,9 @@
 
 use k8s_openapi::api::core::v1::Pod;
 
-/// The sysctls upstream (1.28) allows every pod.
+/// The sysctls upstream 1.28 allows every pod (the TCP keepalive and
+/// `tcp_fin_timeout` ones came in 1.29: allow them with
+/// `--allowed-unsafe-sysctls`).
 pub const SAFE_SYSCTLS: &[&str] = &[
     "kernel.shm_rmid_forced",
     "net.ipv4.ip_local_port_range",
@@ -14,10 +16,6 @@ pub const SAFE_SYSCTLS: &[&str] = &[
     "net.ipv4.ping_group_range",
     "net.ipv4.ip_unprivileged_port_start",
     "net.ipv4.ip_local_reserved_ports",
-    "net.ipv4.tcp_keepalive_time",
-    "net.ipv4.tcp_fin_timeout",
-    "net.ipv4.tcp_keepalive_intvl",
-    "net.ipv4.tcp_keepalive_probes",
 ];
 
 /// The reason of a pod rejected for its sysctls.

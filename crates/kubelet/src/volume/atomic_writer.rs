@@ -159,6 +159,26 @@ fn collect_files(root: &Path, dir: &Path, found: &mut Vec<PathBuf>) -> std::io::
     Ok(())
 }
 
+/// Gives `path` to group `gid`. A node without the privilege to (not
+/// root, no CAP_CHOWN) says so once and leaves the group as it is: the
+/// volume still works for containers running as the node's user.
+pub(crate) fn set_group(path: &Path, gid: u32) -> std::io::Result<()> {
+    match std::os::unix::fs::chown(path, None, Some(gid)) {
+        Err(error) if error.kind() == std::io::ErrorKind::PermissionDenied => {
+            static WARNED: std::sync::Once = std::sync::Once::new();
+            WARNED.call_once(|| {
+                tracing::warn!(
+                    path = %path.display(),
+                    gid,
+                    "the node may not change file groups (not root): pods' fsGroup is not applied to their volumes"
+                );
+            });
+            Ok(())
+        }
+        other => other,
+    }
+}
+
 /// A new, empty `..<timestamp>` directory in `dir`.
 fn fresh_version_dir(dir: &Path) -> std::io::Result<PathBuf> {
     let now = k8s_openapi::jiff::Timestamp::now();
@@ -179,7 +199,7 @@ fn fresh_version_dir(dir: &Path) -> std::io::Result<PathBuf> {
 
 fn write_version(version: &Path, payload: &Payload, fs_group: Option<u32>) -> Result<(), (PathBuf, std::io::Error)> {
     let group = |path: &Path| match fs_group {
-        Some(gid) => std::os::unix::fs::chown(path, None, Some(gid)).map_err(|e| (path.to_owned(), e)),
+        Some(gid) => set_group(path, gid).map_err(|e| (path.to_owned(), e)),
         None => Ok(()),
     };
     group(version)?;

@@ -47,7 +47,7 @@ pub fn prepare(
     // The umask narrowed what create_dir_all made: set the mode itself.
     let mut mode = 0o777;
     if let Some(gid) = fs_group {
-        std::os::unix::fs::chown(dir, None, Some(gid)).map_err(io)?;
+        super::atomic_writer::set_group(dir, gid).map_err(io)?;
         mode |= 0o2000;
     }
     std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(mode)).map_err(io)?;

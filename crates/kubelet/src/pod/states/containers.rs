@@ -35,7 +35,10 @@ impl State<PodLifecycle> for Initializing {
             let kind = ctx.data.containers.get(&name).map(|c| c.kind);
             loop {
                 if let Some(until) = ctx.data.containers.get(&name).and_then(|c| c.backoff.until()) {
-                    tokio::time::sleep_until(until).await;
+                    tokio::select! {
+                        () = tokio::time::sleep_until(until) => {}
+                        () = deadline_event(&mut ctx.data) => return past_deadline(&*self, ctx).await,
+                    }
                     if let Some(c) = ctx.data.containers.get_mut(&name) {
                         c.backoff.waited();
                     }
@@ -200,6 +203,12 @@ fn apps_finished(ctx: &Context<PodLifecycle>, policy: RestartPolicy) -> bool {
 
 /// Records the exits the sidecars' stop produced.
 fn drain_exits(ctx: &mut Context<PodLifecycle>) {
+    drain_exits_because(ctx, "stopped after the app containers ended");
+}
+
+/// Records the exits a stop produced; a container whose exit has not been
+/// seen is recorded as stopped, `why`.
+fn drain_exits_because(ctx: &mut Context<PodLifecycle>, why: &str) {
     while let Ok(event) = ctx.data.events.try_recv() {
         record_event(&mut ctx.data, event);
     }
@@ -209,11 +218,39 @@ fn drain_exits(ctx: &mut Context<PodLifecycle>) {
             record.phase = ContainerPhase::Terminated(crate::pod::data::Terminated {
                 exit_code: 0,
                 reason: "Completed".into(),
-                message: Some("stopped after the app containers ended".into()),
+                message: Some(why.to_owned()),
                 started_at: None,
                 finished_at: k8s_openapi::jiff::Timestamp::now(),
                 container_id: record.id.clone(),
             });
+        }
+    }
+}
+
+/// How long the exits of containers stopped for the pod's deadline are
+/// waited for (the runtime reports them within its relist).
+const STOPPED_EXIT_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Waits (at most `within`) until no container runs, recording events.
+async fn await_exits(ctx: &mut Context<PodLifecycle>, within: std::time::Duration) {
+    let deadline = Instant::now() + within;
+    while ctx.data.containers.values().any(|c| c.is_running()) {
+        match tokio::time::timeout_at(deadline, ctx.data.events.recv()).await {
+            Ok(Some(event)) => {
+                record_event(&mut ctx.data, event);
+            }
+            _ => return,
+        }
+    }
+}
+
+/// Records events until one says the pod ran past its deadline (never
+/// returns otherwise): for states that wait on something else.
+pub(super) async fn deadline_event(data: &mut crate::pod::data::PodData) {
+    loop {
+        let Some(event) = data.events.recv().await else { return std::future::pending().await };
+        if record_event(data, event) == Recorded::Deadline {
+            return;
         }
     }
 }
@@ -324,7 +361,8 @@ where
     for failure in stop_all(ctx, grace).await {
         tracing::warn!(pod.uid = %ctx.data.id.uid, %failure, "stopping the containers of a pod past its deadline");
     }
-    drain_exits(ctx);
+    await_exits(ctx, STOPPED_EXIT_WAIT).await;
+    drain_exits_because(ctx, "stopped: the pod ran past its activeDeadlineSeconds");
     Transition::next(from, Failed)
 }
 

@@ -20,6 +20,10 @@ pub struct Failed;
 
 /// Frees what a finished pod held for other pods.
 async fn release_resources(ctx: &mut Context<PodLifecycle>) {
+    // Its containers are done: the tasks watching them, its volume refresh
+    // and its manifest watcher end too (a finished pod's volumes are not
+    // written again).
+    ctx.data.waiters.shutdown().await;
     let lifecycle = std::sync::Arc::clone(&ctx.machine);
     let uid = &ctx.data.id.uid;
     lifecycle.admitted.release(uid);

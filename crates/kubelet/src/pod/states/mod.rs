@@ -27,6 +27,8 @@ impl TransitionTo<Failed> for Resources {}
 impl TransitionTo<Volumes> for ImagePull {}
 impl TransitionTo<ImagePullBackOff> for ImagePull {}
 impl TransitionTo<ImagePull> for ImagePullBackOff {}
+impl TransitionTo<Failed> for ImagePullBackOff {}
+impl TransitionTo<Failed> for Volumes {}
 impl TransitionTo<Initializing> for Volumes {}
 impl TransitionTo<NoProvider> for Volumes {}
 impl TransitionTo<Starting> for Initializing {}

@@ -8,7 +8,7 @@ use k8s_openapi::api::core::v1::PodStatus;
 use krator::{Context, State, Transition};
 use tokio::time::Instant;
 
-use super::Initializing;
+use super::{Failed, Initializing};
 use crate::pod::PodLifecycle;
 use crate::pod::backoff::Backoff;
 use crate::pod::status::{Stage, pod_status};
@@ -139,7 +139,12 @@ impl State<PodLifecycle> for ImagePullBackOff {
             ctx.data.recorder.pod(&ctx.data.pod, Some(&self.container), EventType::Normal, "BackOff", message);
         }
         if let Some(until) = self.backoff.until() {
-            tokio::time::sleep_until(until).await;
+            // A pod past its activeDeadlineSeconds fails here too (a Job
+            // whose image cannot be pulled).
+            tokio::select! {
+                () = tokio::time::sleep_until(until) => {}
+                () = super::containers::deadline_event(&mut ctx.data) => return Transition::next(&*self, Failed),
+            }
         }
         let mut backoff = self.backoff.clone();
         backoff.waited();
@@ -202,20 +207,26 @@ impl State<PodLifecycle> for Volumes {
                     if matches!(error, VolumeError::NotAttached { .. }) {
                         until = until.min(Instant::now() + ATTACH_RECHECK);
                     }
-                    match changes.as_mut() {
-                        Some(changes) if waiting_for_driver => {
-                            // Only a registration can help: wait for one (the
-                            // backoff's deadline stays as a safety net).
-                            let _ = tokio::time::timeout_at(
-                                until.max(Instant::now() + MISSING_DRIVER_RECHECK),
-                                changes.changed(),
-                            )
-                            .await;
+                    let wait = async {
+                        match changes.as_mut() {
+                            Some(changes) if waiting_for_driver => {
+                                // Only a registration can help: wait for one
+                                // (the backoff's deadline stays as a safety net).
+                                let _ = tokio::time::timeout_at(
+                                    until.max(Instant::now() + MISSING_DRIVER_RECHECK),
+                                    changes.changed(),
+                                )
+                                .await;
+                            }
+                            Some(changes) => {
+                                let _ = tokio::time::timeout_at(until, changes.changed()).await;
+                            }
+                            None => tokio::time::sleep_until(until).await,
                         }
-                        Some(changes) => {
-                            let _ = tokio::time::timeout_at(until, changes.changed()).await;
-                        }
-                        None => tokio::time::sleep_until(until).await,
+                    };
+                    tokio::select! {
+                        () = wait => {}
+                        () = super::containers::deadline_event(&mut ctx.data) => return Transition::next(&*self, Failed),
                     }
                 }
             }

@@ -60,7 +60,9 @@ impl State<PodLifecycle> for Terminating {
         // 1. Containers, within the grace period.
         let grace = grace_period(&ctx.latest_manifest());
         failures.extend(stop_all(ctx, grace).await);
-        ctx.data.waiters.abort_all();
+        // Waited for, not only aborted: a volume refresh between its API
+        // read and its write must not write after the teardown below.
+        ctx.data.waiters.shutdown().await;
         // 2. Volumes: retried with backoff until every one is torn down
         // (a CSI driver may fail NodeUnpublishVolume for a while); the
         // pod's deletion in the API waits for it.
