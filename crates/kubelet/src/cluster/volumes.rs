@@ -83,7 +83,16 @@ pub struct ApiVolumes {
     /// Tokens requested for pods, reused until 80% of their life has
     /// passed (upstream's token manager renews them then).
     tokens: std::sync::Arc<std::sync::Mutex<TokenCache>>,
+    /// ConfigMaps and Secrets as last read for volume rewrites, one slot
+    /// per object (a read under way is waited for, not repeated).
+    objects: std::sync::Arc<std::sync::Mutex<ObjectCache>>,
 }
+
+/// One object's last read: when, and what it held (`None`: no such object).
+type ObjectSlot = std::sync::Arc<tokio::sync::Mutex<Option<(std::time::Instant, Option<BTreeMap<String, Vec<u8>>>)>>>;
+
+/// Object slots by (kind, namespace, name).
+type ObjectCache = BTreeMap<(ObjectKind, String, String), ObjectSlot>;
 
 /// Tokens by (pod UID, audience, expiration seconds asked): when
 /// requested, the life the server granted, and the token.
@@ -96,8 +105,10 @@ fn token_fresh(age: std::time::Duration, life: std::time::Duration) -> bool {
     age < life.mul_f64(0.8)
 }
 
-/// Each namespace's services as last listed, and when.
-type ServiceCache = std::collections::HashMap<String, (std::time::Instant, Vec<Service>)>;
+/// Each namespace's services as last listed, and when (a slot per
+/// namespace: a listing under way is waited for, not repeated).
+type ServiceCache =
+    std::collections::HashMap<String, std::sync::Arc<tokio::sync::Mutex<Option<(std::time::Instant, Vec<Service>)>>>>;
 
 /// How long a namespace's listed services are reused for containers'
 /// link variables (upstream reads them from a watch cache).
@@ -108,6 +119,7 @@ impl ApiVolumes {
     /// `node_name` (whose VolumeAttachments it reads).
     pub fn new(client: watch::Receiver<Option<kube::Client>>, node_name: &str) -> ApiVolumes {
         ApiVolumes {
+            objects: std::sync::Arc::default(),
             client,
             node_name: node_name.to_owned(),
             services: std::sync::Arc::default(),
@@ -278,6 +290,33 @@ impl ApiObjects for ApiVolumes {
         }
     }
 
+    async fn data_cached(
+        &self,
+        kind: ObjectKind,
+        namespace: &str,
+        name: &str,
+        max_age: std::time::Duration,
+    ) -> Result<Option<BTreeMap<String, Vec<u8>>>, String> {
+        let slot = {
+            let mut objects = self.objects.lock().unwrap_or_else(|p| p.into_inner());
+            // Objects nobody read for a while (their pods are gone) are forgotten.
+            if objects.len() > 64 {
+                objects.retain(|_, slot| {
+                    slot.try_lock().map_or(true, |s| s.as_ref().is_some_and(|(at, _)| at.elapsed() < max_age * 10))
+                });
+            }
+            std::sync::Arc::clone(objects.entry((kind, namespace.to_owned(), name.to_owned())).or_default())
+        };
+        let mut slot = slot.lock().await;
+        if let Some((_, data)) = slot.as_ref().filter(|(at, _)| at.elapsed() < max_age) {
+            return Ok(data.clone());
+        }
+        let read_at = std::time::Instant::now();
+        let data = self.data(kind, namespace, name).await?;
+        *slot = Some((read_at, data.clone()));
+        Ok(data)
+    }
+
     async fn service_account_token(
         &self,
         pod: &Pod,
@@ -304,10 +343,20 @@ impl ApiObjects for ApiVolumes {
     }
 
     async fn services(&self, namespace: &str) -> Result<Vec<Service>, String> {
-        let cached = self.services.lock().unwrap_or_else(|p| p.into_inner()).get(namespace).cloned();
-        if let Some((at, services)) = cached.filter(|(at, _)| at.elapsed() < SERVICES_FRESH) {
-            tracing::trace!(%namespace, age = ?at.elapsed(), "services from the last listing");
-            return Ok(services);
+        let slot = {
+            let mut services = self.services.lock().unwrap_or_else(|p| p.into_inner());
+            if services.len() > 64 {
+                services.retain(|_, slot| {
+                    slot.try_lock()
+                        .map_or(true, |s| s.as_ref().is_some_and(|(at, _)| at.elapsed() < SERVICES_FRESH * 60))
+                });
+            }
+            std::sync::Arc::clone(services.entry(namespace.to_owned()).or_default())
+        };
+        // A burst of starts waits for one listing instead of making its own.
+        let mut slot = slot.lock().await;
+        if let Some((_, services)) = slot.as_ref().filter(|(at, _)| at.elapsed() < SERVICES_FRESH) {
+            return Ok(services.clone());
         }
         let client = self.client()?;
         let api: Api<Service> = Api::namespaced(client, namespace);
@@ -316,9 +365,7 @@ impl ApiObjects for ApiVolumes {
             .list(&kube::api::ListParams::default())
             .await
             .map_err(|e| format!("cannot list the services of {namespace}: {}", describe(&e)))?;
-        let mut cache = self.services.lock().unwrap_or_else(|p| p.into_inner());
-        cache.retain(|_, (at, _)| at.elapsed() < SERVICES_FRESH);
-        cache.insert(namespace.to_owned(), (listed_at, list.items.clone()));
+        *slot = Some((listed_at, list.items.clone()));
         Ok(list.items)
     }
 }

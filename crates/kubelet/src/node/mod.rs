@@ -91,7 +91,9 @@ pub struct PodSettings {
     /// Sysctls pods may set beyond the safe ones (`--allowed-unsafe-sysctls`).
     pub allowed_unsafe_sysctls: Vec<String>,
     /// How often running pods' configMap, secret, projected and downwardAPI
-    /// volumes are written again from the API (20 s).
+    /// volumes are written again from the API (60 s, upstream's sync period;
+    /// each pod's first a little later, so that pods started together do
+    /// not read together).
     pub volume_refresh: Duration,
 }
 
@@ -107,7 +109,7 @@ impl Default for PodSettings {
             csi_timeouts: CsiNodeTimeouts::default(),
             cluster_domain: String::new(),
             allowed_unsafe_sysctls: Vec::new(),
-            volume_refresh: Duration::from_secs(20),
+            volume_refresh: Duration::from_secs(60),
         }
     }
 }

@@ -117,7 +117,7 @@ impl PodConfig {
             },
             host_ips: Vec::new(),
             cluster_domain: String::new(),
-            volume_refresh: std::time::Duration::from_secs(20),
+            volume_refresh: std::time::Duration::from_secs(60),
             allowed_unsafe_sysctls: Vec::new(),
         }
     }

@@ -70,6 +70,20 @@ pub trait ApiObjects: Send + Sync + 'static {
         expiration_seconds: i64,
     ) -> Result<String, String>;
 
+    /// [`ApiObjects::data`], or a copy read at most `max_age` ago: the
+    /// periodic rewrite of running pods' volumes reads through it, so that
+    /// many pods sharing an object read it once. By default: a fresh read.
+    async fn data_cached(
+        &self,
+        kind: ObjectKind,
+        namespace: &str,
+        name: &str,
+        max_age: std::time::Duration,
+    ) -> Result<Option<BTreeMap<String, Vec<u8>>>, String> {
+        let _ = max_age;
+        self.data(kind, namespace, name).await
+    }
+
     /// The services of `namespace`, for the link variables of a container's
     /// env; by default none.
     async fn services(&self, namespace: &str) -> Result<Vec<k8s_openapi::api::core::v1::Service>, String> {
@@ -105,6 +119,36 @@ pub async fn link_services(objects: &dyn ApiObjects, pod: &Pod) -> Vec<k8s_opena
         }
     }
     chosen.into_values().collect()
+}
+
+/// Objects read through [`ApiObjects::data_cached`]: what the periodic
+/// rewrite of volumes reads.
+pub struct CachedObjects {
+    /// Where the objects come from.
+    pub objects: std::sync::Arc<dyn ApiObjects>,
+    /// How old a copy may be.
+    pub max_age: std::time::Duration,
+}
+
+#[async_trait::async_trait]
+impl ApiObjects for CachedObjects {
+    async fn data(
+        &self,
+        kind: ObjectKind,
+        namespace: &str,
+        name: &str,
+    ) -> Result<Option<BTreeMap<String, Vec<u8>>>, String> {
+        self.objects.data_cached(kind, namespace, name, self.max_age).await
+    }
+
+    async fn service_account_token(
+        &self,
+        pod: &Pod,
+        audience: Option<&str>,
+        expiration_seconds: i64,
+    ) -> Result<String, String> {
+        self.objects.service_account_token(pod, audience, expiration_seconds).await
+    }
 }
 
 fn invalid(volume: &str, reason: String) -> VolumeError {

@@ -172,6 +172,10 @@ impl std::fmt::Debug for VolumeManager {
     }
 }
 
+/// The oldest copy of an object a running pod's volume is rewritten from
+/// (half the rewrite period, at most this).
+pub const OBJECT_MAX_AGE: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Why API-backed volumes are refused in static pods.
 pub(crate) const NEEDS_API: &str = "in static pods (they need the API server; upstream refuses them too)";
 
@@ -280,14 +284,16 @@ impl VolumeManager {
     /// (configMap, secret, projected, downwardAPI) again from what the
     /// objects and `pod` hold now: a changed object or label, or an
     /// optional object created later, reaches the running containers.
-    /// Returns how many volumes changed; a volume that cannot be written
-    /// keeps its last contents (the error is returned after the others
-    /// were tried).
+    /// Objects are read through [`ApiObjects::data_cached`]: a copy at
+    /// most `max_age` old will do. Returns how many volumes changed; a
+    /// volume that cannot be written keeps its last contents (the error is
+    /// returned after the others were tried).
     pub async fn refresh(
         &self,
         pod: &Pod,
         prepared: &PodVolumes,
         context: &DownwardContext,
+        max_age: std::time::Duration,
     ) -> Result<usize, Vec<VolumeError>> {
         let fs_group = fs_group(pod);
         let mut changed = 0;
@@ -303,7 +309,10 @@ impl VolumeManager {
                 }
                 (VolumeKind::ApiData, _, Some(objects)) => {
                     let before = std::fs::read_link(ready.host_path.join(atomic_writer::DATA_LINK)).ok();
-                    api_data::prepare(objects.as_ref(), pod, volume, &ready.host_path, context, fs_group)
+                    // Objects many pods share are read once per `max_age`,
+                    // not once per pod.
+                    let cached = api_data::CachedObjects { objects: Arc::clone(objects), max_age };
+                    api_data::prepare(&cached, pod, volume, &ready.host_path, context, fs_group)
                         .await
                         .map(|_| std::fs::read_link(ready.host_path.join(atomic_writer::DATA_LINK)).ok() != before)
                 }

@@ -262,9 +262,16 @@ fn spawn_volume_refresh(ctx: &mut Context<PodLifecycle>) {
     let period = ctx.machine.config.volume_refresh;
     let mut manifest = ctx.manifest.clone();
     let uid = ctx.data.id.uid.clone();
+    // Pods started together spread their reads over a quarter period.
+    let jitter = {
+        use std::hash::{Hash as _, Hasher as _};
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        uid.hash(&mut hasher);
+        period.mul_f64((hasher.finish() % 1000) as f64 / 4000.0)
+    };
     let task = async move {
         let mut manifest_open = true;
-        let mut next = Instant::now() + period;
+        let mut next = Instant::now() + period + jitter;
         // What of the pod its volumes show: a change of anything else (its
         // status, written back by the node) waits for the period.
         let shown =
@@ -288,7 +295,8 @@ fn spawn_volume_refresh(ctx: &mut Context<PodLifecycle>) {
                 continue;
             }
             last = shown(&pod);
-            if let Err(errors) = volumes.refresh(&pod, &prepared, &context).await {
+            let max_age = (period / 2).min(crate::volume::OBJECT_MAX_AGE);
+            if let Err(errors) = volumes.refresh(&pod, &prepared, &context, max_age).await {
                 let reasons: Vec<String> = errors.iter().map(ToString::to_string).collect();
                 tracing::warn!(pod.uid = %uid, errors = %reasons.join("; "), "volume contents not updated; trying again later");
             }
