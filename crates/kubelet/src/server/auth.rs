@@ -102,9 +102,23 @@ pub struct NodeRequest {
     pub subresource: &'static str,
 }
 
-/// Upstream's mapping of a request to its attributes.
+/// The paths that open a session in a container (and `/run`, which
+/// upstream serves and this node does not).
+const STREAMING_PREFIXES: [&str; 4] = ["/exec", "/attach", "/portForward", "/run"];
+
+/// Whether `path` is one of the streaming endpoints.
+fn is_streaming(path: &str) -> bool {
+    STREAMING_PREFIXES.iter().any(|prefix| path == *prefix || path.starts_with(&format!("{prefix}/")))
+}
+
+/// Upstream's mapping of a request to its attributes, but for the
+/// streaming endpoints: `/exec`, `/attach`, `/portForward` and `/run` are
+/// `create` whatever the method. (Upstream maps the method, so a GET,
+/// which is how a WebSocket upgrade arrives, is `get`, and anyone allowed
+/// `get nodes/proxy` can open a session in any container.)
 pub fn node_request(method: &Method, path: &str) -> NodeRequest {
     let verb = match *method {
+        _ if is_streaming(path) => "create",
         Method::POST => "create",
         Method::PUT => "update",
         Method::PATCH => "patch",
@@ -338,8 +352,23 @@ impl Auth {
     }
 }
 
+/// A streaming endpoint asked with a method it does not serve (it serves
+/// GET, for WebSocket upgrades, and POST, for SPDY): 405, before anything
+/// else is done for the request.
+fn method_refused(method: &Method, path: &str) -> Option<Response> {
+    if !is_streaming(path) || *method == Method::GET || *method == Method::POST {
+        return None;
+    }
+    let mut response = (StatusCode::METHOD_NOT_ALLOWED, format!("{method} is not allowed on {path}\n")).into_response();
+    response.headers_mut().insert(header::ALLOW, axum::http::HeaderValue::from_static("GET, POST"));
+    Some(response)
+}
+
 /// The middleware: authenticates, authorizes, then serves.
 pub(super) async fn check(State(auth): State<Auth>, request: Request, next: Next) -> Response {
+    if let Some(refused) = method_refused(request.method(), request.uri().path()) {
+        return refused;
+    }
     let peer = request.extensions().get::<PeerIdentity>().and_then(|p| p.0.clone());
     let user = match auth.authenticate(peer.as_ref(), request.headers()).await {
         Ok(user) => user,
@@ -374,9 +403,27 @@ mod tests {
         assert_eq!(get("/containerLogs/a/b/c"), NodeRequest { verb: "get", subresource: "proxy" });
         assert_eq!(node_request(&Method::HEAD, "/pods").verb, "get");
         assert_eq!(node_request(&Method::POST, "/exec/a/b/c").verb, "create");
+        // Better than upstream: a session is `create` whatever the method
+        // (a WebSocket upgrade is a GET).
+        for path in ["/exec/a/b/c", "/attach/a/b/c", "/portForward/a/b", "/run/a/b/c", "/exec"] {
+            assert_eq!(get(path), NodeRequest { verb: "create", subresource: "proxy" }, "{path}");
+        }
+        assert_eq!(get("/executive"), NodeRequest { verb: "get", subresource: "proxy" });
         assert_eq!(node_request(&Method::PUT, "/x").verb, "update");
         assert_eq!(node_request(&Method::PATCH, "/x").verb, "patch");
         assert_eq!(node_request(&Method::DELETE, "/x").verb, "delete");
+    }
+
+    #[test]
+    fn streaming_endpoints_refuse_methods_they_do_not_serve() {
+        for method in [Method::PUT, Method::DELETE, Method::PATCH, Method::HEAD, Method::OPTIONS] {
+            let refused = method_refused(&method, "/exec/a/b/c").expect("refused");
+            assert_eq!(refused.status(), StatusCode::METHOD_NOT_ALLOWED, "{method}");
+            assert_eq!(refused.headers()[header::ALLOW], "GET, POST");
+        }
+        assert!(method_refused(&Method::GET, "/exec/a/b/c").is_none());
+        assert!(method_refused(&Method::POST, "/portForward/a/b").is_none());
+        assert!(method_refused(&Method::DELETE, "/pods").is_none(), "not a streaming endpoint");
     }
 
     #[test]
