@@ -148,7 +148,72 @@ fn static_pod(document: Value, path: &Path, node_name: &str) -> Result<Pod, Stri
             return Err(format!("container name {:?} is used twice", container.name));
         }
     }
+    validate_names(&pod)?;
     Ok(pod)
+}
+
+/// Checks, as the API server's validation would, every name of `pod` that
+/// becomes part of a path on the node (its name, namespace and UID in the
+/// pod and log directories; volume and container names below them), so
+/// that a manifest cannot name a directory outside the root dir.
+pub fn validate_names(pod: &Pod) -> Result<(), String> {
+    let meta = &pod.metadata;
+    subdomain("metadata.name", meta.name.as_deref().unwrap_or_default())?;
+    label("metadata.namespace", meta.namespace.as_deref().unwrap_or_default())?;
+    let uid = meta.uid.as_deref().unwrap_or_default();
+    let uid_ok = !uid.is_empty()
+        && uid.len() <= 128
+        && !uid.starts_with('.')
+        && uid.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+    if !uid_ok {
+        return Err(format!(
+            "metadata.uid: Invalid value: {uid:?}: must be at most 128 letters, digits, '-', '_' or '.', not starting with '.'"
+        ));
+    }
+    let Some(spec) = pod.spec.as_ref() else { return Ok(()) };
+    for (i, volume) in spec.volumes.iter().flatten().enumerate() {
+        label(&format!("spec.volumes[{i}].name"), &volume.name)?;
+    }
+    for (i, container) in spec.init_containers.iter().flatten().enumerate() {
+        label(&format!("spec.initContainers[{i}].name"), &container.name)?;
+    }
+    for (i, container) in spec.containers.iter().enumerate() {
+        label(&format!("spec.containers[{i}].name"), &container.name)?;
+    }
+    Ok(())
+}
+
+/// A lowercase RFC 1123 label (upstream's text).
+fn label(field: &str, value: &str) -> Result<(), String> {
+    if is_label(value) {
+        return Ok(());
+    }
+    Err(format!(
+        "{field}: Invalid value: {value:?}: a lowercase RFC 1123 label must consist of lower case alphanumeric characters \
+         or '-', and must start and end with an alphanumeric character (e.g. 'my-name',  or '123-abc', regex used for \
+         validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?')"
+    ))
+}
+
+/// A lowercase RFC 1123 subdomain (upstream's text).
+fn subdomain(field: &str, value: &str) -> Result<(), String> {
+    if value.len() <= 253 && value.split('.').all(is_label) {
+        return Ok(());
+    }
+    Err(format!(
+        "{field}: Invalid value: {value:?}: a lowercase RFC 1123 subdomain must consist of lower case alphanumeric \
+         characters, '-' or '.', and must start and end with an alphanumeric character (e.g. 'example.com', regex used \
+         for validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*')"
+    ))
+}
+
+fn is_label(value: &str) -> bool {
+    let bytes = value.as_bytes();
+    !bytes.is_empty()
+        && bytes.len() <= 63
+        && bytes.iter().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'-')
+        && bytes[0] != b'-'
+        && bytes[bytes.len() - 1] != b'-'
 }
 
 /// What the node took from one file.
@@ -477,5 +542,32 @@ mod tests {
         let typed = "kind: Pod\nmetadata:\n  name: x\nspec:\n  containers: 3\n";
         assert!(parse_manifest(p, typed, "n").expect_err("types").contains("not a valid Pod"));
         assert!(parse_manifest(p, "", "n").expect("empty file").is_empty());
+    }
+
+    #[test]
+    fn names_that_become_paths_are_validated_before_anything_is_made() {
+        let p = Path::new("/m");
+        let pod = |meta: &str, volume: &str| {
+            format!(
+                "kind: Pod\nmetadata: {{{meta}}}\nspec:\n  containers:\n  - name: c\n  volumes:\n  - name: {volume:?}\n    emptyDir: {{}}\n"
+            )
+        };
+        let error = parse_manifest(p, &pod("name: x", "/tmp/x"), "n").expect_err("a path as a volume name");
+        assert!(
+            error.contains("spec.volumes[0].name: Invalid value: \"/tmp/x\": a lowercase RFC 1123 label"),
+            "{error}"
+        );
+        let error = parse_manifest(p, &pod("name: x, uid: /home", "v"), "n").expect_err("a path as a UID");
+        assert!(error.contains("metadata.uid: Invalid value: \"/home\""), "{error}");
+        let error = parse_manifest(p, &pod("name: x, uid: '..'", "v"), "n").expect_err("a parent as a UID");
+        assert!(error.contains("metadata.uid"), "{error}");
+        let error = parse_manifest(p, &pod("name: x, namespace: ../etc", "v"), "n").expect_err("namespace");
+        assert!(error.contains("metadata.namespace: Invalid value"), "{error}");
+        let error = parse_manifest(p, &pod("name: X_Y", "v"), "n").expect_err("name");
+        assert!(error.contains("metadata.name: Invalid value: \"X_Y-n\": a lowercase RFC 1123 subdomain"), "{error}");
+        assert_eq!(
+            parse_manifest(p, &pod("name: web.v1, uid: abc-123_x.y", "data-1"), "Node-1").expect("valid").len(),
+            1
+        );
     }
 }
