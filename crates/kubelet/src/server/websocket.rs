@@ -65,25 +65,30 @@ async fn read_frame<R: AsyncRead + Unpin>(io: &mut R) -> std::io::Result<Option<
     let fin = head[0] & 0x80 != 0;
     let opcode = head[0] & 0x0f;
     let masked = head[1] & 0x80 != 0;
+    // RFC 6455 5.1: a server closes the connection on an unmasked client
+    // frame (masking keeps a client's bytes from steering proxies between).
+    if !masked {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "an unmasked client WebSocket frame"));
+    }
     let length = match head[1] & 0x7f {
         126 => u64::from(io.read_u16().await?),
         127 => io.read_u64().await?,
         n => u64::from(n),
     };
+    // A control frame carries at most 125 bytes (RFC 6455 5.5).
+    if opcode >= 0x8 && length > 125 {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "a WebSocket control frame over 125 bytes"));
+    }
     let length = usize::try_from(length)
         .ok()
         .filter(|n| *n <= MAX_MESSAGE)
         .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidData, "WebSocket frame too large"))?;
     let mut mask = [0u8; 4];
-    if masked {
-        io.read_exact(&mut mask).await?;
-    }
+    io.read_exact(&mut mask).await?;
     let mut payload = vec![0u8; length];
     io.read_exact(&mut payload).await?;
-    if masked {
-        for (i, byte) in payload.iter_mut().enumerate() {
-            *byte ^= mask[i % 4];
-        }
+    for (i, byte) in payload.iter_mut().enumerate() {
+        *byte ^= mask[i % 4];
     }
     Ok(Some(Frame { fin, opcode, payload }))
 }
@@ -258,5 +263,21 @@ mod tests {
         let frame = read_frame(&mut bytes.as_slice()).await.expect("read").expect("a frame");
         assert!(frame.fin);
         assert_eq!((frame.opcode, frame.payload.as_slice()), (0x2, &data[..]));
+    }
+
+    #[tokio::test]
+    async fn unmasked_and_oversized_client_frames_are_refused() {
+        let unmasked = [0x82, 3, STDIN, b'a', b'b'];
+        let error = read_frame(&mut unmasked.as_slice()).await.err().expect("refused");
+        assert_eq!(error.to_string(), "an unmasked client WebSocket frame");
+        // A ping claiming 126 bytes (the 16-bit length form).
+        let ping = [0x89, 0x80 | 126, 0, 126, 1, 2, 3, 4];
+        let error = read_frame(&mut ping.as_slice()).await.err().expect("refused");
+        assert_eq!(error.to_string(), "a WebSocket control frame over 125 bytes");
+        // A frame over the message bound is refused before its payload is
+        // allocated (8 EiB claimed, nothing sent).
+        let huge = [0x82, 0x80 | 127, 0x7f, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff];
+        let error = read_frame(&mut huge.as_slice()).await.err().expect("refused");
+        assert_eq!(error.to_string(), "WebSocket frame too large");
     }
 }
