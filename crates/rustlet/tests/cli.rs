@@ -351,6 +351,24 @@ async fn get_and_logs_find_the_node_through_its_root_dir() {
     assert!(head.starts_with("http/1.1 200"), "{head}");
     assert!(head.contains("transfer-encoding: chunked") && !head.contains("content-length"), "{head}");
     assert!(body.contains("first\nsecond\n"), "{body:?}");
+    // A log that never ends (a FIFO its writer keeps open) is still
+    // answered for `limitBytes`: the node reads as it sends and stops at
+    // the limit, instead of reading the whole log first.
+    let endless_dir = root.path().join(format!("logs/pods/default_duo-cli-node_{duo_uid}/b"));
+    std::fs::create_dir_all(&endless_dir).expect("mkdir");
+    let endless = endless_dir.join("0.log");
+    let made = std::process::Command::new("mkfifo").arg(&endless).status().expect("mkfifo");
+    assert!(made.success());
+    // Detached: it ends when the node closes the pipe (EPIPE).
+    std::thread::spawn(move || {
+        use std::io::Write as _;
+        let Ok(mut pipe) = std::fs::OpenOptions::new().write(true).open(&endless) else { return };
+        while pipe.write_all(b"2026-01-01T00:00:00Z stdout F hello world\n").is_ok() {}
+    });
+    let answer = http11_get(&address, "/containerLogs/default/duo-cli-node/b?limitBytes=5").await;
+    let (head, body) = answer.split_once("\r\n\r\n").expect("an HTTP answer");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(body.contains("hello") && !body.contains("hello w"), "{body:?}");
 }
 
 /// One HTTP/1.1 GET of `path` at `address`; the whole answer, raw.

@@ -219,6 +219,16 @@ pub(crate) async fn container_logs(
         let guard = super::http::SessionGuard::new(&state.sessions);
         return follow(state.pods.store().clone(), target, query.tail_lines, renderer, guard);
     }
+    if query.tail_lines.is_none() {
+        // Read as it is sent, stopping at `limitBytes`: a long log costs a
+        // chunk of memory, not its size.
+        return match tokio::fs::File::open(target.file()).await {
+            Ok(file) => stream_log(file, renderer),
+            Err(error) => text(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot read the log: {error}\n")),
+        };
+    }
+    // With `tailLines`, what is read is bounded by the lines asked for: it
+    // starts where the last of them do (found from the end).
     let read = async {
         let mut file = tokio::fs::File::open(target.file()).await?;
         if let Some(lines) = query.tail_lines {
@@ -244,6 +254,46 @@ pub(crate) async fn container_logs(
     // client empty.
     let chunk = futures_util::stream::once(async move { Ok::<_, std::io::Error>(body) });
     (StatusCode::OK, [(header::CONTENT_TYPE, "text/plain; charset=utf-8")], Body::from_stream(chunk)).into_response()
+}
+
+/// How much of a log is read at a time when it is streamed.
+const LOG_CHUNK: usize = 64 * 1024;
+
+/// Streams `file` (chunked) through `renderer` until its end or the
+/// renderer's byte limit, reading one chunk at a time.
+fn stream_log(mut file: tokio::fs::File, mut renderer: Renderer) -> Response {
+    let (tx, rx) = mpsc::channel::<Result<String, std::io::Error>>(4);
+    tokio::spawn(async move {
+        let mut decoder = CriLogDecoder::default();
+        let mut buffer = vec![0u8; LOG_CHUNK];
+        loop {
+            let read = match file.read(&mut buffer).await {
+                Ok(0) => break,
+                Ok(read) => read,
+                Err(error) => {
+                    let _ = tx.send(Err(error)).await;
+                    return;
+                }
+            };
+            let text = renderer.render(decoder.feed_entries(&buffer[..read]));
+            if !text.is_empty() && tx.send(Ok(text)).await.is_err() {
+                return;
+            }
+            if renderer.done() {
+                return;
+            }
+        }
+        let text = renderer.render(decoder.finish_entries());
+        if !text.is_empty() {
+            let _ = tx.send(Ok(text)).await;
+        }
+    });
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
+        Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx)),
+    )
+        .into_response()
 }
 
 fn has_container(pod: &Pod, container: &str) -> bool {
