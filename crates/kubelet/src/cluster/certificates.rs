@@ -86,8 +86,9 @@ pub enum CertificateError {
     },
 }
 
-/// A certificate and its key as PEM, with its validity.
-#[derive(Clone, Debug)]
+/// A certificate and its key as PEM, with its validity. Its `Debug` shows
+/// no key (logs and panics must not carry it).
+#[derive(Clone)]
 pub struct IssuedCertificate {
     /// The certificate chain (PEM).
     pub cert_pem: String,
@@ -97,6 +98,17 @@ pub struct IssuedCertificate {
     pub issued: jiff::Timestamp,
     /// Its `notAfter`.
     pub not_after: jiff::Timestamp,
+}
+
+impl std::fmt::Debug for IssuedCertificate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IssuedCertificate")
+            .field("cert_pem", &self.cert_pem)
+            .field("key_pem", &"<redacted>")
+            .field("issued", &self.issued)
+            .field("not_after", &self.not_after)
+            .finish()
+    }
 }
 
 impl IssuedCertificate {
@@ -560,6 +572,15 @@ mod tests {
             issued,
             not_after: issued + jiff::SignedDuration::from_secs(lifetime_secs),
         }
+    }
+
+    #[test]
+    fn a_certificates_debug_shows_no_key() {
+        let mut certificate = issued(1000);
+        certificate.key_pem = "-----BEGIN PRIVATE KEY-----\nsecret\n-----END PRIVATE KEY-----\n".into();
+        let shown = format!("{certificate:?}");
+        assert!(!shown.contains("secret") && !shown.contains("PRIVATE KEY"), "{shown}");
+        assert!(shown.contains("<redacted>"), "{shown}");
     }
 
     #[test]
