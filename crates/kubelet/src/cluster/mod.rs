@@ -29,6 +29,7 @@ pub mod csi_info;
 pub mod node_sync;
 pub mod pod_sync;
 pub mod rate_limit;
+mod read_cache;
 pub mod runtime_classes;
 pub mod status_patch;
 pub mod supervisor;

@@ -23,6 +23,7 @@ use kube::runtime::watcher;
 use tokio::sync::watch;
 
 use super::describe;
+use super::read_cache::ReadCache;
 use crate::csi::Secrets;
 use crate::volume::{ApiObjects, ClaimedVolume, CsiDriverObjects, ObjectKind, VolumeClaims};
 
@@ -79,20 +80,17 @@ pub struct ApiVolumes {
     node_name: String,
     /// The services of each namespace as last listed, and when: a burst
     /// of container starts lists a namespace once (see [`SERVICES_FRESH`]).
-    services: std::sync::Arc<std::sync::Mutex<ServiceCache>>,
+    services: ReadCache<String, Vec<Service>>,
     /// Tokens requested for pods, reused until 80% of their life has
     /// passed (upstream's token manager renews them then).
     tokens: std::sync::Arc<std::sync::Mutex<TokenCache>>,
-    /// ConfigMaps and Secrets as last read for volume rewrites, one slot
-    /// per object (a read under way is waited for, not repeated).
-    objects: std::sync::Arc<std::sync::Mutex<ObjectCache>>,
+    /// ConfigMaps and Secrets as last read for volume rewrites, by (kind,
+    /// namespace, name) (`None`: no such object).
+    objects: ReadCache<ObjectKey, Option<BTreeMap<String, Vec<u8>>>>,
 }
 
-/// One object's last read: when, and what it held (`None`: no such object).
-type ObjectSlot = std::sync::Arc<tokio::sync::Mutex<Option<(std::time::Instant, Option<BTreeMap<String, Vec<u8>>>)>>>;
-
-/// Object slots by (kind, namespace, name).
-type ObjectCache = BTreeMap<(ObjectKind, String, String), ObjectSlot>;
+/// An object by kind, namespace and name.
+type ObjectKey = (ObjectKind, String, String);
 
 /// Tokens by (pod UID, audience, expiration seconds asked): when
 /// requested, the life the server granted, and the token.
@@ -105,11 +103,6 @@ fn token_fresh(age: std::time::Duration, life: std::time::Duration) -> bool {
     age < life.mul_f64(0.8)
 }
 
-/// Each namespace's services as last listed, and when (a slot per
-/// namespace: a listing under way is waited for, not repeated).
-type ServiceCache =
-    std::collections::HashMap<String, std::sync::Arc<tokio::sync::Mutex<Option<(std::time::Instant, Vec<Service>)>>>>;
-
 /// How long a namespace's listed services are reused for containers'
 /// link variables (upstream reads them from a watch cache).
 pub const SERVICES_FRESH: std::time::Duration = std::time::Duration::from_secs(1);
@@ -119,10 +112,10 @@ impl ApiVolumes {
     /// `node_name` (whose VolumeAttachments it reads).
     pub fn new(client: watch::Receiver<Option<kube::Client>>, node_name: &str) -> ApiVolumes {
         ApiVolumes {
-            objects: std::sync::Arc::default(),
+            objects: ReadCache::default(),
             client,
             node_name: node_name.to_owned(),
-            services: std::sync::Arc::default(),
+            services: ReadCache::default(),
             tokens: std::sync::Arc::default(),
         }
     }
@@ -297,24 +290,9 @@ impl ApiObjects for ApiVolumes {
         name: &str,
         max_age: std::time::Duration,
     ) -> Result<Option<BTreeMap<String, Vec<u8>>>, String> {
-        let slot = {
-            let mut objects = self.objects.lock().unwrap_or_else(|p| p.into_inner());
-            // Objects nobody read for a while (their pods are gone) are forgotten.
-            if objects.len() > 64 {
-                objects.retain(|_, slot| {
-                    slot.try_lock().map_or(true, |s| s.as_ref().is_some_and(|(at, _)| at.elapsed() < max_age * 10))
-                });
-            }
-            std::sync::Arc::clone(objects.entry((kind, namespace.to_owned(), name.to_owned())).or_default())
-        };
-        let mut slot = slot.lock().await;
-        if let Some((_, data)) = slot.as_ref().filter(|(at, _)| at.elapsed() < max_age) {
-            return Ok(data.clone());
-        }
-        let read_at = std::time::Instant::now();
-        let data = self.data(kind, namespace, name).await?;
-        *slot = Some((read_at, data.clone()));
-        Ok(data)
+        // Objects nobody read for ten periods (their pods are gone) are forgotten.
+        let key = (kind, namespace.to_owned(), name.to_owned());
+        self.objects.get_or_read(key, max_age, max_age * 10, || self.data(kind, namespace, name)).await
     }
 
     async fn service_account_token(
@@ -343,30 +321,16 @@ impl ApiObjects for ApiVolumes {
     }
 
     async fn services(&self, namespace: &str) -> Result<Vec<Service>, String> {
-        let slot = {
-            let mut services = self.services.lock().unwrap_or_else(|p| p.into_inner());
-            if services.len() > 64 {
-                services.retain(|_, slot| {
-                    slot.try_lock()
-                        .map_or(true, |s| s.as_ref().is_some_and(|(at, _)| at.elapsed() < SERVICES_FRESH * 60))
-                });
-            }
-            std::sync::Arc::clone(services.entry(namespace.to_owned()).or_default())
-        };
         // A burst of starts waits for one listing instead of making its own.
-        let mut slot = slot.lock().await;
-        if let Some((_, services)) = slot.as_ref().filter(|(at, _)| at.elapsed() < SERVICES_FRESH) {
-            return Ok(services.clone());
-        }
-        let client = self.client()?;
-        let api: Api<Service> = Api::namespaced(client, namespace);
-        let listed_at = std::time::Instant::now();
-        let list = api
-            .list(&kube::api::ListParams::default())
-            .await
-            .map_err(|e| format!("cannot list the services of {namespace}: {}", describe(&e)))?;
-        *slot = Some((listed_at, list.items.clone()));
-        Ok(list.items)
+        let list = || async {
+            let api: Api<Service> = Api::namespaced(self.client()?, namespace);
+            let list = api
+                .list(&kube::api::ListParams::default())
+                .await
+                .map_err(|e| format!("cannot list the services of {namespace}: {}", describe(&e)))?;
+            Ok(list.items)
+        };
+        self.services.get_or_read(namespace.to_owned(), SERVICES_FRESH, SERVICES_FRESH * 60, list).await
     }
 }
 

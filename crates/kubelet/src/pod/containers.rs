@@ -29,6 +29,11 @@ pub struct StartFailure {
     pub retry: bool,
 }
 
+/// The start of a container the pod does not have.
+fn no_container(name: &str) -> StartFailure {
+    StartFailure { reason: "RunContainerError", message: format!("no container {name}"), retry: false }
+}
+
 /// The pod's log dir: `<root>/pods/<namespace>_<name>_<uid>`.
 pub fn log_dir(lifecycle: &PodLifecycle, data: &PodData) -> std::path::PathBuf {
     super::pod_log_dir(&lifecycle.config.root_dir, &data.id.namespace, &data.id.name, &data.id.uid)
@@ -92,11 +97,7 @@ pub async fn start(
     };
     let data = &mut ctx.data;
     if !data.containers.contains_key(name) {
-        return Err(StartFailure {
-            reason: "RunContainerError",
-            message: format!("no container {name}"),
-            retry: false,
-        });
+        return Err(no_container(name));
     }
     // The pod's network first: its IPs are in the env (`status.podIP`) and
     // in /etc/hosts.
@@ -110,11 +111,7 @@ pub async fn start(
         })?;
     }
     let Some(record) = data.containers.get(name) else {
-        return Err(StartFailure {
-            reason: "RunContainerError",
-            message: format!("no container {name}"),
-            retry: false,
-        });
+        return Err(no_container(name));
     };
     // The ConfigMaps and Secrets its env references, and the services whose
     // link variables it gets, read now (as upstream does at every start).
@@ -169,11 +166,7 @@ pub async fn start(
         }
     }
     let Some(record) = data.containers.get(name) else {
-        return Err(StartFailure {
-            reason: "RunContainerError",
-            message: format!("no container {name}"),
-            retry: false,
-        });
+        return Err(no_container(name));
     };
     let restart_count = record.restart_count;
     let log_path = log_path(&lifecycle, data, name, restart_count);
@@ -216,7 +209,8 @@ pub async fn start(
     data.recorder.pod(&data.pod, Some(name), EventType::Normal, "Started", format!("Started container {name}"));
     let also = own_addresses(&lifecycle, data);
     follow(data, provider, name, id.clone(), Timestamp::now(), Instant::now(), also).await;
-    run_post_start(data, provider, name, &id, &downward).await;
+    let address = lifecycle.hook_address(data);
+    run_post_start(data, provider, name, &id, address).await;
     Ok(())
 }
 
@@ -255,14 +249,12 @@ async fn run_post_start(
     provider: &Arc<dyn Provider>,
     name: &str,
     id: &ContainerId,
-    downward: &crate::volume::DownwardContext,
+    address: std::net::IpAddr,
 ) {
     let Some(spec) = data.containers.get(name).map(|r| r.spec.clone()) else { return };
     if super::hooks::Hook::PostStart.handler(&spec).is_none() {
         return;
     }
-    let address =
-        data.pod_ips.first().or(downward.pod_ips.first()).copied().unwrap_or(std::net::Ipv4Addr::LOCALHOST.into());
     let hook = super::hooks::Hook::PostStart;
     match super::hooks::run(hook, provider, &data.pod, &spec, id, address, POST_START_TIMEOUT).await {
         Ok(()) => tracing::debug!(pod.uid = %data.id.uid, container = name, "postStart hook done"),
@@ -719,13 +711,7 @@ pub async fn stop_all(ctx: &mut Context<PodLifecycle>, grace: Duration) -> Vec<S
         ctx.data.containers.values().map(|c| (c.spec.name.clone(), c.spec.clone())).collect();
     let pod = Arc::clone(&ctx.data.pod);
     let recorder = ctx.data.recorder.clone();
-    let address = ctx
-        .data
-        .pod_ips
-        .first()
-        .or(ctx.machine.config.host_ips.first())
-        .copied()
-        .unwrap_or(std::net::Ipv4Addr::LOCALHOST.into());
+    let address = ctx.machine.hook_address(&ctx.data);
     for (name, _) in &running {
         ctx.data.recorder.pod(
             &ctx.data.pod,

@@ -184,6 +184,12 @@ impl PodLifecycle {
         }
     }
 
+    /// Where a lifecycle hook without a `host` goes: the pod's own IP, else
+    /// the node's (the pod is in the host's network), else loopback.
+    pub(crate) fn hook_address(&self, data: &data::PodData) -> std::net::IpAddr {
+        data.pod_ips.first().or(self.config.host_ips.first()).copied().unwrap_or(std::net::Ipv4Addr::LOCALHOST.into())
+    }
+
     /// Prepares pods' resource claims with `claims`, resolving them with
     /// `source` (the API; without one, pods with claims are refused).
     pub fn with_claims(
