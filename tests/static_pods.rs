@@ -302,8 +302,7 @@ async fn a_static_pod_gets_a_device_and_an_inline_csi_volume_and_removal_release
     assert!(node.checkpoint_mentions(&uid), "allocation checkpointed");
 
     // /pods lists it, Running.
-    let address = node.node.http_address().expect("http");
-    let body = http_get(address, "/pods").await;
+    let body = http_get(&node.node.local_socket(), "/pods").await;
     let list: serde_json::Value = serde_json::from_str(&body).expect("json");
     assert_eq!(list["kind"], "PodList");
     let listed = list["items"].as_array().expect("items").iter().find(|p| p["metadata"]["uid"] == uid.as_str());
@@ -341,10 +340,10 @@ fn container_logs(root: &Path) -> Vec<(PathBuf, String)> {
     found
 }
 
-/// A GET on the node's endpoint (HTTP/1.0, read to the end).
-async fn http_get(address: std::net::SocketAddr, path: &str) -> String {
+/// A GET on the node's local socket (HTTP/1.0, read to the end).
+async fn http_get(socket: &Path, path: &str) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(address).await.expect("connect");
+    let mut stream = tokio::net::UnixStream::connect(socket).await.expect("connect");
     stream.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes()).await.expect("send");
     let mut raw = String::new();
     tokio::time::timeout(SOON, stream.read_to_string(&mut raw)).await.expect("in time").expect("read");

@@ -76,16 +76,41 @@ impl NodeProcess {
     }
 }
 
-/// `GET path` on `address`: the status code and body.
+/// `GET path` on `address`: the status code and body. An address that
+/// starts with `/` is a Unix socket (the node's local socket, see
+/// [`local_socket`]); any other is `host:port`.
 pub async fn http_get(address: &str, path: &str) -> (u16, String) {
-    let mut stream = tokio::net::TcpStream::connect(address).await.expect("connect");
-    let request = format!("GET {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n");
-    stream.write_all(request.as_bytes()).await.expect("write");
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await.expect("read");
+    let response = String::from_utf8_lossy(&http_get_raw(address, path).await).into_owned();
     let code = response.split_whitespace().nth(1).and_then(|c| c.parse().ok()).expect("status code");
     let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
     (code, body)
+}
+
+/// One HTTP/1.1 `GET path` on `address` (a Unix socket path when it starts
+/// with `/`, else `host:port`): the whole answer, raw, read within
+/// [`SOON`] times two.
+pub async fn http_get_raw(address: &str, path: &str) -> Vec<u8> {
+    let request = format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
+    let mut response = Vec::new();
+    let exchange = async {
+        if address.starts_with('/') {
+            let mut stream = tokio::net::UnixStream::connect(address).await.expect("connect to the local socket");
+            stream.write_all(request.as_bytes()).await.expect("write");
+            stream.read_to_end(&mut response).await.expect("read");
+        } else {
+            let mut stream = tokio::net::TcpStream::connect(address).await.expect("connect");
+            stream.write_all(request.as_bytes()).await.expect("write");
+            stream.read_to_end(&mut response).await.expect("read");
+        }
+    };
+    tokio::time::timeout(SOON * 2, exchange).await.expect("an answer in time");
+    response
+}
+
+/// The local socket of the node whose root dir is `root`, as the address
+/// [`http_get`] takes.
+pub fn local_socket(root: &std::path::Path) -> String {
+    root.join(kubelet::node::LOCAL_SOCKET).to_str().expect("utf-8 root dir").to_owned()
 }
 
 /// Loads the built-in example module `name` into the image store of the

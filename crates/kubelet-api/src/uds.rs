@@ -203,6 +203,37 @@ pub fn bind(path: impl AsRef<Path>) -> Result<UnixListener, UdsError> {
     UnixListener::bind(path).map_err(bind_err)
 }
 
+/// [`bind`], with the socket file's mode set to `mode` before any client
+/// can reach it: the socket is bound under a hidden temporary name in the
+/// same directory, given its mode, then renamed into place. (A socket
+/// bound in place would carry the process's umask until a `chmod`; a
+/// client could connect in between.)
+pub fn bind_with_mode(path: impl AsRef<Path>, mode: u32) -> Result<UnixListener, UdsError> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let path = path.as_ref();
+    let bind_err = |source| UdsError::Bind { path: path.to_path_buf(), source };
+    let name = path.file_name().ok_or_else(|| bind_err(io::Error::from(io::ErrorKind::InvalidInput)))?;
+    let mut temp_name = std::ffi::OsString::from(".");
+    temp_name.push(name);
+    temp_name.push(format!(".{}.tmp", std::process::id()));
+    let temp = path.with_file_name(temp_name);
+    let listener = bind(&temp)?;
+    let placed = std::fs::set_permissions(&temp, std::fs::Permissions::from_mode(mode)).and_then(|()| {
+        match std::fs::symlink_metadata(path) {
+            Ok(meta) if !meta.file_type().is_socket() => {
+                return Err(io::Error::new(io::ErrorKind::AlreadyExists, "a non-socket file is in the way"));
+            }
+            _ => {}
+        }
+        std::fs::rename(&temp, path)
+    });
+    if let Err(source) = placed {
+        let _ = std::fs::remove_file(&temp);
+        return Err(bind_err(source));
+    }
+    Ok(listener)
+}
+
 /// Serves `router` on `listener` until `shutdown` completes. Every
 /// connection goes through [`AuthorityFix`], so clients that send the raw
 /// socket path as `:authority` (older grpc-go) are served like any other.
@@ -218,6 +249,26 @@ pub async fn serve(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_socket_bound_with_a_mode_has_it_whatever_the_umask() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("s.sock");
+        drop(std::os::unix::net::UnixListener::bind(&path).expect("a stale socket"));
+        let listener = bind_with_mode(&path, 0o600).expect("bind");
+        let meta = std::fs::symlink_metadata(&path).expect("socket");
+        assert!(meta.file_type().is_socket());
+        assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+        assert_eq!(std::fs::read_dir(dir.path()).expect("dir").count(), 1, "no temporary name is left behind");
+        let client = tokio::net::UnixStream::connect(&path);
+        let (accepted, connected) = tokio::join!(listener.accept(), client);
+        accepted.expect("accept");
+        connected.expect("connect");
+        std::fs::write(dir.path().join("f"), "x").expect("file");
+        assert!(bind_with_mode(dir.path().join("f"), 0o600).is_err(), "a regular file is not replaced");
+        assert_eq!(std::fs::read_to_string(dir.path().join("f")).expect("kept"), "x");
+    }
 
     #[test]
     fn unix_scheme_is_stripped_from_endpoints() {

@@ -35,6 +35,7 @@ pub mod device_manager;
 pub mod dra;
 pub mod events;
 pub mod health;
+mod log_limit;
 pub mod node;
 pub mod plugin_manager;
 pub mod pod;

@@ -81,8 +81,8 @@ pub(crate) enum ImagesCommand {
 /// How a command finds the running node.
 #[derive(Args, Clone)]
 pub(crate) struct NodeLocator {
-    /// The node's root dir (it names the node's HTTP endpoint in
-    /// `<root-dir>/rustlet-endpoint`).
+    /// The node's root dir (the node is read through its local socket,
+    /// `<root-dir>/rustlet.sock`).
     #[arg(long, env = "RUSTLET_ROOT_DIR", default_value = kubelet_api::constants::DEFAULT_ROOT_DIR)]
     pub(crate) root_dir: PathBuf,
 }
@@ -232,7 +232,8 @@ pub(crate) struct NodeArgs {
     /// Node name (default: the host name).
     #[arg(long)]
     pub(crate) node_name: Option<String>,
-    /// Address of the HTTP endpoint serving /healthz, /metrics and /status.
+    /// Address of the HTTP endpoint serving /healthz and /metrics (the
+    /// node's other views are on the local socket `<root-dir>/rustlet.sock`).
     #[arg(long, default_value = "127.0.0.1")]
     pub(crate) healthz_bind_address: IpAddr,
     /// Port of the HTTP endpoint; 0 picks a free port (logged at start-up).

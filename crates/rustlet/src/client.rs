@@ -1,13 +1,14 @@
-//! Talking to a running node: its endpoint is read from
-//! `<root-dir>/rustlet-endpoint`, then a plain HTTP/1.0 GET on loopback.
+//! Talking to a running node: a plain HTTP/1.0 GET on its local socket,
+//! `<root-dir>/rustlet.sock` (which only root and the node's own user may
+//! open).
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
+use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use kubelet::node::ENDPOINT_FILE;
+use kubelet::node::LOCAL_SOCKET;
 
 /// The node's answer to one request.
 pub(crate) struct Answer {
@@ -17,23 +18,21 @@ pub(crate) struct Answer {
 
 /// Opens a connection to the node whose root dir is `root_dir` and sends
 /// `GET path`.
-fn request(root_dir: &Path, path: &str, read_timeout: Option<Duration>) -> anyhow::Result<TcpStream> {
-    let file = root_dir.join(ENDPOINT_FILE);
-    let endpoint = std::fs::read_to_string(&file).with_context(|| {
+fn request(root_dir: &Path, path: &str, read_timeout: Option<Duration>) -> anyhow::Result<UnixStream> {
+    let socket = root_dir.join(LOCAL_SOCKET);
+    let mut stream = UnixStream::connect(&socket).with_context(|| {
         format!(
-            "no running node found in root dir {} (cannot read {}); start one with `rustlet --standalone --root-dir {}` \
-             or pass --root-dir",
+            "cannot reach a node through {} (is one running with root dir {}? start one with \
+             `rustlet --standalone --root-dir {}`, or pass --root-dir; only root and the node's own user may open \
+             the socket)",
+            socket.display(),
             root_dir.display(),
-            file.display(),
             root_dir.display()
         )
     })?;
-    let address = endpoint.trim().trim_start_matches("http://").trim_end_matches('/').to_owned();
-    let socket = address.parse().with_context(|| format!("{} holds {address:?}, not an address", file.display()))?;
-    let mut stream = TcpStream::connect_timeout(&socket, Duration::from_secs(5))
-        .with_context(|| format!("cannot reach the node at {address} (named in {}); is it running?", file.display()))?;
     stream.set_read_timeout(read_timeout)?;
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: {address}\r\nAccept: */*\r\n\r\n")?;
+    stream.set_write_timeout(Some(Duration::from_secs(30)))?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: localhost\r\nAccept: */*\r\n\r\n")?;
     Ok(stream)
 }
 

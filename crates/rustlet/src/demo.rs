@@ -80,7 +80,7 @@ pub(crate) async fn run(args: DemoArgs, signals: HealthReporter, shutdown: Cance
     let registry = node.root_dir().join(PLUGINS_REGISTRY_DIR);
     let http = node.http_address().context("the demo node serves no HTTP endpoint")?;
     println!("\nRustlet demo: standalone node, root dir {}", node.root_dir().display());
-    println!("  status:  http://{http}/status");
+    println!("  status:  curl --unix-socket {} http://localhost/status", node.local_socket().display());
     println!("  metrics: http://{http}/metrics");
     println!("  healthz: http://{http}/healthz?verbose\n");
 

@@ -6,7 +6,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use rustlet_testkit::csi_driver::{CsiDriverConfig, RegisteredCsiDriver};
-use rustlet_testkit::node_process::{NodeProcess, SOON, http_get as get};
+use rustlet_testkit::node_process::{NodeProcess, SOON, http_get as get, http_get_raw, local_socket};
 use rustlet_testkit::report::{Report, Reporter};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
@@ -69,7 +69,20 @@ async fn standalone_node_registers_plugins_and_serves_healthz_metrics_and_status
         "device manager metrics missing in:\n{metrics}"
     );
 
-    let (code, status) = get(&address, "/status").await;
+    // The health port serves /healthz and /metrics only: what the node
+    // knows of its pods (env values, logs) is not for any local user.
+    for path in ["/status", "/pods", "/node", "/containerLogs/default/p/c", "/configz"] {
+        assert_eq!(get(&address, path).await.0, 404, "{path} on the health port");
+    }
+    let local = local_socket(root.path());
+    {
+        use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
+        let meta = std::fs::symlink_metadata(&local).expect("the local socket");
+        assert_eq!(meta.permissions().mode() & 0o777, 0o600, "the local socket is for its owner only");
+        assert_eq!(meta.uid(), own_uid(), "owned by the node's user");
+    }
+    assert_eq!(get(&local, "/healthz").await, (200, "ok".to_owned()));
+    let (code, status) = get(&local, "/status").await;
     assert_eq!(code, 200);
     let status: serde_json::Value = serde_json::from_str(&status).expect("json");
     assert_eq!(status["nodeName"], "n1");
@@ -83,6 +96,45 @@ async fn standalone_node_registers_plugins_and_serves_healthz_metrics_and_status
         status["csiNode"]["annotations"]["csi.volume.kubernetes.io/nodeid"],
         r#"{"cli.csi.example.com":"cli-node"}"#
     );
+}
+
+/// This process's user (the owner of a file it creates), which is the
+/// user of the nodes it starts.
+fn own_uid() -> u32 {
+    use std::os::unix::fs::MetadataExt as _;
+    let probe = tempfile::NamedTempFile::new().expect("probe");
+    probe.as_file().metadata().expect("metadata").uid()
+}
+
+/// The local socket serves only root and the node's own user, whatever its
+/// file mode: a socket an operator opened up (0666) still refuses a
+/// connection from another user, which the node logs and counts. Skipped
+/// when the tests do not run as root (another user cannot be taken then).
+#[tokio::test]
+async fn the_local_socket_refuses_other_users_even_when_its_mode_lets_them_in() {
+    use std::os::unix::fs::PermissionsExt as _;
+    if own_uid() != 0 {
+        eprintln!("skipped: needs root to run a client as another user");
+        return;
+    }
+    let root = tempfile::tempdir().expect("tempdir");
+    let root_dir = root.path().to_str().expect("utf8").to_owned();
+    let mut node = running(&["--standalone", "--root-dir", &root_dir, "--healthz-port", "0", "--port", "0"]);
+    let address = node.http_address().await;
+    let local = local_socket(root.path());
+    std::fs::set_permissions(root.path(), std::fs::Permissions::from_mode(0o711)).expect("chmod root dir");
+    std::fs::set_permissions(&local, std::fs::Permissions::from_mode(0o666)).expect("chmod socket");
+    let mut stranger = rustlet();
+    stranger.args(["get", "pods", "--root-dir", &root_dir]).uid(65534).gid(65534);
+    let output = tokio::time::timeout(SOON, stranger.output()).await.expect("in time").expect("run");
+    assert!(!output.status.success(), "uid 65534 read the node's pods");
+    let line = node.line_with("local socket: refused a connection").await;
+    assert!(line.contains("uid=65534"), "{line}");
+    let (_, metrics) = get(&address, "/metrics").await;
+    assert!(metrics.contains("rustlet_local_socket_refused_total 1"), "{metrics}");
+    // Root still reads it.
+    let (ok, _, stderr) = run_cli(&["get", "pods", "--root-dir", &root_dir]).await;
+    assert!(ok && stderr.contains("No resources found"), "{stderr}");
 }
 
 /// `/healthz` names a failing component and `/healthz/<check>` answers for
@@ -255,7 +307,7 @@ async fn get_and_logs_find_the_node_through_its_root_dir() {
     let root = tempfile::tempdir().expect("tempdir");
     let root_dir = root.path().to_str().expect("utf8").to_owned();
     let (ok, _, stderr) = run_cli(&["get", "pods", "--root-dir", &root_dir]).await;
-    assert!(!ok && stderr.contains("no running node found in root dir"), "{stderr}");
+    assert!(!ok && stderr.contains("cannot reach a node through"), "{stderr}");
 
     let manifests = root.path().join("manifests");
     std::fs::create_dir_all(&manifests).expect("mkdir");
@@ -343,8 +395,7 @@ async fn get_and_logs_find_the_node_through_its_root_dir() {
     // As the kubelet answers an HTTP/1.1 client: chunked, no Content-Length
     // (the API server's WebSocket log copier drops a body that ends in the
     // same read as it arrives).
-    let endpoint = std::fs::read_to_string(root.path().join(kubelet::node::ENDPOINT_FILE)).expect("endpoint");
-    let address = endpoint.trim().trim_start_matches("http://").trim_end_matches('/').to_owned();
+    let address = local_socket(root.path());
     let answer = http11_get(&address, "/containerLogs/default/duo-cli-node/a").await;
     let (head, body) = answer.split_once("\r\n\r\n").expect("an HTTP answer");
     let head = head.to_ascii_lowercase();
@@ -373,16 +424,7 @@ async fn get_and_logs_find_the_node_through_its_root_dir() {
 
 /// One HTTP/1.1 GET of `path` at `address`; the whole answer, raw.
 async fn http11_get(address: &str, path: &str) -> String {
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    let mut stream = tokio::net::TcpStream::connect(address).await.expect("connect");
-    let request = format!("GET {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n");
-    stream.write_all(request.as_bytes()).await.expect("send");
-    let mut answer = Vec::new();
-    tokio::time::timeout(std::time::Duration::from_secs(60), stream.read_to_end(&mut answer))
-        .await
-        .expect("an answer in time")
-        .expect("read");
-    String::from_utf8_lossy(&answer).into_owned()
+    String::from_utf8_lossy(&http_get_raw(address, path).await).into_owned()
 }
 
 /// `rustlet logs -f` prints what the container wrote, then each line as it

@@ -16,7 +16,7 @@ use rustlet_sample_plugins::device_plugin::{
 };
 use rustlet_sample_plugins::report::Reporter;
 use rustlet_testkit::apiserver::{ApiServer, write_kubeconfig};
-use rustlet_testkit::node_process::{NodeProcess, http_get};
+use rustlet_testkit::node_process::{NodeProcess, http_get, local_socket};
 use rustlet_testkit::test_api::TestApi;
 use serde_json::{Value, json};
 use tokio::process::Command;
@@ -117,7 +117,7 @@ async fn the_binary_joins_a_cluster_as_a_node_and_runs_a_bound_pod() {
             "10.9.8.7",
         ],
     );
-    let address = node.http_address().await;
+    node.http_address().await;
     node.line_with("node started").await;
     let plugins = CancellationToken::new();
     let _devices = device_plugin(root.path(), 2, &plugins).await;
@@ -190,7 +190,7 @@ async fn the_binary_joins_a_cluster_as_a_node_and_runs_a_bound_pod() {
     let gone = server.wait_object(("", "pods", "default", "sleeper"), SOON, |pod| pod.is_none()).await;
     assert!(gone.is_ok(), "pod still in the API: {gone:?}");
     let uid = created.metadata.uid.expect("uid");
-    let (_, body) = http_get(&address, "/pods").await;
+    let (_, body) = http_get(&local_socket(root.path()), "/pods").await;
     assert!(!body.contains(&uid), "the node still has the pod: {body}");
     plugins.cancel();
 }

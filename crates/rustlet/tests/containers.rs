@@ -6,7 +6,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use rustlet_testkit::containerd::{Containerd, push_busybox};
-use rustlet_testkit::node_process::{NodeProcess, http_get};
+use rustlet_testkit::node_process::{NodeProcess, http_get, local_socket};
 use rustlet_testkit::registry::Registry;
 use serde_json::Value;
 use tokio::process::Command;
@@ -77,7 +77,8 @@ async fn a_killed_node_adopts_its_running_containers() {
     );
     std::fs::write(manifests.join("steady.yaml"), manifest).expect("write");
     let mut node = NodeProcess::start(node_command(root.path(), &manifests, &containerd));
-    let address = node.http_address().await;
+    node.http_address().await;
+    let address = local_socket(root.path());
     node.line_with("container started").await;
     let first = wait_pod(&address, "steady-mixed", running).await;
     let status = |pod: &Value| {
@@ -90,8 +91,6 @@ async fn a_killed_node_adopts_its_running_containers() {
     let mut node = NodeProcess::start(node_command(root.path(), &manifests, &containerd));
     // Adoption and the endpoint come up in either order.
     node.lines_with_all(&["container adopted, not restarted", "node started"]).await;
-    let endpoint = std::fs::read_to_string(root.path().join("rustlet-endpoint")).expect("the endpoint file");
-    let address = endpoint.trim().trim_start_matches("http://").to_owned();
     let again = wait_pod(&address, "steady-mixed", running).await;
     assert_eq!(status(&again), before, "the same container, never restarted");
 
@@ -161,7 +160,8 @@ spec:
     let mut node = NodeProcess::start(node_command(root.path(), &manifests, &containerd));
     let runtime = node.line_with("container runtime").await;
     assert!(runtime.contains("runtime=containerd"), "{runtime}");
-    let address = node.http_address().await;
+    node.http_address().await;
+    let address = local_socket(root.path());
 
     // Both start (two starts logged); their statuses follow at once. The
     // pod whose class has no runtime here says so.
@@ -237,8 +237,7 @@ async fn a_stopped_runtime_is_a_failing_check_and_a_node_not_ready() {
     command.args(["--runtime-status-period", "200ms"]);
     let mut node = NodeProcess::start(command);
     node.lines_with_all(&["container runtime is up", "node started"]).await;
-    let endpoint = std::fs::read_to_string(root.path().join("rustlet-endpoint")).expect("the endpoint file");
-    let address = endpoint.trim().trim_start_matches("http://").to_owned();
+    let address = local_socket(root.path());
     assert_eq!(http_get(&address, "/healthz").await, (200, "ok".to_owned()));
 
     containerd.stop();

@@ -41,7 +41,7 @@ use rustlet_sample_plugins::device_plugin::{
     DeviceControl, DevicePluginBehaviour, DeviceSpec, FakeDevicePlugin, register_with_kubelet,
 };
 use rustlet_sample_plugins::report::Reporter;
-use rustlet_testkit::node_process::{NodeProcess, http_get};
+use rustlet_testkit::node_process::{NodeProcess, http_get, local_socket};
 use serde_json::json;
 use tokio::process::Command;
 use tokio_util::sync::CancellationToken;
@@ -232,7 +232,7 @@ async fn scenario(env: Env) {
     let nodes: Api<Node> = Api::all(env.admin.clone());
     let pods: Api<Pod> = Api::namespaced(env.admin.clone(), "default");
     let mut node = start_node(&env, root.path());
-    let address = node.http_address().await;
+    node.http_address().await;
     node.line_with("node started").await;
     let plugins = CancellationToken::new();
     let _devices = device_plugin(root.path(), &plugins).await;
@@ -314,7 +314,7 @@ async fn scenario(env: Env) {
     pods.delete(&inline, &DeleteParams::default()).await.expect("delete");
 
     // A restart keeps the node Ready and the running pod's device.
-    let (_, before) = http_get(&address, "/status").await;
+    let (_, before) = http_get(&local_socket(root.path()), "/status").await;
     drop(node);
     let node = start_node(&env, root.path());
     wait(&nodes, &env.node_name, "Ready after the restart", node_ready).await;

@@ -1,5 +1,12 @@
-//! The node's HTTP endpoint: `/healthz` (and `/healthz/<check>`), Prometheus
-//! `/metrics`, `/status` (JSON: plugins, CSI drivers, the node's CSI facts,
+//! The node's two plain-HTTP endpoints.
+//!
+//! - The health port (`--healthz-port`, TCP, no authentication) serves
+//!   `/healthz` (and `/healthz/<check>`) and Prometheus `/metrics`, nothing
+//!   else: any local user and any host-network pod can reach it.
+//! - The local socket (`<root>/rustlet.sock`, mode 0600, and a connection
+//!   is served only when its peer's credentials, read with `SO_PEERCRED`,
+//!   are root's or the node's own user) serves all of the above and the
+//!   node's own views: `/status` (JSON: plugins, CSI drivers, the node's CSI facts,
 //! the capacity of device-plugin resources and static manifest problems, in
 //! Kubernetes' camelCase), `/pods` (a `v1.PodList` of the node's pods with
 //! their statuses, as the kubelet's `/pods`), `/node` (the `v1.Node` this
@@ -53,6 +60,8 @@ pub(crate) struct HttpState {
     /// Streaming sessions under way (log follows, exec, attach,
     /// port-forward): `kubelet_api_streaming_sessions`.
     pub(crate) sessions: prometheus_client::metrics::gauge::Gauge,
+    /// Connections the local socket refused (`rustlet_local_socket_refused_total`).
+    pub(crate) local_refused: prometheus_client::metrics::counter::Counter,
 }
 
 /// Counts a streaming session while it lives: a session whose client went
@@ -72,8 +81,17 @@ impl Drop for SessionGuard {
     }
 }
 
-/// Binds `address` and serves until `shutdown`. Returns the bound address
-/// (useful with port 0) and the serving task.
+/// The routes anyone who can reach the node's health port may use.
+fn health_routes() -> axum::Router<HttpState> {
+    axum::Router::new()
+        .route("/healthz", get(healthz))
+        .route("/healthz/{check}", get(healthz_check))
+        .route("/metrics", get(metrics))
+}
+
+/// Binds `address` (the health port) and serves `/healthz` and `/metrics`
+/// until `shutdown`. Returns the bound address (useful with port 0) and the
+/// serving task.
 pub(super) async fn serve(
     address: SocketAddr,
     state: HttpState,
@@ -82,16 +100,8 @@ pub(super) async fn serve(
     let listener =
         tokio::net::TcpListener::bind(address).await.map_err(|source| NodeError::Http { address, source })?;
     let bound = listener.local_addr().map_err(|source| NodeError::Http { address, source })?;
-    let app = axum::Router::new()
-        .route("/healthz", get(healthz))
-        .route("/healthz/{check}", get(healthz_check))
-        .route("/metrics", get(metrics))
-        .route("/status", get(status))
-        .route("/pods", get(pods))
-        .route("/node", get(node))
-        .route("/containerLogs/{namespace}/{pod}/{container}", get(super::logs::container_logs))
-        .with_state(state);
-    tracing::info!(address = %bound, "http endpoint listening (/healthz, /metrics, /status, /pods, /node, /containerLogs)");
+    let app = health_routes().with_state(state);
+    tracing::info!(address = %bound, "http endpoint listening (/healthz, /metrics)");
     let span = tracing::info_span!("http_endpoint", address = %bound);
     let task = tokio::spawn(
         async move {
@@ -104,6 +114,91 @@ pub(super) async fn serve(
     );
     Ok((bound, task))
 }
+
+/// Binds the local socket at `path` (mode 0600) and serves every view of
+/// the node on it until `shutdown`, to peers that are root or the node's
+/// own user.
+pub(super) fn serve_local(
+    path: &std::path::Path,
+    state: HttpState,
+    shutdown: CancellationToken,
+) -> Result<JoinHandle<()>, NodeError> {
+    let listener = kubelet_api::uds::bind_with_mode(path, 0o600)
+        .map_err(|source| NodeError::LocalSocket { path: path.to_path_buf(), source })?;
+    let refused = state.local_refused.clone();
+    let app = health_routes()
+        .route("/status", get(status))
+        .route("/pods", get(pods))
+        .route("/node", get(node))
+        .route("/containerLogs/{namespace}/{pod}/{container}", get(super::logs::container_logs))
+        .with_state(state);
+    let listener = PeerChecked { inner: listener, own_uid: rustix::process::geteuid().as_raw(), refused };
+    tracing::info!(socket = %path.display(), "local endpoint listening (/healthz, /metrics, /status, /pods, /node, /containerLogs)");
+    let span = tracing::info_span!("local_endpoint", socket = %path.display());
+    Ok(tokio::spawn(
+        async move {
+            let result = axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned()).await;
+            if let Err(error) = result {
+                tracing::error!(%error, "local endpoint failed");
+            }
+        }
+        .instrument(span),
+    ))
+}
+
+/// Whether a peer with user ID `uid` may use the local socket of a node
+/// running as `own_uid`: root, and the node's own user.
+pub(crate) fn local_peer_allowed(uid: u32, own_uid: u32) -> bool {
+    uid == 0 || uid == own_uid
+}
+
+/// The local socket's listener: a connection whose peer is not allowed
+/// ([`local_peer_allowed`]) is closed at once, logged (at most once a
+/// minute, with the count since) and counted.
+struct PeerChecked {
+    inner: tokio::net::UnixListener,
+    own_uid: u32,
+    refused: prometheus_client::metrics::counter::Counter,
+}
+
+impl axum::serve::Listener for PeerChecked {
+    type Io = tokio::net::UnixStream;
+    type Addr = tokio::net::unix::SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        loop {
+            let (stream, address) = axum::serve::Listener::accept(&mut self.inner).await;
+            let peer = stream.peer_cred();
+            match peer {
+                Ok(credentials) if local_peer_allowed(credentials.uid(), self.own_uid) => return (stream, address),
+                Ok(credentials) => {
+                    self.refused.inc();
+                    if let Some(left_out) = LOCAL_REFUSALS.admit() {
+                        tracing::warn!(
+                            uid = credentials.uid(),
+                            pid = ?credentials.pid(),
+                            allowed = %format!("root and uid {}", self.own_uid),
+                            left_out,
+                            "local socket: refused a connection from a user that may not read the node"
+                        );
+                    }
+                }
+                Err(error) => {
+                    self.refused.inc();
+                    if let Some(left_out) = LOCAL_REFUSALS.admit() {
+                        tracing::warn!(%error, left_out, "local socket: refused a connection whose peer cannot be read");
+                    }
+                }
+            }
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        self.inner.local_addr()
+    }
+}
+
+static LOCAL_REFUSALS: crate::log_limit::LogLimiter = crate::log_limit::LogLimiter::new();
 
 pub(crate) fn text(code: StatusCode, body: String) -> Response {
     (code, [(header::CONTENT_TYPE, "text/plain; charset=utf-8")], body).into_response()

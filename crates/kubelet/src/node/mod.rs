@@ -5,10 +5,11 @@
 //! registration service (`plugins_registry/`) with the `CSIPlugin` and
 //! `DevicePlugin` handlers and any handler an embedder adds, the pod
 //! lifecycle with the embedder's [`Provider`] (if any), the static pods of
-//! the manifest directory (if set), and the HTTP endpoint (`/healthz`,
-//! `/metrics`, `/status`, `/pods`, `/node`, `/containerLogs`). The endpoint's
-//! address is written to `<root>/rustlet-endpoint` so that `rustlet get` and
-//! `rustlet logs` find the node from its root dir. [`Node`] hands out the
+//! the manifest directory (if set), the health port (`/healthz`,
+//! `/metrics`; its address is written to `<root>/rustlet-endpoint`) and the
+//! local socket `<root>/rustlet.sock` (those and `/status`, `/pods`,
+//! `/node`, `/containerLogs`, for root and the node's user only), through
+//! which `rustlet get` and `rustlet logs` read the node. [`Node`] hands out the
 //! components' handles and runs until the cancellation token given to
 //! [`NodeBuilder::start`] fires; [`Node::stopped`] then waits for every
 //! component to finish within the shutdown grace.
@@ -66,8 +67,14 @@ use crate::provider::Provider;
 use crate::static_pods::{StaticPodConfig, StaticPods};
 use crate::volume::{CsiDriverObjects, CsiVolumes, VolumeClaims};
 
-/// The file in the root dir that names the running node's HTTP endpoint.
+/// The file in the root dir that names the running node's health port.
 pub const ENDPOINT_FILE: &str = "rustlet-endpoint";
+
+/// The node's local socket in its root dir: every view of the node
+/// (`/status`, `/pods`, `/node`, `/containerLogs`, with `/healthz` and
+/// `/metrics`), for root and the node's own user only (mode 0600, peers
+/// checked with `SO_PEERCRED`). `rustlet get` and `rustlet logs` use it.
+pub const LOCAL_SOCKET: &str = "rustlet.sock";
 
 /// How the node runs pods.
 #[derive(Clone, Debug)]
@@ -217,6 +224,15 @@ pub enum NodeError {
         /// The system error.
         #[source]
         source: std::io::Error,
+    },
+    /// The local socket (`<root>/rustlet.sock`) could not be bound.
+    #[error("cannot serve the local socket {path}: {source}")]
+    LocalSocket {
+        /// The socket's path.
+        path: PathBuf,
+        /// What binding reported.
+        #[source]
+        source: kubelet_api::uds::UdsError,
     },
 }
 
@@ -480,9 +496,16 @@ impl NodeBuilder {
             "Log follows, exec, attach and port-forward sessions under way",
             sessions.clone(),
         );
+        let local_refused = prometheus_client::metrics::counter::Counter::default();
+        metrics.register(
+            "rustlet_local_socket_refused",
+            "Connections to the local socket refused for their peer's user",
+            local_refused.clone(),
+        );
         let http_state = http::HttpState {
             node_name: config.node_name.clone(),
             sessions,
+            local_refused,
             metrics: Arc::new(metrics),
             plugins: plugins.clone(),
             csi_drivers: csi_drivers.clone(),
@@ -504,6 +527,9 @@ impl NodeBuilder {
             }
             _ => None,
         };
+        let local_socket = root_dir.join(LOCAL_SOCKET);
+        let local = http::serve_local(&local_socket, http_state.clone(), shutdown.clone())?;
+        supervise(&tasks, &healthz, "local-endpoint", local, shutdown.clone());
         let http_address = match config.http_address {
             None => None,
             Some(address) => {
@@ -741,6 +767,12 @@ impl Node {
         self.http_address
     }
 
+    /// The local socket (`<root>/rustlet.sock`): every view of the node,
+    /// for root and the node's own user.
+    pub fn local_socket(&self) -> PathBuf {
+        self.config.root_dir.join(LOCAL_SOCKET)
+    }
+
     /// Where the kubelet API (HTTPS) listens, if it is served.
     pub fn kubelet_api_address(&self) -> Option<SocketAddr> {
         self.kubelet_api_address
@@ -760,6 +792,7 @@ impl Node {
             devices.stopped().await;
         };
         let _ = std::fs::remove_file(self.config.root_dir.join(ENDPOINT_FILE));
+        let _ = std::fs::remove_file(self.config.root_dir.join(LOCAL_SOCKET));
         if tokio::time::timeout(grace, all).await.is_err() {
             tracing::warn!(?grace, "components still running after the shutdown grace; not waiting any longer");
         }
