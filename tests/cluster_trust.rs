@@ -941,3 +941,194 @@ async fn a_node_joins_by_tls_bootstrap_and_rotates_its_certificates() {
     );
     drop(node);
 }
+
+/// The Lease never waits behind the kubelet API's callers. Every request
+/// with a new bearer token makes the node send a TokenReview; here 48
+/// clients send random tokens as fast as they are answered while the API
+/// server takes half a second per TokenReview, and the node's request
+/// bucket is small (5 a second). The Lease and status go through a client
+/// of their own (no bucket), the reviews through theirs (bounded: at most
+/// 16 at once, the rest answered 429 after a wait), so the Lease is
+/// renewed throughout: no gap between renewals comes near the lease's
+/// duration. A token the API refused is remembered as refused, and the
+/// administrator's token still works after the flood.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_random_tokens_never_holds_the_lease_back() {
+    use kubelet::cluster::node_sync::NodeSyncConfig;
+    use kubelet::server::KubeletApiConfig;
+    use rustlet_testkit::apiserver::{ApiServer, Fault};
+    use rustlet_testkit::https::{Credentials, request};
+    let server = ApiServer::start().await.expect("api server");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let kubeconfig = dir.path().join("kubeconfig");
+    server.write_kubeconfig(&kubeconfig, &server.node_token("flooded")).expect("kubeconfig");
+    let root = dir.path().join("root");
+    let mut config = NodeConfig::new(&root, "flooded");
+    config.http_address = None;
+    let mut api = KubeletApiConfig::new(&root);
+    api.address = ([127, 0, 0, 1], 0).into();
+    config.kubelet_api = Some(api);
+    let mut settings = ClusterSettings::new(ApiSource::Kubeconfig(kubeconfig));
+    settings.api_qps = 5.0;
+    settings.api_burst = 5;
+    let lease_duration = Duration::from_secs(8);
+    settings.node_sync =
+        NodeSyncConfig { lease_duration, renew_interval: Duration::from_millis(500), ..NodeSyncConfig::new("flooded") };
+    let shutdown = CancellationToken::new();
+    let _stop = shutdown.clone().drop_guard();
+    let node = NodeBuilder::new(config).cluster(settings).start(shutdown.clone()).await.expect("node");
+    let address = node.kubelet_api_address().expect("kubelet API");
+    let lease_writes = |requests: &[rustlet_testkit::apiserver::Logged]| -> Vec<std::time::Instant> {
+        requests
+            .iter()
+            .filter(|r| {
+                r.uri.contains("/namespaces/kube-node-lease/leases")
+                    && (r.method == http::Method::PUT || r.method == http::Method::POST)
+                    && r.status < 300
+            })
+            .map(|r| r.received)
+            .collect()
+    };
+    server.wait_requests(DEADLINE, |requests| !lease_writes(requests).is_empty()).await.expect("the lease is created");
+
+    server.inject(Fault::slow(Some(http::Method::POST), "tokenreviews", Duration::from_millis(500), usize::MAX));
+    let flood_start = std::time::Instant::now();
+    let flood_for = Duration::from_secs(10);
+    let mut clients = Vec::new();
+    for _ in 0..48 {
+        clients.push(tokio::spawn(async move {
+            let mut answers = std::collections::BTreeMap::<u16, usize>::new();
+            while flood_start.elapsed() < flood_for {
+                let token = uuid::Uuid::new_v4().to_string();
+                if let Ok((code, _)) = request(address, "GET", "/pods", Credentials::Token(&token)).await {
+                    *answers.entry(code).or_default() += 1;
+                }
+            }
+            answers
+        }));
+    }
+    let mut answers = std::collections::BTreeMap::<u16, usize>::new();
+    for client in clients {
+        for (code, count) in client.await.expect("client") {
+            *answers.entry(code).or_default() += count;
+        }
+    }
+    let flood_end = std::time::Instant::now();
+    let requests = server.requests();
+    let reviews = requests.iter().filter(|r| r.uri.contains("tokenreviews")).count();
+    assert!(reviews > 0, "the flood made TokenReviews: {answers:?}");
+    assert!(answers.keys().all(|code| [401, 429, 503].contains(code)), "random tokens are refused: {answers:?}");
+    let mut renewals: Vec<std::time::Instant> =
+        lease_writes(&requests).into_iter().filter(|t| *t >= flood_start && *t <= flood_end).collect();
+    renewals.insert(0, flood_start);
+    renewals.push(flood_end);
+    let longest = renewals.windows(2).map(|w| w[1] - w[0]).max().unwrap_or_default();
+    eprintln!(
+        "flood: {answers:?}, {reviews} TokenReviews, {} renewals in {:?}, longest gap {longest:?}",
+        renewals.len() - 2,
+        flood_end - flood_start
+    );
+    assert!(
+        longest < lease_duration,
+        "the Lease waited {longest:?} between renewals during the flood (lease duration {lease_duration:?})"
+    );
+
+    // A refused token is remembered as refused: asking again sends no
+    // second TokenReview.
+    server.clear_faults();
+    let bad = uuid::Uuid::new_v4().to_string();
+    let count_reviews =
+        |server: &ApiServer| server.requests().iter().filter(|r| r.uri.contains("tokenreviews")).count();
+    let before = count_reviews(&server);
+    for _ in 0..3 {
+        let (code, _) = request(address, "GET", "/pods", Credentials::Token(&bad)).await.expect("request");
+        assert_eq!(code, 401);
+    }
+    assert_eq!(count_reviews(&server), before + 1, "one TokenReview for a token asked three times");
+    // The administrator still gets in.
+    let (code, body) =
+        request(address, "GET", "/pods", Credentials::Token(server.admin_token())).await.expect("request");
+    assert_eq!(code, 200, "{body}");
+}
+
+/// A refused client certificate is visible: the failed handshake is
+/// logged with its reason and counted by reason in
+/// `kubelet_api_tls_handshake_failures_total` (the handshake failed
+/// silently before). A certificate from another CA is `unknown_authority`,
+/// an expired one from the right CA `expired`, a client that closes before
+/// the handshake `closed`; a good certificate still gets in.
+#[tokio::test]
+async fn refused_client_certificates_are_counted_by_reason() {
+    use kubelet::server::{AuthSettings, AuthorizationMode, KubeletApiConfig};
+    use rustlet_testkit::https::{Credentials, get};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca_key = rcgen::KeyPair::generate().expect("key");
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca_params.distinguished_name.push(rcgen::DnType::CommonName, "test-ca");
+    let ca = ca_params.self_signed(&ca_key).expect("ca");
+    let ca_file = dir.path().join("ca.pem");
+    std::fs::write(&ca_file, ca.pem()).expect("write ca");
+    let client_cert = |name: &str, expired: bool, signed: bool| {
+        let key = rcgen::KeyPair::generate().expect("key");
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
+        params.distinguished_name.push(rcgen::DnType::CommonName, name);
+        if expired {
+            params.not_before = rcgen::date_time_ymd(2020, 1, 1);
+            params.not_after = rcgen::date_time_ymd(2021, 1, 1);
+        }
+        let cert = if signed { params.signed_by(&key, &ca, &ca_key) } else { params.self_signed(&key) };
+        (cert.expect("cert").pem(), key.serialize_pem())
+    };
+    let root = dir.path().join("root");
+    let mut config = NodeConfig::new(&root, "tls-node");
+    config.http_address = Some(([127, 0, 0, 1], 0).into());
+    let mut api = KubeletApiConfig::new(&root);
+    api.address = ([127, 0, 0, 1], 0).into();
+    api.client_ca = Some(ca_file);
+    api.auth = AuthSettings { authorization: AuthorizationMode::AlwaysAllow, ..AuthSettings::default() };
+    config.kubelet_api = Some(api);
+    let shutdown = CancellationToken::new();
+    let _stop = shutdown.clone().drop_guard();
+    let node = NodeBuilder::new(config).start(shutdown.clone()).await.expect("node");
+    let address = node.kubelet_api_address().expect("kubelet API");
+    let health = node.http_address().expect("health port").to_string();
+    let failures = |reason: &'static str| {
+        let health = health.clone();
+        async move {
+            let (_, metrics) = rustlet_testkit::node_process::http_get(&health, "/metrics").await;
+            let series = format!("kubelet_api_tls_handshake_failures_total{{reason=\"{reason}\"}} ");
+            metrics
+                .lines()
+                .find_map(|l| l.strip_prefix(&series))
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .unwrap_or(0)
+        }
+    };
+
+    let (cert, key) = client_cert("stranger", false, false);
+    let refused = get(address, "/pods", Credentials::Certificate { cert_pem: &cert, key_pem: &key }).await;
+    assert!(refused.is_err(), "{refused:?}");
+    let (cert, key) = client_cert("late", true, true);
+    let refused = get(address, "/pods", Credentials::Certificate { cert_pem: &cert, key_pem: &key }).await;
+    assert!(refused.is_err(), "{refused:?}");
+    drop(tokio::net::TcpStream::connect(address).await.expect("connect"));
+    let (cert, key) = client_cert("admin", false, true);
+    let (code, body) =
+        get(address, "/pods", Credentials::Certificate { cert_pem: &cert, key_pem: &key }).await.expect("request");
+    assert_eq!(code, 200, "{body}");
+    // The server side of a handshake ends after the client's: wait for
+    // the counts (the closed connection is counted when the node sees EOF).
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        let counted = (failures("unknown_authority").await, failures("expired").await, failures("closed").await);
+        if counted == (1, 1, 1) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "failures counted (unknown_authority, expired, closed): {counted:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

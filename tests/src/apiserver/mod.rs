@@ -611,6 +611,38 @@ async fn serve(
             answer["status"] = json!({"token": token, "expirationTimestamp": expires.to_string()});
             Ok(object_response(StatusCode::CREATED, &answer))
         }
+        // A TokenReview: the tokens this server knows are authenticated.
+        "create" if resource.plural == "tokenreviews" => {
+            let token = body_value.pointer("/spec/token").and_then(Value::as_str).unwrap_or_default();
+            let known = shared.tokens.lock().expect("lock").get(token).cloned();
+            let status = match known {
+                Some(who) => json!({"authenticated": true, "user": {"username": who.user(), "groups": who.groups()}}),
+                None => json!({"authenticated": false, "error": "invalid bearer token"}),
+            };
+            let mut answer = if body_value.is_object() { body_value.clone() } else { json!({}) };
+            answer["apiVersion"] = "authentication.k8s.io/v1".into();
+            answer["kind"] = "TokenReview".into();
+            answer["status"] = status;
+            Ok(object_response(StatusCode::CREATED, &answer))
+        }
+        // A SubjectAccessReview: the administrator (group system:masters)
+        // may do anything; no one else is granted anything here.
+        "create" if resource.plural == "subjectaccessreviews" => {
+            let masters = body_value
+                .pointer("/spec/groups")
+                .and_then(Value::as_array)
+                .is_some_and(|groups| groups.iter().any(|g| g == "system:masters"));
+            let status = if masters {
+                json!({"allowed": true, "reason": "system:masters"})
+            } else {
+                json!({"allowed": false, "reason": "no RBAC policy matched"})
+            };
+            let mut answer = if body_value.is_object() { body_value.clone() } else { json!({}) };
+            answer["apiVersion"] = "authorization.k8s.io/v1".into();
+            answer["kind"] = "SubjectAccessReview".into();
+            answer["status"] = status;
+            Ok(object_response(StatusCode::CREATED, &answer))
+        }
         // The scheduler's bind: `pods/<name>/binding` sets `spec.nodeName`
         // of a pod not bound yet.
         "create" if sub == Some("binding") && resource.plural == "pods" => {

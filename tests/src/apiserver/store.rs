@@ -122,6 +122,23 @@ pub const RESOURCES: &[Resource] = &[
         has_status: true,
     },
     Resource { group: "", version: "v1", plural: "services", kind: "Service", namespaced: true, has_status: true },
+    // Reviews: created and answered, never stored.
+    Resource {
+        group: "authentication.k8s.io",
+        version: "v1",
+        plural: "tokenreviews",
+        kind: "TokenReview",
+        namespaced: false,
+        has_status: true,
+    },
+    Resource {
+        group: "authorization.k8s.io",
+        version: "v1",
+        plural: "subjectaccessreviews",
+        kind: "SubjectAccessReview",
+        namespaced: false,
+        has_status: true,
+    },
     Resource {
         group: "resource.k8s.io",
         version: "v1",

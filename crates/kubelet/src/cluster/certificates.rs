@@ -452,23 +452,44 @@ pub async fn rotating_client(
     burst: u32,
     shutdown: &CancellationToken,
 ) -> Result<kube::Client, CertificateError> {
+    let mut clients = rotating_clients(settings, node_name, &[(qps, burst)], shutdown).await?;
+    Ok(clients.remove(0))
+}
+
+/// [`rotating_client`], one client per `(qps, burst)` of `limits`, each
+/// with its own connections and its own bucket, all following the same
+/// certificate (renewed once, through the first).
+pub async fn rotating_clients(
+    settings: &BootstrapSettings,
+    node_name: &str,
+    limits: &[(f64, u32)],
+    shutdown: &CancellationToken,
+) -> Result<Vec<kube::Client>, CertificateError> {
     use tower::ServiceBuilder;
     let (config, https) = connector_of(&settings.kubeconfig).await?;
-    let current = Arc::new(RwLock::new(http_client(&config, https)));
-    let http = RotatingHttp { current: Arc::clone(&current) };
     let bad = |e: kube::Error| CertificateError::Kubeconfig {
         path: settings.kubeconfig.clone(),
         reason: kubelet_api::uds::error_chain(&e),
     };
-    let service = ServiceBuilder::new()
-        .layer(config.base_uri_layer())
-        .option_layer(config.auth_layer().map_err(bad)?)
-        .layer(config.extra_headers_layer().map_err(bad)?)
-        .map_err(|e: hyper_util::client::legacy::Error| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
-        .service(http);
-    let client = kube::client::ClientBuilder::new(service, config.default_namespace.clone())
-        .with_layer(&super::rate_limit::RateLimitLayer::new(qps, burst))
-        .build();
+    let mut currents = Vec::new();
+    let mut clients = Vec::new();
+    for &(qps, burst) in limits {
+        let current = Arc::new(RwLock::new(http_client(&config, https.clone())));
+        let http = RotatingHttp { current: Arc::clone(&current) };
+        let service = ServiceBuilder::new()
+            .layer(config.base_uri_layer())
+            .option_layer(config.auth_layer().map_err(bad)?)
+            .layer(config.extra_headers_layer().map_err(bad)?)
+            .map_err(|e: hyper_util::client::legacy::Error| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
+            .service(http);
+        clients.push(
+            kube::client::ClientBuilder::new(service, config.default_namespace.clone())
+                .with_layer(&super::rate_limit::RateLimitLayer::new(qps, burst))
+                .build(),
+        );
+        currents.push(current);
+    }
+    let Some(first) = clients.first().cloned() else { return Ok(clients) };
     let link = settings.cert_dir.join("kubelet-client-current.pem");
     let link = std::path::absolute(&link).unwrap_or(link);
     let follows_cert_dir =
@@ -478,10 +499,9 @@ pub async fn rotating_client(
     }
     if settings.rotate && follows_cert_dir {
         let (settings, node_name, shutdown) = (settings.clone(), node_name.to_owned(), shutdown.clone());
-        let renewer = client.clone();
-        tokio::spawn(async move { rotate(settings, node_name, renewer, current, shutdown).await });
+        tokio::spawn(async move { rotate(settings, node_name, first, currents, shutdown).await });
     }
-    Ok(client)
+    Ok(clients)
 }
 
 /// Renews the client certificate before it expires, for as long as the
@@ -490,7 +510,7 @@ async fn rotate(
     settings: BootstrapSettings,
     node_name: String,
     client: kube::Client,
-    current_http: Arc<RwLock<Http>>,
+    current_http: Vec<Arc<RwLock<Http>>>,
     shutdown: CancellationToken,
 ) {
     let mut backoff = crate::retry::RetryBackoff::new(Duration::from_secs(1), Duration::from_secs(60));
@@ -539,7 +559,9 @@ async fn rotate(
             }
             store(&settings.cert_dir, "kubelet-client", &new)?;
             let (config, https) = connector_of(&settings.kubeconfig).await?;
-            *current_http.write().unwrap_or_else(|p| p.into_inner()) = http_client(&config, https);
+            for current in &current_http {
+                *current.write().unwrap_or_else(|p| p.into_inner()) = http_client(&config, https.clone());
+            }
             Ok::<bool, CertificateError>(true)
         };
         match renewed.await {

@@ -179,6 +179,9 @@ pub(crate) struct NodeParts {
     pub(crate) csi_objects: CsiDriverObjects,
     /// Gets the client once it is ready (for [`volumes::ApiVolumes`]).
     pub(crate) client: watch::Sender<Option<kube::Client>>,
+    /// Gets the reviews' client once it is ready (the kubelet API's
+    /// TokenReviews and SubjectAccessReviews).
+    pub(crate) review_client: watch::Sender<Option<kube::Client>>,
     /// The node's task tracker (cluster tasks are awaited at shutdown).
     pub(crate) tasks: tokio_util::task::TaskTracker,
     /// The persistent volumes published on the node (`volumesInUse`).
@@ -207,10 +210,12 @@ pub(crate) fn start(settings: ClusterSettings, parts: NodeParts, shutdown: Cance
     let supervision = Supervision::new(shutdown.clone(), parts.healthz.clone(), parts.tasks.clone());
     let tasks = parts.tasks.clone();
     parts.tasks.spawn(async move {
-        let client = tokio::select! {
+        let clients = tokio::select! {
             () = shutdown.cancelled() => return,
-            client = client(&settings, &name, &shutdown) => client,
+            clients = client(&settings, &name, &shutdown) => clients,
         };
+        parts.review_client.send_replace(Some(clients.reviews.clone()));
+        let client = clients.main.clone();
         parts.recorder.node(&name, crate::events::EventType::Normal, "Starting", "Starting kubelet.".into());
         if let Some(queue) = parts.events {
             let (events_client, node, stop) = (client.clone(), name.clone(), shutdown.clone());
@@ -222,8 +227,9 @@ pub(crate) fn start(settings: ClusterSettings, parts: NodeParts, shutdown: Cance
             });
         }
         tracing::info!(node = %name, "API client ready; joining the cluster");
-        let node = node_sync::start(
+        let node = node_sync::start_with_heartbeat(
             client.clone(),
+            clients.heartbeat.clone(),
             NodeSyncConfig { node_name: name.clone(), events: parts.recorder.clone(), ..settings.node_sync },
             desired,
             supervision.clone(),
@@ -257,11 +263,32 @@ pub(crate) fn start(settings: ClusterSettings, parts: NodeParts, shutdown: Cance
     cluster
 }
 
-/// The API client: the given one, or one from the kubeconfig, read again
+/// The node's API clients. Built from a kubeconfig, each has its own
+/// connections and its own request bucket, so that no caller waits behind
+/// another's: the heartbeat (the Lease and the Node's status, unlimited as
+/// upstream's heartbeat client, since its rate is bounded by its periods),
+/// the reviews of the kubelet API's callers (TokenReview and
+/// SubjectAccessReview: `--kube-api-qps`/`--kube-api-burst` of their own),
+/// and everything else. A client given as [`ApiSource::Client`] serves all
+/// three.
+#[derive(Clone)]
+pub(crate) struct ApiClients {
+    pub(crate) main: kube::Client,
+    pub(crate) heartbeat: kube::Client,
+    pub(crate) reviews: kube::Client,
+}
+
+impl ApiClients {
+    fn one(client: kube::Client) -> ApiClients {
+        ApiClients { main: client.clone(), heartbeat: client.clone(), reviews: client }
+    }
+}
+
+/// The API clients: the given one, or ones from the kubeconfig, read again
 /// with backoff until it works.
-async fn client(settings: &ClusterSettings, node_name: &str, shutdown: &CancellationToken) -> kube::Client {
+async fn client(settings: &ClusterSettings, node_name: &str, shutdown: &CancellationToken) -> ApiClients {
     let path = match &settings.api {
-        ApiSource::Client(client) => return client.clone(),
+        ApiSource::Client(client) => return ApiClients::one(client.clone()),
         ApiSource::Kubeconfig(path) => path,
         ApiSource::Bootstrap(bootstrap) => &bootstrap.kubeconfig,
     };
@@ -270,15 +297,33 @@ async fn client(settings: &ClusterSettings, node_name: &str, shutdown: &Cancella
         let made = match &settings.api {
             ApiSource::Bootstrap(bootstrap) => match certificates::bootstrap(bootstrap, node_name, shutdown).await {
                 Ok(true) => {
-                    certificates::rotating_client(bootstrap, node_name, settings.api_qps, settings.api_burst, shutdown)
-                        .await
-                        .map_err(|e| e.to_string())
+                    let (qps, burst) = (settings.api_qps, settings.api_burst);
+                    certificates::rotating_clients(
+                        bootstrap,
+                        node_name,
+                        &[(qps, burst), (0.0, 0), (qps, burst)],
+                        shutdown,
+                    )
+                    .await
+                    .map_err(|e| e.to_string())
+                    .map(|mut clients| {
+                        let reviews = clients.pop().unwrap_or_else(|| clients[0].clone());
+                        let heartbeat = clients.pop().unwrap_or_else(|| clients[0].clone());
+                        ApiClients { main: clients.remove(0), heartbeat, reviews }
+                    })
                 }
                 // Stopping: the caller sees the shutdown.
                 Ok(false) => std::future::pending().await,
                 Err(error) => Err(error.to_string()),
             },
-            _ => from_kubeconfig_limited(path, settings.api_qps, settings.api_burst).await.map_err(|e| e.to_string()),
+            _ => async {
+                let main = from_kubeconfig_limited(path, settings.api_qps, settings.api_burst).await?;
+                let heartbeat = from_kubeconfig_limited(path, 0.0, 0).await?;
+                let reviews = from_kubeconfig_limited(path, settings.api_qps, settings.api_burst).await?;
+                Ok::<_, KubeconfigError>(ApiClients { main, heartbeat, reviews })
+            }
+            .await
+            .map_err(|e| e.to_string()),
         };
         match made {
             Ok(client) => return client,

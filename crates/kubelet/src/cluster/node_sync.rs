@@ -174,6 +174,20 @@ pub fn start(
     desired: watch::Receiver<Node>,
     supervision: impl Into<Supervision>,
 ) -> NodeSync {
+    start_with_heartbeat(client.clone(), client, config, desired, supervision)
+}
+
+/// [`start`], with the Node's registration and status and the Lease
+/// written through `heartbeat` (a client of their own, so that they never
+/// wait behind the node's other requests) and the Node watched through
+/// `client`.
+pub fn start_with_heartbeat(
+    client: kube::Client,
+    heartbeat: kube::Client,
+    config: NodeSyncConfig,
+    desired: watch::Receiver<Node>,
+    supervision: impl Into<Supervision>,
+) -> NodeSync {
     let supervision = supervision.into();
     let stats = Arc::new(NodeSyncStats::default());
     let (registered_tx, registered) = watch::channel(None);
@@ -181,7 +195,7 @@ pub fn start(
     let health = HealthReporter::new();
     let sync = StatusSync {
         health: health.clone(),
-        nodes: Api::all(client.clone()),
+        nodes: Api::all(heartbeat.clone()),
         config: config.clone(),
         desired,
         stats: stats.clone(),
@@ -196,7 +210,7 @@ pub fn start(
         watch_deletion(watch_client.clone(), watch_name.clone(), deleted.clone(), watch_registered.clone())
     });
     let lease = LeaseSync {
-        leases: Api::namespaced(client, LEASE_NAMESPACE),
+        leases: Api::namespaced(heartbeat, LEASE_NAMESPACE),
         config,
         stats: stats.clone(),
         registered: registered.clone(),
@@ -456,6 +470,13 @@ async fn watch_deletion(
     }
 }
 
+/// How long one Lease renewal may take: three quarters of the renew
+/// interval (at least a second), so that a hung request is given up in
+/// time for the next renewal, well within the lease's duration.
+fn renewal_deadline(config: &NodeSyncConfig) -> Duration {
+    (config.renew_interval * 3 / 4).max(Duration::from_secs(1))
+}
+
 #[derive(Clone)]
 struct LeaseSync {
     leases: Api<Lease>,
@@ -477,7 +498,18 @@ impl LeaseSync {
                 Ok(uid) => uid.clone().unwrap_or_default(),
                 Err(_) => return,
             };
-            let delay = match self.renew(&uid).await {
+            // A renewal that hangs (an API server that accepted the
+            // connection and answers nothing) must not hold the next one
+            // back: it has until the next renewal is due.
+            let deadline = renewal_deadline(&self.config);
+            let renewed = match tokio::time::timeout(deadline, self.renew(&uid)).await {
+                Ok(renewed) => renewed.map_err(|error| describe(&error)),
+                Err(_) => {
+                    self.last = None;
+                    Err(format!("no answer within {deadline:?}"))
+                }
+            };
+            let delay = match renewed {
                 Ok(()) => {
                     self.stats.lease_renewals.fetch_add(1, Ordering::Relaxed);
                     backoff.reset();
@@ -486,7 +518,7 @@ impl LeaseSync {
                 Err(error) => {
                     self.stats.failures.fetch_add(1, Ordering::Relaxed);
                     let delay = backoff.next_delay().min(self.config.renew_interval);
-                    tracing::warn!(node = %self.config.node_name, error = %describe(&error), retry_in = ?delay, "cannot renew the node lease; retrying");
+                    tracing::warn!(node = %self.config.node_name, %error, retry_in = ?delay, "cannot renew the node lease; retrying");
                     delay
                 }
             };

@@ -6,13 +6,14 @@
 //! - The local socket (`<root>/rustlet.sock`, mode 0600, and a connection
 //!   is served only when its peer's credentials, read with `SO_PEERCRED`,
 //!   are root's or the node's own user) serves all of the above and the
-//!   node's own views: `/status` (JSON: plugins, CSI drivers, the node's CSI facts,
-//! the capacity of device-plugin resources and static manifest problems, in
-//! Kubernetes' camelCase), `/pods` (a `v1.PodList` of the node's pods with
-//! their statuses, as the kubelet's `/pods`), `/node` (the `v1.Node` this
-//! node would register) and `/containerLogs/<namespace>/<pod>/<container>`
-//! (the container's log text, as the kubelet serves it; see the `logs`
-//! module for its parameters).
+//!   node's own views: `/status` (JSON: plugins, CSI drivers, the node's
+//!   CSI facts, the capacity of device-plugin resources and static manifest
+//!   problems, in Kubernetes' camelCase), `/pods` (a `v1.PodList` of the
+//!   node's pods with their statuses, as the kubelet's `/pods`), `/node`
+//!   (the `v1.Node` this node would register) and
+//!   `/containerLogs/<namespace>/<pod>/<container>` (the container's log
+//!   text, as the kubelet serves it; see the `logs` module for its
+//!   parameters).
 //!
 //! `/healthz` follows the kubelet's semantics: `200 ok` when every check
 //! passes; otherwise `500` with one line per check (`[+]name ok` or
@@ -62,6 +63,8 @@ pub(crate) struct HttpState {
     pub(crate) sessions: prometheus_client::metrics::gauge::Gauge,
     /// Connections the local socket refused (`rustlet_local_socket_refused_total`).
     pub(crate) local_refused: prometheus_client::metrics::counter::Counter,
+    /// Failed TLS handshakes of the kubelet API, by reason.
+    pub(crate) tls_failures: crate::server::TlsFailures,
 }
 
 /// Counts a streaming session while it lives: a session whose client went

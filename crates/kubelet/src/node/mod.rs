@@ -369,6 +369,7 @@ impl NodeBuilder {
             CsiVolumes::new(&root_dir, csi_drivers.view(), csi_objects.clone(), config.pods.csi_timeouts);
         // In a cluster, claims resolve through the API once it is connected.
         let (api_client, api_client_rx) = tokio::sync::watch::channel(None);
+        let (review_client, review_client_rx) = tokio::sync::watch::channel(None);
         let api_volumes = cluster
             .as_ref()
             .map(|_| Arc::new(cluster::volumes::ApiVolumes::new(api_client_rx.clone(), &config.node_name)));
@@ -475,7 +476,7 @@ impl NodeBuilder {
         let kubelet_api = match &config.kubelet_api {
             None => None,
             Some(api) => Some(
-                crate::server::bind(api, &config.node_name, &config.node_ips, api_client_rx.clone(), cluster.is_none())
+                crate::server::bind(api, &config.node_name, &config.node_ips, review_client_rx, cluster.is_none())
                     .await?,
             ),
         };
@@ -502,10 +503,18 @@ impl NodeBuilder {
             "Connections to the local socket refused for their peer's user",
             local_refused.clone(),
         );
+        let tls_failures = crate::server::TlsFailures::default();
+        metrics.register(
+            "kubelet_api_tls_handshake_failures",
+            "TLS handshakes of the kubelet API that failed, by reason (unknown_authority, expired, bad_certificate, \
+             no_serving_certificate, protocol, timeout, closed, ...)",
+            tls_failures.clone(),
+        );
         let http_state = http::HttpState {
             node_name: config.node_name.clone(),
             sessions,
             local_refused,
+            tls_failures,
             metrics: Arc::new(metrics),
             plugins: plugins.clone(),
             csi_drivers: csi_drivers.clone(),
@@ -549,6 +558,7 @@ impl NodeBuilder {
                     csi,
                     csi_objects: csi_objects.clone(),
                     client: api_client,
+                    review_client,
                     tasks: tasks.clone(),
                     volumes_in_use,
                     events: event_queue,

@@ -2,6 +2,16 @@
 //! certificates, bearer tokens by TokenReview, anonymous) and
 //! authorization (SubjectAccessReview on the node's `nodes` subresources,
 //! or everything allowed), with upstream's request mapping and caches.
+//!
+//! Reviews are bounded, since any client that reaches the port can make
+//! the node send one (a new random token is a new TokenReview): at most
+//! [`REVIEWS_IN_FLIGHT`] at once, a request waiting at most
+//! [`REVIEW_QUEUE_WAIT`] for its turn (then `429 Too Many Requests`), each
+//! answer within [`REVIEW_DEADLINE`], through a client of their own (its
+//! own connections and request bucket: the node's Lease and status never
+//! wait behind them). Tokens are cached by their SHA-256, never as
+//! themselves; a token the API did not authenticate is remembered as such
+//! for [`FAILED_TOKEN_TTL`].
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -156,6 +166,24 @@ struct Cache<K, V> {
 const CACHE_LIMIT: usize = 4096;
 /// Bearer tokens longer than this are refused without a TokenReview.
 const MAX_TOKEN: usize = 8 * 1024;
+/// Reviews (TokenReview and SubjectAccessReview) under way at once at most.
+pub const REVIEWS_IN_FLIGHT: usize = 16;
+/// How long a request waits for a review slot before it is answered 429.
+pub const REVIEW_QUEUE_WAIT: Duration = Duration::from_secs(5);
+/// How long one review may take before the request is answered 503.
+pub const REVIEW_DEADLINE: Duration = Duration::from_secs(10);
+/// How long a token the API did not authenticate is refused without
+/// asking again.
+pub const FAILED_TOKEN_TTL: Duration = Duration::from_secs(10);
+
+/// A token's cache key: its SHA-256 (a cache, a heap dump or a debug print
+/// then holds no token).
+type TokenKey = [u8; 32];
+
+fn token_key(token: &str) -> TokenKey {
+    use sha2::Digest as _;
+    sha2::Sha256::digest(token.as_bytes()).into()
+}
 
 impl<K: std::hash::Hash + Eq + Clone, V: Clone> Cache<K, V> {
     fn new() -> Self {
@@ -193,8 +221,10 @@ struct AuthInner {
     settings: AuthSettings,
     node_name: String,
     client: watch::Receiver<Option<kube::Client>>,
-    tokens: Cache<String, Option<User>>,
+    tokens: Cache<TokenKey, Option<User>>,
     decisions: Cache<(User, NodeRequest), Decision>,
+    /// Review slots ([`REVIEWS_IN_FLIGHT`]).
+    reviews: tokio::sync::Semaphore,
 }
 
 #[derive(Clone, Debug)]
@@ -209,6 +239,8 @@ enum Refusal {
     Unauthorized,
     Forbidden(String),
     Unavailable(String),
+    /// Every review slot stayed busy for [`REVIEW_QUEUE_WAIT`].
+    Busy,
 }
 
 impl IntoResponse for Refusal {
@@ -217,6 +249,16 @@ impl IntoResponse for Refusal {
             Refusal::Unauthorized => (StatusCode::UNAUTHORIZED, "Unauthorized".to_owned()),
             Refusal::Forbidden(message) => (StatusCode::FORBIDDEN, message),
             Refusal::Unavailable(message) => (StatusCode::SERVICE_UNAVAILABLE, message),
+            Refusal::Busy => {
+                let mut response = (
+                    StatusCode::TOO_MANY_REQUESTS,
+                    [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
+                    "too many requests are being authenticated or authorized; retry later",
+                )
+                    .into_response();
+                response.headers_mut().insert(header::RETRY_AFTER, axum::http::HeaderValue::from_static("1"));
+                return response;
+            }
         };
         (code, [(header::CONTENT_TYPE, "text/plain; charset=utf-8")], body).into_response()
     }
@@ -231,6 +273,7 @@ impl Auth {
                 client,
                 tokens: Cache::new(),
                 decisions: Cache::new(),
+                reviews: tokio::sync::Semaphore::new(REVIEWS_IN_FLIGHT),
             }),
         }
     }
@@ -261,20 +304,53 @@ impl Auth {
         if self.inner.settings.anonymous { Ok(User::anonymous()) } else { Err(Refusal::Unauthorized) }
     }
 
+    /// Creates `review` within the review bounds: a slot (waiting at most
+    /// [`REVIEW_QUEUE_WAIT`]), an answer within [`REVIEW_DEADLINE`].
+    async fn bounded_review<K>(&self, review: &K, what: &str) -> Result<K, Refusal>
+    where
+        K: kube::Resource<Scope = k8s_openapi::ClusterResourceScope, DynamicType = ()>
+            + Clone
+            + serde::Serialize
+            + serde::de::DeserializeOwned
+            + std::fmt::Debug,
+    {
+        let client = self.client()?;
+        let slot = tokio::time::timeout(REVIEW_QUEUE_WAIT, self.inner.reviews.acquire()).await;
+        let Ok(Ok(_slot)) = slot else {
+            if let Some(left_out) = BUSY_WARNINGS.admit() {
+                tracing::warn!(
+                    in_flight = REVIEWS_IN_FLIGHT,
+                    waited = ?REVIEW_QUEUE_WAIT,
+                    left_out,
+                    "kubelet API: every review slot is busy; refusing requests with 429"
+                );
+            }
+            return Err(Refusal::Busy);
+        };
+        let api: kube::Api<K> = kube::Api::all(client);
+        match tokio::time::timeout(REVIEW_DEADLINE, api.create(&kube::api::PostParams::default(), review)).await {
+            Ok(Ok(answer)) => Ok(answer),
+            Ok(Err(error)) => {
+                tracing::warn!(%error, "{what} failed");
+                Err(Refusal::Unavailable(format!("cannot check the request ({what}): {error}")))
+            }
+            Err(_) => {
+                tracing::warn!(deadline = ?REVIEW_DEADLINE, "{what} got no answer in time");
+                Err(Refusal::Unavailable(format!("cannot check the request: {what} got no answer in time")))
+            }
+        }
+    }
+
     async fn review_token(&self, token: &str) -> Result<Option<User>, Refusal> {
-        if let Some(known) = self.inner.tokens.get(&token.to_owned()) {
+        let key = token_key(token);
+        if let Some(known) = self.inner.tokens.get(&key) {
             return Ok(known);
         }
-        let client = self.client()?;
         let review = TokenReview {
             spec: TokenReviewSpec { token: Some(token.to_owned()), audiences: None },
             ..TokenReview::default()
         };
-        let api: kube::Api<TokenReview> = kube::Api::all(client);
-        let answer = api.create(&kube::api::PostParams::default(), &review).await.map_err(|error| {
-            tracing::warn!(%error, "TokenReview failed");
-            Refusal::Unavailable(format!("cannot check the bearer token: {error}"))
-        })?;
+        let answer = self.bounded_review(&review, "TokenReview").await?;
         let status = answer.status.unwrap_or_default();
         let user = match (status.authenticated, status.user) {
             (Some(true), Some(info)) => {
@@ -286,7 +362,11 @@ impl Auth {
             }
             _ => None,
         };
-        self.inner.tokens.put(token.to_owned(), user.clone(), self.inner.settings.token_cache_ttl);
+        let ttl = match user {
+            Some(_) => self.inner.settings.token_cache_ttl,
+            None => FAILED_TOKEN_TTL.min(self.inner.settings.token_cache_ttl),
+        };
+        self.inner.tokens.put(key, user.clone(), ttl);
         Ok(user)
     }
 
@@ -323,7 +403,6 @@ impl Auth {
     }
 
     async fn review_access(&self, user: &User, request: &NodeRequest) -> Result<Decision, Refusal> {
-        let client = self.client()?;
         let review = SubjectAccessReview {
             spec: SubjectAccessReviewSpec {
                 user: Some(user.name.clone()),
@@ -342,15 +421,13 @@ impl Auth {
             },
             ..SubjectAccessReview::default()
         };
-        let api: kube::Api<SubjectAccessReview> = kube::Api::all(client);
-        let answer = api.create(&kube::api::PostParams::default(), &review).await.map_err(|error| {
-            tracing::warn!(%error, "SubjectAccessReview failed");
-            Refusal::Unavailable(format!("cannot authorize the request: {error}"))
-        })?;
+        let answer = self.bounded_review(&review, "SubjectAccessReview").await?;
         let status = answer.status.unwrap_or_default();
         Ok(if status.allowed { Decision::Allowed } else { Decision::Denied(status.reason.unwrap_or_default()) })
     }
 }
+
+static BUSY_WARNINGS: crate::log_limit::LogLimiter = crate::log_limit::LogLimiter::new();
 
 /// A streaming endpoint asked with a method it does not serve (it serves
 /// GET, for WebSocket upgrades, and POST, for SPDY): 405, before anything

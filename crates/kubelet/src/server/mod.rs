@@ -216,6 +216,7 @@ impl BoundApi {
         if let Some(renewal) = self.renewal {
             tokio::spawn(renewal.run(self.serving.clone(), shutdown.clone()));
         }
+        let failures = state.http.tls_failures.clone();
         let router = router(state, self.auth.clone());
         let acceptor = tokio_rustls::TlsAcceptor::from(self.tls);
         let address = self.address;
@@ -242,10 +243,11 @@ impl BoundApi {
                     };
                     let _ = stream.set_nodelay(true);
                     let (acceptor, router, shutdown) = (acceptor.clone(), router.clone(), shutdown.clone());
+                    let failures = failures.clone();
                     tokio::spawn(
                         async move {
                             let _slot = slot;
-                            connection(stream, acceptor, router, shutdown).await;
+                            connection(stream, peer, acceptor, router, failures, shutdown).await;
                         }
                         .instrument(tracing::debug_span!("connection", %peer)),
                     );
@@ -332,21 +334,73 @@ impl ServingRenewal {
     }
 }
 
+/// Handshake failures by reason: `kubelet_api_tls_handshake_failures_total`.
+pub(crate) type TlsFailures = prometheus_client::metrics::family::Family<
+    Vec<(&'static str, &'static str)>,
+    prometheus_client::metrics::counter::Counter,
+>;
+
+/// Why a TLS handshake failed, as the metric's `reason` label says it.
+/// A client that closes the connection before the handshake (a port
+/// probe) is `closed`; the rest are certificates refused or protocol
+/// errors.
+pub(crate) fn handshake_failure_reason(error: &std::io::Error) -> &'static str {
+    use rustls::{CertificateError, Error};
+    if error.kind() == std::io::ErrorKind::UnexpectedEof
+        || error.kind() == std::io::ErrorKind::ConnectionReset
+        || error.kind() == std::io::ErrorKind::BrokenPipe
+    {
+        return "closed";
+    }
+    let Some(tls) = error.get_ref().and_then(|inner| inner.downcast_ref::<Error>()) else { return "io" };
+    match tls {
+        Error::InvalidCertificate(certificate) => match certificate {
+            CertificateError::UnknownIssuer | CertificateError::BadSignature => "unknown_authority",
+            CertificateError::Expired | CertificateError::ExpiredContext { .. } => "expired",
+            CertificateError::NotValidYet | CertificateError::NotValidYetContext { .. } => "not_yet_valid",
+            CertificateError::Revoked => "revoked",
+            CertificateError::InvalidPurpose | CertificateError::InvalidPurposeContext { .. } => "wrong_usage",
+            // webpki refuses X.509 v1 certificates and malformed ones here.
+            _ => "bad_certificate",
+        },
+        Error::NoCertificatesPresented => "no_certificate",
+        // The resolver has no certificate to serve (a requested one not
+        // issued yet): rustls says so in this general error.
+        Error::General(text) if text.contains("no server certificate") => "no_serving_certificate",
+        _ => "protocol",
+    }
+}
+
+static HANDSHAKE_WARNINGS: crate::log_limit::LogLimiter = crate::log_limit::LogLimiter::new();
+
+/// Counts a failed handshake and logs it (rate-limited; port probes that
+/// close at once only at debug).
+fn handshake_failed(failures: &TlsFailures, peer: SocketAddr, reason: &'static str, error: &dyn std::fmt::Display) {
+    failures.get_or_create(&vec![("reason", reason)]).inc();
+    if reason == "closed" {
+        tracing::debug!(%peer, %error, "TLS handshake ended by the client");
+    } else if let Some(left_out) = HANDSHAKE_WARNINGS.admit() {
+        tracing::warn!(%peer, reason, %error, left_out, "kubelet API: TLS handshake failed");
+    }
+}
+
 /// Serves one connection: handshake, identity, HTTP/1.1 with upgrades.
 async fn connection(
     stream: tokio::net::TcpStream,
+    peer: SocketAddr,
     acceptor: tokio_rustls::TlsAcceptor,
     router: axum::Router,
+    failures: TlsFailures,
     shutdown: CancellationToken,
 ) {
     let tls = match tokio::time::timeout(HANDSHAKE_DEADLINE, acceptor.accept(stream)).await {
         Ok(Ok(tls)) => tls,
         Ok(Err(error)) => {
-            tracing::debug!(%error, "TLS handshake failed");
+            handshake_failed(&failures, peer, handshake_failure_reason(&error), &error);
             return;
         }
         Err(_) => {
-            tracing::debug!("TLS handshake timed out");
+            handshake_failed(&failures, peer, "timeout", &format_args!("no handshake within {HANDSHAKE_DEADLINE:?}"));
             return;
         }
     };
