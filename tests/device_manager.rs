@@ -1144,3 +1144,47 @@ async fn kubelet_sock_that_cannot_be_rebound_is_retried_until_it_can() {
     let mut plugin = node.plugin("gpu.sock", &["--resource", GPU, "--count", "1"]).await;
     assert_eq!(registered(&mut plugin).await, "");
 }
+
+/// Beyond upstream: `kubelet.sock` is 0660 (not the umask's), and a
+/// `Register` call is taken only from root or a user in
+/// `--plugin-allowed-uids`, for an endpoint socket of that user's that no
+/// one else may write to. A plugin run as uid 65534 (with `kubelet.sock`
+/// opened up to it by hand) is refused with the reason; a root plugin
+/// whose socket is world-writable too; a node that allows uid 65534 takes
+/// its plugin.
+#[tokio::test]
+async fn register_is_taken_only_from_trusted_users() {
+    use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
+    if std::fs::metadata("/proc/self").map(|m| m.uid()).unwrap_or(1) != 0 {
+        eprintln!("skipped: running a plugin as another user needs root");
+        return;
+    }
+    let nobody = 65534;
+    let opened_up = |node: &Node| {
+        let kubelet_sock = node.dir.join("kubelet.sock");
+        let mode = std::fs::metadata(&kubelet_sock).expect("kubelet.sock").permissions().mode() & 0o777;
+        assert_eq!(mode, 0o660, "kubelet.sock's mode is set, not left to the umask");
+        std::fs::set_permissions(node.root.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        std::fs::set_permissions(&node.dir, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+        std::fs::set_permissions(&kubelet_sock, std::fs::Permissions::from_mode(0o666)).expect("chmod");
+    };
+    let node = Node::start().await;
+    opened_up(&node);
+    let args = ["--socket", &node.socket("nobody.sock"), "--resource", "example.com/nobody"];
+    let mut plugin = PluginProcess::spawn_as(device_plugin_bin(), args, Some(nobody), None).await.expect("plugin");
+    let error = registered(&mut plugin).await;
+    assert!(error.contains("runs as uid 65534, which is neither root nor in --plugin-allowed-uids"), "{error}");
+    let args = ["--socket", &node.socket("open.sock"), "--resource", "example.com/open"];
+    let mut open = PluginProcess::spawn_as(device_plugin_bin(), args, None, Some(0)).await.expect("plugin");
+    let error = registered(&mut open).await;
+    assert!(error.contains("lets users other than its owner write to it"), "{error}");
+    assert!(node.devices.capacity().borrow().is_empty(), "no resource was advertised");
+
+    let node = Node::start_with(|config| config.trust = kubelet::plugin_trust::PluginTrust::new([nobody])).await;
+    opened_up(&node);
+    let args = ["--socket", &node.socket("nobody.sock"), "--resource", "example.com/nobody"];
+    let mut plugin = PluginProcess::spawn_as(device_plugin_bin(), args, Some(nobody), None).await.expect("plugin");
+    let error = registered(&mut plugin).await;
+    assert_eq!(error, "", "registered");
+    node.wait_capacity("the allowed plugin's devices", |c| c.contains_key("example.com/nobody")).await;
+}

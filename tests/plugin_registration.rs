@@ -644,3 +644,74 @@ async fn out_of_range_settings_are_refused_at_start() {
     assert_eq!(err.to_string(), "invalid plugin manager setting resync_period: 0ns is outside 1ms..=24h");
     drop(root);
 }
+
+/// Whether the tests run as root (the owner of `/proc/self` is the
+/// process's user); the tests that run a plugin as another user need it.
+fn running_as_root() -> bool {
+    use std::os::unix::fs::MetadataExt as _;
+    std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
+}
+
+/// Beyond upstream: a plugin socket is trusted only when the process that
+/// serves it runs as root or as a user in `--plugin-allowed-uids`, owns
+/// the socket file, and no one else may write to it. A plugin run as uid
+/// 65534 (in a directory of its own under `plugins_registry/`, as the
+/// real node-driver-registrar could be) is refused with the reason in its
+/// status; a root plugin whose socket is world-writable (umask 0) is
+/// refused too; the same uid-65534 plugin registers on a node that allows
+/// its user.
+#[tokio::test]
+async fn a_plugin_served_by_another_user_is_refused_with_the_reason() {
+    use rustlet_testkit::process::PluginProcess;
+    use std::os::unix::fs::PermissionsExt as _;
+    if !running_as_root() {
+        eprintln!("skipped: running a plugin as another user needs root");
+        return;
+    }
+    let nobody = 65534;
+    let prepare = |root: &std::path::Path, registry: &std::path::Path| {
+        std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o755)).expect("chmod root");
+        let own = registry.join("nobody");
+        std::fs::create_dir_all(&own).expect("mkdir");
+        std::os::unix::fs::chown(&own, Some(nobody), Some(nobody)).expect("chown");
+        own.join("p.sock")
+    };
+    let (root, registry) = root_dir();
+    let socket = prepare(root.path(), &registry);
+    let node = TestNode::start_in(root, registry.clone(), |_| {}).await;
+    let mut events = node.events();
+    let args = ["--socket", socket.to_str().expect("utf8"), "--type", EXAMPLE_TYPE, "--name", "nobody-1"];
+    let _plugin =
+        PluginProcess::spawn_as(registration_plugin_bin(), args, Some(nobody), None).await.expect("plugin as nobody");
+    next_event(&mut events, "refused", failed_at(&socket)).await;
+    let status = node.status_of(&socket).await.expect("listed");
+    assert_ne!(status.state, PluginState::Registered);
+    let error = status.last_error.unwrap_or_default();
+    assert!(
+        error.contains("refused")
+            && error.contains("runs as uid 65534, which is neither root nor in --plugin-allowed-uids"),
+        "{error}"
+    );
+    assert!(node.example.calls().is_empty(), "nothing of the plugin reached a handler");
+
+    // Root, but a socket anyone may connect to and so replace: refused.
+    let open = node.socket("open.sock");
+    let args = ["--socket", open.to_str().expect("utf8"), "--type", EXAMPLE_TYPE, "--name", "open-1"];
+    let _open = PluginProcess::spawn_as(registration_plugin_bin(), args, None, Some(0)).await.expect("plugin");
+    next_event(&mut events, "refused", failed_at(&open)).await;
+    let error = node.status_of(&open).await.expect("listed").last_error.unwrap_or_default();
+    assert!(error.contains("lets users other than its owner write to it"), "{error}");
+
+    // A node that allows uid 65534 takes the same plugin.
+    let (root, registry) = root_dir();
+    let socket = prepare(root.path(), &registry);
+    let node = TestNode::start_in(root, registry, |config| {
+        config.plugins.trust = kubelet::plugin_trust::PluginTrust::new([nobody]);
+    })
+    .await;
+    let mut events = node.events();
+    let args = ["--socket", socket.to_str().expect("utf8"), "--type", EXAMPLE_TYPE, "--name", "nobody-2"];
+    let _plugin =
+        PluginProcess::spawn_as(registration_plugin_bin(), args, Some(nobody), None).await.expect("plugin as nobody");
+    next_event(&mut events, "registered", registered_at(&socket)).await;
+}

@@ -29,8 +29,35 @@ impl PluginProcess {
         I: IntoIterator<Item = S>,
         S: AsRef<OsStr>,
     {
+        Self::spawn_as(program, args, None, None).await
+    }
+
+    /// [`PluginProcess::spawn`], as user and group `uid` (where given, which
+    /// takes root) and with file mode mask `umask` (where given).
+    pub async fn spawn_as<I, S>(
+        program: impl AsRef<Path>,
+        args: I,
+        uid: Option<u32>,
+        umask: Option<u32>,
+    ) -> Result<Self, String>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
         let program = program.as_ref();
-        let mut child = Command::new(program)
+        let mut command = match umask {
+            // The shell sets the mask and becomes the program.
+            Some(mask) => {
+                let mut shell = Command::new("sh");
+                shell.arg("-c").arg(format!("umask {mask:03o} && exec \"$0\" \"$@\"")).arg(program);
+                shell
+            }
+            None => Command::new(program),
+        };
+        if let Some(uid) = uid {
+            command.uid(uid).gid(uid);
+        }
+        let mut child = command
             .args(args)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())

@@ -52,6 +52,14 @@ pub enum UdsError {
         #[source]
         source: io::Error,
     },
+    /// The process serving the socket is not trusted (see [`dial_checked`]).
+    #[error("dial {path}: refused: {reason}")]
+    Untrusted {
+        /// Socket path dialed.
+        path: PathBuf,
+        /// Why the peer is not trusted.
+        reason: String,
+    },
     /// Something other than a socket already sits at the path.
     #[error("bind {path}: a non-socket file is in the way")]
     NotASocket {
@@ -103,6 +111,36 @@ impl tower::Service<http::Request<tonic::body::Body>> for UdsChannel {
     }
 }
 
+/// Who is at the other end of a Unix socket connection, as the kernel
+/// recorded it (`SO_PEERCRED`: for a server, the credentials it had when it
+/// called `listen`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PeerCredentials {
+    /// Its user ID.
+    pub uid: u32,
+    /// Its group ID.
+    pub gid: u32,
+    /// Its process ID, where the kernel gives one.
+    pub pid: Option<i32>,
+}
+
+impl From<tokio::net::unix::UCred> for PeerCredentials {
+    fn from(credentials: tokio::net::unix::UCred) -> Self {
+        PeerCredentials { uid: credentials.uid(), gid: credentials.gid(), pid: credentials.pid() }
+    }
+}
+
+/// [`dial`], refusing the connection unless `check` accepts the serving
+/// process's credentials (read on the very connection that is used, so no
+/// other process can take the socket's place in between).
+pub async fn dial_checked(
+    path: impl AsRef<Path>,
+    timeout: Duration,
+    check: impl FnOnce(PeerCredentials) -> Result<(), String> + Send + 'static,
+) -> Result<UdsChannel, UdsError> {
+    Ok(dial_inner(path.as_ref(), timeout, Some(Box::new(check))).await?.0)
+}
+
 /// Opens a gRPC connection to the Unix socket at `path`, failing if it is not
 /// established within `timeout`. Refused connections are retried for
 /// [`REFUSED_GRACE`] (bounded by `timeout`).
@@ -118,18 +156,38 @@ pub async fn dial_watched(
     path: impl AsRef<Path>,
     timeout: Duration,
 ) -> Result<(UdsChannel, tokio::sync::oneshot::Receiver<()>), UdsError> {
-    let path = path.as_ref().to_path_buf();
+    dial_inner(path.as_ref(), timeout, None).await
+}
+
+/// A check of the serving process's credentials.
+type PeerCheck = Box<dyn FnOnce(PeerCredentials) -> Result<(), String> + Send>;
+
+async fn dial_inner(
+    path: &Path,
+    timeout: Duration,
+    check: Option<PeerCheck>,
+) -> Result<(UdsChannel, tokio::sync::oneshot::Receiver<()>), UdsError> {
+    let path = path.to_path_buf();
     let grace = REFUSED_GRACE.min(timeout);
     let connect = async {
-        let stream = connect_unix(&path, grace).await.map_err(|e| error_chain(&e))?;
+        let stream = connect_unix(&path, grace)
+            .await
+            .map_err(|e| UdsError::Dial { path: path.clone(), reason: error_chain(&e) })?;
+        if let Some(check) = check {
+            let peer = stream.peer_cred().map_err(|e| UdsError::Untrusted {
+                path: path.clone(),
+                reason: format!("cannot read the peer's credentials: {e}"),
+            })?;
+            check(peer.into()).map_err(|reason| UdsError::Untrusted { path: path.clone(), reason })?;
+        }
         hyper::client::conn::http2::Builder::new(TokioExecutor::new())
             .handshake(TokioIo::new(stream))
             .await
-            .map_err(|e| error_chain(&e))
+            .map_err(|e| UdsError::Dial { path: path.clone(), reason: error_chain(&e) })
     };
     let (sender, connection) = match tokio::time::timeout(timeout, connect).await {
         Ok(Ok(pair)) => pair,
-        Ok(Err(reason)) => return Err(UdsError::Dial { path, reason }),
+        Ok(Err(error)) => return Err(error),
         Err(_) => return Err(UdsError::DialTimeout { path, timeout }),
     };
     // Drives the connection until every clone of the channel is dropped. A

@@ -38,6 +38,7 @@ pub mod health;
 mod log_limit;
 pub mod node;
 pub mod plugin_manager;
+pub mod plugin_trust;
 pub mod pod;
 pub mod pod_resources;
 pub mod provider;

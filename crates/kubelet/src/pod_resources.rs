@@ -244,7 +244,9 @@ pub(crate) fn serve(
     claims: Option<DraClaims>,
     shutdown: CancellationToken,
 ) -> Result<tokio::task::JoinHandle<()>, kubelet_api::uds::UdsError> {
-    let listener = kubelet_api::uds::bind(&config.socket)?;
+    // Root (and the node's user) only: the answers name every pod's
+    // devices, and upstream's socket is root's too.
+    let listener = kubelet_api::uds::bind_with_mode(&config.socket, 0o600)?;
     let lister = Lister { pods, devices, claims, limit: Arc::new(RateLimit::new(config.qps, config.burst)) };
     let socket = config.socket.clone();
     tracing::info!(socket = %socket.display(), "PodResources API listening");

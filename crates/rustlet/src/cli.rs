@@ -216,6 +216,12 @@ pub(crate) struct NodeArgs {
     /// (`SysctlForbidden`).
     #[arg(long, value_delimiter = ',')]
     pub(crate) allowed_unsafe_sysctls: Vec<String>,
+    /// User IDs besides root whose processes may serve plugin sockets in
+    /// `plugins_registry/` and register device plugins on `kubelet.sock`
+    /// (comma-separated). A socket must also be owned by its process's
+    /// user and writable by no one else.
+    #[arg(long, value_delimiter = ',')]
+    pub(crate) plugin_allowed_uids: Vec<u32>,
     /// The resolver configuration container pods with dnsPolicy Default
     /// get (and whose searches ClusterFirst adds); empty: none.
     #[arg(long, default_value = "/etc/resolv.conf")]

@@ -72,6 +72,7 @@ pub(crate) async fn run(args: DemoArgs, signals: HealthReporter, shutdown: Cance
         cluster_dns: Vec::new(),
         cluster_domain: String::new(),
         allowed_unsafe_sysctls: Vec::new(),
+        plugin_allowed_uids: Vec::new(),
         resolv_conf: "/etc/resolv.conf".into(),
         node_ip: Vec::new(),
     };

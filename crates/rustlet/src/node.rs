@@ -28,6 +28,9 @@ pub(crate) fn config(args: &NodeArgs) -> NodeConfig {
     config.pods.max_pods = args.max_pods;
     config.pods.cluster_domain = args.cluster_domain.clone();
     config.pods.allowed_unsafe_sysctls = args.allowed_unsafe_sysctls.clone();
+    let trust = kubelet::plugin_trust::PluginTrust::new(args.plugin_allowed_uids.iter().copied());
+    config.plugins.trust = trust.clone();
+    config.devices.trust = trust;
     config.node_ips = args.node_ip.clone();
     if config.node_ips.is_empty() && args.kubeconfig.is_some() {
         config.node_ips = detect_node_ip().into_iter().collect();

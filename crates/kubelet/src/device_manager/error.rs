@@ -63,6 +63,15 @@ pub(crate) enum RegisterError {
         /// The endpoint given.
         endpoint: String,
     },
+    /// The registering process, or the socket it names, is not trusted
+    /// ([`crate::plugin_trust::PluginTrust`]).
+    #[error("device plugin registration for resource {resource} refused: {reason}")]
+    Untrusted {
+        /// Resource name.
+        resource: String,
+        /// Why.
+        reason: String,
+    },
     /// The plugin's socket could not be dialed.
     #[error("failed to dial device plugin for resource {resource}: {source}")]
     Dial {

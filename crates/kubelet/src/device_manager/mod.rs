@@ -114,6 +114,10 @@ pub struct DeviceManagerConfig {
     /// How long a resource whose plugin went away keeps its (unhealthy)
     /// devices before it is removed (upstream: 5 min).
     pub grace_period: Duration,
+    /// Which processes may register a device plugin on `kubelet.sock`:
+    /// root and the allow-list (`--plugin-allowed-uids`); the endpoint
+    /// socket it names must be its user's ([`crate::plugin_trust`]).
+    pub trust: crate::plugin_trust::PluginTrust,
 }
 
 impl DeviceManagerConfig {
@@ -124,6 +128,7 @@ impl DeviceManagerConfig {
             dial_timeout: Duration::from_secs(10),
             call_timeout: Duration::from_secs(10),
             grace_period: Duration::from_secs(5 * 60),
+            trust: crate::plugin_trust::PluginTrust::default(),
         }
     }
 }

@@ -72,7 +72,7 @@ pub(super) fn start(manager: DeviceManager) -> Result<(), DeviceManagerError> {
     watcher
         .watch(&dir, RecursiveMode::NonRecursive)
         .map_err(|source| DeviceManagerError::Watch { path: dir.clone(), source })?;
-    let mut listener = kubelet_api::uds::bind(&socket)?;
+    let mut listener = kubelet_api::uds::bind_with_mode(&socket, KUBELET_SOCK_MODE)?;
     // Taken now, not in the task: the socket may be gone before it runs.
     let mut identity = socket_identity(&socket);
     let shutdown = manager.inner.shutdown.clone();
@@ -131,7 +131,7 @@ async fn rebind(
 ) -> Option<UnixListener> {
     let mut backoff = crate::retry::RetryBackoff::new(FIRST_RETRY, MAX_RETRY);
     loop {
-        let error = match kubelet_api::uds::bind(socket) {
+        let error = match kubelet_api::uds::bind_with_mode(socket, KUBELET_SOCK_MODE) {
             Ok(listener) => return Some(listener),
             Err(error) => error,
         };
@@ -146,6 +146,11 @@ async fn rebind(
         }
     }
 }
+
+/// `kubelet.sock`'s mode: its owner (the node's user) and group (the
+/// node's group) may connect; no one else. Device plugins run as root, or
+/// as a user in the node's group named in `--plugin-allowed-uids`.
+pub const KUBELET_SOCK_MODE: u32 = 0o660;
 
 fn socket_identity(path: &Path) -> Option<(u64, u64)> {
     std::fs::symlink_metadata(path).ok().filter(|m| m.file_type().is_socket()).map(|m| (m.dev(), m.ino()))
@@ -167,13 +172,18 @@ struct RegistrationService {
 #[tonic::async_trait]
 impl Registration for RegistrationService {
     async fn register(&self, request: Request<RegisterRequest>) -> Result<Response<Empty>, Status> {
+        let peer = request
+            .extensions()
+            .get::<tonic::transport::server::UdsConnectInfo>()
+            .and_then(|info| info.peer_cred)
+            .map(kubelet_api::uds::PeerCredentials::from);
         let request = request.into_inner();
         let resource = request.resource_name.clone();
         // Counted as it arrives, before validation, as upstream does.
         self.manager.inner.metrics.registration(&resource);
         let span = tracing::info_span!("register_device_plugin", resource = %resource, endpoint = %request.endpoint);
         async {
-            let result = self.validate_and_connect(request).await;
+            let result = self.validate_and_connect(request, peer).await;
             if let Err(error) = &result {
                 tracing::warn!(%error, "device plugin registration refused");
             }
@@ -186,6 +196,7 @@ impl Registration for RegistrationService {
                     RegisterError::Timeout { .. } => Status::deadline_exceeded(message),
                     RegisterError::ShuttingDown => Status::unavailable(message),
                     RegisterError::Dial { .. } | RegisterError::Rpc { .. } => Status::unknown(message),
+                    RegisterError::Untrusted { .. } => Status::permission_denied(message),
                 }
             })
         }
@@ -195,7 +206,15 @@ impl Registration for RegistrationService {
 }
 
 impl RegistrationService {
-    async fn validate_and_connect(&self, request: RegisterRequest) -> Result<(), RegisterError> {
+    async fn validate_and_connect(
+        &self,
+        request: RegisterRequest,
+        peer: Option<kubelet_api::uds::PeerCredentials>,
+    ) -> Result<(), RegisterError> {
+        let untrusted = |reason| RegisterError::Untrusted { resource: request.resource_name.clone(), reason };
+        let trust = &self.manager.inner.config.trust;
+        let peer = peer.ok_or_else(|| untrusted("the registering process's credentials cannot be read".into()))?;
+        trust.check_peer(peer).map_err(untrusted)?;
         if request.version != DEVICE_PLUGIN_VERSION {
             return Err(RegisterError::UnsupportedVersion { version: request.version });
         }
@@ -203,6 +222,9 @@ impl RegistrationService {
             return Err(RegisterError::InvalidResourceName(request.resource_name));
         }
         let socket = endpoint_path(&self.manager.inner.config.plugin_dir, &request.resource_name, &request.endpoint)?;
+        trust
+            .check_socket(&socket, peer)
+            .map_err(|reason| untrusted(format!("endpoint {}: {reason}", request.endpoint)))?;
         self.manager.connect(&request.resource_name, &socket).await
     }
 }

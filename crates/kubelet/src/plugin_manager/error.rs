@@ -40,6 +40,15 @@ pub enum RegistrationError {
         #[source]
         source: UdsError,
     },
+    /// The process serving the socket is not trusted
+    /// ([`crate::plugin_trust::PluginTrust`]).
+    #[error("plugin socket {socket} refused: {reason}")]
+    Untrusted {
+        /// Registration socket.
+        socket: PathBuf,
+        /// Why.
+        reason: String,
+    },
     /// `GetInfo` returned an error.
     #[error("failed to get plugin info using RPC GetInfo at socket {socket}: {status}")]
     GetInfo {

@@ -189,6 +189,7 @@ impl Reconciler {
             handler: self.config.handler_timeout,
             deregister: self.config.deregister_timeout,
         };
+        let trust = self.config.trust.clone();
         let span = tracing::info_span!("register_plugin", socket = %path.display());
         let task_path = path.clone();
         let abort = self.tasks.spawn(
@@ -196,7 +197,7 @@ impl Reconciler {
                 // Closed only on shutdown, when the task is aborted anyway.
                 let _permit = permits.acquire_owned().await;
                 tracing::debug!("registration started");
-                let result = operation::register(&task_path, &handlers, deadlines).await;
+                let result = operation::register(&task_path, &handlers, deadlines, &trust).await;
                 Outcome { path: task_path, uuid, result: OpResult::Register(result) }
             }
             .instrument(span),

@@ -100,6 +100,9 @@ pub struct PluginManagerConfig {
     /// are dropped and the directory rescanned (as after an inotify queue
     /// overflow, whose kernel default is the same 16,384).
     pub event_queue_capacity: usize,
+    /// Which processes may serve a plugin socket: root and the allow-list
+    /// (`--plugin-allowed-uids`); see [`crate::plugin_trust`].
+    pub trust: crate::plugin_trust::PluginTrust,
 }
 
 impl PluginManagerConfig {
@@ -118,6 +121,7 @@ impl PluginManagerConfig {
             max_concurrent_operations: 512,
             shutdown_grace: Duration::from_secs(5),
             event_queue_capacity: 16_384,
+            trust: crate::plugin_trust::PluginTrust::default(),
         }
     }
 

@@ -57,12 +57,20 @@ pub(crate) async fn register(
     socket: &Path,
     handlers: &HandlerMap,
     deadlines: Deadlines,
+    trust: &crate::plugin_trust::PluginTrust,
 ) -> Result<Registered, RegistrationError> {
     let mut steps = Steps::start();
-    let channel = kubelet_api::uds::dial(socket, deadlines.dial)
+    let (checked_socket, checker) = (socket.to_path_buf(), trust.clone());
+    let check = move |peer| checker.check_socket(&checked_socket, peer);
+    let channel = kubelet_api::uds::dial_checked(socket, deadlines.dial, check)
         .instrument(tracing::debug_span!("dial"))
         .await
-        .map_err(|source| RegistrationError::Dial { socket: socket.to_path_buf(), source })?;
+        .map_err(|source| match source {
+            kubelet_api::uds::UdsError::Untrusted { reason, .. } => {
+                RegistrationError::Untrusted { socket: socket.to_path_buf(), reason }
+            }
+            source => RegistrationError::Dial { socket: socket.to_path_buf(), source },
+        })?;
     let mut client = RegistrationClient::new(channel);
     steps.dial = steps.lap();
 
