@@ -34,6 +34,16 @@ pub mod pull;
 pub mod runtime;
 pub mod store;
 
+/// Takes `mutex` whether or not an earlier holder panicked. A panic in
+/// one pod's call (a bug, or a guest that drove the host somewhere
+/// unexpected) must not turn every later call of every other pod into a
+/// panic too, as `.lock().expect(..)` would; what the locks here guard
+/// (maps of instances, images and flights) stays usable after a panic
+/// between two of its operations.
+pub(crate) fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -366,7 +376,7 @@ fn collect_garbage(
     pod_images: &Mutex<HashMap<String, HashSet<String>>>,
     min_age: Duration,
 ) {
-    let in_use: HashSet<String> = pod_images.lock().expect("lock").values().flatten().cloned().collect();
+    let in_use: HashSet<String> = crate::lock(&pod_images).values().flatten().cloned().collect();
     let cutoff = Timestamp::now() - jiff::SignedDuration::try_from(min_age).unwrap_or_default();
     match store.collect_garbage(&in_use, cutoff) {
         Ok(removed) => {
@@ -451,7 +461,7 @@ impl Provider for WasiProvider {
             tracing::warn!(%error, "cannot record the image's use");
         }
         let uid = pod.metadata.uid.clone().unwrap_or_default();
-        self.pod_images.lock().expect("lock").entry(uid).or_default().insert(record.name.clone());
+        crate::lock(&self.pod_images).entry(uid).or_default().insert(record.name.clone());
         Ok(PreparedImage { image_id: format!("{}@{}", record.name.split('@').next().unwrap_or_default(), record.id) })
     }
 
@@ -548,14 +558,14 @@ impl Provider for WasiProvider {
             tracing::debug!(container = %task_id, exit_code = exit.exit_code, "module ended");
             let _ = exit_tx.send(Some(exit));
         });
-        self.pod_containers.lock().expect("lock").entry(pod_uid).or_default().push(id.clone());
+        crate::lock(&self.pod_containers).entry(pod_uid).or_default().push(id.clone());
         let instance = Instance { template, log: attach_log, exit, stop };
-        self.instances.lock().expect("lock").insert(id.clone(), instance);
+        crate::lock(&self.instances).insert(id.clone(), instance);
         Ok(id)
     }
 
     async fn wait_container(&self, id: &ContainerId) -> Result<ContainerExit, ProviderError> {
-        let exit = self.instances.lock().expect("lock").get(id).map(|i| i.exit.clone());
+        let exit = crate::lock(&self.instances).get(id).map(|i| i.exit.clone());
         let Some(mut exit) = exit else {
             return Err(ProviderError::new(ProviderErrorKind::NotFound, format!("no container {id}")));
         };
@@ -570,7 +580,7 @@ impl Provider for WasiProvider {
         // A module cannot handle SIGTERM: it is interrupted at its next
         // epoch tick, well within any grace period.
         let exit = {
-            let instances = self.instances.lock().expect("lock");
+            let instances = crate::lock(&self.instances);
             let Some(instance) = instances.get(id) else { return Ok(()) };
             let _ = instance.stop.send(true);
             instance.exit.clone()
@@ -587,7 +597,7 @@ impl Provider for WasiProvider {
         timeout: Duration,
     ) -> Result<ExecOutput, ProviderError> {
         let template = {
-            let instances = self.instances.lock().expect("lock");
+            let instances = crate::lock(&self.instances);
             instances.get(id).filter(|i| i.exit.borrow().is_none()).map(|i| i.template.clone())
         };
         let Some((compiled, mut spec)) = template else {
@@ -624,7 +634,7 @@ impl Provider for WasiProvider {
     /// CPU time as measured around every poll of the module (exec probes
     /// not included); memory is the instance's linear memory.
     async fn container_stats(&self, id: &ContainerId) -> Result<ContainerStats, ProviderError> {
-        let instances = self.instances.lock().expect("lock");
+        let instances = crate::lock(&self.instances);
         let Some(instance) = instances.get(id).filter(|i| i.exit.borrow().is_none()) else {
             return Err(ProviderError::new(ProviderErrorKind::NotFound, format!("container {id} is not running")));
         };
@@ -643,7 +653,7 @@ impl Provider for WasiProvider {
     /// and the client's stdin, stdout and stderr.
     async fn exec(&self, id: &ContainerId, request: &StreamRequest) -> Result<StreamingEndpoint, ProviderError> {
         let template = {
-            let instances = self.instances.lock().expect("lock");
+            let instances = crate::lock(&self.instances);
             instances.get(id).filter(|i| i.exit.borrow().is_none()).map(|i| i.template.clone())
         };
         let Some((compiled, mut spec)) = template else {
@@ -666,7 +676,7 @@ impl Provider for WasiProvider {
             ));
         }
         let instance = {
-            let instances = self.instances.lock().expect("lock");
+            let instances = crate::lock(&self.instances);
             instances.get(id).filter(|i| i.exit.borrow().is_none()).map(|i| (i.log.attach(), i.exit.clone()))
         };
         let Some((output, exit)) = instance else {
@@ -689,14 +699,14 @@ impl Provider for WasiProvider {
     }
 
     async fn remove_pod(&self, pod_uid: &str) -> Result<(), ProviderError> {
-        let ids = self.pod_containers.lock().expect("lock").remove(pod_uid).unwrap_or_default();
+        let ids = crate::lock(&self.pod_containers).remove(pod_uid).unwrap_or_default();
         {
-            let mut instances = self.instances.lock().expect("lock");
+            let mut instances = crate::lock(&self.instances);
             for id in ids {
                 instances.remove(&id);
             }
         }
-        self.pod_images.lock().expect("lock").remove(pod_uid);
+        crate::lock(&self.pod_images).remove(pod_uid);
         self.removed_since_trim.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
@@ -738,5 +748,26 @@ impl Provider for WasiProvider {
                 time_added: None,
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod lock_tests {
+    /// A panic while a lock is held (as in one pod's call) leaves the lock
+    /// usable by the next caller, where `.lock().expect(..)` panicked for
+    /// every later pod.
+    #[test]
+    fn a_panic_under_a_lock_does_not_fail_every_later_caller() {
+        let shared = std::sync::Arc::new(std::sync::Mutex::new(vec![1]));
+        let holder = std::sync::Arc::clone(&shared);
+        let panicked = std::thread::spawn(move || {
+            let mut guard = super::lock(&holder);
+            guard.push(2);
+            panic!("a bug in one pod's call");
+        })
+        .join();
+        assert!(panicked.is_err());
+        assert!(shared.is_poisoned());
+        assert_eq!(*super::lock(&shared), vec![1, 2], "the next caller gets the lock and what it holds");
     }
 }

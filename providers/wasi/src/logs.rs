@@ -148,7 +148,7 @@ impl CriLog {
         {
             let _ = attached.send((index == 1, Bytes::copy_from_slice(bytes)));
         }
-        let mut inner = self.inner.lock().expect("lock");
+        let mut inner = crate::lock(&self.inner);
         let mut out = Vec::new();
         while !bytes.is_empty() {
             let (chunk, rest, line_end) = match bytes.iter().position(|b| *b == b'\n') {
@@ -176,7 +176,7 @@ impl CriLog {
     /// file's place in the budget (the container ended: later writes, if
     /// any, open the file for themselves).
     pub fn finish(&self) {
-        let mut inner = self.inner.lock().expect("lock");
+        let mut inner = crate::lock(&self.inner);
         let mut out = String::new();
         for (index, stream) in ["stdout", "stderr"].into_iter().enumerate() {
             let line = std::mem::take(&mut inner.partial[index]);
@@ -268,10 +268,10 @@ mod tests {
         // A place in the budget, taken as `open` takes it.
         OPEN_LOGS.fetch_add(1, Ordering::Relaxed);
         let log = CriLog::open_kept(&path, true)?;
-        assert!(log.inner.lock().expect("lock").file.is_some());
+        assert!(crate::lock(&log.inner).file.is_some());
         OutputStream::write(&mut log.stream("stdout"), Bytes::from_static(b"last words")).expect("write");
         log.finish();
-        assert!(log.inner.lock().expect("lock").file.is_none(), "the descriptor is closed when the container ends");
+        assert!(crate::lock(&log.inner).file.is_none(), "the descriptor is closed when the container ends");
         let text = std::fs::read_to_string(&path)?;
         assert!(text.ends_with(" stdout F last words\n"), "{text:?}");
         Ok(())
@@ -282,7 +282,7 @@ mod tests {
         let dir = tempfile::tempdir()?;
         let path = dir.path().join("c.log");
         let log = CriLog::open_kept(&path, false)?;
-        assert!(log.inner.lock().expect("lock").file.is_none(), "no descriptor held between writes");
+        assert!(crate::lock(&log.inner).file.is_none(), "no descriptor held between writes");
         let mut out = log.stream("stdout");
         let mut err = log.stream("stderr");
         OutputStream::write(&mut out, Bytes::from_static(b"one\ntw")).expect("write");

@@ -252,7 +252,7 @@ impl Puller {
     async fn pull_once(&self, reference: &Reference, auth: RegistryAuth) -> Result<ImageRecord, PullError> {
         let asked = Instant::now();
         let name = format!("{}|{}", reference.whole(), fingerprint(&auth));
-        let flight = self.flights.lock().expect("lock").entry(name.clone()).or_default().clone();
+        let flight = crate::lock(&self.flights).entry(name.clone()).or_default().clone();
         let mut slot = flight.lock().await;
         if let Some((finished, result)) = slot.as_ref()
             && *finished >= asked
@@ -263,7 +263,7 @@ impl Puller {
         *slot = Some((Instant::now(), result.clone()));
         drop(slot);
         // Forget the flight when nobody else waits on it.
-        let mut flights = self.flights.lock().expect("lock");
+        let mut flights = crate::lock(&self.flights);
         if flights.get(&name).is_some_and(|f| Arc::strong_count(f) <= 2) {
             flights.remove(&name);
         }

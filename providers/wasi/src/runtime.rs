@@ -304,7 +304,7 @@ impl Runtime {
         kind: ModuleKind,
         bytes: impl FnOnce() -> Result<Vec<u8>, String> + Send + 'static,
     ) -> Result<Compiled, String> {
-        let cell = self.compiled.lock().expect("lock").entry(digest.to_owned()).or_default().clone();
+        let cell = crate::lock(&self.compiled).entry(digest.to_owned()).or_default().clone();
         let compiled = cell
             .get_or_try_init(|| async {
                 let engine = self.engine.clone();
@@ -342,7 +342,7 @@ impl Runtime {
 
     /// Drops compiled modules whose digest is not in `keep`.
     pub fn forget_except(&self, keep: &std::collections::HashSet<String>) {
-        self.compiled.lock().expect("lock").retain(|digest, _| keep.contains(digest));
+        crate::lock(&self.compiled).retain(|digest, _| keep.contains(digest));
     }
 
     /// Runs `compiled` with `spec` until it ends.
