@@ -269,7 +269,8 @@ async fn status_writes_go_out_in_parallel_and_never_above_the_api_qps() {
                 let admin = admin.clone();
                 let pod: Pod = serde_json::from_value(json!({
                     "metadata": {"name": format!("p{i}"), "namespace": "default"},
-                    "spec": {"nodeName": "n1", "containers": [{"name": "main", "image": IMAGE, "imagePullPolicy": "Never"}]},
+                    "spec": {"nodeName": "n1", "containers": [{"name": "main", "image": IMAGE, "imagePullPolicy": "Never",
+                                                               "resources": {"limits": {"memory": "16Mi"}}}]},
                 }))
                 .expect("pod");
                 async move { admin.create(&PostParams::default(), &pod).await }

@@ -53,6 +53,11 @@ async fn wasm_node(gpus: u64) -> WasmNode {
 /// A node running the wasi provider, with `gpus` fake devices, offering
 /// `allocatable`, its provider seeing `max_map_count` (None: the kernel's).
 async fn wasm_node_with(gpus: u64, allocatable: Allocatable, max_map_count: Option<u64>) -> WasmNode {
+    wasm_node_config(gpus, allocatable, |wasi| wasi.max_map_count = max_map_count).await
+}
+
+/// [`wasm_node_with`], the provider's settings changed by `tweak`.
+async fn wasm_node_config(gpus: u64, allocatable: Allocatable, tweak: impl FnOnce(&mut WasiConfig)) -> WasmNode {
     let root = tempfile::Builder::new().prefix("rustlet-wasi-").tempdir().expect("tempdir");
     let shutdown = CancellationToken::new();
     let device_dir = root.path().join("device-plugins");
@@ -62,7 +67,7 @@ async fn wasm_node_with(gpus: u64, allocatable: Allocatable, max_map_count: Opti
     config.restart_backoff = fast_backoff();
     config.image_backoff = fast_backoff();
     let mut wasi = WasiConfig::new(root.path());
-    wasi.max_map_count = max_map_count;
+    tweak(&mut wasi);
     let provider = Arc::new(WasiProvider::new(wasi).expect("wasi provider"));
     let dyn_provider: Arc<dyn Provider> = provider.clone();
     let lifecycle = PodLifecycle::new(config, Some(dyn_provider), Some(devices.clone()));
@@ -339,8 +344,10 @@ async fn a_node_at_its_mapping_ceiling_refuses_the_next_pod_as_out_of_pods() {
 #[tokio::test]
 async fn admission_counts_each_instances_memory_beside_the_pods_limit() {
     let overhead = rustlet_wasi::INSTANCE_OVERHEAD;
-    // Room for a 16 MiB pod and one more instance, with its overhead.
-    let allocatable = Allocatable { cpu_milli: 4000, memory: (16 << 20) + 2 * overhead, pods: 500 };
+    let default = u128::from(rustlet_wasi::DEFAULT_MEMORY_LIMIT);
+    // Room for a 16 MiB pod and one more instance without a limit (so
+    // with the default one), each with its overhead.
+    let allocatable = Allocatable { cpu_milli: 4000, memory: (16 << 20) + default + 2 * overhead, pods: 500 };
     let node = wasm_node_with(0, allocatable, None).await;
     node.import_examples();
     node.pods.apply(pod(serde_json::json!({
@@ -352,9 +359,10 @@ async fn admission_counts_each_instances_memory_beside_the_pods_limit() {
     node.wait_pod("uid-small", "Running", |p| phase(p) == Some("Running")).await;
     node.pods.apply(simple_pod("one-more", "uid-one-more", "example.com/wasm/sleep:v1", "Always"));
     let refused = node.wait_pod("uid-one-more", "rejected", |p| phase(p) == Some("Failed")).await;
-    let used = (16 << 20) + 2 * overhead;
+    let used = (16 << 20) + default + 2 * overhead;
+    let requested = default + overhead;
     let expected = format!(
-        "Pod was rejected: Node didn't have enough resource: memory, requested: {overhead}, used: {used}, capacity: {used}"
+        "Pod was rejected: Node didn't have enough resource: memory, requested: {requested}, used: {used}, capacity: {used}"
     );
     assert_eq!(rejection(&refused), (Some("Failed"), Some("OutOfmemory"), Some(expected.as_str())));
 }
@@ -894,4 +902,59 @@ async fn a_sidecars_startup_probe_holds_the_app_containers() {
         })
         .await;
     assert_eq!(restarts(&running, "main"), 0);
+}
+
+/// One WebAssembly pod cannot take the node's memory: a module that grows
+/// its linear memory 1 MiB at a time without a memory limit is OOMKilled
+/// at the default limit (64 MiB here), and one that grows a table without
+/// end is too (tables count); a neighbour pod runs on throughout, and
+/// what the ended pods held is given back to their budgets.
+#[tokio::test]
+async fn a_module_growing_without_a_limit_is_oomkilled_alone() {
+    let default: u64 = 64 << 20;
+    let allocatable = Allocatable { cpu_milli: 4000, memory: 8 << 30, pods: 500 };
+    let node = wasm_node_config(0, allocatable, |wasi| wasi.default_memory_limit = default).await;
+    node.import_examples();
+    let memory = wat::parse_str(
+        r#"(module
+             (import "wasi_snapshot_preview1" "sched_yield" (func $yield (result i32)))
+             (memory (export "memory") 1)
+             (func (export "_start")
+               (loop $more
+                 (if (i32.eq (memory.grow (i32.const 16)) (i32.const -1)) (then unreachable))
+                 (drop (call $yield))
+                 (br $more))))"#,
+    )
+    .expect("wat");
+    let table = wat::parse_str(
+        r#"(module
+             (table 1 funcref)
+             (func (export "_start")
+               (loop $more
+                 (if (i32.eq (table.grow (ref.null func) (i32.const 65536)) (i32.const -1)) (then unreachable))
+                 (br $more))))"#,
+    )
+    .expect("wat");
+    let layout = node.root.path().join("growers");
+    rustlet_wasi::import::write_layout(
+        &layout,
+        &[("example.com/wasm/grow-memory:v1", &memory), ("example.com/wasm/grow-table:v1", &table)],
+    )
+    .expect("layout");
+    rustlet_wasi::import::import(node.provider.images(), &layout, None).expect("import");
+    node.pods.apply(simple_pod("neighbour", "uid-neighbour", "example.com/wasm/sleep:v1", "Always"));
+    node.wait_pod("uid-neighbour", "Running", |p| phase(p) == Some("Running")).await;
+    for (name, image) in [("memory", "example.com/wasm/grow-memory:v1"), ("table", "example.com/wasm/grow-table:v1")] {
+        let uid = format!("uid-grow-{name}");
+        node.pods.apply(simple_pod(&format!("grow-{name}"), &uid, image, "Never"));
+        let ended = node.wait_pod(&uid, "OOMKilled", |p| phase(p) == Some("Failed")).await;
+        let (_, terminated, message) = container_state(&ended);
+        assert_eq!(terminated, Some((137, Some("OOMKilled".into()))), "{message:?}");
+        let message = message.unwrap_or_default();
+        assert!(message.contains(&format!("the limit is {default}")), "{message}");
+        let (used, budget) = node.provider.memory_budget(&uid).expect("the pod's budget");
+        assert_eq!((used, budget), (0, default), "what the ended instance held is given back");
+    }
+    let neighbour = node.pods.store().get("uid-neighbour").expect("neighbour");
+    assert_eq!(phase(&neighbour), Some("Running"), "the neighbour runs on");
 }

@@ -181,7 +181,10 @@ async fn node(n: usize) -> Result<(), BoxError> {
     let staging = root.path().join("staging");
     std::fs::create_dir_all(&staging)?;
     for i in 0..n {
-        std::fs::write(staging.join(format!("p{i}.yaml")), common::wasm_manifest(&format!("p{i}"), IMAGE, None))?;
+        std::fs::write(
+            staging.join(format!("p{i}.yaml")),
+            common::wasm_manifest(&format!("p{i}"), IMAGE, Some("{memory: 4Mi}")),
+        )?;
     }
     let before = footprint();
     let cpu_before = common::process_cpu();

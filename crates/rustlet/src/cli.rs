@@ -222,6 +222,11 @@ pub(crate) struct NodeArgs {
     /// user and writable by no one else.
     #[arg(long, value_delimiter = ',')]
     pub(crate) plugin_allowed_uids: Vec<u32>,
+    /// The memory limit of a WebAssembly container that sets none (its
+    /// linear memories and tables together), in bytes or with a unit
+    /// (`256Mi`).
+    #[arg(long, default_value = "256Mi", value_parser = parse_bytes)]
+    pub(crate) wasm_default_memory_limit: u64,
     /// The resolver configuration container pods with dnsPolicy Default
     /// get (and whose searches ClusterFirst adds); empty: none.
     #[arg(long, default_value = "/etc/resolv.conf")]
@@ -371,6 +376,13 @@ pub(crate) fn parse_taint(s: &str) -> Result<Taint, String> {
         return Err(format!("{s:?} is not a taint: the key is empty"));
     }
     Ok(Taint { key: key.to_owned(), value, effect: effect.to_owned(), time_added: None })
+}
+
+/// A byte quantity as Kubernetes writes one (`256Mi`, `1G`, `1048576`).
+fn parse_bytes(text: &str) -> Result<u64, String> {
+    kubelet::pod::parse_units(text)
+        .map_err(|e| e.to_string())
+        .and_then(|v| u64::try_from(v).map_err(|_| format!("{text} is too large")))
 }
 
 #[cfg(test)]

@@ -73,6 +73,7 @@ pub(crate) async fn run(args: DemoArgs, signals: HealthReporter, shutdown: Cance
         cluster_domain: String::new(),
         allowed_unsafe_sysctls: Vec::new(),
         plugin_allowed_uids: Vec::new(),
+        wasm_default_memory_limit: rustlet_wasi::DEFAULT_MEMORY_LIMIT,
         resolv_conf: "/etc/resolv.conf".into(),
         node_ip: Vec::new(),
     };

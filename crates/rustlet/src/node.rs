@@ -152,8 +152,11 @@ pub(crate) async fn start(
         tracing::warn!(%error, "cannot raise the open-file limit");
     }
     let wasm: std::sync::Arc<dyn kubelet::provider::Provider> = std::sync::Arc::new(
-        rustlet_wasi::WasiProvider::new(rustlet_wasi::WasiConfig::new(&args.root_dir))
-            .map_err(|e| anyhow::anyhow!("the WebAssembly provider cannot start: {e}"))?,
+        rustlet_wasi::WasiProvider::new(rustlet_wasi::WasiConfig {
+            default_memory_limit: args.wasm_default_memory_limit,
+            ..rustlet_wasi::WasiConfig::new(&args.root_dir)
+        })
+        .map_err(|e| anyhow::anyhow!("the WebAssembly provider cannot start: {e}"))?,
     );
     let runtime_health = kubelet::health::HealthReporter::new();
     let mut cri_provider = None;

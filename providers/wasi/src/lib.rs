@@ -22,8 +22,16 @@
 //! - every volume and directory device mount preopened at its container
 //!   path (`readOnly` honoured), `workingDir` as the initial directory;
 //! - stdout and stderr in its CRI log file;
-//! - `resources.limits.memory` as a cap on each linear memory (exceeding it
-//!   ends the container with reason `OOMKilled`).
+//! - `resources.limits.memory` as a cap on all its linear memories and
+//!   tables together (exceeding it ends the container with reason
+//!   `OOMKilled`); without one, [`DEFAULT_MEMORY_LIMIT`] (configurable).
+//!
+//! A pod's instances (its containers and their exec instances) also share
+//! one budget: the sum of its containers' limits (or defaults). Admission
+//! counts that budget (beyond the pods' requests) against the node's
+//! allocatable memory, so WebAssembly pods cannot overcommit the node's
+//! process: one pod growing without end is OOMKilled at its budget, and
+//! its neighbours and the node go on.
 
 pub mod cpu;
 pub mod dense;
@@ -87,7 +95,16 @@ pub struct WasiConfig {
     /// from `/proc/sys/vm/max_map_count`); it bounds how many pods the
     /// provider can hold ([`Provider::pod_ceiling`]).
     pub max_map_count: Option<u64>,
+    /// The memory limit of a container that sets none
+    /// ([`DEFAULT_MEMORY_LIMIT`]).
+    pub default_memory_limit: u64,
 }
+
+/// The memory limit of a container that sets none: all its linear
+/// memories and tables together. (A process-based kubelet lets such a
+/// container use what the node has; here modules run in the node's own
+/// process, so an unbounded one would take the node with it.)
+pub const DEFAULT_MEMORY_LIMIT: u64 = 256 << 20;
 
 /// How often the provider looks whether removed pods left heap to give
 /// back.
@@ -150,6 +167,7 @@ impl WasiConfig {
             image_gc_period: Duration::from_secs(60),
             threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
             max_map_count: None,
+            default_memory_limit: DEFAULT_MEMORY_LIMIT,
         }
     }
 }
@@ -165,6 +183,39 @@ fn limit(
     let value = parse(&quantity.0)
         .map_err(|e| ProviderError::new(ProviderErrorKind::Config, format!("{resource} limit: {e}")))?;
     Ok(Some(u64::try_from(value).unwrap_or(u64::MAX)))
+}
+
+/// A container's memory limit, or `default`.
+fn memory_limit_or(container: &Container, default: u64) -> u64 {
+    limit(container, "memory", kubelet::pod::parse_units).ok().flatten().unwrap_or(default)
+}
+
+/// A container's memory request (its limit where it sets no request, as
+/// the API server defaults it), or 0.
+fn memory_request(container: &Container) -> u64 {
+    let resources = container.resources.as_ref();
+    let quantity = resources
+        .and_then(|r| r.requests.as_ref())
+        .and_then(|r| r.get("memory"))
+        .or_else(|| resources.and_then(|r| r.limits.as_ref()).and_then(|l| l.get("memory")));
+    quantity.and_then(|q| kubelet::pod::parse_units(&q.0).ok()).map_or(0, |v| u64::try_from(v).unwrap_or(u64::MAX))
+}
+
+/// The pod's memory budget: its long-running containers' limits (or
+/// `default`) summed, or the largest init container's if that is more.
+fn pod_memory_budget(pod: &Pod, default: u64) -> u64 {
+    let spec = pod.spec.as_ref();
+    let init = spec.and_then(|s| s.init_containers.as_deref()).unwrap_or_default();
+    let sidecars = init.iter().filter(|c| c.restart_policy.as_deref() == Some("Always"));
+    let running: u64 = spec
+        .map(|s| s.containers.iter())
+        .into_iter()
+        .flatten()
+        .chain(sidecars)
+        .map(|c| memory_limit_or(c, default))
+        .fold(0, u64::saturating_add);
+    let largest_init = init.iter().map(|c| memory_limit_or(c, default)).max().unwrap_or(0);
+    running.max(largest_init)
 }
 
 /// How much of an exec's stdout and stderr is kept (each); a module
@@ -279,6 +330,9 @@ pub struct WasiProvider {
     pod_images: Arc<Mutex<HashMap<String, HashSet<String>>>>,
     next: AtomicU64,
     ceiling: Option<(usize, String)>,
+    /// Each pod's memory budget, shared by its instances.
+    budgets: Mutex<HashMap<String, Arc<crate::runtime::MemoryBudget>>>,
+    default_memory_limit: u64,
 }
 
 impl Drop for WasiProvider {
@@ -342,6 +396,8 @@ impl WasiProvider {
             pod_images,
             next: AtomicU64::new(0),
             ceiling: pod_ceiling(config.max_map_count),
+            budgets: Mutex::default(),
+            default_memory_limit: config.default_memory_limit,
         })
     }
 
@@ -365,6 +421,25 @@ impl WasiProvider {
         collect_garbage(&self.store, &self.runtime, &self.pod_images, min_age);
     }
 
+    /// The memory budget of `pod` (made at its first container): the sum
+    /// of its containers' memory limits, a container without one counted
+    /// at the default; init containers (one at a time, before the others)
+    /// count with the largest of them.
+    fn budget(&self, pod: &Pod) -> Arc<crate::runtime::MemoryBudget> {
+        let uid = pod.metadata.uid.clone().unwrap_or_default();
+        let limit = pod_memory_budget(pod, self.default_memory_limit);
+        crate::lock(&self.budgets)
+            .entry(uid)
+            .or_insert_with(|| Arc::new(crate::runtime::MemoryBudget::new(limit)))
+            .clone()
+    }
+
+    /// What `pod`'s instances hold now against its memory budget, and the
+    /// budget (none before its first container).
+    pub fn memory_budget(&self, pod_uid: &str) -> Option<(u64, u64)> {
+        crate::lock(&self.budgets).get(pod_uid).map(|b| (b.used(), b.limit()))
+    }
+
     fn threads(&self) -> &tokio::runtime::Handle {
         self.threads.as_ref().expect("present until drop").handle()
     }
@@ -376,7 +451,7 @@ fn collect_garbage(
     pod_images: &Mutex<HashMap<String, HashSet<String>>>,
     min_age: Duration,
 ) {
-    let in_use: HashSet<String> = crate::lock(&pod_images).values().flatten().cloned().collect();
+    let in_use: HashSet<String> = crate::lock(pod_images).values().flatten().cloned().collect();
     let cutoff = Timestamp::now() - jiff::SignedDuration::try_from(min_age).unwrap_or_default();
     match store.collect_garbage(&in_use, cutoff) {
         Ok(removed) => {
@@ -526,7 +601,8 @@ impl Provider for WasiProvider {
             env: options.env.iter().map(|v| (v.name.clone(), v.value.clone())).collect(),
             preopens,
             cwd: options.working_dir.clone(),
-            memory_limit,
+            memory_limit: Some(memory_limit.unwrap_or(self.default_memory_limit)),
+            budget: Some(self.budget(&launch.pod)),
             cpu_limit_milli,
             cpu: Arc::default(),
             memory: Arc::default(),
@@ -707,6 +783,7 @@ impl Provider for WasiProvider {
             }
         }
         crate::lock(&self.pod_images).remove(pod_uid);
+        crate::lock(&self.budgets).remove(pod_uid);
         self.removed_since_trim.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
@@ -724,14 +801,25 @@ impl Provider for WasiProvider {
     }
 
     fn pod_overhead(&self, pod: &Pod) -> u128 {
-        // Init containers run one at a time, before the others.
+        // The budget beyond what the containers request: admission then
+        // counts what the pod's instances may hold.
         let spec = pod.spec.as_ref();
+        let init = spec.and_then(|s| s.init_containers.as_deref()).unwrap_or_default();
+        let requested: u64 = spec
+            .map(|s| s.containers.iter())
+            .into_iter()
+            .flatten()
+            .chain(init.iter().filter(|c| c.restart_policy.as_deref() == Some("Always")))
+            .map(memory_request)
+            .fold(0, u64::saturating_add);
+        let beyond = u128::from(pod_memory_budget(pod, self.default_memory_limit).saturating_sub(requested));
+        // Init containers run one at a time, before the others.
         let long_running = spec.map_or(0, |s| s.containers.len())
             + spec.and_then(|s| s.init_containers.as_ref()).map_or(0, |init| {
                 let sidecars = init.iter().filter(|c| c.restart_policy.as_deref() == Some("Always")).count();
                 sidecars + usize::from(sidecars < init.len())
             });
-        INSTANCE_OVERHEAD * long_running as u128
+        INSTANCE_OVERHEAD * long_running as u128 + beyond
     }
 
     fn pod_ceiling(&self) -> Option<(usize, String)> {

@@ -93,8 +93,12 @@ pub struct RunSpec {
     pub preopens: Vec<(PathBuf, String, bool)>,
     /// Initial working directory.
     pub cwd: Option<String>,
-    /// The memory limit in bytes (each linear memory).
+    /// The container's memory limit in bytes: all its linear memories and
+    /// tables together.
     pub memory_limit: Option<u64>,
+    /// The pod's budget, shared by all its instances (its containers' and
+    /// exec's): what they may hold together.
+    pub budget: Option<Arc<MemoryBudget>>,
     /// The CPU limit in thousandths of a CPU.
     pub cpu_limit_milli: Option<u64>,
     /// Where the container's CPU time is counted.
@@ -115,6 +119,7 @@ impl RunSpec {
             preopens: Vec::new(),
             cwd: None,
             memory_limit: None,
+            budget: None,
             cpu_limit_milli: None,
             cpu: Arc::default(),
             memory: Arc::default(),
@@ -123,47 +128,165 @@ impl RunSpec {
     }
 }
 
-/// Tracks memory growth against the limit, and counts the instance's
-/// linear memory in its container's meter (given back when the store goes).
+/// Bytes a table element is counted for (a function reference and its
+/// type, or an extern reference, with the table's bookkeeping).
+pub const TABLE_ELEMENT_BYTES: usize = 16;
+
+/// What all the instances of one pod may hold at once: linear memories
+/// and tables, counted as they grow.
+#[derive(Debug)]
+pub struct MemoryBudget {
+    limit: u64,
+    used: AtomicU64,
+}
+
+impl MemoryBudget {
+    /// A budget of `limit` bytes.
+    pub fn new(limit: u64) -> Self {
+        MemoryBudget { limit, used: AtomicU64::new(0) }
+    }
+
+    /// The budget's size.
+    pub fn limit(&self) -> u64 {
+        self.limit
+    }
+
+    /// What is counted against it now.
+    pub fn used(&self) -> u64 {
+        self.used.load(Ordering::Acquire)
+    }
+
+    /// Counts `bytes` if they fit.
+    fn try_charge(&self, bytes: u64) -> bool {
+        self.used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                used.checked_add(bytes).filter(|total| *total <= self.limit)
+            })
+            .is_ok()
+    }
+
+    fn release(&self, bytes: u64) {
+        let _ = self.used.fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| Some(used.saturating_sub(bytes)));
+    }
+}
+
+/// Counts an instance's growth (linear memories and tables, all of them
+/// together) against its container's limit and its pod's budget, and in
+/// its container's meter; all given back when the store goes.
 pub struct MemLimiter {
     max: Option<usize>,
+    budget: Option<Arc<MemoryBudget>>,
     hit: bool,
-    /// The first size refused: (asked for, limit, whether at creation).
-    refused: Option<(usize, usize, bool)>,
+    /// The first size refused: (asked for, limit, whether at creation,
+    /// what refused it).
+    refused: Option<(usize, usize, bool, &'static str)>,
     /// The memory was created (the limiter's first call is its creation).
     created: bool,
     meter: Arc<AtomicU64>,
+    /// Linear memory counted (in the meter).
     counted: u64,
+    /// Tables counted.
+    tables: u64,
+    /// The last growth allowed, until the next: given back if the growth
+    /// then fails (`memory_grow_failed`, `table_grow_failed`).
+    pending: (u64, bool),
+}
+
+impl MemLimiter {
+    /// A limiter for one instance.
+    pub fn new(max: Option<u64>, budget: Option<Arc<MemoryBudget>>, meter: Arc<AtomicU64>) -> Self {
+        MemLimiter {
+            max: max.map(|m| usize::try_from(m).unwrap_or(usize::MAX)),
+            budget,
+            hit: false,
+            refused: None,
+            created: false,
+            meter,
+            counted: 0,
+            tables: 0,
+            pending: (0, false),
+        }
+    }
+
+    /// Allows growing by `grown` bytes (`desired` asked for in all) if the
+    /// container's limit and the pod's budget both have room.
+    fn grow(&mut self, grown: u64, desired: usize, current: usize, table: bool) -> bool {
+        let at_creation = !std::mem::replace(&mut self.created, true) && current == 0;
+        self.pending = (0, table);
+        let total = self.counted.saturating_add(self.tables).saturating_add(grown);
+        if let Some(max) = self.max
+            && total > max as u64
+        {
+            self.hit = true;
+            self.refused.get_or_insert((desired, max, at_creation, "its memory limit"));
+            return false;
+        }
+        if let Some(budget) = &self.budget
+            && !budget.try_charge(grown)
+        {
+            self.hit = true;
+            let limit = usize::try_from(budget.limit()).unwrap_or(usize::MAX);
+            self.refused.get_or_insert((desired, limit, at_creation, "its pod's memory budget"));
+            return false;
+        }
+        if table {
+            self.tables = self.tables.saturating_add(grown);
+        } else {
+            self.meter.fetch_add(grown, Ordering::AcqRel);
+            self.counted = self.counted.saturating_add(grown);
+        }
+        self.pending = (grown, table);
+        true
+    }
+
+    /// A growth allowed by [`MemLimiter::grow`] did not happen: it is not
+    /// counted.
+    fn ungrow(&mut self) {
+        let (grown, table) = std::mem::take(&mut self.pending);
+        if table {
+            self.tables = self.tables.saturating_sub(grown);
+        } else {
+            self.meter.fetch_sub(grown, Ordering::AcqRel);
+            self.counted = self.counted.saturating_sub(grown);
+        }
+        if let Some(budget) = &self.budget {
+            budget.release(grown);
+        }
+    }
 }
 
 impl Drop for MemLimiter {
     fn drop(&mut self) {
         self.meter.fetch_sub(self.counted, Ordering::AcqRel);
+        if let Some(budget) = &self.budget {
+            budget.release(self.counted.saturating_add(self.tables));
+        }
     }
 }
 
 impl wasmtime::ResourceLimiter for MemLimiter {
     fn memory_growing(&mut self, current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
-        match self.max {
-            Some(max) if desired > max => {
-                self.hit = true;
-                let at_creation = !std::mem::replace(&mut self.created, true);
-                self.refused.get_or_insert((desired, max, at_creation && current == 0));
-                Ok(false)
-            }
-            _ => {
-                self.created = true;
-                // Called for a memory's creation too (from 0).
-                let grown = u64::try_from(desired.saturating_sub(current)).unwrap_or(u64::MAX);
-                self.meter.fetch_add(grown, Ordering::AcqRel);
-                self.counted = self.counted.saturating_add(grown);
-                Ok(true)
-            }
-        }
+        // Called for a memory's creation too (from 0).
+        let grown = u64::try_from(desired.saturating_sub(current)).unwrap_or(u64::MAX);
+        Ok(self.grow(grown, desired, current, false))
     }
 
-    fn table_growing(&mut self, _current: usize, _desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
-        Ok(true)
+    fn memory_grow_failed(&mut self, error: wasmtime::Error) -> wasmtime::Result<()> {
+        tracing::debug!(%error, "a linear memory could not grow; not counted");
+        self.ungrow();
+        Ok(())
+    }
+
+    fn table_growing(&mut self, current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
+        let grown =
+            u64::try_from(desired.saturating_sub(current).saturating_mul(TABLE_ELEMENT_BYTES)).unwrap_or(u64::MAX);
+        Ok(self.grow(grown, desired.saturating_mul(TABLE_ELEMENT_BYTES), current, true))
+    }
+
+    fn table_grow_failed(&mut self, error: wasmtime::Error) -> wasmtime::Result<()> {
+        tracing::debug!(%error, "a table could not grow; not counted");
+        self.ungrow();
+        Ok(())
     }
 }
 
@@ -382,14 +505,7 @@ impl Runtime {
         if let Some(cwd) = &spec.cwd {
             builder.initial_cwd(cwd);
         }
-        let limiter = MemLimiter {
-            max: spec.memory_limit.map(|m| m.min(usize::MAX as u64) as usize),
-            hit: false,
-            refused: None,
-            created: false,
-            meter: spec.memory.clone(),
-            counted: 0,
-        };
+        let limiter = MemLimiter::new(spec.memory_limit, spec.budget.clone(), spec.memory.clone());
         let throttle = spec.cpu_limit_milli.map(|milli| Throttle::new(spec.cpu.clone(), milli));
         let ended = match compiled {
             Compiled::Module(pre) => {
@@ -450,11 +566,11 @@ fn outcome(result: wasmtime::Result<i32>, limiter: &MemLimiter) -> ContainerExit
     let memory_limit_hit = limiter.hit;
     let oom = || {
         let message = match limiter.refused {
-            Some((asked, limit, true)) => format!(
-                "the module cannot start: it declares {asked} bytes of linear memory, over its memory limit of {limit} bytes"
+            Some((asked, limit, true, what)) => format!(
+                "the module cannot start: it declares {asked} bytes of linear memory, over {what} of {limit} bytes"
             ),
-            Some((asked, limit, false)) => {
-                format!("the module went over its memory limit: it asked for {asked} bytes, the limit is {limit}")
+            Some((asked, limit, false, what)) => {
+                format!("the module went over {what}: it asked for {asked} bytes, the limit is {limit}")
             }
             None => "the module went over its memory limit".into(),
         };
@@ -475,7 +591,14 @@ fn outcome(result: wasmtime::Result<i32>, limiter: &MemLimiter) -> ContainerExit
             }
             let message = match e.downcast_ref::<wasmtime::Trap>() {
                 Some(trap) => format!("wasm trap: {trap}"),
-                None => format!("{e:?}").lines().next().unwrap_or_default().to_owned(),
+                None => {
+                    // The first line, and the cause where it is another
+                    // (wasmtime's first line can be only "error while
+                    // executing at wasm backtrace:").
+                    let first = format!("{e:?}").lines().next().unwrap_or_default().to_owned();
+                    let cause = e.root_cause().to_string();
+                    if first.contains(&cause) { first } else { format!("{} {cause}", first.trim_end_matches(':')) }
+                }
             };
             ended(TRAP_EXIT_CODE, None, Some(message))
         }
@@ -517,5 +640,35 @@ mod tests {
               (if (i32.ne (i32.load (i32.const 2686972)) (i32.const 7)) (then unreachable))))"#;
         let exit = run_module(&runtime, "sha256:grow", grow).await;
         assert_eq!((exit.exit_code, exit.message), (0, None));
+    }
+}
+
+#[cfg(test)]
+mod error_tests {
+    use super::*;
+
+    /// A module a WASI call fails for says why, not only "error while
+    /// executing".
+    #[tokio::test]
+    async fn an_error_names_its_cause() {
+        let runtime = Runtime::new().expect("runtime");
+        let module = wat::parse_str(
+            r#"(module
+             (import "wasi_snapshot_preview1" "sched_yield" (func $yield (result i32)))
+             (memory 1)
+             (func (export "_start")
+               (loop $more
+                 (if (i32.eq (memory.grow (i32.const 16)) (i32.const -1)) (then unreachable))
+                 (drop (call $yield))
+                 (br $more))))"#,
+        )
+        .expect("assembles");
+        let compiled =
+            runtime.compiled("sha256:probe", ModuleKind::Module, move || Ok(module)).await.expect("compiles");
+        let spec = RunSpec::bare(vec!["test".into()], Output::capture(1024));
+        let exit = runtime.run(compiled, spec).await;
+        assert_eq!(exit.exit_code, TRAP_EXIT_CODE);
+        let message = exit.message.unwrap_or_default();
+        assert!(message.contains("missing required memory export"), "{message}");
     }
 }
