@@ -32,10 +32,10 @@
 // Mapping memory for wasmtime needs unsafe calls; each says why it is sound.
 #![allow(unsafe_code)]
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
 use std::ops::Range;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 
 use rustix::mm::{Advice, MapFlags, MremapFlags, ProtFlags};
 use wasmtime::{LinearMemory, MemoryCreator, MemoryType, StackCreator, StackMemory};
@@ -195,6 +195,8 @@ struct Pool {
 struct PoolInner {
     /// Bottoms of free stacks.
     free: Vec<usize>,
+    /// Bottoms of the stacks handed out.
+    live: std::collections::HashSet<usize>,
     slabs: usize,
 }
 
@@ -202,8 +204,8 @@ impl Pool {
     fn take(self: &Arc<Pool>) -> Result<SlabStack, wasmtime::Error> {
         let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         if inner.free.is_empty() {
-            let bytes = self
-                .size
+            let slot = self.slot();
+            let bytes = slot
                 .checked_mul(STACKS_PER_SLAB)
                 .and_then(|b| b.checked_add(page()))
                 .ok_or_else(|| wasmtime::format_err!("stack size out of range"))?;
@@ -214,11 +216,63 @@ impl Pool {
             unsafe { rustix::mm::mprotect(base, page(), rustix::mm::MprotectFlags::empty()) }
                 .map_err(|e| wasmtime::format_err!("cannot protect a stack slab's guard page: {e}"))?;
             let first = base as usize + page();
-            inner.free.extend((0..STACKS_PER_SLAB).rev().map(|i| first + i * self.size));
+            inner.free.extend((0..STACKS_PER_SLAB).rev().map(|i| first + i * slot));
             inner.slabs += 1;
         }
         let bottom = inner.free.pop().expect("a slab was just added");
-        Ok(SlabStack { bottom, pool: self.clone() })
+        inner.live.insert(bottom);
+        let stack = SlabStack { bottom, pool: self.clone() };
+        let range = stack.range();
+        write_lock(&LIVE_STACKS).insert(range.start, range.end);
+        Ok(stack)
+    }
+
+    /// A stack and its guard zone.
+    fn slot(&self) -> usize {
+        self.size + page()
+    }
+}
+
+/// The stacks handed out now: start → end of each (its guard zone is the
+/// page below its start).
+static LIVE_STACKS: RwLock<BTreeMap<usize, usize>> = RwLock::new(BTreeMap::new());
+
+fn write_lock<T>(lock: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
+    lock.write().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Whether the guard zone at `zone` (one page, mapped read-write by its
+/// slab) is intact: all zeroes.
+fn zone_intact(zone: usize) -> bool {
+    // SAFETY: `zone..zone + page()` lies inside a slab mapping that is
+    // never unmapped (slabs live as long as the process), is readable,
+    // and is written by nothing but an overflowing stack above it: reading
+    // it races with no write of ours.
+    let bytes = unsafe { std::slice::from_raw_parts(zone as *const u8, page()) };
+    bytes.iter().all(|b| *b == 0)
+}
+
+/// Checks the guard zone of the stack this code runs on, if it is one of
+/// these slabs' (else there is nothing to check: the stack is wasmtime's
+/// own, with a guard page). An error says the zone was overwritten: host
+/// code overflowed the stack, and the instance running on it must end.
+pub fn check_current_stack() -> Result<(), String> {
+    let marker = 0u8;
+    let here = std::hint::black_box(&marker) as *const u8 as usize;
+    let live = LIVE_STACKS.read().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let Some((&start, &end)) = live.range(..=here).next_back() else { return Ok(()) };
+    if here >= end {
+        return Ok(());
+    }
+    if zone_intact(start - page()) {
+        Ok(())
+    } else {
+        Err(format!(
+            "the guard zone below this instance's stack ({} bytes at {:#x}) was overwritten: host code overflowed \
+             the stack; the instance is ended before it can run on a damaged stack",
+            page(),
+            start - page()
+        ))
     }
 }
 
@@ -228,16 +282,23 @@ struct SlabStack {
     pool: Arc<Pool>,
 }
 
-// SAFETY: `bottom..bottom + size` is mapped read-write, page-aligned, zero
-// when handed out (fresh, or emptied by MADV_DONTNEED), and used by this
-// stack alone until it is dropped.
+// SAFETY: `StackMemory` requires that `top()` is the (16-byte aligned)
+// end of a region `range()` that is mapped read-write, usable as a stack
+// by one fiber, and not used by anything else while this value lives, and
+// that `guard_range()` is inside it or empty. Here: `bottom` is the slot's
+// guard zone (one page), `range()` is the `size` bytes above it, page
+// aligned (so `top()` is too), mapped read-write by the slab, zero when
+// handed out (fresh, or emptied by MADV_DONTNEED), and handed to one
+// `SlabStack` at a time (the pool's free list holds each slot once). The
+// guard range is empty: the zone is not a protected page, it is checked
+// (`check_current_stack`, and on drop).
 unsafe impl StackMemory for SlabStack {
     fn top(&self) -> *mut u8 {
-        (self.bottom + self.pool.size) as *mut u8
+        (self.bottom + self.pool.slot()) as *mut u8
     }
 
     fn range(&self) -> Range<usize> {
-        self.bottom..self.bottom + self.pool.size
+        self.bottom + page()..self.bottom + self.pool.slot()
     }
 
     fn guard_range(&self) -> Range<*mut u8> {
@@ -247,14 +308,48 @@ unsafe impl StackMemory for SlabStack {
 
 impl Drop for SlabStack {
     fn drop(&mut self) {
-        // SAFETY: the stack is no longer in use; its pages go back to the
-        // system and read as zeroes when next touched.
-        let emptied = unsafe { rustix::mm::madvise(self.bottom as *mut c_void, self.pool.size, Advice::LinuxDontNeed) };
+        write_lock(&LIVE_STACKS).remove(&(self.bottom + page()));
+        self.pool.inner.lock().unwrap_or_else(|p| p.into_inner()).live.remove(&self.bottom);
+        if !zone_intact(self.bottom) {
+            // The stack below may hold a suspended fiber's frames: its
+            // instance is checked when it next returns from a host call.
+            tracing::error!(
+                zone = format_args!("{:#x}", self.bottom),
+                "an async stack's guard zone was overwritten (host code overflowed it); the stack is not reused"
+            );
+            return;
+        }
+        // SAFETY: the stack is no longer in use; its pages (zone included,
+        // which is zero already) go back to the system and read as zeroes
+        // when next touched.
+        let emptied =
+            unsafe { rustix::mm::madvise(self.bottom as *mut c_void, self.pool.slot(), Advice::LinuxDontNeed) };
         if emptied.is_ok() {
             self.pool.inner.lock().unwrap_or_else(|p| p.into_inner()).free.push(self.bottom);
         }
         // A stack that could not be emptied is not reused (it stays mapped
         // with its slab).
+    }
+}
+
+impl SlabStacks {
+    /// Overwrites the guard zone of every stack of these slabs handed out
+    /// now (as an overflow would): for tests of the check. Returns how
+    /// many.
+    #[cfg(test)]
+    pub(crate) fn damage_live_zones(&self) -> usize {
+        let pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
+        let mut damaged = 0;
+        for pool in pools.values() {
+            for bottom in &pool.inner.lock().unwrap_or_else(|p| p.into_inner()).live {
+                // SAFETY: the highest byte of a live stack's guard zone:
+                // mapped read-write by its slab, and read by nothing but
+                // the checks.
+                unsafe { ((bottom + page() - 1) as *mut u8).write_volatile(0xAA) };
+                damaged += 1;
+            }
+        }
+        damaged
     }
 }
 

@@ -548,6 +548,12 @@ impl Runtime {
 /// when the module is over its CPU limit.
 fn prepare<T: 'static>(store: &mut Store<T>, limiter: fn(&mut T) -> &mut MemLimiter, mut throttle: Option<Throttle>) {
     store.limiter(move |s| limiter(s) as &mut dyn wasmtime::ResourceLimiter);
+    // Host code (WASI) is the code that could overflow an async stack:
+    // the stack's guard zone is checked each time it returns.
+    store.call_hook(|_, hook| match hook {
+        wasmtime::CallHook::ReturningFromHost => crate::dense::check_current_stack().map_err(wasmtime::Error::msg),
+        _ => Ok(()),
+    });
     store.set_epoch_deadline(1);
     store.epoch_deadline_callback(move |_| {
         Ok(match throttle.as_mut().and_then(Throttle::settle) {
@@ -640,6 +646,57 @@ mod tests {
               (if (i32.ne (i32.load (i32.const 2686972)) (i32.const 7)) (then unreachable))))"#;
         let exit = run_module(&runtime, "sha256:grow", grow).await;
         assert_eq!((exit.exit_code, exit.message), (0, None));
+    }
+}
+
+#[cfg(test)]
+mod stack_tests {
+    use super::*;
+
+    /// An overflow into a stack's guard zone (done here by hand, as host
+    /// code overflowing its stack would) ends that instance at its next
+    /// return from a host call, with the reason; the runtime goes on.
+    #[tokio::test]
+    async fn a_damaged_guard_zone_ends_the_instance_not_the_node() {
+        let runtime = Arc::new(Runtime::with_layout(Layout::Dense).expect("runtime"));
+        let module = wat::parse_str(
+            r#"(module
+             (import "wasi_snapshot_preview1" "sched_yield" (func $yield (result i32)))
+             (memory (export "memory") 1)
+             (func (export "_start")
+               (loop $more (drop (call $yield)) (br $more))))"#,
+        )
+        .expect("assembles");
+        let compiled = runtime.compiled("sha256:spin", ModuleKind::Module, move || Ok(module)).await.expect("compiles");
+        let spec = RunSpec::bare(vec!["spin".into()], Output::capture(1024));
+        let running = tokio::spawn({
+            let runtime = runtime.clone();
+            async move { runtime.run(compiled, spec).await }
+        });
+        let stacks = runtime.stacks.clone().expect("dense stacks");
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(60);
+        while stacks.counts().1 == 0 {
+            assert!(tokio::time::Instant::now() < deadline, "the instance never got a stack");
+            tokio::task::yield_now().await;
+        }
+        assert!(stacks.damage_live_zones() >= 1);
+        let exit = tokio::time::timeout(std::time::Duration::from_secs(60), running)
+            .await
+            .expect("the instance ends")
+            .expect("joined");
+        assert_eq!(exit.exit_code, TRAP_EXIT_CODE, "{exit:?}");
+        assert!(exit.message.as_deref().is_some_and(|m| m.contains("guard zone")), "{exit:?}");
+        // The damaged stack is not handed out again; the runtime runs on.
+        let again =
+            run_module_on(&runtime, "sha256:ok", r#"(module (memory (export "memory") 1) (func (export "_start")))"#)
+                .await;
+        assert_eq!((again.exit_code, again.message), (0, None));
+    }
+
+    async fn run_module_on(runtime: &Runtime, digest: &str, text: &str) -> ContainerExit {
+        let module = wat::parse_str(text).expect("assembles");
+        let compiled = runtime.compiled(digest, ModuleKind::Module, move || Ok(module)).await.expect("compiles");
+        runtime.run(compiled, RunSpec::bare(vec!["test".into()], Output::capture(1024))).await
     }
 }
 
