@@ -34,6 +34,8 @@ pub const VERSION: &str = concat!("v1.28.7+rustlet.", env!("CARGO_PKG_VERSION"))
 pub mod device_manager;
 pub mod dra;
 pub mod events;
+#[doc(hidden)]
+pub mod fuzz;
 pub mod health;
 mod log_limit;
 pub mod node;

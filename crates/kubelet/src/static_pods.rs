@@ -570,4 +570,26 @@ mod tests {
             1
         );
     }
+
+    /// Fuzz target: static manifest files (YAML and JSON, several
+    /// documents) through parsing, defaulting and the name checks that
+    /// come before any name becomes a path: objects or an error, never a
+    /// panic; every pod accepted has names that are safe as paths.
+    #[test]
+    fn fuzz_static_manifests() {
+        let path = std::path::Path::new("/etc/kubernetes/manifests/fuzz.yaml");
+        let ran = crate::fuzz::Fuzz::new("static-manifests").run(|input| {
+            let text = String::from_utf8_lossy(input);
+            if let Ok(objects) = parse_manifest(path, &text, "fuzz-node") {
+                for pod in pods(&objects) {
+                    let name = pod.metadata.name.clone().unwrap_or_default();
+                    let uid = pod.metadata.uid.clone().unwrap_or_default();
+                    for part in [&name, &uid] {
+                        assert!(!part.contains('/') && part != ".." && part != ".", "{part:?} became a name");
+                    }
+                }
+            }
+        });
+        assert!(ran > 3);
+    }
 }

@@ -97,4 +97,25 @@ mod tests {
             assert_eq!(err.to_string(), message, "{input:?}");
         }
     }
+
+    /// Fuzz target: a plugin's GetInfo answer (protobuf bytes): decoded or
+    /// refused, its type and versions read as registration reads them;
+    /// never a panic.
+    #[test]
+    fn fuzz_get_info_answers() {
+        use prost::Message as _;
+        let seed = kubelet_api::pluginregistration::PluginInfo {
+            r#type: "CSIPlugin".into(),
+            name: "hostpath.csi.k8s.io".into(),
+            endpoint: "/var/lib/kubelet/plugins/hostpath/csi.sock".into(),
+            supported_versions: vec!["1.0.0".into(), "v1.2.3".into(), "0.3".into()],
+        }
+        .encode_to_vec();
+        let ran = crate::fuzz::Fuzz::new("get-info").seed(seed).run(|input| {
+            let Ok(info) = kubelet_api::pluginregistration::PluginInfo::decode(input) else { return };
+            let _ = crate::plugin_manager::PluginType::from(info.r#type.as_str());
+            let _ = highest_supported_version(&info.supported_versions);
+        });
+        assert!(ran > 1);
+    }
 }

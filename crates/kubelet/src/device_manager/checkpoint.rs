@@ -483,4 +483,15 @@ mod tests {
         assert_eq!(aside.len(), 1);
         assert_eq!(std::fs::read(aside[0].path()).expect("read"), b"{not json");
     }
+
+    /// Fuzz target: the device checkpoint's bytes as the node reads them at
+    /// start: decoded, or refused with a reason; never a panic.
+    #[test]
+    fn fuzz_device_checkpoint() {
+        let path = Path::new("/nonexistent/kubelet_internal_checkpoint");
+        let ran = crate::fuzz::Fuzz::new("device-checkpoint").seed(sample(true)).seed(sample(false)).run(|input| {
+            let _ = decode(path, input);
+        });
+        assert!(ran > 2);
+    }
 }

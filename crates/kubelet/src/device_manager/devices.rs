@@ -142,4 +142,24 @@ mod tests {
         assert_eq!(rejected, Rejected { empty_ids: 1, duplicate_ids: vec!["a".into()] });
         assert_eq!(capacity_of(devices.values()), ResourceCapacity { capacity: 2, allocatable: 1 });
     }
+
+    /// Fuzz target: a device plugin's ListAndWatch answers (protobuf bytes
+    /// as they come off the wire): decoded or refused, then turned into the
+    /// resource's devices and capacity; never a panic, and never more
+    /// healthy devices than devices.
+    #[test]
+    fn fuzz_list_and_watch_answers() {
+        use prost::Message as _;
+        let seed = api::ListAndWatchResponse {
+            devices: vec![dev("gpu-0", "Healthy", &[0]), dev("gpu-1", "Unhealthy", &[1, 2]), dev("", "Healthy", &[])],
+        }
+        .encode_to_vec();
+        let ran = crate::fuzz::Fuzz::new("list-and-watch").seed(seed).run(|input| {
+            let Ok(response) = api::ListAndWatchResponse::decode(input) else { return };
+            let (devices, _) = device_set(response);
+            let capacity = capacity_of(devices.values());
+            assert!(capacity.allocatable <= capacity.capacity);
+        });
+        assert!(ran > 1);
+    }
 }

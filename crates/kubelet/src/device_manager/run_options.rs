@@ -305,4 +305,30 @@ mod tests {
             ]
         );
     }
+
+    /// Fuzz target: a device plugin's Allocate answers (protobuf bytes):
+    /// decoded or refused, then turned into run options and merged; never
+    /// a panic.
+    #[test]
+    fn fuzz_allocate_answers() {
+        use prost::Message as _;
+        let container = api::ContainerAllocateResponse {
+            envs: [("FAKE_DEVICES".to_owned(), "a,b".to_owned())].into_iter().collect(),
+            mounts: vec![api::Mount { container_path: "/dev/shm".into(), host_path: "/tmp".into(), read_only: true }],
+            devices: vec![api::DeviceSpec {
+                container_path: "/dev/gpu0".into(),
+                host_path: "/dev/null".into(),
+                permissions: "rw".into(),
+            }],
+            annotations: [("a".to_owned(), "b".to_owned())].into_iter().collect(),
+            cdi_devices: vec![api::CdiDevice { name: "v.com/gpu=a".into() }],
+        };
+        let seed = api::AllocateResponse { container_responses: vec![container.clone(), container] }.encode_to_vec();
+        let ran = crate::fuzz::Fuzz::new("allocate").seed(seed).run(|input| {
+            let Ok(response) = api::AllocateResponse::decode(input) else { return };
+            let options: Vec<RunOptions> = response.container_responses.into_iter().map(RunOptions::from).collect();
+            let _ = RunOptions::merged(options.iter().map(|o| ("fuzz.example.com/gpu", o)));
+        });
+        assert!(ran > 1);
+    }
 }

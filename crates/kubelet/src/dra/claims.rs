@@ -526,6 +526,17 @@ fn claims_used<'a>(pod: &'a Pod, container: &str) -> Vec<&'a k8s_openapi::api::c
         .unwrap_or_default()
 }
 
+/// The entries of a DRA checkpoint's bytes, or why they are not one.
+fn decode_checkpoint(bytes: &[u8]) -> Result<BTreeMap<String, ClaimEntry>, String> {
+    match serde_json::from_slice::<Checkpoint>(bytes) {
+        Ok(checkpoint) if checkpoint.kind == CHECKPOINT_KIND && checkpoint.api_version == CHECKPOINT_API_VERSION => {
+            Ok(checkpoint.entries.into_iter().map(|e| (e.claim.uid.clone(), e)).collect())
+        }
+        Ok(c) => Err(format!("kind {:?} apiVersion {:?} is not ours", c.kind, c.api_version)),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 fn restore(path: &Path) -> BTreeMap<String, ClaimEntry> {
     let bytes = match std::fs::read(path) {
         Ok(bytes) => bytes,
@@ -535,15 +546,9 @@ fn restore(path: &Path) -> BTreeMap<String, ClaimEntry> {
             return BTreeMap::new();
         }
     };
-    match serde_json::from_slice::<Checkpoint>(&bytes) {
-        Ok(checkpoint) if checkpoint.kind == CHECKPOINT_KIND && checkpoint.api_version == CHECKPOINT_API_VERSION => {
-            checkpoint.entries.into_iter().map(|e| (e.claim.uid.clone(), e)).collect()
-        }
-        other => {
-            let reason = match other {
-                Ok(c) => format!("kind {:?} apiVersion {:?} is not ours", c.kind, c.api_version),
-                Err(e) => e.to_string(),
-            };
+    match decode_checkpoint(&bytes) {
+        Ok(entries) => entries,
+        Err(reason) => {
             let stamp = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map(|d| d.as_secs())
@@ -610,5 +615,37 @@ mod tests {
         assert!(!path.exists());
         let aside = std::fs::read_dir(dir.path()).expect("dir").count();
         assert_eq!(aside, 1, "the corrupt file is kept aside");
+    }
+
+    /// Fuzz target: the DRA checkpoint's bytes as the node reads them at
+    /// start: entries, or a reason; never a panic.
+    #[test]
+    fn fuzz_dra_checkpoint() {
+        let entry = ClaimEntry {
+            claim: ClaimRef { namespace: "default".into(), uid: "c1".into(), name: "gpu".into() },
+            pods: BTreeSet::from(["p1".to_owned()]),
+            drivers: BTreeSet::from(["gpu.example.com".to_owned()]),
+            devices: BTreeMap::from([(
+                "gpu.example.com".to_owned(),
+                vec![PreparedDevice {
+                    request_names: vec!["gpu".into()],
+                    pool: "n1".into(),
+                    device: "gpu-0".into(),
+                    cdi_device_ids: vec!["example.com/gpu=gpu-0".into()],
+                }],
+            )]),
+            prepared: true,
+        };
+        let checkpoint = Checkpoint {
+            kind: CHECKPOINT_KIND.into(),
+            api_version: CHECKPOINT_API_VERSION.into(),
+            entries: vec![entry],
+        };
+        let seed = serde_json::to_string(&checkpoint).expect("json");
+        assert_eq!(decode_checkpoint(seed.as_bytes()).map(|e| e.len()), Ok(1), "the seed is a checkpoint");
+        let ran = crate::fuzz::Fuzz::new("dra-checkpoint").seed(seed).run(|input| {
+            let _ = decode_checkpoint(input);
+        });
+        assert!(ran > 1);
     }
 }

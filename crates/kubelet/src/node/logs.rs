@@ -539,4 +539,18 @@ mod tests {
         assert_eq!(renderer.render(vec![entry("", "é\n")]), "");
         assert!(renderer.done(), "a character straddling the limit ends the answer");
     }
+
+    /// Fuzz target: `/containerLogs` query strings: parsed or refused with
+    /// a reason, never a panic.
+    #[test]
+    fn fuzz_log_queries() {
+        let now = jiff::Timestamp::now();
+        let ran = crate::fuzz::Fuzz::new("kubelet-api-requests").run(|input| {
+            let text = String::from_utf8_lossy(input);
+            let query = text.split_once('?').map_or(text.as_ref(), |(_, q)| q);
+            let _ = LogQuery::parse(Some(query.trim_end()), now);
+            let _ = LogQuery::parse(Some(&text), now);
+        });
+        assert!(ran > 3);
+    }
 }

@@ -515,4 +515,23 @@ mod tests {
         }
         assert!(cache.entries.lock().expect("lock").len() <= CACHE_LIMIT);
     }
+
+    /// Fuzz target: request lines (method and path) mapped to what they
+    /// ask of the node: every path maps to a verb and subresource; the
+    /// streaming ones are `create` whatever the method.
+    #[test]
+    fn fuzz_request_mapping() {
+        let ran = crate::fuzz::Fuzz::new("kubelet-api-requests").run(|input| {
+            let text = String::from_utf8_lossy(input);
+            let (method, rest) = text.split_once(' ').unwrap_or(("GET", &text));
+            let path = rest.split('?').next().unwrap_or_default().trim_end();
+            let Ok(method) = Method::from_bytes(method.as_bytes()) else { return };
+            let mapped = node_request(&method, path);
+            if is_streaming(path) {
+                assert_eq!(mapped.verb, "create", "{path}");
+            }
+            let _ = method_refused(&method, path);
+        });
+        assert!(ran > 3);
+    }
 }

@@ -550,4 +550,40 @@ mod tests {
         let text = outcome_message("v2.channel.k8s.io", &Err("boom".into()), &command).expect("text");
         assert_eq!(String::from_utf8(text).expect("utf8"), "error executing command in container: boom");
     }
+
+    /// Fuzz target: the bytes a SPDY client sends, read frame by frame
+    /// (header blocks inflated with the dictionary, `u32`-counted header
+    /// lists); the reader must end every input with a frame, an end or an
+    /// error, never a panic or a loop.
+    #[test]
+    fn fuzz_spdy_frames() {
+        let runtime = tokio::runtime::Builder::new_current_thread().build().expect("runtime");
+        let kubectl_block: [u8; 30] = [
+            0x78, 0xf9, 0xe3, 0xc6, 0xa7, 0xc2, 0x02, 0xa6, 0x23, 0x46, 0x70, 0x3a, 0x2b, 0x29, 0x4a, 0x4d, 0xcc, 0x85,
+            0x16, 0x25, 0xac, 0xa9, 0xa0, 0x80, 0x06, 0x00, 0x00, 0x00, 0xff, 0xff,
+        ];
+        let mut syn = (0x8003_0001u32).to_be_bytes().to_vec();
+        syn.extend_from_slice(&((10 + kubectl_block.len()) as u32).to_be_bytes());
+        syn.extend_from_slice(&1u32.to_be_bytes());
+        syn.extend_from_slice(&[0, 0, 0, 0, 0, 0]);
+        syn.extend_from_slice(&kubectl_block);
+        let mut writer = Writer::new();
+        let mut session = syn.clone();
+        session.extend(writer.encode(&Out::Data { stream: 1, fin: false, data: b"ls\n".to_vec() }).expect("data"));
+        session.extend(writer.encode(&Out::Ping { id: 7 }).expect("ping"));
+        session.extend(writer.encode(&Out::RstStream { stream: 1, status: 5 }).expect("rst"));
+        let ran = crate::fuzz::Fuzz::new("spdy-frames").seed(syn).seed(session).run(|input| {
+            runtime.block_on(async {
+                let mut reader = Reader::new(input);
+                for _ in 0..=input.len() {
+                    match reader.next().await {
+                        Ok(Some(_)) => {}
+                        Ok(None) | Err(_) => break,
+                    }
+                }
+            });
+            let _ = parse_header_block(input);
+        });
+        assert!(ran > 2);
+    }
 }

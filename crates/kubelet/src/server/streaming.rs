@@ -502,4 +502,19 @@ mod tests {
         assert!(stream_request(Some("output=1"), false).is_ok(), "attach needs no command");
         assert!(stream_request(Some("command=%zz&output=1"), true).is_err());
     }
+
+    /// Fuzz target: exec/attach query strings (percent-encoded commands,
+    /// flags): a request or a reason, never a panic.
+    #[test]
+    fn fuzz_stream_queries() {
+        let ran = crate::fuzz::Fuzz::new("kubelet-api-requests").run(|input| {
+            let text = String::from_utf8_lossy(input);
+            let query = text.split_once('?').map_or(text.as_ref(), |(_, q)| q).trim_end();
+            for exec in [true, false] {
+                let _ = stream_request(Some(query), exec);
+            }
+            let _ = percent_decode(query);
+        });
+        assert!(ran > 3);
+    }
 }
