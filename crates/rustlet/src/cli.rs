@@ -227,6 +227,10 @@ pub(crate) struct NodeArgs {
     /// (`256Mi`).
     #[arg(long, default_value = "256Mi", value_parser = parse_bytes)]
     pub(crate) wasm_default_memory_limit: u64,
+    /// Streaming sessions (log follows, exec, attach, port-forward) served
+    /// at once at most; more are answered 429 Too Many Requests.
+    #[arg(long, default_value_t = kubelet::node::DEFAULT_MAX_STREAMING_SESSIONS)]
+    pub(crate) max_streaming_sessions: usize,
     /// The resolver configuration container pods with dnsPolicy Default
     /// get (and whose searches ClusterFirst adds); empty: none.
     #[arg(long, default_value = "/etc/resolv.conf")]

@@ -74,6 +74,7 @@ pub(crate) async fn run(args: DemoArgs, signals: HealthReporter, shutdown: Cance
         allowed_unsafe_sysctls: Vec::new(),
         plugin_allowed_uids: Vec::new(),
         wasm_default_memory_limit: rustlet_wasi::DEFAULT_MEMORY_LIMIT,
+        max_streaming_sessions: kubelet::node::DEFAULT_MAX_STREAMING_SESSIONS,
         resolv_conf: "/etc/resolv.conf".into(),
         node_ip: Vec::new(),
     };

@@ -555,3 +555,124 @@ async fn a_cpu_limit_caps_a_busy_module() {
     eprintln!("the node used {share:.3} of a CPU with a module limited to 0.2");
     assert!(share < 0.35, "a module limited to 200m made the node use {share:.3} of a CPU");
 }
+
+/// The node's inotify instances (from `/proc/<pid>/fd`).
+fn inotify_instances(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|fds| {
+            fds.flatten()
+                .filter(|fd| std::fs::read_link(fd.path()).is_ok_and(|l| l.to_string_lossy().contains("inotify")))
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+/// Opens a log follow on the node's local socket and reads until `first`
+/// arrives; the connection stays open.
+async fn open_follow(socket: &str, path: &str, first: &str) -> (tokio::net::UnixStream, String) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut stream = tokio::net::UnixStream::connect(socket).await.expect("connect");
+    stream
+        .write_all(format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").as_bytes())
+        .await
+        .expect("send");
+    let mut seen = Vec::new();
+    let read = async {
+        let mut chunk = [0u8; 4096];
+        while !String::from_utf8_lossy(&seen).contains(first) {
+            let n = stream.read(&mut chunk).await.expect("read");
+            if n == 0 {
+                break;
+            }
+            seen.extend_from_slice(&chunk[..n]);
+        }
+    };
+    tokio::time::timeout(SOON, read).await.expect("the follow answers in time");
+    (stream, String::from_utf8_lossy(&seen).into_owned())
+}
+
+/// `logs -f` costs no inotify instance per follower: twenty followers of
+/// one container add at most one to the node (before, each took its own,
+/// and the per-user default is 128). Sessions are bounded
+/// (`--max-streaming-sessions`): one more is answered 429 and counted,
+/// and the places come back when the followers end with the container.
+#[tokio::test]
+async fn log_followers_share_one_watcher_and_sessions_are_bounded() {
+    const FOLLOWERS: usize = 20;
+    let root = tempfile::tempdir().expect("tempdir");
+    let root_dir = root.path().to_str().expect("utf8").to_owned();
+    let layout = root.path().join("layout");
+    let module = rustlet_wasi::examples::binary("wait").expect("module");
+    rustlet_wasi::import::write_layout(&layout, &[("example.com/test/wait:v1", &module)]).expect("layout");
+    let (ok, _, stderr) = run_cli(&["images", "import", layout.to_str().expect("utf8"), "--root-dir", &root_dir]).await;
+    assert!(ok, "{stderr}");
+    let signal = root.path().join("signal");
+    let manifests = root.path().join("manifests");
+    std::fs::create_dir_all(&signal).expect("mkdir");
+    std::fs::create_dir_all(&manifests).expect("mkdir");
+    std::fs::write(
+        manifests.join("waiter.yaml"),
+        format!(
+            "apiVersion: v1\nkind: Pod\nmetadata: {{name: waiter}}\nspec:\n  restartPolicy: Never\n  containers:\n  \
+             - name: main\n    image: example.com/test/wait:v1\n    imagePullPolicy: Never\n    \
+             volumeMounts: [{{name: signal, mountPath: /signal}}]\n  volumes:\n  \
+             - {{name: signal, hostPath: {{path: {}, type: Directory}}}}\n",
+            signal.display()
+        ),
+    )
+    .expect("write");
+    let limit = FOLLOWERS.to_string();
+    let mut node = running(&[
+        "--standalone",
+        "--root-dir",
+        &root_dir,
+        "--pod-manifest-path",
+        manifests.to_str().expect("utf8"),
+        "--node-name",
+        "n1",
+        "--healthz-port",
+        "0",
+        "--port",
+        "0",
+        "--max-streaming-sessions",
+        &limit,
+    ]);
+    let address = node.http_address().await;
+    node.line_with("container started").await;
+    let pid = node.child.id().expect("pid");
+    let before = inotify_instances(pid);
+    let socket = local_socket(root.path());
+    let path = "/containerLogs/default/waiter-n1/main?follow=true";
+    let mut followers = Vec::new();
+    for _ in 0..FOLLOWERS {
+        followers.push(open_follow(&socket, path, "waiting for go").await.0);
+    }
+    let during = inotify_instances(pid);
+    assert!(during <= before + 1, "{FOLLOWERS} followers took {} inotify instances", during - before);
+    let (_, metrics) = get(&address, "/metrics").await;
+    assert!(metrics.contains(&format!("kubelet_api_streaming_sessions {FOLLOWERS}")), "{metrics}");
+    // One more is refused.
+    let (code, body) = get(&socket, path).await;
+    assert_eq!(code, 429, "{body}");
+    assert!(body.contains("too many streaming sessions on this node (the limit is 20)"), "{body}");
+    let (_, metrics) = get(&address, "/metrics").await;
+    assert!(metrics.contains("rustlet_streaming_sessions_refused_total 1"), "{metrics}");
+
+    // The container ends: every follower gets the last line and the end.
+    std::fs::write(signal.join("go"), b"").expect("write");
+    for mut follower in followers {
+        use tokio::io::AsyncReadExt as _;
+        let mut rest = Vec::new();
+        tokio::time::timeout(SOON, follower.read_to_end(&mut rest)).await.expect("ends in time").expect("read");
+        assert!(String::from_utf8_lossy(&rest).contains("got go"), "{}", String::from_utf8_lossy(&rest));
+    }
+    let deadline = tokio::time::Instant::now() + SOON;
+    loop {
+        let (_, metrics) = get(&address, "/metrics").await;
+        if metrics.contains("kubelet_api_streaming_sessions 0") {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "sessions still counted: {metrics}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

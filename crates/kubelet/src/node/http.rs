@@ -59,28 +59,105 @@ pub(crate) struct HttpState {
     pub(crate) description: super::capacity::NodeDescription,
     pub(crate) root_dir: std::path::PathBuf,
     /// Streaming sessions under way (log follows, exec, attach,
-    /// port-forward): `kubelet_api_streaming_sessions`.
-    pub(crate) sessions: prometheus_client::metrics::gauge::Gauge,
+    /// port-forward): counted, bounded, ended at shutdown.
+    pub(crate) sessions: Sessions,
+    /// The one inotify watcher of every log follow.
+    pub(crate) log_watcher: super::logs::LogWatcher,
     /// Connections the local socket refused (`rustlet_local_socket_refused_total`).
     pub(crate) local_refused: prometheus_client::metrics::counter::Counter,
     /// Failed TLS handshakes of the kubelet API, by reason.
     pub(crate) tls_failures: crate::server::TlsFailures,
 }
 
-/// Counts a streaming session while it lives: a session whose client went
-/// away is gone from the count once its task has let go of everything.
-pub(crate) struct SessionGuard(prometheus_client::metrics::gauge::Gauge);
+/// The streaming sessions (log follows, exec, attach, port-forward): at
+/// most `limit` at once (more are answered 429), each counted in
+/// `kubelet_api_streaming_sessions` while it lives, run as a task of the
+/// node (so shutdown waits for them) and ended when the node stops.
+#[derive(Clone)]
+pub(crate) struct Sessions {
+    gauge: prometheus_client::metrics::gauge::Gauge,
+    refused: prometheus_client::metrics::counter::Counter,
+    open: Arc<std::sync::atomic::AtomicUsize>,
+    limit: usize,
+    shutdown: CancellationToken,
+    tasks: tokio_util::task::TaskTracker,
+}
 
-impl SessionGuard {
-    pub(crate) fn new(sessions: &prometheus_client::metrics::gauge::Gauge) -> Self {
-        sessions.inc();
-        SessionGuard(sessions.clone())
+impl Sessions {
+    pub(crate) fn new(
+        limit: usize,
+        gauge: prometheus_client::metrics::gauge::Gauge,
+        refused: prometheus_client::metrics::counter::Counter,
+        shutdown: CancellationToken,
+        tasks: tokio_util::task::TaskTracker,
+    ) -> Self {
+        Sessions { gauge, refused, open: Arc::default(), limit, shutdown, tasks }
     }
+
+    /// A place for one more session, or the answer that there is none.
+    pub(crate) fn begin(&self) -> Result<SessionGuard, SessionsFull> {
+        use std::sync::atomic::Ordering;
+        let taken = self.open.fetch_update(Ordering::AcqRel, Ordering::Acquire, |open| {
+            (open < self.limit && !self.shutdown.is_cancelled()).then_some(open + 1)
+        });
+        if taken.is_err() {
+            self.refused.inc();
+            if let Some(left_out) = SESSION_REFUSALS.admit() {
+                tracing::warn!(
+                    limit = self.limit,
+                    left_out,
+                    "streaming session refused: the node serves its limit already"
+                );
+            }
+            return Err(SessionsFull { limit: self.limit });
+        }
+        self.gauge.inc();
+        Ok(SessionGuard { gauge: self.gauge.clone(), open: self.open.clone() })
+    }
+
+    /// Runs a session's work as a task of the node, holding `guard`,
+    /// until it ends or the node stops.
+    pub(crate) fn spawn(&self, guard: SessionGuard, work: impl std::future::Future<Output = ()> + Send + 'static) {
+        let shutdown = self.shutdown.clone();
+        self.tasks.spawn(async move {
+            let _guard = guard;
+            tokio::select! {
+                () = shutdown.cancelled() => tracing::debug!("streaming session ended: the node is stopping"),
+                () = work => {}
+            }
+        });
+    }
+}
+
+/// Every streaming session place is taken: answered 429.
+#[derive(Debug)]
+pub(crate) struct SessionsFull {
+    limit: usize,
+}
+
+impl IntoResponse for SessionsFull {
+    fn into_response(self) -> Response {
+        let mut response = text(
+            StatusCode::TOO_MANY_REQUESTS,
+            format!("too many streaming sessions on this node (the limit is {}); retry later\n", self.limit),
+        );
+        response.headers_mut().insert(header::RETRY_AFTER, axum::http::HeaderValue::from_static("1"));
+        response
+    }
+}
+
+static SESSION_REFUSALS: crate::log_limit::LogLimiter = crate::log_limit::LogLimiter::new();
+
+/// One session's place: given back (and uncounted) when dropped.
+pub(crate) struct SessionGuard {
+    gauge: prometheus_client::metrics::gauge::Gauge,
+    open: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Drop for SessionGuard {
     fn drop(&mut self) {
-        self.0.dec();
+        self.gauge.dec();
+        self.open.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
     }
 }
 

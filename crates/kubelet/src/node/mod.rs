@@ -67,6 +67,9 @@ use crate::provider::Provider;
 use crate::static_pods::{StaticPodConfig, StaticPods};
 use crate::volume::{CsiDriverObjects, CsiVolumes, VolumeClaims};
 
+/// Streaming sessions served at once by default.
+pub const DEFAULT_MAX_STREAMING_SESSIONS: usize = 1024;
+
 /// The file in the root dir that names the running node's health port.
 pub const ENDPOINT_FILE: &str = "rustlet-endpoint";
 
@@ -145,6 +148,9 @@ pub struct NodeConfig {
     pub pods: PodSettings,
     /// How long [`Node::stopped`] waits for the components after shutdown.
     pub shutdown_grace: Duration,
+    /// Streaming sessions (log follows, exec, attach, port-forward) served
+    /// at once at most; more are answered 429 (`--max-streaming-sessions`).
+    pub max_streaming_sessions: usize,
     /// The node's IPs (`--node-ip`): the Node's `InternalIP` addresses and
     /// the pods' `hostIP`/`podIP` (the WebAssembly provider runs modules in
     /// the node's network, as host-network pods). Empty: none reported.
@@ -173,6 +179,7 @@ impl NodeConfig {
             node_name: node_name.into(),
             http_address: Some(SocketAddr::from(([127, 0, 0, 1], 10248))),
             shutdown_grace: Duration::from_secs(10),
+            max_streaming_sessions: DEFAULT_MAX_STREAMING_SESSIONS,
             node_ips: Vec::new(),
             kubelet_api: None,
             pod_resources: Some(crate::pod_resources::PodResourcesConfig::new(&root_dir)),
@@ -497,6 +504,19 @@ impl NodeBuilder {
             "Log follows, exec, attach and port-forward sessions under way",
             sessions.clone(),
         );
+        let sessions_refused = prometheus_client::metrics::counter::Counter::default();
+        metrics.register(
+            "rustlet_streaming_sessions_refused",
+            "Streaming sessions refused because the node served its limit (--max-streaming-sessions)",
+            sessions_refused.clone(),
+        );
+        let sessions = http::Sessions::new(
+            config.max_streaming_sessions,
+            sessions,
+            sessions_refused,
+            shutdown.clone(),
+            tasks.clone(),
+        );
         let local_refused = prometheus_client::metrics::counter::Counter::default();
         metrics.register(
             "rustlet_local_socket_refused",
@@ -513,6 +533,7 @@ impl NodeBuilder {
         let http_state = http::HttpState {
             node_name: config.node_name.clone(),
             sessions,
+            log_watcher: logs::LogWatcher::new(shutdown.clone()),
             local_refused,
             tls_failures,
             metrics: Arc::new(metrics),

@@ -13,7 +13,7 @@ use k8s_openapi::api::core::v1::Pod;
 use serde_json::json;
 
 use super::ApiState;
-use crate::node::http::SessionGuard;
+use crate::node::http::Sessions;
 use crate::provider::{ContainerId, ProviderError, ProviderErrorKind, StreamRequest, StreamSession, StreamingEndpoint};
 
 /// The pod `namespace/name` (with `uid`, if given) among the node's pods.
@@ -192,7 +192,7 @@ fn serve_session(
     mut request: Request,
     session: Box<dyn StreamSession>,
     options: StreamRequest,
-    sessions: &prometheus_client::metrics::gauge::Gauge,
+    sessions: &Sessions,
 ) -> Response {
     let header_has = |name: header::HeaderName, needle: &str| {
         request
@@ -229,10 +229,12 @@ fn serve_session(
         }
         return response;
     };
+    let guard = match sessions.begin() {
+        Ok(guard) => guard,
+        Err(refused) => return refused.into_response(),
+    };
     let upgrade = hyper::upgrade::on(&mut request);
-    let guard = SessionGuard::new(sessions);
-    tokio::spawn(async move {
-        let _guard = guard;
+    sessions.spawn(guard, async move {
         match upgrade.await {
             Ok(upgraded) => super::spdy::serve(TokioIo::new(upgraded), protocol, options, session).await,
             Err(error) => tracing::debug!(%error, "the client did not upgrade"),
@@ -322,7 +324,7 @@ pub(super) async fn port_forward_uid(
 /// Sends the client's request to the runtime's streaming server `url` and
 /// joins the two upgraded connections; an answer that is not an upgrade
 /// is passed back as it is.
-async fn proxy(mut request: Request, url: &str, sessions: &prometheus_client::metrics::gauge::Gauge) -> Response {
+async fn proxy(mut request: Request, url: &str, sessions: &Sessions) -> Response {
     let bad_gateway = |why: String| refused((StatusCode::BAD_GATEWAY, why));
     let uri: http::Uri = match url.parse() {
         Ok(uri) => uri,
@@ -378,10 +380,12 @@ async fn proxy(mut request: Request, url: &str, sessions: &prometheus_client::me
         let (parts, body) = answer.into_parts();
         return Response::from_parts(parts, Body::new(body));
     }
+    let guard = match sessions.begin() {
+        Ok(guard) => guard,
+        Err(refused) => return refused.into_response(),
+    };
     let backend_upgrade = hyper::upgrade::on(&mut answer);
-    let guard = SessionGuard::new(sessions);
-    tokio::spawn(async move {
-        let _guard = guard;
+    sessions.spawn(guard, async move {
         let (client, backend) = match tokio::join!(client_upgrade, backend_upgrade) {
             (Ok(client), Ok(backend)) => (client, backend),
             (client, backend) => {
@@ -407,7 +411,7 @@ fn serve_websocket(
     mut request: Request,
     session: Box<dyn StreamSession>,
     options: StreamRequest,
-    sessions: &prometheus_client::metrics::gauge::Gauge,
+    sessions: &Sessions,
 ) -> Response {
     let key = request.headers().get("sec-websocket-key").and_then(|v| v.to_str().ok()).map(str::to_owned);
     let Some(key) = key else {
@@ -429,10 +433,12 @@ fn serve_websocket(
             ),
         ));
     };
+    let guard = match sessions.begin() {
+        Ok(guard) => guard,
+        Err(refused) => return refused.into_response(),
+    };
     let upgrade = hyper::upgrade::on(&mut request);
-    let guard = SessionGuard::new(sessions);
-    tokio::spawn(async move {
-        let _guard = guard;
+    sessions.spawn(guard, async move {
         match upgrade.await {
             Ok(upgraded) => super::websocket::serve(TokioIo::new(upgraded), protocol, options, session).await,
             Err(error) => tracing::debug!(%error, "the client did not upgrade"),
