@@ -676,3 +676,156 @@ async fn log_followers_share_one_watcher_and_sessions_are_bounded() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// A memory cgroup made for a test (v1 `memory/` or v2), removed when
+/// dropped (once its processes are gone).
+struct MemoryCgroup {
+    dir: std::path::PathBuf,
+    v2: bool,
+}
+
+impl MemoryCgroup {
+    /// A cgroup limited to `bytes`, or `None` where none can be made here
+    /// (not root, no memory controller).
+    fn make(bytes: u64) -> Option<MemoryCgroup> {
+        let name = format!("rustlet-test-{}", std::process::id());
+        let v1 = std::path::Path::new("/sys/fs/cgroup/memory");
+        let (dir, v2, limit_file) = if v1.join("memory.limit_in_bytes").exists() {
+            (v1.join(&name), false, "memory.limit_in_bytes")
+        } else if std::path::Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {
+            (std::path::Path::new("/sys/fs/cgroup").join(&name), true, "memory.max")
+        } else {
+            return None;
+        };
+        std::fs::create_dir(&dir).ok()?;
+        let group = MemoryCgroup { dir, v2 };
+        std::fs::write(group.dir.join(limit_file), bytes.to_string()).ok()?;
+        if !group.v2 {
+            // No swap to hide in: the limit is the memory.
+            let _ = std::fs::write(group.dir.join("memory.memsw.limit_in_bytes"), bytes.to_string());
+        }
+        Some(group)
+    }
+
+    fn add(&self, pid: u32) {
+        std::fs::write(self.dir.join("cgroup.procs"), pid.to_string()).expect("move the node into the cgroup");
+    }
+
+    /// How many processes the kernel's OOM killer killed in it.
+    fn oom_kills(&self) -> u64 {
+        let (file, key) = if self.v2 { ("memory.events", "oom_kill") } else { ("memory.oom_control", "oom_kill") };
+        std::fs::read_to_string(self.dir.join(file))
+            .unwrap_or_default()
+            .lines()
+            .find_map(|l| l.strip_prefix(key).and_then(|v| v.trim().parse().ok()))
+            .unwrap_or(0)
+    }
+}
+
+impl Drop for MemoryCgroup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
+/// One WebAssembly pod cannot take the node's memory: the node runs in a
+/// memory cgroup of 2 GiB beside a sleeper pod while a pod without a
+/// memory limit grows its linear memory (touching every page) and a table,
+/// 1 MiB at a time, without end. The pod is OOMKilled at its default limit;
+/// the node and the neighbour live, and the kernel never had to kill
+/// anything. (Before, the kernel killed the node, and every pod with it.)
+/// Skipped where no memory cgroup can be made.
+#[tokio::test]
+async fn a_pod_growing_without_end_is_oomkilled_alone_in_a_node_in_a_2_gib_cgroup() {
+    let Some(cgroup) = MemoryCgroup::make(2 << 30) else {
+        eprintln!("skipped: no memory cgroup can be made here");
+        return;
+    };
+    let root = tempfile::tempdir().expect("tempdir");
+    let root_dir = root.path().to_str().expect("utf8").to_owned();
+    let grower = wat::parse_str(
+        r#"(module
+             (import "wasi_snapshot_preview1" "sched_yield" (func $yield (result i32)))
+             (memory (export "memory") 1)
+             (table 1 funcref)
+             (func (export "_start")
+               (local $page i32) (local $addr i32)
+               (loop $more
+                 (local.set $page (memory.grow (i32.const 16)))
+                 (if (i32.eq (local.get $page) (i32.const -1)) (then unreachable))
+                 (drop (table.grow (ref.null func) (i32.const 16384)))
+                 (local.set $addr (i32.mul (local.get $page) (i32.const 65536)))
+                 (block $done
+                   (loop $touch
+                     (i32.store8 (local.get $addr) (i32.const 1))
+                     (local.set $addr (i32.add (local.get $addr) (i32.const 4096)))
+                     (br_if $done (i32.ge_u (local.get $addr) (i32.mul (memory.size) (i32.const 65536))))
+                     (br $touch)))
+                 (drop (call $yield))
+                 (br $more))))"#,
+    )
+    .expect("wat");
+    let sleep = rustlet_wasi::examples::binary("sleep").expect("module");
+    let layout = root.path().join("layout");
+    rustlet_wasi::import::write_layout(
+        &layout,
+        &[("example.com/test/grow:v1", &grower), ("example.com/test/sleep:v1", &sleep)],
+    )
+    .expect("layout");
+    let (ok, _, stderr) = run_cli(&["images", "import", layout.to_str().expect("utf8"), "--root-dir", &root_dir]).await;
+    assert!(ok, "{stderr}");
+    let manifests = root.path().join("manifests");
+    std::fs::create_dir_all(&manifests).expect("mkdir");
+    let mut node = running(&[
+        "--standalone",
+        "--root-dir",
+        &root_dir,
+        "--pod-manifest-path",
+        manifests.to_str().expect("utf8"),
+        "--node-name",
+        "n1",
+        "--healthz-port",
+        "0",
+        "--port",
+        "0",
+    ]);
+    node.http_address().await;
+    cgroup.add(node.child.id().expect("pid"));
+    let manifest = |name: &str, image: &str, policy: &str| {
+        format!(
+            "apiVersion: v1\nkind: Pod\nmetadata: {{name: {name}}}\nspec:\n  restartPolicy: {policy}\n  containers:\n  \
+             - name: main\n    image: {image}\n    imagePullPolicy: Never\n"
+        )
+    };
+    std::fs::write(manifests.join("neighbour.yaml"), manifest("neighbour", "example.com/test/sleep:v1", "Always"))
+        .expect("write");
+    std::fs::write(manifests.join("grower.yaml"), manifest("grower", "example.com/test/grow:v1", "Never"))
+        .expect("write");
+    let socket = local_socket(root.path());
+    let deadline = tokio::time::Instant::now() + SOON * 2;
+    let (grower, neighbour) = loop {
+        let (_, body) = get(&socket, "/pods").await;
+        let list: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+        let find = |name: &str| {
+            list["items"].as_array().into_iter().flatten().find(|p| p["metadata"]["name"] == name).cloned()
+        };
+        if let (Some(grower), Some(neighbour)) = (find("grower-n1"), find("neighbour-n1"))
+            && grower["status"]["phase"] == "Failed"
+        {
+            break (grower, neighbour);
+        }
+        assert!(node.child.try_wait().expect("try_wait").is_none(), "the node died");
+        assert!(tokio::time::Instant::now() < deadline, "the grower did not end in time: {body}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let terminated = &grower["status"]["containerStatuses"][0]["state"]["terminated"];
+    assert_eq!(terminated["reason"], "OOMKilled", "{grower}");
+    assert!(terminated["message"].as_str().is_some_and(|m| m.contains("memory limit")), "{grower}");
+    assert_eq!(neighbour["status"]["phase"], "Running", "{neighbour}");
+    assert!(node.child.try_wait().expect("try_wait").is_none(), "the node lives");
+    let (code, _) = get(&socket, "/healthz").await;
+    assert_eq!(code, 200);
+    assert_eq!(cgroup.oom_kills(), 0, "the kernel never had to kill in the node's cgroup");
+    node.child.kill().await.expect("kill");
+    let _ = node.child.wait().await;
+}
