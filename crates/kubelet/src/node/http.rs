@@ -362,3 +362,36 @@ async fn node(State(state): State<HttpState>) -> Response {
     }
     Json(object).into_response()
 }
+
+#[cfg(test)]
+mod session_tests {
+    use super::*;
+
+    /// Sessions past the limit are refused; a session's place comes back
+    /// when it ends; the node's shutdown ends sessions under way (their
+    /// work is dropped) and the node's task tracker sees them finish.
+    #[tokio::test]
+    async fn sessions_are_bounded_and_end_at_shutdown() {
+        let gauge = prometheus_client::metrics::gauge::Gauge::default();
+        let refused = prometheus_client::metrics::counter::Counter::default();
+        let shutdown = CancellationToken::new();
+        let tasks = tokio_util::task::TaskTracker::new();
+        let sessions = Sessions::new(2, gauge.clone(), refused.clone(), shutdown.clone(), tasks.clone());
+        let first = sessions.begin().expect("first");
+        let second = sessions.begin().expect("second");
+        let full = sessions.begin().err().expect("a third is refused");
+        assert_eq!(full.into_response().status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!((gauge.get(), refused.get()), (2, 1));
+        drop(first);
+        assert_eq!(gauge.get(), 1);
+        let again = sessions.begin().expect("a place came back");
+        // Two sessions that would run for ever.
+        sessions.spawn(second, std::future::pending());
+        sessions.spawn(again, std::future::pending());
+        shutdown.cancel();
+        tasks.close();
+        tokio::time::timeout(std::time::Duration::from_secs(60), tasks.wait()).await.expect("sessions end at shutdown");
+        assert_eq!(gauge.get(), 0);
+        assert!(sessions.begin().is_err(), "no session starts once the node stops");
+    }
+}
