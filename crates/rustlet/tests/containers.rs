@@ -192,13 +192,24 @@ spec:
     };
     assert_ne!(id("box-mixed"), id("wasm-mixed"));
     // The container's output is where `rustlet logs` reads it.
+    // (containerd's shim copies the output into the log file on its own
+    // time, which a loaded machine can make later than the status.)
     let root_dir = root.path().to_str().expect("utf8");
-    let output = Command::new(env!("CARGO_BIN_EXE_rustlet"))
-        .args(["logs", "box-mixed", "--root-dir", root_dir])
-        .output()
-        .await
-        .expect("rustlet logs");
-    assert_eq!(String::from_utf8_lossy(&output.stdout), "container says hi\n");
+    let deadline = tokio::time::Instant::now() + SOON;
+    loop {
+        let output = Command::new(env!("CARGO_BIN_EXE_rustlet"))
+            .args(["logs", "box-mixed", "--root-dir", root_dir])
+            .output()
+            .await
+            .expect("rustlet logs");
+        let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+        if !stdout.is_empty() || tokio::time::Instant::now() >= deadline {
+            assert!(output.status.success(), "{stderr}");
+            assert_eq!(stdout, "container says hi\n", "{stderr}");
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 
     // Each pod's exec probe went to its own runtime (ExecSync; a fresh
     // instance of the module): both become ready.
