@@ -340,6 +340,11 @@ pub(crate) struct DemoArgs {
     /// Exit after the demo's scenario instead of running until Ctrl-C.
     #[arg(long)]
     pub(crate) once: bool,
+    /// Show the node's log beside the demo's story (by default it goes to
+    /// a file the demo names at the start; `RUSTLET_LOG` set does the same
+    /// as this flag).
+    #[arg(long, short)]
+    pub(crate) verbose: bool,
 }
 
 /// Parses a duration as kubelet flags take them: `250ms`, `10s`, `1m30s`,

@@ -29,7 +29,23 @@ fn main() -> ExitCode {
         Some(Command::Images(command)) => return client_exit(images::run(command)),
         other => other,
     };
-    init_logging(cli.log_format);
+    // The demo tells its story on stdout; the node's log would bury it, so
+    // it goes to a file unless asked for (`--verbose`, `RUSTLET_LOG`).
+    let demo_log = match &command {
+        Some(Command::Demo(args)) if !args.verbose && std::env::var_os("RUSTLET_LOG").is_none() => demo_log_file(),
+        _ => None,
+    };
+    match &demo_log {
+        Some((path, _)) => println!(
+            "Rustlet demo: the node's log goes to {} (`demo --verbose`, or RUSTLET_LOG=info, shows it here)",
+            path.display()
+        ),
+        None if matches!(command, Some(Command::Demo(_))) => {
+            println!("Rustlet demo: the node's log is on stderr, beside the story");
+        }
+        None => {}
+    }
+    init_logging(cli.log_format, demo_log.map(|(_, file)| file));
     // One TLS crypto provider for every client (the API server's, registries').
     let _ = rustls::crypto::ring::default_provider().install_default();
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
@@ -70,9 +86,35 @@ fn client_exit(result: anyhow::Result<()>) -> ExitCode {
     }
 }
 
-fn init_logging(format: LogFormat) {
+/// A new file for the demo's node log, in the temporary directory, made
+/// new (never through a link someone left) and readable by its owner only;
+/// `None` (the log stays on stderr) if it cannot be made.
+fn demo_log_file() -> Option<(std::path::PathBuf, std::fs::File)> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let path = std::env::temp_dir().join(format!("rustlet-demo-{}.log", std::process::id()));
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+        .open(&path)
+        .map_err(|error| eprintln!("cannot make the demo's log file {}: {error}; logging to stderr", path.display()))
+        .ok()?;
+    Some((path, file))
+}
+
+fn init_logging(format: LogFormat, file: Option<std::fs::File>) {
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::try_from_env("RUSTLET_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    if let Some(file) = file {
+        let builder =
+            tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::sync::Mutex::new(file)).with_ansi(false);
+        match format {
+            LogFormat::Text => builder.init(),
+            LogFormat::Json => builder.json().with_current_span(true).with_span_list(false).init(),
+        }
+        return;
+    }
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())).init(),

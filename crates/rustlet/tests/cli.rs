@@ -264,6 +264,31 @@ async fn bad_durations_are_refused_by_the_flag_parser() {
     assert!(String::from_utf8_lossy(&output.stderr).contains("must be between 1ms and 24h"), "{output:?}");
 }
 
+/// The README's first command as a newcomer runs it (no `RUSTLET_LOG`):
+/// the story alone on the screen, the node's log in the file it names.
+#[tokio::test]
+async fn the_demo_tells_its_story_and_keeps_the_log_in_a_file() {
+    let output = tokio::time::timeout(SOON * 2, rustlet().env_remove("RUSTLET_LOG").args(["demo", "--once"]).output())
+        .await
+        .expect("demo finishes")
+        .expect("run");
+    let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    assert!(output.status.success(), "{stdout}\n{stderr}");
+    let first = stdout.lines().next().unwrap_or_default();
+    let path = first
+        .strip_prefix("Rustlet demo: the node's log goes to ")
+        .and_then(|rest| rest.split(" (").next())
+        .unwrap_or_else(|| panic!("the first line names the log file: {first:?}"));
+    assert!(stdout.contains("-> registered CSIPlugin plugin hostpath.csi.rustlet.dev"), "{stdout}");
+    assert!(
+        !stdout.contains(" INFO ") && !stderr.contains(" INFO "),
+        "no log lines on the screen:\n{stdout}\n{stderr}"
+    );
+    let log = std::fs::read_to_string(path).expect("the log file");
+    let _ = std::fs::remove_file(path);
+    assert!(log.contains("plugin registered"), "{log}");
+}
+
 /// The README's first command, in its `--once` form.
 #[tokio::test]
 async fn demo_runs_its_scenario_to_completion() {
