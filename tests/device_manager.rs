@@ -1078,7 +1078,8 @@ async fn a_checkpoint_that_cannot_be_written_fails_the_allocation_and_the_health
     // The writes the registration asked for are done: no temporary file is
     // in the way of the blocker.
     node.devices.persisted().await.expect("written");
-    let blocker = node.dir.join(".kubelet_internal_checkpoint.tmp");
+    let blocker =
+        kubelet::durable::temporary_name(&node.dir.join("kubelet_internal_checkpoint")).expect("a temporary name");
     std::fs::create_dir(&blocker).expect("mkdir");
     let err = node.devices.allocate(&request("p", "c", ContainerKind::App, 1)).await.expect_err("not durable");
     let AllocateError::Checkpoint(CheckpointWriteError::Io { path, .. }) = &err else {

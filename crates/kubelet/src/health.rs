@@ -147,6 +147,16 @@ impl Healthz {
     }
 }
 
+/// The text of a panic's payload (what `panic!` was given), for the
+/// health checks and logs of components that caught it.
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".to_owned())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -33,6 +33,7 @@ pub const VERSION: &str = concat!("v1.28.7+rustlet.", env!("CARGO_PKG_VERSION"))
 
 pub mod device_manager;
 pub mod dra;
+pub mod durable;
 pub mod events;
 #[doc(hidden)]
 pub mod fuzz;

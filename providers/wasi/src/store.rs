@@ -14,7 +14,6 @@
 
 use std::collections::HashSet;
 use std::fs::File;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use jiff::Timestamp;
@@ -294,14 +293,10 @@ impl ImageStore {
     }
 }
 
-/// Writes `bytes` to `path` through a temporary file and a rename, so a
-/// reader sees the old or the new content, never a part.
+/// Writes `bytes` to `path` durably ([`kubelet::durable`]): a reader sees
+/// the old or the new content, never a part, after a crash too.
 pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let temp = path.with_extension(format!("tmp-{}", std::process::id()));
-    let mut file = File::create(&temp)?;
-    file.write_all(bytes)?;
-    file.sync_all()?;
-    std::fs::rename(&temp, path)
+    kubelet::durable::write(path, bytes, 0o644)
 }
 
 #[cfg(test)]

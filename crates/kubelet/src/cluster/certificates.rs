@@ -251,7 +251,7 @@ pub fn store(dir: &Path, prefix: &str, issued: &IssuedCertificate) -> Result<Pat
     let target = format!("{prefix}-{stamp}.pem");
     std::os::unix::fs::symlink(&target, &link).map_err(|e| file_error(&link, e))?;
     std::fs::rename(&link, &current).map_err(|e| file_error(&current, e))?;
-    crate::server::tls::sync_parent(&current).map_err(|e| file_error(dir, e))?;
+    crate::durable::sync_parent(&current).map_err(|e| file_error(dir, e))?;
     Ok(current)
 }
 

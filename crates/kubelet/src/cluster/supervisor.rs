@@ -74,7 +74,9 @@ impl Supervision {
                 }
                 let reason = match result {
                     Ok(()) => "stopped unexpectedly".to_owned(),
-                    Err(error) if error.is_panic() => format!("panicked: {}", panic_message(error.into_panic())),
+                    Err(error) if error.is_panic() => {
+                        format!("panicked: {}", crate::health::panic_message(&*error.into_panic()))
+                    }
                     Err(error) => format!("failed: {error}"),
                 };
                 if started.elapsed() > RESET_AFTER {
@@ -107,13 +109,6 @@ impl From<CancellationToken> for Supervision {
     /// awaiting them (for embedders that run one part on its own).
     fn from(shutdown: CancellationToken) -> Supervision {
         Supervision { shutdown, healthz: None, tasks: None }
-    }
-}
-
-fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
-    match payload.downcast::<String>() {
-        Ok(message) => *message,
-        Err(payload) => payload.downcast::<&'static str>().map_or_else(|_| "unknown panic".to_owned(), |m| (*m).into()),
     }
 }
 

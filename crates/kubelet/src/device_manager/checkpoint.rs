@@ -300,23 +300,14 @@ pub(crate) fn decode(path: &Path, bytes: &[u8]) -> Result<Restored, CheckpointEr
     Ok(restored)
 }
 
-/// Writes a file at `path` atomically and durably: `write` fills a
-/// temporary file, which is fsynced and renamed over `path`; then the
-/// directory is fsynced.
+/// Writes the checkpoint at `path` durably ([`crate::durable`]): `write`
+/// fills the temporary file.
 fn write_atomically(
     path: &Path,
     write: impl FnOnce(&mut std::fs::File) -> std::io::Result<()>,
 ) -> Result<(), CheckpointWriteError> {
-    let io = |source| CheckpointWriteError::Io { path: path.to_path_buf(), source: Arc::new(source) };
-    let dir = path.parent().unwrap_or_else(|| Path::new("."));
-    let tmp = dir.join(format!(".{CHECKPOINT_FILE}.tmp"));
-    let mut file = std::fs::File::create(&tmp).map_err(io)?;
-    write(&mut file).map_err(io)?;
-    file.sync_all().map_err(io)?;
-    drop(file);
-    std::fs::rename(&tmp, path).map_err(io)?;
-    std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(io)?;
-    Ok(())
+    crate::durable::write_with(path, 0o644, write)
+        .map_err(|source| CheckpointWriteError::Io { path: path.to_path_buf(), source: Arc::new(source) })
 }
 
 /// Reads the checkpoint at `path`. A missing file is an empty checkpoint; an

@@ -86,15 +86,6 @@ fn register_error(resource: &str, rpc: &'static str, failure: CallFailure) -> Re
     }
 }
 
-/// The text of a panic's payload.
-fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
-    payload
-        .downcast_ref::<&str>()
-        .map(|s| (*s).to_owned())
-        .or_else(|| payload.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "a panic without a message".to_owned())
-}
-
 impl DeviceManager {
     /// Connects to the plugin for `resource` at `socket` and starts watching
     /// its devices. Returns once the `ListAndWatch` stream is open.
@@ -183,7 +174,8 @@ impl DeviceManager {
                     // Cancelled: the runtime is shutting down (we never abort it).
                     Err(error) if error.is_cancelled() => return,
                     Err(error) => {
-                        let panic = error.try_into_panic().map(|p| panic_text(&*p)).unwrap_or_default();
+                        let panic =
+                            error.try_into_panic().map(|p| crate::health::panic_message(&*p)).unwrap_or_default();
                         tracing::error!(
                             resource,
                             panic,

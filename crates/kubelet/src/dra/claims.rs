@@ -170,7 +170,7 @@ impl DraClaims {
             entries: self.state().values().cloned().collect(),
         };
         let bytes = serde_json::to_vec(&checkpoint).map_err(|e| e.to_string())?;
-        write_atomically(&self.inner.path, &bytes)
+        crate::durable::write(&self.inner.path, &bytes, 0o600)
             .map_err(|e| format!("cannot write the DRA checkpoint {}: {e}", self.inner.path.display()))
     }
 
@@ -559,20 +559,6 @@ fn restore(path: &Path) -> BTreeMap<String, ClaimEntry> {
             BTreeMap::new()
         }
     }
-}
-
-/// Writes `bytes` to `path` atomically and durably (a temporary file,
-/// fsynced, renamed over it; then the directory fsynced).
-fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    use std::io::Write as _;
-    let dir = path.parent().unwrap_or_else(|| Path::new("."));
-    let temporary = dir.join(format!(".{DRA_CHECKPOINT_FILE}.tmp"));
-    let mut file = std::fs::File::create(&temporary)?;
-    file.write_all(bytes)?;
-    file.sync_all()?;
-    drop(file);
-    std::fs::rename(&temporary, path)?;
-    std::fs::File::open(dir).and_then(|d| d.sync_all())
 }
 
 #[cfg(test)]

@@ -682,7 +682,9 @@ fn supervise(
             }
             let reason = match result {
                 Ok(()) => "stopped unexpectedly".to_owned(),
-                Err(error) if error.is_panic() => format!("panicked: {}", panic_message(error.into_panic())),
+                Err(error) if error.is_panic() => {
+                    format!("panicked: {}", crate::health::panic_message(&*error.into_panic()))
+                }
                 Err(error) => format!("failed: {error}"),
             };
             tracing::error!(reason, "node component is down");
@@ -690,13 +692,6 @@ fn supervise(
         }
         .instrument(tracing::info_span!("supervise", component = name)),
     );
-}
-
-fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
-    match payload.downcast::<String>() {
-        Ok(message) => *message,
-        Err(payload) => payload.downcast::<&'static str>().map_or_else(|_| "unknown panic".to_owned(), |m| (*m).into()),
-    }
 }
 
 /// A running node: the components' handles. Cheap to share by reference;

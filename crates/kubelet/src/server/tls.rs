@@ -175,52 +175,10 @@ fn still_valid(key: &CertifiedKey) -> bool {
     })
 }
 
-/// Writes a file readable by its owner only, atomically: the bytes go to
-/// `<path>.tmp`, made new (`O_CREAT|O_EXCL|O_NOFOLLOW`, mode 0600: a file
-/// or link someone left there is never written through), synced, renamed
-/// over `path`, and the directory synced so the rename survives a crash.
+/// Writes a file readable by its owner only, durably
+/// ([`crate::durable::write`], mode 0600).
 pub fn write_private(path: &Path, bytes: &[u8]) -> Result<(), TlsError> {
-    use std::io::Write as _;
-    let temp = path.with_extension("tmp");
-    let write = || {
-        // A leftover (from a crash) is removed, not opened: a link is
-        // removed itself, never followed.
-        match std::fs::remove_file(&temp) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
-            _ => {}
-        }
-        let mut file = open_private_new(&temp)?;
-        file.write_all(bytes)?;
-        file.sync_all()?;
-        std::fs::rename(&temp, path)?;
-        sync_parent(path)
-    };
-    write().map_err(|source| {
-        let _ = std::fs::remove_file(&temp);
-        TlsError::File { path: path.to_owned(), source }
-    })
-}
-
-/// Creates `path` as a new file, mode 0600, refusing to follow a link at
-/// it and failing if anything is there already.
-pub(crate) fn open_private_new(path: &Path) -> std::io::Result<std::fs::File> {
-    use std::os::unix::fs::OpenOptionsExt as _;
-    std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
-        .open(path)
-}
-
-/// Syncs the directory holding `path` (what makes a rename or a new link
-/// in it durable).
-pub(crate) fn sync_parent(path: &Path) -> std::io::Result<()> {
-    let parent = match path.parent() {
-        Some(parent) if !parent.as_os_str().is_empty() => parent,
-        _ => Path::new("."),
-    };
-    std::fs::File::open(parent)?.sync_all()
+    crate::durable::write(path, bytes, 0o600).map_err(|source| TlsError::File { path: path.to_owned(), source })
 }
 
 /// The server's TLS configuration: `serving` as its certificate; client
@@ -251,36 +209,4 @@ pub fn server_config(
     // Exec, attach and port-forward upgrade HTTP/1.1 connections.
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok(Arc::new(config))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::os::unix::fs::PermissionsExt as _;
-
-    /// A key is never written through a link or into a file someone left:
-    /// the temporary file is made new, without following links.
-    #[test]
-    fn private_files_are_made_new_and_never_through_a_link() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let victim = dir.path().join("victim");
-        std::fs::write(&victim, "precious").expect("victim");
-        let planted = dir.path().join("planted");
-        std::os::unix::fs::symlink(&victim, &planted).expect("symlink");
-        assert!(open_private_new(&planted).is_err(), "a link is not followed");
-        assert!(open_private_new(&victim).is_err(), "an existing file is not opened");
-        let dangling = dir.path().join("dangling");
-        std::os::unix::fs::symlink(dir.path().join("nowhere"), &dangling).expect("symlink");
-        assert!(open_private_new(&dangling).is_err(), "a dangling link is not followed either");
-        assert!(!dir.path().join("nowhere").exists());
-
-        // A link left at the temporary name is removed, not written through.
-        let key = dir.path().join("kubelet.key");
-        std::os::unix::fs::symlink(&victim, dir.path().join("kubelet.tmp")).expect("symlink");
-        write_private(&key, b"secret").expect("written");
-        assert_eq!(std::fs::read_to_string(&victim).expect("victim"), "precious");
-        assert_eq!(std::fs::read_to_string(&key).expect("key"), "secret");
-        assert_eq!(std::fs::metadata(&key).expect("meta").permissions().mode() & 0o777, 0o600);
-        assert!(!dir.path().join("kubelet.tmp").exists(), "no temporary file is left");
-    }
 }
