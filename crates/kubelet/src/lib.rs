@@ -14,9 +14,18 @@
 //!   health and capacity), device allocation and its checkpoint.
 //! - [`health`]: how long-running components report their health to
 //!   `/healthz`.
+//! - [`dra`] and [`pod_resources`]: DRA drivers and resource claims, the
+//!   PodResources API.
+//! - [`pod`], [`provider`], [`volume`], [`static_pods`], [`runtime_class`]:
+//!   the pod lifecycle, what a provider implements, pod volumes, static
+//!   manifests, several providers behind one node.
+//! - [`cluster`], [`events`], [`server`]: cluster mode (the Node, Lease,
+//!   pods and their statuses, certificates), events, the kubelet API on
+//!   :10250.
+//! - [`plugin_trust`], [`durable`], [`retry`]: who may offer plugins, the
+//!   durable file write, retry backoff.
 //!
-//! The pod lifecycle and the `Provider` trait come next (see
-//! `docs/architecture.md`).
+//! `docs/architecture.md` has the data flow between them.
 
 pub mod cluster;
 pub mod csi;
@@ -55,3 +64,39 @@ pub mod volume;
 #[cfg(doctest)]
 #[doc = include_str!("../../../docs/providers.md")]
 mod providers_md {}
+
+#[cfg(test)]
+mod docs_tests {
+    /// docs/architecture.md names every workspace crate and every top-level
+    /// module of this crate (as `name/` or `name.rs`).
+    #[test]
+    fn architecture_doc_names_every_crate_and_module() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let doc = std::fs::read_to_string(root.join("docs/architecture.md")).expect("docs/architecture.md");
+        let workspace = std::fs::read_to_string(root.join("Cargo.toml")).expect("Cargo.toml");
+        let members = workspace
+            .lines()
+            .find(|l| l.trim_start().starts_with("members"))
+            .expect("the workspace's members")
+            .split('"')
+            .skip(1)
+            .step_by(2)
+            .map(str::to_owned)
+            .collect::<Vec<_>>();
+        assert!(members.len() >= 5, "{members:?}");
+        let mut missing: Vec<String> = members
+            .iter()
+            .filter(|m| !doc.lines().any(|l| l.starts_with(m.as_str()) || l.starts_with(&format!("{m}/"))))
+            .map(|m| format!("crate {m}"))
+            .collect();
+        let lib = std::fs::read_to_string(root.join("crates/kubelet/src/lib.rs")).expect("lib.rs");
+        for line in lib.lines() {
+            let declared = line.strip_prefix("pub mod ").or_else(|| line.strip_prefix("mod "));
+            let Some(name) = declared.and_then(|rest| rest.strip_suffix(';')) else { continue };
+            if !doc.contains(&format!("{name}/")) && !doc.contains(&format!("{name}.rs")) {
+                missing.push(format!("module {name}"));
+            }
+        }
+        assert!(missing.is_empty(), "docs/architecture.md does not name: {missing:?}");
+    }
+}
