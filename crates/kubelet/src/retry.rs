@@ -1,5 +1,6 @@
-//! The node's retry backoff: one type for every retried call (API writes,
-//! cluster tasks, volume teardown, the kubeconfig, binding `kubelet.sock`),
+//! The node's retry backoff: one type for every retried call (API writes
+//! and watches, cluster tasks, volume teardown, the kubeconfig, binding
+//! `kubelet.sock`),
 //! built on `backon`'s exponential backoff: the delay doubles from `initial`
 //! up to `max`, and each delay gets up to as much again at random (jitter),
 //! so that many things failing together do not retry together. A success
@@ -35,6 +36,13 @@ impl RetryBackoff {
             .with_jitter()
             .without_max_times();
         RetryBackoff { delays: builder.build(), builder, max, failures: 0 }
+    }
+
+    /// The backoff of an API watch that failed: from 500 ms, doubling to
+    /// 30 s, jittered (kube's watcher retries the request; this paces a
+    /// failing API server instead of asking it twice a second forever).
+    pub fn for_watches() -> RetryBackoff {
+        RetryBackoff::new(Duration::from_millis(500), Duration::from_secs(30))
     }
 
     /// The delay before the next attempt, after a failure.

@@ -451,7 +451,11 @@ async fn watch_deletion(
     let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
     let mut events = watcher(nodes, config).boxed();
     let mut seen_in_list = false;
+    let mut backoff = crate::retry::RetryBackoff::for_watches();
     while let Some(event) = events.next().await {
+        if event.is_ok() {
+            backoff.reset();
+        }
         match event {
             // Only the object this node registered counts: before the
             // first registration, a missing node is not news.
@@ -463,8 +467,9 @@ async fn watch_deletion(
             Err(error) => {
                 // The watcher retries by itself; a pause keeps a failing
                 // API from being asked in a tight loop.
-                tracing::debug!(%error, "node watch failed; resuming");
-                tokio::time::sleep(Duration::from_millis(500)).await;
+                let delay = backoff.next_delay();
+                tracing::debug!(%error, retry_in = ?delay, "node watch failed; resuming");
+                tokio::time::sleep(delay).await;
             }
         }
     }

@@ -280,7 +280,11 @@ async fn follow_pods(client: kube::Client, node: String, pods: Pods, table: Tabl
     let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
     let mut events = watcher(api, config).boxed();
     let mut listed: HashSet<String> = HashSet::new();
+    let mut backoff = crate::retry::RetryBackoff::for_watches();
     while let Some(event) = events.next().await {
+        if event.is_ok() {
+            backoff.reset();
+        }
         match event {
             Ok(watcher::Event::Apply(pod) | watcher::Event::InitApply(pod))
                 if is_mirror(&pod) && pod.metadata.deletion_timestamp.is_some() =>
@@ -331,8 +335,9 @@ async fn follow_pods(client: kube::Client, node: String, pods: Pods, table: Tabl
                 poke.notify_one();
             }
             Err(error) => {
-                tracing::warn!(%error, "pod watch failed; resuming");
-                tokio::time::sleep(Duration::from_millis(500)).await;
+                let delay = backoff.next_delay();
+                tracing::warn!(%error, retry_in = ?delay, "pod watch failed; resuming");
+                tokio::time::sleep(delay).await;
             }
         }
     }

@@ -16,7 +16,11 @@ pub async fn follow(client: kube::Client, classes: ClassHandlers) {
     let api: Api<RuntimeClass> = Api::all(client);
     let mut events = watcher(api, watcher::Config::default()).boxed();
     let mut listed: Vec<String> = Vec::new();
+    let mut backoff = crate::retry::RetryBackoff::for_watches();
     while let Some(event) = events.next().await {
+        if event.is_ok() {
+            backoff.reset();
+        }
         match event {
             Ok(watcher::Event::Apply(class)) => {
                 let name = class.metadata.name.clone().unwrap_or_default();
@@ -44,8 +48,9 @@ pub async fn follow(client: kube::Client, classes: ClassHandlers) {
                 classes.listed();
             }
             Err(error) => {
-                tracing::warn!(%error, "RuntimeClass watch failed; resuming");
-                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                let delay = backoff.next_delay();
+                tracing::warn!(%error, retry_in = ?delay, "RuntimeClass watch failed; resuming");
+                tokio::time::sleep(delay).await;
             }
         }
     }

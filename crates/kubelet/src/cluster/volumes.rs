@@ -39,7 +39,11 @@ pub async fn follow_csi_drivers(client: kube::Client, objects: CsiDriverObjects)
     let api: Api<CSIDriver> = Api::all(client);
     let mut events = watcher(api, watcher::Config::default()).boxed();
     let mut listed: Vec<String> = Vec::new();
+    let mut backoff = crate::retry::RetryBackoff::for_watches();
     while let Some(event) = events.next().await {
+        if event.is_ok() {
+            backoff.reset();
+        }
         match event {
             Ok(watcher::Event::Apply(driver)) => {
                 let name = driver.metadata.name.clone().unwrap_or_default();
@@ -63,8 +67,9 @@ pub async fn follow_csi_drivers(client: kube::Client, objects: CsiDriverObjects)
                 }
             }
             Err(error) => {
-                tracing::warn!(%error, "CSIDriver watch failed; resuming");
-                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                let delay = backoff.next_delay();
+                tracing::warn!(%error, retry_in = ?delay, "CSIDriver watch failed; resuming");
+                tokio::time::sleep(delay).await;
             }
         }
     }
