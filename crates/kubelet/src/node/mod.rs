@@ -318,15 +318,7 @@ impl NodeBuilder {
         let tasks = TaskTracker::new();
 
         let csi_drivers = CsiDriverRegistry::new();
-        // In a cluster the CSI node info also goes to the API.
-        let api_node_info = cluster.as_ref().map(|_| ApiNodeInfo::new());
-        let (node_info, publisher): (InMemoryNodeInfo, Arc<dyn NodeInfoPublisher>) = match &api_node_info {
-            Some(api) => (api.memory().clone(), Arc::new(api.clone())),
-            None => {
-                let memory = InMemoryNodeInfo::new();
-                (memory.clone(), Arc::new(memory))
-            }
-        };
+        let (api_node_info, node_info, publisher) = csi_node_info(cluster.is_some());
         let csi = CsiPluginHandler::new(csi_drivers.clone(), publisher, config.csi);
 
         let devices = DeviceManager::start(config.devices.clone(), shutdown.clone())
@@ -350,20 +342,7 @@ impl NodeBuilder {
         healthz.add("plugin-manager", plugins.health());
         supervise(&tasks, &healthz, "plugin-manager-task", manager_task, shutdown.clone());
 
-        let mut allocatable = config.pods.allocatable.unwrap_or_else(|| measure(config.pods.max_pods));
-        if let Some((ceiling, why)) = provider.as_ref().and_then(|p| p.pod_ceiling()) {
-            if ceiling < allocatable.pods {
-                tracing::warn!(
-                    max_pods = allocatable.pods,
-                    ceiling,
-                    reason = %why,
-                    "the node's process holds fewer pods than --max-pods: allocatable pods lowered"
-                );
-                allocatable.pods = ceiling;
-            } else {
-                tracing::info!(ceiling, reason = %why, "pods the node's process can hold");
-            }
-        }
+        let allocatable = node_allocatable(&config, provider.as_deref());
         let mut pod_config = PodConfig::new(&root_dir, allocatable);
         pod_config.restart_backoff = config.pods.restart_backoff;
         pod_config.image_backoff = config.pods.image_backoff;
@@ -419,33 +398,11 @@ impl NodeBuilder {
         // A node that cannot serve the PodResources API (a root dir whose
         // socket path is too long, say) still runs its pods.
         if let Some(pod_resources) = &config.pod_resources {
-            match crate::pod_resources::serve(
-                pod_resources,
-                pods.clone(),
-                devices.clone(),
-                Some(dra_claims.clone()),
-                shutdown.clone(),
-            ) {
-                Ok(task) => supervise(&tasks, &healthz, "pod-resources", task, shutdown.clone()),
-                Err(error) => tracing::error!(
-                    socket = %pod_resources.socket.display(),
-                    %error,
-                    "cannot serve the PodResources API; the node runs without it"
-                ),
-            }
+            serve_pod_resources(pod_resources, &pods, &devices, &dra_claims, &tasks, &healthz, &shutdown);
         }
         let static_pods = match &config.pods.manifest_dir {
             None => None,
-            Some(dir) => {
-                let mut source = StaticPodConfig::new(dir, &config.node_name);
-                source.rescan_period = config.pods.manifest_rescan;
-                let (static_pods, task) =
-                    StaticPods::start(source, pods.clone(), csi_objects.clone(), shutdown.clone())
-                        .await
-                        .map_err(|source| NodeError::StaticPods { dir: dir.clone(), source })?;
-                supervise(&tasks, &healthz, "static-pods", task, shutdown.clone());
-                Some(static_pods)
-            }
+            Some(dir) => Some(start_static_pods(&config, dir, &pods, &csi_objects, &tasks, &healthz, &shutdown).await?),
         };
         // What an earlier run left for pods that are gone (containers,
         // devices, volumes) is released once every pod source has listed
@@ -498,38 +455,8 @@ impl NodeBuilder {
             kubelet_port: kubelet_api.as_ref().map(|api| api.address.port()),
             runtime_version: capacity::RuntimeVersion(provider_runtime),
         };
-        let sessions = prometheus_client::metrics::gauge::Gauge::default();
-        metrics.register(
-            "kubelet_api_streaming_sessions",
-            "Log follows, exec, attach and port-forward sessions under way",
-            sessions.clone(),
-        );
-        let sessions_refused = prometheus_client::metrics::counter::Counter::default();
-        metrics.register(
-            "rustlet_streaming_sessions_refused",
-            "Streaming sessions refused because the node served its limit (--max-streaming-sessions)",
-            sessions_refused.clone(),
-        );
-        let sessions = http::Sessions::new(
-            config.max_streaming_sessions,
-            sessions,
-            sessions_refused,
-            shutdown.clone(),
-            tasks.clone(),
-        );
-        let local_refused = prometheus_client::metrics::counter::Counter::default();
-        metrics.register(
-            "rustlet_local_socket_refused",
-            "Connections to the local socket refused for their peer's user",
-            local_refused.clone(),
-        );
-        let tls_failures = crate::server::TlsFailures::default();
-        metrics.register(
-            "kubelet_api_tls_handshake_failures",
-            "TLS handshakes of the kubelet API that failed, by reason (unknown_authority, expired, bad_certificate, \
-             no_serving_certificate, protocol, timeout, closed, ...)",
-            tls_failures.clone(),
-        );
+        let (sessions, local_refused, tls_failures) =
+            endpoint_metrics(&mut metrics, config.max_streaming_sessions, &shutdown, &tasks);
         let http_state = http::HttpState {
             node_name: config.node_name.clone(),
             sessions,
@@ -610,6 +537,114 @@ impl NodeBuilder {
             cluster,
         })
     }
+}
+
+/// Allocatable from the settings (or measured from the machine), its pods
+/// lowered to what the provider's process can hold.
+fn node_allocatable(config: &NodeConfig, provider: Option<&dyn Provider>) -> Allocatable {
+    let mut allocatable = config.pods.allocatable.unwrap_or_else(|| measure(config.pods.max_pods));
+    if let Some((ceiling, why)) = provider.and_then(|p| p.pod_ceiling()) {
+        if ceiling < allocatable.pods {
+            tracing::warn!(
+                max_pods = allocatable.pods,
+                ceiling,
+                reason = %why,
+                "the node's process holds fewer pods than --max-pods: allocatable pods lowered"
+            );
+            allocatable.pods = ceiling;
+        } else {
+            tracing::info!(ceiling, reason = %why, "pods the node's process can hold");
+        }
+    }
+    allocatable
+}
+
+/// Where the CSI node info goes: in memory, and (in a cluster) the API too.
+fn csi_node_info(in_cluster: bool) -> (Option<ApiNodeInfo>, InMemoryNodeInfo, Arc<dyn NodeInfoPublisher>) {
+    if in_cluster {
+        let api = ApiNodeInfo::new();
+        (Some(api.clone()), api.memory().clone(), Arc::new(api))
+    } else {
+        let memory = InMemoryNodeInfo::new();
+        (None, memory.clone(), Arc::new(memory))
+    }
+}
+
+/// Serves the PodResources API; a node that cannot (a root dir whose socket
+/// path is too long, say) runs its pods without it.
+fn serve_pod_resources(
+    config: &crate::pod_resources::PodResourcesConfig,
+    pods: &Pods,
+    devices: &DeviceManager,
+    claims: &crate::dra::DraClaims,
+    tasks: &TaskTracker,
+    healthz: &Healthz,
+    shutdown: &CancellationToken,
+) {
+    match crate::pod_resources::serve(config, pods.clone(), devices.clone(), Some(claims.clone()), shutdown.clone()) {
+        Ok(task) => supervise(tasks, healthz, "pod-resources", task, shutdown.clone()),
+        Err(error) => tracing::error!(
+            socket = %config.socket.display(),
+            %error,
+            "cannot serve the PodResources API; the node runs without it"
+        ),
+    }
+}
+
+/// Follows the static pod manifests of `dir`.
+async fn start_static_pods(
+    config: &NodeConfig,
+    dir: &Path,
+    pods: &Pods,
+    csi_objects: &CsiDriverObjects,
+    tasks: &TaskTracker,
+    healthz: &Healthz,
+    shutdown: &CancellationToken,
+) -> Result<StaticPods, NodeError> {
+    let mut source = StaticPodConfig::new(dir, &config.node_name);
+    source.rescan_period = config.pods.manifest_rescan;
+    let (static_pods, task) = StaticPods::start(source, pods.clone(), csi_objects.clone(), shutdown.clone())
+        .await
+        .map_err(|source| NodeError::StaticPods { dir: dir.to_path_buf(), source })?;
+    supervise(tasks, healthz, "static-pods", task, shutdown.clone());
+    Ok(static_pods)
+}
+
+/// The streaming sessions and the endpoints' own metrics, registered:
+/// (sessions, local socket refusals, TLS handshake failures).
+fn endpoint_metrics(
+    metrics: &mut Registry,
+    max_sessions: usize,
+    shutdown: &CancellationToken,
+    tasks: &TaskTracker,
+) -> (http::Sessions, prometheus_client::metrics::counter::Counter, crate::server::TlsFailures) {
+    let sessions = prometheus_client::metrics::gauge::Gauge::default();
+    metrics.register(
+        "kubelet_api_streaming_sessions",
+        "Log follows, exec, attach and port-forward sessions under way",
+        sessions.clone(),
+    );
+    let sessions_refused = prometheus_client::metrics::counter::Counter::default();
+    metrics.register(
+        "rustlet_streaming_sessions_refused",
+        "Streaming sessions refused because the node served its limit (--max-streaming-sessions)",
+        sessions_refused.clone(),
+    );
+    let sessions = http::Sessions::new(max_sessions, sessions, sessions_refused, shutdown.clone(), tasks.clone());
+    let local_refused = prometheus_client::metrics::counter::Counter::default();
+    metrics.register(
+        "rustlet_local_socket_refused",
+        "Connections to the local socket refused for their peer's user",
+        local_refused.clone(),
+    );
+    let tls_failures = crate::server::TlsFailures::default();
+    metrics.register(
+        "kubelet_api_tls_handshake_failures",
+        "TLS handshakes of the kubelet API that failed, by reason (unknown_authority, expired, bad_certificate, \
+         no_serving_certificate, protocol, timeout, closed, ...)",
+        tls_failures.clone(),
+    );
+    (sessions, local_refused, tls_failures)
 }
 
 /// What `/configz` shows: the node's settings in `KubeletConfiguration`'s
