@@ -12,6 +12,8 @@
 //! Generated types stay at the edge: the `kubelet` crate converts them into its
 //! own types in one place per API.
 
+#![warn(missing_docs)]
+
 pub mod authority;
 pub mod constants;
 pub mod uds;
@@ -69,7 +71,7 @@ pub mod dra {
         tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1");
     }
     /// `k8s.io.kubelet.pkg.apis.dra.v1beta1` (registered as
-    /// `v1beta1.DRAPlugin`); the same messages as [`v1`](super::v1).
+    /// `v1beta1.DRAPlugin`); the same messages as `v1`.
     #[allow(missing_docs, clippy::all)]
     pub mod v1beta1 {
         tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1beta1");

@@ -17,7 +17,7 @@ pub fn write(path: &Path, bytes: &[u8], mode: u32) -> std::io::Result<()> {
     write_with(path, mode, |file| file.write_all(bytes))
 }
 
-/// [`write`], the content written by `fill` into the temporary file.
+/// [`write()`], the content written by `fill` into the temporary file.
 pub fn write_with(path: &Path, mode: u32, fill: impl FnOnce(&mut File) -> std::io::Result<()>) -> std::io::Result<()> {
     let temp = temporary_name(path)?;
     let written = (|| {

@@ -20,12 +20,14 @@
 //! After a node restart, [`Provider::running_containers`] lists the running
 //! containers by their labels and they are adopted, sandboxes included.
 //!
-//! Security contexts follow the kubelet's derivation (see [`security`]);
-//! pull secrets become `PullImage`'s credentials (see [`auth`]).
+//! Security contexts follow the kubelet's derivation (the `security` module);
+//! pull secrets become `PullImage`'s credentials (the `auth` module).
 //!
 //! Each sandbox gets the pod's DNS settings (see [`dns`]); `ExecSync` runs
 //! exec probes; `Exec`, `Attach` and `PortForward` answer the runtime's
 //! streaming URL, for the kubelet API to serve.
+
+#![warn(missing_docs)]
 
 mod auth;
 pub mod dns;

@@ -33,6 +33,8 @@
 //! process: one pod growing without end is OOMKilled at its budget, and
 //! its neighbours and the node go on.
 
+#![warn(missing_docs)]
+
 pub mod cpu;
 pub mod dense;
 pub mod examples;

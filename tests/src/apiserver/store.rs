@@ -574,7 +574,7 @@ const MERGE_KEYS: [(&str, &str); 3] =
 
 /// A strategic merge patch, as the API server applies one to the objects
 /// the node patches this way (pod status): a merge patch, except that the
-/// lists of [`MERGE_KEYS`] merge entry by entry (an entry with
+/// lists of `MERGE_KEYS` merge entry by entry (an entry with
 /// `"$patch": "delete"` removes its match), and `$setElementOrder/` and
 /// `$retainKeys` directives are ignored.
 pub fn strategic_merge_patch(target: &mut Value, patch: &Value) {

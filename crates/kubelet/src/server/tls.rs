@@ -176,7 +176,7 @@ fn still_valid(key: &CertifiedKey) -> bool {
 }
 
 /// Writes a file readable by its owner only, durably
-/// ([`crate::durable::write`], mode 0600).
+/// ([`crate::durable::write()`], mode 0600).
 pub fn write_private(path: &Path, bytes: &[u8]) -> Result<(), TlsError> {
     crate::durable::write(path, bytes, 0o600).map_err(|source| TlsError::File { path: path.to_owned(), source })
 }
