@@ -452,12 +452,11 @@ async fn http11_get(address: &str, path: &str) -> String {
     String::from_utf8_lossy(&http_get_raw(address, path).await).into_owned()
 }
 
-/// `rustlet logs -f` prints what the container wrote, then each line as it
-/// is written, and ends when the container does. The module (`wait`) prints
-/// a line, waits for a file the test creates in its volume, prints another
-/// and exits.
-#[tokio::test]
-async fn logs_follow_prints_lines_as_written_until_the_container_ends() {
+/// A root dir with the `wait` example imported and a manifest directory
+/// holding the `waiter` pod (it prints a line, waits for `go` in its
+/// `signal` volume, prints another and exits): (root, root dir as text,
+/// the signal directory, the manifest directory).
+async fn waiter_root() -> (tempfile::TempDir, String, std::path::PathBuf, std::path::PathBuf) {
     let root = tempfile::tempdir().expect("tempdir");
     let root_dir = root.path().to_str().expect("utf8").to_owned();
     let layout = root.path().join("layout");
@@ -465,10 +464,6 @@ async fn logs_follow_prints_lines_as_written_until_the_container_ends() {
     rustlet_wasi::import::write_layout(&layout, &[("example.com/test/wait:v1", &module)]).expect("layout");
     let (ok, _, stderr) = run_cli(&["images", "import", layout.to_str().expect("utf8"), "--root-dir", &root_dir]).await;
     assert!(ok, "{stderr}");
-    let (ok, listed, stderr) = run_cli(&["images", "list", "-q", "--root-dir", &root_dir]).await;
-    assert!(ok, "{stderr}");
-    assert_eq!(listed, "example.com/test/wait:v1\n");
-
     let signal = root.path().join("signal");
     let manifests = root.path().join("manifests");
     std::fs::create_dir_all(&signal).expect("mkdir");
@@ -484,6 +479,20 @@ async fn logs_follow_prints_lines_as_written_until_the_container_ends() {
         ),
     )
     .expect("write");
+    (root, root_dir, signal, manifests)
+}
+
+/// `rustlet logs -f` prints what the container wrote, then each line as it
+/// is written, and ends when the container does. The module (`wait`) prints
+/// a line, waits for a file the test creates in its volume, prints another
+/// and exits.
+#[tokio::test]
+async fn logs_follow_prints_lines_as_written_until_the_container_ends() {
+    let (_root, root_dir, signal, manifests) = waiter_root().await;
+    let (ok, listed, stderr) = run_cli(&["images", "list", "-q", "--root-dir", &root_dir]).await;
+    assert!(ok, "{stderr}");
+    assert_eq!(listed, "example.com/test/wait:v1\n");
+
     let manifest_dir = manifests.to_str().expect("utf8").to_owned();
     let mut node = running(&[
         "--standalone",
@@ -624,28 +633,7 @@ async fn open_follow(socket: &str, path: &str, first: &str) -> (tokio::net::Unix
 #[tokio::test]
 async fn log_followers_share_one_watcher_and_sessions_are_bounded() {
     const FOLLOWERS: usize = 20;
-    let root = tempfile::tempdir().expect("tempdir");
-    let root_dir = root.path().to_str().expect("utf8").to_owned();
-    let layout = root.path().join("layout");
-    let module = rustlet_wasi::examples::binary("wait").expect("module");
-    rustlet_wasi::import::write_layout(&layout, &[("example.com/test/wait:v1", &module)]).expect("layout");
-    let (ok, _, stderr) = run_cli(&["images", "import", layout.to_str().expect("utf8"), "--root-dir", &root_dir]).await;
-    assert!(ok, "{stderr}");
-    let signal = root.path().join("signal");
-    let manifests = root.path().join("manifests");
-    std::fs::create_dir_all(&signal).expect("mkdir");
-    std::fs::create_dir_all(&manifests).expect("mkdir");
-    std::fs::write(
-        manifests.join("waiter.yaml"),
-        format!(
-            "apiVersion: v1\nkind: Pod\nmetadata: {{name: waiter}}\nspec:\n  restartPolicy: Never\n  containers:\n  \
-             - name: main\n    image: example.com/test/wait:v1\n    imagePullPolicy: Never\n    \
-             volumeMounts: [{{name: signal, mountPath: /signal}}]\n  volumes:\n  \
-             - {{name: signal, hostPath: {{path: {}, type: Directory}}}}\n",
-            signal.display()
-        ),
-    )
-    .expect("write");
+    let (root, root_dir, signal, manifests) = waiter_root().await;
     let limit = FOLLOWERS.to_string();
     let mut node = running(&[
         "--standalone",
