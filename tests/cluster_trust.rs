@@ -816,7 +816,7 @@ async fn a_node_joins_by_tls_bootstrap_and_rotates_its_certificates() {
         let pem = std::fs::read(cert_dir.join("kubelet-client-current.pem")).expect("client certificate");
         use rustls::pki_types::pem::PemObject as _;
         let leaf = rustls::pki_types::CertificateDer::pem_slice_iter(&pem).next().expect("a cert").expect("pem");
-        kubelet::server::x509::certificate_facts(&leaf).expect("facts")
+        kubelet::pki::x509::certificate_facts(&leaf).expect("facts")
     };
     let first = client_cert();
     assert_eq!(first.common_name.as_deref(), Some(format!("system:node:{node_name}").as_str()));
@@ -844,7 +844,7 @@ async fn a_node_joins_by_tls_bootstrap_and_rotates_its_certificates() {
     let deadline = tokio::time::Instant::now() + DEADLINE;
     let served = loop {
         if let Ok(der) = rustlet_testkit::https::server_certificate(address).await {
-            break kubelet::server::x509::certificate_facts(&der).expect("facts");
+            break kubelet::pki::x509::certificate_facts(&der).expect("facts");
         }
         assert!(tokio::time::Instant::now() < deadline, "no serving certificate after approval");
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -862,7 +862,7 @@ async fn a_node_joins_by_tls_bootstrap_and_rotates_its_certificates() {
         let serving_rotated = rustlet_testkit::https::server_certificate(address)
             .await
             .ok()
-            .and_then(|der| kubelet::server::x509::certificate_facts(&der).ok())
+            .and_then(|der| kubelet::pki::x509::certificate_facts(&der).ok())
             .is_some_and(|f| f.not_after > served.not_after);
         if client_rotated && serving_rotated {
             break;

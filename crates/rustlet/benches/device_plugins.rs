@@ -34,7 +34,7 @@ async fn run() -> Result<(), BoxError> {
     let mut node = tokio::process::Command::new(env!("CARGO_BIN_EXE_rustlet"))
         .args(["--standalone", "--log-format", "json", "--healthz-port", "0", "--port", "0", "--root-dir"])
         .arg(root.path())
-        .env("RUSTLET_LOG", "info,kubelet::device_manager=debug")
+        .env("RUSTLET_LOG", "info,kubelet_plugins::device_manager=debug")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .kill_on_drop(true)

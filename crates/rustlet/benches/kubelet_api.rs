@@ -52,10 +52,10 @@ const PODS: usize = 100;
 /// anything, the log's bytes for `/log`.
 async fn floor_server(cert_dir: &std::path::Path, log: Arc<Vec<u8>>) -> SocketAddr {
     use hyper_util::rt::TokioIo;
-    let key = kubelet::server::tls::load_pair(&cert_dir.join("kubelet.crt"), &cert_dir.join("kubelet.key"))
+    let key = kubelet::pki::tls::load_pair(&cert_dir.join("kubelet.crt"), &cert_dir.join("kubelet.key"))
         .expect("the node's certificate");
-    let serving = kubelet::server::tls::ServingCertificate::new(Some(key));
-    let config = kubelet::server::tls::server_config(serving, None).expect("tls");
+    let serving = kubelet::pki::tls::ServingCertificate::new(Some(key));
+    let config = kubelet::pki::tls::server_config(serving, None).expect("tls");
     let acceptor = tokio_rustls::TlsAcceptor::from(config);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let address = listener.local_addr().expect("address");

@@ -488,7 +488,7 @@ async fn run() -> Result<(), BoxError> {
 /// little above the `[single]` figures), one plugin at a time.
 async fn steps(rounds: usize) -> Result<(), BoxError> {
     let root = tempfile::Builder::new().prefix("rustlet-bench-steps-").tempdir()?;
-    let mut node = Node::start(root.path(), "info,kubelet::plugin_manager=debug").await?;
+    let mut node = Node::start(root.path(), "info,kubelet_plugins::plugin_manager=debug").await?;
     let mut g = Generator::new(root.path());
     std::fs::create_dir_all(&g.endpoints)?;
     // Instants of this process and the node's wall-clock timestamps meet here.

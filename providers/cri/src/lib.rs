@@ -41,14 +41,14 @@ use std::time::Duration;
 use async_trait::async_trait;
 use k8s_openapi::api::core::v1::{Container, Pod};
 use k8s_openapi::jiff::Timestamp;
-use kubelet::provider::{
-    ContainerExit, ContainerId, ContainerLaunch, ContainerStats, ExecOutput, PreparedImage, Provider, ProviderError,
-    ProviderErrorKind, PullPolicy, PullSecrets, RunningContainer, StreamRequest, StreamingEndpoint,
-};
 use kubelet_api::cri::v1 as cri;
 use kubelet_api::cri::v1::image_service_client::ImageServiceClient;
 use kubelet_api::cri::v1::runtime_service_client::RuntimeServiceClient;
 use kubelet_api::uds::{UdsChannel, dial, socket_path_of};
+use kubelet_provider::{
+    ContainerExit, ContainerId, ContainerLaunch, ContainerStats, ExecOutput, PreparedImage, Provider, ProviderError,
+    ProviderErrorKind, PullPolicy, PullSecrets, RunningContainer, StreamRequest, StreamingEndpoint,
+};
 use tokio::sync::watch;
 
 /// The label a sandbox and its containers carry with the pod's name.
@@ -219,7 +219,7 @@ impl CriProvider {
     /// Ready condition follows it); changes are logged.
     pub fn watch_health(
         &self,
-        reporter: kubelet::health::HealthReporter,
+        reporter: kubelet_provider::health::HealthReporter,
         period: Duration,
         shutdown: tokio_util::sync::CancellationToken,
     ) -> tokio::task::JoinHandle<()> {
@@ -483,7 +483,7 @@ fn sandbox_config(pod: &Pod, log_directory: String, dns: &dns::DnsSettings) -> c
     cri::PodSandboxConfig {
         metadata: Some(cri::PodSandboxMetadata { name: name.clone(), uid, namespace, attempt: 0 }),
         // As upstream, a name too long for the kernel is cut to 63.
-        hostname: if host_network { String::new() } else { kubelet::pod::pod_hostname(pod) },
+        hostname: if host_network { String::new() } else { kubelet_provider::hostname::pod_hostname(pod) },
         log_directory,
         dns_config: Some(dns::dns_config(pod, dns)),
         port_mappings,
@@ -505,11 +505,11 @@ fn sandbox_config(pod: &Pod, log_directory: String, dns: &dns::DnsSettings) -> c
 /// A quantity's value in milli-units (`cpu`) or units (`memory`), if it
 /// parses.
 fn milli(quantity: &k8s_openapi::apimachinery::pkg::api::resource::Quantity) -> Option<i64> {
-    kubelet::pod::quantity::parse_milli(&quantity.0).ok().and_then(|v| i64::try_from(v).ok())
+    kubelet_provider::quantity::parse_milli(&quantity.0).ok().and_then(|v| i64::try_from(v).ok())
 }
 
 fn units(quantity: &k8s_openapi::apimachinery::pkg::api::resource::Quantity) -> Option<i64> {
-    kubelet::pod::quantity::parse_units(&quantity.0).ok().and_then(|v| i64::try_from(v).ok())
+    kubelet_provider::quantity::parse_units(&quantity.0).ok().and_then(|v| i64::try_from(v).ok())
 }
 
 /// Linux resources as upstream computes them: cpu shares from the request

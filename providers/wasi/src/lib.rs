@@ -63,7 +63,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use k8s_openapi::api::core::v1::{Container, Pod, Taint};
 use k8s_openapi::jiff::Timestamp;
-use kubelet::provider::{
+use kubelet_provider::{
     ContainerExit, ContainerId, ContainerLaunch, ContainerStats, ExecOutput, PreparedImage, Provider, ProviderError,
     ProviderErrorKind, PullSecrets, RunningContainer, SessionStreams, StreamRequest, StreamSession, StreamingEndpoint,
 };
@@ -178,7 +178,7 @@ impl WasiConfig {
 fn limit(
     container: &k8s_openapi::api::core::v1::Container,
     resource: &str,
-    parse: fn(&str) -> Result<u128, kubelet::pod::QuantityError>,
+    parse: fn(&str) -> Result<u128, kubelet_provider::quantity::QuantityError>,
 ) -> Result<Option<u64>, ProviderError> {
     let quantity = container.resources.as_ref().and_then(|r| r.limits.as_ref()).and_then(|l| l.get(resource));
     let Some(quantity) = quantity else { return Ok(None) };
@@ -189,7 +189,7 @@ fn limit(
 
 /// A container's memory limit, or `default`.
 fn memory_limit_or(container: &Container, default: u64) -> u64 {
-    limit(container, "memory", kubelet::pod::parse_units).ok().flatten().unwrap_or(default)
+    limit(container, "memory", kubelet_provider::quantity::parse_units).ok().flatten().unwrap_or(default)
 }
 
 /// A container's memory request (its limit where it sets no request, as
@@ -200,7 +200,9 @@ fn memory_request(container: &Container) -> u64 {
         .and_then(|r| r.requests.as_ref())
         .and_then(|r| r.get("memory"))
         .or_else(|| resources.and_then(|r| r.limits.as_ref()).and_then(|l| l.get("memory")));
-    quantity.and_then(|q| kubelet::pod::parse_units(&q.0).ok()).map_or(0, |v| u64::try_from(v).unwrap_or(u64::MAX))
+    quantity
+        .and_then(|q| kubelet_provider::quantity::parse_units(&q.0).ok())
+        .map_or(0, |v| u64::try_from(v).unwrap_or(u64::MAX))
 }
 
 /// The pod's memory budget: its long-running containers' limits (or
@@ -593,8 +595,8 @@ impl Provider for WasiProvider {
                 }
             }
         }
-        let memory_limit = limit(container, "memory", kubelet::pod::parse_units)?;
-        let cpu_limit_milli = limit(container, "cpu", kubelet::pod::parse_milli)?;
+        let memory_limit = limit(container, "memory", kubelet_provider::quantity::parse_units)?;
+        let cpu_limit_milli = limit(container, "cpu", kubelet_provider::quantity::parse_milli)?;
         let log = CriLog::open(&launch.log_path).map_err(|e| {
             ProviderError::new(ProviderErrorKind::Other, format!("log {}: {e}", launch.log_path.display()))
         })?;

@@ -304,7 +304,7 @@ mod tests {
         log.write("stdout", b"world\nsecond\r\nunterminated");
         log.finish();
         let raw = std::fs::read_to_string(&path)?;
-        let decoded = kubelet::provider::decode_cri_log(&raw);
+        let decoded = kubelet_provider::decode_cri_log(&raw);
         assert_eq!(decoded, ["oops\n", "hello world\n", "second\n", "unterminated\n"]);
         assert!(raw.lines().next().is_some_and(|l| l.contains(" stderr F oops")), "{raw}");
         Ok(())
@@ -319,7 +319,7 @@ mod tests {
         log.write("stdout", format!("{long}\n").as_bytes());
         let raw = std::fs::read_to_string(&path)?;
         assert_eq!(raw.lines().filter(|l| l.contains(" P ")).count(), 2);
-        assert_eq!(kubelet::provider::decode_cri_log(&raw), [format!("{long}\n")]);
+        assert_eq!(kubelet_provider::decode_cri_log(&raw), [format!("{long}\n")]);
         Ok(())
     }
 }

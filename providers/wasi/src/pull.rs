@@ -74,7 +74,7 @@ impl PullError {
     }
 }
 
-pub use kubelet::provider::PullPolicy;
+pub use kubelet_provider::PullPolicy;
 
 /// Parses an image reference (`docker.io/library/` is implied as upstream).
 pub fn parse_reference(image: &str) -> Result<Reference, PullError> {

@@ -25,7 +25,7 @@ use wasmtime_wasi::p2::bindings::CommandPre;
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::{FsPerms, I32Exit, WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
-use kubelet::provider::ContainerExit;
+use kubelet_provider::ContainerExit;
 
 use crate::cpu::{CpuMeter, Metered, Throttle};
 use crate::logs::CriLog;
@@ -72,7 +72,7 @@ pub enum Output {
     /// An interactive session's streams (`kubectl exec`), taken by the one
     /// instance that runs with them; a stream the client did not ask for
     /// is empty (stdin) or dropped (output).
-    Session(Arc<Mutex<Option<kubelet::provider::SessionStreams>>>),
+    Session(Arc<Mutex<Option<kubelet_provider::SessionStreams>>>),
 }
 
 impl Output {

@@ -33,8 +33,8 @@ use kube::api::{Api, PostParams};
 use kube::client::ConfigExt as _;
 use tokio_util::sync::CancellationToken;
 
-use crate::server::tls::write_private;
-use crate::server::x509::certificate_facts;
+use crate::pki::tls::write_private;
+use crate::pki::x509::certificate_facts;
 
 /// The signer of kubelet client certificates.
 pub const CLIENT_SIGNER: &str = "kubernetes.io/kube-apiserver-client-kubelet";
@@ -70,7 +70,7 @@ pub enum CertificateError {
     },
     /// A file could not be written.
     #[error("{0}")]
-    Files(#[from] crate::server::tls::TlsError),
+    Files(#[from] crate::pki::tls::TlsError),
     /// The request could not be made or sent.
     #[error("certificate signing request: {0}")]
     Request(String),
@@ -239,7 +239,7 @@ pub async fn request_certificate(
 /// Writes `issued` as `<dir>/<prefix>-<time>.pem` (certificate and key)
 /// and points `<dir>/<prefix>-current.pem` at it; returns the link's path.
 pub fn store(dir: &Path, prefix: &str, issued: &IssuedCertificate) -> Result<PathBuf, CertificateError> {
-    let file_error = |path: &Path, source| crate::server::tls::TlsError::File { path: path.to_owned(), source };
+    let file_error = |path: &Path, source| crate::pki::tls::TlsError::File { path: path.to_owned(), source };
     std::fs::create_dir_all(dir).map_err(|e| file_error(dir, e))?;
     let stamp = jiff::Timestamp::now().strftime("%Y-%m-%d-%H-%M-%S-%f").to_string();
     let file = dir.join(format!("{prefix}-{stamp}.pem"));

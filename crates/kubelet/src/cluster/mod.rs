@@ -23,9 +23,11 @@
 //! provider. Not yet: events, refreshing
 //! configMap/secret volumes and tokens after the pod started.
 
+pub mod capacity;
 pub mod certificates;
 pub mod claims;
 pub mod csi_info;
+mod events;
 pub mod node_sync;
 pub mod pod_sync;
 pub mod rate_limit;
@@ -53,9 +55,9 @@ use kubelet_api::uds::error_chain;
 
 use crate::device_manager::DeviceManager;
 use crate::health::Healthz;
-use crate::node::NodeDescription;
 use crate::pod::Pods;
 use crate::volume::CsiDriverObjects;
+use capacity::NodeDescription;
 
 /// Where the API client comes from.
 #[derive(Clone)]
@@ -222,7 +224,7 @@ pub(crate) fn start(settings: ClusterSettings, parts: NodeParts, shutdown: Cance
             tasks.spawn(async move {
                 tokio::select! {
                     () = stop.cancelled() => {}
-                    () = crate::events::publish(events_client, &node, queue) => {}
+                    () = events::publish(events_client, &node, queue) => {}
                 }
             });
         }

@@ -33,13 +33,11 @@
 //! (a panic, say) turns its check to failing with the reason. `/healthz`
 //! answers 500 naming the failing checks; `/healthz/<check>` answers for one.
 
-pub(crate) mod capacity;
-pub(crate) mod http;
 pub mod labels;
-pub(crate) mod logs;
 
-pub(crate) use capacity::NodeDescription;
-pub use capacity::{DEFAULT_MAX_PODS, measure};
+use crate::cluster::capacity::{self, NodeDescription};
+pub use crate::cluster::capacity::{DEFAULT_MAX_PODS, measure};
+use crate::server::{self, logs, plain as http};
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
@@ -223,24 +221,9 @@ pub enum NodeError {
     /// The kubelet API could not start.
     #[error(transparent)]
     KubeletApi(#[from] crate::server::KubeletApiError),
-    /// The HTTP endpoint could not listen.
-    #[error("cannot bind the HTTP endpoint on {address}: {source}")]
-    Http {
-        /// The address asked for.
-        address: SocketAddr,
-        /// The system error.
-        #[source]
-        source: std::io::Error,
-    },
-    /// The local socket (`<root>/rustlet.sock`) could not be bound.
-    #[error("cannot serve the local socket {path}: {source}")]
-    LocalSocket {
-        /// The socket's path.
-        path: PathBuf,
-        /// What binding reported.
-        #[source]
-        source: kubelet_api::uds::UdsError,
-    },
+    /// The health port or the local socket could not be served.
+    #[error(transparent)]
+    Endpoint(#[from] crate::server::plain::EndpointError),
 }
 
 /// Assembles a node: configuration, extra plugin handlers, extra metrics.
@@ -617,7 +600,7 @@ fn endpoint_metrics(
     max_sessions: usize,
     shutdown: &CancellationToken,
     tasks: &TaskTracker,
-) -> (http::Sessions, prometheus_client::metrics::counter::Counter, crate::server::TlsFailures) {
+) -> (http::Sessions, prometheus_client::metrics::counter::Counter, server::TlsFailures) {
     let sessions = prometheus_client::metrics::gauge::Gauge::default();
     metrics.register(
         "kubelet_api_streaming_sessions",
@@ -637,7 +620,7 @@ fn endpoint_metrics(
         "Connections to the local socket refused for their peer's user",
         local_refused.clone(),
     );
-    let tls_failures = crate::server::TlsFailures::default();
+    let tls_failures = server::TlsFailures::default();
     metrics.register(
         "kubelet_api_tls_handshake_failures",
         "TLS handshakes of the kubelet API that failed, by reason (unknown_authority, expired, bad_certificate, \

@@ -45,7 +45,7 @@ impl User {
     /// The user of a verified client certificate: its common name, its
     /// organizations as groups.
     pub fn from_certificate(der: &[u8]) -> Option<User> {
-        let facts = super::x509::certificate_facts(der).ok()?;
+        let facts = crate::pki::x509::certificate_facts(der).ok()?;
         let name = facts.common_name.filter(|n| !n.is_empty())?;
         let mut groups = facts.organizations;
         groups.push("system:authenticated".into());
@@ -427,7 +427,7 @@ impl Auth {
     }
 }
 
-static BUSY_WARNINGS: crate::log_limit::LogLimiter = crate::log_limit::LogLimiter::new();
+static BUSY_WARNINGS: super::log_limit::LogLimiter = super::log_limit::LogLimiter::new();
 
 /// A streaming endpoint asked with a method it does not serve (it serves
 /// GET, for WebSocket upgrades, and POST, for SPDY): 405, before anything

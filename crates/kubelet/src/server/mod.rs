@@ -21,13 +21,14 @@
 //! request's head 30 s; a client cannot hold the listener.
 
 pub mod auth;
+pub(crate) mod log_limit;
+pub(crate) mod logs;
+pub mod plain;
 mod spdy;
 mod spdy_dictionary;
 mod stats;
 mod streaming;
-pub mod tls;
 mod websocket;
-pub mod x509;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -48,8 +49,9 @@ use tracing::Instrument as _;
 
 pub use auth::{AuthSettings, AuthorizationMode, User};
 
-use crate::node::http::HttpState;
+use crate::pki::tls;
 use crate::provider::Provider;
+use plain::HttpState;
 
 /// Where the serving certificate comes from.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -371,7 +373,7 @@ pub(crate) fn handshake_failure_reason(error: &std::io::Error) -> &'static str {
     }
 }
 
-static HANDSHAKE_WARNINGS: crate::log_limit::LogLimiter = crate::log_limit::LogLimiter::new();
+static HANDSHAKE_WARNINGS: log_limit::LogLimiter = log_limit::LogLimiter::new();
 
 /// Counts a failed handshake and logs it (rate-limited; port probes that
 /// close at once only at debug).
@@ -433,13 +435,12 @@ async fn connection(
 }
 
 fn router(state: ApiState, auth: auth::Auth) -> axum::Router {
-    use crate::node::http as plain;
     let http_routes = axum::Router::new()
         .route("/healthz", get(plain::healthz))
         .route("/healthz/{check}", get(plain::healthz_check))
         .route("/metrics", get(plain::metrics))
         .route("/pods", get(plain::pods))
-        .route("/containerLogs/{namespace}/{pod}/{container}", get(crate::node::logs::container_logs))
+        .route("/containerLogs/{namespace}/{pod}/{container}", get(logs::container_logs))
         .with_state(state.http.clone());
     axum::Router::new()
         .route("/runningpods/", get(streaming::running_pods))

@@ -13,7 +13,7 @@ use k8s_openapi::api::core::v1::Pod;
 use serde_json::json;
 
 use super::ApiState;
-use crate::node::http::Sessions;
+use super::plain::Sessions;
 use crate::provider::{ContainerId, ProviderError, ProviderErrorKind, StreamRequest, StreamSession, StreamingEndpoint};
 
 /// The pod `namespace/name` (with `uid`, if given) among the node's pods.

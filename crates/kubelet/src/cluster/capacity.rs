@@ -112,12 +112,7 @@ impl NodeDescription {
     }
 }
 
-/// The size of the file system holding `path` (what the kubelet reports as
-/// `ephemeral-storage` capacity for its root dir).
-pub(crate) fn file_system_size(path: &std::path::Path) -> Option<u128> {
-    let stats = rustix::fs::statvfs(path).ok()?;
-    Some(u128::from(stats.f_blocks) * u128::from(stats.f_frsize))
-}
+use crate::pod::file_system_size;
 
 /// `Ok` when every check passes; otherwise the failing checks, named.
 pub(crate) fn readiness(healthz: &Healthz) -> Result<(), String> {

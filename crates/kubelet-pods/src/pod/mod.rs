@@ -32,7 +32,7 @@ mod data;
 pub mod hooks;
 mod node_files;
 pub mod probe;
-pub mod quantity;
+pub use kubelet_provider::quantity;
 mod run_options;
 mod sources;
 mod spec;
@@ -144,6 +144,13 @@ pub struct PodLifecycle {
     ephemeral_storage: u128,
 }
 
+/// The size of the file system holding `path` (what the kubelet reports as
+/// `ephemeral-storage` capacity for its root dir).
+pub fn file_system_size(path: &std::path::Path) -> Option<u128> {
+    let stats = rustix::fs::statvfs(path).ok()?;
+    Some(u128::from(stats.f_blocks) * u128::from(stats.f_frsize))
+}
+
 impl PodLifecycle {
     /// A lifecycle running containers with `provider` (none: pods wait after
     /// their volumes are ready) and devices from `devices`.
@@ -155,7 +162,7 @@ impl PodLifecycle {
             config.allocatable.pods = config.allocatable.pods.min(ceiling);
         }
         let volumes = VolumeManager::new(&config.root_dir);
-        let ephemeral_storage = crate::node::capacity::file_system_size(&config.root_dir).unwrap_or_default();
+        let ephemeral_storage = file_system_size(&config.root_dir).unwrap_or_default();
         PodLifecycle {
             config,
             provider,

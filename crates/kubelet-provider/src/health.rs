@@ -149,7 +149,7 @@ impl Healthz {
 
 /// The text of a panic's payload (what `panic!` was given), for the
 /// health checks and logs of components that caught it.
-pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     payload
         .downcast_ref::<&str>()
         .map(|s| (*s).to_owned())

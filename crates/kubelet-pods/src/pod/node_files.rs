@@ -34,31 +34,7 @@ pub struct NodeFiles {
 /// Where upstream's node takes its own hosts file from.
 const NODE_HOSTS_FILE: &str = "/etc/hosts";
 
-/// The longest hostname a pod gets (the kernel's limit, and upstream's).
-pub const MAX_HOSTNAME: usize = 63;
-
-/// The hostname of `pod`: its `hostname`, else its name, cut to 63
-/// characters without a trailing `-` or `.` (as upstream truncates it).
-pub fn pod_hostname(pod: &Pod) -> String {
-    let spec = pod.spec.as_ref();
-    let name = spec
-        .and_then(|s| s.hostname.clone())
-        .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| pod.metadata.name.clone().unwrap_or_default());
-    truncate_hostname(&name)
-}
-
-/// `name` cut to [`MAX_HOSTNAME`] characters, without a trailing `-` or `.`.
-pub fn truncate_hostname(name: &str) -> String {
-    if name.len() <= MAX_HOSTNAME {
-        return name.to_owned();
-    }
-    let mut end = MAX_HOSTNAME;
-    while !name.is_char_boundary(end) {
-        end -= 1;
-    }
-    name[..end].trim_end_matches(['-', '.']).to_owned()
-}
+pub use kubelet_provider::hostname::{MAX_HOSTNAME, pod_hostname, truncate_hostname};
 
 /// The pod's domain under a `subdomain`: `<subdomain>.<namespace>.svc.<cluster domain>`.
 fn pod_domain(pod: &Pod, cluster_domain: &str) -> Option<String> {

@@ -1,9 +1,6 @@
-//! Events about pods, as the kubelet records them (`Pulling`, `Created`,
-//! `Started`, `Killing`, `BackOff`, `Unhealthy`, `FailedMount`, …).
-//!
-//! In cluster mode events are written to the API
-//! as core/v1 Events with source `kubelet` on the node, as the kubelet
-//! writes them, so `kubectl describe pod` shows them:
+//! Pod and node events written to the API as core/v1 Events with source
+//! `kubelet` on the node, as the kubelet writes them, so `kubectl describe
+//! pod` shows them:
 //! - **aggregation**: an event repeating (same object, type, reason and
 //!   message) within 10 minutes raises the `count` and `lastTimestamp` of
 //!   one Event instead of making a new one, as upstream's event logger;
@@ -11,142 +8,30 @@
 //!   `events.k8s.io/v1` Events, which a node's identity may not write
 //!   (the Node authorizer allows core/v1 events only);
 //! - **spam filter**: as upstream's, each object may make 25 events at
-//!   once, then one per 5 minutes; the rest are dropped and counted;
-//! - **never a stall**: recording is a non-blocking send to a bounded queue
-//!   (1,000); a full queue drops the event (logged at debug level). Events
-//!   still queued when the node shuts down are not written.
-//!
-//! Events are also logged at debug level (`RUSTLET_LOG=kubelet::events=debug`);
-//! the node's own log lines say the same things in its words.
+//!   once, then one per 5 minutes; the rest are dropped and counted.
 
 use std::collections::HashMap;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{ObjectReference, Pod};
-use tokio::sync::mpsc;
+use k8s_openapi::api::core::v1::ObjectReference;
 use tokio::time::Instant;
 
-/// How many events wait for the API at most.
-const QUEUE: usize = 1_000;
+use crate::events::{EventQueue, EventType};
+
 /// Upstream's spam filter: events an object may make at once…
 const SPAM_BURST: f64 = 25.0;
 /// …and how often it gets one more.
 const SPAM_REFILL: Duration = Duration::from_secs(300);
 
-/// `Normal` or `Warning`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum EventType {
-    /// Something happened as it should.
-    Normal,
-    /// Something went wrong.
-    Warning,
-}
-
-/// One event.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Event {
-    /// What it is about (a pod, with the container's `fieldPath`).
-    pub regarding: ObjectReference,
-    /// Its type.
-    pub type_: EventType,
-    /// Upstream's reason (`Pulling`, `BackOff`, …).
-    pub reason: String,
-    /// The message.
-    pub message: String,
-}
-
-/// Records events. Cheap to clone; a recorder made with
-/// [`EventRecorder::log_only`] only logs.
-#[derive(Clone, Debug)]
-pub struct EventRecorder {
-    queue: Option<mpsc::Sender<Event>>,
-}
-
-impl Default for EventRecorder {
-    fn default() -> Self {
-        EventRecorder::log_only()
-    }
-}
-
-/// Where a recorder's events go (cluster mode takes it).
-#[derive(Debug)]
-pub struct EventQueue(pub mpsc::Receiver<Event>);
-
-impl EventRecorder {
-    /// A recorder that logs events and keeps nothing.
-    pub fn log_only() -> EventRecorder {
-        EventRecorder { queue: None }
-    }
-
-    /// A recorder that logs events and queues them for the API.
-    pub fn queued() -> (EventRecorder, EventQueue) {
-        let (tx, rx) = mpsc::channel(QUEUE);
-        (EventRecorder { queue: Some(tx) }, EventQueue(rx))
-    }
-
-    /// Records an event about `pod` (its container `container`, if any).
-    pub fn pod(&self, pod: &Pod, container: Option<&str>, type_: EventType, reason: &str, message: String) {
-        let meta = &pod.metadata;
-        let field_path = container.map(|name| {
-            let spec = pod.spec.as_ref();
-            let init = spec.and_then(|s| s.init_containers.as_ref());
-            if init.is_some_and(|c| c.iter().any(|c| c.name == name)) {
-                format!("spec.initContainers{{{name}}}")
-            } else {
-                format!("spec.containers{{{name}}}")
-            }
-        });
-        let regarding = ObjectReference {
-            api_version: Some("v1".into()),
-            kind: Some("Pod".into()),
-            namespace: meta.namespace.clone(),
-            name: meta.name.clone(),
-            uid: meta.uid.clone(),
-            field_path,
-            ..ObjectReference::default()
-        };
-        self.record(Event { regarding, type_, reason: reason.to_owned(), message });
-    }
-
-    /// Records an event about node `name` (upstream's node reference: the
-    /// name as UID, in no namespace; the Event goes to `default`).
-    pub fn node(&self, name: &str, type_: EventType, reason: &str, message: String) {
-        let regarding = ObjectReference {
-            kind: Some("Node".into()),
-            name: Some(name.to_owned()),
-            uid: Some(name.to_owned()),
-            ..ObjectReference::default()
-        };
-        self.record(Event { regarding, type_, reason: reason.to_owned(), message });
-    }
-
-    /// Records `event`.
-    pub fn record(&self, event: Event) {
-        let object = format!(
-            "{}/{}",
-            event.regarding.namespace.as_deref().unwrap_or_default(),
-            event.regarding.name.as_deref().unwrap_or_default()
-        );
-        // The node logs what happens in its own words; events are for the
-        // API (a failing probe makes one a period).
-        tracing::debug!(event = %event.reason, %object, type_ = ?event.type_, "{}", event.message);
-        if let Some(queue) = &self.queue
-            && queue.try_send(event).is_err()
-        {
-            tracing::debug!(%object, "the event queue is full; event dropped");
-        }
-    }
-}
-
 /// Upstream's spam filter: a token bucket per object.
 #[derive(Debug, Default)]
-pub struct SpamFilter {
+pub(crate) struct SpamFilter {
     buckets: HashMap<String, (f64, Instant)>,
 }
 
 impl SpamFilter {
     /// Whether an event about `object` may go to the API now.
-    pub fn allow(&mut self, object: &ObjectReference, now: Instant) -> bool {
+    pub(crate) fn allow(&mut self, object: &ObjectReference, now: Instant) -> bool {
         let key = format!(
             "{}/{}/{}/{}",
             object.kind.as_deref().unwrap_or_default(),
@@ -186,7 +71,7 @@ type Similar = (String, String, String, String, String);
 type Written = (String, i32, Instant);
 
 /// Writes queued events to the API as node `node` until the queue closes.
-pub async fn publish(client: kube::Client, node: &str, mut queue: EventQueue) {
+pub(crate) async fn publish(client: kube::Client, node: &str, mut queue: EventQueue) {
     let mut spam = SpamFilter::default();
     let mut dropped: u64 = 0;
     let mut written: HashMap<Similar, Written> = HashMap::new();
@@ -294,20 +179,7 @@ mod tests {
     }
 
     #[test]
-    fn container_events_name_their_field() {
-        let (recorder, mut queue) = EventRecorder::queued();
-        let pod: Pod = serde_json::from_value(serde_json::json!({
-            "metadata": {"name": "p", "namespace": "ns", "uid": "u"},
-            "spec": {"initContainers": [{"name": "setup"}], "containers": [{"name": "main"}]}
-        }))
-        .expect("pod");
-        recorder.pod(&pod, Some("main"), EventType::Normal, "Started", "Started container main".into());
-        recorder.pod(&pod, Some("setup"), EventType::Normal, "Started", "Started container setup".into());
-        let first = queue.0.try_recv().expect("queued");
-        assert_eq!(first.regarding.field_path.as_deref(), Some("spec.containers{main}"));
-        assert_eq!(first.regarding.uid.as_deref(), Some("u"));
-        let second = queue.0.try_recv().expect("queued");
-        assert_eq!(second.regarding.field_path.as_deref(), Some("spec.initContainers{setup}"));
+    fn long_messages_are_cut_on_a_character_boundary() {
         assert_eq!(truncate("héllo", 2), "h");
     }
 }

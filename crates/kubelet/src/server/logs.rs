@@ -28,7 +28,7 @@ use tokio::io::{AsyncReadExt as _, AsyncSeekExt as _};
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt as _;
 
-use super::http::{HttpState, text};
+use super::plain::{HttpState, text};
 use crate::pod::PodStore;
 use crate::provider::{CriLogDecoder, LogEntry};
 
@@ -473,7 +473,7 @@ fn follow(
     target: LogTarget,
     tail_lines: Option<usize>,
     renderer: Renderer,
-    guard: super::http::SessionGuard,
+    guard: super::plain::SessionGuard,
 ) -> Response {
     // The watch is made before the first read, so nothing written between
     // the read and the wait goes unnoticed.

@@ -173,8 +173,8 @@ impl PluginManagerConfig {
 ///
 /// ```no_run
 /// # use std::sync::Arc;
-/// # use kubelet::plugin_manager::{PluginManager, PluginManagerConfig, PluginType};
-/// # async fn run(handler: Arc<dyn kubelet::plugin_manager::PluginHandler>) -> Result<(), Box<dyn std::error::Error>> {
+/// # use kubelet_plugins::plugin_manager::{PluginManager, PluginManagerConfig, PluginType};
+/// # async fn run(handler: Arc<dyn kubelet_plugins::plugin_manager::PluginHandler>) -> Result<(), Box<dyn std::error::Error>> {
 /// let shutdown = tokio_util::sync::CancellationToken::new();
 /// let mut manager = PluginManager::new(PluginManagerConfig::new("/tmp/root/plugins_registry"));
 /// manager.add_handler(PluginType::Csi, handler)?;

@@ -3,7 +3,7 @@
 //!
 //! Each target is a test that hands [`Fuzz::run`] a function of one input.
 //! The input is each seed of the target's checked-in corpus
-//! (`crates/kubelet/fuzz/corpus/<target>/`) as it is, then seeds changed by
+//! (`fuzz/corpus/<target>/` at the workspace's root) as it is, then seeds changed by
 //! one to four mutations (bit flips, boundary bytes, inserted, deleted,
 //! repeated or spliced runs, tokens the formats use), from a fixed seed so
 //! that a run is repeatable. A run stops after `RUSTLET_FUZZ_ITERATIONS`
@@ -76,11 +76,11 @@ fn env_number(name: &str) -> Option<u64> {
 }
 
 impl Fuzz {
-    /// The target `target`, with its corpus read from the crate's
+    /// The target `target`, with its corpus read from the workspace's
     /// `fuzz/corpus/<target>/` (a target without one starts from an empty
     /// input).
     pub fn new(target: &'static str) -> Fuzz {
-        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus").join(target);
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus").join(target);
         let mut corpus: Vec<(PathBuf, Vec<u8>)> = std::fs::read_dir(&dir)
             .map(|entries| {
                 entries.flatten().filter_map(|e| std::fs::read(e.path()).ok().map(|bytes| (e.path(), bytes))).collect()

@@ -22,17 +22,7 @@ pub struct MountSpec {
     pub read_only: bool,
 }
 
-/// A device node made available in the container.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct DeviceNode {
-    /// Path in the container.
-    pub container_path: String,
-    /// Path on the host.
-    pub host_path: String,
-    /// Any of `r`, `w`, `m`.
-    pub permissions: String,
-}
+pub use kubelet_provider::DeviceNode;
 
 /// The run options a container's devices add.
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]

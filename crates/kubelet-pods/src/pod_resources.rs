@@ -236,8 +236,8 @@ impl PodResourcesLister for Lister {
     }
 }
 
-/// Binds the socket and serves until `shutdown`.
-pub(crate) fn serve(
+/// Binds the PodResources socket (mode 0600) and serves until `shutdown`.
+pub fn serve(
     config: &PodResourcesConfig,
     pods: Pods,
     devices: DeviceManager,

@@ -1,12 +1,28 @@
-//! The `Provider` trait: what runs containers for the node.
+//! The contract between Rustlet's node and a provider: the [`Provider`]
+//! trait and every type it speaks, with the few tools a provider shares with
+//! the node. A provider author depends on this crate alone; the `kubelet`
+//! crate (the facade) is needed only to run a node.
 //!
+//! - The crate root: the [`Provider`] trait, what a container is started
+//!   with ([`ContainerLaunch`], [`ContainerRunOptions`], [`Mount`],
+//!   [`DeviceNode`]), how it ended ([`ContainerExit`]), streaming sessions,
+//!   stats, the CRI log format and [`ProviderError`].
+//! - [`health`]: how a long-running component reports its health to the
+//!   node's `/healthz`.
+//! - [`durable`]: the one durable file write (temporary file, fsync, rename,
+//!   directory fsync) every checkpoint, key and store uses.
+//! - [`retry`]: the one jittered backoff every retry uses.
+//! - [`quantity`] and [`hostname`]: Kubernetes quantities and pod hostnames
+//!   as the kubelet reads them.
+//!
+//! # The provider
 //! A provider turns a container's run options into something running (a
 //! process, a WebAssembly instance, a CRI container) and reports how it ended.
 //! It never sees plugins: devices arrive as env, mounts and device nodes in
 //! [`ContainerRunOptions`], volumes as host paths to expose at container
 //! paths. The pod lifecycle decides when to pull, start, stop and restart.
 //!
-//! # Contract
+//! ## Contract
 //! - `prepare_image` may be called again for an image already present; it is
 //!   the provider's cache to keep.
 //! - `start_container` returns once the container runs (or fails to start).
@@ -19,6 +35,14 @@
 //! - `stop_container` asks the container to stop and kills it when the grace
 //!   period runs out; it returns once the container no longer runs.
 
+pub mod durable;
+#[doc(hidden)]
+pub mod fuzz;
+pub mod health;
+pub mod hostname;
+pub mod quantity;
+pub mod retry;
+
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -28,7 +52,31 @@ use async_trait::async_trait;
 use k8s_openapi::api::core::v1::{Container, Pod};
 use k8s_openapi::jiff::Timestamp;
 
-use crate::device_manager::{ContainerKind, DeviceNode};
+/// What kind of container a pod runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum ContainerKind {
+    /// An init container that runs to completion before the next one.
+    Init,
+    /// A restartable init container (sidecar): runs alongside the app containers.
+    RestartableInit,
+    /// An app container.
+    App,
+    /// An ephemeral container (`kubectl debug`): added to a running pod,
+    /// run once, never restarted; it has no resources and no devices.
+    Ephemeral,
+}
+
+/// A device node made available in the container.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DeviceNode {
+    /// Path in the container.
+    pub container_path: String,
+    /// Path on the host.
+    pub host_path: String,
+    /// Any of `r`, `w`, `m`.
+    pub permissions: String,
+}
 
 /// A provider's name for one container it runs.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
@@ -269,7 +317,6 @@ pub struct StreamRequest {
 }
 
 /// Where a streaming session is served.
-#[non_exhaustive]
 pub enum StreamingEndpoint {
     /// The runtime's own streaming server: the client is sent there (the
     /// URL a CRI runtime answers `Exec`, `Attach` and `PortForward` with).

@@ -73,19 +73,7 @@ use super::endpoint::{CallFailure, call};
 use super::run_options::RunOptions;
 use super::writer::CheckpointWriteError;
 
-/// What kind of container asks for devices.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub enum ContainerKind {
-    /// An init container that runs to completion before the next one.
-    Init,
-    /// A restartable init container (sidecar): runs alongside the app containers.
-    RestartableInit,
-    /// An app container.
-    App,
-    /// An ephemeral container (`kubectl debug`): added to a running pod,
-    /// run once, never restarted; it has no resources and no devices.
-    Ephemeral,
-}
+pub use kubelet_provider::ContainerKind;
 
 /// One container's device request.
 #[derive(Clone, Debug)]

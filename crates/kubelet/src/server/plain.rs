@@ -36,7 +36,6 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use super::NodeError;
 use crate::csi::{CsiDriverRegistry, InMemoryNodeInfo};
 use crate::device_manager::DeviceManager;
 use crate::health::{ComponentHealth, Healthz};
@@ -56,7 +55,7 @@ pub(crate) struct HttpState {
     pub(crate) healthz: Healthz,
     pub(crate) pods: Pods,
     pub(crate) static_pods: Option<StaticPods>,
-    pub(crate) description: super::capacity::NodeDescription,
+    pub(crate) description: crate::cluster::capacity::NodeDescription,
     pub(crate) root_dir: std::path::PathBuf,
     /// Streaming sessions under way (log follows, exec, attach,
     /// port-forward): counted, bounded, ended at shutdown.
@@ -66,7 +65,7 @@ pub(crate) struct HttpState {
     /// Connections the local socket refused (`rustlet_local_socket_refused_total`).
     pub(crate) local_refused: prometheus_client::metrics::counter::Counter,
     /// Failed TLS handshakes of the kubelet API, by reason.
-    pub(crate) tls_failures: crate::server::TlsFailures,
+    pub(crate) tls_failures: super::TlsFailures,
 }
 
 /// The streaming sessions (log follows, exec, attach, port-forward): at
@@ -146,7 +145,7 @@ impl IntoResponse for SessionsFull {
     }
 }
 
-static SESSION_REFUSALS: crate::log_limit::LogLimiter = crate::log_limit::LogLimiter::new();
+static SESSION_REFUSALS: super::log_limit::LogLimiter = super::log_limit::LogLimiter::new();
 
 /// One session's place: given back (and uncounted) when dropped.
 pub(crate) struct SessionGuard {
@@ -169,17 +168,40 @@ fn health_routes() -> axum::Router<HttpState> {
         .route("/metrics", get(metrics))
 }
 
+/// Why a plain endpoint could not be served.
+#[derive(Debug, thiserror::Error)]
+pub enum EndpointError {
+    /// The HTTP endpoint could not listen.
+    #[error("cannot bind the HTTP endpoint on {address}: {source}")]
+    Http {
+        /// The address asked for.
+        address: SocketAddr,
+        /// The system error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The local socket (`<root>/rustlet.sock`) could not be bound.
+    #[error("cannot serve the local socket {path}: {source}")]
+    LocalSocket {
+        /// The socket's path.
+        path: std::path::PathBuf,
+        /// What binding reported.
+        #[source]
+        source: kubelet_api::uds::UdsError,
+    },
+}
+
 /// Binds `address` (the health port) and serves `/healthz` and `/metrics`
 /// until `shutdown`. Returns the bound address (useful with port 0) and the
 /// serving task.
-pub(super) async fn serve(
+pub(crate) async fn serve(
     address: SocketAddr,
     state: HttpState,
     shutdown: CancellationToken,
-) -> Result<(SocketAddr, JoinHandle<()>), NodeError> {
+) -> Result<(SocketAddr, JoinHandle<()>), EndpointError> {
     let listener =
-        tokio::net::TcpListener::bind(address).await.map_err(|source| NodeError::Http { address, source })?;
-    let bound = listener.local_addr().map_err(|source| NodeError::Http { address, source })?;
+        tokio::net::TcpListener::bind(address).await.map_err(|source| EndpointError::Http { address, source })?;
+    let bound = listener.local_addr().map_err(|source| EndpointError::Http { address, source })?;
     let app = health_routes().with_state(state);
     tracing::info!(address = %bound, "http endpoint listening (/healthz, /metrics)");
     let span = tracing::info_span!("http_endpoint", address = %bound);
@@ -198,13 +220,13 @@ pub(super) async fn serve(
 /// Binds the local socket at `path` (mode 0600) and serves every view of
 /// the node on it until `shutdown`, to peers that are root or the node's
 /// own user.
-pub(super) fn serve_local(
+pub(crate) fn serve_local(
     path: &std::path::Path,
     state: HttpState,
     shutdown: CancellationToken,
-) -> Result<JoinHandle<()>, NodeError> {
+) -> Result<JoinHandle<()>, EndpointError> {
     let listener = kubelet_api::uds::bind_with_mode(path, 0o600)
-        .map_err(|source| NodeError::LocalSocket { path: path.to_path_buf(), source })?;
+        .map_err(|source| EndpointError::LocalSocket { path: path.to_path_buf(), source })?;
     let refused = state.local_refused.clone();
     let app = health_routes()
         .route("/status", get(status))
@@ -278,7 +300,7 @@ impl axum::serve::Listener for PeerChecked {
     }
 }
 
-static LOCAL_REFUSALS: crate::log_limit::LogLimiter = crate::log_limit::LogLimiter::new();
+static LOCAL_REFUSALS: super::log_limit::LogLimiter = super::log_limit::LogLimiter::new();
 
 pub(crate) fn text(code: StatusCode, body: String) -> Response {
     (code, [(header::CONTENT_TYPE, "text/plain; charset=utf-8")], body).into_response()
