@@ -182,24 +182,24 @@ pub fn resource_value(
     let divisor = selector.divisor.as_ref().map(|q| q.0.as_str()).filter(|d| !d.is_empty() && *d != "0");
     if what == "cpu" {
         let value = match quantity {
-            Some(q) => crate::pod::parse_milli(q).map_err(|_| bad(q))?,
+            Some(q) => kubelet_provider::quantity::parse_milli(q).map_err(|_| bad(q))?,
             None if which == "limits" => context.allocatable_cpu_milli,
             None => 0,
         };
         let divisor = match divisor {
-            Some(d) => crate::pod::parse_milli(d).map_err(|_| bad(d))?.max(1),
+            Some(d) => kubelet_provider::quantity::parse_milli(d).map_err(|_| bad(d))?.max(1),
             None => 1000,
         };
         return Ok(value.div_ceil(divisor).to_string());
     }
     let value = match quantity {
-        Some(q) => crate::pod::parse_units(q).map_err(|_| bad(q))?,
+        Some(q) => kubelet_provider::quantity::parse_units(q).map_err(|_| bad(q))?,
         None if which == "limits" && what == "memory" => context.allocatable_memory,
         None if which == "limits" && what == "ephemeral-storage" => context.allocatable_ephemeral_storage,
         None => 0,
     };
     let divisor = match divisor {
-        Some(d) => crate::pod::parse_units(d).map_err(|_| bad(d))?.max(1),
+        Some(d) => kubelet_provider::quantity::parse_units(d).map_err(|_| bad(d))?.max(1),
         None => 1,
     };
     Ok(value.div_ceil(divisor).to_string())

@@ -37,7 +37,7 @@ pub mod labels;
 
 use crate::cluster::capacity::{self, NodeDescription};
 pub use crate::cluster::capacity::{DEFAULT_MAX_PODS, measure};
-use crate::server::{self, logs, plain as http};
+use crate::server::plain as http;
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
@@ -438,15 +438,8 @@ impl NodeBuilder {
             kubelet_port: kubelet_api.as_ref().map(|api| api.address.port()),
             runtime_version: capacity::RuntimeVersion(provider_runtime),
         };
-        let (sessions, local_refused, tls_failures) =
-            endpoint_metrics(&mut metrics, config.max_streaming_sessions, &shutdown, &tasks);
-        let http_state = http::HttpState {
+        let views = http::NodeViews {
             node_name: config.node_name.clone(),
-            sessions,
-            log_watcher: logs::LogWatcher::new(shutdown.clone()),
-            local_refused,
-            tls_failures,
-            metrics: Arc::new(metrics),
             plugins: plugins.clone(),
             csi_drivers: csi_drivers.clone(),
             node_info: node_info.clone(),
@@ -457,6 +450,7 @@ impl NodeBuilder {
             description: description.clone(),
             root_dir: root_dir.clone(),
         };
+        let http_state = http::HttpState::new(views, metrics, config.max_streaming_sessions, &shutdown, &tasks);
         let kubelet_api_address = match (kubelet_api, &config.kubelet_api) {
             (Some(bound), Some(api)) => {
                 let address = bound.address;
@@ -591,43 +585,6 @@ async fn start_static_pods(
         .map_err(|source| NodeError::StaticPods { dir: dir.to_path_buf(), source })?;
     supervise(tasks, healthz, "static-pods", task, shutdown.clone());
     Ok(static_pods)
-}
-
-/// The streaming sessions and the endpoints' own metrics, registered:
-/// (sessions, local socket refusals, TLS handshake failures).
-fn endpoint_metrics(
-    metrics: &mut Registry,
-    max_sessions: usize,
-    shutdown: &CancellationToken,
-    tasks: &TaskTracker,
-) -> (http::Sessions, prometheus_client::metrics::counter::Counter, server::TlsFailures) {
-    let sessions = prometheus_client::metrics::gauge::Gauge::default();
-    metrics.register(
-        "kubelet_api_streaming_sessions",
-        "Log follows, exec, attach and port-forward sessions under way",
-        sessions.clone(),
-    );
-    let sessions_refused = prometheus_client::metrics::counter::Counter::default();
-    metrics.register(
-        "rustlet_streaming_sessions_refused",
-        "Streaming sessions refused because the node served its limit (--max-streaming-sessions)",
-        sessions_refused.clone(),
-    );
-    let sessions = http::Sessions::new(max_sessions, sessions, sessions_refused, shutdown.clone(), tasks.clone());
-    let local_refused = prometheus_client::metrics::counter::Counter::default();
-    metrics.register(
-        "rustlet_local_socket_refused",
-        "Connections to the local socket refused for their peer's user",
-        local_refused.clone(),
-    );
-    let tls_failures = server::TlsFailures::default();
-    metrics.register(
-        "kubelet_api_tls_handshake_failures",
-        "TLS handshakes of the kubelet API that failed, by reason (unknown_authority, expired, bad_certificate, \
-         no_serving_certificate, protocol, timeout, closed, ...)",
-        tls_failures.clone(),
-    );
-    (sessions, local_refused, tls_failures)
 }
 
 /// What `/configz` shows: the node's settings in `KubeletConfiguration`'s

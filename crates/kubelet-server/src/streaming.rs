@@ -13,8 +13,8 @@ use k8s_openapi::api::core::v1::Pod;
 use serde_json::json;
 
 use super::ApiState;
-use super::plain::Sessions;
 use crate::provider::{ContainerId, ProviderError, ProviderErrorKind, StreamRequest, StreamSession, StreamingEndpoint};
+use crate::state::Sessions;
 
 /// The pod `namespace/name` (with `uid`, if given) among the node's pods.
 /// How long the runtime's streaming server has to accept a connection and

@@ -1,6 +1,6 @@
 //! Cluster mode: the node in a Kubernetes cluster, through kube-rs.
 //!
-//! [`crate::node::NodeBuilder::cluster`] turns it on. Once the API client
+//! The facade's `NodeBuilder::cluster` turns it on. Once the API client
 //! is ready (from a client the embedder gives, or read from a kubeconfig,
 //! retried with backoff while the file is missing or invalid), these run
 //! beside the standalone parts, which never wait on the API:
@@ -19,16 +19,19 @@
 //!   the ConfigMaps, Secrets and service-account tokens of configMap,
 //!   secret and projected volumes and env references.
 //!
+//! - events the pod lifecycle records, written as core/v1 Events.
+//! - [`pki`] and [`certificates`]: keys and certificates, TLS bootstrap
+//!   and rotation of the client and serving certificates.
+//!
 //! Image pull secrets are read through the same client and handed to the
-//! provider. Not yet: events, refreshing
-//! configMap/secret volumes and tokens after the pod started.
-
+//! provider.
+mod api_events;
 pub mod capacity;
 pub mod certificates;
 pub mod claims;
 pub mod csi_info;
-mod events;
 pub mod node_sync;
+pub mod pki;
 pub mod pod_sync;
 pub mod rate_limit;
 mod read_cache;
@@ -52,12 +55,25 @@ pub use pod_sync::{PodSync, PodSyncConfig, PodSyncMetrics, PodSyncStats};
 pub use supervisor::Supervision;
 
 use kubelet_api::uds::error_chain;
+use kubelet_plugins::{csi, device_manager, dra};
+use kubelet_pods::{events, pod, runtime_class, volume};
+use kubelet_provider::{self as provider, durable, health, retry};
 
-use crate::device_manager::DeviceManager;
-use crate::health::Healthz;
-use crate::pod::Pods;
-use crate::volume::CsiDriverObjects;
 use capacity::NodeDescription;
+use device_manager::DeviceManager;
+use health::Healthz;
+use pod::Pods;
+use volume::CsiDriverObjects;
+
+/// The Kubernetes release whose node behaviour Rustlet implements (what
+/// the upstream node-conformance suite of that release checks).
+pub const KUBERNETES_VERSION: &str = "v1.28.7";
+
+/// Rustlet's version as the Node reports it (`status.nodeInfo.kubeletVersion`)
+/// and `rustlet --version` prints it: the Kubernetes release it implements,
+/// with Rustlet's own version as semver build metadata, so that version
+/// skew checks (kubeadm's, the API server's) read the Kubernetes version.
+pub const VERSION: &str = concat!("v1.28.7+rustlet.", env!("CARGO_PKG_VERSION"));
 
 /// Where the API client comes from.
 #[derive(Clone)]
@@ -172,35 +188,41 @@ impl Cluster {
 }
 
 /// What cluster mode reads from the node.
-pub(crate) struct NodeParts {
-    pub(crate) description: NodeDescription,
-    pub(crate) devices: DeviceManager,
-    pub(crate) healthz: Healthz,
-    pub(crate) pods: Pods,
-    pub(crate) csi: ApiNodeInfo,
-    pub(crate) csi_objects: CsiDriverObjects,
+pub struct NodeParts {
+    /// What describes the Node.
+    pub description: NodeDescription,
+    /// The device manager (capacity, allocatable devices).
+    pub devices: DeviceManager,
+    /// The node's checks (the Node's `Ready` condition).
+    pub healthz: Healthz,
+    /// The pod lifecycle the API's pods run through.
+    pub pods: Pods,
+    /// CSI drivers' node facts, written to the API.
+    pub csi: ApiNodeInfo,
+    /// CSIDriver objects, filled from the API.
+    pub csi_objects: CsiDriverObjects,
     /// Gets the client once it is ready (for [`volumes::ApiVolumes`]).
-    pub(crate) client: watch::Sender<Option<kube::Client>>,
+    pub client: watch::Sender<Option<kube::Client>>,
     /// Gets the reviews' client once it is ready (the kubelet API's
     /// TokenReviews and SubjectAccessReviews).
-    pub(crate) review_client: watch::Sender<Option<kube::Client>>,
+    pub review_client: watch::Sender<Option<kube::Client>>,
     /// The node's task tracker (cluster tasks are awaited at shutdown).
-    pub(crate) tasks: tokio_util::task::TaskTracker,
+    pub tasks: tokio_util::task::TaskTracker,
     /// The persistent volumes published on the node (`volumesInUse`).
-    pub(crate) volumes_in_use: VolumesInUse,
+    pub volumes_in_use: VolumesInUse,
     /// The pod events to write to the API.
-    pub(crate) events: Option<crate::events::EventQueue>,
+    pub events: Option<kubelet_pods::events::EventQueue>,
     /// Where node events are recorded (into `events`).
-    pub(crate) recorder: crate::events::EventRecorder,
+    pub recorder: kubelet_pods::events::EventRecorder,
     /// The DRA drivers (their ResourceSlices are wiped when they are gone).
-    pub(crate) dra: crate::dra::DraDrivers,
+    pub dra: kubelet_plugins::dra::DraDrivers,
 }
 
 /// Persistent volumes published on the node, by unique name, with their pods.
-pub(crate) type VolumesInUse = watch::Receiver<BTreeMap<String, std::collections::BTreeSet<String>>>;
+pub type VolumesInUse = watch::Receiver<BTreeMap<String, std::collections::BTreeSet<String>>>;
 
 /// Starts cluster mode for a started node; nothing here blocks the node.
-pub(crate) fn start(settings: ClusterSettings, parts: NodeParts, shutdown: CancellationToken) -> Cluster {
+pub fn start(settings: ClusterSettings, parts: NodeParts, shutdown: CancellationToken) -> Cluster {
     let (connected_tx, connected) = watch::channel(None);
     let cluster = Cluster { connected, csi: parts.csi.clone() };
     let mut description = parts.description;
@@ -224,7 +246,7 @@ pub(crate) fn start(settings: ClusterSettings, parts: NodeParts, shutdown: Cance
             tasks.spawn(async move {
                 tokio::select! {
                     () = stop.cancelled() => {}
-                    () = events::publish(events_client, &node, queue) => {}
+                    () = api_events::publish(events_client, &node, queue) => {}
                 }
             });
         }

@@ -24,141 +24,20 @@
 
 use std::fmt::Write as _;
 use std::net::SocketAddr;
-use std::sync::Arc;
 
 use axum::Json;
 use axum::extract::{Path, RawQuery, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use prometheus_client::registry::Registry;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::csi::{CsiDriverRegistry, InMemoryNodeInfo};
-use crate::device_manager::DeviceManager;
-use crate::health::{ComponentHealth, Healthz};
-use crate::plugin_manager::PluginManagerHandle;
-use crate::pod::Pods;
+use crate::health::ComponentHealth;
+use crate::state::text;
+pub use crate::state::{HttpState, NodeViews};
 use crate::static_pods::StaticPods;
-
-/// What the handlers read.
-#[derive(Clone)]
-pub(crate) struct HttpState {
-    pub(crate) node_name: String,
-    pub(crate) metrics: Arc<Registry>,
-    pub(crate) plugins: PluginManagerHandle,
-    pub(crate) csi_drivers: CsiDriverRegistry,
-    pub(crate) node_info: InMemoryNodeInfo,
-    pub(crate) devices: DeviceManager,
-    pub(crate) healthz: Healthz,
-    pub(crate) pods: Pods,
-    pub(crate) static_pods: Option<StaticPods>,
-    pub(crate) description: crate::cluster::capacity::NodeDescription,
-    pub(crate) root_dir: std::path::PathBuf,
-    /// Streaming sessions under way (log follows, exec, attach,
-    /// port-forward): counted, bounded, ended at shutdown.
-    pub(crate) sessions: Sessions,
-    /// The one inotify watcher of every log follow.
-    pub(crate) log_watcher: super::logs::LogWatcher,
-    /// Connections the local socket refused (`rustlet_local_socket_refused_total`).
-    pub(crate) local_refused: prometheus_client::metrics::counter::Counter,
-    /// Failed TLS handshakes of the kubelet API, by reason.
-    pub(crate) tls_failures: super::TlsFailures,
-}
-
-/// The streaming sessions (log follows, exec, attach, port-forward): at
-/// most `limit` at once (more are answered 429), each counted in
-/// `kubelet_api_streaming_sessions` while it lives, run as a task of the
-/// node (so shutdown waits for them) and ended when the node stops.
-#[derive(Clone)]
-pub(crate) struct Sessions {
-    gauge: prometheus_client::metrics::gauge::Gauge,
-    refused: prometheus_client::metrics::counter::Counter,
-    open: Arc<std::sync::atomic::AtomicUsize>,
-    limit: usize,
-    shutdown: CancellationToken,
-    tasks: tokio_util::task::TaskTracker,
-}
-
-impl Sessions {
-    pub(crate) fn new(
-        limit: usize,
-        gauge: prometheus_client::metrics::gauge::Gauge,
-        refused: prometheus_client::metrics::counter::Counter,
-        shutdown: CancellationToken,
-        tasks: tokio_util::task::TaskTracker,
-    ) -> Self {
-        Sessions { gauge, refused, open: Arc::default(), limit, shutdown, tasks }
-    }
-
-    /// A place for one more session, or the answer that there is none.
-    pub(crate) fn begin(&self) -> Result<SessionGuard, SessionsFull> {
-        use std::sync::atomic::Ordering;
-        let taken = self.open.fetch_update(Ordering::AcqRel, Ordering::Acquire, |open| {
-            (open < self.limit && !self.shutdown.is_cancelled()).then_some(open + 1)
-        });
-        if taken.is_err() {
-            self.refused.inc();
-            if let Some(left_out) = SESSION_REFUSALS.admit() {
-                tracing::warn!(
-                    limit = self.limit,
-                    left_out,
-                    "streaming session refused: the node serves its limit already"
-                );
-            }
-            return Err(SessionsFull { limit: self.limit });
-        }
-        self.gauge.inc();
-        Ok(SessionGuard { gauge: self.gauge.clone(), open: self.open.clone() })
-    }
-
-    /// Runs a session's work as a task of the node, holding `guard`,
-    /// until it ends or the node stops.
-    pub(crate) fn spawn(&self, guard: SessionGuard, work: impl std::future::Future<Output = ()> + Send + 'static) {
-        let shutdown = self.shutdown.clone();
-        self.tasks.spawn(async move {
-            let _guard = guard;
-            tokio::select! {
-                () = shutdown.cancelled() => tracing::debug!("streaming session ended: the node is stopping"),
-                () = work => {}
-            }
-        });
-    }
-}
-
-/// Every streaming session place is taken: answered 429.
-#[derive(Debug)]
-pub(crate) struct SessionsFull {
-    limit: usize,
-}
-
-impl IntoResponse for SessionsFull {
-    fn into_response(self) -> Response {
-        let mut response = text(
-            StatusCode::TOO_MANY_REQUESTS,
-            format!("too many streaming sessions on this node (the limit is {}); retry later\n", self.limit),
-        );
-        response.headers_mut().insert(header::RETRY_AFTER, axum::http::HeaderValue::from_static("1"));
-        response
-    }
-}
-
-static SESSION_REFUSALS: super::log_limit::LogLimiter = super::log_limit::LogLimiter::new();
-
-/// One session's place: given back (and uncounted) when dropped.
-pub(crate) struct SessionGuard {
-    gauge: prometheus_client::metrics::gauge::Gauge,
-    open: Arc<std::sync::atomic::AtomicUsize>,
-}
-
-impl Drop for SessionGuard {
-    fn drop(&mut self) {
-        self.gauge.dec();
-        self.open.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
-    }
-}
 
 /// The routes anyone who can reach the node's health port may use.
 fn health_routes() -> axum::Router<HttpState> {
@@ -194,7 +73,7 @@ pub enum EndpointError {
 /// Binds `address` (the health port) and serves `/healthz` and `/metrics`
 /// until `shutdown`. Returns the bound address (useful with port 0) and the
 /// serving task.
-pub(crate) async fn serve(
+pub async fn serve(
     address: SocketAddr,
     state: HttpState,
     shutdown: CancellationToken,
@@ -220,7 +99,7 @@ pub(crate) async fn serve(
 /// Binds the local socket at `path` (mode 0600) and serves every view of
 /// the node on it until `shutdown`, to peers that are root or the node's
 /// own user.
-pub(crate) fn serve_local(
+pub fn serve_local(
     path: &std::path::Path,
     state: HttpState,
     shutdown: CancellationToken,
@@ -302,10 +181,6 @@ impl axum::serve::Listener for PeerChecked {
 
 static LOCAL_REFUSALS: super::log_limit::LogLimiter = super::log_limit::LogLimiter::new();
 
-pub(crate) fn text(code: StatusCode, body: String) -> Response {
-    (code, [(header::CONTENT_TYPE, "text/plain; charset=utf-8")], body).into_response()
-}
-
 pub(crate) async fn healthz(State(state): State<HttpState>, RawQuery(query): RawQuery) -> Response {
     let verbose = query.is_some_and(|q| q.split('&').any(|p| p == "verbose" || p.starts_with("verbose=")));
     let report = state.healthz.report();
@@ -383,37 +258,4 @@ async fn node(State(state): State<HttpState>) -> Response {
         map.insert("kind".into(), "Node".into());
     }
     Json(object).into_response()
-}
-
-#[cfg(test)]
-mod session_tests {
-    use super::*;
-
-    /// Sessions past the limit are refused; a session's place comes back
-    /// when it ends; the node's shutdown ends sessions under way (their
-    /// work is dropped) and the node's task tracker sees them finish.
-    #[tokio::test]
-    async fn sessions_are_bounded_and_end_at_shutdown() {
-        let gauge = prometheus_client::metrics::gauge::Gauge::default();
-        let refused = prometheus_client::metrics::counter::Counter::default();
-        let shutdown = CancellationToken::new();
-        let tasks = tokio_util::task::TaskTracker::new();
-        let sessions = Sessions::new(2, gauge.clone(), refused.clone(), shutdown.clone(), tasks.clone());
-        let first = sessions.begin().expect("first");
-        let second = sessions.begin().expect("second");
-        let full = sessions.begin().err().expect("a third is refused");
-        assert_eq!(full.into_response().status(), StatusCode::TOO_MANY_REQUESTS);
-        assert_eq!((gauge.get(), refused.get()), (2, 1));
-        drop(first);
-        assert_eq!(gauge.get(), 1);
-        let again = sessions.begin().expect("a place came back");
-        // Two sessions that would run for ever.
-        sessions.spawn(second, std::future::pending());
-        sessions.spawn(again, std::future::pending());
-        shutdown.cancel();
-        tasks.close();
-        tokio::time::timeout(std::time::Duration::from_secs(60), tasks.wait()).await.expect("sessions end at shutdown");
-        assert_eq!(gauge.get(), 0);
-        assert!(sessions.begin().is_err(), "no session starts once the node stops");
-    }
 }

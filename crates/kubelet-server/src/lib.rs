@@ -22,10 +22,12 @@
 
 pub mod auth;
 pub(crate) mod log_limit;
+mod log_watcher;
 pub(crate) mod logs;
 pub mod plain;
 mod spdy;
 mod spdy_dictionary;
+mod state;
 mod stats;
 mod streaming;
 mod websocket;
@@ -49,9 +51,15 @@ use tracing::Instrument as _;
 
 pub use auth::{AuthSettings, AuthorizationMode, User};
 
-use crate::pki::tls;
 use crate::provider::Provider;
-use plain::HttpState;
+use kubelet_cluster::pki::tls;
+use kubelet_cluster::{self as cluster, pki};
+use kubelet_plugins::{csi, device_manager, plugin_manager};
+use kubelet_pods::{pod, static_pods};
+#[cfg(test)]
+use kubelet_provider::fuzz;
+use kubelet_provider::{self as provider, health, retry};
+use state::HttpState;
 
 /// Where the serving certificate comes from.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -138,14 +146,14 @@ pub(crate) struct ApiState {
 }
 
 /// A bound, not yet serving, kubelet API.
-pub(crate) struct BoundApi {
+pub struct BoundApi {
     listener: TcpListener,
     tls: Arc<rustls::ServerConfig>,
     auth: auth::Auth,
     serving: tls::ServingCertificate,
     renewal: Option<ServingRenewal>,
     /// Where it listens.
-    pub(crate) address: SocketAddr,
+    pub address: SocketAddr,
 }
 
 /// Connections served at once at most; more wait to be accepted.
@@ -158,7 +166,7 @@ const HEADER_DEADLINE: Duration = Duration::from_secs(30);
 /// Sets up TLS and binds the address. `client` is the API client once
 /// cluster mode is connected (webhooks wait for it); `ips` the node's IPs
 /// for a self-signed certificate.
-pub(crate) async fn bind(
+pub async fn bind(
     config: &KubeletApiConfig,
     node_name: &str,
     ips: &[std::net::IpAddr],
@@ -206,8 +214,10 @@ pub(crate) async fn bind(
 }
 
 impl BoundApi {
-    /// Serves until `shutdown`.
-    pub(crate) fn serve(
+    /// Serves until `shutdown`: `http` is what the handlers read,
+    /// `provider` runs exec, attach and port-forward, `configz` is what
+    /// `/configz` shows.
+    pub fn serve(
         self,
         http: HttpState,
         provider: Option<Arc<dyn Provider>>,

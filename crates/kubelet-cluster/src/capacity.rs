@@ -60,26 +60,32 @@ pub(crate) struct NodeFacts<'a> {
 
 /// What describes the node besides its devices and health.
 #[derive(Clone, Debug)]
-pub(crate) struct NodeDescription {
-    pub(crate) name: String,
-    pub(crate) allocatable: Allocatable,
-    pub(crate) created: jiff::Timestamp,
-    pub(crate) labels: BTreeMap<String, String>,
-    pub(crate) taints: Vec<Taint>,
-    pub(crate) addresses: Vec<IpAddr>,
+pub struct NodeDescription {
+    /// The node's name.
+    pub name: String,
+    /// What pods may use.
+    pub allocatable: Allocatable,
+    /// When the node started (the Node's creation time before it is registered).
+    pub created: jiff::Timestamp,
+    /// The Node's labels.
+    pub labels: BTreeMap<String, String>,
+    /// The Node's taints.
+    pub taints: Vec<Taint>,
+    /// The node's IPs (`InternalIP` addresses).
+    pub addresses: Vec<IpAddr>,
     /// The root dir: its file system is the node's `ephemeral-storage`.
-    pub(crate) root_dir: std::path::PathBuf,
+    pub root_dir: std::path::PathBuf,
     /// The kubelet API's port (`status.daemonEndpoints`), if it is served.
-    pub(crate) kubelet_port: Option<u16>,
+    pub kubelet_port: Option<u16>,
     /// The container runtime's name and version, from the provider (asked
     /// at every status write: a runtime that did not answer at start shows
     /// once it does).
-    pub(crate) runtime_version: RuntimeVersion,
+    pub runtime_version: RuntimeVersion,
 }
 
 /// Where the Node's `containerRuntimeVersion` comes from.
 #[derive(Clone, Default)]
-pub(crate) struct RuntimeVersion(pub(crate) Option<std::sync::Arc<dyn crate::provider::Provider>>);
+pub struct RuntimeVersion(pub Option<std::sync::Arc<dyn crate::provider::Provider>>);
 
 impl RuntimeVersion {
     fn get(&self) -> String {
@@ -95,7 +101,7 @@ impl std::fmt::Debug for RuntimeVersion {
 
 impl NodeDescription {
     /// The `v1.Node` with these devices, Ready from `healthz`.
-    pub(crate) fn object(&self, devices: &BTreeMap<String, ResourceCapacity>, healthz: &Healthz) -> NodeObject {
+    pub fn object(&self, devices: &BTreeMap<String, ResourceCapacity>, healthz: &Healthz) -> NodeObject {
         node_object(&NodeFacts {
             name: &self.name,
             allocatable: self.allocatable,

@@ -16,7 +16,7 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::ObjectReference;
 use tokio::time::Instant;
 
-use crate::events::{EventQueue, EventType};
+use kubelet_pods::events::{EventQueue, EventType};
 
 /// Upstream's spam filter: events an object may make at once…
 const SPAM_BURST: f64 = 25.0;
