@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use k8s_openapi::api::core::v1::{Container, Pod};
-use kubelet::provider::{
+use kubelet_provider::{
     ContainerExit, ContainerId, ContainerLaunch, PreparedImage, Provider, ProviderError, ProviderErrorKind,
     RunningContainer, cri_log_line,
 };
