@@ -51,7 +51,7 @@ impl ClaimSource for ApiClaims {
         let mut resolved = Vec::new();
         let pod_claims = pod.spec.as_ref().and_then(|s| s.resource_claims.clone()).unwrap_or_default();
         for pod_claim in &pod_claims {
-            let Some(name) = claim_name(pod, &pod_claim.name)? else { continue };
+            let Some(name) = claim_name(pod, &pod_claim.name).map_err(|e| e.to_string())? else { continue };
             let claim = api.get(&name).await.map_err(|e| format!("fetch ResourceClaim {name}: {}", describe(&e)))?;
             let claim_uid = claim.metadata.uid.clone().unwrap_or_default();
             if pod_claim.resource_claim_template_name.is_some() {

@@ -30,6 +30,7 @@ pub mod capacity;
 pub mod certificates;
 pub mod claims;
 pub mod csi_info;
+mod mirror;
 pub mod node_sync;
 pub mod pki;
 pub mod pod_sync;
@@ -37,7 +38,6 @@ pub mod rate_limit;
 mod read_cache;
 pub mod runtime_classes;
 pub mod status_patch;
-pub mod supervisor;
 pub mod volumes;
 
 use std::collections::BTreeMap;
@@ -50,9 +50,9 @@ use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
 pub use csi_info::{ApiNodeInfo, CsiInfoStats};
+pub use kubelet_provider::supervisor::Supervision;
 pub use node_sync::{LEASE_NAMESPACE, NodeSync, NodeSyncConfig, NodeSyncStats};
 pub use pod_sync::{PodSync, PodSyncConfig, PodSyncMetrics, PodSyncStats};
-pub use supervisor::Supervision;
 
 use kubelet_api::uds::error_chain;
 use kubelet_plugins::{csi, device_manager, dra};
@@ -189,6 +189,9 @@ impl Cluster {
 
 /// What cluster mode reads from the node.
 pub struct NodeParts {
+    /// The node's supervision: cluster tasks are restarted, checked and
+    /// counted by it.
+    pub supervision: Supervision,
     /// What describes the Node.
     pub description: NodeDescription,
     /// The device manager (capacity, allocatable devices).
@@ -218,6 +221,12 @@ pub struct NodeParts {
     pub dra: kubelet_plugins::dra::DraDrivers,
 }
 
+/// Where cluster mode hands out an API client once it has one.
+pub type ClientSender = watch::Sender<Option<kube::Client>>;
+
+/// Where a client from cluster mode is waited for.
+pub type ClientReceiver = watch::Receiver<Option<kube::Client>>;
+
 /// Persistent volumes published on the node, by unique name, with their pods.
 pub type VolumesInUse = watch::Receiver<BTreeMap<String, std::collections::BTreeSet<String>>>;
 
@@ -231,7 +240,7 @@ pub fn start(settings: ClusterSettings, parts: NodeParts, shutdown: Cancellation
     let name = description.name.clone();
     let desired =
         follow_node(description, parts.devices, parts.healthz.clone(), parts.volumes_in_use, shutdown.clone());
-    let supervision = Supervision::new(shutdown.clone(), parts.healthz.clone(), parts.tasks.clone());
+    let supervision = parts.supervision.clone();
     let tasks = parts.tasks.clone();
     parts.tasks.spawn(async move {
         let clients = tokio::select! {

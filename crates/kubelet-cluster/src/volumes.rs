@@ -11,15 +11,13 @@
 
 use std::collections::BTreeMap;
 
-use futures_util::StreamExt as _;
 use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::{
     ConfigMap, PersistentVolume, PersistentVolumeClaim, Pod, Secret, SecretReference, Service, ServiceAccount,
 };
-use k8s_openapi::api::storage::v1::{CSIDriver, VolumeAttachment};
+use k8s_openapi::api::storage::v1::VolumeAttachment;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::Api;
-use kube::runtime::watcher;
 use tokio::sync::watch;
 
 use super::describe;
@@ -34,45 +32,10 @@ pub fn attachment_name(handle: &str, driver: &str, node: &str) -> String {
 }
 
 /// Keeps `objects` equal to the cluster's CSIDriver objects until the
-/// stream ends (run it under the node's shutdown).
+/// stream ends (run it under the node's shutdown): the one mirror loop
+/// (`mirror.rs`).
 pub async fn follow_csi_drivers(client: kube::Client, objects: CsiDriverObjects) {
-    let api: Api<CSIDriver> = Api::all(client);
-    let mut events = watcher(api, watcher::Config::default()).boxed();
-    let mut listed: Vec<String> = Vec::new();
-    let mut backoff = crate::retry::RetryBackoff::for_watches();
-    while let Some(event) = events.next().await {
-        if event.is_ok() {
-            backoff.reset();
-        }
-        match event {
-            Ok(watcher::Event::Apply(driver)) => {
-                let name = driver.metadata.name.clone().unwrap_or_default();
-                tracing::debug!(driver = %name, "CSIDriver object seen");
-                objects.set(&name, driver.spec);
-            }
-            Ok(watcher::Event::InitApply(driver)) => {
-                let name = driver.metadata.name.clone().unwrap_or_default();
-                tracing::debug!(driver = %name, "CSIDriver object listed");
-                listed.push(name.clone());
-                objects.set(&name, driver.spec);
-            }
-            Ok(watcher::Event::Delete(driver)) => objects.remove(driver.metadata.name.as_deref().unwrap_or_default()),
-            Ok(watcher::Event::Init) => listed.clear(),
-            Ok(watcher::Event::InitDone) => {
-                // Objects deleted while the watch was down.
-                for name in objects.names() {
-                    if !listed.contains(&name) {
-                        objects.remove(&name);
-                    }
-                }
-            }
-            Err(error) => {
-                let delay = backoff.next_delay();
-                tracing::warn!(%error, retry_in = ?delay, "CSIDriver watch failed; resuming");
-                tokio::time::sleep(delay).await;
-            }
-        }
-    }
+    crate::mirror::follow(client, objects).await;
 }
 
 /// Volume sources from the API with the node's identity, once cluster mode

@@ -88,15 +88,26 @@ impl ClassHandlers {
     }
 
     /// The handler of `class`, or why there is none.
-    pub fn handler_of(&self, class: &str) -> Result<String, String> {
+    pub fn handler_of(&self, class: &str) -> Result<String, RuntimeClassError> {
         let table = self.read();
         match table.handlers.get(class) {
             Some(handler) => Ok(handler.clone()),
             None if !table.from_api => Ok(class.to_owned()),
-            None if !table.listed => Err(format!("RuntimeClass {class:?} not known yet: the API's are being listed")),
-            None => Err(format!("RuntimeClass {class:?} not found")),
+            None if !table.listed => Err(RuntimeClassError::NotListedYet(class.to_owned())),
+            None => Err(RuntimeClassError::NotFound(class.to_owned())),
         }
     }
+}
+
+/// Why a pod's RuntimeClass has no handler.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RuntimeClassError {
+    /// The API's RuntimeClasses are still being listed.
+    #[error("RuntimeClass {0:?} not known yet: the API's are being listed")]
+    NotListedYet(String),
+    /// The API has no RuntimeClass of that name.
+    #[error("RuntimeClass {0:?} not found")]
+    NotFound(String),
 }
 
 /// Providers by RuntimeClass handler, and a default.
@@ -149,7 +160,7 @@ impl RuntimeClasses {
             return Ok(Arc::clone(&self.default));
         };
         let handler =
-            self.classes.handler_of(class).map_err(|message| ProviderError::new(ProviderErrorKind::Config, message))?;
+            self.classes.handler_of(class).map_err(|e| ProviderError::new(ProviderErrorKind::Config, e.to_string()))?;
         if handler == self.default_name {
             return Ok(Arc::clone(&self.default));
         }
@@ -331,13 +342,17 @@ mod tests {
         let classes = ClassHandlers::default();
         assert_eq!(classes.handler_of("wasmtime"), Ok("wasmtime".to_owned()));
         classes.from_api();
-        assert!(classes.handler_of("wasm").expect_err("not listed").contains("not known yet"));
+        assert_eq!(classes.handler_of("wasm"), Err(RuntimeClassError::NotListedYet("wasm".into())));
+        assert!(classes.handler_of("wasm").expect_err("not listed").to_string().contains("not known yet"));
         classes.set("wasm", "wasmtime");
         classes.listed();
         assert_eq!(classes.handler_of("wasm"), Ok("wasmtime".to_owned()));
-        assert_eq!(classes.handler_of("kata"), Err("RuntimeClass \"kata\" not found".to_owned()));
+        assert_eq!(
+            classes.handler_of("kata").map_err(|e| e.to_string()),
+            Err("RuntimeClass \"kata\" not found".to_owned())
+        );
         classes.remove("wasm");
         assert_eq!(classes.names(), Vec::<String>::new());
-        assert_eq!(classes.handler_of("wasm"), Err("RuntimeClass \"wasm\" not found".to_owned()));
+        assert_eq!(classes.handler_of("wasm"), Err(RuntimeClassError::NotFound("wasm".into())));
     }
 }

@@ -70,43 +70,57 @@ pub enum ManifestObject {
     },
 }
 
+/// Why a manifest file yields no objects.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ManifestError {
+    /// The file starts like JSON and is not.
+    #[error("not valid JSON: {0}")]
+    Json(String),
+    /// The file is not YAML.
+    #[error("not valid YAML: {0}")]
+    Yaml(String),
+    /// One of its documents is wrong (counted from 1).
+    #[error("document {document}: {problem}")]
+    Document {
+        /// Which document.
+        document: usize,
+        /// What is wrong with it.
+        problem: String,
+    },
+}
+
 /// Reads the manifest file `path` (its text `text`) for node `node_name`.
 /// Errors name the document and say what is wrong.
-pub fn parse_manifest(path: &Path, text: &str, node_name: &str) -> Result<Vec<ManifestObject>, String> {
+pub fn parse_manifest(path: &Path, text: &str, node_name: &str) -> Result<Vec<ManifestObject>, ManifestError> {
     let documents: Vec<Value> = if text.trim_start().starts_with('{') {
-        vec![serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?]
+        vec![serde_json::from_str(text).map_err(|e| ManifestError::Json(e.to_string()))?]
     } else {
-        serde_saphyr::from_multiple(text).map_err(|e| format!("not valid YAML: {e}"))?
+        serde_saphyr::from_multiple(text).map_err(|e| ManifestError::Yaml(e.to_string()))?
     };
     let mut objects = Vec::new();
     for (index, document) in documents.into_iter().enumerate() {
         if document.is_null() {
             continue;
         }
-        let which = || format!("document {}", index + 1);
+        let wrong = |problem: String| ManifestError::Document { document: index + 1, problem };
         let kind = document.get("kind").and_then(Value::as_str).unwrap_or_default().to_owned();
         match kind.as_str() {
-            "Pod" => objects.push(ManifestObject::Pod(Box::new(
-                static_pod(document, path, node_name).map_err(|e| format!("{}: {e}", which()))?,
-            ))),
+            "Pod" => objects.push(ManifestObject::Pod(Box::new(static_pod(document, path, node_name).map_err(wrong)?))),
             "CSIDriver" => {
                 let name = document
                     .pointer("/metadata/name")
                     .and_then(Value::as_str)
                     .filter(|n| !n.is_empty())
-                    .ok_or_else(|| format!("{}: a CSIDriver needs metadata.name", which()))?
+                    .ok_or_else(|| wrong("a CSIDriver needs metadata.name".into()))?
                     .to_owned();
                 let spec = document.get("spec").cloned().unwrap_or(Value::Object(Default::default()));
-                let spec: CSIDriverSpec = serde_json::from_value(spec)
-                    .map_err(|e| format!("{}: not a valid CSIDriver spec: {e}", which()))?;
+                let spec: CSIDriverSpec =
+                    serde_json::from_value(spec).map_err(|e| wrong(format!("not a valid CSIDriver spec: {e}")))?;
                 objects.push(ManifestObject::CsiDriver { name, spec });
             }
-            "" => return Err(format!("{}: no `kind` (expected kind: Pod)", which())),
+            "" => return Err(wrong("no `kind` (expected kind: Pod)".into())),
             other => {
-                return Err(format!(
-                    "{}: is a {other}, not a Pod (static manifests hold Pods and CSIDrivers)",
-                    which()
-                ));
+                return Err(wrong(format!("is a {other}, not a Pod (static manifests hold Pods and CSIDrivers)")));
             }
         }
     }
@@ -156,7 +170,7 @@ fn static_pod(document: Value, path: &Path, node_name: &str) -> Result<Pod, Stri
 /// becomes part of a path on the node (its name, namespace and UID in the
 /// pod and log directories; volume and container names below them), so
 /// that a manifest cannot name a directory outside the root dir.
-pub fn validate_names(pod: &Pod) -> Result<(), String> {
+fn validate_names(pod: &Pod) -> Result<(), String> {
     let meta = &pod.metadata;
     subdomain("metadata.name", meta.name.as_deref().unwrap_or_default())?;
     label("metadata.namespace", meta.namespace.as_deref().unwrap_or_default())?;
@@ -371,7 +385,7 @@ impl StaticPods {
         let objects = match std::fs::read(path) {
             Ok(_) if !is_manifest(path) => Ok(Vec::new()),
             Ok(bytes) => match String::from_utf8(bytes) {
-                Ok(text) => parse_manifest(path, &text, &self.config.node_name),
+                Ok(text) => parse_manifest(path, &text, &self.config.node_name).map_err(|e| e.to_string()),
                 Err(_) => Err("not UTF-8 text".to_owned()),
             },
             // Gone (or now a directory): its pods go.
@@ -528,19 +542,23 @@ mod tests {
     #[test]
     fn bad_documents_say_what_is_wrong() {
         let p = Path::new("/m");
-        assert!(parse_manifest(p, "kind: Pod\nmetadata: [", "n").expect_err("bad yaml").contains("not valid YAML"));
-        assert!(parse_manifest(p, "{\"kind\": ", "n").expect_err("bad json").contains("not valid JSON"));
+        assert!(matches!(parse_manifest(p, "kind: Pod\nmetadata: [", "n"), Err(ManifestError::Yaml(_))));
+        assert!(parse_manifest(p, "{\"kind\": ", "n").expect_err("bad json").to_string().contains("not valid JSON"));
         let service = "apiVersion: v1\nkind: Service\nmetadata:\n  name: s\n";
-        assert!(parse_manifest(p, service, "n").expect_err("not a pod").contains("is a Service, not a Pod"));
-        assert!(parse_manifest(p, "a: 1\n", "n").expect_err("no kind").contains("no `kind`"));
+        assert!(
+            parse_manifest(p, service, "n").expect_err("not a pod").to_string().contains("is a Service, not a Pod")
+        );
+        assert!(parse_manifest(p, "a: 1\n", "n").expect_err("no kind").to_string().contains("no `kind`"));
         let nameless = "kind: Pod\nspec:\n  containers:\n  - name: c\n";
-        assert!(parse_manifest(p, nameless, "n").expect_err("no name").contains("metadata.name"));
+        assert!(parse_manifest(p, nameless, "n").expect_err("no name").to_string().contains("metadata.name"));
         let empty = "kind: Pod\nmetadata:\n  name: x\nspec:\n  containers: []\n";
-        assert!(parse_manifest(p, empty, "n").expect_err("no containers").contains("at least one container"));
+        assert!(
+            parse_manifest(p, empty, "n").expect_err("no containers").to_string().contains("at least one container")
+        );
         let twice = "kind: Pod\nmetadata:\n  name: x\nspec:\n  containers:\n  - name: c\n  - name: c\n";
-        assert!(parse_manifest(p, twice, "n").expect_err("dup").contains("used twice"));
+        assert!(parse_manifest(p, twice, "n").expect_err("dup").to_string().contains("used twice"));
         let typed = "kind: Pod\nmetadata:\n  name: x\nspec:\n  containers: 3\n";
-        assert!(parse_manifest(p, typed, "n").expect_err("types").contains("not a valid Pod"));
+        assert!(parse_manifest(p, typed, "n").expect_err("types").to_string().contains("not a valid Pod"));
         assert!(parse_manifest(p, "", "n").expect("empty file").is_empty());
     }
 
@@ -552,18 +570,18 @@ mod tests {
                 "kind: Pod\nmetadata: {{{meta}}}\nspec:\n  containers:\n  - name: c\n  volumes:\n  - name: {volume:?}\n    emptyDir: {{}}\n"
             )
         };
-        let error = parse_manifest(p, &pod("name: x", "/tmp/x"), "n").expect_err("a path as a volume name");
+        let error = parse_manifest(p, &pod("name: x", "/tmp/x"), "n").expect_err("a path as a volume name").to_string();
         assert!(
             error.contains("spec.volumes[0].name: Invalid value: \"/tmp/x\": a lowercase RFC 1123 label"),
             "{error}"
         );
-        let error = parse_manifest(p, &pod("name: x, uid: /home", "v"), "n").expect_err("a path as a UID");
+        let error = parse_manifest(p, &pod("name: x, uid: /home", "v"), "n").expect_err("a path as a UID").to_string();
         assert!(error.contains("metadata.uid: Invalid value: \"/home\""), "{error}");
-        let error = parse_manifest(p, &pod("name: x, uid: '..'", "v"), "n").expect_err("a parent as a UID");
+        let error = parse_manifest(p, &pod("name: x, uid: '..'", "v"), "n").expect_err("a parent as a UID").to_string();
         assert!(error.contains("metadata.uid"), "{error}");
-        let error = parse_manifest(p, &pod("name: x, namespace: ../etc", "v"), "n").expect_err("namespace");
+        let error = parse_manifest(p, &pod("name: x, namespace: ../etc", "v"), "n").expect_err("namespace").to_string();
         assert!(error.contains("metadata.namespace: Invalid value"), "{error}");
-        let error = parse_manifest(p, &pod("name: X_Y", "v"), "n").expect_err("name");
+        let error = parse_manifest(p, &pod("name: X_Y", "v"), "n").expect_err("name").to_string();
         assert!(error.contains("metadata.name: Invalid value: \"X_Y-n\": a lowercase RFC 1123 subdomain"), "{error}");
         assert_eq!(
             parse_manifest(p, &pod("name: web.v1, uid: abc-123_x.y", "data-1"), "Node-1").expect("valid").len(),

@@ -12,6 +12,8 @@
 //! - [`durable`]: the one durable file write (temporary file, fsync, rename,
 //!   directory fsync) every checkpoint, key and store uses.
 //! - [`retry`]: the one jittered backoff every retry uses.
+//! - [`supervisor`]: the one supervisor of long-running tasks (health
+//!   check each, ends caught and counted, restarts with backoff).
 //! - [`quantity`] and [`hostname`]: Kubernetes quantities and pod hostnames
 //!   as the kubelet reads them.
 //!
@@ -42,6 +44,7 @@ pub mod health;
 pub mod hostname;
 pub mod quantity;
 pub mod retry;
+pub mod supervisor;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;

@@ -319,30 +319,9 @@ pub(crate) async fn serve<IO>(io: IO, protocol: &'static str, options: StreamReq
 where
     IO: AsyncRead + AsyncWrite + Send + Unpin + 'static,
 {
-    let (read_half, mut write_half) = tokio::io::split(io);
-    let (out, mut outgoing) = mpsc::channel::<Out>(64);
-    let writer = tokio::spawn(async move {
-        let mut writer = Writer::new();
-        while let Some(frame) = outgoing.recv().await {
-            let is_goaway = matches!(frame, Out::GoAway { .. });
-            let bytes = match writer.encode(&frame) {
-                Ok(bytes) => bytes,
-                Err(error) => {
-                    tracing::debug!(%error, "cannot encode a SPDY frame");
-                    return;
-                }
-            };
-            if write_half.write_all(&bytes).await.is_err() {
-                return;
-            }
-            if is_goaway {
-                let _ = write_half.flush().await;
-                let _ = write_half.shutdown().await;
-                return;
-            }
-        }
-        let _ = write_half.shutdown().await;
-    });
+    let (read_half, write_half) = tokio::io::split(io);
+    let (out, outgoing) = mpsc::channel::<Out>(64);
+    let writer = tokio::spawn(write_frames(write_half, outgoing));
     let mut reader = Reader::new(read_half);
     let resize_expected = options.tty && matches!(protocol, "v4.channel.k8s.io" | "v3.channel.k8s.io");
     let expected = 1
@@ -350,45 +329,8 @@ where
         + usize::from(options.stdout)
         + usize::from(options.stderr)
         + usize::from(resize_expected);
-    let mut streams: HashMap<String, u32> = HashMap::new();
-    let mut last_stream = 0u32;
-    let mut stdin_pipe: Option<tokio::io::DuplexStream> = None;
-    let mut provider_streams = SessionStreams::default();
-    let mut forwarders = Vec::new();
-
-    // The client's streams, each answered at once.
-    let gathered = tokio::time::timeout(STREAM_CREATION_DEADLINE, async {
-        while streams.len() < expected {
-            let Some(frame) = reader.next().await? else {
-                return Err(invalid("the client left before opening its streams"));
-            };
-            match frame {
-                Frame::SynStream { stream, headers } => {
-                    if stream <= last_stream {
-                        let _ = out.send(Out::RstStream { stream, status: RST_PROTOCOL_ERROR }).await;
-                        continue;
-                    }
-                    last_stream = stream;
-                    let _ = out.send(Out::SynReply { stream }).await;
-                    let kind = headers.iter().find(|(n, _)| n == "streamtype").map(|(_, v)| v.clone());
-                    match kind.as_deref() {
-                        Some(kind @ ("error" | "stdin" | "stdout" | "stderr" | "resize")) => {
-                            streams.insert(kind.to_owned(), stream);
-                        }
-                        other => tracing::debug!(?other, "a SPDY stream of an unknown type"),
-                    }
-                }
-                Frame::Ping { id } => {
-                    let _ = out.send(Out::Ping { id }).await;
-                }
-                Frame::GoAway => return Err(invalid("the client went away")),
-                _ => {}
-            }
-        }
-        Ok::<(), std::io::Error>(())
-    })
-    .await;
-    match gathered {
+    let mut opened = Opened::default();
+    match tokio::time::timeout(STREAM_CREATION_DEADLINE, opened.gather(&mut reader, &out, expected)).await {
         Ok(Ok(())) => {}
         Ok(Err(error)) => {
             tracing::debug!(%error, "streaming session ended before it began");
@@ -401,60 +343,19 @@ where
             return;
         }
     }
-    if streams.contains_key("stdin") {
-        let (ours, theirs) = tokio::io::duplex(PIPE);
-        stdin_pipe = Some(ours);
-        provider_streams.stdin = Some(theirs);
-    }
-    for (kind, slot) in [("stdout", &mut provider_streams.stdout), ("stderr", &mut provider_streams.stderr)] {
-        let Some(&stream) = streams.get(kind) else { continue };
-        let (mut ours, theirs) = tokio::io::duplex(PIPE);
-        *slot = Some(theirs);
-        let out = out.clone();
-        forwarders.push(tokio::spawn(async move {
-            let mut buffer = vec![0u8; DATA_CHUNK];
-            loop {
-                match ours.read(&mut buffer).await {
-                    Ok(0) | Err(_) => {
-                        let _ = out.send(Out::Data { stream, fin: true, data: Vec::new() }).await;
-                        return;
-                    }
-                    Ok(n) => {
-                        if out.send(Out::Data { stream, fin: false, data: buffer[..n].to_vec() }).await.is_err() {
-                            return;
-                        }
-                    }
-                }
-            }
-        }));
-    }
-
+    let (mut stdin_pipe, provider_streams, forwarders) = opened.join(&out);
     // The session runs while the connection's frames are read.
-    let stdin_stream = streams.get("stdin").copied();
     let mut run = Box::pin(session.run(provider_streams));
+    let stdin_stream = opened.streams.get("stdin").copied();
     let outcome = loop {
         tokio::select! {
             outcome = &mut run => break Some(outcome),
-            frame = tokio::time::timeout(IDLE_DEADLINE, reader.next()) => match frame.unwrap_or_else(|_| Err(invalid("idle"))) {
-                Ok(Some(Frame::Data { stream, fin, data })) if Some(stream) == stdin_stream => {
-                    if let Some(pipe) = stdin_pipe.as_mut()
-                        && !data.is_empty()
-                        && pipe.write_all(&data).await.is_err()
-                    {
-                        stdin_pipe = None;
-                    }
-                    if fin {
-                        // End of input.
-                        stdin_pipe = None;
-                    }
+            frame = tokio::time::timeout(IDLE_DEADLINE, reader.next()) => {
+                let frame = frame.unwrap_or_else(|_| Err(invalid("idle")));
+                if !client_frame(frame, stdin_stream, &mut stdin_pipe, &out).await {
+                    break None;
                 }
-                Ok(Some(Frame::RstStream { stream })) if Some(stream) == stdin_stream => stdin_pipe = None,
-                Ok(Some(Frame::Ping { id })) => {
-                    let _ = out.send(Out::Ping { id }).await;
-                }
-                Ok(Some(Frame::GoAway)) | Ok(None) | Err(_) => break None,
-                Ok(Some(_)) => {}
-            },
+            }
         }
     };
     let Some(outcome) = outcome else {
@@ -470,20 +371,168 @@ where
     drop(stdin_pipe);
     // Output written before the end reaches the client before the outcome.
     let _ = tokio::time::timeout(DRAIN_DEADLINE, futures_util::future::join_all(forwarders)).await;
-    let outcome = outcome.map_err(|e| e.message);
-    if let (Some(&stream), Some(message)) =
-        (streams.get("error"), outcome_message(protocol, &outcome, &options.command))
-    {
-        let _ = out.send(Out::Data { stream, fin: true, data: message }).await;
-    }
-    for (kind, &stream) in &streams {
-        if matches!(kind.as_str(), "stdin" | "resize") {
-            let _ = out.send(Out::RstStream { stream, status: RST_CANCEL }).await;
-        }
-    }
-    let _ = out.send(Out::GoAway { last: last_stream }).await;
+    opened.close(&out, protocol, outcome.map_err(|e| e.message), &options.command).await;
     drop(out);
     let _ = tokio::time::timeout(DRAIN_DEADLINE, writer).await;
+}
+
+/// Encodes and writes the session's frames until the channel closes or a
+/// GOAWAY is sent.
+async fn write_frames<W: AsyncWrite + Unpin>(mut write_half: W, mut outgoing: mpsc::Receiver<Out>) {
+    let mut writer = Writer::new();
+    while let Some(frame) = outgoing.recv().await {
+        let is_goaway = matches!(frame, Out::GoAway { .. });
+        let bytes = match writer.encode(&frame) {
+            Ok(bytes) => bytes,
+            Err(error) => {
+                tracing::debug!(%error, "cannot encode a SPDY frame");
+                return;
+            }
+        };
+        if write_half.write_all(&bytes).await.is_err() {
+            return;
+        }
+        if is_goaway {
+            let _ = write_half.flush().await;
+            let _ = write_half.shutdown().await;
+            return;
+        }
+    }
+    let _ = write_half.shutdown().await;
+}
+
+/// One frame from the client while the session runs: stdin data goes to
+/// the session, pings are answered. `false`: the client is gone.
+async fn client_frame(
+    frame: std::io::Result<Option<Frame>>,
+    stdin_stream: Option<u32>,
+    stdin_pipe: &mut Option<tokio::io::DuplexStream>,
+    out: &mpsc::Sender<Out>,
+) -> bool {
+    match frame {
+        Ok(Some(Frame::Data { stream, fin, data })) if Some(stream) == stdin_stream => {
+            if let Some(pipe) = stdin_pipe.as_mut()
+                && !data.is_empty()
+                && pipe.write_all(&data).await.is_err()
+            {
+                *stdin_pipe = None;
+            }
+            if fin {
+                // End of input.
+                *stdin_pipe = None;
+            }
+        }
+        Ok(Some(Frame::RstStream { stream })) if Some(stream) == stdin_stream => *stdin_pipe = None,
+        Ok(Some(Frame::Ping { id })) => {
+            let _ = out.send(Out::Ping { id }).await;
+        }
+        Ok(Some(Frame::GoAway)) | Ok(None) | Err(_) => return false,
+        Ok(Some(_)) => {}
+    }
+    true
+}
+
+/// The streams the client opened, by type (`error`, `stdin`, `stdout`,
+/// `stderr`, `resize`), and the last stream ID it used.
+#[derive(Default)]
+struct Opened {
+    streams: HashMap<String, u32>,
+    last_stream: u32,
+}
+
+impl Opened {
+    /// Reads frames until the client opened `expected` streams, answering
+    /// each at once.
+    async fn gather<R: AsyncRead + Unpin>(
+        &mut self,
+        reader: &mut Reader<R>,
+        out: &mpsc::Sender<Out>,
+        expected: usize,
+    ) -> std::io::Result<()> {
+        while self.streams.len() < expected {
+            let Some(frame) = reader.next().await? else {
+                return Err(invalid("the client left before opening its streams"));
+            };
+            match frame {
+                Frame::SynStream { stream, headers } => {
+                    if stream <= self.last_stream {
+                        let _ = out.send(Out::RstStream { stream, status: RST_PROTOCOL_ERROR }).await;
+                        continue;
+                    }
+                    self.last_stream = stream;
+                    let _ = out.send(Out::SynReply { stream }).await;
+                    let kind = headers.iter().find(|(n, _)| n == "streamtype").map(|(_, v)| v.clone());
+                    match kind.as_deref() {
+                        Some(kind @ ("error" | "stdin" | "stdout" | "stderr" | "resize")) => {
+                            self.streams.insert(kind.to_owned(), stream);
+                        }
+                        other => tracing::debug!(?other, "a SPDY stream of an unknown type"),
+                    }
+                }
+                Frame::Ping { id } => {
+                    let _ = out.send(Out::Ping { id }).await;
+                }
+                Frame::GoAway => return Err(invalid("the client went away")),
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// The session's ends of the client's streams: a pipe for stdin (our
+    /// end returned), and tasks forwarding stdout and stderr as DATA frames.
+    fn join(
+        &self,
+        out: &mpsc::Sender<Out>,
+    ) -> (Option<tokio::io::DuplexStream>, SessionStreams, Vec<tokio::task::JoinHandle<()>>) {
+        let mut provider_streams = SessionStreams::default();
+        let mut stdin_pipe = None;
+        if self.streams.contains_key("stdin") {
+            let (ours, theirs) = tokio::io::duplex(PIPE);
+            stdin_pipe = Some(ours);
+            provider_streams.stdin = Some(theirs);
+        }
+        let mut forwarders = Vec::new();
+        for (kind, slot) in [("stdout", &mut provider_streams.stdout), ("stderr", &mut provider_streams.stderr)] {
+            let Some(&stream) = self.streams.get(kind) else { continue };
+            let (mut ours, theirs) = tokio::io::duplex(PIPE);
+            *slot = Some(theirs);
+            let out = out.clone();
+            forwarders.push(tokio::spawn(async move {
+                let mut buffer = vec![0u8; DATA_CHUNK];
+                loop {
+                    match ours.read(&mut buffer).await {
+                        Ok(0) | Err(_) => {
+                            let _ = out.send(Out::Data { stream, fin: true, data: Vec::new() }).await;
+                            return;
+                        }
+                        Ok(n) => {
+                            if out.send(Out::Data { stream, fin: false, data: buffer[..n].to_vec() }).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                }
+            }));
+        }
+        (stdin_pipe, provider_streams, forwarders)
+    }
+
+    /// Sends the session's outcome on the error stream, resets stdin and
+    /// resize, and says GOAWAY.
+    async fn close(&self, out: &mpsc::Sender<Out>, protocol: &str, outcome: Result<i32, String>, command: &[String]) {
+        if let (Some(&stream), Some(message)) =
+            (self.streams.get("error"), outcome_message(protocol, &outcome, command))
+        {
+            let _ = out.send(Out::Data { stream, fin: true, data: message }).await;
+        }
+        for (kind, &stream) in &self.streams {
+            if matches!(kind.as_str(), "stdin" | "resize") {
+                let _ = out.send(Out::RstStream { stream, status: RST_CANCEL }).await;
+            }
+        }
+        let _ = out.send(Out::GoAway { last: self.last_stream }).await;
+    }
 }
 
 #[cfg(test)]

@@ -9,7 +9,8 @@
 //! `kubelet_pods::pod::Pods` are the same item:
 //!
 //! - [`provider`] (`kubelet-provider`): the [`provider::Provider`] trait and
-//!   what it speaks, with [`health`], [`durable`] and [`retry`]. A provider
+//!   what it speaks, with [`health`], [`supervisor`], [`durable`] and
+//!   [`retry`]. A provider
 //!   author needs this crate alone.
 //! - `kubelet-plugins`: the plugin registration service
 //!   ([`plugin_manager`]), who may offer plugins ([`plugin_trust`]), device
@@ -36,7 +37,7 @@ pub use kubelet_pods::{events, pod, pod_resources, runtime_class, static_pods, v
 pub use kubelet_provider as provider;
 #[doc(hidden)]
 pub use kubelet_provider::fuzz;
-pub use kubelet_provider::{durable, health, retry};
+pub use kubelet_provider::{durable, health, retry, supervisor};
 pub use kubelet_server as server;
 
 /// The examples in `docs/providers.md`, compiled and run as doctests.

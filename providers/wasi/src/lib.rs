@@ -4,7 +4,7 @@
 //! node's root dir and run under wasmtime.
 //!
 //! ```no_run
-//! # async fn example() -> Result<(), String> {
+//! # async fn example() -> Result<(), rustlet_wasi::StartError> {
 //! use std::sync::Arc;
 //! use kubelet::node::{NodeBuilder, NodeConfig};
 //! use rustlet_wasi::{WasiConfig, WasiProvider};
@@ -71,6 +71,7 @@ use tokio::sync::watch;
 
 use crate::logs::CriLog;
 use crate::pull::{PullPolicy, Puller};
+pub use crate::runtime::StartError;
 use crate::runtime::{Compiled, Output, RunSpec, Runtime, STOPPED_EXIT_CODE, ended};
 use crate::store::ImageStore;
 
@@ -350,8 +351,8 @@ impl Drop for WasiProvider {
 impl WasiProvider {
     /// A provider with `config`: opens the image store, starts the wasm
     /// threads and the image garbage collector.
-    pub fn new(config: WasiConfig) -> Result<WasiProvider, String> {
-        let store = ImageStore::open(&config.root_dir).map_err(|e| e.to_string())?;
+    pub fn new(config: WasiConfig) -> Result<WasiProvider, StartError> {
+        let store = ImageStore::open(&config.root_dir)?;
         let puller = Arc::new(Puller::new(store.clone(), config.credentials_file.clone()));
         let runtime = Arc::new(Runtime::new()?);
         let threads = tokio::runtime::Builder::new_multi_thread()
@@ -359,7 +360,7 @@ impl WasiProvider {
             .thread_name("wasm")
             .enable_all()
             .build()
-            .map_err(|e| format!("wasm threads: {e}"))?;
+            .map_err(|source| StartError::Threads { what: "wasm threads", source })?;
         let pod_images: Arc<Mutex<HashMap<String, HashSet<String>>>> = Arc::default();
         let collector = (store.clone(), runtime.clone(), pod_images.clone());
         threads.spawn(async move {

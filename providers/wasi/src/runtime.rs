@@ -347,15 +347,40 @@ impl Drop for Runtime {
     }
 }
 
+/// Why the WebAssembly runtime or provider could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// wasmtime refused the engine's configuration.
+    #[error("wasmtime engine: {0}")]
+    Engine(String),
+    /// WASI preview 1 could not be linked.
+    #[error("WASI preview 1: {0}")]
+    Preview1(String),
+    /// WASI preview 2 could not be linked.
+    #[error("WASI preview 2: {0}")]
+    Preview2(String),
+    /// A thread could not be started.
+    #[error("{what}: {source}")]
+    Threads {
+        /// Which threads (the epoch ticker, the wasm threads).
+        what: &'static str,
+        /// The system's error.
+        source: std::io::Error,
+    },
+    /// The image store could not be opened.
+    #[error(transparent)]
+    Store(#[from] crate::store::StoreError),
+}
+
 impl Runtime {
     /// A runtime with its epoch ticker running, laid out for many small
     /// instances ([`Layout::Dense`]).
-    pub fn new() -> Result<Runtime, String> {
+    pub fn new() -> Result<Runtime, StartError> {
         Runtime::with_layout(Layout::Dense)
     }
 
     /// A runtime with its epoch ticker running, laid out as `layout` says.
-    pub fn with_layout(layout: Layout) -> Result<Runtime, String> {
+    pub fn with_layout(layout: Layout) -> Result<Runtime, StartError> {
         let mut config = Config::new();
         config.epoch_interruption(true);
         config.max_wasm_stack(MAX_WASM_STACK);
@@ -375,12 +400,12 @@ impl Runtime {
                 Some(stacks)
             }
         };
-        let engine = Engine::new(&config).map_err(|e| format!("wasmtime engine: {e}"))?;
+        let engine = Engine::new(&config).map_err(|e| StartError::Engine(e.to_string()))?;
         let mut p1 = Linker::new(&engine);
         wasmtime_wasi::p1::add_to_linker_async(&mut p1, |s: &mut P1State| &mut s.wasi)
-            .map_err(|e| format!("WASI preview 1: {e}"))?;
+            .map_err(|e| StartError::Preview1(e.to_string()))?;
         let mut p2 = wasmtime::component::Linker::new(&engine);
-        wasmtime_wasi::p2::add_to_linker_async(&mut p2).map_err(|e| format!("WASI preview 2: {e}"))?;
+        wasmtime_wasi::p2::add_to_linker_async(&mut p2).map_err(|e| StartError::Preview2(e.to_string()))?;
         let ticker_stop = Arc::new(AtomicBool::new(false));
         let weak = engine.weak();
         let stop = ticker_stop.clone();
@@ -395,7 +420,7 @@ impl Runtime {
                     }
                 }
             })
-            .map_err(|e| format!("epoch ticker: {e}"))?;
+            .map_err(|source| StartError::Threads { what: "epoch ticker", source })?;
         Ok(Runtime {
             engine,
             p1,

@@ -214,7 +214,7 @@ impl RegistrationService {
         let untrusted = |reason| RegisterError::Untrusted { resource: request.resource_name.clone(), reason };
         let trust = &self.manager.inner.config.trust;
         let peer = peer.ok_or_else(|| untrusted("the registering process's credentials cannot be read".into()))?;
-        trust.check_peer(peer).map_err(untrusted)?;
+        trust.check_peer(peer).map_err(|e| untrusted(e.to_string()))?;
         if request.version != DEVICE_PLUGIN_VERSION {
             return Err(RegisterError::UnsupportedVersion { version: request.version });
         }

@@ -96,11 +96,66 @@ pub struct DraClaims {
     inner: Arc<Inner>,
 }
 
+/// Why a pod's resource claims could not be named, prepared or released.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ClaimError {
+    /// The pod has no claim of that name in `spec.resourceClaims`.
+    #[error("pod \"{pod}\" has no resource claim {claim:?}")]
+    NoSuchClaim {
+        /// The pod, as `namespace/name`.
+        pod: String,
+        /// The claim's name in the pod.
+        claim: String,
+    },
+    /// The pod's claim sets neither `resourceClaimName` nor
+    /// `resourceClaimTemplateName`.
+    #[error("pod \"{pod}\", spec.resourceClaim {claim:?}: none of the supported fields are set")]
+    NoSource {
+        /// The pod, as `namespace/name`.
+        pod: String,
+        /// The claim's name in the pod.
+        claim: String,
+    },
+    /// The claim made from the pod's template is not in its status yet.
+    #[error("pod \"{pod}\": ResourceClaim not created yet")]
+    NotCreated {
+        /// The pod, as `namespace/name`.
+        pod: String,
+    },
+    /// A claim of the same name but another UID is still prepared on the
+    /// node (its pod was force-deleted, say).
+    #[error(
+        "old ResourceClaim with same name {name} and different UID {other_uid} still exists (previous pod force-deleted?)"
+    )]
+    StaleClaim {
+        /// The claim's name.
+        name: String,
+        /// The UID of the claim still prepared.
+        other_uid: String,
+    },
+    /// The claims' checkpoint could not be written.
+    #[error("cannot write the DRA checkpoint {path}: {reason}")]
+    Checkpoint {
+        /// The checkpoint's path.
+        path: std::path::PathBuf,
+        /// What went wrong.
+        reason: String,
+    },
+    /// Drivers failed: one message per failed call or claim.
+    #[error("{operation} dynamic resources: {}", failures.join("; "))]
+    Drivers {
+        /// `prepare` or `unprepare`.
+        operation: &'static str,
+        /// What failed, each naming its call and claim.
+        failures: Vec<String>,
+    },
+}
+
 /// The name of the ResourceClaim behind the pod's claim `pod_claim`:
 /// `resourceClaimName`, or for a template the generated claim recorded in
 /// `status.resourceClaimStatuses`. `Ok(None)`: the template's claim was
 /// intentionally not created (nothing to prepare).
-pub fn claim_name(pod: &Pod, pod_claim: &str) -> Result<Option<String>, String> {
+pub fn claim_name(pod: &Pod, pod_claim: &str) -> Result<Option<String>, ClaimError> {
     let namespace = pod.metadata.namespace.as_deref().unwrap_or_default();
     let name = pod.metadata.name.as_deref().unwrap_or_default();
     let spec = pod
@@ -108,21 +163,19 @@ pub fn claim_name(pod: &Pod, pod_claim: &str) -> Result<Option<String>, String> 
         .as_ref()
         .and_then(|s| s.resource_claims.as_ref())
         .and_then(|claims| claims.iter().find(|c| c.name == pod_claim))
-        .ok_or_else(|| format!("pod \"{namespace}/{name}\" has no resource claim {pod_claim:?}"))?;
+        .ok_or_else(|| ClaimError::NoSuchClaim { pod: format!("{namespace}/{name}"), claim: pod_claim.to_owned() })?;
     if let Some(claim) = &spec.resource_claim_name {
         return Ok(Some(claim.clone()));
     }
     if spec.resource_claim_template_name.is_none() {
-        return Err(format!(
-            "pod \"{namespace}/{name}\", spec.resourceClaim {pod_claim:?}: none of the supported fields are set"
-        ));
+        return Err(ClaimError::NoSource { pod: format!("{namespace}/{name}"), claim: pod_claim.to_owned() });
     }
     let status = pod
         .status
         .as_ref()
         .and_then(|s| s.resource_claim_statuses.as_ref())
         .and_then(|statuses| statuses.iter().find(|s| s.name == pod_claim))
-        .ok_or_else(|| format!("pod \"{namespace}/{name}\": ResourceClaim not created yet"))?;
+        .ok_or_else(|| ClaimError::NotCreated { pod: format!("{namespace}/{name}") })?;
     Ok(status.resource_claim_name.clone())
 }
 
@@ -162,16 +215,16 @@ impl DraClaims {
         Arc::clone(locks.entry(driver.to_owned()).or_default())
     }
 
-    fn persist(&self) -> Result<(), String> {
+    fn persist(&self) -> Result<(), ClaimError> {
         let _writing = self.inner.writing.lock().unwrap_or_else(|p| p.into_inner());
         let checkpoint = Checkpoint {
             kind: CHECKPOINT_KIND.into(),
             api_version: CHECKPOINT_API_VERSION.into(),
             entries: self.state().values().cloned().collect(),
         };
-        let bytes = serde_json::to_vec(&checkpoint).map_err(|e| e.to_string())?;
-        crate::durable::write(&self.inner.path, &bytes, 0o600)
-            .map_err(|e| format!("cannot write the DRA checkpoint {}: {e}", self.inner.path.display()))
+        let failed = |reason: String| ClaimError::Checkpoint { path: self.inner.path.clone(), reason };
+        let bytes = serde_json::to_vec(&checkpoint).map_err(|e| failed(e.to_string()))?;
+        crate::durable::write(&self.inner.path, &bytes, 0o600).map_err(|e| failed(e.to_string()))
     }
 
     /// Whether `claim_uid` is prepared.
@@ -192,7 +245,7 @@ impl DraClaims {
     /// Prepares what `pod_uid` needs of `claims`: claims prepared already
     /// only gain the pod; the others are prepared with one call per
     /// driver. Every failure is in the error, each naming its claim.
-    pub async fn prepare_pod(&self, pod_uid: &str, claims: &[ResolvedClaim]) -> Result<(), String> {
+    pub async fn prepare_pod(&self, pod_uid: &str, claims: &[ResolvedClaim]) -> Result<(), ClaimError> {
         let mut drivers: BTreeSet<String> = BTreeSet::new();
         {
             let mut state = self.state();
@@ -201,10 +254,10 @@ impl DraClaims {
                 if let Some(other) = state.values().find(|e| {
                     e.claim.namespace == claim.namespace && e.claim.name == claim.name && e.claim.uid != claim.uid
                 }) {
-                    return Err(format!(
-                        "old ResourceClaim with same name {} and different UID {} still exists (previous pod force-deleted?)",
-                        claim.name, other.claim.uid
-                    ));
+                    return Err(ClaimError::StaleClaim {
+                        name: claim.name.clone(),
+                        other_uid: other.claim.uid.clone(),
+                    });
                 }
             }
             for resolved in claims {
@@ -260,14 +313,14 @@ impl DraClaims {
             }
         }
         self.persist()?;
-        if failures.is_empty() { Ok(()) } else { Err(format!("prepare dynamic resources: {}", failures.join("; "))) }
+        if failures.is_empty() { Ok(()) } else { Err(ClaimError::Drivers { operation: "prepare", failures }) }
     }
 
     /// Drops `pod_uid` from its claims and releases those no pod uses any
     /// more (one call per driver). A pod with no claims costs nothing. A
     /// claim its driver failed to release stays recorded and is released
     /// again later ([`DraClaims::release_leftovers`]).
-    pub async fn unprepare_pod(&self, pod_uid: &str) -> Result<(), String> {
+    pub async fn unprepare_pod(&self, pod_uid: &str) -> Result<(), ClaimError> {
         let (held, emptied) = {
             let mut state = self.state();
             let mut held = false;
@@ -294,7 +347,7 @@ impl DraClaims {
     /// gone while the node was down); the claims left without pods are
     /// released in the background by [`DraClaims::keep_releasing`], so a
     /// driver that is not back yet holds up nothing.
-    pub fn retain_pods(&self, live: &[String]) -> Result<(), String> {
+    pub fn retain_pods(&self, live: &[String]) -> Result<(), ClaimError> {
         let changed = {
             let mut state = self.state();
             let mut changed = false;
@@ -314,7 +367,7 @@ impl DraClaims {
 
     /// Releases every claim no pod uses that is still recorded (a driver
     /// failed or was away when it was released).
-    pub async fn release_leftovers(&self) -> Result<(), String> {
+    pub async fn release_leftovers(&self) -> Result<(), ClaimError> {
         let leftovers: BTreeSet<String> =
             self.state().values().filter(|e| e.pods.is_empty()).map(|e| e.claim.uid.clone()).collect();
         self.release(&leftovers).await
@@ -344,7 +397,7 @@ impl DraClaims {
 
     /// Releases the claims in `uids` that no pod uses: per driver, one call
     /// for all of them.
-    async fn release(&self, uids: &BTreeSet<String>) -> Result<(), String> {
+    async fn release(&self, uids: &BTreeSet<String>) -> Result<(), ClaimError> {
         if uids.is_empty() {
             return Ok(());
         }
@@ -391,7 +444,7 @@ impl DraClaims {
                 self.persist()?;
             }
         }
-        if failures.is_empty() { Ok(()) } else { Err(format!("unprepare dynamic resources: {}", failures.join("; "))) }
+        if failures.is_empty() { Ok(()) } else { Err(ClaimError::Drivers { operation: "unprepare", failures }) }
     }
 
     /// One call to `driver` (`rpc`) for the claims `pick` chooses, decided
@@ -407,7 +460,7 @@ impl DraClaims {
         call: impl FnOnce(Vec<ClaimRef>) -> Fut,
         mut apply: impl FnMut(&mut ClaimEntry, T),
         failures: &mut Vec<String>,
-    ) -> Result<Vec<String>, String>
+    ) -> Result<Vec<String>, ClaimError>
     where
         Fut: std::future::Future<Output = Result<BTreeMap<String, Result<T, String>>, super::DraError>>,
     {
@@ -463,7 +516,7 @@ impl DraClaims {
                         missing.push(name);
                     }
                 }
-                Err(reason) => missing.push(reason),
+                Err(reason) => missing.push(reason.to_string()),
             }
         }
         missing
@@ -588,8 +641,10 @@ mod tests {
         assert_eq!(claim_name(&p, "direct"), Ok(Some("shared-gpu".into())));
         assert_eq!(claim_name(&p, "templated"), Ok(Some("p-templated-x7k2".into())));
         assert_eq!(claim_name(&p, "skipped"), Ok(None));
-        assert_eq!(claim_name(&p, "pending"), Err("pod \"ns/p\": ResourceClaim not created yet".into()));
-        assert!(claim_name(&p, "empty").expect_err("no field").contains("none of the supported fields are set"));
+        let pending = claim_name(&p, "pending").expect_err("not created");
+        assert_eq!(pending.to_string(), "pod \"ns/p\": ResourceClaim not created yet");
+        let empty = claim_name(&p, "empty").expect_err("no field");
+        assert!(empty.to_string().contains("none of the supported fields are set"), "{empty}");
     }
 
     #[test]

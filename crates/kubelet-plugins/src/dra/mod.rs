@@ -28,7 +28,7 @@
 mod claims;
 mod plugins;
 
-pub use claims::{ClaimSource, ContainerClaim, DRA_CHECKPOINT_FILE, DraClaims, ResolvedClaim, claim_name};
+pub use claims::{ClaimError, ClaimSource, ContainerClaim, DRA_CHECKPOINT_FILE, DraClaims, ResolvedClaim, claim_name};
 pub use plugins::{
     ClaimRef, DraConfig, DraDrivers, DraError, DraInstance, DraPluginHandler, DraVersion, PreparedDevice,
 };

@@ -61,7 +61,7 @@ pub(crate) async fn register(
 ) -> Result<Registered, RegistrationError> {
     let mut steps = Steps::start();
     let (checked_socket, checker) = (socket.to_path_buf(), trust.clone());
-    let check = move |peer| checker.check_socket(&checked_socket, peer);
+    let check = move |peer| checker.check_socket(&checked_socket, peer).map_err(|e| e.to_string());
     let channel = kubelet_api::uds::dial_checked(socket, deadlines.dial, check)
         .instrument(tracing::debug_span!("dial"))
         .await

@@ -44,104 +44,18 @@ pub fn build(
     devices: &RunOptions,
     sources: EnvSources<'_>,
 ) -> Result<ContainerRunOptions, ConfigError> {
-    let objects = sources.objects;
     let mut env: Vec<EnvVar> = service_env(sources.services);
-    let namespace = pod.metadata.namespace.as_deref().unwrap_or("default");
     // envFrom first: env entries override what it brings.
-    for from in container.env_from.iter().flatten() {
-        let Some(objects) = objects else {
-            return Err(ConfigError("envFrom needs the API server (static pods cannot use it)".into()));
-        };
-        let (kind, name, optional) = match (&from.config_map_ref, &from.secret_ref) {
-            (Some(r), _) => (ObjectKind::ConfigMap, r.name.as_str(), r.optional.unwrap_or(false)),
-            (None, Some(r)) => (ObjectKind::Secret, r.name.as_str(), r.optional.unwrap_or(false)),
-            (None, None) => continue,
-        };
-        match objects.get(&(kind, name.to_owned())).cloned().flatten() {
-            Some(data) => {
-                let prefix = from.prefix.clone().unwrap_or_default();
-                for (key, value) in data {
-                    set(&mut env, &format!("{prefix}{key}"), value);
-                }
-            }
-            None if optional => {}
-            None => return Err(ConfigError(format!("{} \"{name}\" not found", kind.noun()))),
-        }
-    }
+    env_from(container, sources.objects, &mut env)?;
     for var in container.env.iter().flatten() {
-        let value = match (&var.value, &var.value_from) {
-            (_, Some(from)) => {
-                let key_ref = match (&from.config_map_key_ref, &from.secret_key_ref) {
-                    (Some(r), _) => Some((ObjectKind::ConfigMap, r.name.as_str(), r.key.as_str(), r.optional)),
-                    (None, Some(r)) => Some((ObjectKind::Secret, r.name.as_str(), r.key.as_str(), r.optional)),
-                    (None, None) => None,
-                };
-                if let Some(field) = &from.field_ref {
-                    field_value(pod, &field.field_path, sources.downward)
-                        .map_err(|e| ConfigError(format!("env {:?}: {e}", var.name)))?
-                } else if let Some(resource) = &from.resource_field_ref {
-                    resource_value(pod, Some(&container.name), resource, sources.downward)
-                        .map_err(|e| ConfigError(format!("env {:?}: {e}", var.name)))?
-                } else if let Some((kind, name, key, optional)) = key_ref {
-                    let Some(objects) = objects else {
-                        return Err(ConfigError(format!(
-                            "env {:?}: configMap and secret references need the API server (static pods cannot use them)",
-                            var.name
-                        )));
-                    };
-                    let optional = optional.unwrap_or(false);
-                    match objects.get(&(kind, name.to_owned())).cloned().flatten() {
-                        None if optional => continue,
-                        None => return Err(ConfigError(format!("{} \"{name}\" not found", kind.noun()))),
-                        Some(data) => match data.get(key) {
-                            Some(value) => value.clone(),
-                            None if optional => continue,
-                            None => {
-                                let what = if kind == ObjectKind::Secret { "Secret" } else { "ConfigMap" };
-                                return Err(ConfigError(format!(
-                                    "couldn't find key {key} in {what} {namespace}/{name}"
-                                )));
-                            }
-                        },
-                    }
-                } else {
-                    return Err(ConfigError(format!("env {:?}: unsupported valueFrom", var.name)));
-                }
-            }
-            (Some(value), None) => expand(value, &env),
-            (None, None) => String::new(),
-        };
-        set(&mut env, &var.name, value);
+        if let Some(value) = env_value(pod, container, var, &sources, &env)? {
+            set(&mut env, &var.name, value);
+        }
     }
     for (name, value) in &devices.envs {
         set(&mut env, name, value.clone());
     }
-    let mut mounts = Vec::new();
-    for (index, mount) in container.volume_mounts.iter().flatten().enumerate() {
-        let Some(volume) = volumes.get(&mount.name) else {
-            return Err(ConfigError(format!("volumeMount {:?}: the pod has no such volume", mount.name)));
-        };
-        let mut host_path: PathBuf = volume.host_path.clone();
-        let expanded = mount.sub_path_expr.as_deref().filter(|s| !s.is_empty()).map(|e| expand(e, &env));
-        if let Some(sub) = expanded.as_deref().or(mount.sub_path.as_deref()).filter(|s| !s.is_empty()) {
-            let failed = |why: String| ConfigError(format!("volumeMount {:?}: subPath {sub:?}: {why}", mount.name));
-            if sub.starts_with('/') || sub.split('/').any(|p| p == "..") {
-                return Err(failed("must stay inside the volume".into()));
-            }
-            let atomic = matches!(volume.kind, VolumeKind::ApiData | VolumeKind::DownwardApi);
-            host_path = if atomic {
-                subpath_copy(&volume.host_path, sub, &mount.name, &container.name, index).map_err(failed)?
-            } else {
-                subpath_inside(&volume.host_path, sub).map_err(failed)?
-            };
-        }
-        mounts.push(Mount {
-            container_path: mount.mount_path.clone(),
-            host_path,
-            read_only: mount.read_only.unwrap_or(false),
-            volume: Some(mount.name.clone()),
-        });
-    }
+    let mut mounts = volume_mounts(container, volumes, &env)?;
     for mount in &devices.mounts {
         mounts.push(Mount {
             container_path: mount.container_path.clone(),
@@ -163,6 +77,111 @@ pub fn build(
         annotations: devices.annotations.clone(),
         cdi_devices: devices.cdi_devices.clone(),
     })
+}
+
+/// The variables `envFrom` brings (each ConfigMap's or Secret's keys,
+/// prefixed), into `env`.
+fn env_from(container: &Container, objects: Option<&EnvObjects>, env: &mut Vec<EnvVar>) -> Result<(), ConfigError> {
+    for from in container.env_from.iter().flatten() {
+        let Some(objects) = objects else {
+            return Err(ConfigError("envFrom needs the API server (static pods cannot use it)".into()));
+        };
+        let (kind, name, optional) = match (&from.config_map_ref, &from.secret_ref) {
+            (Some(r), _) => (ObjectKind::ConfigMap, r.name.as_str(), r.optional.unwrap_or(false)),
+            (None, Some(r)) => (ObjectKind::Secret, r.name.as_str(), r.optional.unwrap_or(false)),
+            (None, None) => continue,
+        };
+        match objects.get(&(kind, name.to_owned())).cloned().flatten() {
+            Some(data) => {
+                let prefix = from.prefix.clone().unwrap_or_default();
+                for (key, value) in data {
+                    set(env, &format!("{prefix}{key}"), value);
+                }
+            }
+            None if optional => {}
+            None => return Err(ConfigError(format!("{} \"{name}\" not found", kind.noun()))),
+        }
+    }
+    Ok(())
+}
+
+/// The value of the `env` entry `var` (`$(VAR)` expanded against `env`
+/// so far); `None`: an optional reference that is missing, so the
+/// variable is not set.
+fn env_value(
+    pod: &Pod,
+    container: &Container,
+    var: &k8s_openapi::api::core::v1::EnvVar,
+    sources: &EnvSources<'_>,
+    env: &[EnvVar],
+) -> Result<Option<String>, ConfigError> {
+    let from = match (&var.value, &var.value_from) {
+        (_, Some(from)) => from,
+        (Some(value), None) => return Ok(Some(expand(value, env))),
+        (None, None) => return Ok(Some(String::new())),
+    };
+    let failed = |e: &dyn std::fmt::Display| ConfigError(format!("env {:?}: {e}", var.name));
+    if let Some(field) = &from.field_ref {
+        return field_value(pod, &field.field_path, sources.downward).map(Some).map_err(|e| failed(&e));
+    }
+    if let Some(resource) = &from.resource_field_ref {
+        return resource_value(pod, Some(&container.name), resource, sources.downward)
+            .map(Some)
+            .map_err(|e| failed(&e));
+    }
+    let (kind, name, key, optional) = match (&from.config_map_key_ref, &from.secret_key_ref) {
+        (Some(r), _) => (ObjectKind::ConfigMap, r.name.as_str(), r.key.as_str(), r.optional.unwrap_or(false)),
+        (None, Some(r)) => (ObjectKind::Secret, r.name.as_str(), r.key.as_str(), r.optional.unwrap_or(false)),
+        (None, None) => return Err(failed(&"unsupported valueFrom")),
+    };
+    let Some(objects) = sources.objects else {
+        return Err(failed(&"configMap and secret references need the API server (static pods cannot use them)"));
+    };
+    match objects.get(&(kind, name.to_owned())).cloned().flatten() {
+        None if optional => Ok(None),
+        None => Err(ConfigError(format!("{} \"{name}\" not found", kind.noun()))),
+        Some(data) => match data.get(key) {
+            Some(value) => Ok(Some(value.clone())),
+            None if optional => Ok(None),
+            None => {
+                let what = if kind == ObjectKind::Secret { "Secret" } else { "ConfigMap" };
+                let namespace = pod.metadata.namespace.as_deref().unwrap_or("default");
+                Err(ConfigError(format!("couldn't find key {key} in {what} {namespace}/{name}")))
+            }
+        },
+    }
+}
+
+/// The container's volume mounts as host paths (a `subPath` resolved
+/// inside its volume, or copied out of an atomically written one).
+fn volume_mounts(container: &Container, volumes: &PodVolumes, env: &[EnvVar]) -> Result<Vec<Mount>, ConfigError> {
+    let mut mounts = Vec::new();
+    for (index, mount) in container.volume_mounts.iter().flatten().enumerate() {
+        let Some(volume) = volumes.get(&mount.name) else {
+            return Err(ConfigError(format!("volumeMount {:?}: the pod has no such volume", mount.name)));
+        };
+        let mut host_path: PathBuf = volume.host_path.clone();
+        let expanded = mount.sub_path_expr.as_deref().filter(|s| !s.is_empty()).map(|e| expand(e, env));
+        if let Some(sub) = expanded.as_deref().or(mount.sub_path.as_deref()).filter(|s| !s.is_empty()) {
+            let failed = |why: String| ConfigError(format!("volumeMount {:?}: subPath {sub:?}: {why}", mount.name));
+            if sub.starts_with('/') || sub.split('/').any(|p| p == "..") {
+                return Err(failed("must stay inside the volume".into()));
+            }
+            let atomic = matches!(volume.kind, VolumeKind::ApiData | VolumeKind::DownwardApi);
+            host_path = if atomic {
+                subpath_copy(&volume.host_path, sub, &mount.name, &container.name, index).map_err(failed)?
+            } else {
+                subpath_inside(&volume.host_path, sub).map_err(failed)?
+            };
+        }
+        mounts.push(Mount {
+            container_path: mount.mount_path.clone(),
+            host_path,
+            read_only: mount.read_only.unwrap_or(false),
+            volume: Some(mount.name.clone()),
+        });
+    }
+    Ok(mounts)
 }
 
 /// `sub` inside the volume at `root`, resolved without leaving it: every

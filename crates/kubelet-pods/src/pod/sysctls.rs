@@ -21,9 +21,33 @@ pub const SAFE_SYSCTLS: &[&str] = &[
 /// The reason of a pod rejected for its sysctls.
 pub const SYSCTL_FORBIDDEN: &str = "SysctlForbidden";
 
+/// A sysctl a pod may not set; its text is upstream's message.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("forbidden sysctl: \"{sysctl}\" {why}")]
+pub struct SysctlForbidden {
+    /// The sysctl as the pod names it.
+    pub sysctl: String,
+    /// Why it is refused.
+    pub why: SysctlRefusal,
+}
+
+/// Why a sysctl is refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum SysctlRefusal {
+    /// Neither safe nor in `--allowed-unsafe-sysctls`.
+    #[error("not allowlisted")]
+    NotAllowlisted,
+    /// A network sysctl in a pod on the host's network.
+    #[error("not allowed with host net enabled")]
+    HostNetwork,
+    /// An IPC sysctl in a pod in the host's IPC namespace.
+    #[error("not allowed with host ipc enabled")]
+    HostIpc,
+}
+
 /// Checks `pod`'s sysctls against the safe ones and `allowed_unsafe`;
-/// returns upstream's message for the first one refused.
-pub fn check(pod: &Pod, allowed_unsafe: &[String]) -> Result<(), String> {
+/// the first one refused is the error.
+pub fn check(pod: &Pod, allowed_unsafe: &[String]) -> Result<(), SysctlForbidden> {
     let Some(spec) = pod.spec.as_ref() else { return Ok(()) };
     let sysctls = spec.security_context.as_ref().and_then(|c| c.sysctls.as_deref()).unwrap_or_default();
     for sysctl in sysctls {
@@ -35,14 +59,14 @@ pub fn check(pod: &Pod, allowed_unsafe: &[String]) -> Result<(), String> {
                 None => name == pattern.replace('/', "."),
             });
         if !allowed {
-            return Err(format!("forbidden sysctl: \"{}\" not allowlisted", sysctl.name));
+            return Err(SysctlForbidden { sysctl: sysctl.name.clone(), why: SysctlRefusal::NotAllowlisted });
         }
         if spec.host_network.unwrap_or(false) && name.starts_with("net.") {
-            return Err(format!("forbidden sysctl: \"{}\" not allowed with host net enabled", sysctl.name));
+            return Err(SysctlForbidden { sysctl: sysctl.name.clone(), why: SysctlRefusal::HostNetwork });
         }
         let ipc = name.starts_with("kernel.shm") || name.starts_with("kernel.msg") || name == "kernel.sem";
         if spec.host_ipc.unwrap_or(false) && (ipc || name.starts_with("fs.mqueue.")) {
-            return Err(format!("forbidden sysctl: \"{}\" not allowed with host ipc enabled", sysctl.name));
+            return Err(SysctlForbidden { sysctl: sysctl.name.clone(), why: SysctlRefusal::HostIpc });
         }
     }
     Ok(())
@@ -65,13 +89,13 @@ mod tests {
     fn safe_sysctls_pass_and_unsafe_ones_need_the_allow_list() {
         assert_eq!(check(&pod(&["kernel.shm_rmid_forced", "net/ipv4/ip_local_port_range"], false), &[]), Ok(()));
         assert_eq!(
-            check(&pod(&["kernel.msgmax"], false), &[]),
+            check(&pod(&["kernel.msgmax"], false), &[]).map_err(|e| e.to_string()),
             Err("forbidden sysctl: \"kernel.msgmax\" not allowlisted".into())
         );
         assert_eq!(check(&pod(&["kernel.msgmax"], false), &["kernel.msg*".into()]), Ok(()));
         assert_eq!(check(&pod(&["kernel.msgmax"], false), &["kernel.msgmax".into()]), Ok(()));
         assert_eq!(
-            check(&pod(&["net.ipv4.tcp_syncookies"], true), &[]),
+            check(&pod(&["net.ipv4.tcp_syncookies"], true), &[]).map_err(|e| e.to_string()),
             Err("forbidden sysctl: \"net.ipv4.tcp_syncookies\" not allowed with host net enabled".into())
         );
     }

@@ -542,48 +542,70 @@ impl CsiVolumes {
 
     /// What to publish for `volume`: inline, or the claim's bound volume.
     async fn plan(&self, pod: &Pod, volume: &Volume) -> Result<Plan, VolumeError> {
-        let name = volume.name.as_str();
-        let invalid = |reason: String| VolumeError::InvalidSpec { volume: name.to_owned(), reason };
         if let Some(inline) = &volume.csi {
-            if inline.node_publish_secret_ref.is_some() {
-                return Err(VolumeError::Unsupported {
-                    volume: name.to_owned(),
-                    kind: "csi with nodePublishSecretRef",
-                    reason: super::NEEDS_API,
-                });
-            }
-            self.supports_mode(name, &inline.driver, "Ephemeral")?;
-            let uid = pod.metadata.uid.as_deref().unwrap_or_default();
-            let mut volume_context: BTreeMap<String, String> =
-                inline.volume_attributes.clone().unwrap_or_default().into_iter().collect();
-            volume_context.insert("csi.storage.k8s.io/ephemeral".into(), "true".into());
-            return Ok(Plan {
-                mount: CsiMount {
-                    driver_name: inline.driver.clone(),
-                    volume_handle: format!("csi-{}", sha256_hex(format!("{uid}{name}").as_bytes())),
-                    spec_vol_id: name.to_owned(),
-                    volume_lifecycle_mode: "Ephemeral".into(),
-                    staging_target_path: None,
-                },
-                ephemeral: true,
-                read_only: inline.read_only.unwrap_or(false),
-                capability: VolumeCapability {
-                    access_type: AccessType::Mount {
-                        fs_type: inline.fs_type.clone().unwrap_or_default(),
-                        mount_flags: Vec::new(),
-                        volume_mount_group: String::new(),
-                    },
-                    access_mode: AccessMode::SingleNodeWriter,
-                },
-                volume_context,
-                publish_context: BTreeMap::new(),
-                stage_secrets: Secrets::default(),
-                publish_secrets: Secrets::default(),
-            });
+            return self.plan_inline(pod, &volume.name, inline);
         }
         let Some(claim) = &volume.persistent_volume_claim else {
-            return Err(invalid("not a CSI volume".into()));
+            return Err(VolumeError::InvalidSpec { volume: volume.name.clone(), reason: "not a CSI volume".into() });
         };
+        self.plan_claimed(pod, &volume.name, claim).await
+    }
+
+    /// The plan of an inline (ephemeral) CSI volume: its handle is made
+    /// from the pod's UID and the volume's name.
+    fn plan_inline(
+        &self,
+        pod: &Pod,
+        name: &str,
+        inline: &k8s_openapi::api::core::v1::CSIVolumeSource,
+    ) -> Result<Plan, VolumeError> {
+        if inline.node_publish_secret_ref.is_some() {
+            return Err(VolumeError::Unsupported {
+                volume: name.to_owned(),
+                kind: "csi with nodePublishSecretRef",
+                reason: super::NEEDS_API,
+            });
+        }
+        self.supports_mode(name, &inline.driver, "Ephemeral")?;
+        let uid = pod.metadata.uid.as_deref().unwrap_or_default();
+        let mut volume_context: BTreeMap<String, String> =
+            inline.volume_attributes.clone().unwrap_or_default().into_iter().collect();
+        volume_context.insert("csi.storage.k8s.io/ephemeral".into(), "true".into());
+        Ok(Plan {
+            mount: CsiMount {
+                driver_name: inline.driver.clone(),
+                volume_handle: format!("csi-{}", sha256_hex(format!("{uid}{name}").as_bytes())),
+                spec_vol_id: name.to_owned(),
+                volume_lifecycle_mode: "Ephemeral".into(),
+                staging_target_path: None,
+            },
+            ephemeral: true,
+            read_only: inline.read_only.unwrap_or(false),
+            capability: VolumeCapability {
+                access_type: AccessType::Mount {
+                    fs_type: inline.fs_type.clone().unwrap_or_default(),
+                    mount_flags: Vec::new(),
+                    volume_mount_group: String::new(),
+                },
+                access_mode: AccessMode::SingleNodeWriter,
+            },
+            volume_context,
+            publish_context: BTreeMap::new(),
+            stage_secrets: Secrets::default(),
+            publish_secrets: Secrets::default(),
+        })
+    }
+
+    /// The plan of a `persistentVolumeClaim` volume: the claim's bound
+    /// PersistentVolume's CSI source, its secrets, and (when the driver
+    /// needs attaching) the attachment's publish context.
+    async fn plan_claimed(
+        &self,
+        pod: &Pod,
+        name: &str,
+        claim: &k8s_openapi::api::core::v1::PersistentVolumeClaimVolumeSource,
+    ) -> Result<Plan, VolumeError> {
+        let invalid = |reason: String| VolumeError::InvalidSpec { volume: name.to_owned(), reason };
         let Some(claims) = &self.claims else {
             return Err(VolumeError::Unsupported {
                 volume: name.to_owned(),

@@ -34,8 +34,8 @@
 //! answers 500 naming the failing checks; `/healthz/<check>` answers for one.
 
 pub mod labels;
+mod start;
 
-use crate::cluster::capacity::{self, NodeDescription};
 pub use crate::cluster::capacity::{DEFAULT_MAX_PODS, measure};
 use crate::server::plain as http;
 
@@ -46,24 +46,18 @@ use std::time::Duration;
 
 use kubelet_api::constants::{DEVICE_PLUGINS_DIR, PLUGINS_REGISTRY_DIR};
 use prometheus_client::registry::Registry;
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::Instrument;
 
-use crate::cluster::{self, ApiNodeInfo, Cluster, ClusterSettings};
-use crate::csi::{
-    CsiDriverRegistry, CsiHandlerConfig, CsiNodeTimeouts, CsiPluginHandler, InMemoryNodeInfo, NodeInfoPublisher,
-};
+use crate::cluster::{Cluster, ClusterSettings};
+use crate::csi::{CsiDriverRegistry, CsiHandlerConfig, CsiNodeTimeouts, InMemoryNodeInfo};
 use crate::device_manager::{DeviceManager, DeviceManagerConfig, DeviceManagerError};
 use crate::health::{HealthReporter, Healthz};
-use crate::plugin_manager::{
-    PluginHandler, PluginManager, PluginManagerConfig, PluginManagerError, PluginManagerHandle, PluginType,
-};
-use crate::pod::{Allocatable, BackoffConfig, PodConfig, PodLifecycle, PodSource, Pods};
+use crate::plugin_manager::{PluginHandler, PluginManagerConfig, PluginManagerError, PluginManagerHandle, PluginType};
+use crate::pod::{Allocatable, BackoffConfig, Pods};
 use crate::provider::Provider;
-use crate::static_pods::{StaticPodConfig, StaticPods};
-use crate::volume::{CsiDriverObjects, CsiVolumes, VolumeClaims};
+use crate::static_pods::StaticPods;
+use crate::volume::{CsiDriverObjects, VolumeClaims};
 
 /// Streaming sessions served at once by default.
 pub const DEFAULT_MAX_STREAMING_SESSIONS: usize = 1024;
@@ -297,204 +291,29 @@ impl NodeBuilder {
     pub async fn start(self, shutdown: CancellationToken) -> Result<Node, NodeError> {
         let NodeBuilder { config, handlers, mut metrics, healthz, provider, claims, cluster } = self;
         let created = jiff::Timestamp::now();
-        let root_dir = config.root_dir.clone();
         let tasks = TaskTracker::new();
-
-        let csi_drivers = CsiDriverRegistry::new();
-        let (api_node_info, node_info, publisher) = csi_node_info(cluster.is_some());
-        let csi = CsiPluginHandler::new(csi_drivers.clone(), publisher, config.csi);
-
-        let devices = DeviceManager::start(config.devices.clone(), shutdown.clone())
-            .map_err(|source| NodeError::DeviceManager { root_dir: root_dir.clone(), source })?;
-        devices.register_metrics(&mut metrics);
-        for (name, check) in devices.health_checks() {
-            healthz.add(name, check);
-        }
-
-        let plugin_error = |source| NodeError::PluginManager { root_dir: root_dir.clone(), source };
-        let mut manager = PluginManager::new(config.plugins.clone());
-        manager.add_handler(PluginType::Csi, Arc::new(csi)).map_err(plugin_error)?;
-        manager.add_handler(PluginType::DevicePlugin, Arc::new(devices.plugin_handler())).map_err(plugin_error)?;
-        let dra_drivers = crate::dra::DraDrivers::new(config.dra, shutdown.clone());
-        manager.add_handler(PluginType::Dra, Arc::new(dra_drivers.plugin_handler())).map_err(plugin_error)?;
-        for (plugin_type, handler) in handlers {
-            manager.add_handler(plugin_type, handler).map_err(plugin_error)?;
-        }
-        manager.register_metrics(&mut metrics);
-        let (plugins, manager_task) = manager.start(shutdown.clone()).map_err(plugin_error)?;
-        healthz.add("plugin-manager", plugins.health());
-        supervise(&tasks, &healthz, "plugin-manager-task", manager_task, shutdown.clone());
-
+        let supervision = start::supervision(&mut metrics, &healthz, &tasks, &shutdown);
+        let wiring = start::Wiring {
+            config: &config,
+            healthz: &healthz,
+            tasks: &tasks,
+            supervision: &supervision,
+            shutdown: &shutdown,
+        };
+        let in_cluster = cluster.is_some();
+        let plugins = start::start_plugins(&wiring, handlers, in_cluster, &mut metrics)?;
         let allocatable = node_allocatable(&config, provider.as_deref());
-        let mut pod_config = PodConfig::new(&root_dir, allocatable);
-        pod_config.restart_backoff = config.pods.restart_backoff;
-        pod_config.image_backoff = config.pods.image_backoff;
-        pod_config.host_ips = config.node_ips.clone();
-        pod_config.cluster_domain = config.pods.cluster_domain.clone();
-        pod_config.allowed_unsafe_sysctls = config.pods.allowed_unsafe_sysctls.clone();
-        pod_config.volume_refresh = config.pods.volume_refresh;
-        let csi_objects = CsiDriverObjects::new();
-        let mut csi_volumes =
-            CsiVolumes::new(&root_dir, csi_drivers.view(), csi_objects.clone(), config.pods.csi_timeouts);
-        // In a cluster, claims resolve through the API once it is connected.
-        let (api_client, api_client_rx) = tokio::sync::watch::channel(None);
-        let (review_client, review_client_rx) = tokio::sync::watch::channel(None);
-        let api_volumes = cluster
-            .as_ref()
-            .map(|_| Arc::new(cluster::volumes::ApiVolumes::new(api_client_rx.clone(), &config.node_name)));
-        let claims = claims.or_else(|| api_volumes.clone().map(|v| v as Arc<dyn VolumeClaims>));
-        if let Some(claims) = claims {
-            csi_volumes = csi_volumes.with_claims(claims);
-        }
-        let provider_labels = provider.as_ref().map(|p| p.node_labels()).unwrap_or_default();
-        let provider_taints = provider.as_ref().map(|p| p.node_taints()).unwrap_or_default();
-        if provider.is_none() {
-            tracing::warn!(
-                "no provider: pods are admitted and get their devices and volumes, but their containers wait"
-            );
-        }
-        let volumes_in_use = csi_volumes.volumes_in_use();
-        let api_provider = provider.clone();
-        let provider_runtime = provider.clone();
-        let mut lifecycle = PodLifecycle::new(pod_config, provider, Some(devices.clone())).with_csi(csi_volumes);
-        // Resource claims: resolved through the API in a cluster; a
-        // standalone node refuses pods with claims.
-        let dra_claims = crate::dra::DraClaims::load(&root_dir, dra_drivers.clone());
-        let claim_source = cluster.as_ref().map(|_| {
-            Arc::new(cluster::claims::ApiClaims::new(api_client_rx.clone())) as Arc<dyn crate::dra::ClaimSource>
-        });
-        lifecycle = lifecycle.with_claims(dra_claims.clone(), claim_source);
-        if let Some(api_volumes) = api_volumes {
-            lifecycle = lifecycle.with_objects(api_volumes);
-        }
-        // In a cluster, pod events go to the API too.
-        let (mut event_queue, mut event_recorder) = (None, crate::events::EventRecorder::log_only());
-        if cluster.is_some() {
-            let (recorder, queue) = crate::events::EventRecorder::queued();
-            lifecycle = lifecycle.with_events(recorder.clone());
-            (event_queue, event_recorder) = (Some(queue), recorder);
-        }
-        let pods = Pods::start(lifecycle, shutdown.clone()).await;
-        // Claims their drivers did not release yet are released in the
-        // background.
-        tasks.spawn(dra_claims.clone().keep_releasing(Duration::from_secs(30), shutdown.clone()));
-        // A node that cannot serve the PodResources API (a root dir whose
-        // socket path is too long, say) still runs its pods.
-        if let Some(pod_resources) = &config.pod_resources {
-            serve_pod_resources(pod_resources, &pods, &devices, &dra_claims, &tasks, &healthz, &shutdown);
-        }
-        let static_pods = match &config.pods.manifest_dir {
-            None => None,
-            Some(dir) => Some(start_static_pods(&config, dir, &pods, &csi_objects, &tasks, &healthz, &shutdown).await?),
-        };
-        // What an earlier run left for pods that are gone (containers,
-        // devices, volumes) is released once every pod source has listed
-        // its pods: the static pods are applied by now; the API's are once
-        // cluster mode has listed them.
-        if cluster.is_some() {
-            pods.sources().expect(PodSource::Api);
-        }
-        let housekeeping = pods.release_orphans_when_sources_ready();
-        if let Some(settings) = &cluster {
-            settings.pod_sync.metrics.register(&mut metrics);
-        }
-        let reconciler_metrics = crate::volume::reconciler::ReconcilerMetrics::default();
-        reconciler_metrics.register(&mut metrics);
-        let reconciler = tokio::spawn(
-            pods.reconcile_volumes(reconciler_metrics, shutdown.clone())
-                .instrument(tracing::info_span!("volume-reconciler")),
-        );
-        supervise(&tasks, &healthz, "volume-reconciler", reconciler, shutdown.clone());
-        let stop = shutdown.clone();
-        let sources_ready = tasks.spawn(
-            async move {
-                tokio::select! {
-                    () = stop.cancelled() => {}
-                    () = housekeeping => {}
-                }
-            }
-            .instrument(tracing::info_span!("housekeeping")),
-        );
-        if pods.sources().all_ready() {
-            let _ = sources_ready.await;
-        }
-
-        // The kubelet API is bound first: the Node advertises its port.
-        let kubelet_api = match &config.kubelet_api {
-            None => None,
-            Some(api) => Some(
-                crate::server::bind(api, &config.node_name, &config.node_ips, review_client_rx, cluster.is_none())
-                    .await?,
-            ),
-        };
-        let description = NodeDescription {
-            name: config.node_name.clone(),
-            allocatable,
-            created,
-            labels: provider_labels,
-            taints: provider_taints,
-            addresses: config.node_ips.clone(),
-            root_dir: root_dir.clone(),
-            kubelet_port: kubelet_api.as_ref().map(|api| api.address.port()),
-            runtime_version: capacity::RuntimeVersion(provider_runtime),
-        };
-        let views = http::NodeViews {
-            node_name: config.node_name.clone(),
-            plugins: plugins.clone(),
-            csi_drivers: csi_drivers.clone(),
-            node_info: node_info.clone(),
-            devices: devices.clone(),
-            healthz: healthz.clone(),
-            pods: pods.clone(),
-            static_pods: static_pods.clone(),
-            description: description.clone(),
-            root_dir: root_dir.clone(),
-        };
-        let http_state = http::HttpState::new(views, metrics, config.max_streaming_sessions, &shutdown, &tasks);
-        let kubelet_api_address = match (kubelet_api, &config.kubelet_api) {
-            (Some(bound), Some(api)) => {
-                let address = bound.address;
-                let configz = configz(&config, api, address);
-                let task = bound.serve(http_state.clone(), api_provider, configz, shutdown.clone());
-                supervise(&tasks, &healthz, "kubelet-api", task, shutdown.clone());
-                Some(address)
-            }
-            _ => None,
-        };
-        let local_socket = root_dir.join(LOCAL_SOCKET);
-        let local = http::serve_local(&local_socket, http_state.clone(), shutdown.clone())?;
-        supervise(&tasks, &healthz, "local-endpoint", local, shutdown.clone());
-        let http_address = match config.http_address {
-            None => None,
-            Some(address) => {
-                let (bound, task) = http::serve(address, http_state, shutdown.clone()).await?;
-                supervise(&tasks, &healthz, "http-endpoint", task, shutdown.clone());
-                write_endpoint_file(&root_dir, bound);
-                Some(bound)
-            }
-        };
-        let cluster = match (cluster, api_node_info) {
-            (Some(settings), Some(csi)) => {
-                let parts = cluster::NodeParts {
-                    description,
-                    devices: devices.clone(),
-                    healthz: healthz.clone(),
-                    pods: pods.clone(),
-                    csi,
-                    csi_objects: csi_objects.clone(),
-                    client: api_client,
-                    review_client,
-                    tasks: tasks.clone(),
-                    volumes_in_use,
-                    events: event_queue,
-                    recorder: event_recorder,
-                    dra: dra_drivers.clone(),
-                };
-                Some(cluster::start(settings, parts, shutdown.clone()))
-            }
-            _ => None,
-        };
-        tracing::info!(node = %config.node_name, root_dir = %root_dir.display(), ?allocatable, cluster = cluster.is_some(), "node started");
+        let (lifecycle, parts) =
+            start::pod_lifecycle(&config, allocatable, provider.clone(), claims, in_cluster, &plugins);
+        let (pods, static_pods) =
+            start::start_pods(&wiring, lifecycle, &parts, &plugins, cluster.as_ref(), &mut metrics).await?;
+        let described = start::Described { created, allocatable, provider };
+        let endpoints =
+            start::start_endpoints(&wiring, described, &plugins, &parts, &pods, static_pods.clone(), metrics).await?;
+        let (dra_claims, csi_objects) = (parts.dra_claims.clone(), parts.csi_objects.clone());
+        let cluster = start::start_cluster(&wiring, cluster, endpoints.description, parts, &plugins, &pods);
+        tracing::info!(node = %config.node_name, root_dir = %config.root_dir.display(), ?allocatable, cluster = cluster.is_some(), "node started");
+        let start::PluginParts { csi_drivers, node_info, devices, dra_drivers, plugins, .. } = plugins;
         Ok(Node {
             config,
             plugins,
@@ -505,8 +324,8 @@ impl NodeBuilder {
             node_info,
             devices,
             healthz,
-            http_address,
-            kubelet_api_address,
+            http_address: endpoints.http,
+            kubelet_api_address: endpoints.kubelet_api,
             tasks,
             pods,
             static_pods,
@@ -534,57 +353,6 @@ fn node_allocatable(config: &NodeConfig, provider: Option<&dyn Provider>) -> All
         }
     }
     allocatable
-}
-
-/// Where the CSI node info goes: in memory, and (in a cluster) the API too.
-fn csi_node_info(in_cluster: bool) -> (Option<ApiNodeInfo>, InMemoryNodeInfo, Arc<dyn NodeInfoPublisher>) {
-    if in_cluster {
-        let api = ApiNodeInfo::new();
-        (Some(api.clone()), api.memory().clone(), Arc::new(api))
-    } else {
-        let memory = InMemoryNodeInfo::new();
-        (None, memory.clone(), Arc::new(memory))
-    }
-}
-
-/// Serves the PodResources API; a node that cannot (a root dir whose socket
-/// path is too long, say) runs its pods without it.
-fn serve_pod_resources(
-    config: &crate::pod_resources::PodResourcesConfig,
-    pods: &Pods,
-    devices: &DeviceManager,
-    claims: &crate::dra::DraClaims,
-    tasks: &TaskTracker,
-    healthz: &Healthz,
-    shutdown: &CancellationToken,
-) {
-    match crate::pod_resources::serve(config, pods.clone(), devices.clone(), Some(claims.clone()), shutdown.clone()) {
-        Ok(task) => supervise(tasks, healthz, "pod-resources", task, shutdown.clone()),
-        Err(error) => tracing::error!(
-            socket = %config.socket.display(),
-            %error,
-            "cannot serve the PodResources API; the node runs without it"
-        ),
-    }
-}
-
-/// Follows the static pod manifests of `dir`.
-async fn start_static_pods(
-    config: &NodeConfig,
-    dir: &Path,
-    pods: &Pods,
-    csi_objects: &CsiDriverObjects,
-    tasks: &TaskTracker,
-    healthz: &Healthz,
-    shutdown: &CancellationToken,
-) -> Result<StaticPods, NodeError> {
-    let mut source = StaticPodConfig::new(dir, &config.node_name);
-    source.rescan_period = config.pods.manifest_rescan;
-    let (static_pods, task) = StaticPods::start(source, pods.clone(), csi_objects.clone(), shutdown.clone())
-        .await
-        .map_err(|source| NodeError::StaticPods { dir: dir.to_path_buf(), source })?;
-    supervise(tasks, healthz, "static-pods", task, shutdown.clone());
-    Ok(static_pods)
 }
 
 /// What `/configz` shows: the node's settings in `KubeletConfiguration`'s
@@ -633,40 +401,6 @@ fn write_endpoint_file(root_dir: &Path, address: SocketAddr) {
     if let Err(error) = written {
         tracing::warn!(%error, path = %path.display(), "cannot write the endpoint file; `rustlet get` will not find this node");
     }
-}
-
-/// Watches a component's task: if it ends before shutdown (it returned or
-/// panicked), the component's check turns failing with the reason.
-fn supervise(
-    tasks: &TaskTracker,
-    healthz: &Healthz,
-    name: &'static str,
-    task: JoinHandle<()>,
-    shutdown: CancellationToken,
-) {
-    let reporter = HealthReporter::new();
-    healthz.add(name, reporter.check());
-    tasks.spawn(
-        async move {
-            let result = task.await;
-            if shutdown.is_cancelled() {
-                if let Err(error) = result {
-                    tracing::error!(%error, "component failed while stopping");
-                }
-                return;
-            }
-            let reason = match result {
-                Ok(()) => "stopped unexpectedly".to_owned(),
-                Err(error) if error.is_panic() => {
-                    format!("panicked: {}", crate::health::panic_message(&*error.into_panic()))
-                }
-                Err(error) => format!("failed: {error}"),
-            };
-            tracing::error!(reason, "node component is down");
-            reporter.failing(reason);
-        }
-        .instrument(tracing::info_span!("supervise", component = name)),
-    );
 }
 
 /// A running node: the components' handles. Cheap to share by reference;
@@ -797,41 +531,5 @@ impl Node {
         if tokio::time::timeout(grace, all).await.is_err() {
             tracing::warn!(?grace, "components still running after the shutdown grace; not waiting any longer");
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::health::ComponentHealth;
-
-    /// A component task that panics before shutdown turns its check to
-    /// failing with the panic's message; one that ends at shutdown does not.
-    #[tokio::test]
-    async fn a_component_that_dies_fails_its_check() {
-        let tasks = TaskTracker::new();
-        let healthz = Healthz::new();
-        let shutdown = CancellationToken::new();
-        let gate = Arc::new(tokio::sync::Notify::new());
-        let wait = gate.clone();
-        let doomed = tokio::spawn(async move {
-            wait.notified().await;
-            panic!("boom");
-        });
-        supervise(&tasks, &healthz, "doomed", doomed, shutdown.clone());
-        assert_eq!(healthz.get("doomed"), Some(ComponentHealth::Healthy));
-        let fine = tokio::spawn(shutdown.clone().cancelled_owned());
-        supervise(&tasks, &healthz, "fine", fine, shutdown.clone());
-        let mut changes = healthz.watch("doomed").expect("check exists");
-        gate.notify_one();
-        tokio::time::timeout(Duration::from_secs(20), changes.wait_for(|h| !h.is_healthy()))
-            .await
-            .expect("in time")
-            .expect("reporter alive");
-        assert_eq!(healthz.get("doomed"), Some(ComponentHealth::Failing { reason: "panicked: boom".into() }));
-        shutdown.cancel();
-        tasks.close();
-        tokio::time::timeout(Duration::from_secs(20), tasks.wait()).await.expect("supervisors end");
-        assert_eq!(healthz.get("fine"), Some(ComponentHealth::Healthy), "ending at shutdown is not a failure");
     }
 }

@@ -34,8 +34,8 @@ impl State<PodLifecycle> for Registered {
             reject(ctx, "PodOSNotSupported", "Failed to admit pod as the OS field doesn't match node OS".into());
             return Transition::next(&*self, Failed);
         }
-        if let Err(message) = crate::pod::sysctls::check(&ctx.data.pod, &ctx.machine.config.allowed_unsafe_sysctls) {
-            reject(ctx, crate::pod::sysctls::SYSCTL_FORBIDDEN, message);
+        if let Err(refused) = crate::pod::sysctls::check(&ctx.data.pod, &ctx.machine.config.allowed_unsafe_sysctls) {
+            reject(ctx, crate::pod::sysctls::SYSCTL_FORBIDDEN, refused.to_string());
             return Transition::next(&*self, Failed);
         }
         // Ephemeral containers added and `activeDeadlineSeconds` running

@@ -56,7 +56,7 @@ impl State<PodLifecycle> for Claims {
             ctx.data.pod = ctx.latest_manifest();
             let pod = Arc::clone(&ctx.data.pod);
             let outcome = match source.resolve(&pod).await {
-                Ok(resolved) => claims.prepare_pod(&uid, &resolved).await,
+                Ok(resolved) => claims.prepare_pod(&uid, &resolved).await.map_err(|e| e.to_string()),
                 Err(reason) => Err(reason),
             };
             match outcome {

@@ -1,0 +1,125 @@
+//! The one loop that keeps a node-side table equal to a kind of
+//! cluster-scoped API object, as the kubelet's informers do: a watch
+//! (kube-runtime's watcher: resumed from its resourceVersion, a relist
+//! after 410), each object set by name as it is listed or changed, a
+//! deleted one removed, and those deleted while the watch was down dropped
+//! when it lists again. A failing watch resumes after the one jittered
+//! backoff ([`RetryBackoff::for_watches`]), reset by the next event.
+//!
+//! The node mirrors RuntimeClasses ([`ClassHandlers`]) and CSIDriver
+//! objects ([`CsiDriverObjects`]).
+//!
+//! [`RetryBackoff::for_watches`]: crate::retry::RetryBackoff::for_watches
+
+use futures_util::StreamExt as _;
+use k8s_openapi::api::node::v1::RuntimeClass;
+use k8s_openapi::api::storage::v1::CSIDriver;
+use k8s_openapi::serde::de::DeserializeOwned;
+use kube::Resource as _;
+use kube::api::Api;
+use kube::runtime::watcher;
+
+use crate::runtime_class::ClassHandlers;
+use crate::volume::CsiDriverObjects;
+
+/// A node-side table of one kind of cluster-scoped object, by name.
+pub(crate) trait Mirror: Send + 'static {
+    /// The API object mirrored.
+    type Object: kube::Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug + Send + Sync + 'static;
+    /// Its kind, for logs.
+    const KIND: &'static str;
+    /// Sets (or replaces) `name` from `object`.
+    fn set(&self, name: &str, object: Self::Object);
+    /// Forgets `name`.
+    fn remove(&self, name: &str);
+    /// The names the table holds.
+    fn names(&self) -> Vec<String>;
+    /// The first full list was mirrored.
+    fn listed(&self) {}
+}
+
+/// Keeps `mirror` equal to the cluster's objects of its kind until the
+/// stream ends (run it under the node's shutdown).
+pub(crate) async fn follow<M: Mirror>(client: kube::Client, mirror: M) {
+    let api: Api<M::Object> = Api::all(client);
+    let mut events = watcher(api, watcher::Config::default()).boxed();
+    let mut listed: Vec<String> = Vec::new();
+    let mut backoff = crate::retry::RetryBackoff::for_watches();
+    let name_of = |object: &M::Object| object.meta().name.clone().unwrap_or_default();
+    while let Some(event) = events.next().await {
+        if event.is_ok() {
+            backoff.reset();
+        }
+        match event {
+            Ok(watcher::Event::Apply(object)) => {
+                let name = name_of(&object);
+                tracing::info!(kind = M::KIND, %name, "cluster object seen");
+                mirror.set(&name, object);
+            }
+            Ok(watcher::Event::InitApply(object)) => {
+                let name = name_of(&object);
+                tracing::info!(kind = M::KIND, %name, "cluster object listed");
+                listed.push(name.clone());
+                mirror.set(&name, object);
+            }
+            Ok(watcher::Event::Delete(object)) => {
+                let name = name_of(&object);
+                tracing::info!(kind = M::KIND, %name, "cluster object deleted");
+                mirror.remove(&name);
+            }
+            Ok(watcher::Event::Init) => listed.clear(),
+            Ok(watcher::Event::InitDone) => {
+                // Objects deleted while the watch was down.
+                for name in mirror.names() {
+                    if !listed.contains(&name) {
+                        mirror.remove(&name);
+                    }
+                }
+                mirror.listed();
+            }
+            Err(error) => {
+                let delay = backoff.next_delay();
+                tracing::warn!(kind = M::KIND, %error, retry_in = ?delay, "watch failed; resuming");
+                tokio::time::sleep(delay).await;
+            }
+        }
+    }
+}
+
+impl Mirror for ClassHandlers {
+    type Object = RuntimeClass;
+    const KIND: &'static str = "RuntimeClass";
+
+    fn set(&self, name: &str, class: RuntimeClass) {
+        ClassHandlers::set(self, name, &class.handler);
+    }
+
+    fn remove(&self, name: &str) {
+        ClassHandlers::remove(self, name);
+    }
+
+    fn names(&self) -> Vec<String> {
+        ClassHandlers::names(self)
+    }
+
+    fn listed(&self) {
+        ClassHandlers::listed(self);
+    }
+}
+
+impl Mirror for CsiDriverObjects {
+    type Object = CSIDriver;
+    const KIND: &'static str = "CSIDriver";
+
+    fn set(&self, name: &str, driver: CSIDriver) {
+        CsiDriverObjects::set(self, name, driver.spec);
+    }
+
+    fn remove(&self, name: &str) {
+        CsiDriverObjects::remove(self, name);
+    }
+
+    fn names(&self) -> Vec<String> {
+        CsiDriverObjects::names(self)
+    }
+}

@@ -1,0 +1,254 @@
+//! The one supervisor of the node's long-running tasks (the plugin
+//! manager, the volume reconciler, the endpoints, and every task of
+//! cluster mode). Each supervised task:
+//! - reports a named `/healthz` check, failing with the reason while it is
+//!   down;
+//! - has its end before shutdown (it returned, failed or panicked; a panic
+//!   is caught, its message kept) logged and counted in
+//!   `rustlet_supervised_task_ends_total{task, outcome}` (outcome
+//!   `panicked`, `stopped` or `failed`);
+//! - is built again and restarted with the one retry backoff
+//!   ([`RetryBackoff`], 500 ms doubling to 60 s, jittered; reset after a
+//!   run of two minutes) when it was spawned from a factory
+//!   ([`Supervision::spawn`]); a task that cannot be built again
+//!   ([`Supervision::watch`]: a listener bound once, a component whose
+//!   state lives in its task) stays down with its check failing;
+//! - is awaited at shutdown through the node's task tracker.
+
+use std::future::Future;
+use std::time::Duration;
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::Instrument;
+
+use crate::health::{HealthReporter, Healthz};
+use crate::retry::RetryBackoff;
+
+/// The first restart delay (doubling up to [`RESTART_MAX`]).
+const RESTART_INITIAL: Duration = Duration::from_millis(500);
+/// The longest restart delay.
+const RESTART_MAX: Duration = Duration::from_secs(60);
+/// A task that ran this long before it ended restarts after the first
+/// delay again.
+const RESET_AFTER: Duration = Duration::from_secs(120);
+
+/// Ends of supervised tasks before shutdown, by `task` and `outcome`.
+pub type TaskEnds = Family<Vec<(&'static str, String)>, Counter>;
+
+/// Where supervised tasks report and are tracked. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct Supervision {
+    shutdown: CancellationToken,
+    healthz: Option<Healthz>,
+    tasks: Option<TaskTracker>,
+    ends: TaskEnds,
+}
+
+impl Supervision {
+    /// Tasks that stop with `shutdown`, with a `/healthz` check each in
+    /// `healthz`, tracked by `tasks` (awaited at the node's shutdown).
+    pub fn new(shutdown: CancellationToken, healthz: Healthz, tasks: TaskTracker) -> Supervision {
+        Supervision { shutdown, healthz: Some(healthz), tasks: Some(tasks), ends: TaskEnds::default() }
+    }
+
+    /// The same supervision, counting task ends in `ends` (registered by
+    /// the caller as `rustlet_supervised_task_ends`).
+    pub fn counting(mut self, ends: TaskEnds) -> Supervision {
+        self.ends = ends;
+        self
+    }
+
+    /// The shutdown token.
+    pub fn shutdown(&self) -> &CancellationToken {
+        &self.shutdown
+    }
+
+    /// Runs the task `make` builds, building and starting it again after
+    /// it ends or panics (before shutdown).
+    pub fn spawn<F, Fut>(&self, name: &'static str, mut make: F)
+    where
+        F: FnMut() -> Fut + Send + 'static,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        let reporter = HealthReporter::new();
+        if let Some(healthz) = &self.healthz {
+            healthz.add(name, reporter.check());
+        }
+        let shutdown = self.shutdown.clone();
+        let ends = self.ends.clone();
+        let supervisor = async move {
+            let mut backoff = RetryBackoff::new(RESTART_INITIAL, RESTART_MAX);
+            loop {
+                let started = Instant::now();
+                let run = tokio::spawn(make().in_current_span());
+                let abort = run.abort_handle();
+                let result = tokio::select! {
+                    () = shutdown.cancelled() => {
+                        abort.abort();
+                        return;
+                    }
+                    result = run => result,
+                };
+                if shutdown.is_cancelled() {
+                    return;
+                }
+                let reason = ended(name, result, &ends);
+                if started.elapsed() > RESET_AFTER {
+                    backoff.reset();
+                }
+                let wait = backoff.next_delay();
+                tracing::error!(task = name, %reason, restart_in = ?wait, "task ended; restarting it");
+                reporter.failing(format!("{reason}; restarting"));
+                tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    () = tokio::time::sleep(wait) => {}
+                }
+                reporter.healthy();
+            }
+        }
+        .instrument(tracing::info_span!("supervised", task = name));
+        self.track(supervisor);
+    }
+
+    /// Watches `task`, which cannot be built again: if it ends before
+    /// shutdown (returns, fails or panics), its check turns failing with
+    /// the reason and the end is logged and counted; it is not restarted.
+    pub fn watch(&self, name: &'static str, task: JoinHandle<()>) {
+        let reporter = HealthReporter::new();
+        if let Some(healthz) = &self.healthz {
+            healthz.add(name, reporter.check());
+        }
+        let shutdown = self.shutdown.clone();
+        let ends = self.ends.clone();
+        let watcher = async move {
+            let result = task.await;
+            if shutdown.is_cancelled() {
+                if let Err(error) = result {
+                    tracing::error!(%error, "component failed while stopping");
+                }
+                return;
+            }
+            let reason = ended(name, result, &ends);
+            tracing::error!(task = name, %reason, "node component is down");
+            reporter.failing(reason);
+        }
+        .instrument(tracing::info_span!("supervised", task = name));
+        self.track(watcher);
+    }
+
+    fn track(&self, work: impl Future<Output = ()> + Send + 'static) {
+        match &self.tasks {
+            Some(tasks) => {
+                tasks.spawn(work);
+            }
+            None => {
+                tokio::spawn(work);
+            }
+        }
+    }
+}
+
+/// Why task `name` ended (its check's reason), counted in `ends`.
+fn ended(name: &'static str, result: Result<(), tokio::task::JoinError>, ends: &TaskEnds) -> String {
+    let (outcome, reason) = match result {
+        Ok(()) => ("stopped", "stopped unexpectedly".to_owned()),
+        Err(error) if error.is_panic() => {
+            ("panicked", format!("panicked: {}", crate::health::panic_message(&*error.into_panic())))
+        }
+        Err(error) => ("failed", format!("failed: {error}")),
+    };
+    ends.get_or_create(&vec![("task", name.to_owned()), ("outcome", outcome.to_owned())]).inc();
+    reason
+}
+
+impl From<CancellationToken> for Supervision {
+    /// Tasks that stop with `shutdown`, with no health checks and nobody
+    /// awaiting them (for embedders that run one part on its own).
+    fn from(shutdown: CancellationToken) -> Supervision {
+        Supervision { shutdown, healthz: None, tasks: None, ends: TaskEnds::default() }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::health::ComponentHealth;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// A task that panics is restarted (built again), its check failing
+    /// meanwhile and healthy once it runs again; at shutdown it stops and is
+    /// awaited.
+    #[tokio::test(start_paused = true)]
+    async fn a_panicking_task_is_restarted_and_its_check_recovers() {
+        let shutdown = CancellationToken::new();
+        let healthz = Healthz::new();
+        let tasks = TaskTracker::new();
+        let supervision = Supervision::new(shutdown.clone(), healthz.clone(), tasks.clone());
+        let runs = Arc::new(AtomicUsize::new(0));
+        let counted = runs.clone();
+        supervision.spawn("flaky", move || {
+            let run = counted.fetch_add(1, Ordering::SeqCst);
+            async move {
+                if run == 0 {
+                    panic!("first run breaks");
+                }
+                std::future::pending::<()>().await;
+            }
+        });
+        let mut check = healthz.watch("flaky").expect("check");
+        check.wait_for(|h| !h.is_healthy()).await.expect("reporter");
+        assert_eq!(
+            healthz.get("flaky"),
+            Some(ComponentHealth::Failing { reason: "panicked: first run breaks; restarting".into() })
+        );
+        check.wait_for(ComponentHealth::is_healthy).await.expect("reporter");
+        assert_eq!(runs.load(Ordering::SeqCst), 2, "built and started again");
+        shutdown.cancel();
+        tasks.close();
+        tasks.wait().await;
+    }
+
+    /// A component task that panics before shutdown turns its check to
+    /// failing with the panic's message and is counted; one that ends at
+    /// shutdown is neither.
+    #[tokio::test]
+    async fn a_watched_component_that_dies_fails_its_check() {
+        let tasks = TaskTracker::new();
+        let healthz = Healthz::new();
+        let shutdown = CancellationToken::new();
+        let ends = TaskEnds::default();
+        let supervision = Supervision::new(shutdown.clone(), healthz.clone(), tasks.clone()).counting(ends.clone());
+        let gate = Arc::new(tokio::sync::Notify::new());
+        let wait = gate.clone();
+        let doomed = tokio::spawn(async move {
+            wait.notified().await;
+            panic!("boom");
+        });
+        supervision.watch("doomed", doomed);
+        assert_eq!(healthz.get("doomed"), Some(ComponentHealth::Healthy));
+        let fine = tokio::spawn(shutdown.clone().cancelled_owned());
+        supervision.watch("fine", fine);
+        let mut changes = healthz.watch("doomed").expect("check exists");
+        gate.notify_one();
+        tokio::time::timeout(Duration::from_secs(20), changes.wait_for(|h| !h.is_healthy()))
+            .await
+            .expect("in time")
+            .expect("reporter alive");
+        assert_eq!(healthz.get("doomed"), Some(ComponentHealth::Failing { reason: "panicked: boom".into() }));
+        let count = |task: &str, outcome: &str| {
+            ends.get_or_create(&vec![("task", task.to_owned()), ("outcome", outcome.to_owned())]).get()
+        };
+        assert_eq!(count("doomed", "panicked"), 1);
+        shutdown.cancel();
+        tasks.close();
+        tokio::time::timeout(Duration::from_secs(20), tasks.wait()).await.expect("supervisors end");
+        assert_eq!(healthz.get("fine"), Some(ComponentHealth::Healthy), "ending at shutdown is not a failure");
+        assert_eq!(count("fine", "stopped"), 0);
+    }
+}
