@@ -156,7 +156,7 @@ pub struct Request<'a> {
 /// (upstream's).
 pub const CSR_DEADLINE: Duration = Duration::from_secs(15 * 60);
 
-/// [`request_certificate`] given up after [`CSR_DEADLINE`].
+/// `request_certificate` given up after [`CSR_DEADLINE`].
 pub async fn request_certificate_within(
     client: &kube::Client,
     request: &Request<'_>,
@@ -172,7 +172,7 @@ pub async fn request_certificate_within(
 
 /// Asks the cluster for a certificate with a new ECDSA P-256 key and waits
 /// until it is issued (or refused, or `shutdown`).
-pub async fn request_certificate(
+pub(crate) async fn request_certificate(
     client: &kube::Client,
     request: &Request<'_>,
     shutdown: &CancellationToken,
@@ -443,24 +443,12 @@ async fn connector_of(path: &Path) -> Result<(kube::Config, Https), CertificateE
     Ok((config, https))
 }
 
-/// A client from `settings.kubeconfig` whose connections follow the
+/// Clients from `settings.kubeconfig` whose connections follow the
 /// current client certificate, and (with `settings.rotate`) the task that
-/// renews it.
-pub async fn rotating_client(
-    settings: &BootstrapSettings,
-    node_name: &str,
-    qps: f64,
-    burst: u32,
-    shutdown: &CancellationToken,
-) -> Result<kube::Client, CertificateError> {
-    let mut clients = rotating_clients(settings, node_name, &[(qps, burst)], shutdown).await?;
-    Ok(clients.remove(0))
-}
-
-/// [`rotating_client`], one client per `(qps, burst)` of `limits`, each
-/// with its own connections and its own bucket, all following the same
-/// certificate (renewed once, through the first).
-pub async fn rotating_clients(
+/// renews it: one client per `(qps, burst)` of `limits`, each with its own
+/// connections and its own bucket, all following the same certificate
+/// (renewed once, through the first).
+pub(crate) async fn rotating_clients(
     settings: &BootstrapSettings,
     node_name: &str,
     limits: &[(f64, u32)],

@@ -5,7 +5,7 @@
 //!   `status.resourceClaimStatuses` (which must be owned by the pod); each
 //!   must be reserved for the pod and allocated. The drivers come from the
 //!   allocation's results.
-//! - [`wipe_slices`]: the ResourceSlices are the drivers' to publish. At
+//! - `wipe_slices`: the ResourceSlices are the drivers' to publish. At
 //!   start the node deletes those of this node (the drivers publish them
 //!   again when they register), and once no instance of a driver has been
 //!   connected for the wiping delay (upstream: 30 s), that driver's slices
@@ -163,7 +163,7 @@ async fn delete_slices(
 /// Deletes this node's ResourceSlices at start, then each driver's once
 /// none of its instances has been connected for `delay`. Runs until
 /// `stop`.
-pub async fn wipe_slices(
+pub(crate) async fn wipe_slices(
     client: kube::Client,
     node: String,
     drivers: DraDrivers,

@@ -393,7 +393,7 @@ pub async fn from_kubeconfig(path: &std::path::Path) -> Result<kube::Client, Kub
 /// A client from the kubeconfig at `path` whose requests go out at `qps` a
 /// second on average and `burst` at once at most (a `qps` of 0: no limit):
 /// [`rate_limit::RateLimitLayer`] under kube's own layers.
-pub async fn from_kubeconfig_limited(
+pub(crate) async fn from_kubeconfig_limited(
     path: &std::path::Path,
     qps: f64,
     burst: u32,

@@ -181,7 +181,7 @@ pub fn start(
 /// written through `heartbeat` (a client of their own, so that they never
 /// wait behind the node's other requests) and the Node watched through
 /// `client`.
-pub fn start_with_heartbeat(
+pub(crate) fn start_with_heartbeat(
     client: kube::Client,
     heartbeat: kube::Client,
     config: NodeSyncConfig,

@@ -45,7 +45,7 @@ impl RateLimiter {
     }
 
     /// Takes a token if there is one; else how long until there is.
-    pub fn try_acquire(&self) -> Result<(), Duration> {
+    pub(crate) fn try_acquire(&self) -> Result<(), Duration> {
         if self.qps <= 0.0 {
             return Ok(());
         }

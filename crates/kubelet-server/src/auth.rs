@@ -44,7 +44,7 @@ impl User {
 
     /// The user of a verified client certificate: its common name, its
     /// organizations as groups.
-    pub fn from_certificate(der: &[u8]) -> Option<User> {
+    pub(crate) fn from_certificate(der: &[u8]) -> Option<User> {
         let facts = crate::pki::x509::certificate_facts(der).ok()?;
         let name = facts.common_name.filter(|n| !n.is_empty())?;
         let mut groups = facts.organizations;
@@ -126,7 +126,7 @@ fn is_streaming(path: &str) -> bool {
 /// `create` whatever the method. (Upstream maps the method, so a GET,
 /// which is how a WebSocket upgrade arrives, is `get`, and anyone allowed
 /// `get nodes/proxy` can open a session in any container.)
-pub fn node_request(method: &Method, path: &str) -> NodeRequest {
+pub(crate) fn node_request(method: &Method, path: &str) -> NodeRequest {
     let verb = match *method {
         _ if is_streaming(path) => "create",
         Method::POST => "create",

@@ -45,7 +45,7 @@ fn pem_error(path: &Path, reason: impl std::fmt::Display) -> TlsError {
 }
 
 /// Reads every certificate of a PEM file.
-pub fn read_certificates(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+pub(crate) fn read_certificates(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
     let bytes = std::fs::read(path).map_err(|source| TlsError::File { path: path.to_owned(), source })?;
     let certificates: Vec<_> = CertificateDer::pem_slice_iter(&bytes)
         .collect::<Result<_, _>>()
@@ -57,13 +57,13 @@ pub fn read_certificates(path: &Path) -> Result<Vec<CertificateDer<'static>>, Tl
 }
 
 /// Reads a PEM private key (PKCS#8, PKCS#1 or SEC1).
-pub fn read_private_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
+pub(crate) fn read_private_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
     let bytes = std::fs::read(path).map_err(|source| TlsError::File { path: path.to_owned(), source })?;
     PrivateKeyDer::from_pem_slice(&bytes).map_err(|e| pem_error(path, format!("no usable private key: {e}")))
 }
 
 /// A certificate chain and key ready to serve.
-pub fn certified_key(
+pub(crate) fn certified_key(
     chain: Vec<CertificateDer<'static>>,
     key: &PrivateKeyDer<'static>,
     key_path: &Path,
@@ -177,7 +177,7 @@ fn still_valid(key: &CertifiedKey) -> bool {
 
 /// Writes a file readable by its owner only, durably
 /// ([`crate::durable::write()`], mode 0600).
-pub fn write_private(path: &Path, bytes: &[u8]) -> Result<(), TlsError> {
+pub(crate) fn write_private(path: &Path, bytes: &[u8]) -> Result<(), TlsError> {
     crate::durable::write(path, bytes, 0o600).map_err(|source| TlsError::File { path: path.to_owned(), source })
 }
 

@@ -28,4 +28,4 @@ pub use node_client::{
 };
 pub use node_info::{CsiNodeDriver, InMemoryNodeInfo, NodeCsiInfo, NodeInfoPublisher};
 pub use registry::{CsiDriver, CsiDriverRegistry, CsiDrivers};
-pub use version::{CsiVersion, highest_supported_version};
+pub use version::CsiVersion;

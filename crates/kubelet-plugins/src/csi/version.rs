@@ -43,7 +43,7 @@ impl FromStr for CsiVersion {
 }
 
 /// The version the node will speak with a driver offering `versions`.
-pub fn highest_supported_version(versions: &[String]) -> Result<CsiVersion, CsiVersionError> {
+pub(crate) fn highest_supported_version(versions: &[String]) -> Result<CsiVersion, CsiVersionError> {
     if versions.is_empty() {
         return Err(CsiVersionError::Empty);
     }

@@ -150,7 +150,7 @@ async fn rebind(
 /// `kubelet.sock`'s mode: its owner (the node's user) and group (the
 /// node's group) may connect; no one else. Device plugins run as root, or
 /// as a user in the node's group named in `--plugin-allowed-uids`.
-pub const KUBELET_SOCK_MODE: u32 = 0o660;
+pub(super) const KUBELET_SOCK_MODE: u32 = 0o660;
 
 fn socket_identity(path: &Path) -> Option<(u64, u64)> {
     std::fs::symlink_metadata(path).ok().filter(|m| m.file_type().is_socket()).map(|m| (m.dev(), m.ino()))

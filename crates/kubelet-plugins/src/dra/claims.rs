@@ -319,7 +319,7 @@ impl DraClaims {
     /// Drops `pod_uid` from its claims and releases those no pod uses any
     /// more (one call per driver). A pod with no claims costs nothing. A
     /// claim its driver failed to release stays recorded and is released
-    /// again later ([`DraClaims::release_leftovers`]).
+    /// again later (`DraClaims::release_leftovers`).
     pub async fn unprepare_pod(&self, pod_uid: &str) -> Result<(), ClaimError> {
         let (held, emptied) = {
             let mut state = self.state();
@@ -367,7 +367,7 @@ impl DraClaims {
 
     /// Releases every claim no pod uses that is still recorded (a driver
     /// failed or was away when it was released).
-    pub async fn release_leftovers(&self) -> Result<(), ClaimError> {
+    pub(crate) async fn release_leftovers(&self) -> Result<(), ClaimError> {
         let leftovers: BTreeSet<String> =
             self.state().values().filter(|e| e.pods.is_empty()).map(|e| e.claim.uid.clone()).collect();
         self.release(&leftovers).await

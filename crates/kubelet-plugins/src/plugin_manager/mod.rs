@@ -283,11 +283,6 @@ impl PluginManagerHandle {
         self.health.clone()
     }
 
-    /// Whether the manager has begun shutting down.
-    pub fn is_closed(&self) -> bool {
-        self.board.is_closed()
-    }
-
     /// Counters updated after every batch of work.
     pub fn counts(&self) -> watch::Receiver<PluginCounts> {
         self.counts.clone()

@@ -67,10 +67,6 @@ impl StatusBoard {
     pub(crate) async fn closed(&self) {
         self.closed.cancelled().await;
     }
-
-    pub(crate) fn is_closed(&self) -> bool {
-        self.closed.is_cancelled()
-    }
 }
 
 impl Reconciler {

@@ -45,7 +45,7 @@ impl Rejection {
 
 /// The pods the node has admitted, with their requests.
 #[derive(Debug, Default)]
-pub struct AdmittedPods {
+pub(crate) struct AdmittedPods {
     pods: Mutex<Admitted>,
 }
 
@@ -65,7 +65,7 @@ impl AdmittedPods {
     /// container already holds (from the checkpoint, after a node restart):
     /// those need no free device, so a pod the node ran before it restarted
     /// is admitted again before its device plugin has registered again.
-    pub fn admit(
+    pub(crate) fn admit(
         &self,
         uid: &str,
         pod: &Pod,
@@ -112,7 +112,7 @@ impl AdmittedPods {
     }
 
     /// Counts the pod out.
-    pub fn release(&self, uid: &str) {
+    pub(crate) fn release(&self, uid: &str) {
         let mut pods = self.pods.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(requests) = pods.requests.remove(uid) {
             pods.cpu_milli -= requests.cpu_milli;

@@ -20,7 +20,7 @@ use crate::provider::{ContainerId, ContainerLaunch, Provider, ProviderErrorKind}
 
 /// Why a container did not start.
 #[derive(Debug)]
-pub struct StartFailure {
+pub(crate) struct StartFailure {
     /// `CreateContainerConfigError`, `RunContainerError`, …
     pub reason: &'static str,
     /// Details.
@@ -35,17 +35,17 @@ fn no_container(name: &str) -> StartFailure {
 }
 
 /// The pod's log dir: `<root>/pods/<namespace>_<name>_<uid>`.
-pub fn log_dir(lifecycle: &PodLifecycle, data: &PodData) -> std::path::PathBuf {
+pub(crate) fn log_dir(lifecycle: &PodLifecycle, data: &PodData) -> std::path::PathBuf {
     super::pod_log_dir(&lifecycle.config.root_dir, &data.id.namespace, &data.id.name, &data.id.uid)
 }
 
 /// Where the container's log goes.
-pub fn log_path(lifecycle: &PodLifecycle, data: &PodData, container: &str, restart: u32) -> std::path::PathBuf {
+pub(crate) fn log_path(lifecycle: &PodLifecycle, data: &PodData, container: &str, restart: u32) -> std::path::PathBuf {
     log_dir(lifecycle, data).join(container).join(format!("{restart}.log"))
 }
 
 /// Starts (or adopts, after a node restart) the container `name`.
-pub async fn start(
+pub(crate) async fn start(
     ctx: &mut Context<PodLifecycle>,
     provider: &Arc<dyn Provider>,
     name: &str,
@@ -393,7 +393,7 @@ fn start_probes(
 
 /// What an event changed.
 #[derive(Debug, PartialEq, Eq)]
-pub enum Recorded {
+pub(crate) enum Recorded {
     /// The container (its name) ended.
     Exit(String),
     /// A probe changed the container's status.
@@ -408,7 +408,7 @@ pub enum Recorded {
 }
 
 /// Records an event from a waiter or probe task.
-pub fn record_event(data: &mut PodData, event: ContainerEvent) -> Recorded {
+pub(crate) fn record_event(data: &mut PodData, event: ContainerEvent) -> Recorded {
     match event {
         ContainerEvent::Exit(report) => record_exit(data, report).map_or(Recorded::Nothing, Recorded::Exit),
         ContainerEvent::Probe(report) => {
@@ -482,7 +482,7 @@ pub fn record_event(data: &mut PodData, event: ContainerEvent) -> Recorded {
 /// Watches the pod's manifest while it lives: tells the lifecycle when
 /// ephemeral containers are added and when `activeDeadlineSeconds`
 /// (counted from the pod's start, and changeable while it runs) runs out.
-pub fn watch_manifest(
+pub(crate) fn watch_manifest(
     data: &mut PodData,
     mut manifest: tokio::sync::watch::Receiver<Arc<k8s_openapi::api::core::v1::Pod>>,
 ) {
@@ -587,7 +587,7 @@ fn record_probe(data: &mut PodData, report: ProbeReport) -> bool {
 /// provider's message; the restart count goes up and the container waits
 /// in `CrashLoopBackOff`); a failure before the provider was asked (run
 /// options, devices) leaves it waiting with that reason.
-pub fn record_start_failure(ctx: &mut Context<PodLifecycle>, name: &str, failure: &StartFailure) {
+pub(crate) fn record_start_failure(ctx: &mut Context<PodLifecycle>, name: &str, failure: &StartFailure) {
     let config = ctx.machine.config.restart_backoff;
     let uid = ctx.data.id.uid.clone();
     tracing::warn!(pod.uid = %uid, container = name, reason = failure.reason, error = %failure.message, "container did not start");
@@ -675,7 +675,7 @@ fn join_messages(runtime: Option<String>, container: Option<String>) -> Option<S
 
 /// Marks a terminated container for a restart after its backoff; returns the
 /// delay.
-pub fn schedule_restart(ctx: &mut Context<PodLifecycle>, name: &str) -> Option<Duration> {
+pub(crate) fn schedule_restart(ctx: &mut Context<PodLifecycle>, name: &str) -> Option<Duration> {
     let config = ctx.machine.config.restart_backoff;
     let record = ctx.data.containers.get_mut(name)?;
     let now = Instant::now();
@@ -693,7 +693,7 @@ pub fn schedule_restart(ctx: &mut Context<PodLifecycle>, name: &str) -> Option<D
 /// --grace-period=1`, or `--force --grace-period=0`) cuts the stop short:
 /// the containers are stopped again within what is left of the new one.
 /// Returns what failed.
-pub async fn stop_all(ctx: &mut Context<PodLifecycle>, grace: Duration) -> Vec<String> {
+pub(crate) async fn stop_all(ctx: &mut Context<PodLifecycle>, grace: Duration) -> Vec<String> {
     let Some(provider) = ctx.machine.provider.clone() else { return Vec::new() };
     // Probes end first (upstream turns them off for a pod being removed):
     // a liveness probe failing during the grace period must not cut it short.

@@ -110,11 +110,11 @@ pub struct MessageSource {
 }
 
 /// The most of a termination-message file that is read.
-pub const MAX_TERMINATION_MESSAGE: u64 = 4096;
+pub(crate) const MAX_TERMINATION_MESSAGE: u64 = 4096;
 /// The most of a log's end that becomes a termination message…
-pub const MAX_TERMINATION_LOG_BYTES: usize = 2048;
+pub(crate) const MAX_TERMINATION_LOG_BYTES: usize = 2048;
 /// …and in lines.
-pub const MAX_TERMINATION_LOG_LINES: usize = 80;
+pub(crate) const MAX_TERMINATION_LOG_LINES: usize = 80;
 
 impl MessageSource {
     /// The termination message of an instance that exited with `exit_code`.
@@ -217,18 +217,18 @@ impl ContainerRecord {
 
     /// Whether it has started, as its startup probe says (a running
     /// container without one has).
-    pub fn has_started(&self) -> bool {
+    pub(crate) fn has_started(&self) -> bool {
         self.is_running() && self.probes.started != Some(false)
     }
 
     /// Whether it is ready: started, and its readiness probe (if any) passed.
-    pub fn is_ready(&self) -> bool {
+    pub(crate) fn is_ready(&self) -> bool {
         self.kind != ContainerKind::Init && self.has_started() && self.probes.ready != Some(false)
     }
 
     /// Whether its readiness counts for the pod's (ephemeral containers'
     /// does not, nor does an init container's).
-    pub fn counts_for_readiness(&self) -> bool {
+    pub(crate) fn counts_for_readiness(&self) -> bool {
         matches!(self.kind, ContainerKind::App | ContainerKind::RestartableInit)
     }
 
@@ -238,7 +238,7 @@ impl ContainerRecord {
     }
 
     /// How long the running instance has run.
-    pub fn ran_for(&self, now: Instant) -> Duration {
+    pub(crate) fn ran_for(&self, now: Instant) -> Duration {
         self.started.map(|s| now.saturating_duration_since(s)).unwrap_or_default()
     }
 }
@@ -284,9 +284,9 @@ pub enum ContainerEvent {
 }
 
 /// The reason of a pod that ran past its `activeDeadlineSeconds`.
-pub const DEADLINE_EXCEEDED: &str = "DeadlineExceeded";
+pub(crate) const DEADLINE_EXCEEDED: &str = "DeadlineExceeded";
 /// …and its message (upstream's).
-pub const DEADLINE_MESSAGE: &str = "Pod was active on the node longer than the specified deadline";
+pub(crate) const DEADLINE_MESSAGE: &str = "Pod was active on the node longer than the specified deadline";
 
 /// Where a running instance's probes stand.
 #[derive(Clone, Debug, Default)]
@@ -411,13 +411,13 @@ impl PodData {
     }
 
     /// Names of the containers of `kinds`, in start order.
-    pub fn names_of(&self, kinds: &[ContainerKind]) -> Vec<String> {
+    pub(crate) fn names_of(&self, kinds: &[ContainerKind]) -> Vec<String> {
         self.ordered().filter(|c| kinds.contains(&c.kind)).map(|c| c.spec.name.clone()).collect()
     }
 
     /// Sets every container that is not running or terminated to waiting with
     /// `reason`.
-    pub fn set_waiting(&mut self, reason: &str, message: Option<String>) {
+    pub(crate) fn set_waiting(&mut self, reason: &str, message: Option<String>) {
         for record in self.containers.values_mut() {
             if let ContainerPhase::Waiting { .. } = record.phase {
                 record.phase = ContainerPhase::Waiting { reason: reason.to_owned(), message: message.clone() };

@@ -35,7 +35,7 @@ pub enum Hook {
 
 impl Hook {
     /// The event reason of a failure.
-    pub fn failure_reason(self) -> &'static str {
+    pub(crate) fn failure_reason(self) -> &'static str {
         match self {
             Hook::PostStart => "FailedPostStartHook",
             Hook::PreStop => "FailedPreStopHook",

@@ -53,7 +53,7 @@ use tokio_util::sync::CancellationToken;
 pub use admission::{Allocatable, Rejection};
 pub use backoff::BackoffConfig;
 pub use data::{ContainerPhase, Terminated};
-pub use node_files::{MAX_HOSTNAME, hosts_file, pod_hostname, truncate_hostname};
+pub use node_files::{MAX_HOSTNAME, pod_hostname, truncate_hostname};
 pub use quantity::{QuantityError, parse_milli, parse_units};
 pub use sources::{PodSource, SourcesReady};
 pub use spec::{DEFAULT_GRACE_PERIOD, PodIdentity, RestartPolicy};
@@ -390,7 +390,7 @@ impl Pods {
     }
 
     /// Releases what an earlier run of the node left for pods no source
-    /// knows ([`Pods::release_orphans`]) once every pod source has
+    /// knows (`Pods::release_orphans`) once every pod source has
     /// delivered its first full list (at once if they all have), when the
     /// returned future runs. From this call until then, no pod the node
     /// does not run counts as [`released`](Pods::released).
@@ -461,7 +461,7 @@ impl Pods {
     /// Call only once every pod source has applied its pods (see
     /// [`Pods::release_orphans_when_sources_ready`]): a pod not applied yet
     /// would lose its containers, devices and volumes.
-    pub async fn release_orphans(&self) {
+    pub(crate) async fn release_orphans(&self) {
         let lifecycle = self.runtime.machine();
         let live: Vec<String> = self.runtime.keys();
         let orphans: Vec<RunningContainer> = {

@@ -24,7 +24,7 @@ use crate::provider::Mount;
 use crate::volume::DownwardContext;
 
 /// What [`prepare`] made for one container instance.
-pub struct NodeFiles {
+pub(crate) struct NodeFiles {
     /// The mounts to add.
     pub mounts: Vec<Mount>,
     /// The termination-message file, if the container has a path for it.
@@ -49,7 +49,7 @@ fn pod_domain(pod: &Pod, cluster_domain: &str) -> Option<String> {
 
 /// The `/etc/hosts` of `pod` (in its own network, with `pod_ips`), as the
 /// kubelet writes it.
-pub fn hosts_file(pod: &Pod, pod_ips: &[std::net::IpAddr], cluster_domain: &str) -> String {
+pub(crate) fn hosts_file(pod: &Pod, pod_ips: &[std::net::IpAddr], cluster_domain: &str) -> String {
     let host_network = pod.spec.as_ref().and_then(|s| s.host_network).unwrap_or(false);
     let mut text = if host_network {
         std::fs::read_to_string(NODE_HOSTS_FILE).unwrap_or_default()
@@ -89,7 +89,7 @@ pub fn hosts_file(pod: &Pod, pod_ips: &[std::net::IpAddr], cluster_domain: &str)
 
 /// Writes `data`'s pod's `/etc/hosts` and makes `container`'s termination
 /// message file; returns the mounts.
-pub fn prepare(
+pub(crate) fn prepare(
     lifecycle: &PodLifecycle,
     data: &PodData,
     container: &Container,

@@ -54,7 +54,7 @@ pub enum ProbeKind {
 
 impl ProbeKind {
     /// `Liveness`, `Readiness`, `Startup`, as upstream's messages name them.
-    pub fn title(self) -> &'static str {
+    pub(crate) fn title(self) -> &'static str {
         match self {
             ProbeKind::Liveness => "Liveness",
             ProbeKind::Readiness => "Readiness",
@@ -250,7 +250,7 @@ fn own_address(address: IpAddr, also: &[IpAddr], host: Option<&str>) -> Result<I
 }
 
 /// Runs one attempt of `action` against `target`, bounded by `timeout`.
-pub async fn probe_once(action: &Action, target: &Target, timeout: Duration) -> Outcome {
+pub(crate) async fn probe_once(action: &Action, target: &Target, timeout: Duration) -> Outcome {
     match action {
         Action::Exec(command) => exec(command, target, timeout).await,
         Action::Http { https, host, port, path, headers } => {

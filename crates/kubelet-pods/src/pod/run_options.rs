@@ -21,11 +21,11 @@ use crate::volume::{DownwardContext, EnvObjects, ObjectKind, PodVolumes, VolumeK
 /// (`CreateContainerConfigError`).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
-pub struct ConfigError(pub String);
+pub(crate) struct ConfigError(pub String);
 
 /// What a container's env reads besides its spec.
 #[derive(Clone, Copy, Debug)]
-pub struct EnvSources<'a> {
+pub(crate) struct EnvSources<'a> {
     /// The ConfigMaps and Secrets it references (`None`: no API).
     pub objects: Option<&'a EnvObjects>,
     /// The services whose link variables it gets (already chosen: the
@@ -37,7 +37,7 @@ pub struct EnvSources<'a> {
 }
 
 /// Builds the run options of `container`.
-pub fn build(
+pub(crate) fn build(
     pod: &Pod,
     container: &Container,
     volumes: &PodVolumes,
@@ -284,7 +284,7 @@ fn copy_tree(from: &std::path::Path, to: &std::path::Path) -> std::io::Result<()
 /// (`<NAME>_SERVICE_HOST`, `<NAME>_SERVICE_PORT[_<PORT NAME>]`, and the
 /// docker-link `<NAME>_PORT…` family). Services without a cluster IP (and
 /// headless ones) have none.
-pub fn service_env(services: &[Service]) -> Vec<EnvVar> {
+pub(crate) fn service_env(services: &[Service]) -> Vec<EnvVar> {
     let mut env = Vec::new();
     let name_of = |text: &str| text.replace('-', "_").to_uppercase();
     let mut push = |name: String, value: String| env.push(EnvVar { name, value });

@@ -65,14 +65,14 @@ impl PodIdentity {
     }
 
     /// `namespace/name`.
-    pub fn full_name(&self) -> String {
+    pub(crate) fn full_name(&self) -> String {
         format!("{}/{}", self.namespace, self.name)
     }
 }
 
 /// The pod's containers in the order they start: init containers (plain and
 /// restartable), then app containers.
-pub fn containers(pod: &Pod) -> Vec<(ContainerKind, &Container)> {
+pub(crate) fn containers(pod: &Pod) -> Vec<(ContainerKind, &Container)> {
     let Some(spec) = pod.spec.as_ref() else { return Vec::new() };
     let init = spec.init_containers.iter().flatten().map(|c| {
         let kind = if c.restart_policy.as_deref() == Some("Always") {
@@ -87,7 +87,7 @@ pub fn containers(pod: &Pod) -> Vec<(ContainerKind, &Container)> {
 
 /// The pod's termination grace period: the deletion's, else the spec's
 /// `terminationGracePeriodSeconds`, else upstream's default.
-pub fn grace_period(pod: &Pod) -> Duration {
+pub(crate) fn grace_period(pod: &Pod) -> Duration {
     deletion_grace_period(pod).unwrap_or_else(|| {
         pod.spec
             .as_ref()
@@ -99,7 +99,7 @@ pub fn grace_period(pod: &Pod) -> Duration {
 
 /// The grace period the deletion asked for (`metadata.deletionGracePeriodSeconds`:
 /// `kubectl delete --grace-period`, 0 with `--force`), if any.
-pub fn deletion_grace_period(pod: &Pod) -> Option<Duration> {
+pub(crate) fn deletion_grace_period(pod: &Pod) -> Option<Duration> {
     pod.metadata.deletion_grace_period_seconds.map(|s| Duration::from_secs(u64::try_from(s).unwrap_or(0)))
 }
 
@@ -108,7 +108,7 @@ pub fn deletion_grace_period(pod: &Pod) -> Option<Duration> {
 /// together (app containers and sidecars) and what any init container needs
 /// with the sidecars started before it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct PodRequests {
+pub(crate) struct PodRequests {
     /// Millicores.
     pub cpu_milli: u128,
     /// Bytes.
@@ -131,7 +131,7 @@ fn container_requests(container: &Container) -> Result<PodRequests, QuantityErro
 }
 
 /// The pod's effective cpu and memory requests.
-pub fn pod_requests(pod: &Pod) -> Result<PodRequests, QuantityError> {
+pub(crate) fn pod_requests(pod: &Pod) -> Result<PodRequests, QuantityError> {
     let mut long_running = PodRequests::default();
     let mut init_peak = PodRequests::default();
     for (kind, container) in containers(pod) {
@@ -157,7 +157,7 @@ pub fn pod_requests(pod: &Pod) -> Result<PodRequests, QuantityError> {
 }
 
 /// A container's extended-resource limits (what it asks device plugins for).
-pub fn extended_limits(container: &Container) -> Result<BTreeMap<String, u64>, QuantityError> {
+pub(crate) fn extended_limits(container: &Container) -> Result<BTreeMap<String, u64>, QuantityError> {
     let mut limits = BTreeMap::new();
     let resources = container.resources.as_ref();
     // Extended resources must have requests == limits; either may be given.

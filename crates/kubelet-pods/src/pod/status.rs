@@ -26,7 +26,7 @@ pub enum Stage {
 
 /// Fills `hostIP(s)` and `podIP(s)` with the node's IPs (pods run in the
 /// node's network), unless the status names its own.
-pub fn add_ips(status: &mut PodStatus, ips: &[std::net::IpAddr]) {
+pub(crate) fn add_ips(status: &mut PodStatus, ips: &[std::net::IpAddr]) {
     let Some(first) = ips.first() else { return };
     if status.host_ip.is_none() {
         status.host_ip = Some(first.to_string());
@@ -39,7 +39,7 @@ pub fn add_ips(status: &mut PodStatus, ips: &[std::net::IpAddr]) {
 }
 
 /// Computes the pod's status from its data.
-pub fn pod_status(data: &PodData, stage: Stage) -> PodStatus {
+pub(crate) fn pod_status(data: &PodData, stage: Stage) -> PodStatus {
     if let Some(verdict) = data.verdict.as_ref().filter(|v| v.rejected) {
         return PodStatus {
             phase: Some(verdict.phase.to_owned()),
@@ -150,7 +150,7 @@ pub fn pod_status(data: &PodData, stage: Stage) -> PodStatus {
 
 /// The most termination-message bytes a pod's statuses carry, shared
 /// evenly by its containers (upstream's 12 KiB).
-pub const MAX_POD_TERMINATION_MESSAGES: usize = 12 * 1024;
+pub(crate) const MAX_POD_TERMINATION_MESSAGES: usize = 12 * 1024;
 
 /// Cuts each terminated state's message to the pod's share per container
 /// (its first bytes), as upstream's status manager does.

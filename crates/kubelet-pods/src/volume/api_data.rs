@@ -12,7 +12,7 @@
 //! - a projected service-account token is requested for the pod (bound to
 //!   it) with its audience and expiry (default 1 h, at least 10 min).
 //!
-//! [`pull_secrets`] reads a pod's `imagePullSecrets` for its image pulls.
+//! `pull_secrets` reads a pod's `imagePullSecrets` for its image pulls.
 //!
 //! The files are written with the kubelet's atomic layout (see
 //! [`super::atomic_writer`]) and written again while the pod runs (see
@@ -97,7 +97,7 @@ pub trait ApiObjects: Send + Sync + 'static {
 /// links (the default), and the API server's own `kubernetes` service of
 /// `default` always. A listing that fails is logged and gives none (a
 /// container does not wait on it).
-pub async fn link_services(objects: &dyn ApiObjects, pod: &Pod) -> Vec<k8s_openapi::api::core::v1::Service> {
+pub(crate) async fn link_services(objects: &dyn ApiObjects, pod: &Pod) -> Vec<k8s_openapi::api::core::v1::Service> {
     let namespace = pod.metadata.namespace.as_deref().unwrap_or("default");
     let links = pod.spec.as_ref().and_then(|s| s.enable_service_links).unwrap_or(true);
     let mut chosen: BTreeMap<String, k8s_openapi::api::core::v1::Service> = BTreeMap::new();
@@ -297,7 +297,7 @@ async fn projection(
 pub type EnvObjects = BTreeMap<(ObjectKind, String), Option<BTreeMap<String, String>>>;
 
 /// Fetches what `container`'s env and envFrom reference.
-pub async fn env_objects(
+pub(crate) async fn env_objects(
     objects: &dyn ApiObjects,
     pod: &Pod,
     container: &k8s_openapi::api::core::v1::Container,
@@ -340,7 +340,7 @@ pub async fn env_objects(
 /// or a legacy `.dockercfg` wrapped as `{"auths": ...}`). A secret that
 /// cannot be read is logged and skipped, as upstream does: the pull goes on
 /// without it.
-pub async fn pull_secrets(objects: &dyn ApiObjects, pod: &Pod) -> crate::provider::PullSecrets {
+pub(crate) async fn pull_secrets(objects: &dyn ApiObjects, pod: &Pod) -> crate::provider::PullSecrets {
     let namespace = pod.metadata.namespace.as_deref().unwrap_or("default");
     let mut configs = Vec::new();
     for reference in pod.spec.iter().flat_map(|s| s.image_pull_secrets.iter().flatten()) {

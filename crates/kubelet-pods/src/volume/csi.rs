@@ -273,25 +273,14 @@ impl CsiVolumes {
     }
 
     /// Whether claims can be resolved.
-    pub fn resolves_claims(&self) -> bool {
+    pub(crate) fn resolves_claims(&self) -> bool {
         self.claims.is_some()
-    }
-
-    /// The driver `name` once registered (at most `timeout`).
-    pub async fn wait_for_driver(&self, name: &str, timeout: std::time::Duration) -> Option<CsiDriver> {
-        self.drivers.wait_for(name, timeout).await
     }
 
     /// Bumped whenever the registered drivers change: a pod waiting for a
     /// driver retries then.
     pub fn changes(&self) -> watch::Receiver<u64> {
         self.drivers.changes()
-    }
-
-    /// The staged volumes and how many pods use each (global path → count).
-    pub fn staged_volumes(&self) -> BTreeMap<PathBuf, usize> {
-        let staged = self.staged.lock().unwrap_or_else(|p| p.into_inner());
-        staged.iter().map(|(path, entry)| (path.clone(), entry.try_lock().map_or(0, |s| s.users.len()))).collect()
     }
 
     fn publish_dir(&self, pod_uid: &str, spec_name: &str) -> PathBuf {

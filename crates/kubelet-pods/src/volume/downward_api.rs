@@ -55,7 +55,7 @@ pub enum DownwardError {
 
 /// Writes the volume's files into `dir` (atomically, see
 /// [`super::atomic_writer`]) and returns it.
-pub fn prepare(
+pub(crate) fn prepare(
     volume: &str,
     dir: &Path,
     source: &DownwardAPIVolumeSource,
@@ -95,7 +95,7 @@ pub(crate) fn files(
 }
 
 /// A pod field by its downward-API path, as upstream formats it.
-pub fn field_value(pod: &Pod, path: &str, context: &DownwardContext) -> Result<String, DownwardError> {
+pub(crate) fn field_value(pod: &Pod, path: &str, context: &DownwardContext) -> Result<String, DownwardError> {
     let meta = &pod.metadata;
     let pairs = |map: Option<&std::collections::BTreeMap<String, String>>| {
         map.into_iter().flatten().map(|(k, v)| format!("{k}={}", go_quote(v))).collect::<Vec<_>>().join("\n")
@@ -152,7 +152,7 @@ fn go_quote(value: &str) -> String {
 /// `requests.memory`, …), divided by the selector's divisor and rounded
 /// up. The container is the selector's `containerName`, else `current`
 /// (env's default).
-pub fn resource_value(
+pub(crate) fn resource_value(
     pod: &Pod,
     current: Option<&str>,
     selector: &ResourceFieldSelector,

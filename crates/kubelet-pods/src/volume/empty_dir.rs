@@ -13,7 +13,7 @@ use super::VolumeError;
 /// Creates the volume's directory (a tmpfs for `medium: Memory`, when the
 /// node can mount; otherwise a plain directory and a warning), mode 0777,
 /// in `fs_group` when the pod has one.
-pub fn prepare(
+pub(crate) fn prepare(
     volume: &str,
     dir: &Path,
     memory: bool,
@@ -55,7 +55,7 @@ pub fn prepare(
 }
 
 /// Unmounts (if it is a mount) and removes the volume's directory.
-pub fn teardown(volume: &str, dir: &Path) -> Result<(), VolumeError> {
+pub(crate) fn teardown(volume: &str, dir: &Path) -> Result<(), VolumeError> {
     if is_mount_point(dir) {
         let output = Command::new("umount").arg(dir).output().map_err(|source| VolumeError::Io {
             volume: volume.to_owned(),

@@ -46,7 +46,7 @@ impl HostPathType {
 
 /// Checks (and for the `…OrCreate` types, creates) a `hostPath` volume's
 /// path; returns it.
-pub fn prepare(volume: &str, path: &str, kind: Option<&str>) -> Result<PathBuf, VolumeError> {
+pub(crate) fn prepare(volume: &str, path: &str, kind: Option<&str>) -> Result<PathBuf, VolumeError> {
     let host_path = PathBuf::from(path);
     let Some(kind) = HostPathType::parse(kind) else {
         return Err(VolumeError::InvalidSpec {

@@ -31,7 +31,8 @@ use k8s_openapi::api::core::v1::{Pod, Volume};
 
 pub use api_data::{ApiObjects, EnvObjects, ObjectKind};
 pub use csi::{ClaimedVolume, CsiDriverObjects, CsiMount, CsiVolumes, StaticClaims, VolumeClaims};
-pub use downward_api::{DownwardContext, DownwardError, field_value, resource_value};
+pub use downward_api::{DownwardContext, DownwardError};
+pub(crate) use downward_api::{field_value, resource_value};
 pub use host_path::HostPathType;
 
 /// Why a pod volume could not be prepared or torn down.

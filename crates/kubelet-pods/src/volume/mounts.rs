@@ -8,13 +8,13 @@ use std::path::{Path, PathBuf};
 
 /// The mount points listed in `/proc/self/mountinfo` (empty if it cannot
 /// be read).
-pub fn mount_points() -> Vec<PathBuf> {
+pub(crate) fn mount_points() -> Vec<PathBuf> {
     std::fs::read_to_string("/proc/self/mountinfo").map(|text| parse_mountinfo(&text)).unwrap_or_default()
 }
 
 /// The mount points (field 5) of a mountinfo text, with the kernel's octal
 /// escapes (`\040` for a space, …) decoded.
-pub fn parse_mountinfo(text: &str) -> Vec<PathBuf> {
+pub(crate) fn parse_mountinfo(text: &str) -> Vec<PathBuf> {
     text.lines().filter_map(|line| line.split(' ').nth(4)).map(|field| PathBuf::from(unescape(field))).collect()
 }
 
@@ -40,7 +40,7 @@ fn unescape(field: &str) -> String {
 
 /// The mount points at or under `dir` (compared by path, `dir` made
 /// absolute and free of symlinks where it exists).
-pub fn mounts_under(dir: &Path) -> Vec<PathBuf> {
+pub(crate) fn mounts_under(dir: &Path) -> Vec<PathBuf> {
     let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_owned());
     mount_points().into_iter().filter(|m| m.starts_with(&dir)).collect()
 }
@@ -53,7 +53,7 @@ pub fn is_mount_point(dir: &Path) -> bool {
 
 /// Removes `dir` and everything in it, unless something is mounted at or
 /// under it: then nothing is removed and the error names the mounts.
-pub fn remove_dir_all_unmounted(dir: &Path) -> std::io::Result<()> {
+pub(crate) fn remove_dir_all_unmounted(dir: &Path) -> std::io::Result<()> {
     let mounted = mounts_under(dir);
     if !mounted.is_empty() {
         let list: Vec<String> = mounted.iter().map(|m| m.display().to_string()).collect();

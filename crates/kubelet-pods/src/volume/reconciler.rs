@@ -84,7 +84,7 @@ impl ReconcilerMetrics {
 }
 
 /// The pod UIDs with a directory under `<root>/pods`.
-pub fn pod_dirs(root_dir: &Path) -> BTreeSet<String> {
+pub(crate) fn pod_dirs(root_dir: &Path) -> BTreeSet<String> {
     std::fs::read_dir(root_dir.join("pods"))
         .into_iter()
         .flatten()
@@ -186,7 +186,7 @@ impl Reconciler {
     /// pods' published volumes use are marked in use by them, so that an
     /// orphan sharing a staged volume with a pod that has not adopted its
     /// volume yet never unstages it.
-    pub async fn hold_staged_for(&self, live: &HashSet<String>) {
+    pub(crate) async fn hold_staged_for(&self, live: &HashSet<String>) {
         let Some(csi) = self.volumes.csi() else { return };
         for uid in live {
             for volume in reconstruct(&self.root_dir, uid).values() {

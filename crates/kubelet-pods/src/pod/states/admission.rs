@@ -12,7 +12,7 @@ use crate::pod::spec::{containers, extended_limits};
 use crate::pod::status::{Stage, pod_status};
 
 /// The pod is known to the node.
-pub struct Registered;
+pub(crate) struct Registered;
 
 #[async_trait::async_trait]
 impl State<PodLifecycle> for Registered {
@@ -51,7 +51,7 @@ impl State<PodLifecycle> for Registered {
 }
 
 /// Admission: pod count, cpu, memory, extended resources; then the devices.
-pub struct Resources;
+pub(crate) struct Resources;
 
 #[async_trait::async_trait]
 impl State<PodLifecycle> for Resources {

@@ -16,14 +16,14 @@ use crate::retry::RetryBackoff;
 const MIN_RETRY: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// Why a static pod with claims is refused.
-pub const STATIC_CLAIMS_MESSAGE: &str =
+pub(crate) const STATIC_CLAIMS_MESSAGE: &str =
     "static pods cannot use resource claims: no API server allocates a claim to a pod from a manifest";
 
 /// The pod's claims are allocated and reserved for it, then prepared;
 /// waited for (with the reason in the pod's status and one event per
 /// distinct reason) and retried with backoff, and soon after any change of
 /// the DRA drivers (one registers, connects or goes away).
-pub struct Claims;
+pub(crate) struct Claims;
 
 fn is_static(ctx: &Context<PodLifecycle>) -> bool {
     ctx.data.pod.metadata.annotations.as_ref().and_then(|a| a.get("kubernetes.io/config.source")).map(String::as_str)

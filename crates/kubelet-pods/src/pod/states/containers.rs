@@ -14,7 +14,7 @@ use crate::pod::status::{Stage, pod_status};
 
 /// Init containers run one at a time, each to success; sidecars start and
 /// keep running.
-pub struct Initializing;
+pub(crate) struct Initializing;
 
 #[async_trait::async_trait]
 impl State<PodLifecycle> for Initializing {
@@ -122,7 +122,7 @@ impl State<PodLifecycle> for Initializing {
 }
 
 /// Sidecars and app containers that should run are started.
-pub struct Starting;
+pub(crate) struct Starting;
 
 #[async_trait::async_trait]
 impl State<PodLifecycle> for Starting {
@@ -281,7 +281,7 @@ fn humantime_secs(delay: std::time::Duration) -> String {
 
 /// The pod's containers run; exits are recorded and the restart policy
 /// applied.
-pub struct Running;
+pub(crate) struct Running;
 
 #[async_trait::async_trait]
 impl State<PodLifecycle> for Running {
@@ -391,7 +391,7 @@ where
 
 /// A container waits out its restart backoff; other exits are still
 /// recorded meanwhile.
-pub struct CrashLoopBackOff;
+pub(crate) struct CrashLoopBackOff;
 
 #[async_trait::async_trait]
 impl State<PodLifecycle> for CrashLoopBackOff {

@@ -12,11 +12,11 @@ use crate::pod::PodLifecycle;
 use crate::pod::status::{Stage, pod_status};
 
 /// Every app container succeeded and none restarts.
-pub struct Completed;
+pub(crate) struct Completed;
 
 /// The pod failed (rejected, an init container failed, or an app container
 /// failed for good).
-pub struct Failed;
+pub(crate) struct Failed;
 
 /// Frees what a finished pod held for other pods.
 async fn release_resources(ctx: &mut Context<PodLifecycle>) {
@@ -72,7 +72,7 @@ impl State<PodLifecycle> for Failed {
 
 /// The API showed the pod Succeeded or Failed when the node took it on: it
 /// holds nothing and is never run again; its status stays the API's.
-pub struct AlreadyFinished;
+pub(crate) struct AlreadyFinished;
 
 #[async_trait::async_trait]
 impl State<PodLifecycle> for AlreadyFinished {

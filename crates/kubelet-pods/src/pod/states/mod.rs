@@ -8,12 +8,14 @@ mod finished;
 mod prepare;
 mod terminating;
 
-pub use admission::{Registered, Resources};
-pub use claims::Claims;
-pub use containers::{CrashLoopBackOff, Initializing, Running, Starting};
-pub use finished::{AlreadyFinished, Completed, Failed};
-pub use prepare::{ImagePull, ImagePullBackOff, NO_PROVIDER_MESSAGE, NoProvider, Volumes};
-pub use terminating::{LIFECYCLE_ERROR, Terminating};
+pub(crate) use admission::{Registered, Resources};
+pub(crate) use claims::Claims;
+pub(crate) use containers::{CrashLoopBackOff, Initializing, Running, Starting};
+pub(crate) use finished::{AlreadyFinished, Completed, Failed};
+pub use prepare::NO_PROVIDER_MESSAGE;
+pub(crate) use prepare::{ImagePull, ImagePullBackOff, NoProvider, Volumes};
+pub use terminating::LIFECYCLE_ERROR;
+pub(crate) use terminating::Terminating;
 
 use krator::TransitionTo;
 

@@ -22,7 +22,7 @@ const MISSING_DRIVER_RECHECK: std::time::Duration = std::time::Duration::from_se
 const ATTACH_RECHECK: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// The provider prepares every container's image.
-pub struct ImagePull {
+pub(crate) struct ImagePull {
     backoff: Backoff,
 }
 
@@ -121,7 +121,7 @@ impl State<PodLifecycle> for ImagePull {
 }
 
 /// Waiting out an image pull's backoff.
-pub struct ImagePullBackOff {
+pub(crate) struct ImagePullBackOff {
     backoff: Backoff,
     container: String,
     image: String,
@@ -170,7 +170,7 @@ impl State<PodLifecycle> for ImagePullBackOff {
 
 /// The pod's volumes are prepared; retried with backoff until they are.
 #[derive(Default)]
-pub struct Volumes;
+pub(crate) struct Volumes;
 
 #[async_trait::async_trait]
 impl State<PodLifecycle> for Volumes {
@@ -310,7 +310,7 @@ fn spawn_volume_refresh(ctx: &mut Context<PodLifecycle>) {
 
 /// The node has no provider: the pod is admitted and its volumes are ready,
 /// and it waits (until the node gets a provider or the pod is removed).
-pub struct NoProvider;
+pub(crate) struct NoProvider;
 
 /// What a pod on a node without a provider is told.
 pub const NO_PROVIDER_MESSAGE: &str =

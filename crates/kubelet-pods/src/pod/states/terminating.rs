@@ -15,7 +15,7 @@ use crate::pod::spec::grace_period;
 use crate::pod::status::{Stage, pod_status};
 
 /// The pod was removed, or its lifecycle failed.
-pub struct Terminating {
+pub(crate) struct Terminating {
     /// Why the pod is released without having been removed: a state
     /// panicked (the message); then it ends Failed.
     failed: Option<String>,
@@ -26,12 +26,12 @@ pub const LIFECYCLE_ERROR: &str = "PodLifecycleError";
 
 impl Terminating {
     /// The pod was removed.
-    pub fn removed() -> Terminating {
+    pub(crate) fn removed() -> Terminating {
         Terminating { failed: None }
     }
 
     /// A state of the pod's lifecycle panicked with `message`.
-    pub fn after_panic(message: &str) -> Terminating {
+    pub(crate) fn after_panic(message: &str) -> Terminating {
         Terminating { failed: Some(message.to_owned()) }
     }
 }
