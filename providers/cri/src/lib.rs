@@ -132,6 +132,16 @@ fn describe(status: &tonic::Status) -> String {
     format!("{:?}: {}", status.code(), status.message())
 }
 
+/// Why the container runtime is not ready, in upstream's words.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{what}: {detail}")]
+pub struct RuntimeNotReady {
+    /// `container runtime is down` or `container runtime network not ready`.
+    pub what: &'static str,
+    /// What the runtime said (or why it could not be asked).
+    pub detail: String,
+}
+
 impl CriProvider {
     /// A provider for the runtime at `config.endpoint`; it connects on
     /// first use (and again after the runtime restarts).
@@ -194,12 +204,13 @@ impl CriProvider {
     /// `RuntimeReady` and `NetworkReady` conditions hold; else why not, in
     /// upstream's words (`container runtime is down`, `container runtime
     /// network not ready`).
-    pub async fn runtime_status(&self) -> Result<(), String> {
-        let mut runtime = self.runtime().await.map_err(|e| format!("container runtime is down: {}", e.message))?;
+    pub async fn runtime_status(&self) -> Result<(), RuntimeNotReady> {
+        let down = |detail: String| RuntimeNotReady { what: "container runtime is down", detail };
+        let mut runtime = self.runtime().await.map_err(|e| down(e.message))?;
         let status = self
             .call_within(Duration::from_secs(10), runtime.status(cri::StatusRequest { verbose: false }))
             .await
-            .map_err(|s| format!("container runtime is down: {}", describe(&s)))?;
+            .map_err(|s| down(describe(&s)))?;
         let conditions = status.status.map(|s| s.conditions).unwrap_or_default();
         let condition = |kind: &str| conditions.iter().find(|c| c.r#type == kind);
         for (kind, what) in
@@ -207,8 +218,13 @@ impl CriProvider {
         {
             match condition(kind) {
                 Some(c) if c.status => {}
-                Some(c) => return Err(format!("{what}: {kind}=false reason:{} message:{}", c.reason, c.message)),
-                None => return Err(format!("{what}: the runtime reports no {kind} condition")),
+                Some(c) => {
+                    let detail = format!("{kind}=false reason:{} message:{}", c.reason, c.message);
+                    return Err(RuntimeNotReady { what, detail });
+                }
+                None => {
+                    return Err(RuntimeNotReady { what, detail: format!("the runtime reports no {kind} condition") });
+                }
             }
         }
         Ok(())
@@ -225,7 +241,7 @@ impl CriProvider {
     ) -> tokio::task::JoinHandle<()> {
         let provider = self.clone();
         tokio::spawn(async move {
-            let mut last: Option<Result<(), String>> = None;
+            let mut last: Option<Result<(), RuntimeNotReady>> = None;
             loop {
                 let now = provider.runtime_status().await;
                 if last.as_ref() != Some(&now) {
@@ -237,7 +253,7 @@ impl CriProvider {
                             tracing::info!(endpoint = %provider.inner.config.endpoint, "container runtime is up");
                         }
                         Err(reason) => {
-                            reporter.failing(reason.clone());
+                            reporter.failing(reason.to_string());
                             tracing::warn!(endpoint = %provider.inner.config.endpoint, %reason, "container runtime is not ready");
                         }
                     }

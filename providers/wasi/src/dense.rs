@@ -252,11 +252,24 @@ fn zone_intact(zone: usize) -> bool {
     bytes.iter().all(|b| *b == 0)
 }
 
+/// The guard zone below an instance's stack was overwritten.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the guard zone below this instance's stack ({size} bytes at {zone:#x}) was overwritten: host code overflowed \
+     the stack; the instance is ended before it can run on a damaged stack"
+)]
+pub struct StackOverflowed {
+    /// Where the zone starts.
+    pub zone: usize,
+    /// Its size in bytes.
+    pub size: usize,
+}
+
 /// Checks the guard zone of the stack this code runs on, if it is one of
 /// these slabs' (else there is nothing to check: the stack is wasmtime's
 /// own, with a guard page). An error says the zone was overwritten: host
 /// code overflowed the stack, and the instance running on it must end.
-pub fn check_current_stack() -> Result<(), String> {
+pub fn check_current_stack() -> Result<(), StackOverflowed> {
     let marker = 0u8;
     let here = std::hint::black_box(&marker) as *const u8 as usize;
     let live = LIVE_STACKS.read().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -264,16 +277,7 @@ pub fn check_current_stack() -> Result<(), String> {
     if here >= end {
         return Ok(());
     }
-    if zone_intact(start - page()) {
-        Ok(())
-    } else {
-        Err(format!(
-            "the guard zone below this instance's stack ({} bytes at {:#x}) was overwritten: host code overflowed \
-             the stack; the instance is ended before it can run on a damaged stack",
-            page(),
-            start - page()
-        ))
-    }
+    if zone_intact(start - page()) { Ok(()) } else { Err(StackOverflowed { zone: start - page(), size: page() }) }
 }
 
 /// One stack of a slab.

@@ -139,17 +139,22 @@ fn import_dir(store: &ImageStore, dir: &Path, base_name: Option<&str>) -> Result
 /// Writes an OCI image layout holding one wasm artifact (CNCF layout) per
 /// `(name, module bytes)`: what `rustlet images import` loads. The demo and
 /// the tests use it to ship modules without a registry.
-pub fn write_layout(dir: &Path, images: &[(&str, &[u8])]) -> Result<(), String> {
+pub fn write_layout(dir: &Path, images: &[(&str, &[u8])]) -> Result<(), LayoutError> {
     let blobs = dir.join("blobs/sha256");
-    std::fs::create_dir_all(&blobs).map_err(|e| format!("{}: {e}", blobs.display()))?;
-    let put = |bytes: &[u8]| -> Result<(String, i64), String> {
+    let io = |path: &Path| {
+        let path = path.to_owned();
+        move |source| LayoutError::Io { path, source }
+    };
+    std::fs::create_dir_all(&blobs).map_err(io(&blobs))?;
+    let put = |bytes: &[u8]| -> Result<(String, i64), LayoutError> {
         let digest = digest_of(bytes);
-        std::fs::write(blobs.join(digest.trim_start_matches("sha256:")), bytes).map_err(|e| e.to_string())?;
+        let path = blobs.join(digest.trim_start_matches("sha256:"));
+        std::fs::write(&path, bytes).map_err(io(&path))?;
         Ok((digest, bytes.len() as i64))
     };
     let mut manifests = Vec::new();
     for (name, module) in images {
-        let kind = ModuleKind::detect(module).ok_or_else(|| format!("{name}: not a wasm binary"))?;
+        let kind = ModuleKind::detect(module).ok_or_else(|| LayoutError::NotWasm((*name).to_owned()))?;
         let (layer_digest, layer_size) = put(module)?;
         let os = if kind == ModuleKind::Component { "wasip2" } else { "wasip1" };
         let config = serde_json::json!({
@@ -158,14 +163,14 @@ pub fn write_layout(dir: &Path, images: &[(&str, &[u8])]) -> Result<(), String> 
             "os": os,
             "layerDigests": [layer_digest],
         });
-        let (config_digest, config_size) = put(&serde_json::to_vec(&config).map_err(|e| e.to_string())?)?;
+        let (config_digest, config_size) = put(&config.to_string().into_bytes())?;
         let manifest = serde_json::json!({
             "schemaVersion": 2,
             "mediaType": oci_client::manifest::OCI_IMAGE_MEDIA_TYPE,
             "config": {"mediaType": crate::pull::WASM_CONFIG_V0, "digest": config_digest, "size": config_size},
             "layers": [{"mediaType": crate::pull::WASM_LAYER, "digest": layer_digest, "size": layer_size}],
         });
-        let (digest, size) = put(&serde_json::to_vec(&manifest).map_err(|e| e.to_string())?)?;
+        let (digest, size) = put(&manifest.to_string().into_bytes())?;
         manifests.push(serde_json::json!({
             "mediaType": oci_client::manifest::OCI_IMAGE_MEDIA_TYPE,
             "digest": digest,
@@ -178,9 +183,26 @@ pub fn write_layout(dir: &Path, images: &[(&str, &[u8])]) -> Result<(), String> 
         "mediaType": oci_client::manifest::OCI_IMAGE_INDEX_MEDIA_TYPE,
         "manifests": manifests,
     });
-    std::fs::write(dir.join("oci-layout"), br#"{"imageLayoutVersion":"1.0.0"}"#).map_err(|e| e.to_string())?;
-    std::fs::write(dir.join("index.json"), serde_json::to_vec_pretty(&index).map_err(|e| e.to_string())?)
-        .map_err(|e| e.to_string())
+    let layout = dir.join("oci-layout");
+    std::fs::write(&layout, br#"{"imageLayoutVersion":"1.0.0"}"#).map_err(io(&layout))?;
+    let index_file = dir.join("index.json");
+    std::fs::write(&index_file, format!("{index:#}")).map_err(io(&index_file))
+}
+
+/// Why an image layout could not be written.
+#[derive(Debug, thiserror::Error)]
+pub enum LayoutError {
+    /// A file or directory could not be written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file or directory.
+        path: std::path::PathBuf,
+        /// The system's error.
+        source: std::io::Error,
+    },
+    /// A module is not a wasm binary.
+    #[error("{0}: not a wasm binary")]
+    NotWasm(String),
 }
 
 #[cfg(test)]

@@ -105,21 +105,53 @@ struct DockerAuth {
     registrytoken: Option<String>,
 }
 
+/// Why registry credentials could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum CredentialsError {
+    /// The file could not be read.
+    #[error("{path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The system's error.
+        source: std::io::Error,
+    },
+    /// The file's content is wrong.
+    #[error("{path}: {source}")]
+    File {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        source: Box<CredentialsError>,
+    },
+    /// Not a docker config (JSON with `auths`).
+    #[error("{0}")]
+    Json(String),
+    /// A registry's `auth` is not base64 of `user:password`.
+    #[error("auths.{registry}.auth: {reason}")]
+    Auth {
+        /// The registry's key in `auths`.
+        registry: String,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
 impl Credentials {
     /// Reads `path`; a missing file means no credentials.
-    pub fn load(path: &Path) -> Result<Credentials, String> {
+    pub fn load(path: &Path) -> Result<Credentials, CredentialsError> {
         let bytes = match std::fs::read(path) {
             Ok(bytes) => bytes,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Credentials::default()),
-            Err(e) => return Err(format!("{}: {e}", path.display())),
+            Err(source) => return Err(CredentialsError::Read { path: path.to_owned(), source }),
         };
-        Self::parse(&bytes).map_err(|e| format!("{}: {e}", path.display()))
+        Self::parse(&bytes).map_err(|e| CredentialsError::File { path: path.to_owned(), source: Box::new(e) })
     }
 
     /// Parses a docker `config.json`.
-    pub fn parse(bytes: &[u8]) -> Result<Credentials, String> {
+    pub fn parse(bytes: &[u8]) -> Result<Credentials, CredentialsError> {
         use base64::Engine as _;
-        let config: DockerConfig = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+        let config: DockerConfig = serde_json::from_slice(bytes).map_err(|e| CredentialsError::Json(e.to_string()))?;
         let mut by_registry = HashMap::new();
         for (key, entry) in config.auths {
             // Keys may be URLs (`https://index.docker.io/v1/`).
@@ -130,12 +162,12 @@ impl Credentials {
             } else if let (Some(user), Some(password)) = (entry.username, entry.password) {
                 RegistryAuth::Basic(user, password)
             } else if let Some(encoded) = entry.auth {
+                let wrong = |reason: String| CredentialsError::Auth { registry: key.clone(), reason };
                 let decoded = base64::engine::general_purpose::STANDARD
                     .decode(encoded.trim())
-                    .map_err(|e| format!("auths.{key}.auth: {e}"))?;
-                let decoded = String::from_utf8(decoded).map_err(|e| format!("auths.{key}.auth: {e}"))?;
-                let (user, password) =
-                    decoded.split_once(':').ok_or_else(|| format!("auths.{key}.auth: not user:password"))?;
+                    .map_err(|e| wrong(e.to_string()))?;
+                let decoded = String::from_utf8(decoded).map_err(|e| wrong(e.to_string()))?;
+                let (user, password) = decoded.split_once(':').ok_or_else(|| wrong("not user:password".into()))?;
                 RegistryAuth::Basic(user.to_owned(), password.to_owned())
             } else {
                 continue;
@@ -634,7 +666,7 @@ mod tests {
     }
 
     #[test]
-    fn docker_config_credentials() -> Result<(), String> {
+    fn docker_config_credentials() -> Result<(), CredentialsError> {
         let credentials = Credentials::parse(
             br#"{"auths": {
                 "127.0.0.1:5000": {"auth": "dXNlcjpwYXNz"},
@@ -645,7 +677,8 @@ mod tests {
         assert_eq!(credentials.for_registry("docker.io"), RegistryAuth::Basic("u".into(), "p".into()));
         assert_eq!(credentials.for_registry("ghcr.io"), RegistryAuth::Bearer("tok".into()));
         assert_eq!(credentials.for_registry("quay.io"), RegistryAuth::Anonymous);
-        assert!(Credentials::parse(br#"{"auths": {"x": {"auth": "!!"}}}"#).is_err());
+        let refused = Credentials::parse(br#"{"auths": {"x": {"auth": "!!"}}}"#).expect_err("not base64");
+        assert!(matches!(&refused, CredentialsError::Auth { registry, .. } if registry == "x"), "{refused}");
         Ok(())
     }
 
