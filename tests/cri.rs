@@ -73,6 +73,7 @@ async fn cri_node_with(containerd: &Containerd, gpus: u64, tweak: impl FnOnce(&m
         cluster_domain: "cluster.local".into(),
         resolv_conf: Some(resolv_conf),
     };
+    cri_config.memory_capacity = Some(4 << 30);
     let provider = CriProvider::new(cri_config);
     let mut config = PodConfig::new(root.path(), Allocatable { cpu_milli: 2000, memory: 4 << 30, pods: 110 });
     config.restart_backoff = BackoffConfig {
@@ -219,6 +220,34 @@ async fn the_security_context_reaches_the_container() {
     assert_eq!(lines[..3], ["1000", "3000", "3000 4000"], "{lines:?}");
     assert_eq!(lines[3], "read-only");
     assert!(lines[4].starts_with("NoNewPrivs:") && lines[4].ends_with('1'), "{lines:?}");
+}
+
+/// Each container runs with the kubelet's OOM score adjustment for its
+/// pod's QoS class, and the pod reports the class: BestEffort 1000,
+/// Burstable `1000 - 1000 × request / capacity` (64Mi of 4Gi: 985),
+/// Guaranteed the lowest of the three (-997, or what the host and the
+/// runtime allow: containerd raises it to its own score).
+#[tokio::test]
+async fn containers_run_with_the_oom_score_of_their_qos_class() {
+    let Some(containerd) = Containerd::shared("containers_run_with_the_oom_score_of_their_qos_class") else { return };
+    let node = cri_node(containerd).await;
+    let cases = [
+        ("besteffort", serde_json::json!({}), "BestEffort"),
+        ("burstable", serde_json::json!({"resources": {"requests": {"memory": "64Mi"}}}), "Burstable"),
+        ("guaranteed", serde_json::json!({"resources": {"limits": {"cpu": "100m", "memory": "64Mi"}}}), "Guaranteed"),
+    ];
+    let mut scores = Vec::new();
+    for (name, container, class) in cases {
+        let uid = node.run(name, "cat /proc/self/oom_score_adj", serde_json::json!({}), container);
+        let done = node.wait(&uid, "finished", |p| terminated(p).is_some()).await;
+        assert_eq!(terminated(&done).map(|t| t.exit_code), Some(0), "{:?}", node.log(name, &uid));
+        assert_eq!(done.status.as_ref().and_then(|s| s.qos_class.as_deref()), Some(class));
+        let log = node.log(name, &uid);
+        let score: i64 = log.first().map(|l| l.trim()).unwrap_or_default().parse().expect("a score");
+        scores.push(score);
+    }
+    assert_eq!(scores[..2], [1000, 985], "{scores:?}");
+    assert!(scores[2] <= 0, "Guaranteed is kept longest: {scores:?}");
 }
 
 /// A container over its 16Mi memory limit is killed by the kernel:

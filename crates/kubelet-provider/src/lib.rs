@@ -14,8 +14,9 @@
 //! - [`retry`]: the one jittered backoff every retry uses.
 //! - [`supervisor`]: the one supervisor of long-running tasks (health
 //!   check each, ends caught and counted, restarts with backoff).
-//! - [`quantity`] and [`hostname`]: Kubernetes quantities and pod hostnames
-//!   as the kubelet reads them.
+//! - [`quantity`], [`hostname`] and [`qos`]: Kubernetes quantities, pod
+//!   hostnames, QoS classes and OOM score adjustments as the kubelet
+//!   computes them.
 //!
 //! # The provider
 //! A provider turns a container's run options into something running (a
@@ -42,6 +43,7 @@ pub mod durable;
 pub mod fuzz;
 pub mod health;
 pub mod hostname;
+pub mod qos;
 pub mod quantity;
 pub mod retry;
 pub mod supervisor;

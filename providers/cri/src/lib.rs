@@ -81,6 +81,9 @@ pub struct CriConfig {
     /// the pod's pull secrets, as the kubelet's keyring falls back to the
     /// node's docker config. `None`, or a missing file: none.
     pub docker_config: Option<std::path::PathBuf>,
+    /// The node's memory capacity in bytes, for Burstable containers' OOM
+    /// score adjustment (`None`: the machine's `MemTotal`).
+    pub memory_capacity: Option<u64>,
 }
 
 impl CriConfig {
@@ -92,8 +95,56 @@ impl CriConfig {
             relist_interval: Duration::from_millis(100),
             dns: dns::DnsSettings::default(),
             docker_config: None,
+            memory_capacity: None,
         }
     }
+}
+
+/// How containers' OOM score adjustments are set: as the kubelet computes
+/// them ([`kubelet_provider::qos::oom_score_adj`]), raised to what the host
+/// allows.
+#[derive(Clone, Copy, Debug)]
+struct OomPolicy {
+    /// The node's memory capacity in bytes.
+    capacity: u64,
+    /// The lowest adjustment the host lets a process take.
+    floor: i64,
+}
+
+impl OomPolicy {
+    /// The policy for `config`: its memory capacity (else the machine's),
+    /// and the host's floor, found by asking a shell to lower its own
+    /// adjustment (some hosts, such as some VMs and user namespaces,
+    /// refuse negative values even to root). Says so once when it is
+    /// raised.
+    fn new(config: &CriConfig) -> OomPolicy {
+        let capacity = config.memory_capacity.or_else(mem_total).unwrap_or(u64::MAX);
+        let lowered = std::process::Command::new("/bin/sh")
+            .args(["-c", "echo -1 > /proc/self/oom_score_adj"])
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|status| status.success());
+        let floor = if lowered { -1000 } else { 0 };
+        if !lowered {
+            tracing::warn!(
+                "this host refuses negative oom_score_adj values: Guaranteed and node-critical containers get 0 \
+                 instead of the kubelet's -997 (Burstable and BestEffort ones are unaffected)"
+            );
+        }
+        OomPolicy { capacity, floor }
+    }
+
+    /// The adjustment of `container` of `pod`.
+    fn adjustment(&self, pod: &Pod, container: &Container) -> i64 {
+        kubelet_provider::qos::oom_score_adj(pod, container, self.capacity).max(self.floor)
+    }
+}
+
+/// The machine's memory (`MemTotal` of `/proc/meminfo`), in bytes.
+fn mem_total() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
+    line.split_whitespace().nth(1)?.parse::<u64>().ok()?.checked_mul(1024)
 }
 
 /// Containers through CRI. Cheap to clone.
@@ -104,6 +155,7 @@ pub struct CriProvider {
 
 struct Inner {
     config: CriConfig,
+    oom: OomPolicy,
     channel: tokio::sync::Mutex<Option<UdsChannel>>,
     /// Pod UID → its sandbox (created once per pod; a lock per pod).
     sandboxes: Mutex<HashMap<String, Arc<tokio::sync::Mutex<Option<String>>>>>,
@@ -148,6 +200,7 @@ impl CriProvider {
     pub fn new(config: CriConfig) -> CriProvider {
         CriProvider {
             inner: Arc::new(Inner {
+                oom: OomPolicy::new(&config),
                 config,
                 channel: tokio::sync::Mutex::new(None),
                 sandboxes: Mutex::default(),
@@ -548,7 +601,7 @@ fn resources(container: &Container) -> cri::LinuxContainerResources {
     }
 }
 
-fn container_config(launch: &ContainerLaunch) -> cri::ContainerConfig {
+fn container_config(launch: &ContainerLaunch, oom: &OomPolicy) -> cri::ContainerConfig {
     let pod = &launch.pod;
     let container = &launch.container;
     let options = &launch.run_options;
@@ -594,7 +647,10 @@ fn container_config(launch: &ContainerLaunch) -> cri::ContainerConfig {
         stdin_once: container.stdin_once.unwrap_or(false),
         tty: container.tty.unwrap_or(false),
         linux: Some(cri::LinuxContainerConfig {
-            resources: Some(resources(container)),
+            resources: Some(cri::LinuxContainerResources {
+                oom_score_adj: oom.adjustment(pod, container),
+                ..resources(container)
+            }),
             security_context: Some(security::security_context(pod, container, container_namespaces(launch))),
         }),
         cdi_devices: options.cdi_devices.iter().map(|name| cri::CdiDevice { name: name.clone() }).collect(),
@@ -664,7 +720,7 @@ impl Provider for CriProvider {
         let sandbox_id = self.sandbox(uid, &config).await?;
         let request = cri::CreateContainerRequest {
             pod_sandbox_id: sandbox_id.clone(),
-            config: Some(container_config(launch)),
+            config: Some(container_config(launch, &self.inner.oom)),
             sandbox_config: Some(config),
         };
         let mut runtime = self.runtime().await?;

@@ -46,7 +46,7 @@ pub(crate) fn pod_status(data: &PodData, stage: Stage) -> PodStatus {
             reason: verdict.reason.clone(),
             message: verdict.message.clone(),
             start_time: Some(Time(data.start_time)),
-            qos_class: Some(qos_class(data).to_owned()),
+            qos_class: Some(kubelet_provider::qos::qos_class(&data.pod).as_str().to_owned()),
             ..PodStatus::default()
         };
     }
@@ -136,7 +136,7 @@ pub(crate) fn pod_status(data: &PodData, stage: Stage) -> PodStatus {
         ephemeral_container_statuses: (!ephemeral.is_empty())
             .then(|| ephemeral.iter().map(|c| container_status(c, false)).collect()),
         start_time: Some(Time(data.start_time)),
-        qos_class: Some(qos_class(data).to_owned()),
+        qos_class: Some(kubelet_provider::qos::qos_class(&data.pod).as_str().to_owned()),
         // The pod's own network, if its provider gave it one; else the
         // node's IPs are filled in later.
         pod_ip: data.pod_ips.first().map(ToString::to_string),
@@ -247,29 +247,6 @@ fn container_status(c: &ContainerRecord, has_init_containers: bool) -> Container
         state: Some(state),
         last_state: c.last_terminated.as_ref().map(|t| terminated_state(t, &c.runtime)),
         ..ContainerStatus::default()
-    }
-}
-
-/// Guaranteed when every container sets equal cpu and memory requests and
-/// limits; BestEffort when none sets any; Burstable otherwise.
-fn qos_class(data: &PodData) -> &'static str {
-    let mut any = false;
-    let mut guaranteed = true;
-    for c in data.ordered() {
-        let resources = c.spec.resources.as_ref();
-        let requests = resources.and_then(|r| r.requests.as_ref());
-        let limits = resources.and_then(|r| r.limits.as_ref());
-        for name in ["cpu", "memory"] {
-            let request = requests.and_then(|r| r.get(name)).or(limits.and_then(|l| l.get(name)));
-            let limit = limits.and_then(|l| l.get(name));
-            any |= request.is_some() || limit.is_some();
-            guaranteed &= limit.is_some() && request == limit;
-        }
-    }
-    match (any, guaranteed) {
-        (false, _) => "BestEffort",
-        (true, true) => "Guaranteed",
-        (true, false) => "Burstable",
     }
 }
 
