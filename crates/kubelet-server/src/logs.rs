@@ -197,7 +197,7 @@ pub(crate) async fn container_logs(
         Ok(query) => query,
         Err(error) => return text(StatusCode::BAD_REQUEST, format!("{error}\n")),
     };
-    let found = state.pods.store().list().into_iter().find(|p| {
+    let found = state.views.pods.store().list().into_iter().find(|p| {
         p.metadata.namespace.as_deref() == Some(namespace.as_str()) && p.metadata.name.as_deref() == Some(name.as_str())
     });
     let Some(pod) = found else {
@@ -207,7 +207,7 @@ pub(crate) async fn container_logs(
         return text(StatusCode::BAD_REQUEST, format!("container {container} is not valid for pod {name}\n"));
     }
     let uid = pod.metadata.uid.clone().unwrap_or_default();
-    let dir = crate::pod::pod_log_dir(&state.root_dir, &namespace, &name, &uid).join(&container);
+    let dir = crate::pod::pod_log_dir(&state.views.root_dir, &namespace, &name, &uid).join(&container);
     let mut runs = log_runs(&dir);
     runs.sort_unstable();
     let pick = if query.previous { runs.len().checked_sub(2) } else { runs.len().checked_sub(1) };
@@ -365,7 +365,7 @@ fn follow(
             return text(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot follow the log: {error}\n"));
         }
     };
-    let store = state.pods.store().clone();
+    let store = state.views.pods.store().clone();
     let (tx, rx) = mpsc::channel::<Result<String, std::io::Error>>(64);
     state.sessions.spawn(guard, async move {
         if let Err(error) = send_log(&store, &target, tail_lines, renderer, events, &tx).await {

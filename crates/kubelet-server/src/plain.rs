@@ -183,7 +183,7 @@ static LOCAL_REFUSALS: super::log_limit::LogLimiter = super::log_limit::LogLimit
 
 pub(crate) async fn healthz(State(state): State<HttpState>, RawQuery(query): RawQuery) -> Response {
     let verbose = query.is_some_and(|q| q.split('&').any(|p| p == "verbose" || p.starts_with("verbose=")));
-    let report = state.healthz.report();
+    let report = state.views.healthz.report();
     let healthy = report.iter().all(|r| r.health.is_healthy());
     if healthy && !verbose {
         return text(StatusCode::OK, "ok".into());
@@ -205,7 +205,7 @@ pub(crate) async fn healthz(State(state): State<HttpState>, RawQuery(query): Raw
 }
 
 pub(crate) async fn healthz_check(State(state): State<HttpState>, Path(check): Path<String>) -> Response {
-    match state.healthz.get(&check) {
+    match state.views.healthz.get(&check) {
         Some(ComponentHealth::Healthy) => text(StatusCode::OK, "ok".into()),
         Some(ComponentHealth::Failing { reason }) => {
             text(StatusCode::INTERNAL_SERVER_ERROR, format!("internal server error: {check} failed: {reason}\n"))
@@ -229,13 +229,13 @@ pub(crate) async fn metrics(State(state): State<HttpState>) -> Response {
 
 async fn status(State(state): State<HttpState>) -> Response {
     Json(serde_json::json!({
-        "nodeName": state.node_name,
-        "healthz": state.healthz.report(),
-        "plugins": state.plugins.status(),
-        "csiDrivers": state.csi_drivers.list(),
-        "csiNode": state.node_info.snapshot(),
-        "extendedResources": *state.devices.capacity().borrow(),
-        "manifestErrors": state.static_pods.as_ref().map(StaticPods::errors).unwrap_or_default(),
+        "nodeName": state.views.node_name,
+        "healthz": state.views.healthz.report(),
+        "plugins": state.views.plugins.status(),
+        "csiDrivers": state.views.csi_drivers.list(),
+        "csiNode": state.views.node_info.snapshot(),
+        "extendedResources": *state.views.devices.capacity().borrow(),
+        "manifestErrors": state.views.static_pods.as_ref().map(StaticPods::errors).unwrap_or_default(),
     }))
     .into_response()
 }
@@ -245,14 +245,15 @@ pub(crate) async fn pods(State(state): State<HttpState>) -> Response {
         "apiVersion": "v1",
         "kind": "PodList",
         "metadata": {},
-        "items": state.pods.store().list(),
+        "items": state.views.pods.store().list(),
     }))
     .into_response()
 }
 
 async fn node(State(state): State<HttpState>) -> Response {
-    let devices = state.devices.capacity().borrow().clone();
-    let mut object = serde_json::to_value(state.description.object(&devices, &state.healthz)).unwrap_or_default();
+    let devices = state.views.devices.capacity().borrow().clone();
+    let mut object =
+        serde_json::to_value(state.views.description.object(&devices, &state.views.healthz)).unwrap_or_default();
     if let Some(map) = object.as_object_mut() {
         map.insert("apiVersion".into(), "v1".into());
         map.insert("kind".into(), "Node".into());

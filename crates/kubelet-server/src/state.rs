@@ -45,17 +45,9 @@ pub struct NodeViews {
 /// endpoints' own state (streaming sessions, the log watcher, counters).
 #[derive(Clone)]
 pub struct HttpState {
-    pub(crate) node_name: String,
+    /// The node's components.
+    pub(crate) views: NodeViews,
     pub(crate) metrics: Arc<Registry>,
-    pub(crate) plugins: PluginManagerHandle,
-    pub(crate) csi_drivers: CsiDriverRegistry,
-    pub(crate) node_info: InMemoryNodeInfo,
-    pub(crate) devices: DeviceManager,
-    pub(crate) healthz: Healthz,
-    pub(crate) pods: Pods,
-    pub(crate) static_pods: Option<StaticPods>,
-    pub(crate) description: crate::cluster::capacity::NodeDescription,
-    pub(crate) root_dir: std::path::PathBuf,
     /// Streaming sessions under way (log follows, exec, attach,
     /// port-forward): counted, bounded, ended at shutdown.
     pub(crate) sessions: Sessions,
@@ -105,30 +97,9 @@ impl HttpState {
              no_serving_certificate, protocol, timeout, closed, ...)",
             tls_failures.clone(),
         );
-        let NodeViews {
-            node_name,
-            plugins,
-            csi_drivers,
-            node_info,
-            devices,
-            healthz,
-            pods,
-            static_pods,
-            description,
-            root_dir,
-        } = views;
         HttpState {
-            node_name,
+            views,
             metrics: Arc::new(metrics),
-            plugins,
-            csi_drivers,
-            node_info,
-            devices,
-            healthz,
-            pods,
-            static_pods,
-            description,
-            root_dir,
             sessions,
             log_watcher: LogWatcher::new(shutdown.clone()),
             local_refused,

@@ -226,9 +226,9 @@ pub(super) async fn summary(State(state): State<ApiState>) -> Response {
     let now_ts = jiff::Timestamp::now();
     let now = time(now_ts);
     let node = node_usage();
-    let (pods, _) = pod_usage(state.http.pods.store().list(), state.provider.as_ref()).await;
+    let (pods, _) = pod_usage(state.http.views.pods.store().list(), state.provider.as_ref()).await;
     let mut fs = json!({"time": now});
-    if let Ok(stats) = rustix::fs::statvfs(&state.http.root_dir) {
+    if let Ok(stats) = rustix::fs::statvfs(&state.http.views.root_dir) {
         let size = stats.f_frsize;
         fs["capacityBytes"] = json!(stats.f_blocks.saturating_mul(size));
         fs["availableBytes"] = json!(stats.f_bavail.saturating_mul(size));
@@ -238,7 +238,7 @@ pub(super) async fn summary(State(state): State<ApiState>) -> Response {
         fs["inodesUsed"] = json!(stats.f_files.saturating_sub(stats.f_ffree));
     }
     let node_json = json!({
-        "nodeName": state.http.node_name,
+        "nodeName": state.http.views.node_name,
         "startTime": time(node.boot_time.unwrap_or(now_ts)),
         "cpu": cpu_json(&state.rates, "node", &now, node.cpu_ns),
         "memory": memory_json(&now, node.memory_usage, node.memory_working_set, node.memory_available),
@@ -284,7 +284,7 @@ fn label(value: &str) -> String {
 /// Prometheus text format, with the kubelet's names, help and labels.
 pub(super) async fn resource_metrics(State(state): State<ApiState>) -> Response {
     let node = node_usage();
-    let (pods, failed) = pod_usage(state.http.pods.store().list(), state.provider.as_ref()).await;
+    let (pods, failed) = pod_usage(state.http.views.pods.store().list(), state.provider.as_ref()).await;
     let ms = jiff::Timestamp::now().as_millisecond();
     let mut out = String::new();
     let mut family = |name: &str, kind: &str, help: &str, samples: Vec<(String, f64)>| {

@@ -14,7 +14,7 @@ use serde_json::json;
 
 use super::ApiState;
 use crate::provider::{ContainerId, ProviderError, ProviderErrorKind, StreamRequest, StreamSession, StreamingEndpoint};
-use crate::state::Sessions;
+use crate::state::{Sessions, SessionsFull};
 
 /// The pod `namespace/name` (with `uid`, if given) among the node's pods.
 /// How long the runtime's streaming server has to accept a connection and
@@ -44,6 +44,7 @@ fn refused((code, message): Refused) -> Response {
 fn find_pod(state: &ApiState, namespace: &str, name: &str, uid: Option<&str>) -> Result<Pod, Refused> {
     state
         .http
+        .views
         .pods
         .store()
         .list()
@@ -229,14 +230,32 @@ fn serve_session(
         }
         return response;
     };
-    let guard = match sessions.begin() {
-        Ok(guard) => guard,
-        Err(refused) => return refused.into_response(),
+    let serve = move |io| super::spdy::serve(io, protocol, options, session);
+    let mut response = match upgrade_to(&mut request, sessions, "SPDY/3.1", serve) {
+        Ok(response) => response,
+        Err(full) => return full.into_response(),
     };
-    let upgrade = hyper::upgrade::on(&mut request);
+    response.headers_mut().insert("x-stream-protocol-version", HeaderValue::from_static(protocol));
+    response
+}
+
+/// Takes a streaming session's place (429 when every one is taken),
+/// answers 101 switching to `upgrade`, and serves the upgraded connection
+/// with `serve` as a session of the node.
+fn upgrade_to<Fut>(
+    request: &mut Request,
+    sessions: &Sessions,
+    upgrade: &'static str,
+    serve: impl FnOnce(TokioIo<hyper::upgrade::Upgraded>) -> Fut + Send + 'static,
+) -> Result<Response, SessionsFull>
+where
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let guard = sessions.begin()?;
+    let upgrading = hyper::upgrade::on(request);
     sessions.spawn(guard, async move {
-        match upgrade.await {
-            Ok(upgraded) => super::spdy::serve(TokioIo::new(upgraded), protocol, options, session).await,
+        match upgrading.await {
+            Ok(upgraded) => serve(TokioIo::new(upgraded)).await,
             Err(error) => tracing::debug!(%error, "the client did not upgrade"),
         }
     });
@@ -244,9 +263,8 @@ fn serve_session(
     *response.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
     let headers = response.headers_mut();
     headers.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
-    headers.insert(header::UPGRADE, HeaderValue::from_static("SPDY/3.1"));
-    headers.insert("x-stream-protocol-version", HeaderValue::from_static(protocol));
-    response
+    headers.insert(header::UPGRADE, HeaderValue::from_static(upgrade));
+    Ok(response)
 }
 
 pub(super) async fn exec(
@@ -433,22 +451,12 @@ fn serve_websocket(
             ),
         ));
     };
-    let guard = match sessions.begin() {
-        Ok(guard) => guard,
-        Err(refused) => return refused.into_response(),
+    let serve = move |io| super::websocket::serve(io, protocol, options, session);
+    let mut response = match upgrade_to(&mut request, sessions, "websocket", serve) {
+        Ok(response) => response,
+        Err(full) => return full.into_response(),
     };
-    let upgrade = hyper::upgrade::on(&mut request);
-    sessions.spawn(guard, async move {
-        match upgrade.await {
-            Ok(upgraded) => super::websocket::serve(TokioIo::new(upgraded), protocol, options, session).await,
-            Err(error) => tracing::debug!(%error, "the client did not upgrade"),
-        }
-    });
-    let mut response = Response::new(Body::empty());
-    *response.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
     let headers = response.headers_mut();
-    headers.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
-    headers.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
     headers.insert("sec-websocket-protocol", HeaderValue::from_static(protocol));
     if let Ok(accept) = HeaderValue::from_str(&super::websocket::accept_key(&key)) {
         headers.insert("sec-websocket-accept", accept);
@@ -462,6 +470,7 @@ fn serve_websocket(
 pub(super) async fn running_pods(State(state): State<ApiState>) -> Response {
     let items: Vec<serde_json::Value> = state
         .http
+        .views
         .pods
         .store()
         .list()
