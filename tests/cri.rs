@@ -58,6 +58,16 @@ async fn cri_node_with_gpus(containerd: &Containerd, gpus: u64) -> CriNode {
 
 /// [`cri_node_with_gpus`], its pod settings changed by `tweak`.
 async fn cri_node_with(containerd: &Containerd, gpus: u64, tweak: impl FnOnce(&mut PodConfig)) -> CriNode {
+    cri_node_configured(containerd, gpus, tweak, |_| {}).await
+}
+
+/// [`cri_node_with`], the provider's settings changed by `tweak_cri`.
+async fn cri_node_configured(
+    containerd: &Containerd,
+    gpus: u64,
+    tweak: impl FnOnce(&mut PodConfig),
+    tweak_cri: impl FnOnce(&mut CriConfig),
+) -> CriNode {
     let registry = Registry::start().await.expect("registry");
     containerd.trust_registry(&registry.host());
     let image = push_busybox(&registry, "test/busybox", "v1", &[], &["sh"]).await.expect("push busybox");
@@ -74,6 +84,7 @@ async fn cri_node_with(containerd: &Containerd, gpus: u64, tweak: impl FnOnce(&m
         resolv_conf: Some(resolv_conf),
     };
     cri_config.memory_capacity = Some(4 << 30);
+    tweak_cri(&mut cri_config);
     let provider = CriProvider::new(cri_config);
     let mut config = PodConfig::new(root.path(), Allocatable { cpu_milli: 2000, memory: 4 << 30, pods: 110 });
     config.restart_backoff = BackoffConfig {
@@ -248,6 +259,86 @@ async fn containers_run_with_the_oom_score_of_their_qos_class() {
     }
     assert_eq!(scores[..2], [1000, 985], "{scores:?}");
     assert!(scores[2] <= 0, "Guaranteed is kept longest: {scores:?}");
+}
+
+/// Pods in the kubelet's cgroup hierarchy (under a root of the test's, on
+/// the host's real cgroups): Guaranteed directly under `kubepods`,
+/// Burstable and BestEffort under their class's group, each in
+/// `pod<uid>` with upstream's limits; `kubepods` holds the node's
+/// allocatable; the Burstable group's shares are its pods' requests. A
+/// group an earlier run left of a pod that is gone is removed at start,
+/// and each pod's group goes with the pod.
+#[tokio::test]
+async fn pods_run_in_the_kubelets_cgroup_hierarchy_with_their_limits() {
+    use kubelet::provider::cgroups::{CgroupResources, CgroupVersion, PodCgroups, QosCgroupSettings};
+    let test = "pods_run_in_the_kubelets_cgroup_hierarchy_with_their_limits";
+    let Some(containerd) = Containerd::shared(test) else { return };
+    let Some(root) = rustlet_testkit::cgroups::TestCgroupRoot::new(test) else { return };
+    let kubepods = format!("{}/kubepods", root.name);
+    // What an earlier run left of a pod that is gone.
+    let orphan = format!("{kubepods}/besteffort/podgone-1");
+    root.fs.ensure(&orphan, &CgroupResources::default()).expect("an orphan group");
+    let settings = QosCgroupSettings {
+        root: root.name.clone(),
+        kubepods: CgroupResources { memory_limit: Some(3 << 30), cpu_shares: Some(2048), ..Default::default() },
+        pod_pids_limit: Some(64),
+        ..QosCgroupSettings::new()
+    };
+    let cgroups = Arc::new(PodCgroups::start(root.fs.clone(), settings).expect("kubepods"));
+    let node = cri_node_configured(containerd, 0, |_| {}, |c| c.pod_cgroups = Some(cgroups.clone())).await;
+    assert!(!root.fs.exists(&orphan), "the orphan's group was removed at start");
+
+    let cases = [
+        ("cg-guaranteed", serde_json::json!({"resources": {"limits": {"cpu": "200m", "memory": "64Mi"}}}), ""),
+        ("cg-burstable", serde_json::json!({"resources": {"requests": {"cpu": "100m"}}}), "/burstable"),
+        ("cg-besteffort", serde_json::json!({}), "/besteffort"),
+    ];
+    let mut uids = Vec::new();
+    for (name, container, class) in &cases {
+        let script = "cat /proc/self/cgroup; echo listed; exec sleep 600";
+        let uid = node.run(name, script, serde_json::json!({"terminationGracePeriodSeconds": 1}), container.clone());
+        node.wait(&uid, "Running", running).await;
+        let log = node.root.path().join(format!("logs/pods/default_{name}_{uid}/main/0.log"));
+        let text = common::wait_file(&log, |t| t.contains("listed")).await;
+        let group = format!("{kubepods}{class}/pod{uid}");
+        let memory_line = text.lines().find(|l| l.contains(":memory:") || l.contains(" 0::/")).unwrap_or_default();
+        if root.fs.version() == CgroupVersion::V1 {
+            assert!(memory_line.contains(&format!(":memory:{group}/")), "{name} runs in {group}: {text}");
+        }
+        uids.push((uid, group));
+    }
+    let read = |controller: &str, group: &str, file: &str| {
+        let path = root.fs.dir(controller, group).join(file);
+        std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())).trim().to_owned()
+    };
+    if root.fs.version() == CgroupVersion::V1 {
+        let (guaranteed, burstable, besteffort) = (&uids[0].1, &uids[1].1, &uids[2].1);
+        assert_eq!(read("memory", guaranteed, "memory.limit_in_bytes"), (64 << 20).to_string());
+        assert_eq!(read("cpu", guaranteed, "cpu.cfs_quota_us"), "20000");
+        assert_eq!(read("cpu", guaranteed, "cpu.shares"), "204");
+        assert_eq!(read("cpu", burstable, "cpu.shares"), "102");
+        assert_eq!(read("cpu", burstable, "cpu.cfs_quota_us"), "-1", "no cpu limit, no quota");
+        assert_eq!(read("cpu", besteffort, "cpu.shares"), "2");
+        for (_, group) in &uids {
+            assert_eq!(read("pids", group, "pids.max"), "64");
+        }
+        assert_eq!(read("memory", &kubepods, "memory.limit_in_bytes"), (3_u64 << 30).to_string());
+        assert_eq!(read("cpu", &kubepods, "cpu.shares"), "2048");
+        assert_eq!(read("cpu", &format!("{kubepods}/burstable"), "cpu.shares"), "102");
+        assert_eq!(read("cpu", &format!("{kubepods}/besteffort"), "cpu.shares"), "2");
+    }
+    for (uid, _) in &uids {
+        node.pods.delete(uid);
+    }
+    let gone = node.pods.store().wait_for(SOON, |pods| pods.is_empty()).await;
+    assert!(gone.is_some(), "the pods were removed: {:#?}", node.pods.store().list());
+    for (uid, group) in &uids {
+        let deadline = tokio::time::Instant::now() + SOON;
+        while root.fs.exists(group) {
+            assert!(tokio::time::Instant::now() < deadline, "pod {uid}'s group {group} outlived the pod");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
 }
 
 /// A container over its 16Mi memory limit is killed by the kernel:

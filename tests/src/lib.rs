@@ -22,6 +22,7 @@
 pub use rustlet_sample_plugins::{csi_driver, device_plugin, dra_driver, registration, report};
 
 pub mod apiserver;
+pub mod cgroups;
 pub mod containerd;
 pub mod control_plane;
 pub mod debian;

@@ -38,6 +38,7 @@
 //! - `stop_container` asks the container to stop and kills it when the grace
 //!   period runs out; it returns once the container no longer runs.
 
+pub mod cgroups;
 pub mod durable;
 #[doc(hidden)]
 pub mod fuzz;

@@ -45,6 +45,7 @@ use kubelet_api::cri::v1 as cri;
 use kubelet_api::cri::v1::image_service_client::ImageServiceClient;
 use kubelet_api::cri::v1::runtime_service_client::RuntimeServiceClient;
 use kubelet_api::uds::{UdsChannel, dial, socket_path_of};
+use kubelet_provider::cgroups::PodCgroups;
 use kubelet_provider::{
     ContainerExit, ContainerId, ContainerLaunch, ContainerStats, ExecOutput, PreparedImage, Provider, ProviderError,
     ProviderErrorKind, PullPolicy, PullSecrets, RunningContainer, StreamRequest, StreamingEndpoint,
@@ -84,6 +85,10 @@ pub struct CriConfig {
     /// The node's memory capacity in bytes, for Burstable containers' OOM
     /// score adjustment (`None`: the machine's `MemTotal`).
     pub memory_capacity: Option<u64>,
+    /// The node's pod cgroups: each sandbox's `cgroup_parent` is its pod's
+    /// group, made with the pod's limits before the sandbox and removed
+    /// after it. `None`: the runtime's default place, no pod-level limits.
+    pub pod_cgroups: Option<Arc<PodCgroups>>,
 }
 
 impl CriConfig {
@@ -96,6 +101,7 @@ impl CriConfig {
             dns: dns::DnsSettings::default(),
             docker_config: None,
             memory_capacity: None,
+            pod_cgroups: None,
         }
     }
 }
@@ -368,7 +374,8 @@ impl CriProvider {
     }
 
     /// The pod's sandbox, made from `config` on its first container.
-    async fn sandbox(&self, uid: &str, config: &cri::PodSandboxConfig) -> Result<String, ProviderError> {
+    async fn sandbox(&self, pod: &Pod, config: &cri::PodSandboxConfig) -> Result<String, ProviderError> {
+        let uid = pod.metadata.uid.as_deref().unwrap_or_default();
         let entry = {
             let mut sandboxes = self.inner.sandboxes.lock().unwrap_or_else(|p| p.into_inner());
             Arc::clone(sandboxes.entry(uid.to_owned()).or_default())
@@ -376,6 +383,11 @@ impl CriProvider {
         let mut sandbox = entry.lock().await;
         if let Some(id) = sandbox.as_ref() {
             return Ok(id.clone());
+        }
+        if let Some(cgroups) = &self.inner.config.pod_cgroups {
+            cgroups.ensure_pod(pod).map_err(|e| {
+                ProviderError::new(ProviderErrorKind::CannotRun, format!("cannot make the pod's cgroup: {e}"))
+            })?;
         }
         let mut runtime = self.runtime().await?;
         let answer = self
@@ -390,6 +402,33 @@ impl CriProvider {
         tracing::info!(pod.uid = %uid, sandbox = %answer.pod_sandbox_id, "pod sandbox running");
         *sandbox = Some(answer.pod_sandbox_id.clone());
         Ok(answer.pod_sandbox_id)
+    }
+
+    /// The sandbox config of `pod`, its logs under `log_directory`, in its
+    /// pod cgroup if the node has them.
+    fn sandbox_config(&self, pod: &Pod, log_directory: String) -> cri::PodSandboxConfig {
+        let cgroup_parent = self.inner.config.pod_cgroups.as_ref().map(|c| c.cgroup_parent(pod)).unwrap_or_default();
+        sandbox_config(pod, log_directory, cgroup_parent, &self.inner.config.dns)
+    }
+
+    /// Removes the pod cgroups an earlier run left of pods none of whose
+    /// containers still run (`running`, at the node's start). A group that
+    /// still holds something (a sandbox of a pod the node will adopt or
+    /// remove) is kept: the kernel refuses to remove it.
+    fn sweep_pod_cgroups(&self, running: &[RunningContainer]) {
+        let Some(cgroups) = &self.inner.config.pod_cgroups else { return };
+        let live: HashSet<&str> = running.iter().map(|c| c.pod_uid.as_str()).collect();
+        for (uid, group) in cgroups.pod_groups() {
+            if live.contains(uid.as_str()) {
+                continue;
+            }
+            match cgroups.fs().remove(&group) {
+                Ok(()) => tracing::info!(pod.uid = %uid, cgroup = %group, "removed the cgroup of a pod that is gone"),
+                Err(error) => {
+                    tracing::debug!(pod.uid = %uid, %error, "a pod cgroup from an earlier run still holds something")
+                }
+            }
+        }
     }
 
     /// Starts the relist if it is not running: it lists the running
@@ -512,8 +551,14 @@ fn container_namespaces(launch: &ContainerLaunch) -> cri::NamespaceOption {
     options
 }
 
-/// The sandbox config of `pod`, its logs under `log_directory`.
-fn sandbox_config(pod: &Pod, log_directory: String, dns: &dns::DnsSettings) -> cri::PodSandboxConfig {
+/// The sandbox config of `pod`, its logs under `log_directory`, its
+/// processes under `cgroup_parent` (empty: the runtime's default).
+fn sandbox_config(
+    pod: &Pod,
+    log_directory: String,
+    cgroup_parent: String,
+    dns: &dns::DnsSettings,
+) -> cri::PodSandboxConfig {
     let meta = &pod.metadata;
     let spec = pod.spec.clone().unwrap_or_default();
     let name = meta.name.clone().unwrap_or_default();
@@ -559,7 +604,7 @@ fn sandbox_config(pod: &Pod, log_directory: String, dns: &dns::DnsSettings) -> c
         labels,
         annotations,
         linux: Some(cri::LinuxPodSandboxConfig {
-            cgroup_parent: String::new(),
+            cgroup_parent,
             security_context: Some(cri::LinuxSandboxSecurityContext {
                 namespace_options: Some(namespaces(pod)),
                 privileged: security::has_privileged(pod),
@@ -697,10 +742,9 @@ impl Provider for CriProvider {
 
     async fn prepare_pod(&self, pod: &Pod, log_directory: &Path) -> Result<Vec<std::net::IpAddr>, ProviderError> {
         self.learn_runtime_name().await;
-        let config = sandbox_config(pod, log_directory.display().to_string(), &self.inner.config.dns);
-        let uid = pod.metadata.uid.as_deref().unwrap_or_default();
-        self.sandbox(uid, &config).await?;
-        Ok(self.pod_ips(uid).await)
+        let config = self.sandbox_config(pod, log_directory.display().to_string());
+        self.sandbox(pod, &config).await?;
+        Ok(self.pod_ips(pod.metadata.uid.as_deref().unwrap_or_default()).await)
     }
 
     fn mounts_files(&self, _: &Pod) -> bool {
@@ -715,9 +759,8 @@ impl Provider for CriProvider {
         self.learn_runtime_name().await;
         // The sandbox's log directory holds `<container>/<restart>.log`.
         let log_directory = launch.log_path.parent().and_then(Path::parent).map(|p| p.display().to_string());
-        let config = sandbox_config(&launch.pod, log_directory.unwrap_or_default(), &self.inner.config.dns);
-        let uid = launch.pod.metadata.uid.as_deref().unwrap_or_default();
-        let sandbox_id = self.sandbox(uid, &config).await?;
+        let config = self.sandbox_config(&launch.pod, log_directory.unwrap_or_default());
+        let sandbox_id = self.sandbox(&launch.pod, &config).await?;
         let request = cri::CreateContainerRequest {
             pod_sandbox_id: sandbox_id.clone(),
             config: Some(container_config(launch, &self.inner.oom)),
@@ -899,6 +942,7 @@ impl Provider for CriProvider {
                 started_at,
             });
         }
+        self.sweep_pod_cgroups(&running);
         Ok(running)
     }
 
@@ -951,6 +995,12 @@ impl Provider for CriProvider {
                 Err(s) => return Err(other("RemovePodSandbox", &s)),
             }
             tracing::info!(pod.uid = %pod_uid, sandbox = %id, "pod sandbox removed");
+        }
+        if let Some(cgroups) = &self.inner.config.pod_cgroups
+            && let Err(error) = cgroups.remove_pod(pod_uid)
+        {
+            // Left for the sweep at the next start.
+            tracing::warn!(pod.uid = %pod_uid, %error, "cannot remove the pod's cgroup");
         }
         Ok(())
     }
