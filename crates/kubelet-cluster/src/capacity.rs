@@ -37,10 +37,122 @@ fn mem_total() -> Option<u128> {
     Some(kib * 1024)
 }
 
+/// What one party holds back from pods (`--system-reserved`,
+/// `--kube-reserved`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Reserved {
+    /// Millicores.
+    pub cpu_milli: u128,
+    /// Bytes of memory.
+    pub memory: u128,
+    /// Bytes of the root dir's file system.
+    pub ephemeral_storage: u128,
+    /// Process IDs.
+    pub pids: u128,
+}
+
+impl Reserved {
+    /// Parses `cpu=200m,memory=500Mi,ephemeral-storage=1Gi,pid=1000` (or a
+    /// configuration file's map of the same): only those four may be
+    /// reserved, as upstream says.
+    pub fn parse(map: &BTreeMap<String, String>) -> Result<Reserved, String> {
+        let mut reserved = Reserved::default();
+        for (name, value) in map {
+            let bad = || format!("{name}={value}: not a quantity");
+            match name.as_str() {
+                "cpu" => reserved.cpu_milli = crate::provider::quantity::parse_milli(value).map_err(|_| bad())?,
+                "memory" => reserved.memory = crate::provider::quantity::parse_units(value).map_err(|_| bad())?,
+                "ephemeral-storage" => {
+                    reserved.ephemeral_storage = crate::provider::quantity::parse_units(value).map_err(|_| bad())?
+                }
+                "pid" => reserved.pids = crate::provider::quantity::parse_units(value).map_err(|_| bad())?,
+                other => return Err(format!("cannot reserve {other:?} resource")),
+            }
+        }
+        Ok(reserved)
+    }
+
+    /// This and `other` together.
+    pub fn plus(self, other: Reserved) -> Reserved {
+        Reserved {
+            cpu_milli: self.cpu_milli + other.cpu_milli,
+            memory: self.memory + other.memory,
+            ephemeral_storage: self.ephemeral_storage + other.ephemeral_storage,
+            pids: self.pids + other.pids,
+        }
+    }
+}
+
+/// What the node holds back from pods, as upstream computes allocatable:
+/// capacity less system and kube reservations less the hard eviction
+/// thresholds of `memory.available` and `nodefs.available`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Reservation {
+    /// `--system-reserved`.
+    pub system: Reserved,
+    /// `--kube-reserved`.
+    pub kube: Reserved,
+    /// The hard `memory.available` threshold.
+    pub eviction_memory: Option<crate::eviction::ThresholdValue>,
+    /// The hard `nodefs.available` threshold.
+    pub eviction_nodefs: Option<crate::eviction::ThresholdValue>,
+}
+
+impl Reservation {
+    /// What pods may use of `capacity`.
+    pub fn allocatable(&self, capacity: Allocatable) -> Allocatable {
+        let reserved = self.system.plus(self.kube);
+        let eviction = self.eviction_memory.map_or(0, |t| t.amount(capacity.memory));
+        Allocatable {
+            cpu_milli: capacity.cpu_milli.saturating_sub(reserved.cpu_milli),
+            memory: capacity.memory.saturating_sub(reserved.memory).saturating_sub(eviction),
+            pods: capacity.pods,
+        }
+    }
+
+    /// What pods may use of `capacity` bytes of ephemeral storage.
+    pub fn storage(&self, capacity: u128) -> u128 {
+        let reserved = self.system.plus(self.kube).ephemeral_storage;
+        let eviction = self.eviction_nodefs.map_or(0, |t| t.amount(capacity));
+        capacity.saturating_sub(reserved).saturating_sub(eviction)
+    }
+
+    /// The `kubepods` group's limits when allocatable is enforced on it
+    /// (`--enforce-node-allocatable=pods`): capacity less the system and
+    /// kube reservations (not the eviction thresholds: the kernel's limit
+    /// stays above the point where the node evicts), cpu as shares (no
+    /// quota), process IDs when some are reserved.
+    pub fn kubepods(&self, capacity: Allocatable) -> crate::provider::cgroups::CgroupResources {
+        let reserved = self.system.plus(self.kube);
+        let pids = (reserved.pids > 0)
+            .then(|| pid_capacity().map(|max| max.saturating_sub(reserved.pids)))
+            .flatten()
+            .and_then(|p| u64::try_from(p).ok());
+        crate::provider::cgroups::CgroupResources {
+            cpu_shares: Some(crate::provider::cgroups::shares(capacity.cpu_milli.saturating_sub(reserved.cpu_milli))),
+            cpu_quota: None,
+            memory_limit: u64::try_from(capacity.memory.saturating_sub(reserved.memory)).ok(),
+            pids_limit: pids,
+        }
+    }
+}
+
+/// The node's process IDs: the lower of `pid_max` and `threads-max`.
+pub fn pid_capacity() -> Option<u128> {
+    let read =
+        |file: &str| std::fs::read_to_string(format!("/proc/sys/kernel/{file}")).ok()?.trim().parse::<u128>().ok();
+    match (read("pid_max"), read("threads-max")) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
 /// Facts for the Node object.
 pub(crate) struct NodeFacts<'a> {
     pub(crate) name: &'a str,
+    pub(crate) capacity: Allocatable,
     pub(crate) allocatable: Allocatable,
+    pub(crate) reservation: &'a Reservation,
     pub(crate) devices: &'a BTreeMap<String, ResourceCapacity>,
     pub(crate) created: jiff::Timestamp,
     pub(crate) ready: Result<(), String>,
@@ -63,8 +175,12 @@ pub(crate) struct NodeFacts<'a> {
 pub struct NodeDescription {
     /// The node's name.
     pub name: String,
-    /// What pods may use.
+    /// What the machine has (`status.capacity`).
+    pub capacity: Allocatable,
+    /// What pods may use of it (`status.allocatable`).
     pub allocatable: Allocatable,
+    /// What is held back (for ephemeral storage, measured at each write).
+    pub reservation: Reservation,
     /// When the node started (the Node's creation time before it is registered).
     pub created: jiff::Timestamp,
     /// The Node's labels.
@@ -104,7 +220,9 @@ impl NodeDescription {
     pub fn object(&self, devices: &BTreeMap<String, ResourceCapacity>, healthz: &Healthz) -> NodeObject {
         node_object(&NodeFacts {
             name: &self.name,
+            capacity: self.capacity,
             allocatable: self.allocatable,
+            reservation: &self.reservation,
             devices,
             created: self.created,
             ready: readiness(healthz),
@@ -138,16 +256,18 @@ pub(crate) fn readiness(healthz: &Healthz) -> Result<(), String> {
 pub(crate) fn node_object(facts: &NodeFacts<'_>) -> NodeObject {
     let mut capacity = BTreeMap::new();
     let mut allocatable = BTreeMap::new();
-    let cpu = Quantity(format_cpu(facts.allocatable.cpu_milli));
-    let memory = Quantity(format!("{}Ki", facts.allocatable.memory / 1024));
-    let pods = Quantity(facts.allocatable.pods.to_string());
-    let storage = facts.ephemeral_storage.map(|bytes| Quantity(format!("{}Ki", bytes / 1024)));
-    for map in [&mut capacity, &mut allocatable] {
-        map.insert("cpu".to_owned(), cpu.clone());
-        map.insert("memory".to_owned(), memory.clone());
-        map.insert("pods".to_owned(), pods.clone());
-        if let Some(storage) = &storage {
-            map.insert("ephemeral-storage".to_owned(), storage.clone());
+    for (map, amounts, storage) in [
+        (&mut capacity, facts.capacity, facts.ephemeral_storage),
+        (&mut allocatable, facts.allocatable, facts.ephemeral_storage.map(|b| facts.reservation.storage(b))),
+    ] {
+        map.insert("cpu".to_owned(), Quantity(format_cpu(amounts.cpu_milli)));
+        map.insert("memory".to_owned(), Quantity(format!("{}Ki", amounts.memory / 1024)));
+        map.insert("pods".to_owned(), Quantity(amounts.pods.to_string()));
+        if let Some(bytes) = storage {
+            // Upstream writes storage as a plain byte count when it is
+            // not a whole number of KiB.
+            let text = if bytes % 1024 == 0 { format!("{}Ki", bytes / 1024) } else { bytes.to_string() };
+            map.insert("ephemeral-storage".to_owned(), Quantity(text));
         }
     }
     for (resource, counts) in facts.devices {
@@ -269,12 +389,46 @@ mod tests {
     }
 
     #[test]
+    fn reservations_parse_as_upstream_and_kubepods_gets_capacity_less_them() {
+        let map = |pairs: &[(&str, &str)]| pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+        let system = Reserved::parse(&map(&[("cpu", "200m"), ("memory", "500Mi"), ("pid", "1000")])).expect("ok");
+        assert_eq!((system.cpu_milli, system.memory, system.pids), (200, 500 << 20, 1000));
+        assert_eq!(
+            Reserved::parse(&map(&[("nvidia.com/gpu", "1")])),
+            Err("cannot reserve \"nvidia.com/gpu\" resource".into())
+        );
+        assert!(Reserved::parse(&map(&[("memory", "lots")])).is_err());
+        let reservation = Reservation {
+            system,
+            eviction_memory: Some(crate::eviction::ThresholdValue::Quantity(100 << 20)),
+            ..Reservation::default()
+        };
+        let capacity = Allocatable { cpu_milli: 2000, memory: 4 << 30, pods: 110 };
+        let kubepods = reservation.kubepods(capacity);
+        assert_eq!(kubepods.memory_limit, Some((4 << 30) - (500 << 20)), "eviction thresholds stay out of the limit");
+        assert_eq!(kubepods.cpu_shares, Some(1843));
+        assert_eq!(kubepods.cpu_quota, None);
+        assert!(kubepods.pids_limit.is_some_and(|p| p > 0));
+        assert_eq!(reservation.allocatable(capacity).memory, (4 << 30) - (600 << 20));
+        assert_eq!(Reservation::default().storage(1000), 1000);
+    }
+
+    #[test]
     fn the_node_object_carries_devices_and_readiness() {
         let devices =
             BTreeMap::from([("example.com/gpu".to_owned(), ResourceCapacity { capacity: 4, allocatable: 3 })]);
+        let capacity = Allocatable { cpu_milli: 2500, memory: 4 << 30, pods: 10 };
+        let reservation = Reservation {
+            system: Reserved { cpu_milli: 500, memory: 1 << 30, ..Reserved::default() },
+            kube: Reserved { memory: 512 << 20, ephemeral_storage: 1 << 20, ..Reserved::default() },
+            eviction_memory: Some(crate::eviction::ThresholdValue::Quantity(100 << 20)),
+            eviction_nodefs: Some(crate::eviction::ThresholdValue::Percentage(0.1)),
+        };
         let facts = NodeFacts {
             name: "n1",
-            allocatable: Allocatable { cpu_milli: 2500, memory: 4 << 30, pods: 10 },
+            capacity,
+            allocatable: reservation.allocatable(capacity),
+            reservation: &reservation,
             devices: &devices,
             created: jiff::Timestamp::now(),
             ready: Err("plugin-manager failed: boom".into()),
@@ -307,6 +461,9 @@ mod tests {
         let capacity = status.capacity.expect("capacity");
         assert_eq!(capacity["cpu"].0, "2500m");
         assert_eq!(capacity["memory"].0, "4194304Ki");
+        let allocatable = status.allocatable.clone().expect("allocatable");
+        assert_eq!(allocatable["cpu"].0, "2");
+        assert_eq!(allocatable["memory"].0, format!("{}Ki", (4 << 20) - (1 << 20) - (512 << 10) - (100 << 10)));
         assert_eq!(capacity["example.com/gpu"].0, "4");
         let storage = capacity["ephemeral-storage"].0.trim_end_matches("Ki").parse::<u64>().expect("KiB");
         assert!(storage > 0, "the root file system has a size");

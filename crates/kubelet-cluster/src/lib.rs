@@ -56,7 +56,7 @@ pub use pod_sync::{PodSync, PodSyncConfig, PodSyncMetrics, PodSyncStats};
 
 use kubelet_api::uds::error_chain;
 use kubelet_plugins::{csi, device_manager, dra};
-use kubelet_pods::{events, pod, runtime_class, volume};
+use kubelet_pods::{events, eviction, pod, runtime_class, volume};
 use kubelet_provider::{self as provider, durable, health, retry};
 
 use capacity::NodeDescription;

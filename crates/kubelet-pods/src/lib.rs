@@ -17,6 +17,7 @@
 //! containers run through a `kubelet-provider` provider.
 
 pub mod events;
+pub mod eviction;
 pub mod pod;
 pub mod pod_resources;
 pub mod runtime_class;

@@ -321,6 +321,54 @@ pub(crate) struct NodeArgs {
     /// Pods this node runs at most.
     #[arg(long, default_value_t = kubelet::node::DEFAULT_MAX_PODS)]
     pub(crate) max_pods: usize,
+    /// Put container pods in the kubelet's cgroup hierarchy: `kubepods`
+    /// (limited to node allocatable), `burstable` and `besteffort` below
+    /// it, a `pod<uid>` group with the pod's limits each.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub(crate) cgroups_per_qos: bool,
+    /// The cgroup under which `kubepods` is made (default: the root, `/`).
+    #[arg(long, default_value = "")]
+    pub(crate) cgroup_root: String,
+    /// How the container runtime manages cgroups: `cgroupfs` (paths, made
+    /// by the node) or `systemd` (slices, made by systemd; the node sets no
+    /// pod-level limits on them). Must match the runtime's setting.
+    #[arg(long, value_enum, default_value_t = CgroupDriverArg::Cgroupfs)]
+    pub(crate) cgroup_driver: CgroupDriverArg,
+    /// Processes a pod may run at most (-1: no pod-level limit).
+    #[arg(long, default_value_t = -1, allow_negative_numbers = true)]
+    pub(crate) pod_max_pids: i64,
+    /// Enforce containers' and pods' cpu limits with CFS quotas.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub(crate) cpu_cfs_quota: bool,
+    /// Resources held back for the system, `cpu=200m,memory=500Mi,
+    /// ephemeral-storage=1Gi,pid=1000`: allocatable is capacity less these,
+    /// `--kube-reserved` and the hard eviction thresholds.
+    #[arg(long, value_delimiter = ',', value_parser = parse_pair)]
+    pub(crate) system_reserved: Vec<(String, String)>,
+    /// Resources held back for Kubernetes' node components (as
+    /// `--system-reserved`).
+    #[arg(long, value_delimiter = ',', value_parser = parse_pair)]
+    pub(crate) kube_reserved: Vec<(String, String)>,
+    /// Hard eviction thresholds, `memory.available<100Mi,nodefs.available<10%`
+    /// (default: upstream's four, `memory.available<100Mi,
+    /// nodefs.available<10%,nodefs.inodesFree<5%,imagefs.available<15%`;
+    /// giving any replaces them all). Those of memory and nodefs are held
+    /// back from allocatable.
+    #[arg(long)]
+    pub(crate) eviction_hard: Option<String>,
+    /// Where node allocatable is enforced: `pods` (the `kubepods` group's
+    /// limits) or `none`.
+    #[arg(long, value_delimiter = ',', default_value = "pods")]
+    pub(crate) enforce_node_allocatable: Vec<String>,
+}
+
+/// `--cgroup-driver` values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum CgroupDriverArg {
+    /// Cgroup paths.
+    Cgroupfs,
+    /// systemd slices.
+    Systemd,
 }
 
 /// `--authorization-mode` values, spelled as the kubelet's.
@@ -367,6 +415,15 @@ pub(crate) fn parse_label(s: &str) -> Result<(String, String), String> {
         return Err(format!("{s:?} is not a label: the key must be non-empty, without spaces"));
     }
     Ok((key.to_owned(), value.trim().to_owned()))
+}
+
+/// Parses `name=value` (a reservation, a threshold's setting).
+pub(crate) fn parse_pair(s: &str) -> Result<(String, String), String> {
+    let (key, value) = s.split_once('=').ok_or_else(|| format!("{s:?}: expected name=value"))?;
+    if key.trim().is_empty() || value.trim().is_empty() {
+        return Err(format!("{s:?}: expected name=value, both non-empty"));
+    }
+    Ok((key.trim().to_owned(), value.trim().to_owned()))
 }
 
 /// Parses `key[=value]:Effect` as a taint (the kubelet's

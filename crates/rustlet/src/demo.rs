@@ -28,56 +28,35 @@ use tokio_util::sync::CancellationToken;
 use kubelet::health::HealthReporter;
 use kubelet::node::Node;
 
-use crate::cli::{DemoArgs, NodeArgs};
+use clap::Parser as _;
+
+use crate::cli::DemoArgs;
 
 const STEP_DEADLINE: Duration = Duration::from_secs(20);
 
 pub(crate) async fn run(args: DemoArgs, signals: HealthReporter, shutdown: CancellationToken) -> anyhow::Result<()> {
     let root =
         tempfile::Builder::new().prefix("rustlet-demo-").tempdir().context("cannot create a temporary root dir")?;
-    let node_args = NodeArgs {
-        standalone: true,
-        root_dir: root.path().to_path_buf(),
-        node_name: Some("rustlet-demo".into()),
-        healthz_bind_address: [127, 0, 0, 1].into(),
-        healthz_port: 0,
-        address: [127, 0, 0, 1].into(),
-        port: 0,
-        tls_cert_file: None,
-        tls_private_key_file: None,
-        cert_dir: None,
-        client_ca_file: None,
-        anonymous_auth: false,
-        authentication_token_webhook: None,
-        authentication_token_webhook_cache_ttl: Duration::from_secs(120),
-        authorization_mode: None,
-        authorization_webhook_cache_authorized_ttl: Duration::from_secs(300),
-        authorization_webhook_cache_unauthorized_ttl: Duration::from_secs(30),
-        plugin_dial_timeout: Duration::from_secs(10),
-        plugin_get_info_timeout: Duration::from_secs(1),
-        plugin_notify_timeout: Duration::from_secs(5),
-        plugin_resync_period: Duration::from_secs(30),
-        pod_manifest_path: Some(root.path().join("manifests")),
-        max_pods: kubelet::node::DEFAULT_MAX_PODS,
-        kubeconfig: None,
-        bootstrap_kubeconfig: None,
-        rotate_certificates: false,
-        rotate_server_certificates: false,
-        node_labels: Vec::new(),
-        register_with_taints: Vec::new(),
-        kube_api_qps: kubelet::cluster::rate_limit::DEFAULT_QPS,
-        kube_api_burst: kubelet::cluster::rate_limit::DEFAULT_BURST,
-        container_runtime_endpoint: None,
-        runtime_status_period: std::time::Duration::from_secs(5),
-        cluster_dns: Vec::new(),
-        cluster_domain: String::new(),
-        allowed_unsafe_sysctls: Vec::new(),
-        plugin_allowed_uids: Vec::new(),
-        wasm_default_memory_limit: rustlet_wasi::DEFAULT_MEMORY_LIMIT,
-        max_streaming_sessions: kubelet::node::DEFAULT_MAX_STREAMING_SESSIONS,
-        resolv_conf: "/etc/resolv.conf".into(),
-        node_ip: Vec::new(),
-    };
+    // The node's flags at their defaults, as the command line gives them.
+    let root_dir = root.path().display().to_string();
+    let manifests = root.path().join("manifests").display().to_string();
+    let flags = [
+        "rustlet",
+        "--standalone",
+        "--root-dir",
+        &root_dir,
+        "--node-name",
+        "rustlet-demo",
+        "--healthz-port",
+        "0",
+        "--address",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--pod-manifest-path",
+        &manifests,
+    ];
+    let node_args = crate::cli::Cli::try_parse_from(flags).context("the demo's node flags")?.node;
     let node = crate::node::start(&node_args, &signals, shutdown.clone()).await?;
     let mut events = node.plugins().subscribe();
     let registry = node.root_dir().join(PLUGINS_REGISTRY_DIR);

@@ -13,7 +13,11 @@ use tokio_util::sync::CancellationToken;
 
 use kubelet::server::{AuthSettings, AuthorizationMode, KubeletApiConfig, ServingCertSource};
 
-use crate::cli::{AuthorizationModeArg, NodeArgs};
+use crate::cli::{AuthorizationModeArg, CgroupDriverArg, NodeArgs};
+use kubelet::eviction::Signal;
+use kubelet::node::{Reservation, Reserved};
+use kubelet::provider::cgroups::{CgroupDriver, CgroupFs, PodCgroups, QosCgroupSettings};
+use std::sync::Arc;
 
 /// The node's configuration from the command line.
 pub(crate) fn config(args: &NodeArgs) -> NodeConfig {
@@ -39,6 +43,85 @@ pub(crate) fn config(args: &NodeArgs) -> NodeConfig {
     config.kubelet_api = Some(kubelet_api(args));
     config.configz = configz(args);
     config
+}
+
+/// What is held back from pods: `--system-reserved`, `--kube-reserved`,
+/// and the hard eviction thresholds of memory and nodefs.
+pub(crate) fn reservation(args: &NodeArgs) -> anyhow::Result<Reservation> {
+    let map = |pairs: &[(String, String)]| pairs.iter().cloned().collect::<std::collections::BTreeMap<_, _>>();
+    let system = Reserved::parse(&map(&args.system_reserved)).map_err(|e| anyhow::anyhow!("--system-reserved: {e}"))?;
+    let kube = Reserved::parse(&map(&args.kube_reserved)).map_err(|e| anyhow::anyhow!("--kube-reserved: {e}"))?;
+    let thresholds = thresholds(args)?;
+    let hard = |signal| thresholds.hard(signal).map(|t: &kubelet::eviction::Threshold| t.value);
+    Ok(Reservation {
+        system,
+        kube,
+        eviction_memory: hard(Signal::MemoryAvailable),
+        eviction_nodefs: hard(Signal::NodefsAvailable),
+    })
+}
+
+/// The eviction thresholds from `--eviction-hard`.
+fn thresholds(args: &NodeArgs) -> anyhow::Result<kubelet::eviction::Thresholds> {
+    let hard = args
+        .eviction_hard
+        .as_deref()
+        .map(kubelet::eviction::parse_flag)
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("--eviction-hard: {e}"))?;
+    let empty = std::collections::BTreeMap::new();
+    kubelet::eviction::Thresholds::new(hard.as_ref(), &empty, &std::collections::BTreeMap::new(), &empty)
+        .map_err(|e| anyhow::anyhow!("--eviction-hard: {e}"))
+}
+
+/// The pods' cgroup hierarchy, when container pods get one
+/// (`--cgroups-per-qos`), its `kubepods` group limited to node allocatable
+/// when `--enforce-node-allocatable` says `pods`.
+fn pod_cgroups(args: &NodeArgs, reservation: &Reservation) -> anyhow::Result<Option<Arc<PodCgroups>>> {
+    let enforce = &args.enforce_node_allocatable;
+    for value in enforce {
+        match value.as_str() {
+            "pods" | "none" => {}
+            "system-reserved" | "kube-reserved" => tracing::warn!(
+                value = %value,
+                "--enforce-node-allocatable: Rustlet enforces allocatable on pods only; the reserved groups are left as they are"
+            ),
+            other => bail!(
+                "--enforce-node-allocatable: unknown value {other:?} (pods, system-reserved, kube-reserved or none)"
+            ),
+        }
+    }
+    if enforce.iter().any(|v| v == "none") && enforce.len() > 1 {
+        bail!("--enforce-node-allocatable: none must be the only value");
+    }
+    if !args.cgroups_per_qos {
+        if enforce.iter().any(|v| v != "none") {
+            tracing::info!("--cgroups-per-qos=false: node allocatable is not enforced on a kubepods group");
+        }
+        return Ok(None);
+    }
+    let Some(fs) = CgroupFs::detect() else {
+        bail!(
+            "no cgroup file system at /sys/fs/cgroup: container pods cannot get their cgroups (--cgroups-per-qos=false runs them without)"
+        );
+    };
+    let capacity = kubelet::node::measure(args.max_pods);
+    let settings = QosCgroupSettings {
+        root: if args.cgroup_root.is_empty() { "/".into() } else { args.cgroup_root.clone() },
+        driver: match args.cgroup_driver {
+            CgroupDriverArg::Cgroupfs => CgroupDriver::Cgroupfs,
+            CgroupDriverArg::Systemd => CgroupDriver::Systemd,
+        },
+        kubepods: if enforce.iter().any(|v| v == "pods") { reservation.kubepods(capacity) } else { Default::default() },
+        pod_pids_limit: u64::try_from(args.pod_max_pids).ok().filter(|p| *p > 0),
+        cfs_quota: args.cpu_cfs_quota,
+    };
+    let cgroups = PodCgroups::start(fs, settings).map_err(|e| {
+        anyhow::anyhow!(
+            "cannot make the pods' cgroups: {e} (the node needs root; --cgroups-per-qos=false runs pods without)"
+        )
+    })?;
+    Ok(Some(Arc::new(cgroups)))
 }
 
 /// The kubelet API's settings from the command line. Cluster mode
@@ -146,6 +229,7 @@ pub(crate) async fn start(
     if !args.standalone && args.kubeconfig.is_none() {
         bail!("say how the node runs: --standalone (no API server) or --kubeconfig FILE (join a cluster)");
     }
+    let reservation = reservation(args)?;
     let labels: std::collections::BTreeMap<String, String> = args.node_labels.iter().cloned().collect();
     kubelet::node::labels::check_node_labels(&labels).map_err(|e| anyhow::anyhow!("invalid --node-labels: {e}"))?;
     // Many plugins mean many sockets; the default soft limit (often 1024) is too low.
@@ -173,6 +257,7 @@ pub(crate) async fn start(
             };
             // The same registry credentials as the WebAssembly provider's.
             cri_config.docker_config = Some(args.root_dir.join("config.json"));
+            cri_config.pod_cgroups = pod_cgroups(args, &reservation)?;
             let cri = rustlet_cri::CriProvider::new(cri_config);
             cri_provider = Some(cri.clone());
             match cri.version().await {
@@ -186,7 +271,9 @@ pub(crate) async fn start(
             std::sync::Arc::new(classes)
         }
     };
-    let mut builder = NodeBuilder::new(config(args)).provider(provider).health_check("signal-handler", signals);
+    let mut node_config = config(args);
+    node_config.pods.reservation = reservation;
+    let mut builder = NodeBuilder::new(node_config).provider(provider).health_check("signal-handler", signals);
     if let Some(cri) = &cri_provider {
         builder = builder.health_check("container-runtime", &runtime_health);
         cri.watch_health(runtime_health.clone(), args.runtime_status_period, shutdown.clone());

@@ -253,6 +253,62 @@ async fn the_mode_must_be_chosen() {
     assert!(String::from_utf8_lossy(&output.stderr).contains("cannot be used with"), "{output:?}");
 }
 
+/// Reservations and the hard eviction thresholds come off capacity in the
+/// Node's allocatable (what `rustlet get node` shows and admission uses);
+/// a resource that cannot be reserved or a bad threshold stops the start
+/// with the flag named.
+#[tokio::test]
+async fn allocatable_is_capacity_less_reservations_and_hard_thresholds() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let dir = root.path().to_str().expect("utf8");
+    let mut node = running(&[
+        "--standalone",
+        "--root-dir",
+        dir,
+        "--healthz-port",
+        "0",
+        "--port",
+        "0",
+        "--system-reserved",
+        "cpu=500m,memory=1Gi",
+        "--kube-reserved",
+        "memory=512Mi,ephemeral-storage=1Mi",
+        "--eviction-hard",
+        "memory.available<100Mi,nodefs.available<10%",
+    ]);
+    node.line_with("node started").await;
+    let (code, body) = get(&local_socket(root.path()), "/node").await;
+    assert_eq!(code, 200, "{body}");
+    let object: serde_json::Value = serde_json::from_str(&body).expect("json");
+    let kib = |map: &str, resource: &str| -> u128 {
+        let text = object["status"][map][resource].as_str().unwrap_or_else(|| panic!("{map}.{resource}: {object}"));
+        match text.strip_suffix("Ki") {
+            Some(kib) => kib.parse::<u128>().expect("KiB"),
+            None => text.parse::<u128>().expect("bytes") / 1024,
+        }
+    };
+    let milli = |map: &str| -> u128 {
+        let text = object["status"][map]["cpu"].as_str().expect("cpu");
+        text.strip_suffix('m').map_or_else(|| text.parse::<u128>().expect("cpus") * 1000, |m| m.parse().expect("m"))
+    };
+    assert_eq!(milli("capacity") - milli("allocatable"), 500);
+    assert_eq!(kib("capacity", "memory") - kib("allocatable", "memory"), (1 << 20) + (512 << 10) + (100 << 10));
+    let storage = kib("capacity", "ephemeral-storage");
+    let held = storage - kib("allocatable", "ephemeral-storage");
+    // 1Mi and a tenth of the file system (rounded to whole KiB).
+    assert!(held.abs_diff(1024 + storage / 10) <= 1, "held {held} KiB of {storage} KiB");
+
+    for (flag, value, said) in [
+        ("--system-reserved", "nvidia.com/gpu=1", "--system-reserved: cannot reserve \"nvidia.com/gpu\" resource"),
+        ("--kube-reserved", "memory=lots", "--kube-reserved: memory=lots: not a quantity"),
+        ("--eviction-hard", "memory.free<1Gi", "--eviction-hard: unknown eviction signal \"memory.free\""),
+    ] {
+        let output = rustlet().args(["--standalone", "--root-dir", dir, flag, value]).output().await.expect("run");
+        assert_eq!(output.status.code(), Some(1), "{output:?}");
+        assert!(String::from_utf8_lossy(&output.stderr).contains(said), "{flag}: {output:?}");
+    }
+}
+
 #[tokio::test]
 async fn bad_durations_are_refused_by_the_flag_parser() {
     let output =

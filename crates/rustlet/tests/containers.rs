@@ -5,6 +5,7 @@
 use std::path::Path;
 use std::time::Duration;
 
+use rustlet_testkit::cgroups::TestCgroupRoot;
 use rustlet_testkit::containerd::{Containerd, push_busybox};
 use rustlet_testkit::node_process::{NodeProcess, http_get, local_socket};
 use rustlet_testkit::registry::Registry;
@@ -27,8 +28,8 @@ fn running(pod: &Value) -> bool {
 }
 
 /// `rustlet --standalone` as node `mixed` on `containerd`, with static
-/// pods from `manifests`.
-fn node_command(root: &Path, manifests: &Path, containerd: &Containerd) -> Command {
+/// pods from `manifests`, its pods' cgroups under `cgroups`.
+fn node_command(root: &Path, manifests: &Path, containerd: &Containerd, cgroups: &TestCgroupRoot) -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_rustlet"));
     command
         .env("RUSTLET_LOG", "info")
@@ -40,7 +41,9 @@ fn node_command(root: &Path, manifests: &Path, containerd: &Containerd) -> Comma
         .arg(manifests)
         .args(["--node-name", "mixed", "--healthz-port", "0", "--port", "0"])
         .arg("--container-runtime-endpoint")
-        .arg(containerd.endpoint());
+        .arg(containerd.endpoint())
+        .arg("--cgroup-root")
+        .arg(&cgroups.name);
     command
 }
 
@@ -66,6 +69,7 @@ async fn a_killed_node_adopts_its_running_containers() {
     let Some(containerd) = Containerd::private("a_killed_node_adopts_its_running_containers") else {
         return;
     };
+    let Some(cgroups) = TestCgroupRoot::new("a_killed_node_adopts_its_running_containers") else { return };
     let registry = Registry::start().await.expect("registry");
     containerd.trust_registry(&registry.host());
     let image = push_busybox(&registry, "test/busybox", "v1", &[], &["sh"]).await.expect("push");
@@ -76,7 +80,7 @@ async fn a_killed_node_adopts_its_running_containers() {
         "apiVersion: v1\nkind: Pod\nmetadata: {{name: steady}}\nspec:\n  terminationGracePeriodSeconds: 1\n  containers:\n  - name: main\n    image: {image}\n    command: [sh, -c, 'exec sleep 600']\n"
     );
     std::fs::write(manifests.join("steady.yaml"), manifest).expect("write");
-    let mut node = NodeProcess::start(node_command(root.path(), &manifests, &containerd));
+    let mut node = NodeProcess::start(node_command(root.path(), &manifests, &containerd, &cgroups));
     node.http_address().await;
     let address = local_socket(root.path());
     node.line_with("container started").await;
@@ -88,14 +92,19 @@ async fn a_killed_node_adopts_its_running_containers() {
     let before = status(&first);
 
     node.child.kill().await.expect("kill -9");
-    let mut node = NodeProcess::start(node_command(root.path(), &manifests, &containerd));
+    let mut node = NodeProcess::start(node_command(root.path(), &manifests, &containerd, &cgroups));
     // Adoption and the endpoint come up in either order.
     node.lines_with_all(&["container adopted, not restarted", "node started"]).await;
     let again = wait_pod(&address, "steady-mixed", running).await;
     assert_eq!(status(&again), before, "the same container, never restarted");
+    // Its cgroup is the same group, found again.
+    let uid = again["metadata"]["uid"].as_str().expect("uid").to_owned();
+    let group = format!("{}/kubepods/besteffort/pod{uid}", cgroups.name);
+    assert!(cgroups.fs.exists(&group), "{group} kept across the restart");
 
     std::fs::remove_file(manifests.join("steady.yaml")).expect("rm");
-    node.line_with("pod sandbox removed").await;
+    node.line_with("pod cgroup removed").await;
+    assert!(!cgroups.fs.exists(&group), "{group} went with the pod");
 }
 
 #[tokio::test]
@@ -103,6 +112,7 @@ async fn a_container_pod_and_a_webassembly_pod_run_on_one_node() {
     let Some(containerd) = Containerd::private("a_container_pod_and_a_webassembly_pod_run_on_one_node") else {
         return;
     };
+    let Some(cgroups) = TestCgroupRoot::new("a_container_pod_and_a_webassembly_pod_run_on_one_node") else { return };
     let registry = Registry::start().await.expect("registry");
     containerd.trust_registry(&registry.host());
     let image = push_busybox(&registry, "test/busybox", "v1", &[], &["sh"]).await.expect("push");
@@ -157,7 +167,7 @@ spec:
 "
     );
     std::fs::write(manifests.join("pods.yaml"), manifest).expect("write");
-    let mut node = NodeProcess::start(node_command(root.path(), &manifests, &containerd));
+    let mut node = NodeProcess::start(node_command(root.path(), &manifests, &containerd, &cgroups));
     let runtime = node.line_with("container runtime").await;
     assert!(runtime.contains("runtime=containerd"), "{runtime}");
     node.http_address().await;
@@ -241,10 +251,13 @@ async fn a_stopped_runtime_is_a_failing_check_and_a_node_not_ready() {
     let Some(mut containerd) = Containerd::private("a_stopped_runtime_is_a_failing_check_and_a_node_not_ready") else {
         return;
     };
+    let Some(cgroups) = TestCgroupRoot::new("a_stopped_runtime_is_a_failing_check_and_a_node_not_ready") else {
+        return;
+    };
     let root = tempfile::tempdir().expect("tempdir");
     let manifests = root.path().join("manifests");
     std::fs::create_dir_all(&manifests).expect("mkdir");
-    let mut command = node_command(root.path(), &manifests, &containerd);
+    let mut command = node_command(root.path(), &manifests, &containerd, &cgroups);
     command.args(["--runtime-status-period", "200ms"]);
     let mut node = NodeProcess::start(command);
     node.lines_with_all(&["container runtime is up", "node started"]).await;

@@ -36,7 +36,7 @@
 pub mod labels;
 mod start;
 
-pub use crate::cluster::capacity::{DEFAULT_MAX_PODS, measure};
+pub use crate::cluster::capacity::{DEFAULT_MAX_PODS, Reservation, Reserved, measure};
 use crate::server::plain as http;
 
 use std::net::{IpAddr, SocketAddr};
@@ -80,8 +80,12 @@ pub struct PodSettings {
     pub manifest_rescan: Duration,
     /// Pods at most (`--max-pods`).
     pub max_pods: usize,
-    /// What pods may use; `None` measures the machine ([`measure`]).
+    /// What the machine has; `None` measures it ([`measure`]).
     pub allocatable: Option<Allocatable>,
+    /// What is held back from pods of it (`--system-reserved`,
+    /// `--kube-reserved`, the hard eviction thresholds): allocatable is
+    /// what is left.
+    pub reservation: Reservation,
     /// Container restart backoff (upstream: 10 s doubling to 5 min).
     pub restart_backoff: BackoffConfig,
     /// Image pull backoff.
@@ -106,6 +110,7 @@ impl Default for PodSettings {
             manifest_rescan: Duration::from_secs(20),
             max_pods: DEFAULT_MAX_PODS,
             allocatable: None,
+            reservation: Reservation::default(),
             restart_backoff: BackoffConfig::default(),
             image_backoff: BackoffConfig::default(),
             csi_timeouts: CsiNodeTimeouts::default(),
@@ -302,12 +307,13 @@ impl NodeBuilder {
         };
         let in_cluster = cluster.is_some();
         let plugins = start::start_plugins(&wiring, handlers, in_cluster, &mut metrics)?;
-        let allocatable = node_allocatable(&config, provider.as_deref());
+        let capacity = node_capacity(&config, provider.as_deref());
+        let allocatable = config.pods.reservation.allocatable(capacity);
         let (lifecycle, parts) =
             start::pod_lifecycle(&config, allocatable, provider.clone(), claims, in_cluster, &plugins);
         let (pods, static_pods) =
             start::start_pods(&wiring, lifecycle, &parts, &plugins, cluster.as_ref(), &mut metrics).await?;
-        let described = start::Described { created, allocatable, provider };
+        let described = start::Described { created, capacity, allocatable, provider };
         let endpoints =
             start::start_endpoints(&wiring, described, &plugins, &parts, &pods, static_pods.clone(), metrics).await?;
         let (dra_claims, csi_objects) = (parts.dra_claims.clone(), parts.csi_objects.clone());
@@ -335,9 +341,9 @@ impl NodeBuilder {
     }
 }
 
-/// Allocatable from the settings (or measured from the machine), its pods
+/// Capacity from the settings (or measured from the machine), its pods
 /// lowered to what the provider's process can hold.
-fn node_allocatable(config: &NodeConfig, provider: Option<&dyn Provider>) -> Allocatable {
+fn node_capacity(config: &NodeConfig, provider: Option<&dyn Provider>) -> Allocatable {
     let mut allocatable = config.pods.allocatable.unwrap_or_else(|| measure(config.pods.max_pods));
     if let Some((ceiling, why)) = provider.and_then(|p| p.pod_ceiling()) {
         if ceiling < allocatable.pods {

@@ -300,6 +300,7 @@ pub(super) struct Endpoints {
 /// The node's description, as the HTTP surfaces and cluster mode report it.
 pub(super) struct Described {
     pub(super) created: jiff::Timestamp,
+    pub(super) capacity: Allocatable,
     pub(super) allocatable: Allocatable,
     pub(super) provider: Option<Arc<dyn Provider>>,
 }
@@ -366,7 +367,9 @@ fn describe(config: &NodeConfig, described: Described, kubelet_port: Option<u16>
     let provider = described.provider;
     NodeDescription {
         name: config.node_name.clone(),
+        capacity: described.capacity,
         allocatable: described.allocatable,
+        reservation: config.pods.reservation.clone(),
         created: described.created,
         labels: provider.as_ref().map(|p| p.node_labels()).unwrap_or_default(),
         taints: provider.as_ref().map(|p| p.node_taints()).unwrap_or_default(),
