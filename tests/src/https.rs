@@ -277,3 +277,14 @@ pub async fn metric(address: SocketAddr, name: &str, credentials: Credentials<'_
         .and_then(|v| v.parse().ok())
         .ok_or_else(|| format!("no {name} in {metrics}"))
 }
+
+/// A new self-signed CA certificate (PEM), for a `--client-ca-file` that
+/// no client is meant to chain to.
+pub fn throwaway_ca_pem() -> String {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
+    let key = KeyPair::generate().expect("a key");
+    let mut params = CertificateParams::new(Vec::<String>::new()).expect("params");
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    params.distinguished_name.push(DnType::CommonName, "rustlet-throwaway-ca");
+    params.self_signed(&key).expect("a certificate").pem()
+}

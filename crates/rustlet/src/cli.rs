@@ -244,9 +244,22 @@ pub(crate) struct NodeArgs {
     /// `<root-dir>/plugins_registry`.
     #[arg(long, env = "RUSTLET_ROOT_DIR", default_value = kubelet_api::constants::DEFAULT_ROOT_DIR)]
     pub(crate) root_dir: PathBuf,
-    /// Node name (default: the host name).
-    #[arg(long)]
+    /// Node name (default: the host name). `--hostname-override`, as
+    /// kubeadm passes it, is the same flag.
+    #[arg(long, alias = "hostname-override")]
     pub(crate) node_name: Option<String>,
+    /// A `KubeletConfiguration` file (`kubelet.config.k8s.io/v1beta1`, YAML
+    /// or JSON, as kubeadm writes `/var/lib/kubelet/config.yaml`): its
+    /// fields set the flags of the same settings; flags given on the
+    /// command line win. Fields Rustlet does not implement are listed in a
+    /// warning at start.
+    #[arg(long)]
+    pub(crate) config: Option<PathBuf>,
+    /// The pause image (kubeadm passes it). Accepted for kubeadm's command
+    /// line: the container runtime's own setting (containerd's
+    /// `sandbox_image`) picks the sandbox image.
+    #[arg(long)]
+    pub(crate) pod_infra_container_image: Option<String>,
     /// Address of the HTTP endpoint serving /healthz and /metrics (the
     /// node's other views are on the local socket `<root-dir>/rustlet.sock`).
     #[arg(long, default_value = "127.0.0.1")]

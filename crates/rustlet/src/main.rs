@@ -6,6 +6,7 @@
 
 mod cli;
 mod client;
+mod config_file;
 mod demo;
 mod get;
 mod images;
@@ -21,7 +22,11 @@ use tokio_util::sync::CancellationToken;
 use cli::{Cli, Command, LogFormat};
 
 fn main() -> ExitCode {
-    let mut cli = Cli::parse();
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let (mut cli, config_report) = match parse_command_line(&args) {
+        Ok(parsed) => parsed,
+        Err(exit) => return exit,
+    };
     // Commands that talk to a running node need no runtime and print to stdout.
     let command = match cli.command.take() {
         Some(Command::Get(args)) => return client_exit(get::get(&args)),
@@ -46,6 +51,9 @@ fn main() -> ExitCode {
         None => {}
     }
     init_logging(cli.log_format, demo_log.map(|(_, file)| file));
+    if let Some(report) = config_report {
+        report.log();
+    }
     // One TLS crypto provider for every client (the API server's, registries').
     let _ = rustls::crypto::ring::default_provider().install_default();
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
@@ -74,6 +82,54 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// What `--config` did, said once logging is up.
+struct ConfigReport {
+    path: std::path::PathBuf,
+    applied: Vec<String>,
+    overridden: Vec<String>,
+    ignored: Vec<String>,
+}
+
+impl ConfigReport {
+    fn log(&self) {
+        tracing::info!(
+            file = %self.path.display(),
+            applied = %self.applied.join(" "),
+            overridden_by_flags = %self.overridden.join(" "),
+            "settings from the configuration file (flags given on the command line win)"
+        );
+        if !self.ignored.is_empty() {
+            tracing::warn!(
+                file = %self.path.display(),
+                fields = %self.ignored.join(", "),
+                "KubeletConfiguration fields that Rustlet does not implement are ignored"
+            );
+        }
+    }
+}
+
+/// The command line, with `--config`'s file under it: clap's own exit
+/// (usage errors: 2) or a configuration file that cannot be read (1).
+fn parse_command_line(args: &[std::ffi::OsString]) -> Result<(Cli, Option<ConfigReport>), ExitCode> {
+    use clap::{CommandFactory as _, FromArgMatches as _, parser::ValueSource};
+    let matches = Cli::command().try_get_matches_from(args).unwrap_or_else(|e| e.exit());
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    let Some(path) = cli.node.config.clone().filter(|_| cli.command.is_none()) else { return Ok((cli, None)) };
+    let settings = config_file::read(&path).map_err(|e| {
+        eprintln!("error: --config {e}");
+        ExitCode::FAILURE
+    })?;
+    let explicit =
+        |id: &str| matches!(matches.value_source(id), Some(ValueSource::CommandLine | ValueSource::EnvVariable));
+    let (merged, applied, overridden) = config_file::merged_args(args, &settings, explicit);
+    let cli = Cli::try_parse_from(&merged).map_err(|e| {
+        let said = e.to_string();
+        eprintln!("error: --config {}: {}", path.display(), said.trim_start_matches("error: ").trim_end());
+        ExitCode::from(2)
+    })?;
+    Ok((cli, Some(ConfigReport { path, applied, overridden, ignored: settings.ignored })))
 }
 
 fn client_exit(result: anyhow::Result<()>) -> ExitCode {

@@ -230,6 +230,13 @@ pub(crate) async fn start(
         bail!("say how the node runs: --standalone (no API server) or --kubeconfig FILE (join a cluster)");
     }
     let reservation = reservation(args)?;
+    if let Some(image) = &args.pod_infra_container_image {
+        tracing::warn!(
+            %image,
+            "--pod-infra-container-image only matters to the Go kubelet: the container runtime's own setting \
+             (containerd's sandbox_image) picks the sandbox image"
+        );
+    }
     let labels: std::collections::BTreeMap<String, String> = args.node_labels.iter().cloned().collect();
     kubelet::node::labels::check_node_labels(&labels).map_err(|e| anyhow::anyhow!("invalid --node-labels: {e}"))?;
     // Many plugins mean many sockets; the default soft limit (often 1024) is too low.

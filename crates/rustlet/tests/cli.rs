@@ -309,6 +309,130 @@ async fn allocatable_is_capacity_less_reservations_and_hard_thresholds() {
     }
 }
 
+/// The flags of kubeadm's `kubeadm-flags.env`.
+fn kubeadm_flags() -> Vec<String> {
+    let env = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/kubeadm/kubeadm-flags.env"))
+        .expect("kubeadm-flags.env");
+    let line = env.lines().find_map(|l| l.strip_prefix("KUBELET_KUBEADM_ARGS=")).expect("KUBELET_KUBEADM_ARGS");
+    line.trim_matches('"').split_whitespace().map(str::to_owned).collect()
+}
+
+/// The node started as kubeadm starts a kubelet: the kubeconfigs,
+/// `--config` with kubeadm's `config.yaml`, then kubeadm's flags (node name, node IP, runtime
+/// endpoint, pause image), then the test's own flags (a root dir, free
+/// ports, a manifest dir of its own: flags on the command line win over
+/// the file). The node says what it took from the file and which fields it
+/// ignores, and it runs as `cp1` on `192.0.2.10`.
+#[tokio::test]
+async fn kubeadms_config_file_and_flags_start_the_node() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let dir = root.path().to_str().expect("utf8");
+    let manifests = root.path().join("manifests");
+    std::fs::create_dir(&manifests).expect("mkdir");
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/kubeadm/config.yaml");
+    // The drop-in's kubeconfigs (missing here: the node retries them while
+    // its own parts run), then `--config`, then kubeadm's flags.
+    let mut args: Vec<String> = vec![
+        format!("--bootstrap-kubeconfig={dir}/bootstrap-kubelet.conf"),
+        format!("--kubeconfig={dir}/kubelet.conf"),
+        format!("--config={config}"),
+    ];
+    args.extend(kubeadm_flags());
+    args.extend(["--root-dir", dir, "--healthz-port", "0", "--port", "0"].map(String::from));
+    args.extend(["--pod-manifest-path".to_owned(), manifests.display().to_string()]);
+    // kubeadm's CA is not on this machine; the test's own wins.
+    let ca = root.path().join("ca.crt");
+    std::fs::write(&ca, rustlet_testkit::https::throwaway_ca_pem()).expect("ca");
+    args.push(format!("--client-ca-file={}", ca.display()));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut node = running(&args);
+    let read = node.line_with("settings from the configuration file").await;
+    for applied in [
+        "--cgroup-driver=systemd",
+        "--cluster-dns=10.96.0.10",
+        "--cluster-domain=cluster.local",
+        "--rotate-certificates=true",
+        "--healthz-bind-address=127.0.0.1",
+        "--authentication-token-webhook=true",
+        "--authorization-mode=Webhook",
+    ] {
+        assert!(read.contains(applied), "{applied} not applied: {read}");
+    }
+    for overridden in ["--healthz-port=10248", "--pod-manifest-path=/etc/kubernetes/manifests"] {
+        let (_, after) = read.split_once("overridden_by_flags").expect("overridden list");
+        assert!(after.contains(overridden), "{overridden} not overridden: {read}");
+    }
+    let ignored = node.line_with("KubeletConfiguration fields that Rustlet does not implement").await;
+    for field in ["cpuManagerReconcilePeriod", "logging", "memorySwap", "shutdownGracePeriod", "syncFrequency"] {
+        assert!(ignored.contains(field), "{field} not listed: {ignored}");
+    }
+    assert!(!ignored.contains("staticPodPath") && !ignored.contains("clusterDNS"), "{ignored}");
+    node.line_with("--pod-infra-container-image only matters to the Go kubelet").await;
+    node.line_with("node started").await;
+    let (code, body) = get(&local_socket(root.path()), "/node").await;
+    assert_eq!(code, 200, "{body}");
+    let object: serde_json::Value = serde_json::from_str(&body).expect("json");
+    assert_eq!(object["metadata"]["name"], "cp1", "--hostname-override");
+    assert_eq!(object["status"]["addresses"][0]["address"], "192.0.2.10", "--node-ip");
+}
+
+/// A file's settings reach the node (pods, reservations, thresholds), a
+/// flag beats the file, and a file that is not a KubeletConfiguration or
+/// holds a bad value stops the start with the file and the field named.
+#[tokio::test]
+async fn a_config_file_sets_the_node_and_flags_win() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let dir = root.path().to_str().expect("utf8");
+    let file = root.path().join("config.json");
+    let config = serde_json::json!({
+        "apiVersion": "kubelet.config.k8s.io/v1beta1",
+        "kind": "KubeletConfiguration",
+        "maxPods": 7,
+        "systemReserved": {"memory": "1Gi"},
+        "evictionHard": {"memory.available": "200Mi"},
+        "healthzPort": 10248,
+    });
+    std::fs::write(&file, config.to_string()).expect("write");
+    let file_arg = format!("--config={}", file.display());
+    let mut node = running(&["--standalone", &file_arg, "--root-dir", dir, "--healthz-port", "0", "--port", "0"]);
+    let address = node.http_address().await;
+    assert!(!address.ends_with(":10248"), "--healthz-port 0 beats the file's 10248: {address}");
+    node.line_with("node started").await;
+    let (_, body) = get(&local_socket(root.path()), "/node").await;
+    let object: serde_json::Value = serde_json::from_str(&body).expect("json");
+    assert_eq!(object["status"]["allocatable"]["pods"], "7");
+    let kib = |map: &str| {
+        object["status"][map]["memory"].as_str().and_then(|m| m.strip_suffix("Ki")).and_then(|m| m.parse::<u64>().ok())
+    };
+    assert_eq!(kib("capacity").zip(kib("allocatable")).map(|(c, a)| c - a), Some((1 << 20) + (200 << 10)));
+
+    for (text, said) in [
+        ("apiVersion: v1\nkind: Pod\n", "expected kubelet.config.k8s.io/v1beta1 KubeletConfiguration"),
+        (
+            "apiVersion: kubelet.config.k8s.io/v1beta1\nkind: KubeletConfiguration\nmaxPods: many\n",
+            "maxPods: \"many\" is not a number",
+        ),
+        (
+            "apiVersion: kubelet.config.k8s.io/v1beta1\nkind: KubeletConfiguration\ncgroupDriver: upstart\n",
+            "invalid value 'upstart' for '--cgroup-driver",
+        ),
+    ] {
+        let bad = root.path().join("bad.yaml");
+        std::fs::write(&bad, text).expect("write");
+        let output = rustlet()
+            .args(["--standalone", &format!("--config={}", bad.display()), "--root-dir", dir])
+            .output()
+            .await
+            .expect("run");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "{stderr}");
+        assert!(stderr.contains(&bad.display().to_string()) && stderr.contains(said), "{said}: {stderr}");
+    }
+    let missing = rustlet().args(["--standalone", "--config=/nonexistent/config.yaml"]).output().await.expect("run");
+    assert_eq!(missing.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("cannot read /nonexistent/config.yaml"), "{missing:?}");
+}
+
 #[tokio::test]
 async fn bad_durations_are_refused_by_the_flag_parser() {
     let output =
