@@ -32,7 +32,12 @@ fn desired(name: &str, gpus: u32) -> Node {
         "status": {
             "capacity": {"cpu": "2", "pods": "110", "example.com/gpu": gpus.to_string()},
             "allocatable": {"cpu": "2", "pods": "110", "example.com/gpu": gpus.to_string()},
-            "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "rustlet is posting ready status"}]
+            "conditions": [
+                {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "rustlet is posting ready status"},
+                {"type": "MemoryPressure", "status": "False", "reason": "KubeletHasSufficientMemory", "message": "kubelet has sufficient memory available"},
+                {"type": "DiskPressure", "status": "False", "reason": "KubeletHasNoDiskPressure", "message": "kubelet has no disk pressure"},
+                {"type": "PIDPressure", "status": "False", "reason": "KubeletHasSufficientPID", "message": "kubelet has sufficient PID available"},
+            ]
         }
     }))
     .expect("node")

@@ -341,6 +341,120 @@ async fn pods_run_in_the_kubelets_cgroup_hierarchy_with_their_limits() {
     }
 }
 
+/// A greedy pod is evicted alone, on real memory: the pods' `kubepods`
+/// group (a cgroup of the test's) is limited to 1Gi and the node evicts
+/// when less than 874Mi of it is left (`allocatableMemory.available`). A
+/// quiet pod runs; a hog holds 200 MiB. The hog is evicted (Failed,
+/// `Evicted`, upstream's message, a `DisruptionTarget` condition), its
+/// neighbour keeps running, the node reports MemoryPressure and refuses a
+/// BestEffort pod meanwhile, and the condition turns False after the
+/// transition period.
+#[tokio::test]
+async fn a_greedy_pod_is_evicted_alone_and_the_pressure_passes() {
+    use kubelet::eviction::manager::{EvictionManager, EvictionSettings};
+    use kubelet::eviction::pressure::Pressure;
+    use kubelet::eviction::{Signal, Threshold, ThresholdValue, Thresholds};
+    use kubelet::provider::cgroups::{CgroupResources, PodCgroups, QosCgroupSettings};
+    let test = "a_greedy_pod_is_evicted_alone_and_the_pressure_passes";
+    let Some(containerd) = Containerd::shared(test) else { return };
+    let Some(root) = rustlet_testkit::cgroups::TestCgroupRoot::new(test) else { return };
+    let settings = QosCgroupSettings {
+        root: root.name.clone(),
+        kubepods: CgroupResources { memory_limit: Some(1 << 30), ..Default::default() },
+        ..QosCgroupSettings::new()
+    };
+    let cgroups = Arc::new(PodCgroups::start(root.fs.clone(), settings).expect("kubepods"));
+    let pressure = Pressure::default();
+    let shared = pressure.clone();
+    let node =
+        cri_node_configured(containerd, 0, move |c| c.pressure = shared, |c| c.pod_cgroups = Some(cgroups.clone()))
+            .await;
+    let mut eviction = EvictionSettings::new(node.root.path());
+    eviction.thresholds = Thresholds {
+        hard: vec![Threshold {
+            signal: Signal::AllocatableMemoryAvailable,
+            value: ThresholdValue::Quantity(874 << 20),
+            grace_period: Duration::ZERO,
+            min_reclaim: None,
+        }],
+        soft: Vec::new(),
+    };
+    eviction.period = Duration::from_millis(200);
+    eviction.pressure_transition_period = Duration::from_secs(20);
+    eviction.kubepods = Some((root.fs.clone(), format!("{}/kubepods", root.name)));
+    let provider: Arc<dyn Provider> = Arc::new(node.provider.clone());
+    let manager = EvictionManager::new(
+        eviction,
+        node.pods.clone(),
+        Some(provider),
+        pressure.clone(),
+        kubelet::events::EventRecorder::log_only(),
+        "n1",
+    );
+    let stop = CancellationToken::new();
+    tokio::spawn(manager.run(stop.clone()));
+    let quiet = node.run(
+        "quiet",
+        "exec sleep 600",
+        serde_json::json!({"terminationGracePeriodSeconds": 1}),
+        serde_json::json!({}),
+    );
+    node.wait(&quiet, "Running", running).await;
+    assert!(!pressure.now().memory, "no pressure before the hog");
+
+    let hog = node.run(
+        "hog",
+        "dd if=/dev/zero bs=200M count=1 2>/dev/null | sleep 600",
+        serde_json::json!({"terminationGracePeriodSeconds": 30}),
+        serde_json::json!({}),
+    );
+    let evicted =
+        node.wait(&hog, "evicted", |p| p.status.as_ref().and_then(|s| s.reason.as_deref()) == Some("Evicted")).await;
+    let status = evicted.status.clone().unwrap_or_default();
+    assert_eq!(status.phase.as_deref(), Some("Failed"));
+    let message = status.message.clone().unwrap_or_default();
+    assert!(
+        message.starts_with("The node was low on resource: memory. Threshold quantity: 874Mi, available: "),
+        "{message}"
+    );
+    assert!(
+        message.contains("Container main was using ")
+            && message.ends_with("request is 0, has larger consumption of memory. "),
+        "{message}"
+    );
+    let disruption = status.conditions.iter().flatten().find(|c| c.type_ == "DisruptionTarget").cloned();
+    assert_eq!(
+        disruption.map(|c| (c.status, c.reason)),
+        Some(("True".to_owned(), Some("TerminationByKubelet".to_owned()))),
+        "{status:?}"
+    );
+    // The hog stopped at once (a hard threshold: no grace), its neighbour runs.
+    assert!(terminated(&evicted).is_some(), "{status:?}");
+    assert!(node.pods.store().get(&quiet).is_some_and(|p| running(&p)), "the quiet pod runs on");
+
+    // Still under pressure (the transition period): BestEffort pods are refused.
+    assert!(pressure.now().memory, "MemoryPressure holds for its transition period");
+    let late = node.run("late", "exec sleep 600", serde_json::json!({}), serde_json::json!({}));
+    let refused =
+        node.wait(&late, "refused", |p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Failed")).await;
+    let refused = refused.status.unwrap_or_default();
+    assert_eq!(
+        (refused.reason.as_deref(), refused.message.as_deref()),
+        (Some("Evicted"), Some("Pod was rejected: The node had condition: [MemoryPressure]. "))
+    );
+
+    let mut changes = pressure.subscribe();
+    let passed = tokio::time::timeout(SOON, changes.wait_for(|p| !p.memory)).await;
+    assert!(passed.is_ok(), "MemoryPressure turned False after the transition period");
+    assert!(node.pods.store().get(&quiet).is_some_and(|p| running(&p)), "the quiet pod was never evicted");
+    stop.cancel();
+    for uid in [&quiet, &hog, &late] {
+        node.pods.delete(uid);
+    }
+    let gone = node.pods.store().wait_for(SOON, |pods| pods.is_empty()).await;
+    assert!(gone.is_some(), "the pods were removed");
+}
+
 /// A container over its 16Mi memory limit is killed by the kernel:
 /// `OOMKilled`, exit code 137.
 #[tokio::test]

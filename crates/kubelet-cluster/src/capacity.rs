@@ -125,7 +125,7 @@ impl Reservation {
     pub fn kubepods(&self, capacity: Allocatable) -> crate::provider::cgroups::CgroupResources {
         let reserved = self.system.plus(self.kube);
         let pids = (reserved.pids > 0)
-            .then(|| pid_capacity().map(|max| max.saturating_sub(reserved.pids)))
+            .then(|| crate::eviction::manager::pid_capacity().map(|max| max.saturating_sub(reserved.pids)))
             .flatten()
             .and_then(|p| u64::try_from(p).ok());
         crate::provider::cgroups::CgroupResources {
@@ -137,22 +137,13 @@ impl Reservation {
     }
 }
 
-/// The node's process IDs: the lower of `pid_max` and `threads-max`.
-pub fn pid_capacity() -> Option<u128> {
-    let read =
-        |file: &str| std::fs::read_to_string(format!("/proc/sys/kernel/{file}")).ok()?.trim().parse::<u128>().ok();
-    match (read("pid_max"), read("threads-max")) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
-    }
-}
-
 /// Facts for the Node object.
 pub(crate) struct NodeFacts<'a> {
     pub(crate) name: &'a str,
     pub(crate) capacity: Allocatable,
     pub(crate) allocatable: Allocatable,
     pub(crate) reservation: &'a Reservation,
+    pub(crate) pressure: crate::eviction::pressure::PressureState,
     pub(crate) devices: &'a BTreeMap<String, ResourceCapacity>,
     pub(crate) created: jiff::Timestamp,
     pub(crate) ready: Result<(), String>,
@@ -181,6 +172,8 @@ pub struct NodeDescription {
     pub allocatable: Allocatable,
     /// What is held back (for ephemeral storage, measured at each write).
     pub reservation: Reservation,
+    /// The node's pressure (`MemoryPressure`, `DiskPressure`, `PIDPressure`).
+    pub pressure: crate::eviction::pressure::Pressure,
     /// When the node started (the Node's creation time before it is registered).
     pub created: jiff::Timestamp,
     /// The Node's labels.
@@ -223,6 +216,7 @@ impl NodeDescription {
             capacity: self.capacity,
             allocatable: self.allocatable,
             reservation: &self.reservation,
+            pressure: self.pressure.now(),
             devices,
             created: self.created,
             ready: readiness(healthz),
@@ -249,6 +243,31 @@ pub(crate) fn readiness(healthz: &Healthz) -> Result<(), String> {
         })
         .collect();
     if failing.is_empty() { Ok(()) } else { Err(failing.join("; ")) }
+}
+
+/// The pressure conditions (upstream's reasons and messages), then Ready.
+fn conditions(facts: &NodeFacts<'_>, status: &str, reason: &str, message: String, now: &Time) -> Vec<NodeCondition> {
+    let mut conditions: Vec<NodeCondition> = crate::eviction::pressure::CONDITION_TEXTS
+        .iter()
+        .filter(|(type_, on, _, _)| facts.pressure.conditions().contains(type_) == *on)
+        .map(|(type_, on, reason, message)| NodeCondition {
+            type_: (*type_).into(),
+            status: if *on { "True" } else { "False" }.into(),
+            reason: Some((*reason).into()),
+            message: Some((*message).into()),
+            last_heartbeat_time: Some(now.clone()),
+            last_transition_time: Some(now.clone()),
+        })
+        .collect();
+    conditions.push(NodeCondition {
+        type_: "Ready".into(),
+        status: status.into(),
+        reason: Some(reason.into()),
+        message: Some(message),
+        last_heartbeat_time: Some(now.clone()),
+        last_transition_time: Some(now.clone()),
+    });
+    conditions
 }
 
 /// The node as a `v1.Node`: capacity and allocatable (device resources
@@ -308,14 +327,7 @@ pub(crate) fn node_object(facts: &NodeFacts<'_>) -> NodeObject {
         status: Some(NodeStatus {
             capacity: Some(capacity),
             allocatable: Some(allocatable),
-            conditions: Some(vec![NodeCondition {
-                type_: "Ready".into(),
-                status: status.into(),
-                reason: Some(reason.into()),
-                message: Some(message),
-                last_heartbeat_time: Some(now.clone()),
-                last_transition_time: Some(now),
-            }]),
+            conditions: Some(conditions(facts, status, reason, message, &now)),
             node_info: Some(NodeSystemInfo {
                 architecture: go_arch().into(),
                 operating_system: std::env::consts::OS.into(),
@@ -429,6 +441,7 @@ mod tests {
             capacity,
             allocatable: reservation.allocatable(capacity),
             reservation: &reservation,
+            pressure: crate::eviction::pressure::PressureState { disk: true, ..Default::default() },
             devices: &devices,
             created: jiff::Timestamp::now(),
             ready: Err("plugin-manager failed: boom".into()),
@@ -471,7 +484,17 @@ mod tests {
         let addresses = status.addresses.clone().unwrap_or_default();
         assert_eq!((addresses[0].type_.as_str(), addresses[0].address.as_str()), ("InternalIP", "10.1.2.3"));
         assert_eq!((addresses[1].type_.as_str(), addresses[1].address.as_str()), ("Hostname", "n1"));
-        let ready = &status.conditions.expect("conditions")[0];
+        let conditions = status.conditions.expect("conditions");
+        let of = |type_: &str| conditions.iter().find(|c| c.type_ == type_).expect("condition");
+        let ready = of("Ready");
         assert_eq!((ready.status.as_str(), ready.message.as_deref()), ("False", Some("plugin-manager failed: boom")));
+        let disk = of("DiskPressure");
+        assert_eq!((disk.status.as_str(), disk.reason.as_deref()), ("True", Some("KubeletHasDiskPressure")));
+        let memory = of("MemoryPressure");
+        assert_eq!(
+            (memory.status.as_str(), memory.message.as_deref()),
+            ("False", Some("kubelet has sufficient memory available"))
+        );
+        assert_eq!(of("PIDPressure").reason.as_deref(), Some("KubeletHasSufficientPID"));
     }
 }

@@ -409,7 +409,8 @@ pub(crate) async fn from_kubeconfig_limited(
 }
 
 /// The Node as the node describes it now, recomputed when a device
-/// resource, a health check or the volumes in use change.
+/// resource, a health check, the node's pressure or the volumes in use
+/// change.
 fn follow_node(
     description: NodeDescription,
     devices: DeviceManager,
@@ -418,6 +419,7 @@ fn follow_node(
     shutdown: CancellationToken,
 ) -> watch::Receiver<Node> {
     let mut capacity = devices.capacity();
+    let mut pressure = description.pressure.subscribe();
     let checks = healthz.clone();
     let describe = move |capacity: &BTreeMap<_, _>, in_use: &BTreeMap<String, _>| {
         let mut node = description.object(capacity, &checks);
@@ -449,6 +451,7 @@ fn follow_node(
                 () = shutdown.cancelled() => return,
                 changed = capacity.changed() => if changed.is_err() { return },
                 changed = in_use.changed() => if changed.is_err() { return },
+                changed = pressure.changed() => if changed.is_err() { return },
                 () = health_changed.notified() => {}
             }
             let node = describe(&capacity.borrow_and_update(), &in_use.borrow_and_update());

@@ -308,7 +308,6 @@ impl StatusSync {
     fn stamp(&mut self, node: &mut Node) {
         let now = Time(jiff::Timestamp::now());
         let Some(conditions) = node.status.as_mut().and_then(|s| s.conditions.as_mut()) else { return };
-        add_pressure_conditions(conditions);
         for condition in conditions.iter_mut() {
             condition.last_heartbeat_time = Some(now.clone());
             let previous = self.conditions.get(&condition.type_);
@@ -416,27 +415,6 @@ fn condition_event(type_: &str, status: bool) -> Option<&'static str> {
         ("PIDPressure", true) => "NodeHasInsufficientPID",
         _ => return None,
     })
-}
-
-/// The pressure conditions the kubelet reports, when the node reports
-/// none of its own.
-fn add_pressure_conditions(conditions: &mut Vec<NodeCondition>) {
-    let defaults = [
-        ("MemoryPressure", "KubeletHasSufficientMemory", "kubelet has sufficient memory available"),
-        ("DiskPressure", "KubeletHasNoDiskPressure", "kubelet has no disk pressure"),
-        ("PIDPressure", "KubeletHasSufficientPID", "kubelet has sufficient PID available"),
-    ];
-    for (type_, reason, message) in defaults {
-        if !conditions.iter().any(|c| c.type_ == type_) {
-            conditions.push(NodeCondition {
-                type_: type_.into(),
-                status: "False".into(),
-                reason: Some(reason.into()),
-                message: Some(message.into()),
-                ..NodeCondition::default()
-            });
-        }
-    }
 }
 
 /// Wakes `deleted` when the registered Node object goes (or is missing

@@ -327,6 +327,11 @@ impl Provider for RuntimeClasses {
         self.provider_for(pod).map(|p| p.pod_overhead(pod)).unwrap_or(0)
     }
 
+    async fn image_fs_path(&self) -> Option<std::path::PathBuf> {
+        // The default runtime's images are the node's.
+        self.default.image_fs_path().await
+    }
+
     fn pod_ceiling(&self) -> Option<(usize, String)> {
         // All providers share the node's process: the lowest ceiling holds.
         std::iter::once(&self.default).chain(self.handlers.values()).filter_map(|p| p.pod_ceiling()).min_by_key(|c| c.0)

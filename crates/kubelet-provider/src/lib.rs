@@ -531,6 +531,13 @@ pub trait Provider: Send + Sync + 'static {
     fn pod_ceiling(&self) -> Option<(usize, String)> {
         None
     }
+
+    /// A path on the file system that holds the provider's images (the
+    /// eviction manager's `imagefs`), if it has one of its own; `None`:
+    /// the node's root dir holds them.
+    async fn image_fs_path(&self) -> Option<std::path::PathBuf> {
+        None
+    }
 }
 
 /// One line of container output in the CRI log format:

@@ -12,21 +12,17 @@
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use axum::Json;
 use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use k8s_openapi::api::core::v1::Pod;
 use serde_json::{Value, json};
 
 use super::ApiState;
-use crate::provider::{ContainerId, ContainerStats, Provider};
-
-/// How long one container's stats may take before it is left out.
-const STATS_DEADLINE: Duration = Duration::from_secs(2);
+use crate::pod::usage::{ContainerUsage, PodUsage, pod_usage};
 
 /// Previous cumulative CPU readings, for rates.
 #[derive(Default)]
@@ -107,81 +103,6 @@ fn node_usage() -> NodeUsage {
         usage.memory_available = field("MemAvailable");
     }
     usage
-}
-
-/// One container's figures.
-struct ContainerUsage {
-    name: String,
-    id: String,
-    started: Option<jiff::Timestamp>,
-    stats: ContainerStats,
-}
-
-/// One pod's figures.
-struct PodUsage {
-    name: String,
-    namespace: String,
-    uid: String,
-    started: Option<jiff::Timestamp>,
-    containers: Vec<ContainerUsage>,
-}
-
-/// Reads every running container's stats, at once, each within a deadline.
-async fn pod_usage(pods: Vec<Pod>, provider: Option<&Arc<dyn Provider>>) -> (Vec<PodUsage>, bool) {
-    let mut usage = Vec::new();
-    let mut reads = Vec::new();
-    for pod in pods {
-        let status = pod.status.unwrap_or_default();
-        let mut containers = Vec::new();
-        for container in status.container_statuses.into_iter().flatten() {
-            let Some(running) = container.state.as_ref().and_then(|s| s.running.as_ref()) else { continue };
-            let Some(id) = container.container_id.as_deref().map(|id| id.split_once("://").map_or(id, |(_, raw)| raw))
-            else {
-                continue;
-            };
-            containers.push(ContainerUsage {
-                name: container.name.clone(),
-                id: id.to_owned(),
-                started: running.started_at.as_ref().map(|t| t.0),
-                stats: ContainerStats::default(),
-            });
-        }
-        usage.push(PodUsage {
-            name: pod.metadata.name.unwrap_or_default(),
-            namespace: pod.metadata.namespace.unwrap_or_default(),
-            uid: pod.metadata.uid.unwrap_or_default(),
-            started: status.start_time.map(|t| t.0),
-            containers,
-        });
-    }
-    let mut failed = false;
-    if let Some(provider) = provider {
-        for (p, pod) in usage.iter().enumerate() {
-            for (c, container) in pod.containers.iter().enumerate() {
-                let id = ContainerId(container.id.clone());
-                let provider = Arc::clone(provider);
-                reads.push(async move {
-                    let read = tokio::time::timeout(STATS_DEADLINE, provider.container_stats(&id)).await;
-                    (p, c, read)
-                });
-            }
-        }
-        for (p, c, read) in futures_util::future::join_all(reads).await {
-            match read {
-                Ok(Ok(stats)) => usage[p].containers[c].stats = stats,
-                Ok(Err(error)) if error.kind == crate::provider::ProviderErrorKind::Unsupported => {}
-                Ok(Err(error)) => {
-                    tracing::debug!(%error, container = %usage[p].containers[c].id, "no stats for a container");
-                    failed = true;
-                }
-                Err(_) => {
-                    tracing::debug!(container = %usage[p].containers[c].id, "container stats timed out");
-                    failed = true;
-                }
-            }
-        }
-    }
-    (usage, failed)
 }
 
 fn time(t: jiff::Timestamp) -> String {

@@ -369,6 +369,25 @@ pub(crate) struct NodeArgs {
     /// back from allocatable.
     #[arg(long)]
     pub(crate) eviction_hard: Option<String>,
+    /// Soft eviction thresholds (as `--eviction-hard`): a pod is evicted
+    /// once one has been met for its grace period.
+    #[arg(long)]
+    pub(crate) eviction_soft: Option<String>,
+    /// Each soft threshold's grace period, `memory.available=1m30s,...`.
+    #[arg(long, value_delimiter = ',', value_parser = parse_pair)]
+    pub(crate) eviction_soft_grace_period: Vec<(String, String)>,
+    /// What is reclaimed beyond a threshold once it is met,
+    /// `memory.available=0Mi,nodefs.available=500Mi,...`.
+    #[arg(long, value_delimiter = ',', value_parser = parse_pair)]
+    pub(crate) eviction_minimum_reclaim: Vec<(String, String)>,
+    /// How long a pressure condition holds after its thresholds were last
+    /// met.
+    #[arg(long, default_value = "5m", value_parser = parse_duration)]
+    pub(crate) eviction_pressure_transition_period: Duration,
+    /// The most grace, in seconds, a pod evicted for a soft threshold gets
+    /// (0: its own `terminationGracePeriodSeconds`).
+    #[arg(long, default_value_t = 0)]
+    pub(crate) eviction_max_pod_grace_period: u32,
     /// Where node allocatable is enforced: `pods` (the `kubepods` group's
     /// limits) or `none`.
     #[arg(long, value_delimiter = ',', default_value = "pods")]

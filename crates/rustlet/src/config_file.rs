@@ -75,6 +75,11 @@ const FIELDS: &[(&str, &str, Form)] = &[
     ("systemReserved", "system-reserved", Form::Pairs),
     ("kubeReserved", "kube-reserved", Form::Pairs),
     ("evictionHard", "eviction-hard", Form::Thresholds),
+    ("evictionSoft", "eviction-soft", Form::Thresholds),
+    ("evictionSoftGracePeriod", "eviction-soft-grace-period", Form::Pairs),
+    ("evictionMinimumReclaim", "eviction-minimum-reclaim", Form::Pairs),
+    ("evictionPressureTransitionPeriod", "eviction-pressure-transition-period", Form::Duration),
+    ("evictionMaxPodGracePeriod", "eviction-max-pod-grace-period", Form::Number),
     ("enforceNodeAllocatable", "enforce-node-allocatable", Form::List),
 ];
 

@@ -15,6 +15,7 @@ use kubelet::server::{AuthSettings, AuthorizationMode, KubeletApiConfig, Serving
 
 use crate::cli::{AuthorizationModeArg, CgroupDriverArg, NodeArgs};
 use kubelet::eviction::Signal;
+use kubelet::eviction::manager::EvictionSettings;
 use kubelet::node::{Reservation, Reserved};
 use kubelet::provider::cgroups::{CgroupDriver, CgroupFs, PodCgroups, QosCgroupSettings};
 use std::sync::Arc;
@@ -61,17 +62,36 @@ pub(crate) fn reservation(args: &NodeArgs) -> anyhow::Result<Reservation> {
     })
 }
 
-/// The eviction thresholds from `--eviction-hard`.
+/// The eviction thresholds from `--eviction-hard`, `--eviction-soft`,
+/// `--eviction-soft-grace-period` and `--eviction-minimum-reclaim`.
 fn thresholds(args: &NodeArgs) -> anyhow::Result<kubelet::eviction::Thresholds> {
-    let hard = args
-        .eviction_hard
-        .as_deref()
-        .map(kubelet::eviction::parse_flag)
-        .transpose()
-        .map_err(|e| anyhow::anyhow!("--eviction-hard: {e}"))?;
-    let empty = std::collections::BTreeMap::new();
-    kubelet::eviction::Thresholds::new(hard.as_ref(), &empty, &std::collections::BTreeMap::new(), &empty)
-        .map_err(|e| anyhow::anyhow!("--eviction-hard: {e}"))
+    use kubelet::eviction::parse_flag;
+    let flag = |name: &str, text: Option<&str>| {
+        text.map(parse_flag).transpose().map_err(|e| anyhow::anyhow!("--eviction-{name}: {e}"))
+    };
+    let hard = flag("hard", args.eviction_hard.as_deref())?;
+    let soft = flag("soft", args.eviction_soft.as_deref())?.unwrap_or_default();
+    let mut grace = std::collections::BTreeMap::new();
+    for (signal, text) in &args.eviction_soft_grace_period {
+        let period = crate::cli::parse_duration(text)
+            .map_err(|e| anyhow::anyhow!("--eviction-soft-grace-period: {signal}: {e}"))?;
+        grace.insert(signal.clone(), period);
+    }
+    let reclaim: std::collections::BTreeMap<String, String> = args.eviction_minimum_reclaim.iter().cloned().collect();
+    kubelet::eviction::Thresholds::new(hard.as_ref(), &soft, &grace, &reclaim)
+        .map_err(|e| anyhow::anyhow!("eviction thresholds: {e}"))
+}
+
+/// The eviction manager's settings (upstream's period: 10 s), its
+/// allocatable memory signal on `kubepods` when pods have their cgroups.
+fn eviction(args: &NodeArgs, pod_cgroups: Option<&PodCgroups>) -> anyhow::Result<EvictionSettings> {
+    let mut settings = EvictionSettings::new(&args.root_dir);
+    settings.thresholds = thresholds(args)?;
+    settings.pressure_transition_period = args.eviction_pressure_transition_period;
+    settings.max_pod_grace_period = std::time::Duration::from_secs(u64::from(args.eviction_max_pod_grace_period));
+    settings.kubepods =
+        pod_cgroups.filter(|c| c.settings().driver == CgroupDriver::Cgroupfs).map(|c| (c.fs().clone(), c.kubepods()));
+    Ok(settings)
 }
 
 /// The pods' cgroup hierarchy, when container pods get one
@@ -252,6 +272,7 @@ pub(crate) async fn start(
     );
     let runtime_health = kubelet::health::HealthReporter::new();
     let mut cri_provider = None;
+    let mut node_cgroups = None;
     let mut class_handlers = None;
     let provider = match &args.container_runtime_endpoint {
         None => wasm,
@@ -265,6 +286,7 @@ pub(crate) async fn start(
             // The same registry credentials as the WebAssembly provider's.
             cri_config.docker_config = Some(args.root_dir.join("config.json"));
             cri_config.pod_cgroups = pod_cgroups(args, &reservation)?;
+            node_cgroups = cri_config.pod_cgroups.clone();
             let cri = rustlet_cri::CriProvider::new(cri_config);
             cri_provider = Some(cri.clone());
             match cri.version().await {
@@ -280,6 +302,7 @@ pub(crate) async fn start(
     };
     let mut node_config = config(args);
     node_config.pods.reservation = reservation;
+    node_config.pods.eviction = Some(eviction(args, node_cgroups.as_deref())?);
     let mut builder = NodeBuilder::new(node_config).provider(provider).health_check("signal-handler", signals);
     if let Some(cri) = &cri_provider {
         builder = builder.health_check("container-runtime", &runtime_health);

@@ -1005,6 +1005,20 @@ impl Provider for CriProvider {
         Ok(())
     }
 
+    async fn image_fs_path(&self) -> Option<std::path::PathBuf> {
+        // The runtime's image file system (`ImageFsInfo`), by its mount point.
+        let mut images = self.images().await.ok()?;
+        let answer = match self.call(images.image_fs_info(cri::ImageFsInfoRequest {})).await {
+            Ok(answer) => answer,
+            Err(status) => {
+                tracing::warn!(error = %describe(&status), "ImageFsInfo failed: imagefs is watched on the root dir");
+                return None;
+            }
+        };
+        let mountpoint = answer.image_filesystems.first()?.fs_id.as_ref()?.mountpoint.clone();
+        (!mountpoint.is_empty()).then(|| mountpoint.into())
+    }
+
     fn runtime_type(&self, _: &Pod) -> String {
         self.inner.runtime_name.lock().unwrap_or_else(|p| p.into_inner()).clone().unwrap_or_default()
     }

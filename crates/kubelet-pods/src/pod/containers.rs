@@ -476,6 +476,21 @@ pub(crate) fn record_event(data: &mut PodData, event: ContainerEvent) -> Recorde
             });
             Recorded::Deadline
         }
+        ContainerEvent::Evict(eviction) => {
+            if data.verdict.is_some() {
+                return Recorded::Nothing;
+            }
+            tracing::warn!(pod.uid = %data.id.uid, message = %eviction.message, "evicting the pod");
+            data.recorder.pod(&data.pod, None, EventType::Warning, super::data::EVICTED, eviction.message.clone());
+            data.verdict = Some(super::data::PodVerdict {
+                phase: "Failed",
+                reason: Some(super::data::EVICTED.into()),
+                message: Some(eviction.message),
+                rejected: false,
+            });
+            data.stop_grace = Some(eviction.grace);
+            Recorded::Deadline
+        }
     }
 }
 

@@ -281,7 +281,22 @@ pub enum ContainerEvent {
     Ephemeral(Vec<(Container, Option<String>)>),
     /// The pod's `activeDeadlineSeconds` ran out.
     DeadlineExceeded,
+    /// The node evicts the pod.
+    Evict(Eviction),
 }
+
+/// Why and how the node evicts a pod: its containers are stopped within
+/// `grace` and it ends Failed with reason `Evicted` and `message`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Eviction {
+    /// Upstream's message ("The node was low on resource: memory. …").
+    pub message: String,
+    /// The grace period its containers get.
+    pub grace: std::time::Duration,
+}
+
+/// The reason of an evicted pod.
+pub const EVICTED: &str = "Evicted";
 
 /// The reason of a pod that ran past its `activeDeadlineSeconds`.
 pub(crate) const DEADLINE_EXCEEDED: &str = "DeadlineExceeded";
@@ -353,6 +368,9 @@ pub struct PodData {
     pub pending_message: Option<String>,
     /// A final verdict.
     pub verdict: Option<PodVerdict>,
+    /// The grace period the containers get when the verdict stops them
+    /// (an eviction's); `None`: the pod's own.
+    pub stop_grace: Option<std::time::Duration>,
     /// Container exits and probe results, from the waiter and probe tasks.
     pub events: mpsc::UnboundedReceiver<ContainerEvent>,
     /// Where those tasks send them.
@@ -398,6 +416,7 @@ impl PodData {
             pod_ips: Vec::new(),
             pending_message: None,
             verdict: None,
+            stop_grace: None,
             events,
             event_sender,
             recorder: crate::events::EventRecorder::log_only(),

@@ -40,6 +40,7 @@ mod states;
 mod status;
 mod store;
 pub mod sysctls;
+pub mod usage;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -52,7 +53,7 @@ use tokio_util::sync::CancellationToken;
 
 pub use admission::{Allocatable, Rejection};
 pub use backoff::BackoffConfig;
-pub use data::{ContainerPhase, Terminated};
+pub use data::{ContainerPhase, EVICTED, Eviction, Terminated};
 pub use node_files::{MAX_HOSTNAME, pod_hostname, truncate_hostname};
 pub use quantity::{QuantityError, parse_milli, parse_units};
 pub use sources::{PodSource, SourcesReady};
@@ -100,6 +101,9 @@ pub struct PodConfig {
     /// Sysctls pods may set beyond the safe ones (`--allowed-unsafe-sysctls`:
     /// names, or prefixes ending in `*`).
     pub allowed_unsafe_sysctls: Vec<String>,
+    /// The node's pressure: under it, pods are refused as upstream refuses
+    /// them (`The node had condition: [MemoryPressure]. `).
+    pub pressure: crate::eviction::pressure::Pressure,
 }
 
 impl PodConfig {
@@ -119,6 +123,7 @@ impl PodConfig {
             cluster_domain: String::new(),
             volume_refresh: std::time::Duration::from_secs(60),
             allowed_unsafe_sysctls: Vec::new(),
+            pressure: crate::eviction::pressure::Pressure::default(),
         }
     }
 }
@@ -142,6 +147,9 @@ pub struct PodLifecycle {
     /// The size of the root dir's file system: the default of an unset
     /// `ephemeral-storage` limit in the downward API.
     ephemeral_storage: u128,
+    /// Each pod's event channel, for the node to stop it (eviction); an
+    /// entry whose pod is gone is closed and pruned.
+    senders: Mutex<HashMap<String, tokio::sync::mpsc::UnboundedSender<data::ContainerEvent>>>,
 }
 
 /// The size of the file system holding `path` (what the kubelet reports as
@@ -174,6 +182,7 @@ impl PodLifecycle {
             events: crate::events::EventRecorder::log_only(),
             claims: None,
             ephemeral_storage,
+            senders: Mutex::default(),
         }
     }
 
@@ -248,9 +257,15 @@ impl Machine for PodLifecycle {
     type Status = PodStatus;
     type Error = String;
 
-    fn start(&self, _key: &String, manifest: &Arc<Pod>) -> (data::PodData, Box<dyn State<Self>>) {
+    fn start(&self, key: &String, manifest: &Arc<Pod>) -> (data::PodData, Box<dyn State<Self>>) {
         let mut data = data::PodData::new(Arc::clone(manifest));
         data.recorder = self.events.clone();
+        let mut senders = self.senders.lock().unwrap_or_else(|p| p.into_inner());
+        // Pruned when the map doubles: each start costs the same on average.
+        if senders.len() >= 64 && senders.len().is_power_of_two() {
+            senders.retain(|_, sender| !sender.is_closed());
+        }
+        senders.insert(key.clone(), data.event_sender.clone());
         (data, Box::new(states::Registered))
     }
 
@@ -361,6 +376,14 @@ impl Pods {
     /// its deletion must not be finished in the API.
     pub fn released(&self, uid: &str) -> bool {
         *self.housekeeping.listed.borrow() && !self.housekeeping.leftovers.borrow().pending.contains_key(uid)
+    }
+
+    /// Evicts pod `uid` (the eviction manager's order): its containers stop
+    /// within `eviction.grace`, it ends Failed with reason `Evicted`, and a
+    /// Warning event says why. `false` if the node does not run it.
+    pub fn evict(&self, uid: &str, eviction: Eviction) -> bool {
+        let senders = self.runtime.machine().senders.lock().unwrap_or_else(|p| p.into_inner());
+        senders.get(uid).is_some_and(|sender| sender.send(data::ContainerEvent::Evict(eviction)).is_ok())
     }
 
     /// Removes the pod at once: a removal under way stops its containers

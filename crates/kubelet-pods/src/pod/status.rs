@@ -125,6 +125,11 @@ pub(crate) fn pod_status(data: &PodData, stage: Stage) -> PodStatus {
             )
         });
     }
+    if data.verdict.as_ref().and_then(|v| v.reason.as_deref()) == Some(crate::pod::data::EVICTED) {
+        // Upstream (PodDisruptionConditions, on by default in 1.28).
+        let message = data.verdict.as_ref().and_then(|v| v.message.clone());
+        conditions.push(condition("DisruptionTarget", true, Some("TerminationByKubelet"), message, now));
+    }
     let mut status = PodStatus {
         phase: Some(phase),
         reason: data.verdict.as_ref().and_then(|v| v.reason.clone()),

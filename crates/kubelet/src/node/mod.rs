@@ -86,6 +86,12 @@ pub struct PodSettings {
     /// `--kube-reserved`, the hard eviction thresholds): allocatable is
     /// what is left.
     pub reservation: Reservation,
+    /// The eviction manager's settings; `None`: no eviction manager (the
+    /// node reports no pressure).
+    pub eviction: Option<crate::eviction::manager::EvictionSettings>,
+    /// The node's pressure, shared by the eviction manager, admission and
+    /// the Node's conditions.
+    pub pressure: crate::eviction::pressure::Pressure,
     /// Container restart backoff (upstream: 10 s doubling to 5 min).
     pub restart_backoff: BackoffConfig,
     /// Image pull backoff.
@@ -111,6 +117,8 @@ impl Default for PodSettings {
             max_pods: DEFAULT_MAX_PODS,
             allocatable: None,
             reservation: Reservation::default(),
+            eviction: None,
+            pressure: crate::eviction::pressure::Pressure::default(),
             restart_backoff: BackoffConfig::default(),
             image_backoff: BackoffConfig::default(),
             csi_timeouts: CsiNodeTimeouts::default(),
@@ -313,6 +321,7 @@ impl NodeBuilder {
             start::pod_lifecycle(&config, allocatable, provider.clone(), claims, in_cluster, &plugins);
         let (pods, static_pods) =
             start::start_pods(&wiring, lifecycle, &parts, &plugins, cluster.as_ref(), &mut metrics).await?;
+        start::start_eviction(&wiring, &pods, provider.clone(), &parts.event_recorder);
         let described = start::Described { created, capacity, allocatable, provider };
         let endpoints =
             start::start_endpoints(&wiring, described, &plugins, &parts, &pods, static_pods.clone(), metrics).await?;

@@ -192,7 +192,28 @@ fn pod_config(config: &NodeConfig, allocatable: Allocatable) -> PodConfig {
     pod_config.cluster_domain = config.pods.cluster_domain.clone();
     pod_config.allowed_unsafe_sysctls = config.pods.allowed_unsafe_sysctls.clone();
     pod_config.volume_refresh = config.pods.volume_refresh;
+    pod_config.pressure = config.pods.pressure.clone();
     pod_config
+}
+
+/// Starts the eviction manager, when the node has one.
+pub(super) fn start_eviction(
+    wiring: &Wiring<'_>,
+    pods: &Pods,
+    provider: Option<Arc<dyn Provider>>,
+    recorder: &EventRecorder,
+) {
+    let Some(settings) = wiring.config.pods.eviction.clone() else { return };
+    let manager = crate::eviction::manager::EvictionManager::new(
+        settings,
+        pods.clone(),
+        provider,
+        wiring.config.pods.pressure.clone(),
+        recorder.clone(),
+        &wiring.config.node_name,
+    );
+    let shutdown = (*wiring.shutdown).clone();
+    wiring.supervision.watch("eviction-manager", tokio::spawn(manager.run(shutdown)));
 }
 
 /// Starts the pods: the lifecycle, the release of claims and of what an
@@ -370,6 +391,7 @@ fn describe(config: &NodeConfig, described: Described, kubelet_port: Option<u16>
         capacity: described.capacity,
         allocatable: described.allocatable,
         reservation: config.pods.reservation.clone(),
+        pressure: config.pods.pressure.clone(),
         created: described.created,
         labels: provider.as_ref().map(|p| p.node_labels()).unwrap_or_default(),
         taints: provider.as_ref().map(|p| p.node_taints()).unwrap_or_default(),

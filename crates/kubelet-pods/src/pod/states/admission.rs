@@ -38,6 +38,11 @@ impl State<PodLifecycle> for Registered {
             reject(ctx, crate::pod::sysctls::SYSCTL_FORBIDDEN, refused.to_string());
             return Transition::next(&*self, Failed);
         }
+        // Under pressure (upstream's eviction admission).
+        if let Err(message) = ctx.machine.config.pressure.admit(&ctx.data.pod) {
+            reject(ctx, crate::pod::EVICTED, message);
+            return Transition::next(&*self, Failed);
+        }
         // Ephemeral containers added and `activeDeadlineSeconds` running
         // out reach the states as events from here on.
         let manifest = ctx.manifest.clone();

@@ -351,18 +351,22 @@ fn exited(ctx: &mut Context<PodLifecycle>, event: crate::pod::data::ContainerEve
     }
 }
 
-/// The pod ran past its `activeDeadlineSeconds` (its verdict says so): its
-/// containers are stopped within the grace period and it ends Failed.
+/// The pod ran past its `activeDeadlineSeconds`, or the node evicts it (its
+/// verdict says which): its containers are stopped within the grace period
+/// (the pod's, or the eviction's) and it ends Failed.
 async fn past_deadline<S>(from: &S, ctx: &mut Context<PodLifecycle>) -> Transition<PodLifecycle>
 where
     S: krator::TransitionTo<Failed>,
 {
-    let grace = grace_period(&ctx.data.pod);
+    let grace = ctx.data.stop_grace.unwrap_or_else(|| grace_period(&ctx.data.pod));
+    let evicted = ctx.data.verdict.as_ref().and_then(|v| v.reason.as_deref()) == Some(crate::pod::data::EVICTED);
+    let why =
+        if evicted { "stopped: the pod was evicted" } else { "stopped: the pod ran past its activeDeadlineSeconds" };
     for failure in stop_all(ctx, grace).await {
-        tracing::warn!(pod.uid = %ctx.data.id.uid, %failure, "stopping the containers of a pod past its deadline");
+        tracing::warn!(pod.uid = %ctx.data.id.uid, %failure, why, "stopping the containers of a pod");
     }
     await_exits(ctx, STOPPED_EXIT_WAIT).await;
-    drain_exits_because(ctx, "stopped: the pod ran past its activeDeadlineSeconds");
+    drain_exits_because(ctx, why);
     Transition::next(from, Failed)
 }
 

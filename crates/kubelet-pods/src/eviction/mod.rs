@@ -8,6 +8,9 @@
 //! ([`default_hard`]); giving any hard threshold replaces all four, as
 //! upstream does. `0%` and `100%` turn a signal off.
 
+pub mod manager;
+pub mod pressure;
+
 use std::collections::BTreeMap;
 use std::time::Duration;
 
