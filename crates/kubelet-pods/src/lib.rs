@@ -20,6 +20,7 @@ pub mod events;
 pub mod eviction;
 pub mod pod;
 pub mod pod_resources;
+pub mod pressure;
 pub mod runtime_class;
 pub mod static_pods;
 pub mod volume;

@@ -37,10 +37,10 @@ use kubelet_provider::Provider;
 use kubelet_provider::cgroups::CgroupFs;
 use tokio_util::sync::CancellationToken;
 
-use super::pressure::{Pressure, PressureState};
 use super::{Signal, Threshold, ThresholdValue, Thresholds};
 use crate::events::{EventRecorder, EventType};
 use crate::pod::{Eviction, Pods};
+use crate::pressure::{Pressure, PressureState};
 
 /// How the manager runs.
 #[derive(Clone, Debug)]

@@ -9,7 +9,9 @@
 //! upstream does. `0%` and `100%` turn a signal off.
 
 pub mod manager;
-pub mod pressure;
+
+/// The node's pressure (its own module: admission reads it too).
+pub use crate::pressure;
 
 use std::collections::BTreeMap;
 use std::time::Duration;

@@ -103,7 +103,7 @@ pub struct PodConfig {
     pub allowed_unsafe_sysctls: Vec<String>,
     /// The node's pressure: under it, pods are refused as upstream refuses
     /// them (`The node had condition: [MemoryPressure]. `).
-    pub pressure: crate::eviction::pressure::Pressure,
+    pub pressure: crate::pressure::Pressure,
 }
 
 impl PodConfig {
@@ -123,7 +123,7 @@ impl PodConfig {
             cluster_domain: String::new(),
             volume_refresh: std::time::Duration::from_secs(60),
             allowed_unsafe_sysctls: Vec::new(),
-            pressure: crate::eviction::pressure::Pressure::default(),
+            pressure: crate::pressure::Pressure::default(),
         }
     }
 }
