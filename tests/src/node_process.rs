@@ -21,9 +21,21 @@ pub struct NodeProcess {
     pub lines: mpsc::UnboundedReceiver<String>,
 }
 
+/// The hard eviction thresholds of the nodes tests start: upstream's
+/// memory threshold, disk thresholds at 1%.
+pub const TEST_EVICTION_HARD: &str =
+    "memory.available<100Mi,nodefs.available<1%,nodefs.inodesFree<1%,imagefs.available<1%";
+
 impl NodeProcess {
     /// Starts `command` (stdout discarded, stderr captured).
     pub fn start(mut command: Command) -> NodeProcess {
+        // Test machines share their disk: the node evicts at 1% free, not
+        // at upstream's 10-15% (a test that wants other thresholds passes
+        // `--eviction-hard`, which wins, or sets or removes the variable).
+        let given = command.as_std().get_envs().any(|(key, _)| key == "RUSTLET_EVICTION_HARD");
+        if !given && std::env::var_os("RUSTLET_EVICTION_HARD").is_none() {
+            command.env("RUSTLET_EVICTION_HARD", TEST_EVICTION_HARD);
+        }
         let mut child =
             command.stderr(Stdio::piped()).stdout(Stdio::null()).kill_on_drop(true).spawn().expect("spawn rustlet");
         let stderr = child.stderr.take().expect("stderr");

@@ -367,7 +367,7 @@ pub(crate) struct NodeArgs {
     /// nodefs.available<10%,nodefs.inodesFree<5%,imagefs.available<15%`;
     /// giving any replaces them all). Those of memory and nodefs are held
     /// back from allocatable.
-    #[arg(long)]
+    #[arg(long, env = "RUSTLET_EVICTION_HARD")]
     pub(crate) eviction_hard: Option<String>,
     /// Soft eviction thresholds (as `--eviction-hard`): a pod is evicted
     /// once one has been met for its grace period.

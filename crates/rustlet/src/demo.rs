@@ -55,6 +55,10 @@ pub(crate) async fn run(args: DemoArgs, signals: HealthReporter, shutdown: Cance
         "0",
         "--pod-manifest-path",
         &manifests,
+        // The demo's root dir is temporary: it watches memory only, so that
+        // a nearly full disk does not refuse its pods.
+        "--eviction-hard",
+        "memory.available<100Mi",
     ];
     let node_args = crate::cli::Cli::try_parse_from(flags).context("the demo's node flags")?.node;
     let node = crate::node::start(&node_args, &signals, shutdown.clone()).await?;

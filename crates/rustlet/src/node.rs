@@ -78,6 +78,12 @@ fn thresholds(args: &NodeArgs) -> anyhow::Result<kubelet::eviction::Thresholds> 
         grace.insert(signal.clone(), period);
     }
     let reclaim: std::collections::BTreeMap<String, String> = args.eviction_minimum_reclaim.iter().cloned().collect();
+    // Each flag checked alone first, so that an error names it.
+    for (name, map) in [("hard", hard.as_ref()), ("soft", Some(&soft))] {
+        if let Some(map) = map {
+            kubelet::eviction::parse_map(map).map_err(|e| anyhow::anyhow!("--eviction-{name}: {e}"))?;
+        }
+    }
     kubelet::eviction::Thresholds::new(hard.as_ref(), &soft, &grace, &reclaim)
         .map_err(|e| anyhow::anyhow!("eviction thresholds: {e}"))
 }

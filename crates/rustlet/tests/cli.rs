@@ -394,7 +394,12 @@ async fn a_config_file_sets_the_node_and_flags_win() {
     });
     std::fs::write(&file, config.to_string()).expect("write");
     let file_arg = format!("--config={}", file.display());
-    let mut node = running(&["--standalone", &file_arg, "--root-dir", dir, "--healthz-port", "0", "--port", "0"]);
+    // The file's thresholds, not the test machines' (an environment
+    // variable, like a flag, would win over the file).
+    let mut command = rustlet();
+    command.args(["--standalone", &file_arg, "--root-dir", dir, "--healthz-port", "0", "--port", "0"]);
+    command.env_remove("RUSTLET_EVICTION_HARD");
+    let mut node = NodeProcess::start(command);
     let address = node.http_address().await;
     assert!(!address.ends_with(":10248"), "--healthz-port 0 beats the file's 10248: {address}");
     node.line_with("node started").await;
