@@ -455,6 +455,71 @@ async fn a_greedy_pod_is_evicted_alone_and_the_pressure_passes() {
     assert!(gone.is_some(), "the pods were removed");
 }
 
+/// A container that fills its log stays within max-size × max-files: its
+/// log (written by containerd) is rotated at 256Ki, older files compressed,
+/// the oldest removed, containerd told to reopen it; the rotated files hold
+/// what the container wrote, and the live file goes on after the last one.
+#[tokio::test]
+async fn a_container_filling_its_log_stays_within_max_size_times_max_files() {
+    use kubelet::log_rotation::{LogRotation, run};
+    let test = "a_container_filling_its_log_stays_within_max_size_times_max_files";
+    let Some(containerd) = Containerd::shared(test) else { return };
+    let node = cri_node(containerd).await;
+    let rotation = LogRotation { max_size: 256 << 10, max_files: 4, period: Duration::from_millis(100) };
+    let provider: Arc<dyn Provider> = Arc::new(node.provider.clone());
+    let stop = CancellationToken::new();
+    tokio::spawn(run(rotation, node.root.path().to_owned(), node.pods.store().clone(), provider, stop.clone()));
+    // About 1.5 MB at about 150 KB/s (six rotations), numbered lines.
+    let script = "i=0; while [ $i -lt 300 ]; do printf \"line-%05d %s\\n\" $i $(head -c 5000 /dev/zero | tr '\\0' x); \
+                  i=$((i+1)); usleep 30000; done; echo done-writing; exec sleep 600";
+    let uid =
+        node.run("chatty", script, serde_json::json!({"terminationGracePeriodSeconds": 1}), serde_json::json!({}));
+    node.wait(&uid, "Running", running).await;
+    let dir = node.root.path().join(format!("logs/pods/default_chatty_{uid}/main"));
+    let live = dir.join("0.log");
+    let total = || -> u64 {
+        std::fs::read_dir(&dir)
+            .map(|e| e.flatten().filter_map(|e| e.metadata().ok()).map(|m| m.len()).sum())
+            .unwrap_or(0)
+    };
+    let limit = rotation.max_size * rotation.max_files as u64;
+    let deadline = tokio::time::Instant::now() + SOON;
+    let mut largest = 0;
+    loop {
+        largest = largest.max(total());
+        let text = std::fs::read_to_string(&live).unwrap_or_default();
+        if text.contains("done-writing") {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the writer never finished");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    eprintln!("the log took {largest} bytes at most (limit {limit})");
+    assert!(largest <= limit, "the log took {largest} bytes, over {limit}");
+    let names: Vec<String> = std::fs::read_dir(&dir)
+        .expect("dir")
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().map(str::to_owned))
+        .collect();
+    assert!(names.len() <= rotation.max_files, "{names:?}");
+    let compressed: Vec<&String> = names.iter().filter(|n| n.ends_with(".gz")).collect();
+    assert!(!compressed.is_empty(), "older files are compressed: {names:?}");
+    assert_eq!(names.iter().filter(|n| n.starts_with("0.log.") && !n.ends_with(".gz")).count(), 1, "{names:?}");
+    // The newest compressed file holds CRI lines of the writer's, in order.
+    let mut newest = compressed.clone();
+    newest.sort();
+    let gz = std::fs::read(dir.join(newest.last().expect("one"))).expect("read gz");
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut flate2::read::GzDecoder::new(&gz[..]), &mut text).expect("gunzip");
+    let numbers: Vec<u32> =
+        decode_cri_log(&text).iter().filter_map(|l| l.strip_prefix("line-")?.get(..5)?.parse().ok()).collect();
+    assert!(!numbers.is_empty() && numbers.windows(2).all(|w| w[1] == w[0] + 1), "{numbers:?}");
+    stop.cancel();
+    node.pods.delete(&uid);
+    let gone = node.pods.store().wait_for(SOON, |pods| pods.is_empty()).await;
+    assert!(gone.is_some(), "the pod was removed");
+}
+
 /// A container over its 16Mi memory limit is killed by the kernel:
 /// `OOMKilled`, exit code 137.
 #[tokio::test]

@@ -125,7 +125,7 @@ pub enum RotationError {
     Reopen(String),
 }
 
-fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> RotationError + '_ {
+fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> RotationError + 'a {
     move |source| RotationError::Io { what, path: path.display().to_string(), source }
 }
 
@@ -186,8 +186,8 @@ fn prune_and_compress(log: &Path, max_files: usize) -> Result<(), RotationError>
     let exists = |p: &PathBuf| p.exists();
     rotated.retain(|file| {
         let name = file.to_string_lossy();
-        let leftover = name.ends_with(".tmp")
-            || (!name.ends_with(".gz") && exists(&PathBuf::from(format!("{name}.gz"))));
+        let leftover =
+            name.ends_with(".tmp") || (!name.ends_with(".gz") && exists(&PathBuf::from(format!("{name}.gz"))));
         if leftover && let Err(error) = std::fs::remove_file(file) {
             tracing::warn!(file = %name, %error, "cannot remove a log rotation leftover");
         }
@@ -269,7 +269,7 @@ mod tests {
 
     #[test]
     fn rotated_names_carry_the_local_time() {
-        let at: jiff::Zoned = "2026-11-26T13:04:05[UTC]".parse().expect("time");
+        let at = "2026-11-26T13:04:05Z".parse::<jiff::Timestamp>().expect("time").to_zoned(jiff::tz::TimeZone::UTC);
         assert_eq!(rotated_name(Path::new("/l/0.log"), at), PathBuf::from("/l/0.log.20261126-130405"));
     }
 }

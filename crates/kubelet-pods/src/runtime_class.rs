@@ -327,6 +327,10 @@ impl Provider for RuntimeClasses {
         self.provider_for(pod).map(|p| p.pod_overhead(pod)).unwrap_or(0)
     }
 
+    async fn reopen_container_log(&self, id: &ContainerId) -> Result<(), ProviderError> {
+        self.owner(id)?.reopen_container_log(id).await
+    }
+
     async fn image_fs_path(&self) -> Option<std::path::PathBuf> {
         // The default runtime's images are the node's.
         self.default.image_fs_path().await

@@ -532,6 +532,13 @@ pub trait Provider: Send + Sync + 'static {
         None
     }
 
+    /// Makes the container write its log to its log path again (the node
+    /// renamed the file to rotate it): CRI's `ReopenContainerLog`.
+    async fn reopen_container_log(&self, id: &ContainerId) -> Result<(), ProviderError> {
+        let _ = id;
+        Err(ProviderError::new(ProviderErrorKind::Unsupported, "this provider does not reopen container logs"))
+    }
+
     /// A path on the file system that holds the provider's images (the
     /// eviction manager's `imagefs`), if it has one of its own; `None`:
     /// the node's root dir holds them.

@@ -415,6 +415,13 @@ async fn send_log(
         changes.borrow_and_update();
         let growing = target.may_grow(store);
         send(tx, &mut renderer, read_more(&mut file, &mut decoder).await?).await?;
+        // Rotated (the node renamed the file and the runtime made a new
+        // one): the old file is read to its end above, the new one from
+        // its start.
+        if let Some(new) = replaced(&file, &target.file()).await {
+            file = new;
+            send(tx, &mut renderer, read_more(&mut file, &mut decoder).await?).await?;
+        }
         if !growing {
             return send(tx, &mut renderer, decoder.finish_entries()).await;
         }
@@ -434,6 +441,17 @@ async fn send_log(
             () = tx.closed() => return Err(FollowEnd::ClientGone),
         }
     }
+}
+
+/// The file now at `path`, if it is not `file` (a rotation replaced it).
+async fn replaced(file: &tokio::fs::File, path: &std::path::Path) -> Option<tokio::fs::File> {
+    use std::os::unix::fs::MetadataExt as _;
+    let open = file.metadata().await.ok()?;
+    let now = tokio::fs::metadata(path).await.ok()?;
+    if (open.dev(), open.ino()) == (now.dev(), now.ino()) {
+        return None;
+    }
+    tokio::fs::File::open(path).await.ok()
 }
 
 /// The lines completed by what was appended since the last read.
@@ -461,6 +479,23 @@ async fn send(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A follower notices a rotation: the file at the path is another one.
+    #[tokio::test]
+    async fn a_rotated_log_is_noticed_by_its_inode() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("0.log");
+        std::fs::write(&path, "old\n").expect("write");
+        let file = tokio::fs::File::open(&path).await.expect("open");
+        assert!(replaced(&file, &path).await.is_none(), "the same file");
+        std::fs::rename(&path, dir.path().join("0.log.20261126-120000")).expect("rename");
+        assert!(replaced(&file, &path).await.is_none(), "no new file yet");
+        std::fs::write(&path, "new\n").expect("write");
+        let mut new = replaced(&file, &path).await.expect("the new file");
+        let mut text = String::new();
+        new.read_to_string(&mut text).await.expect("read");
+        assert_eq!(text, "new\n");
+    }
 
     #[tokio::test]
     async fn the_tail_is_read_from_the_end_of_a_long_log() {

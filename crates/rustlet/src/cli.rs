@@ -388,6 +388,13 @@ pub(crate) struct NodeArgs {
     /// (0: its own `terminationGracePeriodSeconds`).
     #[arg(long, default_value_t = 0)]
     pub(crate) eviction_max_pod_grace_period: u32,
+    /// A container's log is rotated once it reaches this size (`10Mi`).
+    #[arg(long, default_value = "10Mi", value_parser = parse_bytes)]
+    pub(crate) container_log_max_size: u64,
+    /// Log files a container keeps at most, the live one included (at
+    /// least 2): older ones are compressed, the oldest removed.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(2..))]
+    pub(crate) container_log_max_files: u32,
     /// Where node allocatable is enforced: `pods` (the `kubepods` group's
     /// limits) or `none`.
     #[arg(long, value_delimiter = ',', default_value = "pods")]

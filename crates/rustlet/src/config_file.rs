@@ -74,6 +74,8 @@ const FIELDS: &[(&str, &str, Form)] = &[
     ("cpuCFSQuota", "cpu-cfs-quota", Form::Bool),
     ("systemReserved", "system-reserved", Form::Pairs),
     ("kubeReserved", "kube-reserved", Form::Pairs),
+    ("containerLogMaxSize", "container-log-max-size", Form::Text),
+    ("containerLogMaxFiles", "container-log-max-files", Form::Count),
     ("evictionHard", "eviction-hard", Form::Thresholds),
     ("evictionSoft", "eviction-soft", Form::Thresholds),
     ("evictionSoftGracePeriod", "eviction-soft-grace-period", Form::Pairs),

@@ -309,6 +309,11 @@ pub(crate) async fn start(
     let mut node_config = config(args);
     node_config.pods.reservation = reservation;
     node_config.pods.eviction = Some(eviction(args, node_cgroups.as_deref())?);
+    node_config.pods.log_rotation = Some(kubelet::log_rotation::LogRotation {
+        max_size: args.container_log_max_size,
+        max_files: args.container_log_max_files as usize,
+        ..Default::default()
+    });
     let mut builder = NodeBuilder::new(node_config).provider(provider).health_check("signal-handler", signals);
     if let Some(cri) = &cri_provider {
         builder = builder.health_check("container-runtime", &runtime_health);

@@ -1005,6 +1005,13 @@ impl Provider for CriProvider {
         Ok(())
     }
 
+    async fn reopen_container_log(&self, id: &ContainerId) -> Result<(), ProviderError> {
+        let mut runtime = self.runtime().await?;
+        let request = cri::ReopenContainerLogRequest { container_id: id.0.clone() };
+        self.call(runtime.reopen_container_log(request)).await.map_err(|s| other("ReopenContainerLog", &s))?;
+        Ok(())
+    }
+
     async fn image_fs_path(&self) -> Option<std::path::PathBuf> {
         // The runtime's image file system (`ImageFsInfo`), by its mount point.
         let mut images = self.images().await.ok()?;

@@ -714,6 +714,15 @@ impl Provider for WasiProvider {
 
     /// CPU time as measured around every poll of the module (exec probes
     /// not included); memory is the instance's linear memory.
+    async fn reopen_container_log(&self, id: &ContainerId) -> Result<(), ProviderError> {
+        let log = crate::lock(&self.instances).get(id).map(|i| i.log.clone());
+        let Some(log) = log else {
+            return Err(ProviderError::new(ProviderErrorKind::NotFound, format!("container {id} is not running")));
+        };
+        log.reopen()
+            .map_err(|e| ProviderError::new(ProviderErrorKind::Other, format!("reopening the log of {id}: {e}")))
+    }
+
     async fn container_stats(&self, id: &ContainerId) -> Result<ContainerStats, ProviderError> {
         let instances = crate::lock(&self.instances);
         let Some(instance) = instances.get(id).filter(|i| i.exit.borrow().is_none()) else {

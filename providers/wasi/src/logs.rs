@@ -58,7 +58,8 @@ impl Inner {
         }
         let written = match &mut self.file {
             Some(file) => file.write_all(bytes),
-            None => match std::fs::OpenOptions::new().append(true).open(&self.path) {
+            // Made again if the node rotated it away.
+            None => match std::fs::OpenOptions::new().create(true).append(true).open(&self.path) {
                 Ok(mut file) => file.write_all(bytes),
                 Err(error) => {
                     // Out of descriptors, for one: this output is lost, the
@@ -128,6 +129,18 @@ impl CriLog {
             warned: false,
         };
         Ok(CriLog { inner: Arc::new(Mutex::new(inner)), attached: Arc::default() })
+    }
+
+    /// Writes to the log's path again, a new file if it was renamed (the
+    /// node rotated it).
+    pub fn reopen(&self) -> std::io::Result<()> {
+        let mut inner = crate::lock(&self.inner);
+        if inner.file.is_some() {
+            let file = std::fs::OpenOptions::new().create(true).append(true).open(&inner.path)?;
+            inner.file = Some(file);
+        }
+        inner.broken = false;
+        Ok(())
     }
 
     /// What the module writes from now on (`kubectl attach`). A client
@@ -307,6 +320,31 @@ mod tests {
         let decoded = kubelet_provider::decode_cri_log(&raw);
         assert_eq!(decoded, ["oops\n", "hello world\n", "second\n", "unterminated\n"]);
         assert!(raw.lines().next().is_some_and(|l| l.contains(" stderr F oops")), "{raw}");
+        Ok(())
+    }
+
+    /// The node rotates a log by renaming it: after `reopen` (kept file)
+    /// or at the next write (file opened per write) the output goes to a
+    /// new file at the path, and the renamed one keeps what came before.
+    #[test]
+    fn a_rotated_log_is_written_anew_at_its_path() -> std::io::Result<()> {
+        let dir = tempfile::tempdir()?;
+        for keep in [true, false] {
+            let path = dir.path().join(format!("{keep}.log"));
+            let rotated = dir.path().join(format!("{keep}.log.20261126-120000"));
+            if keep {
+                OPEN_LOGS.fetch_add(1, Ordering::Relaxed);
+            }
+            let log = CriLog::open_kept(&path, keep)?;
+            log.write("stdout", b"before\n");
+            std::fs::rename(&path, &rotated)?;
+            log.reopen()?;
+            log.write("stdout", b"after\n");
+            log.finish();
+            let read = |p: &Path| std::fs::read_to_string(p).map(|raw| kubelet_provider::decode_cri_log(&raw));
+            assert_eq!(read(&rotated)?, ["before\n"], "kept: {keep}");
+            assert_eq!(read(&path)?, ["after\n"], "kept: {keep}");
+        }
         Ok(())
     }
 

@@ -196,6 +196,20 @@ fn pod_config(config: &NodeConfig, allocatable: Allocatable) -> PodConfig {
     pod_config
 }
 
+/// Starts container log rotation, when asked for and a provider runs
+/// containers.
+pub(super) fn start_log_rotation(wiring: &Wiring<'_>, pods: &Pods, provider: Option<Arc<dyn Provider>>) {
+    let (Some(rotation), Some(provider)) = (wiring.config.pods.log_rotation, provider) else { return };
+    let task = crate::log_rotation::run(
+        rotation,
+        wiring.config.root_dir.clone(),
+        pods.store().clone(),
+        provider,
+        (*wiring.shutdown).clone(),
+    );
+    wiring.supervision.watch("log-rotation", tokio::spawn(task));
+}
+
 /// Starts the eviction manager, when the node has one.
 pub(super) fn start_eviction(
     wiring: &Wiring<'_>,
