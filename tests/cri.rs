@@ -520,6 +520,83 @@ async fn a_container_filling_its_log_stays_within_max_size_times_max_files() {
     assert!(gone.is_some(), "the pod was removed");
 }
 
+/// Garbage, on a containerd of the test's own: a container that failed
+/// three times before it ran leaves three exited containers; collection
+/// keeps the newest (for `logs --previous`) and removes the others with
+/// their log files. Then, with the image file system over a high threshold
+/// of 0%, every unused image goes but the one the policy pins, the one a
+/// container uses, and containerd's sandbox image.
+#[tokio::test]
+async fn exited_containers_and_unused_images_are_collected() {
+    use kubelet::provider::ImageGcPolicy;
+    use rustlet_testkit::containerd::PAUSE_IMAGE;
+    let test = "exited_containers_and_unused_images_are_collected";
+    let Some(containerd) = Containerd::private(test) else { return };
+    let node = cri_node(&containerd).await;
+    let script = "n=$(cat /data/n 2>/dev/null || echo 0); echo $((n+1)) > /data/n; echo run $n; \
+                  [ $n -ge 3 ] && exec sleep 600; exit 1";
+    let uid = node.run(
+        "flaky",
+        script,
+        serde_json::json!({"restartPolicy": "OnFailure", "terminationGracePeriodSeconds": 1, "volumes": [{"name": "data", "emptyDir": {}}]}),
+        serde_json::json!({"volumeMounts": [{"name": "data", "mountPath": "/data"}]}),
+    );
+    let settled = node.wait(&uid, "running after three failures", |p| running(p) && restarts(p, "main") == 3).await;
+    assert_eq!(restarts(&settled, "main"), 3);
+    let dir = node.root.path().join(format!("logs/pods/default_flaky_{uid}/main"));
+    let logs = || {
+        let mut names: Vec<String> =
+            std::fs::read_dir(&dir).expect("logs").flatten().filter_map(|e| e.file_name().into_string().ok()).collect();
+        names.sort();
+        names
+    };
+    assert_eq!(logs(), ["0.log", "1.log", "2.log", "3.log"]);
+    let report = node.provider.collect_containers(1).await.expect("collect containers");
+    assert_eq!(report.removed.len(), 2, "{report:?}");
+    assert_eq!(logs(), ["2.log", "3.log"], "the newest exited container's log stays for --previous");
+    assert!(node.provider.collect_containers(1).await.expect("again").removed.is_empty(), "nothing more to remove");
+
+    // Two images nobody uses (distinct configs, so distinct images).
+    let mut pulled = Vec::new();
+    for name in ["extra-a", "extra-b"] {
+        let image = push_busybox(&node.registry, &format!("test/{name}"), "v1", &[], &[name]).await.expect("push");
+        let pod: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": name, "namespace": "default", "uid": name},
+            "spec": {"containers": [{"name": "c", "image": image}]},
+        }))
+        .expect("pod");
+        let container = pod.spec.as_ref().expect("spec").containers[0].clone();
+        node.provider.prepare_image(&pod, &container).await.expect("pull");
+        pulled.push((pod, container));
+    }
+    let policy = ImageGcPolicy {
+        high_threshold_percent: 0,
+        low_threshold_percent: 0,
+        min_age: Duration::ZERO,
+        pinned: vec![pulled[1].1.image.clone().expect("image")],
+    };
+    let report = node.provider.collect_images(&policy, false).await.expect("collect images");
+    assert_eq!(report.removed.len(), 1, "only extra-a: {report:?}");
+    assert!(report.freed > 0 && report.wanted > report.freed, "{report:?}");
+    let present = |pod: &Pod, image: &str| {
+        let mut container = pod.spec.as_ref().expect("spec").containers[0].clone();
+        container.image = Some(image.to_owned());
+        container.image_pull_policy = Some("Never".into());
+        let provider = node.provider.clone();
+        let pod = pod.clone();
+        async move { provider.prepare_image(&pod, &container).await.is_ok() }
+    };
+    let extra_a = pulled[0].1.image.clone().expect("image");
+    let extra_b = pulled[1].1.image.clone().expect("image");
+    assert!(!present(&pulled[0].0, &extra_a).await, "the unused image was removed");
+    assert!(present(&pulled[1].0, &extra_b).await, "the pinned image stays");
+    assert!(present(&pulled[0].0, &node.image).await, "the image a container uses stays");
+    assert!(present(&pulled[0].0, PAUSE_IMAGE).await, "the sandbox image stays");
+    node.pods.delete(&uid);
+    let gone = node.pods.store().wait_for(SOON, |pods| pods.is_empty()).await;
+    assert!(gone.is_some(), "the pod was removed");
+}
+
 /// A container over its 16Mi memory limit is killed by the kernel:
 /// `OOMKilled`, exit code 137.
 #[tokio::test]

@@ -18,6 +18,7 @@
 
 pub mod events;
 pub mod eviction;
+pub mod gc;
 pub mod log_rotation;
 pub mod pod;
 pub mod pod_resources;

@@ -28,8 +28,9 @@ use async_trait::async_trait;
 use k8s_openapi::api::core::v1::{Container, Pod, Taint};
 
 use crate::provider::{
-    ContainerExit, ContainerId, ContainerLaunch, ContainerStats, ExecOutput, PreparedImage, Provider, ProviderError,
-    ProviderErrorKind, PullSecrets, RunningContainer, StreamRequest, StreamingEndpoint,
+    ContainerExit, ContainerGcReport, ContainerId, ContainerLaunch, ContainerStats, ExecOutput, ImageGcPolicy,
+    ImageGcReport, PreparedImage, Provider, ProviderError, ProviderErrorKind, PullSecrets, RunningContainer,
+    StreamRequest, StreamingEndpoint,
 };
 
 /// The pod UID and the provider of a container.
@@ -325,6 +326,23 @@ impl Provider for RuntimeClasses {
 
     fn pod_overhead(&self, pod: &Pod) -> u128 {
         self.provider_for(pod).map(|p| p.pod_overhead(pod)).unwrap_or(0)
+    }
+
+    async fn collect_containers(&self, keep: usize) -> Result<ContainerGcReport, ProviderError> {
+        let mut report = ContainerGcReport::default();
+        for provider in self.all() {
+            match provider.collect_containers(keep).await {
+                Ok(one) => report.removed.extend(one.removed),
+                Err(error) if error.kind == ProviderErrorKind::Unsupported => {}
+                Err(error) => return Err(error),
+            }
+        }
+        Ok(report)
+    }
+
+    async fn collect_images(&self, policy: &ImageGcPolicy, all_unused: bool) -> Result<ImageGcReport, ProviderError> {
+        // The default runtime's images are the node's.
+        self.default.collect_images(policy, all_unused).await
     }
 
     async fn reopen_container_log(&self, id: &ContainerId) -> Result<(), ProviderError> {

@@ -532,6 +532,23 @@ pub trait Provider: Send + Sync + 'static {
         None
     }
 
+    /// Removes exited containers beyond the newest `keep` of each container
+    /// of each pod, with their log files (the newest stays for `kubectl
+    /// logs --previous`), as the kubelet's container garbage collection.
+    async fn collect_containers(&self, keep: usize) -> Result<ContainerGcReport, ProviderError> {
+        let _ = keep;
+        Err(ProviderError::new(ProviderErrorKind::Unsupported, "this provider keeps no exited containers"))
+    }
+
+    /// Removes images no container uses, least recently used first, when
+    /// the image file system is fuller than the policy's high threshold
+    /// (down to its low one), or all of them when `all_unused` (the node is
+    /// short of disk).
+    async fn collect_images(&self, policy: &ImageGcPolicy, all_unused: bool) -> Result<ImageGcReport, ProviderError> {
+        let _ = (policy, all_unused);
+        Err(ProviderError::new(ProviderErrorKind::Unsupported, "this provider does not collect images"))
+    }
+
     /// Makes the container write its log to its log path again (the node
     /// renamed the file to rotate it): CRI's `ReopenContainerLog`.
     async fn reopen_container_log(&self, id: &ContainerId) -> Result<(), ProviderError> {
@@ -545,6 +562,52 @@ pub trait Provider: Send + Sync + 'static {
     async fn image_fs_path(&self) -> Option<std::path::PathBuf> {
         None
     }
+}
+
+/// What a container garbage collection removed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ContainerGcReport {
+    /// The containers removed.
+    pub removed: Vec<ContainerId>,
+}
+
+/// When images are collected (the kubelet's image GC policy).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ImageGcPolicy {
+    /// Collect once the image file system is this full, in percent
+    /// (`--image-gc-high-threshold`, 85; 100 turns it off).
+    pub high_threshold_percent: u8,
+    /// … down to this (`--image-gc-low-threshold`, 80).
+    pub low_threshold_percent: u8,
+    /// Images the node first saw more recently than this are kept
+    /// (`--minimum-image-ttl-duration`, 2 min).
+    pub min_age: std::time::Duration,
+    /// Images never removed besides those the runtime pins (the sandbox
+    /// image: `--pod-infra-container-image`).
+    pub pinned: Vec<String>,
+}
+
+impl Default for ImageGcPolicy {
+    fn default() -> Self {
+        ImageGcPolicy {
+            high_threshold_percent: 85,
+            low_threshold_percent: 80,
+            min_age: std::time::Duration::from_secs(120),
+            pinned: Vec::new(),
+        }
+    }
+}
+
+/// What an image garbage collection did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ImageGcReport {
+    /// Bytes it set out to free (0: the file system was below the high
+    /// threshold).
+    pub wanted: u64,
+    /// Bytes the removed images held.
+    pub freed: u64,
+    /// The images removed (their IDs).
+    pub removed: Vec<String>,
 }
 
 /// One line of container output in the CRI log format:

@@ -34,7 +34,7 @@ pub use kubelet_cluster::{self as cluster, KUBERNETES_VERSION, VERSION, pki};
 
 pub use kubelet_plugins::{csi, device_manager, dra, plugin_manager, plugin_trust};
 pub use kubelet_pods::{
-    events, eviction, log_rotation, pod, pod_resources, pressure, runtime_class, static_pods, volume,
+    events, eviction, gc, log_rotation, pod, pod_resources, pressure, runtime_class, static_pods, volume,
 };
 pub use kubelet_provider as provider;
 #[doc(hidden)]

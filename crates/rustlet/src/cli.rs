@@ -395,6 +395,19 @@ pub(crate) struct NodeArgs {
     /// least 2): older ones are compressed, the oldest removed.
     #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(2..))]
     pub(crate) container_log_max_files: u32,
+    /// Unused images are collected once the image file system is this full
+    /// (percent; 100 turns image collection off).
+    #[arg(long, default_value_t = 85, value_parser = clap::value_parser!(u8).range(0..=100))]
+    pub(crate) image_gc_high_threshold: u8,
+    /// … down to this (percent, below the high threshold).
+    #[arg(long, default_value_t = 80, value_parser = clap::value_parser!(u8).range(0..=100))]
+    pub(crate) image_gc_low_threshold: u8,
+    /// Images the node first saw more recently than this are not collected.
+    #[arg(long, default_value = "2m", value_parser = parse_duration)]
+    pub(crate) minimum_image_ttl_duration: Duration,
+    /// Exited containers kept per container of a pod (the newest ones).
+    #[arg(long, default_value_t = 1)]
+    pub(crate) maximum_dead_containers_per_container: usize,
     /// Where node allocatable is enforced: `pods` (the `kubepods` group's
     /// limits) or `none`.
     #[arg(long, value_delimiter = ',', default_value = "pods")]

@@ -100,6 +100,28 @@ fn eviction(args: &NodeArgs, pod_cgroups: Option<&PodCgroups>) -> anyhow::Result
     Ok(settings)
 }
 
+/// Garbage collection: upstream's periods, the image thresholds and ages
+/// of the command line, the pause image pinned.
+fn gc_settings(args: &NodeArgs) -> anyhow::Result<kubelet::gc::GcSettings> {
+    if args.image_gc_low_threshold >= args.image_gc_high_threshold && args.image_gc_high_threshold < 100 {
+        bail!(
+            "--image-gc-low-threshold ({}) must be below --image-gc-high-threshold ({})",
+            args.image_gc_low_threshold,
+            args.image_gc_high_threshold
+        );
+    }
+    Ok(kubelet::gc::GcSettings {
+        keep_per_container: args.maximum_dead_containers_per_container,
+        images: kubelet::provider::ImageGcPolicy {
+            high_threshold_percent: args.image_gc_high_threshold,
+            low_threshold_percent: args.image_gc_low_threshold,
+            min_age: args.minimum_image_ttl_duration,
+            pinned: args.pod_infra_container_image.iter().cloned().collect(),
+        },
+        ..Default::default()
+    })
+}
+
 /// The pods' cgroup hierarchy, when container pods get one
 /// (`--cgroups-per-qos`), its `kubepods` group limited to node allocatable
 /// when `--enforce-node-allocatable` says `pods`.
@@ -257,10 +279,10 @@ pub(crate) async fn start(
     }
     let reservation = reservation(args)?;
     if let Some(image) = &args.pod_infra_container_image {
-        tracing::warn!(
+        tracing::info!(
             %image,
-            "--pod-infra-container-image only matters to the Go kubelet: the container runtime's own setting \
-             (containerd's sandbox_image) picks the sandbox image"
+            "--pod-infra-container-image: kept from image garbage collection; the container runtime's own \
+             setting (containerd's sandbox_image) picks the sandbox image"
         );
     }
     let labels: std::collections::BTreeMap<String, String> = args.node_labels.iter().cloned().collect();
@@ -309,6 +331,12 @@ pub(crate) async fn start(
     let mut node_config = config(args);
     node_config.pods.reservation = reservation;
     node_config.pods.eviction = Some(eviction(args, node_cgroups.as_deref())?);
+    node_config.pods.gc = Some(gc_settings(args)?);
+    if let Some(eviction) = node_config.pods.eviction.as_mut()
+        && let Some(gc) = &node_config.pods.gc
+    {
+        eviction.image_gc = gc.images.clone();
+    }
     node_config.pods.log_rotation = Some(kubelet::log_rotation::LogRotation {
         max_size: args.container_log_max_size,
         max_files: args.container_log_max_files as usize,

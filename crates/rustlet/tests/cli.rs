@@ -367,7 +367,7 @@ async fn kubeadms_config_file_and_flags_start_the_node() {
         assert!(ignored.contains(field), "{field} not listed: {ignored}");
     }
     assert!(!ignored.contains("staticPodPath") && !ignored.contains("clusterDNS"), "{ignored}");
-    node.line_with("--pod-infra-container-image only matters to the Go kubelet").await;
+    node.line_with("--pod-infra-container-image: kept from image garbage collection").await;
     node.line_with("node started").await;
     let (code, body) = get(&local_socket(root.path()), "/node").await;
     assert_eq!(code, 200, "{body}");

@@ -31,6 +31,7 @@
 
 mod auth;
 pub mod dns;
+mod gc;
 mod security;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -174,6 +175,8 @@ struct Inner {
     runtime_name: Mutex<Option<String>>,
     /// `<name>://<version>` from `Version`, once asked.
     runtime_version: Mutex<Option<String>>,
+    /// When each image was first seen and last seen used (image GC).
+    images: Mutex<gc::ImageRecords>,
 }
 
 impl std::fmt::Debug for CriProvider {
@@ -215,6 +218,7 @@ impl CriProvider {
                 relisting: Mutex::new(false),
                 runtime_name: Mutex::new(None),
                 runtime_version: Mutex::new(None),
+                images: Mutex::default(),
             }),
         }
     }
@@ -1003,6 +1007,18 @@ impl Provider for CriProvider {
             tracing::warn!(pod.uid = %pod_uid, %error, "cannot remove the pod's cgroup");
         }
         Ok(())
+    }
+
+    async fn collect_containers(&self, keep: usize) -> Result<kubelet_provider::ContainerGcReport, ProviderError> {
+        self.remove_exited(keep).await
+    }
+
+    async fn collect_images(
+        &self,
+        policy: &kubelet_provider::ImageGcPolicy,
+        all_unused: bool,
+    ) -> Result<kubelet_provider::ImageGcReport, ProviderError> {
+        self.remove_unused_images(policy, all_unused).await
     }
 
     async fn reopen_container_log(&self, id: &ContainerId) -> Result<(), ProviderError> {

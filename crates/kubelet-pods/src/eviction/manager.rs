@@ -23,9 +23,12 @@
 //!   its own grace period, at most `--eviction-max-pod-grace-period` when
 //!   that is set.
 //!
-//! Not yet: reclaiming node-level resources (dead containers, unused
-//! images) before evicting, and upstream's local-storage limit evictions
-//! (`emptyDir.sizeLimit`, containers' `ephemeral-storage` limits).
+//! - **Disk first from the node**: under disk pressure, exited containers
+//!   and every unused image are removed first; a pod is evicted only if
+//!   that was not enough.
+//!
+//! Not yet: upstream's local-storage limit evictions (`emptyDir.sizeLimit`,
+//! containers' `ephemeral-storage` limits).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -62,6 +65,9 @@ pub struct EvictionSettings {
     /// The cgroup file system and the `kubepods` group, when pods have
     /// their cgroups (`allocatableMemory.available`).
     pub kubepods: Option<(CgroupFs, String)>,
+    /// Under disk pressure, exited containers and unused images go before
+    /// any pod: images by this policy's pins and minimum age.
+    pub image_gc: kubelet_provider::ImageGcPolicy,
 }
 
 impl EvictionSettings {
@@ -75,6 +81,7 @@ impl EvictionSettings {
             cleanup_timeout: Duration::from_secs(30),
             root_dir: root_dir.into(),
             kubepods: None,
+            image_gc: kubelet_provider::ImageGcPolicy::default(),
         }
     }
 }
@@ -415,6 +422,9 @@ impl EvictionManager {
             "EvictionThresholdMet",
             format!("Attempting to reclaim {resource}"),
         );
+        if matches!(resource, "ephemeral-storage" | "inodes") && self.reclaim_node_resources(image_fs, index).await {
+            return None;
+        }
         let mut candidates = self.candidates(threshold.signal).await;
         if candidates.is_empty() {
             tracing::warn!(signal = %threshold.signal, "a threshold is met but no pod can be evicted");
@@ -435,6 +445,20 @@ impl EvictionManager {
         let uid = chosen.pod.metadata.uid.clone().unwrap_or_default();
         tracing::warn!(pod.uid = %uid, pod = %chosen.pod.metadata.name.as_deref().unwrap_or_default(), signal = %threshold.signal, %message, "evicting a pod");
         self.pods.evict(&uid, Eviction { message, grace }).then_some(uid)
+    }
+
+    /// Reclaims disk without evicting: exited containers, then every
+    /// unused image. Whether threshold `index` is no longer met.
+    async fn reclaim_node_resources(&mut self, image_fs: Option<&Path>, index: usize) -> bool {
+        let Some(provider) = self.provider.clone() else { return false };
+        let settings = crate::gc::GcSettings { images: self.settings.image_gc.clone(), ..Default::default() };
+        crate::gc::collect_containers(&settings, provider.as_ref(), &self.recorder, &self.node_name).await;
+        let freed =
+            crate::gc::collect_images(&settings.images, true, provider.as_ref(), &self.recorder, &self.node_name).await;
+        let observed = observe(&self.settings, image_fs);
+        let still = met(&self.thresholds, &observed, &self.previously).contains(&index);
+        tracing::info!(freed, reclaimed = !still, signal = %self.thresholds[index].signal, "node-level reclaim before eviction");
+        !still
     }
 
     /// The pods that may be evicted, with their figures for `signal`.

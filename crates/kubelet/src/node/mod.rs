@@ -95,6 +95,9 @@ pub struct PodSettings {
     /// Container log rotation (upstream's 10Mi, 5 files, checked every
     /// 10 s); `None`: logs are never rotated.
     pub log_rotation: Option<crate::log_rotation::LogRotation>,
+    /// Garbage collection of exited containers and unused images
+    /// (upstream's periods and policy); `None`: none.
+    pub gc: Option<crate::gc::GcSettings>,
     /// Container restart backoff (upstream: 10 s doubling to 5 min).
     pub restart_backoff: BackoffConfig,
     /// Image pull backoff.
@@ -123,6 +126,7 @@ impl Default for PodSettings {
             eviction: None,
             pressure: crate::eviction::pressure::Pressure::default(),
             log_rotation: Some(crate::log_rotation::LogRotation::default()),
+            gc: Some(crate::gc::GcSettings::default()),
             restart_backoff: BackoffConfig::default(),
             image_backoff: BackoffConfig::default(),
             csi_timeouts: CsiNodeTimeouts::default(),
@@ -327,6 +331,7 @@ impl NodeBuilder {
             start::start_pods(&wiring, lifecycle, &parts, &plugins, cluster.as_ref(), &mut metrics).await?;
         start::start_eviction(&wiring, &pods, provider.clone(), &parts.event_recorder);
         start::start_log_rotation(&wiring, &pods, provider.clone());
+        start::start_gc(&wiring, provider.clone(), &parts.event_recorder);
         let described = start::Described { created, capacity, allocatable, provider };
         let endpoints =
             start::start_endpoints(&wiring, described, &plugins, &parts, &pods, static_pods.clone(), metrics).await?;

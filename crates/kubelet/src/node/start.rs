@@ -210,6 +210,15 @@ pub(super) fn start_log_rotation(wiring: &Wiring<'_>, pods: &Pods, provider: Opt
     wiring.supervision.watch("log-rotation", tokio::spawn(task));
 }
 
+/// Starts garbage collection, when asked for and a provider runs
+/// containers.
+pub(super) fn start_gc(wiring: &Wiring<'_>, provider: Option<Arc<dyn Provider>>, recorder: &EventRecorder) {
+    let (Some(settings), Some(provider)) = (wiring.config.pods.gc.clone(), provider) else { return };
+    let node = wiring.config.node_name.clone();
+    let task = crate::gc::run(settings, provider, recorder.clone(), node, (*wiring.shutdown).clone());
+    wiring.supervision.watch("garbage-collection", tokio::spawn(task));
+}
+
 /// Starts the eviction manager, when the node has one.
 pub(super) fn start_eviction(
     wiring: &Wiring<'_>,
