@@ -23,6 +23,12 @@
 //! Security contexts follow the kubelet's derivation (the `security` module);
 //! pull secrets become `PullImage`'s credentials (the `auth` module).
 //!
+//! With [`CriConfig::pod_cgroups`] each sandbox's `cgroup_parent` is its
+//! pod's group in the node's `kubepods` hierarchy, made with the pod's
+//! limits before the sandbox and removed after it. Logs are reopened for
+//! rotation (`ReopenContainerLog`); exited containers and unused images
+//! are collected as the kubelet collects them (the `gc` module).
+//!
 //! Each sandbox gets the pod's DNS settings (see [`dns`]); `ExecSync` runs
 //! exec probes; `Exec`, `Attach` and `PortForward` answer the runtime's
 //! streaming URL, for the kubelet API to serve.
