@@ -68,10 +68,21 @@ async fn cri_node_configured(
     tweak: impl FnOnce(&mut PodConfig),
     tweak_cri: impl FnOnce(&mut CriConfig),
 ) -> CriNode {
+    let root = tempfile::Builder::new().prefix("rustlet-cri-").tempdir().expect("tempdir");
+    cri_node_in(root, containerd, gpus, tweak, tweak_cri).await
+}
+
+/// [`cri_node_configured`] with the root dir `root`.
+async fn cri_node_in(
+    root: tempfile::TempDir,
+    containerd: &Containerd,
+    gpus: u64,
+    tweak: impl FnOnce(&mut PodConfig),
+    tweak_cri: impl FnOnce(&mut CriConfig),
+) -> CriNode {
     let registry = Registry::start().await.expect("registry");
     containerd.trust_registry(&registry.host());
     let image = push_busybox(&registry, "test/busybox", "v1", &[], &["sh"]).await.expect("push busybox");
-    let root = tempfile::Builder::new().prefix("rustlet-cri-").tempdir().expect("tempdir");
     let shutdown = CancellationToken::new();
     // The node's DNS settings: a cluster DNS and domain, and a resolv.conf
     // of the test's.
@@ -595,6 +606,93 @@ async fn exited_containers_and_unused_images_are_collected() {
     node.pods.delete(&uid);
     let gone = node.pods.store().wait_for(SOON, |pods| pods.is_empty()).await;
     assert!(gone.is_some(), "the pod was removed");
+}
+
+/// Disk pressure on a small root dir (a 64Mi tmpfs of the test's, on a
+/// containerd of its own): a pod filling an emptyDir past the
+/// `nodefs.available<24Mi` threshold is evicted after the node found
+/// nothing of its own to reclaim, its emptyDir is released, its neighbour
+/// runs on, DiskPressure refuses every new pod meanwhile and passes.
+#[tokio::test]
+async fn a_pod_filling_the_disk_is_evicted_alone() {
+    use kubelet::eviction::manager::{EvictionManager, EvictionSettings};
+    use kubelet::eviction::pressure::Pressure;
+    use kubelet::eviction::{Signal, Threshold, ThresholdValue, Thresholds};
+    let test = "a_pod_filling_the_disk_is_evicted_alone";
+    let Some(containerd) = Containerd::private(test) else { return };
+    let Some(mut tmpfs) = rustlet_testkit::cgroups::TmpfsDir::new(test, 64 << 20) else { return };
+    let pressure = Pressure::default();
+    let shared = pressure.clone();
+    let node = cri_node_in(tmpfs.take(), &containerd, 0, move |c| c.pressure = shared, |_| {}).await;
+    let mut eviction = EvictionSettings::new(node.root.path());
+    eviction.thresholds = Thresholds {
+        hard: vec![Threshold {
+            signal: Signal::NodefsAvailable,
+            value: ThresholdValue::Quantity(24 << 20),
+            grace_period: Duration::ZERO,
+            min_reclaim: None,
+        }],
+        soft: Vec::new(),
+    };
+    eviction.period = Duration::from_millis(200);
+    eviction.pressure_transition_period = Duration::from_secs(20);
+    eviction.image_gc.min_age = Duration::ZERO;
+    let provider: Arc<dyn Provider> = Arc::new(node.provider.clone());
+    let manager = EvictionManager::new(
+        eviction,
+        node.pods.clone(),
+        Some(provider),
+        pressure.clone(),
+        kubelet::events::EventRecorder::log_only(),
+        "n1",
+    );
+    let stop = CancellationToken::new();
+    tokio::spawn(manager.run(stop.clone()));
+    let quiet = node.run(
+        "quiet",
+        "exec sleep 600",
+        serde_json::json!({"terminationGracePeriodSeconds": 1}),
+        serde_json::json!({}),
+    );
+    node.wait(&quiet, "Running", running).await;
+    assert!(!pressure.now().disk, "no pressure before the filler");
+    let filler = node.run(
+        "filler",
+        "dd if=/dev/zero of=/data/fill bs=1M count=48 2>/dev/null; echo filled; exec sleep 600",
+        serde_json::json!({"terminationGracePeriodSeconds": 30, "volumes": [{"name": "data", "emptyDir": {}}]}),
+        serde_json::json!({"volumeMounts": [{"name": "data", "mountPath": "/data"}]}),
+    );
+    let evicted =
+        node.wait(&filler, "evicted", |p| p.status.as_ref().and_then(|s| s.reason.as_deref()) == Some("Evicted")).await;
+    let message = evicted.status.as_ref().and_then(|s| s.message.clone()).unwrap_or_default();
+    assert!(
+        message.starts_with("The node was low on resource: ephemeral-storage. Threshold quantity: 24Mi, available: "),
+        "{message}"
+    );
+    assert!(pressure.now().disk, "DiskPressure holds for its transition period");
+    let late = node.run(
+        "late",
+        "exec sleep 600",
+        serde_json::json!({}),
+        serde_json::json!({"resources": {"requests": {"memory": "1Mi"}}}),
+    );
+    let refused =
+        node.wait(&late, "refused", |p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Failed")).await;
+    assert_eq!(
+        refused.status.and_then(|s| s.message),
+        Some("Pod was rejected: The node had condition: [DiskPressure]. ".to_owned()),
+        "every pod is refused under disk pressure"
+    );
+    let mut changes = pressure.subscribe();
+    let passed = tokio::time::timeout(SOON, changes.wait_for(|p| !p.disk)).await;
+    assert!(passed.is_ok(), "DiskPressure turned False once the evicted pod's emptyDir was released");
+    assert!(node.pods.store().get(&quiet).is_some_and(|p| running(&p)), "the quiet pod was never evicted");
+    stop.cancel();
+    for uid in [&quiet, &filler, &late] {
+        node.pods.delete(uid);
+    }
+    let gone = node.pods.store().wait_for(SOON, |pods| pods.is_empty()).await;
+    assert!(gone.is_some(), "the pods were removed");
 }
 
 /// A container over its 16Mi memory limit is killed by the kernel:

@@ -56,3 +56,47 @@ fn remove_tree(dir: &std::path::Path) {
         eprintln!("cgroup {} left behind: {error}", dir.display());
     }
 }
+
+/// A tmpfs of a test's own, mounted on a new temporary directory (a small
+/// file system to fill). Its directory can be handed to a node as its root
+/// ([`TmpfsDir::take`]); declared before the node, this guard is dropped
+/// after it, and unmounts the tmpfs and removes the directory.
+pub struct TmpfsDir {
+    path: std::path::PathBuf,
+    dir: Option<tempfile::TempDir>,
+}
+
+impl TmpfsDir {
+    /// `size` bytes at most; `None` (the test skips, saying why) where this
+    /// process may not mount.
+    pub fn new(test: &str, size: u64) -> Option<TmpfsDir> {
+        let dir = tempfile::Builder::new().prefix("rustlet-tmpfs-").tempdir().ok()?;
+        let status = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir.path())
+            .status();
+        if !status.as_ref().is_ok_and(|s| s.success()) {
+            eprintln!("skipping {test}: cannot mount a tmpfs ({status:?})");
+            return None;
+        }
+        Some(TmpfsDir { path: dir.path().to_owned(), dir: Some(dir) })
+    }
+
+    /// Its path.
+    pub fn path(&self) -> &std::path::Path {
+        &self.path
+    }
+
+    /// The directory, for a node's root.
+    pub fn take(&mut self) -> tempfile::TempDir {
+        self.dir.take().expect("taken once")
+    }
+}
+
+impl Drop for TmpfsDir {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg("-l").arg(&self.path).status();
+        drop(self.dir.take());
+        let _ = std::fs::remove_dir(&self.path);
+    }
+}

@@ -42,6 +42,24 @@ async fn release_resources(ctx: &mut Context<PodLifecycle>) {
     }
 }
 
+/// An evicted pod's volumes are torn down at once, as upstream tears
+/// down a terminated pod's: what the pod wrote to its emptyDirs is what
+/// the node was short of. (Other finished pods keep their volumes until
+/// they are removed.) What cannot be torn down now is left for the
+/// removal, which retries.
+async fn release_volumes(ctx: &mut Context<PodLifecycle>) {
+    let lifecycle = std::sync::Arc::clone(&ctx.machine);
+    let uid = ctx.data.id.uid.clone();
+    let mut volumes = std::mem::take(&mut ctx.data.volumes);
+    let errors = lifecycle.volumes.teardown(&uid, &mut volumes).await;
+    if !errors.is_empty() {
+        let reasons: Vec<String> = errors.iter().map(ToString::to_string).collect();
+        tracing::warn!(pod.uid = %uid, errors = %reasons.join("; "), "an evicted pod's volumes are not all torn down yet");
+    }
+    ctx.data.volumes = volumes;
+    tracing::info!(pod.uid = %uid, "the evicted pod's volumes were released");
+}
+
 #[async_trait::async_trait]
 impl State<PodLifecycle> for Completed {
     async fn next(self: Box<Self>, ctx: &mut Context<PodLifecycle>) -> Transition<PodLifecycle> {
@@ -58,6 +76,9 @@ impl State<PodLifecycle> for Completed {
 impl State<PodLifecycle> for Failed {
     async fn next(self: Box<Self>, ctx: &mut Context<PodLifecycle>) -> Transition<PodLifecycle> {
         release_resources(ctx).await;
+        if ctx.data.verdict.as_ref().and_then(|v| v.reason.as_deref()) == Some(crate::pod::data::EVICTED) {
+            release_volumes(ctx).await;
+        }
         std::future::pending().await
     }
 
