@@ -302,6 +302,41 @@ fn base64_decode(data: &str) -> Option<Vec<u8>> {
     base64::engine::general_purpose::STANDARD.decode(data.trim()).ok()
 }
 
+/// With rotation asked for and no valid certificate in the store, the
+/// store starts from the client certificate and key embedded in
+/// `--kubeconfig`, as upstream's does (kubeadm's `kubelet.conf` carries
+/// them): `kubelet-client-current.pem` then exists, for kubeadm's
+/// `kubelet-finalize` phase to point the kubeconfig at, after which the
+/// node rotates it. `Ok(None)`: nothing to seed.
+pub fn seed_from_kubeconfig(settings: &BootstrapSettings) -> Result<Option<PathBuf>, CertificateError> {
+    if !settings.rotate || load_current(&settings.cert_dir, "kubelet-client").is_some() {
+        return Ok(None);
+    }
+    let bad = |reason: String| CertificateError::Kubeconfig { path: settings.kubeconfig.clone(), reason };
+    let text = std::fs::read_to_string(&settings.kubeconfig).map_err(|e| bad(e.to_string()))?;
+    let document: serde_json::Value = serde_saphyr::from_str(&text).map_err(|e| bad(e.to_string()))?;
+    let context_name = document["current-context"].as_str().unwrap_or_default();
+    let contexts = document["contexts"].as_array().cloned().unwrap_or_default();
+    let user_name = contexts
+        .iter()
+        .find(|c| c["name"] == context_name)
+        .and_then(|c| c["context"]["user"].as_str().map(str::to_owned))
+        .unwrap_or_default();
+    let users = document["users"].as_array().cloned().unwrap_or_default();
+    let Some(user) = users.iter().find(|u| u["name"] == user_name.as_str()).map(|u| &u["user"]) else {
+        return Ok(None);
+    };
+    let embedded = |field: &str| user[field].as_str().and_then(base64_decode).and_then(|b| String::from_utf8(b).ok());
+    let (Some(cert_pem), Some(key_pem)) = (embedded("client-certificate-data"), embedded("client-key-data")) else {
+        return Ok(None);
+    };
+    let issued = IssuedCertificate::from_pem(cert_pem, key_pem, jiff::Timestamp::now())?;
+    if jiff::Timestamp::now() >= issued.not_after {
+        return Ok(None);
+    }
+    store(&settings.cert_dir, "kubelet-client", &issued).map(Some)
+}
+
 /// Writes a kubeconfig for the cluster of `bootstrap` using the client
 /// certificate and key in `pem`.
 fn write_kubeconfig(path: &Path, bootstrap: &Path, pem: &Path) -> Result<(), CertificateError> {
@@ -363,6 +398,15 @@ pub async fn bootstrap(
     shutdown: &CancellationToken,
 ) -> Result<bool, CertificateError> {
     if usable(&settings.kubeconfig).await {
+        match seed_from_kubeconfig(settings) {
+            Ok(Some(current)) => tracing::info!(
+                kubeconfig = %settings.kubeconfig.display(),
+                cert = %current.display(),
+                "the certificate store starts from the kubeconfig's embedded client certificate"
+            ),
+            Ok(None) => {}
+            Err(error) => tracing::warn!(%error, "cannot seed the certificate store from the kubeconfig"),
+        }
         return Ok(true);
     }
     let Some(bootstrap) = &settings.bootstrap_kubeconfig else {
@@ -601,6 +645,42 @@ mod tests {
             let after = certificate.renew_at().duration_since(certificate.issued).as_secs_f64();
             assert!((700.0..=900.0).contains(&after), "{after}");
         }
+    }
+
+    /// kubeadm's `kubelet.conf` embeds the node's certificate and key:
+    /// with rotation asked for, the store starts from them, once.
+    #[test]
+    fn the_store_is_seeded_from_an_embedded_certificate() {
+        use base64::Engine as _;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let key = rcgen::KeyPair::generate().expect("key");
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
+        params.distinguished_name.push(rcgen::DnType::CommonName, "system:node:cp1");
+        let now = time::OffsetDateTime::now_utc();
+        params.not_before = now - time::Duration::minutes(5);
+        params.not_after = now + time::Duration::days(365);
+        let cert = params.self_signed(&key).expect("cert");
+        let b64 = |text: &str| base64::engine::general_purpose::STANDARD.encode(text);
+        let kubeconfig = dir.path().join("kubelet.conf");
+        let text = format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: kubernetes\n  cluster: {{server: 'https://192.0.2.1:6443'}}\n\
+             contexts:\n- name: system:node:cp1@kubernetes\n  context: {{cluster: kubernetes, user: system:node:cp1}}\n\
+             current-context: system:node:cp1@kubernetes\nusers:\n- name: system:node:cp1\n  user:\n    \
+             client-certificate-data: {}\n    client-key-data: {}\n",
+            b64(&cert.pem()),
+            b64(&key.serialize_pem())
+        );
+        std::fs::write(&kubeconfig, text).expect("write");
+        let cert_dir = dir.path().join("pki");
+        let settings =
+            BootstrapSettings { kubeconfig, bootstrap_kubeconfig: None, cert_dir: cert_dir.clone(), rotate: true };
+        let current = seed_from_kubeconfig(&settings).expect("seeded").expect("a file");
+        assert_eq!(current, cert_dir.join("kubelet-client-current.pem"));
+        let stored = load_current(&cert_dir, "kubelet-client").expect("loaded");
+        assert_eq!(stored.cert_pem.trim(), cert.pem().trim());
+        assert_eq!(seed_from_kubeconfig(&settings).expect("again"), None, "seeded once");
+        let settings = BootstrapSettings { rotate: false, cert_dir: dir.path().join("other"), ..settings };
+        assert_eq!(seed_from_kubeconfig(&settings).expect("no rotation"), None, "only with rotation");
     }
 
     #[test]
