@@ -36,7 +36,7 @@ impl TestCgroupRoot {
 
 impl Drop for TestCgroupRoot {
     fn drop(&mut self) {
-        for dir in self.fs.dirs(&self.name) {
+        for dir in self.fs.all_dirs(&self.name) {
             remove_tree(&dir);
         }
     }

@@ -255,6 +255,31 @@ impl CgroupFs {
         }
     }
 
+    /// Every directory of group `name`: on v1 in every hierarchy mounted
+    /// (the runtime makes a container's parents in all of them, blkio and
+    /// devices included), on v2 the one.
+    pub fn all_dirs(&self, name: &str) -> Vec<PathBuf> {
+        let relative = name.trim_start_matches('/');
+        match self.version {
+            CgroupVersion::V2 => vec![self.mount.join(relative)],
+            CgroupVersion::V1 => {
+                let Ok(entries) = std::fs::read_dir(&self.mount) else { return Vec::new() };
+                let mut seen = std::collections::BTreeSet::new();
+                let mut dirs: Vec<PathBuf> = entries
+                    .flatten()
+                    .map(|e| e.path())
+                    // `unified` too: a hybrid host's v2 tree, where runc also makes groups.
+                    .filter(|p| p.is_dir())
+                    // `cpu` and `cpuacct` may be links to one hierarchy.
+                    .filter(|p| seen.insert(std::fs::canonicalize(p).unwrap_or_else(|_| p.clone())))
+                    .map(|p| p.join(relative))
+                    .collect();
+                dirs.sort();
+                dirs
+            }
+        }
+    }
+
     /// The directory of `name` in `controller`'s hierarchy (v1), or in the
     /// unified one (v2).
     pub fn dir(&self, controller: &str, name: &str) -> PathBuf {
@@ -350,14 +375,37 @@ impl CgroupFs {
         Ok(())
     }
 
-    /// Removes group `name` (it must hold no process and no group).
-    /// Gone already is success.
+    /// Removes group `name` from every hierarchy (it must hold no process
+    /// and no group). Gone already is success.
     pub fn remove(&self, name: &str) -> Result<(), CgroupError> {
-        for dir in self.dirs(name) {
+        for dir in self.all_dirs(name) {
             match std::fs::remove_dir(&dir) {
                 Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(at(&dir)(e)),
                 _ => {}
             }
+        }
+        Ok(())
+    }
+
+    /// Removes group `name` and the groups under it (left empty by the
+    /// runtime), deepest first, from every hierarchy. A group that still
+    /// holds a process stays, and says so.
+    pub fn remove_tree(&self, name: &str) -> Result<(), CgroupError> {
+        fn remove(dir: &Path) -> Result<(), CgroupError> {
+            if let Ok(entries) = std::fs::read_dir(dir) {
+                for entry in entries.flatten() {
+                    if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                        remove(&entry.path())?;
+                    }
+                }
+            }
+            match std::fs::remove_dir(dir) {
+                Err(e) if e.kind() != io::ErrorKind::NotFound => Err(at(dir)(e)),
+                _ => Ok(()),
+            }
+        }
+        for dir in self.all_dirs(name) {
+            remove(&dir)?;
         }
         Ok(())
     }
@@ -617,9 +665,9 @@ impl PodCgroups {
             .collect()
     }
 
-    /// Removes the group of pod `uid` (wherever it is). Its processes must
-    /// be gone (the runtime removed the sandbox); a group the runtime left
-    /// (a container's, empty) is removed first.
+    /// Removes the group of pod `uid` (wherever it is), in every
+    /// hierarchy. Its processes must be gone (the runtime removed the
+    /// sandbox); groups the runtime left under it (empty) go first.
     pub fn remove_pod(&self, uid: &str) -> Result<(), CgroupError> {
         if self.settings.driver != CgroupDriver::Cgroupfs {
             return Ok(());
@@ -629,10 +677,7 @@ impl PodCgroups {
         }
         for (owner, group) in self.pod_groups() {
             if owner == uid {
-                for child in self.fs.children(&group) {
-                    self.fs.remove(&format!("{group}/{child}"))?;
-                }
-                self.fs.remove(&group)?;
+                self.fs.remove_tree(&group)?;
                 tracing::info!(pod.uid = %uid, cgroup = %group, "pod cgroup removed");
             }
         }

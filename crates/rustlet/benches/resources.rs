@@ -77,7 +77,13 @@ fn running_pod(uid: &str, container_id: &str) -> Pod {
 
 /// The CRI floor: `RunPodSandbox` of a host-network sandbox; returns its id.
 async fn sandbox(runtime: &mut RuntimeServiceClient<kubelet_api::uds::UdsChannel>, name: &str) -> String {
-    let config = cri::PodSandboxConfig {
+    let request = cri::RunPodSandboxRequest { config: Some(sandbox_config(name)), runtime_handler: String::new() };
+    runtime.run_pod_sandbox(request).await.expect("RunPodSandbox").into_inner().pod_sandbox_id
+}
+
+/// A host-network sandbox's config.
+fn sandbox_config(name: &str) -> cri::PodSandboxConfig {
+    cri::PodSandboxConfig {
         metadata: Some(cri::PodSandboxMetadata {
             name: name.into(),
             uid: format!("resources-{name}"),
@@ -95,9 +101,7 @@ async fn sandbox(runtime: &mut RuntimeServiceClient<kubelet_api::uds::UdsChannel
             ..Default::default()
         }),
         ..Default::default()
-    };
-    let request = cri::RunPodSandboxRequest { config: Some(config), runtime_handler: String::new() };
-    runtime.run_pod_sandbox(request).await.expect("RunPodSandbox").into_inner().pod_sandbox_id
+    }
 }
 
 async fn remove_sandbox(runtime: &mut RuntimeServiceClient<kubelet_api::uds::UdsChannel>, id: String) {
@@ -209,7 +213,7 @@ async fn main() {
         .create_container(cri::CreateContainerRequest {
             pod_sandbox_id: id.clone(),
             config: Some(config),
-            sandbox_config: None,
+            sandbox_config: Some(sandbox_config("stats")),
         })
         .await
         .expect("CreateContainer")
@@ -277,6 +281,10 @@ async fn main() {
     let pid = node.child.id().expect("pid");
     let socket = local_socket(node_root.path());
     let started = Instant::now();
+    while !std::path::Path::new(&socket).exists() {
+        assert!(started.elapsed() < Duration::from_secs(120), "the node never served its local socket");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     loop {
         let (code, body) = http_get(&socket, "/pods").await;
         let running = if code == 200 {
