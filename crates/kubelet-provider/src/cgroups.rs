@@ -509,6 +509,22 @@ pub enum CgroupDriver {
     Systemd,
 }
 
+/// The group of QoS class `class` under `kubepods` (Guaranteed pods sit
+/// in `kubepods` itself).
+fn class_group(kubepods: &str, class: QosClass) -> String {
+    match class {
+        QosClass::Guaranteed => kubepods.to_owned(),
+        QosClass::Burstable => format!("{kubepods}/burstable"),
+        QosClass::BestEffort => format!("{kubepods}/besteffort"),
+    }
+}
+
+/// The group of `pod` under `kubepods` (`/kubepods/burstable/pod<uid>`).
+pub fn pod_group(kubepods: &str, pod: &Pod) -> String {
+    let uid = pod.metadata.uid.as_deref().unwrap_or_default();
+    format!("{}/{POD_CGROUP_PREFIX}{uid}", class_group(kubepods, qos_class(pod)))
+}
+
 /// The settings of the node's pod hierarchy.
 #[derive(Clone, Debug)]
 pub struct QosCgroupSettings {
@@ -599,17 +615,12 @@ impl PodCgroups {
 
     /// The group of class `class`.
     fn class_group(&self, class: QosClass) -> String {
-        match class {
-            QosClass::Guaranteed => self.kubepods(),
-            QosClass::Burstable => format!("{}/burstable", self.kubepods()),
-            QosClass::BestEffort => format!("{}/besteffort", self.kubepods()),
-        }
+        class_group(&self.kubepods(), class)
     }
 
     /// The group of `pod` as a path (`/kubepods/burstable/pod<uid>`).
     pub fn pod_group(&self, pod: &Pod) -> String {
-        let uid = pod.metadata.uid.as_deref().unwrap_or_default();
-        format!("{}/{POD_CGROUP_PREFIX}{uid}", self.class_group(qos_class(pod)))
+        pod_group(&self.kubepods(), pod)
     }
 
     /// What the runtime is given as the pod sandbox's `cgroup_parent`.

@@ -503,12 +503,7 @@ impl EvictionManager {
     /// The processes of `pod` (its cgroup's `pids.current`), if known.
     fn pod_processes(&self, pod: &Pod) -> Option<u128> {
         let (fs, kubepods) = self.settings.kubepods.as_ref()?;
-        let uid = pod.metadata.uid.as_deref()?;
-        let class = match kubelet_provider::qos::qos_class(pod) {
-            kubelet_provider::qos::QosClass::Guaranteed => String::new(),
-            class => format!("/{}", class.as_str().to_lowercase()),
-        };
-        let dir = fs.dir("pids", &format!("{kubepods}{class}/pod{uid}"));
+        let dir = fs.dir("pids", &kubelet_provider::cgroups::pod_group(kubepods, pod));
         std::fs::read_to_string(dir.join("pids.current")).ok()?.trim().parse().ok()
     }
 
