@@ -197,6 +197,37 @@ impl CriNode {
         uid
     }
 
+    /// Runs an eviction manager over this node until the returned token
+    /// is cancelled: one hard threshold, `signal` below `bytes`; a pass
+    /// every 200 ms; a condition held 20 s after its threshold was last
+    /// met; `kubepods` (the cgroup file system and the group) when pods
+    /// have their cgroups; images collected whatever their age.
+    fn start_eviction(
+        &self,
+        pressure: &kubelet::eviction::pressure::Pressure,
+        signal: kubelet::eviction::Signal,
+        bytes: u128,
+        kubepods: Option<(kubelet::provider::cgroups::CgroupFs, String)>,
+    ) -> CancellationToken {
+        use kubelet::eviction::manager::{EvictionManager, EvictionSettings};
+        use kubelet::eviction::{Threshold, ThresholdValue, Thresholds};
+        let mut eviction = EvictionSettings::new(self.root.path());
+        let value = ThresholdValue::Quantity(bytes);
+        let threshold = Threshold { signal, value, grace_period: Duration::ZERO, min_reclaim: None };
+        eviction.thresholds = Thresholds { hard: vec![threshold], soft: Vec::new() };
+        eviction.period = Duration::from_millis(200);
+        eviction.pressure_transition_period = Duration::from_secs(20);
+        eviction.kubepods = kubepods;
+        eviction.image_gc.min_age = Duration::ZERO;
+        let provider: Arc<dyn Provider> = Arc::new(self.provider.clone());
+        let recorder = kubelet::events::EventRecorder::log_only();
+        let manager =
+            EvictionManager::new(eviction, self.pods.clone(), Some(provider), pressure.clone(), recorder, "n1");
+        let stop = CancellationToken::new();
+        tokio::spawn(manager.run(stop.clone()));
+        stop
+    }
+
     /// Waits until pod `uid` satisfies `pred`.
     async fn wait(&self, uid: &str, what: &str, pred: impl Fn(&Pod) -> bool) -> Pod {
         let found = self.pods.store().wait_for(SOON, |pods| pods.get(uid).is_some_and(&pred)).await;
@@ -362,9 +393,8 @@ async fn pods_run_in_the_kubelets_cgroup_hierarchy_with_their_limits() {
 /// transition period.
 #[tokio::test]
 async fn a_greedy_pod_is_evicted_alone_and_the_pressure_passes() {
-    use kubelet::eviction::manager::{EvictionManager, EvictionSettings};
+    use kubelet::eviction::Signal;
     use kubelet::eviction::pressure::Pressure;
-    use kubelet::eviction::{Signal, Threshold, ThresholdValue, Thresholds};
     use kubelet::provider::cgroups::{CgroupResources, PodCgroups, QosCgroupSettings};
     let test = "a_greedy_pod_is_evicted_alone_and_the_pressure_passes";
     let Some(containerd) = Containerd::shared(test) else { return };
@@ -380,30 +410,8 @@ async fn a_greedy_pod_is_evicted_alone_and_the_pressure_passes() {
     let node =
         cri_node_configured(containerd, 0, move |c| c.pressure = shared, |c| c.pod_cgroups = Some(cgroups.clone()))
             .await;
-    let mut eviction = EvictionSettings::new(node.root.path());
-    eviction.thresholds = Thresholds {
-        hard: vec![Threshold {
-            signal: Signal::AllocatableMemoryAvailable,
-            value: ThresholdValue::Quantity(874 << 20),
-            grace_period: Duration::ZERO,
-            min_reclaim: None,
-        }],
-        soft: Vec::new(),
-    };
-    eviction.period = Duration::from_millis(200);
-    eviction.pressure_transition_period = Duration::from_secs(20);
-    eviction.kubepods = Some((root.fs.clone(), format!("{}/kubepods", root.name)));
-    let provider: Arc<dyn Provider> = Arc::new(node.provider.clone());
-    let manager = EvictionManager::new(
-        eviction,
-        node.pods.clone(),
-        Some(provider),
-        pressure.clone(),
-        kubelet::events::EventRecorder::log_only(),
-        "n1",
-    );
-    let stop = CancellationToken::new();
-    tokio::spawn(manager.run(stop.clone()));
+    let kubepods = Some((root.fs.clone(), format!("{}/kubepods", root.name)));
+    let stop = node.start_eviction(&pressure, Signal::AllocatableMemoryAvailable, 874 << 20, kubepods);
     let quiet = node.run(
         "quiet",
         "exec sleep 600",
@@ -615,39 +623,15 @@ async fn exited_containers_and_unused_images_are_collected() {
 /// runs on, DiskPressure refuses every new pod meanwhile and passes.
 #[tokio::test]
 async fn a_pod_filling_the_disk_is_evicted_alone() {
-    use kubelet::eviction::manager::{EvictionManager, EvictionSettings};
+    use kubelet::eviction::Signal;
     use kubelet::eviction::pressure::Pressure;
-    use kubelet::eviction::{Signal, Threshold, ThresholdValue, Thresholds};
     let test = "a_pod_filling_the_disk_is_evicted_alone";
     let Some(containerd) = Containerd::private(test) else { return };
     let Some(mut tmpfs) = rustlet_testkit::cgroups::TmpfsDir::new(test, 64 << 20) else { return };
     let pressure = Pressure::default();
     let shared = pressure.clone();
     let node = cri_node_in(tmpfs.take(), &containerd, 0, move |c| c.pressure = shared, |_| {}).await;
-    let mut eviction = EvictionSettings::new(node.root.path());
-    eviction.thresholds = Thresholds {
-        hard: vec![Threshold {
-            signal: Signal::NodefsAvailable,
-            value: ThresholdValue::Quantity(24 << 20),
-            grace_period: Duration::ZERO,
-            min_reclaim: None,
-        }],
-        soft: Vec::new(),
-    };
-    eviction.period = Duration::from_millis(200);
-    eviction.pressure_transition_period = Duration::from_secs(20);
-    eviction.image_gc.min_age = Duration::ZERO;
-    let provider: Arc<dyn Provider> = Arc::new(node.provider.clone());
-    let manager = EvictionManager::new(
-        eviction,
-        node.pods.clone(),
-        Some(provider),
-        pressure.clone(),
-        kubelet::events::EventRecorder::log_only(),
-        "n1",
-    );
-    let stop = CancellationToken::new();
-    tokio::spawn(manager.run(stop.clone()));
+    let stop = node.start_eviction(&pressure, Signal::NodefsAvailable, 24 << 20, None);
     let quiet = node.run(
         "quiet",
         "exec sleep 600",
