@@ -277,7 +277,9 @@ pub(crate) async fn start(
     if !args.standalone && args.kubeconfig.is_none() {
         bail!("say how the node runs: --standalone (no API server) or --kubeconfig FILE (join a cluster)");
     }
+    // Every setting checked before anything is made (cgroups, sockets).
     let reservation = reservation(args)?;
+    let gc = gc_settings(args)?;
     if let Some(image) = &args.pod_infra_container_image {
         tracing::info!(
             %image,
@@ -331,7 +333,7 @@ pub(crate) async fn start(
     let mut node_config = config(args);
     node_config.pods.reservation = reservation;
     node_config.pods.eviction = Some(eviction(args, node_cgroups.as_deref())?);
-    node_config.pods.gc = Some(gc_settings(args)?);
+    node_config.pods.gc = Some(gc);
     if let Some(eviction) = node_config.pods.eviction.as_mut()
         && let Some(gc) = &node_config.pods.gc
     {

@@ -309,6 +309,45 @@ async fn allocatable_is_capacity_less_reservations_and_hard_thresholds() {
     }
 }
 
+/// Resource-management settings that cannot be stop the start with the
+/// flag named: those the flag parser refuses (exit 2) and those the node
+/// refuses (exit 1).
+#[tokio::test]
+async fn bad_resource_settings_are_refused_by_name() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let dir = root.path().to_str().expect("utf8");
+    for (args, code, said) in [
+        (&["--container-log-max-files", "1"][..], 2, "--container-log-max-files"),
+        (&["--container-log-max-size", "lots"], 2, "--container-log-max-size"),
+        (&["--cgroup-driver", "upstart"], 2, "invalid value 'upstart' for '--cgroup-driver"),
+        (&["--image-gc-high-threshold", "101"], 2, "--image-gc-high-threshold"),
+        (
+            &["--image-gc-high-threshold", "70", "--image-gc-low-threshold", "80"],
+            1,
+            "--image-gc-low-threshold (80) must be below --image-gc-high-threshold (70)",
+        ),
+        (&["--enforce-node-allocatable", "pods,memory"], 1, "--enforce-node-allocatable: unknown value \"memory\""),
+        (&["--enforce-node-allocatable", "none,pods"], 1, "--enforce-node-allocatable: none must be the only value"),
+        (
+            &["--eviction-soft", "memory.available<1Gi"],
+            1,
+            "grace period must be specified for the soft eviction threshold memory.available",
+        ),
+    ] {
+        let output = rustlet()
+            // No cgroups made: every setting is checked before anything is.
+            .args(["--standalone", "--root-dir", dir, "--cgroups-per-qos=false"])
+            .args(["--container-runtime-endpoint", "unix:///nonexistent.sock"])
+            .args(args)
+            .output()
+            .await
+            .expect("run");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(code), "{args:?}: {stderr}");
+        assert!(stderr.contains(said), "{args:?}: {stderr}");
+    }
+}
+
 /// The flags of kubeadm's `kubeadm-flags.env`.
 fn kubeadm_flags() -> Vec<String> {
     let env = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/kubeadm/kubeadm-flags.env"))
