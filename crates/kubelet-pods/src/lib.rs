@@ -20,6 +20,7 @@ pub mod events;
 pub mod eviction;
 pub mod gc;
 pub mod log_rotation;
+pub mod metrics;
 pub mod pod;
 pub mod pod_resources;
 pub mod pressure;

@@ -260,6 +260,10 @@ impl Provider for RuntimeClasses {
         self.owner(id)?.container_stats(id).await
     }
 
+    async fn pod_stats(&self, pod: &Pod) -> Result<kubelet_provider::PodStats, ProviderError> {
+        self.provider_for(pod)?.pod_stats(pod).await
+    }
+
     async fn port_forward(&self, pod_uid: &str, ports: &[u16]) -> Result<StreamingEndpoint, ProviderError> {
         // The provider of any of the pod's containers runs its network.
         let provider = self

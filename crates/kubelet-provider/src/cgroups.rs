@@ -437,7 +437,27 @@ impl CgroupFs {
         let usage: u64 = read(usage_file)?.trim().parse().unwrap_or(0);
         let stat = read("memory.stat")?;
         let inactive = stat_value(&stat, inactive_key).unwrap_or(0);
-        Ok(MemoryUsage { usage, working_set: usage.saturating_sub(inactive) })
+        let rss_key = match self.version {
+            CgroupVersion::V1 => "total_rss",
+            CgroupVersion::V2 => "anon",
+        };
+        let rss = stat_value(&stat, rss_key).unwrap_or(0);
+        Ok(MemoryUsage { usage, working_set: usage.saturating_sub(inactive), rss })
+    }
+
+    /// The CPU time group `name` used, in nanoseconds (v1 `cpuacct.usage`,
+    /// v2 `cpu.stat`'s `usage_usec`).
+    pub fn cpu_usage_ns(&self, name: &str) -> Result<u64, CgroupError> {
+        let (dir, file) = match self.version {
+            CgroupVersion::V1 => (self.dir("cpuacct", name), "cpuacct.usage"),
+            CgroupVersion::V2 => (self.dir("cpu", name), "cpu.stat"),
+        };
+        let path = dir.join(file);
+        let text = std::fs::read_to_string(&path).map_err(at(&path))?;
+        Ok(match self.version {
+            CgroupVersion::V1 => text.trim().parse().unwrap_or(0),
+            CgroupVersion::V2 => stat_value(&text, "usage_usec").unwrap_or(0).saturating_mul(1000),
+        })
     }
 
     /// The memory limit of group `name` in bytes, `None` for none.
@@ -467,6 +487,8 @@ pub struct MemoryUsage {
     pub usage: u64,
     /// Bytes charged less inactive file pages.
     pub working_set: u64,
+    /// Anonymous memory (v1 `total_rss`, v2 `anon`).
+    pub rss: u64,
 }
 
 /// v1: makes `dir` and its missing parents; a new `cpuset` group gets its
@@ -798,8 +820,10 @@ mod tests {
         assert_eq!(read("kubepods/podx/memory.max"), "1048576");
         std::fs::write(dir.path().join("kubepods/podx/memory.current"), "5000\n").expect("write");
         std::fs::write(dir.path().join("kubepods/podx/memory.stat"), "anon 3000\ninactive_file 1200\n").expect("write");
-        assert_eq!(fs.memory("/kubepods/podx").expect("memory"), MemoryUsage { usage: 5000, working_set: 3800 });
+        assert_eq!(fs.memory("/kubepods/podx").expect("memory"), MemoryUsage { usage: 5000, working_set: 3800, rss: 3000 });
         assert_eq!(fs.memory_limit("/kubepods/podx"), Some(1 << 20));
+        std::fs::write(dir.path().join("kubepods/podx/cpu.stat"), "usage_usec 1500\nuser_usec 1000\n").expect("write");
+        assert_eq!(fs.cpu_usage_ns("/kubepods/podx").expect("cpu"), 1_500_000);
     }
 
     #[test]

@@ -14,6 +14,7 @@
 //! - [`retry`]: the one jittered backoff every retry uses.
 //! - [`supervisor`]: the one supervisor of long-running tasks (health
 //!   check each, ends caught and counted, restarts with backoff).
+//! - [`metrics`]: the Prometheus text format the node serves its series in.
 //! - [`quantity`], [`hostname`] and [`qos`]: Kubernetes quantities, pod
 //!   hostnames, QoS classes and OOM score adjustments as the kubelet
 //!   computes them.
@@ -44,6 +45,7 @@ pub mod durable;
 pub mod fuzz;
 pub mod health;
 pub mod hostname;
+pub mod metrics;
 pub mod qos;
 pub mod quantity;
 pub mod retry;
@@ -305,6 +307,80 @@ pub struct ContainerStats {
     pub memory_working_set_bytes: Option<u64>,
     /// All memory in use, in bytes.
     pub memory_usage_bytes: Option<u64>,
+    /// Anonymous memory (RSS), in bytes.
+    pub memory_rss_bytes: Option<u64>,
+    /// Bytes the container's writable layer takes on disk.
+    pub fs_used_bytes: Option<u64>,
+}
+
+/// A pod's own figures as its runtime measures them (`/metrics/cadvisor`'s
+/// pod-level series): its cgroup as a whole and its network namespace.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PodStats {
+    /// The pod's cgroup, as cAdvisor names it (`/kubepods/burstable/pod<uid>`);
+    /// `None` when the pod has none of its own.
+    pub cgroup: Option<String>,
+    /// CPU time the pod's cgroup used, in nanoseconds.
+    pub cpu_usage_core_nanoseconds: Option<u64>,
+    /// Its working set (usage less inactive file pages), in bytes.
+    pub memory_working_set_bytes: Option<u64>,
+    /// All memory charged to it, in bytes.
+    pub memory_usage_bytes: Option<u64>,
+    /// Its anonymous memory, in bytes.
+    pub memory_rss_bytes: Option<u64>,
+    /// The interfaces of the pod's network namespace (none when the pod
+    /// uses the node's network or has none to measure).
+    pub network: Vec<InterfaceStats>,
+}
+
+/// One network interface's counters, as `/proc/net/dev` gives them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct InterfaceStats {
+    /// The interface's name (`eth0`).
+    pub name: String,
+    /// Bytes received.
+    pub rx_bytes: u64,
+    /// Packets received.
+    pub rx_packets: u64,
+    /// Receive errors.
+    pub rx_errors: u64,
+    /// Packets dropped while receiving.
+    pub rx_dropped: u64,
+    /// Bytes sent.
+    pub tx_bytes: u64,
+    /// Packets sent.
+    pub tx_packets: u64,
+    /// Transmit errors.
+    pub tx_errors: u64,
+    /// Packets dropped while sending.
+    pub tx_dropped: u64,
+}
+
+impl InterfaceStats {
+    /// The interfaces in a `/proc/<pid>/net/dev` table, loopback left out
+    /// (as cAdvisor leaves it out).
+    pub fn parse_net_dev(table: &str) -> Vec<InterfaceStats> {
+        table
+            .lines()
+            .skip(2)
+            .filter_map(|line| {
+                let (name, counters) = line.split_once(':')?;
+                let name = name.trim();
+                let v: Vec<u64> = counters.split_whitespace().filter_map(|f| f.parse().ok()).collect();
+                (name != "lo" && v.len() >= 12).then(|| InterfaceStats {
+                    name: name.to_owned(),
+                    rx_bytes: v[0],
+                    rx_packets: v[1],
+                    rx_errors: v[2],
+                    rx_dropped: v[3],
+                    tx_bytes: v[8],
+                    tx_packets: v[9],
+                    tx_errors: v[10],
+                    tx_dropped: v[11],
+                })
+            })
+            .collect()
+    }
 }
 
 /// A streaming session asked of a provider: `kubectl exec` or `attach`.
@@ -448,6 +524,14 @@ pub trait Provider: Send + Sync + 'static {
     async fn container_stats(&self, id: &ContainerId) -> Result<ContainerStats, ProviderError> {
         let _ = id;
         Err(ProviderError::new(ProviderErrorKind::Unsupported, "this provider does not measure its containers"))
+    }
+
+    /// Pod `pod`'s own figures: its cgroup as a whole and its network
+    /// (`/metrics/cadvisor`). By default: unsupported, and the node sums
+    /// the pod's containers instead.
+    async fn pod_stats(&self, pod: &Pod) -> Result<PodStats, ProviderError> {
+        let _ = pod;
+        Err(ProviderError::new(ProviderErrorKind::Unsupported, "this provider has no pod-level stats"))
     }
 
     /// The pod's own IPs when the provider gives it a network of its own (a

@@ -15,12 +15,15 @@
 //!   `PodLogOptions` field), `/exec/...`, `/attach/...` and
 //!   `/portForward/...` (proxied to the runtime's streaming server, as the
 //!   kubelet does), `/stats/summary`, `/metrics/resource`, `/metrics`,
-//!   `/healthz`, `/configz`.
+//!   `/metrics/cadvisor`, `/metrics/probes`, `/healthz`, `/configz`;
+//!   every request counted in the kubelet's `kubelet_http_*` series.
 //!
 //! Each connection is served by its own task: a TLS handshake has 10 s, a
 //! request's head 30 s; a client cannot hold the listener.
 
 pub mod auth;
+mod cadvisor;
+mod http_metrics;
 pub(crate) mod log_limit;
 mod log_watcher;
 pub(crate) mod logs;
@@ -445,10 +448,12 @@ async fn connection(
 }
 
 fn router(state: ApiState, auth: auth::Auth) -> axum::Router {
+    let metrics = state.http.http_metrics.clone();
     let http_routes = axum::Router::new()
         .route("/healthz", get(plain::healthz))
         .route("/healthz/{check}", get(plain::healthz_check))
         .route("/metrics", get(plain::metrics))
+        .route("/metrics/probes", get(plain::probes))
         .route("/pods", get(plain::pods))
         .route("/containerLogs/{namespace}/{pod}/{container}", get(logs::container_logs))
         .with_state(state.http.clone());
@@ -457,6 +462,7 @@ fn router(state: ApiState, auth: auth::Auth) -> axum::Router {
         .route("/configz", get(configz))
         .route("/stats/summary", get(stats::summary))
         .route("/metrics/resource", get(stats::resource_metrics))
+        .route("/metrics/cadvisor", get(cadvisor::metrics))
         .route("/exec/{namespace}/{pod}/{container}", any(streaming::exec))
         .route("/exec/{namespace}/{pod}/{uid}/{container}", any(streaming::exec_uid))
         .route("/attach/{namespace}/{pod}/{container}", any(streaming::attach))
@@ -466,6 +472,7 @@ fn router(state: ApiState, auth: auth::Auth) -> axum::Router {
         .with_state(state)
         .merge(http_routes)
         .layer(axum::middleware::from_fn_with_state(auth, auth::check))
+        .layer(axum::middleware::from_fn_with_state(metrics, http_metrics::record))
 }
 
 async fn configz(State(state): State<ApiState>) -> Response {

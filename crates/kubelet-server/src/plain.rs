@@ -215,13 +215,18 @@ pub(crate) async fn healthz_check(State(state): State<HttpState>, Path(check): P
 }
 
 pub(crate) async fn metrics(State(state): State<HttpState>) -> Response {
-    let mut body = String::new();
-    match prometheus_client::encoding::text::encode(&mut body, &state.metrics) {
-        Ok(()) => (
-            StatusCode::OK,
-            [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")],
-            body,
-        )
+    registry_page(&state.metrics)
+}
+
+/// `GET /metrics/probes`: the prober's series.
+pub(crate) async fn probes(State(state): State<HttpState>) -> Response {
+    registry_page(&state.probes)
+}
+
+/// A registry's series in the text format the kubelet serves.
+pub(crate) fn registry_page(registry: &prometheus_client::registry::Registry) -> Response {
+    match kubelet_provider::metrics::encode_text(registry) {
+        Ok(body) => (StatusCode::OK, [(header::CONTENT_TYPE, kubelet_provider::metrics::TEXT_CONTENT_TYPE)], body)
             .into_response(),
         Err(error) => text(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot encode metrics: {error}")),
     }

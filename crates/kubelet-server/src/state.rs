@@ -57,6 +57,10 @@ pub struct HttpState {
     pub(crate) local_refused: prometheus_client::metrics::counter::Counter,
     /// Failed TLS handshakes of the kubelet API, by reason.
     pub(crate) tls_failures: super::TlsFailures,
+    /// The kubelet API's request series.
+    pub(crate) http_metrics: crate::http_metrics::HttpMetrics,
+    /// `/metrics/probes`: the prober's series.
+    pub(crate) probes: Arc<Registry>,
 }
 
 impl HttpState {
@@ -79,27 +83,42 @@ impl HttpState {
         );
         let sessions_refused = prometheus_client::metrics::counter::Counter::default();
         metrics.register(
-            "rustlet_streaming_sessions_refused",
+            "rustlet_streaming_sessions_refused_total",
             "Streaming sessions refused because the node served its limit (--max-streaming-sessions)",
             sessions_refused.clone(),
         );
         let sessions = Sessions::new(max_sessions, sessions, sessions_refused, shutdown.clone(), tasks.clone());
         let local_refused = prometheus_client::metrics::counter::Counter::default();
         metrics.register(
-            "rustlet_local_socket_refused",
+            "rustlet_local_socket_refused_total",
             "Connections to the local socket refused for their peer's user",
             local_refused.clone(),
         );
         let tls_failures = super::TlsFailures::default();
         metrics.register(
-            "kubelet_api_tls_handshake_failures",
+            "kubelet_api_tls_handshake_failures_total",
             "TLS handshakes of the kubelet API that failed, by reason (unknown_authority, expired, bad_certificate, \
              no_serving_certificate, protocol, timeout, closed, ...)",
             tls_failures.clone(),
         );
+        let http_metrics = crate::http_metrics::HttpMetrics::default();
+        http_metrics.register(&mut metrics);
+        kubelet_provider::metrics::register_process_metrics(&mut metrics);
+        let node_name = views.node_name.clone();
+        metrics.register_collector(kubelet_provider::metrics::ScrapeFamily::gauge(
+            "kubelet_node_name",
+            "[ALPHA] The node's name. The count is always 1.",
+            &["node"],
+            move || vec![(vec![node_name.clone()], 1.0)],
+        ));
+        let mut probes = Registry::default();
+        views.pods.metrics().probes().register(&mut probes);
+        kubelet_provider::metrics::register_process_start_time(&mut probes);
         HttpState {
             views,
             metrics: Arc::new(metrics),
+            http_metrics,
+            probes: Arc::new(probes),
             sessions,
             log_watcher: LogWatcher::new(shutdown.clone()),
             local_refused,

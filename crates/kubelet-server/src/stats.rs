@@ -54,15 +54,15 @@ impl Rates {
 
 /// The node's own figures.
 #[derive(Debug, Default, Clone)]
-struct NodeUsage {
-    cpu_ns: Option<u64>,
-    memory_usage: Option<u64>,
-    memory_working_set: Option<u64>,
-    memory_available: Option<u64>,
-    boot_time: Option<jiff::Timestamp>,
+pub(super) struct NodeUsage {
+    pub(super) cpu_ns: Option<u64>,
+    pub(super) memory_usage: Option<u64>,
+    pub(super) memory_working_set: Option<u64>,
+    pub(super) memory_available: Option<u64>,
+    pub(super) boot_time: Option<jiff::Timestamp>,
 }
 
-fn node_usage() -> NodeUsage {
+pub(super) fn node_usage() -> NodeUsage {
     let mut usage = NodeUsage::default();
     if let Ok(stat) = std::fs::read_to_string("/proc/stat") {
         for line in stat.lines() {

@@ -172,6 +172,9 @@ struct Inner {
     channel: tokio::sync::Mutex<Option<UdsChannel>>,
     /// Pod UID → its sandbox (created once per pod; a lock per pod).
     sandboxes: Mutex<HashMap<String, Arc<tokio::sync::Mutex<Option<String>>>>>,
+    /// Sandbox ID → the process holding its network namespace (from the
+    /// verbose `PodSandboxStatus`), for the pod's network stats.
+    sandbox_pids: Mutex<HashMap<String, u32>>,
     /// Containers being waited on; the relist bumps the generation.
     waited: Mutex<HashSet<String>>,
     /// The ids that ran at the last relist and its count.
@@ -219,6 +222,7 @@ impl CriProvider {
                 config,
                 channel: tokio::sync::Mutex::new(None),
                 sandboxes: Mutex::default(),
+                sandbox_pids: Mutex::default(),
                 waited: Mutex::default(),
                 relisted: watch::channel((0, HashSet::new())).0,
                 relisting: Mutex::new(false),
@@ -412,6 +416,28 @@ impl CriProvider {
         tracing::info!(pod.uid = %uid, sandbox = %answer.pod_sandbox_id, "pod sandbox running");
         *sandbox = Some(answer.pod_sandbox_id.clone());
         Ok(answer.pod_sandbox_id)
+    }
+
+    /// The process of pod `uid`'s sandbox (asked of the runtime once per
+    /// sandbox), if it has one.
+    async fn sandbox_pid(&self, uid: &str) -> Option<u32> {
+        let entry = self.inner.sandboxes.lock().unwrap_or_else(|p| p.into_inner()).get(uid).cloned()?;
+        let id = entry.try_lock().ok()?.clone()?;
+        if let Some(pid) = self.inner.sandbox_pids.lock().unwrap_or_else(|p| p.into_inner()).get(&id) {
+            return Some(*pid);
+        }
+        let mut runtime = self.runtime().await.ok()?;
+        let request = cri::PodSandboxStatusRequest { pod_sandbox_id: id.clone(), verbose: true };
+        let answer = self.call(runtime.pod_sandbox_status(request)).await.ok()?;
+        let info: serde_json::Value = serde_json::from_str(answer.info.get("info")?).ok()?;
+        let pid = u32::try_from(info.get("pid")?.as_u64()?).ok().filter(|p| *p > 0)?;
+        let mut pids = self.inner.sandbox_pids.lock().unwrap_or_else(|p| p.into_inner());
+        // Sandboxes of removed pods go when the map has grown.
+        if pids.len() >= 1024 {
+            pids.clear();
+        }
+        pids.insert(id, pid);
+        Some(pid)
     }
 
     /// The sandbox config of `pod`, its logs under `log_directory`, in its
@@ -890,6 +916,8 @@ impl Provider for CriProvider {
             cpu_usage_core_nanoseconds: stats.cpu.and_then(|c| c.usage_core_nano_seconds).map(|v| v.value),
             memory_working_set_bytes: memory.working_set_bytes.map(|v| v.value),
             memory_usage_bytes: memory.usage_bytes.map(|v| v.value),
+            memory_rss_bytes: memory.rss_bytes.map(|v| v.value),
+            fs_used_bytes: stats.writable_layer.and_then(|l| l.used_bytes).map(|v| v.value),
         })
     }
 
@@ -954,6 +982,35 @@ impl Provider for CriProvider {
         }
         self.sweep_pod_cgroups(&running);
         Ok(running)
+    }
+
+    /// The pod's cgroup as a whole (when the node gives pods their own) and
+    /// its sandbox's network namespace (`/proc/<pid>/net/dev` of the
+    /// sandbox's process; none for a pod in the host's network).
+    async fn pod_stats(&self, pod: &Pod) -> Result<kubelet_provider::PodStats, ProviderError> {
+        let mut stats = kubelet_provider::PodStats::default();
+        if let Some(cgroups) = &self.inner.config.pod_cgroups
+            && cgroups.settings().driver == kubelet_provider::cgroups::CgroupDriver::Cgroupfs
+        {
+            let group = cgroups.pod_group(pod);
+            let fs = cgroups.fs();
+            if let Ok(memory) = fs.memory(&group) {
+                stats.memory_usage_bytes = Some(memory.usage);
+                stats.memory_working_set_bytes = Some(memory.working_set);
+                stats.memory_rss_bytes = Some(memory.rss);
+            }
+            stats.cpu_usage_core_nanoseconds = fs.cpu_usage_ns(&group).ok();
+            stats.cgroup = Some(group);
+        }
+        let host_network = pod.spec.as_ref().and_then(|s| s.host_network).unwrap_or(false);
+        let uid = pod.metadata.uid.as_deref().unwrap_or_default();
+        if !host_network && let Some(pid) = self.sandbox_pid(uid).await {
+            match std::fs::read_to_string(format!("/proc/{pid}/net/dev")) {
+                Ok(table) => stats.network = kubelet_provider::InterfaceStats::parse_net_dev(&table),
+                Err(error) => tracing::debug!(pod.uid = %uid, pid, %error, "cannot read the sandbox's network stats"),
+            }
+        }
+        Ok(stats)
     }
 
     async fn pod_ips(&self, pod_uid: &str) -> Vec<std::net::IpAddr> {

@@ -735,6 +735,9 @@ impl Provider for WasiProvider {
             cpu_usage_core_nanoseconds: Some(cpu),
             memory_working_set_bytes: Some(memory),
             memory_usage_bytes: Some(memory),
+            // Linear memory is all the instance's own.
+            memory_rss_bytes: Some(memory),
+            fs_used_bytes: None,
         })
     }
 

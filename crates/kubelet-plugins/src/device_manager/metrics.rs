@@ -49,7 +49,7 @@ impl Default for Metrics {
 impl Metrics {
     pub(crate) fn register(&self, registry: &mut Registry) {
         registry.register(
-            "kubelet_device_plugin_registration",
+            "kubelet_device_plugin_registration_total",
             "Cumulative number of device plugin registrations. Broken down by resource name",
             self.registrations.clone(),
         );

@@ -55,7 +55,7 @@ impl Metrics {
             self.total_plugins.clone(),
         );
         registry.register(
-            "rustlet_plugin_manager_operations",
+            "rustlet_plugin_manager_operations_total",
             "Plugin register and unregister operations by result",
             self.operations.clone(),
         );

@@ -444,7 +444,11 @@ impl EvictionManager {
         };
         let uid = chosen.pod.metadata.uid.clone().unwrap_or_default();
         tracing::warn!(pod.uid = %uid, pod = %chosen.pod.metadata.name.as_deref().unwrap_or_default(), signal = %threshold.signal, %message, "evicting a pod");
-        self.pods.evict(&uid, Eviction { message, grace }).then_some(uid)
+        let evicted = self.pods.evict(&uid, Eviction { message, grace });
+        if evicted {
+            self.pods.metrics().evicted(&threshold.signal.to_string());
+        }
+        evicted.then_some(uid)
     }
 
     /// Reclaims disk without evicting: exited containers, then every

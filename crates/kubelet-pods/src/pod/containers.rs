@@ -104,7 +104,9 @@ pub(crate) async fn start(
     let host_network = data.pod.spec.as_ref().and_then(|s| s.host_network).unwrap_or(false);
     if data.pod_ips.is_empty() && !host_network {
         let directory = log_dir(&lifecycle, data);
-        data.pod_ips = provider.prepare_pod(&data.pod, &directory).await.map_err(|e| StartFailure {
+        let prepared = provider.prepare_pod(&data.pod, &directory).await;
+        lifecycle.metrics.sandbox(prepared.is_ok());
+        data.pod_ips = prepared.map_err(|e| StartFailure {
             reason: "ContainerCreating",
             message: format!("Failed to create pod sandbox: {}", e.message),
             retry: true,
@@ -193,14 +195,17 @@ pub(crate) async fn start(
     if let Some(parent) = launch.log_path.parent() {
         let _ = std::fs::create_dir_all(parent);
     }
-    let id = provider.start_container(&launch).await.map_err(|e| StartFailure {
+    let kind = launch.kind;
+    let started = provider.start_container(&launch).await.map_err(|e| StartFailure {
         reason: match e.kind {
             ProviderErrorKind::Config => "CreateContainerConfigError",
             _ => "RunContainerError",
         },
         message: e.message,
         retry: true,
-    })?;
+    });
+    lifecycle.metrics.container_start(kind, started.as_ref().err().map(|f| f.reason));
+    let id = started?;
     tracing::info!(pod.uid = %uid, container = name, %id, restart = restart_count, "container started");
     if let Some(record) = data.containers.get_mut(name) {
         record.message_source = message_source;
@@ -382,6 +387,7 @@ fn start_probes(
             events: data.event_sender.clone(),
             pod: Arc::clone(&data.pod),
             recorder: data.recorder.clone(),
+            metrics: data.probe_metrics.clone(),
         };
         state.tasks.push(data.waiters.spawn(worker.run()));
     }

@@ -379,6 +379,11 @@ pub struct PodData {
     pub recorder: crate::events::EventRecorder,
     /// The waiter and probe tasks (aborted when the pod's data is dropped).
     pub waiters: JoinSet<()>,
+    /// When the node first saw the pod, and whether its start was recorded
+    /// (`kubelet_pod_start_duration_seconds`, once per pod).
+    pub seen: (std::time::Instant, bool),
+    /// Where the pod's probes are counted.
+    pub probe_metrics: crate::metrics::ProbeMetrics,
 }
 
 impl PodData {
@@ -421,6 +426,8 @@ impl PodData {
             event_sender,
             recorder: crate::events::EventRecorder::log_only(),
             waiters: JoinSet::new(),
+            seen: (std::time::Instant::now(), false),
+            probe_metrics: crate::metrics::ProbeMetrics::default(),
         }
     }
 

@@ -150,6 +150,8 @@ pub struct PodLifecycle {
     /// Each pod's event channel, for the node to stop it (eviction); an
     /// entry whose pod is gone is closed and pruned.
     senders: Mutex<HashMap<String, tokio::sync::mpsc::UnboundedSender<data::ContainerEvent>>>,
+    /// The lifecycle's series (`kubelet_pod_start_duration_seconds`, …).
+    metrics: crate::metrics::PodMetrics,
 }
 
 /// The size of the file system holding `path` (what the kubelet reports as
@@ -183,6 +185,7 @@ impl PodLifecycle {
             claims: None,
             ephemeral_storage,
             senders: Mutex::default(),
+            metrics: crate::metrics::PodMetrics::default(),
         }
     }
 
@@ -214,6 +217,13 @@ impl PodLifecycle {
         source: Option<Arc<dyn crate::dra::ClaimSource>>,
     ) -> Self {
         self.claims = Some((claims, source));
+        self
+    }
+
+    /// Records the lifecycle's series in `metrics` (by default, in series
+    /// no registry shows).
+    pub fn with_metrics(mut self, metrics: crate::metrics::PodMetrics) -> Self {
+        self.metrics = metrics;
         self
     }
 
@@ -260,6 +270,7 @@ impl Machine for PodLifecycle {
     fn start(&self, key: &String, manifest: &Arc<Pod>) -> (data::PodData, Box<dyn State<Self>>) {
         let mut data = data::PodData::new(Arc::clone(manifest));
         data.recorder = self.events.clone();
+        data.probe_metrics = self.metrics.probes().clone();
         let mut senders = self.senders.lock().unwrap_or_else(|p| p.into_inner());
         // Pruned when the map doubles: each start costs the same on average.
         if senders.len() >= 64 && senders.len().is_power_of_two() {
@@ -472,6 +483,11 @@ impl Pods {
     /// The pods and their statuses.
     pub fn store(&self) -> &PodStore {
         &self.runtime.machine().store
+    }
+
+    /// The lifecycle's series.
+    pub fn metrics(&self) -> &crate::metrics::PodMetrics {
+        &self.runtime.machine().metrics
     }
 
     /// The UIDs of the pods the node runs (or is removing).

@@ -597,6 +597,8 @@ pub struct Worker {
     pub pod: Arc<k8s_openapi::api::core::v1::Pod>,
     /// Where those go (one per failed attempt, as upstream records them).
     pub recorder: crate::events::EventRecorder,
+    /// Where each attempt is counted (`prober_probe_total`).
+    pub metrics: crate::metrics::ProbeMetrics,
 }
 
 impl Worker {
@@ -612,12 +614,28 @@ impl Worker {
         let mut ticks = tokio::time::interval(spec.period);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut last_error: Option<String> = None;
+        let identity = crate::metrics::ProbeIdentity {
+            probe_type: spec.kind.title(),
+            container: self.container.clone(),
+            pod: self.pod.metadata.name.clone().unwrap_or_default(),
+            namespace: self.pod.metadata.namespace.clone().unwrap_or_default(),
+            pod_uid: self.pod.metadata.uid.clone().unwrap_or_default(),
+        };
+        // The series go with the worker, as upstream deletes them.
+        let _forget = Forget(&self.metrics, &identity);
         loop {
             ticks.tick().await;
+            let began = Instant::now();
             let outcome = match &spec.action {
                 Ok(action) => probe_once(action, &self.target, spec.timeout).await,
                 Err(message) => Outcome::Error(message.clone()),
             };
+            let healthy = match &outcome {
+                Outcome::Success => Some(true),
+                Outcome::Failure(_) => Some(false),
+                Outcome::Error(_) => None,
+            };
+            self.metrics.observe(&identity, healthy, began.elapsed());
             let (healthy, message) = match outcome {
                 Outcome::Success => (true, String::new()),
                 Outcome::Failure(message) => {
@@ -657,6 +675,15 @@ impl Worker {
                 return;
             }
         }
+    }
+}
+
+/// Forgets a probe's series when dropped.
+struct Forget<'a>(&'a crate::metrics::ProbeMetrics, &'a crate::metrics::ProbeIdentity);
+
+impl Drop for Forget<'_> {
+    fn drop(&mut self) {
+        self.0.forget(self.1);
     }
 }
 

@@ -16,6 +16,8 @@ pub struct ContainerUsage {
     pub name: String,
     /// Its runtime ID, without the runtime's scheme.
     pub id: String,
+    /// Its image, as its status names it.
+    pub image: String,
     /// When it started.
     pub started: Option<jiff::Timestamp>,
     /// What its provider measured (empty when it could not).
@@ -53,6 +55,7 @@ pub async fn pod_usage(pods: Vec<Pod>, provider: Option<&Arc<dyn Provider>>) -> 
             containers.push(ContainerUsage {
                 name: container.name.clone(),
                 id: id.to_owned(),
+                image: container.image.clone(),
                 started: running.started_at.as_ref().map(|t| t.0),
                 stats: ContainerStats::default(),
             });

@@ -71,12 +71,12 @@ impl ReconcilerMetrics {
             self.orphaned.clone(),
         );
         registry.register(
-            "rustlet_volume_orphan_teardown_errors",
+            "rustlet_volume_orphan_teardown_errors_total",
             "Failed attempts to release what a removed pod left on the node (each is retried)",
             self.errors.clone(),
         );
         registry.register(
-            "rustlet_volume_orphans_released",
+            "rustlet_volume_orphans_released_total",
             "Removed pods whose volumes and directory the reconciler released",
             self.released.clone(),
         );

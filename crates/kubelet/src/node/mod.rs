@@ -325,13 +325,18 @@ impl NodeBuilder {
         let plugins = start::start_plugins(&wiring, handlers, in_cluster, &mut metrics)?;
         let capacity = node_capacity(&config, provider.as_deref());
         let allocatable = config.pods.reservation.allocatable(capacity);
+        // Every runtime call is counted and timed (`kubelet_runtime_operations_*`).
+        let pod_metrics = kubelet_pods::metrics::PodMetrics::default();
+        let provider = provider.map(|p| kubelet_pods::metrics::MeteredProvider::new(p, pod_metrics.clone()));
         let (lifecycle, parts) =
             start::pod_lifecycle(&config, allocatable, provider.clone(), claims, in_cluster, &plugins);
+        let lifecycle = lifecycle.with_metrics(pod_metrics);
         let (pods, static_pods) =
             start::start_pods(&wiring, lifecycle, &parts, &plugins, cluster.as_ref(), &mut metrics).await?;
         start::start_eviction(&wiring, &pods, provider.clone(), &parts.event_recorder);
         start::start_log_rotation(&wiring, &pods, provider.clone());
         start::start_gc(&wiring, provider.clone(), &parts.event_recorder);
+        start::start_relist(&wiring, &pods, provider.clone());
         let described = start::Described { created, capacity, allocatable, provider };
         let endpoints =
             start::start_endpoints(&wiring, described, &plugins, &parts, &pods, static_pods.clone(), metrics).await?;

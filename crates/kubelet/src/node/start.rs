@@ -46,7 +46,7 @@ pub(super) fn supervision(
 ) -> Supervision {
     let task_ends = TaskEnds::default();
     metrics.register(
-        "rustlet_supervised_task_ends",
+        "rustlet_supervised_task_ends_total",
         "Ends of the node's supervised tasks before shutdown, by task and outcome (panicked, stopped, failed)",
         task_ends.clone(),
     );
@@ -219,6 +219,19 @@ pub(super) fn start_gc(wiring: &Wiring<'_>, provider: Option<Arc<dyn Provider>>,
     wiring.supervision.watch("garbage-collection", tokio::spawn(task));
 }
 
+/// Starts the relist of the runtime's containers (the PLEG series,
+/// `kubelet_running_pods`), when a provider runs containers.
+pub(super) fn start_relist(wiring: &Wiring<'_>, pods: &Pods, provider: Option<Arc<dyn Provider>>) {
+    let Some(provider) = provider else { return };
+    let task = kubelet_pods::metrics::relist(
+        provider,
+        pods.store().clone(),
+        pods.metrics().clone(),
+        (*wiring.shutdown).clone(),
+    );
+    wiring.supervision.watch("relist", tokio::spawn(task));
+}
+
 /// Starts the eviction manager, when the node has one.
 pub(super) fn start_eviction(
     wiring: &Wiring<'_>,
@@ -253,6 +266,8 @@ pub(super) async fn start_pods(
 ) -> Result<(Pods, Option<StaticPods>), NodeError> {
     let Wiring { config, tasks, supervision, shutdown, .. } = wiring;
     let pods = Pods::start(lifecycle, (*shutdown).clone()).await;
+    let store = pods.store().clone();
+    pods.metrics().register(metrics, move || kubelet_pods::metrics::exited_containers(&store));
     // Claims their drivers did not release yet are released in the background.
     tasks.spawn(parts.dra_claims.clone().keep_releasing(Duration::from_secs(30), (*shutdown).clone()));
     if let Some(pod_resources) = &config.pod_resources {

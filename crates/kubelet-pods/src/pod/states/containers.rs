@@ -147,6 +147,9 @@ impl State<PodLifecycle> for Starting {
         if ctx.data.containers.values().any(|c| c.kind != ContainerKind::Init && c.wants_start && !c.is_running()) {
             return Transition::next(&*self, CrashLoopBackOff);
         }
+        if !std::mem::replace(&mut ctx.data.seen.1, true) {
+            ctx.machine.metrics.pod_started(ctx.data.seen.0.elapsed());
+        }
         Transition::next(&*self, Running)
     }
 

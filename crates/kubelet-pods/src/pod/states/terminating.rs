@@ -45,6 +45,7 @@ impl State<PodLifecycle> for Terminating {
     async fn next(self: Box<Self>, ctx: &mut Context<PodLifecycle>) -> Transition<PodLifecycle> {
         let lifecycle = Arc::clone(&ctx.machine);
         let uid = ctx.data.id.uid.clone();
+        let began = std::time::Instant::now();
         match &self.failed {
             None => {
                 tracing::info!(pod = %ctx.data.id.full_name(), pod.uid = %uid, "pod removed: releasing what it holds")
@@ -126,6 +127,7 @@ impl State<PodLifecycle> for Terminating {
             tracing::warn!(pod.uid = %uid, %failure, "a removal step failed");
         }
         tracing::info!(pod.uid = %uid, failed_steps = failures.len(), "pod released");
+        lifecycle.metrics.pod_worker(crate::metrics::WorkerOperation::Kill, began.elapsed());
         if let Some(panic) = &self.failed {
             ctx.data.verdict = Some(crate::pod::data::PodVerdict {
                 phase: "Failed",
