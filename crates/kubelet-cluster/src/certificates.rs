@@ -495,6 +495,7 @@ async fn connector_of(path: &Path) -> Result<(kube::Config, Https), CertificateE
 pub(crate) async fn rotating_clients(
     settings: &BootstrapSettings,
     node_name: &str,
+    metrics: &super::api_metrics::ApiMetrics,
     limits: &[(f64, u32)],
     shutdown: &CancellationToken,
 ) -> Result<Vec<kube::Client>, CertificateError> {
@@ -518,6 +519,7 @@ pub(crate) async fn rotating_clients(
         clients.push(
             kube::client::ClientBuilder::new(service, config.default_namespace.clone())
                 .with_layer(&super::rate_limit::RateLimitLayer::new(qps, burst))
+                .with_layer(&metrics.layer(super::api_metrics::url_host(&config.cluster_url)))
                 .build(),
         );
         currents.push(current);
@@ -531,8 +533,12 @@ pub(crate) async fn rotating_clients(
         tracing::warn!(kubeconfig = %settings.kubeconfig.display(), cert_dir = %settings.cert_dir.display(), "--rotate-certificates: the kubeconfig does not use <cert-dir>/kubelet-client-current.pem (it was not written by TLS bootstrap), so its certificate is not rotated");
     }
     if settings.rotate && follows_cert_dir {
+        if let Some(current) = load_current(&settings.cert_dir, "kubelet-client") {
+            metrics.client_certificate(current.not_after);
+        }
         let (settings, node_name, shutdown) = (settings.clone(), node_name.to_owned(), shutdown.clone());
-        tokio::spawn(async move { rotate(settings, node_name, first, currents, shutdown).await });
+        let metrics = metrics.clone();
+        tokio::spawn(async move { rotate(settings, node_name, first, currents, metrics, shutdown).await });
     }
     Ok(clients)
 }
@@ -544,6 +550,7 @@ async fn rotate(
     node_name: String,
     client: kube::Client,
     current_http: Vec<Arc<RwLock<Http>>>,
+    metrics: super::api_metrics::ApiMetrics,
     shutdown: CancellationToken,
 ) {
     let mut backoff = crate::retry::RetryBackoff::new(Duration::from_secs(1), Duration::from_secs(60));
@@ -591,6 +598,7 @@ async fn rotate(
                 return Err(CertificateError::Request("the issued certificate has already expired".into()));
             }
             store(&settings.cert_dir, "kubelet-client", &new)?;
+            metrics.client_certificate(new.not_after);
             let (config, https) = connector_of(&settings.kubeconfig).await?;
             for current in &current_http {
                 *current.write().unwrap_or_else(|p| p.into_inner()) = http_client(&config, https.clone());
@@ -604,6 +612,7 @@ async fn rotate(
                 tracing::info!("client certificate rotated; new connections use it");
             }
             Err(error) => {
+                metrics.client_renewal_failed();
                 let delay = backoff.next_delay();
                 tracing::error!(%error, retry_in = ?delay, "client certificate renewal failed; the current one stays in use while it is valid");
                 tokio::select! {

@@ -26,6 +26,7 @@
 //! Image pull secrets are read through the same client and handed to the
 //! provider.
 mod api_events;
+pub mod api_metrics;
 pub mod capacity;
 pub mod certificates;
 pub mod claims;
@@ -132,6 +133,8 @@ pub struct ClusterSettings {
     /// How long after a DRA driver's last instance went away its
     /// ResourceSlices of this node are deleted (upstream: 30 s).
     pub slice_wiping_delay: Duration,
+    /// The series of the node's API requests and certificates.
+    pub metrics: api_metrics::ApiMetrics,
 }
 
 impl ClusterSettings {
@@ -148,6 +151,7 @@ impl ClusterSettings {
             api_burst: rate_limit::DEFAULT_BURST,
             runtime_classes: None,
             slice_wiping_delay: claims::SLICE_WIPING_DELAY,
+            metrics: api_metrics::ApiMetrics::default(),
         }
     }
 }
@@ -334,6 +338,7 @@ async fn client(settings: &ClusterSettings, node_name: &str, shutdown: &Cancella
                     certificates::rotating_clients(
                         bootstrap,
                         node_name,
+                        &settings.metrics,
                         &[(qps, burst), (0.0, 0), (qps, burst)],
                         shutdown,
                     )
@@ -350,9 +355,10 @@ async fn client(settings: &ClusterSettings, node_name: &str, shutdown: &Cancella
                 Err(error) => Err(error.to_string()),
             },
             _ => async {
-                let main = from_kubeconfig_limited(path, settings.api_qps, settings.api_burst).await?;
-                let heartbeat = from_kubeconfig_limited(path, 0.0, 0).await?;
-                let reviews = from_kubeconfig_limited(path, settings.api_qps, settings.api_burst).await?;
+                let metrics = Some(&settings.metrics);
+                let main = from_kubeconfig_limited(path, settings.api_qps, settings.api_burst, metrics).await?;
+                let heartbeat = from_kubeconfig_limited(path, 0.0, 0, metrics).await?;
+                let reviews = from_kubeconfig_limited(path, settings.api_qps, settings.api_burst, metrics).await?;
                 Ok::<_, KubeconfigError>(ApiClients { main, heartbeat, reviews })
             }
             .await
@@ -387,25 +393,32 @@ pub enum KubeconfigError {
 
 /// A client from the current context of the kubeconfig at `path`.
 pub async fn from_kubeconfig(path: &std::path::Path) -> Result<kube::Client, KubeconfigError> {
-    from_kubeconfig_limited(path, 0.0, 0).await
+    from_kubeconfig_limited(path, 0.0, 0, None).await
 }
 
 /// A client from the kubeconfig at `path` whose requests go out at `qps` a
 /// second on average and `burst` at once at most (a `qps` of 0: no limit):
-/// [`rate_limit::RateLimitLayer`] under kube's own layers.
+/// [`rate_limit::RateLimitLayer`] under kube's own layers; its requests
+/// counted in `metrics` if given.
 pub(crate) async fn from_kubeconfig_limited(
     path: &std::path::Path,
     qps: f64,
     burst: u32,
+    metrics: Option<&api_metrics::ApiMetrics>,
 ) -> Result<kube::Client, KubeconfigError> {
     let kubeconfig = kube::config::Kubeconfig::read_from(path).map_err(|e| KubeconfigError::Read(error_chain(&e)))?;
     let options = kube::config::KubeConfigOptions::default();
     let config = kube::Config::from_custom_kubeconfig(kubeconfig, &options)
         .await
         .map_err(|e| KubeconfigError::Client(error_chain(&e)))?;
+    let host = api_metrics::url_host(&config.cluster_url);
     let builder =
         kube::client::ClientBuilder::try_from(config).map_err(|e| KubeconfigError::Client(error_chain(&e)))?;
-    Ok(builder.with_layer(&rate_limit::RateLimitLayer::new(qps, burst)).build())
+    let builder = builder.with_layer(&rate_limit::RateLimitLayer::new(qps, burst));
+    Ok(match metrics {
+        Some(metrics) => builder.with_layer(&metrics.layer(host)).build(),
+        None => builder.build(),
+    })
 }
 
 /// The Node as the node describes it now, recomputed when a device

@@ -81,6 +81,19 @@ fn openmetrics_to_text(open: &str) -> String {
             }
             _ => line,
         };
+        // dtoa writes infinities as `inf`; the text format's are `+Inf`.
+        let infinite;
+        let line = match line.rsplit_once(' ') {
+            Some((head, "inf")) => {
+                infinite = format!("{head} +Inf");
+                infinite.as_str()
+            }
+            Some((head, "-inf")) => {
+                infinite = format!("{head} -Inf");
+                infinite.as_str()
+            }
+            _ => line,
+        };
         if let Some(family) = counter {
             // `<family>_total{…} v` becomes `<family>{…} v`; `_created` goes.
             let name_end = line.find(['{', ' ']).unwrap_or(line.len());

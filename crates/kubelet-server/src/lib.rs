@@ -101,6 +101,9 @@ pub struct KubeletApiConfig {
     pub auth: AuthSettings,
     /// The host names the serving certificate names besides the node's.
     pub host_names: Vec<String>,
+    /// Where a requested serving certificate's lifetime and failed
+    /// renewals are counted (`kubelet_certificate_manager_server_ttl_seconds`).
+    pub metrics: crate::cluster::api_metrics::ApiMetrics,
 }
 
 impl KubeletApiConfig {
@@ -115,6 +118,7 @@ impl KubeletApiConfig {
             client_ca: None,
             auth: AuthSettings::default(),
             host_names: Vec::new(),
+            metrics: crate::cluster::api_metrics::ApiMetrics::default(),
         }
     }
 }
@@ -202,6 +206,7 @@ pub async fn bind(
                 ips: ips.to_vec(),
                 current,
                 client: client.clone(),
+                metrics: config.metrics.clone(),
             });
             key
         }
@@ -281,6 +286,7 @@ struct ServingRenewal {
     ips: Vec<std::net::IpAddr>,
     current: Option<crate::cluster::certificates::IssuedCertificate>,
     client: watch::Receiver<Option<kube::Client>>,
+    metrics: crate::cluster::api_metrics::ApiMetrics,
 }
 
 impl ServingRenewal {
@@ -297,6 +303,7 @@ impl ServingRenewal {
         let mut backoff = crate::retry::RetryBackoff::new(Duration::from_secs(1), Duration::from_secs(60));
         loop {
             if let Some(current) = &self.current {
+                self.metrics.server_certificate(current.not_after);
                 let at = current.renew_at();
                 let now = jiff::Timestamp::now();
                 let wait = if at > now { now.duration_until(at).unsigned_abs() } else { Duration::ZERO };
@@ -317,6 +324,7 @@ impl ServingRenewal {
                 Ok(Some(issued)) => issued,
                 Ok(None) => return,
                 Err(error) => {
+                    self.metrics.server_renewal_failed();
                     let delay = backoff.next_delay();
                     tracing::error!(%error, retry_in = ?delay, "serving certificate request failed");
                     tokio::select! {
@@ -337,6 +345,7 @@ impl ServingRenewal {
                     self.current = Some(issued);
                 }
                 Err(error) => {
+                    self.metrics.server_renewal_failed();
                     let delay = backoff.next_delay();
                     tracing::error!(%error, retry_in = ?delay, "the issued serving certificate cannot be used");
                     tokio::select! {

@@ -184,13 +184,38 @@ pub(super) async fn summary(State(state): State<ApiState>) -> Response {
             let cpu = sum(pod.containers.iter().map(|c| c.stats.cpu_usage_core_nanoseconds));
             let working_set = sum(pod.containers.iter().map(|c| c.stats.memory_working_set_bytes));
             let used = sum(pod.containers.iter().map(|c| c.stats.memory_usage_bytes));
-            json!({
+            let volumes: Vec<Value> = state
+                .http
+                .views
+                .pods
+                .volume_stats()
+                .pod_usage(&pod.uid)
+                .into_iter()
+                .map(|u| {
+                    json!({
+                        "time": time(u.time),
+                        "availableBytes": u.available,
+                        "capacityBytes": u.capacity,
+                        "usedBytes": u.used,
+                        "inodesFree": u.inodes_free,
+                        "inodes": u.inodes,
+                        "inodesUsed": u.inodes_used,
+                        "name": u.volume.volume,
+                        "pvcRef": {"name": u.volume.claim, "namespace": u.volume.namespace},
+                    })
+                })
+                .collect();
+            let mut pod_json = json!({
                 "podRef": {"name": pod.name, "namespace": pod.namespace, "uid": pod.uid},
                 "startTime": pod.started.map(time),
                 "containers": containers,
                 "cpu": cpu_json(&state.rates, &format!("pod/{}", pod.uid), &now, cpu),
                 "memory": memory_json(&now, used, working_set, None),
-            })
+            });
+            if !volumes.is_empty() {
+                pod_json["volume"] = json!(volumes);
+            }
+            pod_json
         })
         .collect();
     Json(json!({"node": node_json, "pods": pods_json})).into_response()

@@ -402,6 +402,10 @@ pub(crate) struct NodeArgs {
     /// … down to this (percent, below the high threshold).
     #[arg(long, default_value_t = 80, value_parser = clap::value_parser!(u8).range(0..=100))]
     pub(crate) image_gc_low_threshold: u8,
+    /// How often the pods' persistent volume claims are measured
+    /// (`kubelet_volume_stats_*`, `/stats/summary`).
+    #[arg(long, default_value = "1m", value_parser = parse_duration)]
+    pub(crate) volume_stats_agg_period: Duration,
     /// Images the node first saw more recently than this are not collected.
     #[arg(long, default_value = "2m", value_parser = parse_duration)]
     pub(crate) minimum_image_ttl_duration: Duration,

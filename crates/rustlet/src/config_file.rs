@@ -79,6 +79,7 @@ const FIELDS: &[(&str, &str, Form)] = &[
     ("imageGCHighThresholdPercent", "image-gc-high-threshold", Form::Number),
     ("imageGCLowThresholdPercent", "image-gc-low-threshold", Form::Number),
     ("imageMinimumGCAge", "minimum-image-ttl-duration", Form::Duration),
+    ("volumeStatsAggPeriod", "volume-stats-agg-period", Form::Duration),
     ("evictionHard", "eviction-hard", Form::Thresholds),
     ("evictionSoft", "eviction-soft", Form::Thresholds),
     ("evictionSoftGracePeriod", "eviction-soft-grace-period", Form::Pairs),

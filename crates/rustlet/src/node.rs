@@ -334,6 +334,7 @@ pub(crate) async fn start(
     node_config.pods.reservation = reservation;
     node_config.pods.eviction = Some(eviction(args, node_cgroups.as_deref())?);
     node_config.pods.gc = Some(gc);
+    node_config.pods.volume_stats_period = args.volume_stats_agg_period;
     if let Some(eviction) = node_config.pods.eviction.as_mut()
         && let Some(gc) = &node_config.pods.gc
     {

@@ -494,11 +494,37 @@ impl Node for FakeCsiDriver {
         Ok(Response::new(NodeUnpublishVolumeResponse {}))
     }
 
+    /// The file system holding the published volume, as `statvfs` gives
+    /// it (bytes and inodes).
     async fn node_get_volume_stats(
         &self,
-        _: Request<NodeGetVolumeStatsRequest>,
+        request: Request<NodeGetVolumeStatsRequest>,
     ) -> Result<Response<NodeGetVolumeStatsResponse>, Status> {
-        unimplemented("NodeGetVolumeStats")
+        let r = request.into_inner();
+        required("volume_id", &r.volume_id)?;
+        let path = Path::new(required("volume_path", &r.volume_path)?);
+        if !path.exists() {
+            return Err(Status::not_found(format!("volume {} is not at {}", r.volume_id, path.display())));
+        }
+        let stats = rustix::fs::statvfs(path)
+            .map_err(|e| Status::internal(format!("statvfs {}: {e}", path.display())))?;
+        let size = stats.f_frsize;
+        let signed = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        let usage = vec![
+            VolumeUsage {
+                available: signed(stats.f_bavail.saturating_mul(size)),
+                total: signed(stats.f_blocks.saturating_mul(size)),
+                used: signed(stats.f_blocks.saturating_sub(stats.f_bfree).saturating_mul(size)),
+                unit: volume_usage::Unit::Bytes as i32,
+            },
+            VolumeUsage {
+                available: signed(stats.f_ffree),
+                total: signed(stats.f_files),
+                used: signed(stats.f_files.saturating_sub(stats.f_ffree)),
+                unit: volume_usage::Unit::Inodes as i32,
+            },
+        ];
+        Ok(Response::new(NodeGetVolumeStatsResponse { usage, volume_condition: None }))
     }
 
     async fn node_expand_volume(
@@ -517,7 +543,12 @@ impl Node for FakeCsiDriver {
                 r#type: node_service_capability::rpc::Type::StageUnstageVolume as i32,
             })),
         });
-        Ok(Response::new(NodeGetCapabilitiesResponse { capabilities: stage.into_iter().collect() }))
+        let stats = NodeServiceCapability {
+            r#type: Some(node_service_capability::Type::Rpc(node_service_capability::Rpc {
+                r#type: node_service_capability::rpc::Type::GetVolumeStats as i32,
+            })),
+        };
+        Ok(Response::new(NodeGetCapabilitiesResponse { capabilities: stage.into_iter().chain([stats]).collect() }))
     }
 
     async fn node_get_info(&self, _: Request<NodeGetInfoRequest>) -> Result<Response<NodeGetInfoResponse>, Status> {

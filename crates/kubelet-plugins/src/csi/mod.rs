@@ -24,7 +24,7 @@ pub use error::{CsiClientError, CsiError, CsiVersionError, PublishError};
 pub use handler::{CsiHandlerConfig, CsiPluginHandler};
 pub use node_client::{
     AccessMode, AccessType, CsiNodeClient, CsiNodeError, CsiNodeTimeouts, NodeCapabilities, NodeCapability,
-    PublishVolume, Secrets, StageVolume, VolumeCapability,
+    PublishVolume, Secrets, StageVolume, VolumeCapability, VolumeUsage,
 };
 pub use node_info::{CsiNodeDriver, InMemoryNodeInfo, NodeCsiInfo, NodeInfoPublisher};
 pub use registry::{CsiDriver, CsiDriverRegistry, CsiDrivers};

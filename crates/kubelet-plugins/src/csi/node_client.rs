@@ -126,6 +126,18 @@ pub enum NodeCapability {
     VolumeMountGroup,
 }
 
+/// What `NodeGetVolumeStats` reported: `(total, available, used)` in bytes
+/// and in inodes, and the volume's condition, each if given.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct VolumeUsage {
+    /// Bytes: total, available, used.
+    pub bytes: Option<(u64, u64, u64)>,
+    /// Inodes: total, free, used.
+    pub inodes: Option<(u64, u64, u64)>,
+    /// Whether the driver finds the volume abnormal.
+    pub abnormal: Option<bool>,
+}
+
 /// The capabilities a driver reported; unknown ones are left out.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct NodeCapabilities(pub BTreeSet<NodeCapability>);
@@ -327,6 +339,41 @@ impl CsiNodeClient {
         let mut client = self.client.clone();
         self.call(RPC, volume_id, self.timeouts.volume, client.node_unpublish_volume(message)).await?;
         Ok(())
+    }
+
+    /// `NodeGetVolumeStats` of the volume published at `volume_path`.
+    pub async fn volume_stats(
+        &self,
+        volume_id: &str,
+        volume_path: &Path,
+        staging_target_path: Option<&Path>,
+    ) -> Result<VolumeUsage, CsiNodeError> {
+        const RPC: &str = "NodeGetVolumeStats";
+        let message = api::NodeGetVolumeStatsRequest {
+            volume_id: volume_id.to_owned(),
+            volume_path: self.path(RPC, volume_id, volume_path)?,
+            staging_target_path: match staging_target_path {
+                Some(path) => self.path(RPC, volume_id, path)?,
+                None => String::new(),
+            },
+        };
+        let mut client = self.client.clone();
+        let answer =
+            self.call(RPC, volume_id, self.timeouts.capabilities, client.node_get_volume_stats(message)).await?;
+        let mut usage = VolumeUsage { abnormal: answer.volume_condition.map(|c| c.abnormal), ..VolumeUsage::default() };
+        let unsigned = |v: i64| u64::try_from(v).unwrap_or(0);
+        for one in answer.usage {
+            match api::volume_usage::Unit::try_from(one.unit) {
+                Ok(api::volume_usage::Unit::Bytes) => {
+                    usage.bytes = Some((unsigned(one.total), unsigned(one.available), unsigned(one.used)));
+                }
+                Ok(api::volume_usage::Unit::Inodes) => {
+                    usage.inodes = Some((unsigned(one.total), unsigned(one.available), unsigned(one.used)));
+                }
+                _ => {}
+            }
+        }
+        Ok(usage)
     }
 
     /// Paths go over the wire as UTF-8 strings.

@@ -485,6 +485,22 @@ impl Pods {
         &self.runtime.machine().store
     }
 
+    /// The pods' claim volumes and their figures.
+    pub fn volume_stats(&self) -> &crate::volume::stats::VolumeStats {
+        self.runtime.machine().volumes.stats()
+    }
+
+    /// Refreshes the claim volumes' figures every `period` until
+    /// `shutdown` (see [`crate::volume::stats`]).
+    pub fn refresh_volume_stats(
+        &self,
+        period: std::time::Duration,
+        shutdown: CancellationToken,
+    ) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let volumes = &self.runtime.machine().volumes;
+        volumes.stats().clone().run(volumes.csi().cloned(), period, shutdown)
+    }
+
     /// The lifecycle's series.
     pub fn metrics(&self) -> &crate::metrics::PodMetrics {
         &self.runtime.machine().metrics

@@ -380,6 +380,28 @@ impl CsiVolumes {
         Ok(())
     }
 
+    /// What the driver of `mount` reports of the volume published at
+    /// `target` (`NodeGetVolumeStats`); `None` when it does not serve that
+    /// call (no `GET_VOLUME_STATS` capability).
+    pub(crate) async fn volume_usage(
+        &self,
+        volume: &str,
+        mount: &CsiMount,
+        target: &Path,
+    ) -> Result<Option<crate::csi::VolumeUsage>, VolumeError> {
+        let driver = self.driver(volume, &mount.driver_name)?;
+        let connected = self.connect(volume, &driver).await?;
+        if !connected.capabilities.has(crate::csi::NodeCapability::GetVolumeStats) {
+            return Ok(None);
+        }
+        let answer =
+            connected.client.volume_stats(&mount.volume_handle, target, mount.staging_target_path.as_deref()).await;
+        let usage = self
+            .forget_on_transport_error(&driver.name, answer)
+            .map_err(|source| VolumeError::Csi { volume: volume.to_owned(), source })?;
+        Ok(Some(usage))
+    }
+
     /// After a node restart: a volume an earlier run published for this
     /// pod (its `vol_data.json` names the same driver and handle, and the
     /// publish succeeded) is taken as it is, with no call to the driver

@@ -22,6 +22,7 @@ mod empty_dir;
 mod host_path;
 pub mod mounts;
 pub mod reconciler;
+pub mod stats;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -132,7 +133,7 @@ pub struct PreparedVolume {
 }
 
 impl PreparedVolume {
-    fn ready(host_path: PathBuf, kind: VolumeKind) -> Self {
+    pub(crate) fn ready(host_path: PathBuf, kind: VolumeKind) -> Self {
         PreparedVolume { host_path, kind, ready: true, csi: None }
     }
 }
@@ -161,6 +162,7 @@ pub struct VolumeManager {
     root_dir: PathBuf,
     csi: Option<CsiVolumes>,
     objects: Option<Arc<dyn ApiObjects>>,
+    stats: stats::VolumeStats,
 }
 
 impl std::fmt::Debug for VolumeManager {
@@ -183,7 +185,7 @@ pub(crate) const NEEDS_API: &str = "in static pods (they need the API server; up
 impl VolumeManager {
     /// Volumes under `<root_dir>/pods`; no CSI volumes.
     pub fn new(root_dir: impl Into<PathBuf>) -> Self {
-        VolumeManager { root_dir: root_dir.into(), csi: None, objects: None }
+        VolumeManager { root_dir: root_dir.into(), csi: None, objects: None, stats: stats::VolumeStats::default() }
     }
 
     /// Prepares configMap, secret and projected volumes from `objects`.
@@ -201,6 +203,11 @@ impl VolumeManager {
     pub fn with_csi(mut self, csi: CsiVolumes) -> Self {
         self.csi = Some(csi);
         self
+    }
+
+    /// The pods' claim volumes and their figures.
+    pub fn stats(&self) -> &stats::VolumeStats {
+        &self.stats
     }
 
     /// The CSI volumes, if the node has them.
@@ -262,6 +269,7 @@ impl VolumeManager {
             tracing::debug!(pod.uid = %uid, volume = %volume.name, path = %ready.host_path.display(), "volume ready");
             prepared.insert(volume.name.clone(), ready);
         }
+        self.stats.mounted(pod, prepared);
         Ok(())
     }
 
@@ -377,6 +385,7 @@ impl VolumeManager {
     /// Tears down every prepared volume (all of them, even when one fails)
     /// and removes the pod's directory; returns every failure.
     pub async fn teardown(&self, pod_uid: &str, prepared: &mut PodVolumes) -> Vec<VolumeError> {
+        self.stats.unmounted(pod_uid);
         let mut errors = Vec::new();
         let names: Vec<String> = prepared.keys().cloned().collect();
         for name in names {

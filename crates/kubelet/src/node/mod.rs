@@ -113,6 +113,9 @@ pub struct PodSettings {
     /// each pod's first a little later, so that pods started together do
     /// not read together).
     pub volume_refresh: Duration,
+    /// How often the pods' claim volumes are measured
+    /// (`--volume-stats-agg-period`; upstream: a minute).
+    pub volume_stats_period: Duration,
 }
 
 impl Default for PodSettings {
@@ -133,6 +136,7 @@ impl Default for PodSettings {
             cluster_domain: String::new(),
             allowed_unsafe_sysctls: Vec::new(),
             volume_refresh: Duration::from_secs(60),
+            volume_stats_period: crate::volume::stats::DEFAULT_PERIOD,
         }
     }
 }
@@ -310,7 +314,11 @@ impl NodeBuilder {
     /// Starts every component; returns once they all serve. Everything stops
     /// when `shutdown` is cancelled; await [`Node::stopped`] afterwards.
     pub async fn start(self, shutdown: CancellationToken) -> Result<Node, NodeError> {
-        let NodeBuilder { config, handlers, mut metrics, healthz, provider, claims, cluster } = self;
+        let NodeBuilder { mut config, handlers, mut metrics, healthz, provider, claims, cluster } = self;
+        // The serving certificate's series sit beside the client's.
+        if let (Some(cluster), Some(api)) = (&cluster, config.kubelet_api.as_mut()) {
+            api.metrics = cluster.metrics.clone();
+        }
         let created = jiff::Timestamp::now();
         let tasks = TaskTracker::new();
         let supervision = start::supervision(&mut metrics, &healthz, &tasks, &shutdown);

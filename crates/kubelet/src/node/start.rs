@@ -268,6 +268,9 @@ pub(super) async fn start_pods(
     let pods = Pods::start(lifecycle, (*shutdown).clone()).await;
     let store = pods.store().clone();
     pods.metrics().register(metrics, move || kubelet_pods::metrics::exited_containers(&store));
+    pods.volume_stats().register(metrics);
+    let refresher = pods.refresh_volume_stats(config.pods.volume_stats_period, (*shutdown).clone());
+    supervision.watch("volume-stats", tokio::spawn(refresher));
     // Claims their drivers did not release yet are released in the background.
     tasks.spawn(parts.dra_claims.clone().keep_releasing(Duration::from_secs(30), (*shutdown).clone()));
     if let Some(pod_resources) = &config.pod_resources {
@@ -287,6 +290,7 @@ pub(super) async fn start_pods(
     let housekeeping = pods.release_orphans_when_sources_ready();
     if let Some(settings) = cluster {
         settings.pod_sync.metrics.register(metrics);
+        settings.metrics.register(metrics);
     }
     let reconciler_metrics = crate::volume::reconciler::ReconcilerMetrics::default();
     reconciler_metrics.register(metrics);
