@@ -36,9 +36,44 @@ impl TestCgroupRoot {
 
 impl Drop for TestCgroupRoot {
     fn drop(&mut self) {
+        // What a failed test left running in the groups (its pods'
+        // containers, whose node is gone) is killed first.
+        for dir in self.fs.all_dirs(&self.name) {
+            kill_tree(&dir);
+        }
         for dir in self.fs.all_dirs(&self.name) {
             remove_tree(&dir);
         }
+    }
+}
+
+/// Kills every process in the groups under `dir` and waits (briefly) for
+/// them to leave.
+fn kill_tree(dir: &std::path::Path) {
+    let procs = |dir: &std::path::Path| -> Vec<i32> {
+        std::fs::read_to_string(dir.join("cgroup.procs"))
+            .map(|s| s.lines().filter_map(|l| l.trim().parse().ok()).collect())
+            .unwrap_or_default()
+    };
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for entry in entries.flatten() {
+            if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                kill_tree(&entry.path());
+            }
+        }
+    }
+    let pids = procs(dir);
+    if pids.is_empty() {
+        return;
+    }
+    for pid in &pids {
+        let _ = std::process::Command::new("kill").args(["-9", &pid.to_string()]).status();
+    }
+    // A killed process leaves its group once the kernel reaped it: a
+    // bounded wait, polled.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !procs(dir).is_empty() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
     }
 }
 

@@ -28,6 +28,9 @@ use std::time::{Duration, Instant};
 
 use base64::Engine as _;
 
+/// The user of [`ControlPlane::reader_token`].
+pub const METRICS_READER: &str = "rustlet-metrics-reader";
+
 /// Node identities in the pool (one per test that asks).
 const NODE_POOL: usize = 256;
 /// How long the API server may take to answer `/readyz` (it takes 3–5 s
@@ -101,6 +104,9 @@ pub struct ControlPlane {
     url: String,
     ca_pem: String,
     admin_token: String,
+    /// A user (`rustlet-metrics-reader`) the API server knows and grants
+    /// nothing by itself; tests bind it the roles they need.
+    reader_token: String,
     nodes: Vec<NodeIdentity>,
     next_node: AtomicUsize,
     admin_kubeconfig: PathBuf,
@@ -187,6 +193,8 @@ impl ControlPlane {
         let nodes: Vec<NodeIdentity> =
             (0..NODE_POOL).map(|i| NodeIdentity { name: format!("rustlet-node-{i}"), token: random_token() }).collect();
         let mut tokens = format!("{admin_token},admin,admin-uid,\"system:masters\"\n");
+        let reader_token = random_token();
+        tokens.push_str(&format!("{reader_token},{METRICS_READER},{METRICS_READER}-uid,\"system:authenticated\"\n"));
         for node in &nodes {
             tokens.push_str(&format!(
                 "{},system:node:{},node-{},\"system:nodes,system:authenticated\"\n",
@@ -244,6 +252,7 @@ impl ControlPlane {
             url,
             ca_pem,
             admin_token,
+            reader_token,
             nodes,
             next_node: AtomicUsize::new(0),
             admin_kubeconfig,
@@ -346,6 +355,11 @@ impl ControlPlane {
     /// The administrator's bearer token.
     pub fn admin_token(&self) -> &str {
         &self.admin_token
+    }
+
+    /// The bearer token of user [`METRICS_READER`].
+    pub fn reader_token(&self) -> &str {
+        &self.reader_token
     }
 
     /// A node identity no other test of this binary has.

@@ -31,6 +31,7 @@ pub mod https;
 pub mod node_process;
 pub mod pod_state;
 pub mod process;
+pub mod prometheus;
 pub mod raw_h2;
 pub mod registry;
 pub mod test_api;

@@ -106,6 +106,44 @@ impl TestApi {
         }
     }
 
+    /// A bearer token allowed `get nodes/metrics` and nothing else, as
+    /// kube-prometheus gives Prometheus: a service account of the
+    /// in-process server, or the real server's metrics reader bound to a
+    /// ClusterRole of that one rule.
+    pub async fn metrics_reader_token(&self) -> String {
+        match &self.server {
+            Server::Fake(server) => {
+                server.service_account_token("monitoring", "prometheus-k8s", &[("get", "nodes", "metrics")])
+            }
+            Server::Real(plane) => {
+                use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+                let role: ClusterRole = serde_json::from_value(serde_json::json!({
+                    "metadata": {"name": "rustlet-metrics-reader"},
+                    "rules": [{"apiGroups": [""], "resources": ["nodes/metrics"], "verbs": ["get"]}],
+                }))
+                .expect("a ClusterRole");
+                let binding: ClusterRoleBinding = serde_json::from_value(serde_json::json!({
+                    "metadata": {"name": "rustlet-metrics-reader"},
+                    "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "rustlet-metrics-reader"},
+                    "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": crate::control_plane::METRICS_READER}],
+                }))
+                .expect("a ClusterRoleBinding");
+                let params = kube::api::PostParams::default();
+                for created in [
+                    Api::<ClusterRole>::all(self.admin.clone()).create(&params, &role).await.map(|_| ()),
+                    Api::<ClusterRoleBinding>::all(self.admin.clone()).create(&params, &binding).await.map(|_| ()),
+                ] {
+                    match created {
+                        Ok(()) => {}
+                        Err(kube::Error::Api(status)) if status.code == 409 => {}
+                        Err(error) => panic!("RBAC for the metrics reader: {error}"),
+                    }
+                }
+                plane.reader_token().to_owned()
+            }
+        }
+    }
+
     /// Creates the CSIDriver object `name` with `spec` (JSON), unless one
     /// of that name exists already (a real API server serves every test of
     /// a binary: give each test's driver a name of its own).

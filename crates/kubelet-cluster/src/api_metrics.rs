@@ -239,9 +239,18 @@ mod tests {
         let mut registry = Registry::default();
         metrics.register(&mut registry);
         let text = kubelet_provider::metrics::encode_text(&registry).expect("encodes");
-        assert!(text.contains("rest_client_requests_total{code=\"200\",host=\"10.0.0.1:6443\",method=\"GET\"} 2\n"), "{text}");
-        assert!(text.contains("rest_client_requests_total{code=\"404\",host=\"10.0.0.1:6443\",method=\"GET\"} 1\n"), "{text}");
-        assert!(text.contains("rest_client_request_duration_seconds_count{verb=\"GET\",host=\"10.0.0.1:6443\"} 3\n"), "{text}");
+        assert!(
+            text.contains("rest_client_requests_total{code=\"200\",host=\"10.0.0.1:6443\",method=\"GET\"} 2\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("rest_client_requests_total{code=\"404\",host=\"10.0.0.1:6443\",method=\"GET\"} 1\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("rest_client_request_duration_seconds_count{verb=\"GET\",host=\"10.0.0.1:6443\"} 3\n"),
+            "{text}"
+        );
         let ttl: f64 = text
             .lines()
             .find_map(|l| l.strip_prefix("kubelet_certificate_manager_client_ttl_seconds "))

@@ -96,7 +96,11 @@ impl PodSyncMetrics {
     /// `rustlet_pod_status_writes_refused_total` (403 and 422: the API
     /// refused the write itself; each such pod is retried with backoff).
     pub fn register(&self, registry: &mut prometheus_client::registry::Registry) {
-        registry.register("rustlet_pod_status_writes_total", "Pod status patches the API accepted", self.writes.clone());
+        registry.register(
+            "rustlet_pod_status_writes_total",
+            "Pod status patches the API accepted",
+            self.writes.clone(),
+        );
         registry.register(
             "rustlet_pod_status_write_errors_total",
             "Failed pod writes (status patches, mirror pods, deletions) by HTTP status code; each is retried",

@@ -162,18 +162,18 @@ impl PodMetrics {
             "kubelet_pleg_last_seen_seconds",
             "[ALPHA] Timestamp in seconds when PLEG was last seen active.",
             &[],
-            move || {
-                lock(&last)
-                    .map(|(_, at)| (Vec::new(), at.as_millisecond() as f64 / 1e3))
-                    .into_iter()
-                    .collect()
-            },
+            move || lock(&last).map(|(_, at)| (Vec::new(), at.as_millisecond() as f64 / 1e3)).into_iter().collect(),
         ));
         registry.register(
             "kubelet_pod_start_duration_seconds",
             "[ALPHA] Duration in seconds from kubelet seeing a pod for the first time to the pod starting to run",
             self.pod_start.clone(),
         );
+        // Present from the start, at zero: a rate over the first pod's
+        // start needs a sample from before it.
+        for operation_type in ["create", "kill"] {
+            self.pod_worker.get_or_create(&OperationType { operation_type: operation_type.to_owned() });
+        }
         registry.register(
             "kubelet_pod_worker_duration_seconds",
             "[ALPHA] Duration in seconds to sync a single pod. Broken down by operation type: create, update, or sync",
@@ -248,7 +248,9 @@ impl PodMetrics {
             WorkerOperation::Create => "create",
             WorkerOperation::Kill => "kill",
         };
-        self.pod_worker.get_or_create(&OperationType { operation_type: operation_type.to_owned() }).observe(took.as_secs_f64());
+        self.pod_worker
+            .get_or_create(&OperationType { operation_type: operation_type.to_owned() })
+            .observe(took.as_secs_f64());
     }
 
     /// A pod sandbox was made, or failed to be.
@@ -268,7 +270,9 @@ impl PodMetrics {
         };
         self.started_containers.get_or_create(&ContainerType { container_type }).inc();
         if let Some(code) = failure {
-            self.started_containers_errors.get_or_create(&ContainerError { container_type, code: code.to_owned() }).inc();
+            self.started_containers_errors
+                .get_or_create(&ContainerError { container_type, code: code.to_owned() })
+                .inc();
         }
     }
 
@@ -523,12 +527,12 @@ impl MeteredProvider {
     }
 }
 
+use k8s_openapi::api::core::v1::{Container, Pod, Taint};
 use kubelet_provider::{
     ContainerExit, ContainerGcReport, ContainerId, ContainerLaunch, ContainerStats, ExecOutput, ImageGcPolicy,
-    ImageGcReport, PodStats, PreparedImage, Provider, ProviderError, ProviderErrorKind, PullSecrets,
-    RunningContainer, StreamRequest, StreamingEndpoint,
+    ImageGcReport, PodStats, PreparedImage, Provider, ProviderError, ProviderErrorKind, PullSecrets, RunningContainer,
+    StreamRequest, StreamingEndpoint,
 };
-use k8s_openapi::api::core::v1::{Container, Pod, Taint};
 
 #[async_trait::async_trait]
 impl Provider for MeteredProvider {
@@ -561,7 +565,12 @@ impl Provider for MeteredProvider {
         self.timed("list_containers", self.inner.running_containers()).await
     }
 
-    async fn exec_sync(&self, id: &ContainerId, command: &[String], timeout: Duration) -> Result<ExecOutput, ProviderError> {
+    async fn exec_sync(
+        &self,
+        id: &ContainerId,
+        command: &[String],
+        timeout: Duration,
+    ) -> Result<ExecOutput, ProviderError> {
         self.timed("exec_sync", self.inner.exec_sync(id, command, timeout)).await
     }
 
@@ -589,7 +598,11 @@ impl Provider for MeteredProvider {
         self.inner.pod_ips(pod_uid).await
     }
 
-    async fn prepare_pod(&self, pod: &Pod, log_directory: &std::path::Path) -> Result<Vec<std::net::IpAddr>, ProviderError> {
+    async fn prepare_pod(
+        &self,
+        pod: &Pod,
+        log_directory: &std::path::Path,
+    ) -> Result<Vec<std::net::IpAddr>, ProviderError> {
         self.timed("run_podsandbox", self.inner.prepare_pod(pod, log_directory)).await
     }
 

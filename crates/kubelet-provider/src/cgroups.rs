@@ -820,7 +820,10 @@ mod tests {
         assert_eq!(read("kubepods/podx/memory.max"), "1048576");
         std::fs::write(dir.path().join("kubepods/podx/memory.current"), "5000\n").expect("write");
         std::fs::write(dir.path().join("kubepods/podx/memory.stat"), "anon 3000\ninactive_file 1200\n").expect("write");
-        assert_eq!(fs.memory("/kubepods/podx").expect("memory"), MemoryUsage { usage: 5000, working_set: 3800, rss: 3000 });
+        assert_eq!(
+            fs.memory("/kubepods/podx").expect("memory"),
+            MemoryUsage { usage: 5000, working_set: 3800, rss: 3000 }
+        );
         assert_eq!(fs.memory_limit("/kubepods/podx"), Some(1 << 20));
         std::fs::write(dir.path().join("kubepods/podx/cpu.stat"), "usage_usec 1500\nuser_usec 1000\n").expect("write");
         assert_eq!(fs.cpu_usage_ns("/kubepods/podx").expect("cpu"), 1_500_000);

@@ -252,9 +252,12 @@ pub fn register_process_metrics(registry: &mut Registry) {
         &[],
         || process_stat().map(|s| (Vec::new(), s.vsize_bytes)).into_iter().collect(),
     ));
-    registry.register_collector(ScrapeFamily::gauge("process_open_fds", "Number of open file descriptors.", &[], || {
-        std::fs::read_dir("/proc/self/fd").map(|d| (Vec::new(), d.count() as f64)).into_iter().collect()
-    }));
+    registry.register_collector(ScrapeFamily::gauge(
+        "process_open_fds",
+        "Number of open file descriptors.",
+        &[],
+        || std::fs::read_dir("/proc/self/fd").map(|d| (Vec::new(), d.count() as f64)).into_iter().collect(),
+    ));
     register_process_start_time(registry);
 }
 
@@ -287,9 +290,9 @@ fn process_stat() -> Option<ProcessStat> {
     // Field 3 (state) is index 0 here: utime is 14, stime 15, starttime
     // 22, vsize 23, rss 24 (in pages).
     let field = |n: usize| fields.get(n - 3).and_then(|f| f.parse::<f64>().ok());
-    let boot = std::fs::read_to_string("/proc/stat").ok().and_then(|s| {
-        s.lines().find_map(|l| l.strip_prefix("btime ").and_then(|v| v.trim().parse::<f64>().ok()))
-    })?;
+    let boot = std::fs::read_to_string("/proc/stat")
+        .ok()
+        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("btime ").and_then(|v| v.trim().parse::<f64>().ok())))?;
     let page = rustix::param::page_size() as f64;
     Some(ProcessStat {
         cpu_seconds: (field(14)? + field(15)?) / TICKS,
@@ -387,7 +390,8 @@ mod tests {
         register_process_metrics(&mut registry);
         let text = encode_text(&registry).expect("encodes");
         let value = |name: &str| -> f64 {
-            let line = text.lines().find(|l| l.starts_with(&format!("{name} "))).unwrap_or_else(|| panic!("{name} in {text}"));
+            let line =
+                text.lines().find(|l| l.starts_with(&format!("{name} "))).unwrap_or_else(|| panic!("{name} in {text}"));
             line.rsplit(' ').next().and_then(|v| v.parse().ok()).expect("a number")
         };
         assert!(text.contains("# TYPE process_cpu_seconds_total counter\n"), "{text}");

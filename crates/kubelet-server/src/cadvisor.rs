@@ -177,22 +177,23 @@ fn page(rows: &[Row], device: &str, now_ms: i64) -> String {
         out.sample("machine_memory_bytes", &machine, bytes as f64, None);
     }
     let ts = Some(now_ms);
-    let mut gauge = |name: &str, help: &str, kind: &str, value: &dyn Fn(&Row) -> Option<f64>, extra: Option<(&str, &str)>| {
-        let values: Vec<(&Row, f64)> = rows.iter().filter_map(|r| value(r).map(|v| (r, v))).collect();
-        if values.is_empty() {
-            return;
-        }
-        out.family(name, kind, help);
-        for (row, v) in values {
-            let mut labels: Vec<(&str, &str)> = row.labels().to_vec();
-            if let Some(pair) = extra {
-                // cpu/device sort before/after id as cAdvisor's sorted names do.
-                labels.push(pair);
-                labels.sort_by_key(|(k, _)| *k);
+    let mut gauge =
+        |name: &str, help: &str, kind: &str, value: &dyn Fn(&Row) -> Option<f64>, extra: Option<(&str, &str)>| {
+            let values: Vec<(&Row, f64)> = rows.iter().filter_map(|r| value(r).map(|v| (r, v))).collect();
+            if values.is_empty() {
+                return;
             }
-            out.sample(name, &labels, v, if name == "container_start_time_seconds" { None } else { ts });
-        }
-    };
+            out.family(name, kind, help);
+            for (row, v) in values {
+                let mut labels: Vec<(&str, &str)> = row.labels().to_vec();
+                if let Some(pair) = extra {
+                    // cpu/device sort before/after id as cAdvisor's sorted names do.
+                    labels.push(pair);
+                    labels.sort_by_key(|(k, _)| *k);
+                }
+                out.sample(name, &labels, v, if name == "container_start_time_seconds" { None } else { ts });
+            }
+        };
     gauge(
         "container_cpu_usage_seconds_total",
         "Cumulative cpu time consumed in seconds.",
@@ -207,13 +208,7 @@ fn page(rows: &[Row], device: &str, now_ms: i64) -> String {
         &|r| r.fs_usage.map(|b| b as f64),
         Some(("device", device)),
     );
-    gauge(
-        "container_memory_rss",
-        "Size of RSS in bytes.",
-        "gauge",
-        &|r| r.rss.map(|b| b as f64),
-        None,
-    );
+    gauge("container_memory_rss", "Size of RSS in bytes.", "gauge", &|r| r.rss.map(|b| b as f64), None);
     gauge(
         "container_memory_usage_bytes",
         "Current memory usage in bytes, including all memory regardless of when it was accessed",
@@ -233,9 +228,11 @@ fn page(rows: &[Row], device: &str, now_ms: i64) -> String {
         ("container_network_receive_errors_total", "Cumulative count of errors encountered while receiving", |i| {
             i.rx_errors
         }),
-        ("container_network_receive_packets_dropped_total", "Cumulative count of packets dropped while receiving", |i| {
-            i.rx_dropped
-        }),
+        (
+            "container_network_receive_packets_dropped_total",
+            "Cumulative count of packets dropped while receiving",
+            |i| i.rx_dropped,
+        ),
         ("container_network_receive_packets_total", "Cumulative count of packets received", |i| i.rx_packets),
         ("container_network_transmit_bytes_total", "Cumulative count of bytes transmitted", |i| i.tx_bytes),
         ("container_network_transmit_errors_total", "Cumulative count of errors encountered while transmitting", |i| {

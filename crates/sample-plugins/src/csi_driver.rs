@@ -506,8 +506,8 @@ impl Node for FakeCsiDriver {
         if !path.exists() {
             return Err(Status::not_found(format!("volume {} is not at {}", r.volume_id, path.display())));
         }
-        let stats = rustix::fs::statvfs(path)
-            .map_err(|e| Status::internal(format!("statvfs {}: {e}", path.display())))?;
+        let stats =
+            rustix::fs::statvfs(path).map_err(|e| Status::internal(format!("statvfs {}: {e}", path.display())))?;
         let size = stats.f_frsize;
         let signed = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
         let usage = vec![

@@ -32,6 +32,17 @@ pub enum Identity {
     Admin,
     /// `system:node:<name>`.
     Node(String),
+    /// `system:serviceaccount:<namespace>:<name>`: nothing in the API;
+    /// what `allowed` names (verb, resource, subresource) in
+    /// SubjectAccessReviews (a kubelet asking whether it may serve it).
+    ServiceAccount {
+        /// Its namespace.
+        namespace: String,
+        /// Its name.
+        name: String,
+        /// What SubjectAccessReviews allow it.
+        allowed: Vec<(String, String, String)>,
+    },
 }
 
 impl Identity {
@@ -40,6 +51,13 @@ impl Identity {
         let own = match self {
             Identity::Admin => "system:masters",
             Identity::Node(_) => "system:nodes",
+            Identity::ServiceAccount { namespace, .. } => {
+                return vec![
+                    "system:serviceaccounts".to_owned(),
+                    format!("system:serviceaccounts:{namespace}"),
+                    "system:authenticated".to_owned(),
+                ];
+            }
         };
         vec![own.to_owned(), "system:authenticated".to_owned()]
     }
@@ -49,6 +67,7 @@ impl Identity {
         match self {
             Identity::Admin => "admin".to_owned(),
             Identity::Node(name) => format!("system:node:{name}"),
+            Identity::ServiceAccount { namespace, name, .. } => format!("system:serviceaccount:{namespace}:{name}"),
         }
     }
 }
@@ -97,6 +116,9 @@ fn forbidden(identity: &Identity, request: &Request<'_>, why: &str) -> ApiError 
 
 /// Allows or refuses `request` from `identity`.
 pub fn authorize(identity: &Identity, request: &Request<'_>, store: &Store) -> Result<(), ApiError> {
+    if let Identity::ServiceAccount { .. } = identity {
+        return Err(forbidden(identity, request, "a service account is granted nothing in this API server"));
+    }
     let Identity::Node(node) = identity else { return Ok(()) };
     let reading = matches!(request.verb, "get" | "list" | "watch");
     let own = request.name == Some(node.as_str());

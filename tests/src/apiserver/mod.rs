@@ -210,6 +210,17 @@ impl ApiServer {
         write_kubeconfig(path, &self.url(), token)
     }
 
+    /// A bearer token for service account `<namespace>/<name>`, which
+    /// SubjectAccessReviews allow `allowed` (verb, resource, subresource)
+    /// and nothing else: Prometheus' `get nodes/metrics`, say.
+    pub fn service_account_token(&self, namespace: &str, name: &str, allowed: &[(&str, &str, &str)]) -> String {
+        let token = format!("sa-token-{namespace}-{name}");
+        let allowed = allowed.iter().map(|(v, r, s)| ((*v).to_owned(), (*r).to_owned(), (*s).to_owned())).collect();
+        let who = Identity::ServiceAccount { namespace: namespace.to_owned(), name: name.to_owned(), allowed };
+        self.shared.tokens.lock().expect("lock").insert(token.clone(), who);
+        token
+    }
+
     /// A kube-rs client with `token`, configured from a kubeconfig file as
     /// a user would give one.
     pub async fn client(&self, token: &str) -> Result<kube::Client, String> {
@@ -626,14 +637,31 @@ async fn serve(
             Ok(object_response(StatusCode::CREATED, &answer))
         }
         // A SubjectAccessReview: the administrator (group system:masters)
-        // may do anything; no one else is granted anything here.
+        // may do anything; a service account what it was granted; no one
+        // else anything here.
         "create" if resource.plural == "subjectaccessreviews" => {
             let masters = body_value
                 .pointer("/spec/groups")
                 .and_then(Value::as_array)
                 .is_some_and(|groups| groups.iter().any(|g| g == "system:masters"));
+            let user = body_value.pointer("/spec/user").and_then(Value::as_str).unwrap_or_default();
+            let attribute =
+                |name: &str| body_value.pointer(&format!("/spec/resourceAttributes/{name}")).and_then(Value::as_str);
+            let asked = (
+                attribute("verb").unwrap_or_default(),
+                attribute("resource").unwrap_or_default(),
+                attribute("subresource").unwrap_or_default(),
+            );
+            let granted = shared.tokens.lock().expect("lock").values().any(|who| match who {
+                Identity::ServiceAccount { allowed, .. } => {
+                    who.user() == user && allowed.iter().any(|(v, r, s)| (v.as_str(), r.as_str(), s.as_str()) == asked)
+                }
+                _ => false,
+            });
             let status = if masters {
                 json!({"allowed": true, "reason": "system:masters"})
+            } else if granted {
+                json!({"allowed": true, "reason": "granted to the service account"})
             } else {
                 json!({"allowed": false, "reason": "no RBAC policy matched"})
             };

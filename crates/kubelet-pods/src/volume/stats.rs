@@ -239,7 +239,8 @@ async fn measure(volume: &ClaimVolume, csi: Option<&super::CsiVolumes>) -> Resul
             inodes_used,
         });
     }
-    let stats = rustix::fs::statvfs(&volume.host_path).map_err(|e| format!("statvfs {}: {e}", volume.host_path.display()))?;
+    let stats =
+        rustix::fs::statvfs(&volume.host_path).map_err(|e| format!("statvfs {}: {e}", volume.host_path.display()))?;
     let size = stats.f_frsize;
     Ok(ClaimUsage {
         volume: volume.clone(),
