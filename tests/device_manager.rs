@@ -852,9 +852,7 @@ async fn a_thousand_concurrent_allocations_get_distinct_devices() {
 fn metrics_text(node: &Node) -> String {
     let mut registry = prometheus_client::registry::Registry::default();
     node.devices.register_metrics(&mut registry);
-    let mut text = String::new();
-    prometheus_client::encoding::text::encode(&mut text, &registry).expect("encode");
-    text
+    kubelet::provider::metrics::encode_text(&registry).expect("encode")
 }
 
 /// Upstream's device-plugin metrics: registrations counted as they arrive

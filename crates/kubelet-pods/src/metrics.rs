@@ -23,7 +23,7 @@
 //! - `kubelet_pleg_relist_duration_seconds`,
 //!   `kubelet_pleg_relist_interval_seconds`, `kubelet_pleg_last_seen_seconds`:
 //!   Rustlet learns of container exits from the runtime's events, not by
-//!   relisting every second; its relist ([`relist`]) is the safety net
+//!   relisting every second; its relist (`pod::relist`) is the safety net
 //!   that lists the runtime's containers every [`RELIST_PERIOD`], and these
 //!   series time it;
 //! - `kubelet_evictions{eviction_signal}`.
@@ -172,7 +172,7 @@ impl PodMetrics {
         // Present from the start, at zero: a rate over the first pod's
         // start needs a sample from before it.
         for operation_type in ["create", "kill"] {
-            self.pod_worker.get_or_create(&OperationType { operation_type: operation_type.to_owned() });
+            let _ = self.pod_worker.get_or_create(&OperationType { operation_type: operation_type.to_owned() });
         }
         registry.register(
             "kubelet_pod_worker_duration_seconds",
@@ -293,7 +293,7 @@ impl PodMetrics {
 
     /// One relist began at `began` and found `running` (pod UID of each
     /// running container).
-    pub(crate) fn relisted(&self, began: Instant, running: &[String]) {
+    pub fn relisted(&self, began: Instant, running: &[String]) {
         let took = began.elapsed();
         self.relist_duration.observe(took.as_secs_f64());
         let mut last = lock(&self.last_relist);
@@ -428,69 +428,6 @@ impl ProbeIdentity {
     }
 }
 
-/// The relist: every [`RELIST_PERIOD`] until `shutdown`, the provider's
-/// running containers are listed and counted (`kubelet_running_pods`,
-/// `kubelet_running_containers`), the list timed as upstream times its
-/// PLEG relist. A container the pod store has as running that the runtime
-/// no longer lists is logged: its exit event went missing.
-pub async fn relist(
-    provider: Arc<dyn kubelet_provider::Provider>,
-    store: crate::pod::PodStore,
-    metrics: PodMetrics,
-    shutdown: tokio_util::sync::CancellationToken,
-) {
-    let mut ticks = tokio::time::interval(RELIST_PERIOD);
-    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            () = shutdown.cancelled() => return,
-            _ = ticks.tick() => {}
-        }
-        let began = Instant::now();
-        match provider.running_containers().await {
-            Ok(running) => {
-                let uids: Vec<String> = running.iter().map(|c| c.pod_uid.clone()).collect();
-                metrics.relisted(began, &uids);
-                let listed: HashSet<&str> = running.iter().map(|c| c.id.0.as_str()).collect();
-                for (uid, container, id) in running_container_ids(&store) {
-                    if !listed.contains(id.as_str()) {
-                        tracing::debug!(pod.uid = %uid, container, %id, "the runtime no longer lists a container the node has as running; its exit is on the way");
-                    }
-                }
-            }
-            Err(error) => tracing::warn!(%error, "relist: the provider could not list its running containers"),
-        }
-    }
-}
-
-/// Exited containers in the pods' statuses.
-pub fn exited_containers(store: &crate::pod::PodStore) -> usize {
-    store.read(|pods| {
-        pods.values()
-            .filter_map(|p| p.status.as_ref())
-            .flat_map(|s| s.init_container_statuses.iter().flatten().chain(s.container_statuses.iter().flatten()))
-            .filter(|c| c.state.as_ref().is_some_and(|s| s.terminated.is_some()) && c.container_id.is_some())
-            .count()
-    })
-}
-
-/// The running containers in the pods' statuses: pod UID, container name,
-/// runtime ID (without its scheme).
-fn running_container_ids(store: &crate::pod::PodStore) -> Vec<(String, String, String)> {
-    store.read(|pods| {
-        pods.iter()
-            .flat_map(|(uid, p)| {
-                p.status.iter().flat_map(|s| s.container_statuses.iter().flatten()).filter_map(move |c| {
-                    let running = c.state.as_ref().is_some_and(|s| s.running.is_some());
-                    let id = c.container_id.as_deref()?;
-                    let id = id.split_once("://").map_or(id, |(_, raw)| raw);
-                    running.then(|| (uid.clone(), c.name.clone(), id.to_owned()))
-                })
-            })
-            .collect()
-    })
-}
-
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -508,7 +445,7 @@ pub struct MeteredProvider {
 
 impl MeteredProvider {
     /// `inner`, its calls recorded in `metrics`.
-    pub fn new(inner: Arc<dyn Provider>, metrics: PodMetrics) -> Arc<dyn Provider> {
+    pub fn wrap(inner: Arc<dyn Provider>, metrics: PodMetrics) -> Arc<dyn Provider> {
         Arc::new(MeteredProvider { inner, metrics })
     }
 

@@ -223,7 +223,8 @@ fn page(rows: &[Row], device: &str, now_ms: i64) -> String {
         &|r| r.working_set.map(|b| b as f64),
         None,
     );
-    let network: [(&str, &str, fn(&InterfaceStats) -> u64); 8] = [
+    type Counter = fn(&InterfaceStats) -> u64;
+    let network: [(&str, &str, Counter); 8] = [
         ("container_network_receive_bytes_total", "Cumulative count of bytes received", |i| i.rx_bytes),
         ("container_network_receive_errors_total", "Cumulative count of errors encountered while receiving", |i| {
             i.rx_errors

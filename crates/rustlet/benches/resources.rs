@@ -14,7 +14,12 @@
 //! - **the node at idle**: the binary (`--container-runtime-endpoint`) with
 //!   110 host-network busybox pods running: its CPU (share of one core)
 //!   and RSS over 30 s. Anchor: the Go kubelet 1.28.7 on this VM used
-//!   1.4–1.9% of a core and 79–84 MB with 20 pods.
+//!   1.4–1.9% of a core and 79–84 MB with 20 pods;
+//! - **a scrape of each metrics page** (`/metrics`, `/metrics/cadvisor`,
+//!   `/metrics/probes`, and `/metrics/resource` for comparison) over the
+//!   kubelet API's TLS, on a kept-alive connection as Prometheus scrapes:
+//!   p50 and the page's size, with those 110 pods and on the same node
+//!   idle (no pods).
 //!
 //! Run: `cargo bench -p rustlet --bench resources` (`RUSTLET_BENCH_QUICK=1`:
 //! fewer runs, 10 s of idle).
@@ -319,6 +324,8 @@ async fn main() {
         window.as_secs()
     );
     println!("  anchor: the Go kubelet 1.28.7 on this VM, 20 pods: 1.4-1.9% of a core, 79-84 MB");
+    let kubelet_api = kubelet_api_address(&socket).await;
+    let busy = scrapes(kubelet_api, runs).await;
     for i in 0..IDLE_PODS {
         std::fs::remove_file(manifests.join(format!("idle-{i}.yaml"))).expect("rm");
     }
@@ -331,5 +338,44 @@ async fn main() {
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+    let idle = scrapes(kubelet_api, runs).await;
+    println!("  a scrape of each page over TLS (p50, size), with {IDLE_PODS} container pods / with none:");
+    for ((path, (busy_time, busy_size)), (_, (idle_time, idle_size))) in busy.iter().zip(&idle) {
+        println!(
+            "    {path:<18} {:>10} {:>8} KiB   / {:>10} {:>8} KiB",
+            us(*busy_time),
+            busy_size / 1024,
+            us(*idle_time),
+            idle_size / 1024
+        );
+    }
     drop(node);
+}
+
+/// The kubelet API's address, from the Node the local socket describes.
+async fn kubelet_api_address(socket: &str) -> std::net::SocketAddr {
+    let (_, body) = http_get(socket, "/node").await;
+    let node: serde_json::Value = serde_json::from_str(&body).expect("the Node");
+    let port = node["status"]["daemonEndpoints"]["kubeletEndpoint"]["Port"].as_u64().expect("the kubelet port");
+    std::net::SocketAddr::from(([127, 0, 0, 1], u16::try_from(port).expect("a port")))
+}
+
+/// The p50 time and the size of a scrape of each metrics page.
+async fn scrapes(address: std::net::SocketAddr, runs: usize) -> Vec<(&'static str, (Duration, usize))> {
+    use rustlet_testkit::https::{Credentials, Session};
+    let mut session = Session::connect(address, Credentials::Anonymous).await.expect("the kubelet API");
+    let mut pages = Vec::new();
+    for path in ["/metrics", "/metrics/cadvisor", "/metrics/probes", "/metrics/resource"] {
+        let mut times = Vec::new();
+        let mut size = 0;
+        for _ in 0..runs.clamp(5, 50) {
+            let started = Instant::now();
+            let (code, body) = session.request("GET", path).await.expect("a scrape");
+            times.push(started.elapsed());
+            assert_eq!(code, 200, "{path}: {body}");
+            size = body.len();
+        }
+        pages.push((path, (p50(&mut times), size)));
+    }
+    pages
 }

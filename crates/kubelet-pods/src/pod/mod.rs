@@ -32,6 +32,7 @@ mod data;
 pub mod hooks;
 mod node_files;
 pub mod probe;
+pub mod relist;
 pub use kubelet_provider::quantity;
 mod run_options;
 mod sources;

@@ -335,7 +335,7 @@ impl NodeBuilder {
         let allocatable = config.pods.reservation.allocatable(capacity);
         // Every runtime call is counted and timed (`kubelet_runtime_operations_*`).
         let pod_metrics = kubelet_pods::metrics::PodMetrics::default();
-        let provider = provider.map(|p| kubelet_pods::metrics::MeteredProvider::new(p, pod_metrics.clone()));
+        let provider = provider.map(|p| kubelet_pods::metrics::MeteredProvider::wrap(p, pod_metrics.clone()));
         let (lifecycle, parts) =
             start::pod_lifecycle(&config, allocatable, provider.clone(), claims, in_cluster, &plugins);
         let lifecycle = lifecycle.with_metrics(pod_metrics);

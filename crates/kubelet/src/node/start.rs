@@ -223,7 +223,7 @@ pub(super) fn start_gc(wiring: &Wiring<'_>, provider: Option<Arc<dyn Provider>>,
 /// `kubelet_running_pods`), when a provider runs containers.
 pub(super) fn start_relist(wiring: &Wiring<'_>, pods: &Pods, provider: Option<Arc<dyn Provider>>) {
     let Some(provider) = provider else { return };
-    let task = kubelet_pods::metrics::relist(
+    let task = kubelet_pods::pod::relist::relist(
         provider,
         pods.store().clone(),
         pods.metrics().clone(),
@@ -267,7 +267,7 @@ pub(super) async fn start_pods(
     let Wiring { config, tasks, supervision, shutdown, .. } = wiring;
     let pods = Pods::start(lifecycle, (*shutdown).clone()).await;
     let store = pods.store().clone();
-    pods.metrics().register(metrics, move || kubelet_pods::metrics::exited_containers(&store));
+    pods.metrics().register(metrics, move || kubelet_pods::pod::relist::exited_containers(&store));
     pods.volume_stats().register(metrics);
     let refresher = pods.refresh_volume_stats(config.pods.volume_stats_period, (*shutdown).clone());
     supervision.watch("volume-stats", tokio::spawn(refresher));
