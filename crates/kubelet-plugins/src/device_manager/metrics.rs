@@ -28,6 +28,14 @@ struct ResourceLabels {
     resource_name: String,
 }
 
+impl ResourceLabels {
+    /// A plugin names its resource before it is validated: escaped, so
+    /// that no name breaks the page.
+    fn of(resource: &str) -> ResourceLabels {
+        ResourceLabels { resource_name: kubelet_provider::metrics::escape_label(resource).into_owned() }
+    }
+}
+
 /// The device manager's metric families; clones share their values.
 #[derive(Clone)]
 pub(crate) struct Metrics {
@@ -66,16 +74,35 @@ impl Metrics {
     }
 
     pub(crate) fn registration(&self, resource: &str) {
-        self.registrations.get_or_create(&ResourceLabels { resource_name: resource.to_owned() }).inc();
+        self.registrations.get_or_create(&ResourceLabels::of(resource)).inc();
     }
 
     pub(crate) fn allocate_call(&self, resource: &str, took: std::time::Duration) {
-        self.allocate_duration
-            .get_or_create(&ResourceLabels { resource_name: resource.to_owned() })
-            .observe(took.as_secs_f64());
+        self.allocate_duration.get_or_create(&ResourceLabels::of(resource)).observe(took.as_secs_f64());
     }
 
     pub(crate) fn checkpoint_written(&self, took: std::time::Duration) {
         self.checkpoint_write.observe(took.as_secs_f64());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_plugins_resource_name_cannot_break_the_page() {
+        let metrics = Metrics::default();
+        metrics.registration("evil\"} 1\nfake_series 9");
+        let mut registry = Registry::default();
+        metrics.register(&mut registry);
+        let text = kubelet_provider::metrics::encode_text(&registry).expect("encodes");
+        assert!(
+            text.contains(
+                "kubelet_device_plugin_registration_total{resource_name=\"evil\\\"} 1\\nfake_series 9\"} 1\n"
+            ),
+            "{text}"
+        );
+        assert!(!text.lines().any(|l| l.starts_with("fake_series")), "{text}");
     }
 }
