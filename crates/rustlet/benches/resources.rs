@@ -277,6 +277,8 @@ async fn main() {
         .arg("--pod-manifest-path")
         .arg(&manifests)
         .args(["--node-name", "idle", "--healthz-port", "0", "--port", "0"])
+        // The scrapes carry no credentials (standalone: AlwaysAllow).
+        .arg("--anonymous-auth")
         .arg("--container-runtime-endpoint")
         .arg(containerd.endpoint())
         .arg("--cgroup-root")
