@@ -256,10 +256,14 @@ async fn a_module_that_loops_forever_is_stopped_when_its_pod_goes() {
         "spec": {"terminationGracePeriodSeconds": 30, "containers": [{"name": "main", "image": "example.com/wasm/spin:v1"}]}
     })));
     node.wait_pod("uid-spin", "Running", |p| phase(p) == Some("Running")).await;
+    // The relist sees it (`kubelet_running_pods`): the instance, by pod.
+    let listed = node.provider.list_running().await.expect("the provider lists its instances");
+    assert_eq!(listed.iter().map(|(uid, _)| uid.as_str()).collect::<Vec<_>>(), ["uid-spin"]);
     // Removal interrupts it at an epoch tick: far sooner than its 30 s
     // grace period, which would otherwise bound SOON.
     node.pods.delete("uid-spin");
     node.wait_gone("uid-spin").await;
+    assert!(node.provider.list_running().await.expect("listed").is_empty());
 }
 
 #[tokio::test]

@@ -502,6 +502,10 @@ impl Provider for MeteredProvider {
         self.timed("list_containers", self.inner.running_containers()).await
     }
 
+    async fn list_running(&self) -> Result<Vec<(String, ContainerId)>, ProviderError> {
+        self.timed("list_containers", self.inner.list_running()).await
+    }
+
     async fn exec_sync(
         &self,
         id: &ContainerId,

@@ -291,6 +291,26 @@ impl Provider for RuntimeClasses {
         Ok(running)
     }
 
+    async fn list_running(&self) -> Result<Vec<(String, ContainerId)>, ProviderError> {
+        let mut running = Vec::new();
+        let mut supported = false;
+        for provider in self.all() {
+            match provider.list_running().await {
+                Ok(listed) => {
+                    supported = true;
+                    running.extend(listed);
+                }
+                Err(error) if error.kind == ProviderErrorKind::Unsupported => {}
+                Err(error) => return Err(error),
+            }
+        }
+        if supported {
+            Ok(running)
+        } else {
+            Err(ProviderError::new(ProviderErrorKind::Unsupported, "no runtime lists its running containers"))
+        }
+    }
+
     async fn pod_ips(&self, pod_uid: &str) -> Vec<std::net::IpAddr> {
         for provider in self.all() {
             let ips = provider.pod_ips(pod_uid).await;

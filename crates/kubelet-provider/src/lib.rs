@@ -485,6 +485,15 @@ pub trait Provider: Send + Sync + 'static {
     /// adopt what an earlier run of the node started).
     async fn running_containers(&self) -> Result<Vec<RunningContainer>, ProviderError>;
 
+    /// The containers running now, with their pods' UIDs: the node's
+    /// relist (every 10 s, the kubelet's PLEG series and running counts).
+    /// One cheap listing without side effects (unlike
+    /// [`running_containers`](Provider::running_containers)). By default:
+    /// unsupported, and the node has no relist series.
+    async fn list_running(&self) -> Result<Vec<(String, ContainerId)>, ProviderError> {
+        Err(ProviderError::new(ProviderErrorKind::Unsupported, "this provider does not list its running containers"))
+    }
+
     /// Runs `command` in the running container `id` to its end, within
     /// `timeout` (exec probes); a command still running then is an error of
     /// kind [`ProviderErrorKind::Timeout`]. By default: unsupported.

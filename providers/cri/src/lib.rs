@@ -500,11 +500,11 @@ impl CriProvider {
     }
 
     async fn running_ids(&self) -> Result<HashSet<String>, ProviderError> {
-        Ok(self.list_running().await?.into_iter().map(|c| c.id).collect())
+        Ok(self.list_running_cri().await?.into_iter().map(|c| c.id).collect())
     }
 
     /// The containers the runtime runs (`ListContainers`, state running).
-    async fn list_running(&self) -> Result<Vec<cri::Container>, ProviderError> {
+    async fn list_running_cri(&self) -> Result<Vec<cri::Container>, ProviderError> {
         let mut runtime = self.runtime().await?;
         let filter = cri::ContainerFilter {
             state: Some(cri::ContainerStateValue { state: cri::ContainerState::ContainerRunning as i32 }),
@@ -953,7 +953,7 @@ impl Provider for CriProvider {
     async fn running_containers(&self) -> Result<Vec<RunningContainer>, ProviderError> {
         self.learn_runtime_name().await;
         let mut running = Vec::new();
-        for container in self.list_running().await? {
+        for container in self.list_running_cri().await? {
             let Some(uid) = container.labels.get(POD_UID_LABEL).cloned() else { continue };
             let name = container.metadata.as_ref().map(|m| m.name.clone()).unwrap_or_default();
             let restart_count = container
@@ -982,6 +982,16 @@ impl Provider for CriProvider {
         }
         self.sweep_pod_cgroups(&running);
         Ok(running)
+    }
+
+    /// One `ListContainers` of the running ones.
+    async fn list_running(&self) -> Result<Vec<(String, ContainerId)>, ProviderError> {
+        Ok(self
+            .list_running_cri()
+            .await?
+            .into_iter()
+            .filter_map(|c| Some((c.labels.get(POD_UID_LABEL)?.clone(), ContainerId(c.id))))
+            .collect())
     }
 
     /// The pod's cgroup as a whole (when the node gives pods their own) and

@@ -791,6 +791,17 @@ impl Provider for WasiProvider {
         Ok(Vec::new())
     }
 
+    /// The instances that have not exited, by pod.
+    async fn list_running(&self) -> Result<Vec<(String, ContainerId)>, ProviderError> {
+        let pods = crate::lock(&self.pod_containers).clone();
+        let instances = crate::lock(&self.instances);
+        Ok(pods
+            .into_iter()
+            .flat_map(|(uid, ids)| ids.into_iter().map(move |id| (uid.clone(), id)))
+            .filter(|(_, id)| instances.get(id).is_some_and(|i| i.exit.borrow().is_none()))
+            .collect())
+    }
+
     async fn remove_pod(&self, pod_uid: &str) -> Result<(), ProviderError> {
         let ids = crate::lock(&self.pod_containers).remove(pod_uid).unwrap_or_default();
         {

@@ -25,16 +25,22 @@ pub async fn relist(
             _ = ticks.tick() => {}
         }
         let began = Instant::now();
-        match provider.running_containers().await {
+        match provider.list_running().await {
             Ok(running) => {
-                let uids: Vec<String> = running.iter().map(|c| c.pod_uid.clone()).collect();
+                let uids: Vec<String> = running.iter().map(|(uid, _)| uid.clone()).collect();
                 metrics.relisted(began, &uids);
-                let listed: HashSet<&str> = running.iter().map(|c| c.id.0.as_str()).collect();
+                let listed: HashSet<&str> = running.iter().map(|(_, id)| id.0.as_str()).collect();
                 for (uid, container, id) in running_container_ids(&store) {
                     if !listed.contains(id.as_str()) {
                         tracing::debug!(pod.uid = %uid, container, %id, "the runtime no longer lists a container the node has as running; its exit is on the way");
                     }
                 }
+            }
+            Err(error) if error.kind == kubelet_provider::ProviderErrorKind::Unsupported => {
+                tracing::info!(
+                    "the provider does not list its running containers: no relist (kubelet_pleg_* stay empty)"
+                );
+                return;
             }
             Err(error) => tracing::warn!(%error, "relist: the provider could not list its running containers"),
         }
