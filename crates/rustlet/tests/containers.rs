@@ -39,7 +39,7 @@ fn node_command(root: &Path, manifests: &Path, containerd: &Containerd, cgroups:
         .arg(root)
         .arg("--pod-manifest-path")
         .arg(manifests)
-        .args(["--node-name", "mixed", "--healthz-port", "0", "--port", "0"])
+        .args(["--node-name", "mixed", "--healthz-port", "0", "--port", "0", "--anonymous-auth"])
         .arg("--container-runtime-endpoint")
         .arg(containerd.endpoint())
         .arg("--cgroup-root")
@@ -237,6 +237,31 @@ spec:
     assert!(table.lines().next().is_some_and(|h| h.ends_with("RUNTIME")), "{table}");
     assert!(row("box-mixed").ends_with("containerd"), "{table}");
     assert!(row("wasm-mixed").ends_with("wasmtime"), "{table}");
+
+    // `/metrics/cadvisor` has both containers: the CRI one with its
+    // sandbox's cgroup and network, the WebAssembly one from the provider's
+    // accounting (its pod under `/rustlet/pod<uid>`).
+    let (_, node_object) = http_get(&address, "/node").await;
+    let node_object: Value = serde_json::from_str(&node_object).expect("the Node");
+    let port = node_object["status"]["daemonEndpoints"]["kubeletEndpoint"]["Port"].as_u64().expect("the kubelet port");
+    let api = std::net::SocketAddr::from(([127, 0, 0, 1], u16::try_from(port).expect("a port")));
+    let anonymous = rustlet_testkit::https::Credentials::Anonymous;
+    let (code, page) = rustlet_testkit::https::get(api, "/metrics/cadvisor", anonymous).await.expect("scrape");
+    assert_eq!(code, 200, "{page}");
+    let series = |name: &str, pod: &str, container: &str| {
+        page.lines()
+            .filter(|l| l.starts_with(&format!("{name}{{")))
+            .filter(|l| l.contains(&format!("pod=\"{pod}\"")) && l.contains(&format!("container=\"{container}\"")))
+            .filter_map(|l| l.split(' ').nth(1).and_then(|v| v.parse::<f64>().ok()))
+            .next()
+    };
+    for pod in ["box-mixed", "wasm-mixed"] {
+        assert!(series("container_cpu_usage_seconds_total", pod, "main").is_some_and(|v| v >= 0.0), "{pod}: {page}");
+        assert!(series("container_memory_working_set_bytes", pod, "main").is_some_and(|v| v > 0.0), "{pod}: {page}");
+        assert!(series("container_start_time_seconds", pod, "main").is_some_and(|v| v > 1.7e9), "{pod}: {page}");
+    }
+    assert!(page.contains("id=\"/rustlet/pod"), "the WebAssembly pod has no cgroup of its own: {page}");
+    assert!(page.contains("/kubepods/"), "the container pod's cgroup: {page}");
 
     // Removing the manifests removes both pods and the sandbox.
     std::fs::remove_file(manifests.join("pods.yaml")).expect("rm");

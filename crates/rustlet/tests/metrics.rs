@@ -466,6 +466,26 @@ async fn run(api: TestApi, test: &str) {
     )
     .await;
     until(&prometheus, "machine_cpu_cores", "machine_cpu_cores", of_node(node_name, |v| v >= 1.0)).await;
+
+    // The same figures in `/stats/summary` (an administrator's token: the
+    // metrics reader may not read stats).
+    let admin_token = match &api.server {
+        rustlet_testkit::test_api::Server::Fake(server) => server.admin_token().to_owned(),
+        rustlet_testkit::test_api::Server::Real(plane) => plane.admin_token().to_owned(),
+    };
+    let address: std::net::SocketAddr = target.parse().expect("an address");
+    let credentials = rustlet_testkit::https::Credentials::Token(&admin_token);
+    let (code, summary) = rustlet_testkit::https::get(address, "/stats/summary", credentials).await.expect("summary");
+    assert_eq!(code, 200, "{summary}");
+    let summary: serde_json::Value = serde_json::from_str(&summary).expect("json");
+    let web_stats =
+        summary["pods"].as_array().into_iter().flatten().find(|p| p["podRef"]["name"] == "web").expect("web");
+    let volume = &web_stats["volume"][0];
+    assert_eq!(volume["pvcRef"], json!({"name": "metrics-data", "namespace": "default"}), "{web_stats}");
+    assert_eq!(volume["name"], "data", "{web_stats}");
+    let available = volume["availableBytes"].as_f64().expect("availableBytes");
+    let df = df_available(&published);
+    assert!((available - df).abs() <= df * 0.01, "{available} vs df {df}");
     until(&prometheus, "machine_memory_bytes", "machine_memory_bytes", of_node(node_name, |v| v > 1e8)).await;
 
     // /metrics/probes: the failing readiness probe, counted.
