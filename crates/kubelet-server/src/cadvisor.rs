@@ -340,6 +340,7 @@ mod tests {
                     memory_rss_bytes: Some(800),
                     fs_used_bytes: Some(4096),
                 },
+                batched: false,
             }],
         }
     }
