@@ -531,10 +531,6 @@ impl Provider for MeteredProvider {
         self.timed("container_stats", self.inner.container_stats(id)).await
     }
 
-    async fn all_container_stats(&self) -> Result<Vec<(ContainerId, ContainerStats)>, ProviderError> {
-        self.timed("list_container_stats", self.inner.all_container_stats()).await
-    }
-
     async fn pod_stats(&self, pod: &Pod) -> Result<PodStats, ProviderError> {
         self.timed("podsandbox_stats", self.inner.pod_stats(pod)).await
     }

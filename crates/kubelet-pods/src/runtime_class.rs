@@ -260,20 +260,6 @@ impl Provider for RuntimeClasses {
         self.owner(id)?.container_stats(id).await
     }
 
-    /// Each runtime's batch (a runtime without one is asked container by
-    /// container by the caller).
-    async fn all_container_stats(&self) -> Result<Vec<(ContainerId, ContainerStats)>, ProviderError> {
-        let mut all = Vec::new();
-        for provider in self.all() {
-            match provider.all_container_stats().await {
-                Ok(stats) => all.extend(stats),
-                Err(error) if error.kind == ProviderErrorKind::Unsupported => {}
-                Err(error) => return Err(error),
-            }
-        }
-        Ok(all)
-    }
-
     async fn pod_stats(&self, pod: &Pod) -> Result<kubelet_provider::PodStats, ProviderError> {
         self.provider_for(pod)?.pod_stats(pod).await
     }

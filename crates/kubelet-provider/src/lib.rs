@@ -535,15 +535,6 @@ pub trait Provider: Send + Sync + 'static {
         Err(ProviderError::new(ProviderErrorKind::Unsupported, "this provider does not measure its containers"))
     }
 
-    /// Every running container's stats in one call (CRI
-    /// `ListContainerStats`): what the node's stats pages and the eviction
-    /// manager read instead of one [`container_stats`](Provider::container_stats)
-    /// per container. By default: unsupported, and the node asks container by
-    /// container.
-    async fn all_container_stats(&self) -> Result<Vec<(ContainerId, ContainerStats)>, ProviderError> {
-        Err(ProviderError::new(ProviderErrorKind::Unsupported, "this provider has no batch stats"))
-    }
-
     /// Pod `pod`'s own figures: its cgroup as a whole and its network
     /// (`/metrics/cadvisor`). By default: unsupported, and the node sums
     /// the pod's containers instead.

@@ -340,7 +340,6 @@ mod tests {
                     memory_rss_bytes: Some(800),
                     fs_used_bytes: Some(4096),
                 },
-                batched: false,
             }],
         }
     }

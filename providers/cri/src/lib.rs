@@ -194,18 +194,6 @@ impl std::fmt::Debug for CriProvider {
     }
 }
 
-/// The figures of one CRI `ContainerStats`.
-fn stats_of(stats: cri::ContainerStats) -> ContainerStats {
-    let memory = stats.memory.unwrap_or_default();
-    ContainerStats {
-        cpu_usage_core_nanoseconds: stats.cpu.and_then(|c| c.usage_core_nano_seconds).map(|v| v.value),
-        memory_working_set_bytes: memory.working_set_bytes.map(|v| v.value),
-        memory_usage_bytes: memory.usage_bytes.map(|v| v.value),
-        memory_rss_bytes: memory.rss_bytes.map(|v| v.value),
-        fs_used_bytes: stats.writable_layer.and_then(|l| l.used_bytes).map(|v| v.value),
-    }
-}
-
 fn other(what: &str, status: &tonic::Status) -> ProviderError {
     ProviderError::new(ProviderErrorKind::Other, format!("{what}: {}", describe(status)))
 }
@@ -922,23 +910,15 @@ impl Provider for CriProvider {
             }
             Err(s) => return Err(other("ContainerStats", &s)),
         };
-        Ok(stats_of(answer.stats.unwrap_or_default()))
-    }
-
-    /// One `ListContainerStats` for every container.
-    async fn all_container_stats(&self) -> Result<Vec<(ContainerId, ContainerStats)>, ProviderError> {
-        let mut runtime = self.runtime().await?;
-        let request = cri::ListContainerStatsRequest { filter: None };
-        let answer =
-            self.call(runtime.list_container_stats(request)).await.map_err(|s| other("ListContainerStats", &s))?;
-        Ok(answer
-            .stats
-            .into_iter()
-            .filter_map(|stats| {
-                let id = stats.attributes.as_ref().map(|a| a.id.clone()).filter(|id| !id.is_empty())?;
-                Some((ContainerId(id), stats_of(stats)))
-            })
-            .collect())
+        let stats = answer.stats.unwrap_or_default();
+        let memory = stats.memory.unwrap_or_default();
+        Ok(ContainerStats {
+            cpu_usage_core_nanoseconds: stats.cpu.and_then(|c| c.usage_core_nano_seconds).map(|v| v.value),
+            memory_working_set_bytes: memory.working_set_bytes.map(|v| v.value),
+            memory_usage_bytes: memory.usage_bytes.map(|v| v.value),
+            memory_rss_bytes: memory.rss_bytes.map(|v| v.value),
+            fs_used_bytes: stats.writable_layer.and_then(|l| l.used_bytes).map(|v| v.value),
+        })
     }
 
     async fn attach(&self, id: &ContainerId, request: &StreamRequest) -> Result<StreamingEndpoint, ProviderError> {

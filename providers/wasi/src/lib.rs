@@ -135,20 +135,6 @@ pub const INSTANCE_OVERHEAD: u128 = 128 << 10;
 
 /// The most pods the process can hold, from `vm.max_map_count` and
 /// `RLIMIT_AS`, and why.
-/// A running instance's figures: its metered CPU time and its linear
-/// memory (all the instance's own: working set, usage and RSS alike).
-fn instance_stats(spec: &runtime::RunSpec) -> ContainerStats {
-    let cpu = u64::try_from(spec.cpu.used().as_nanos()).unwrap_or(u64::MAX);
-    let memory = spec.memory.load(Ordering::Acquire);
-    ContainerStats {
-        cpu_usage_core_nanoseconds: Some(cpu),
-        memory_working_set_bytes: Some(memory),
-        memory_usage_bytes: Some(memory),
-        memory_rss_bytes: Some(memory),
-        fs_used_bytes: None,
-    }
-}
-
 fn pod_ceiling(max_map_count: Option<u64>) -> Option<(usize, String)> {
     let map_count = max_map_count
         .or_else(|| std::fs::read_to_string("/proc/sys/vm/max_map_count").ok().and_then(|v| v.trim().parse().ok()));
@@ -742,17 +728,17 @@ impl Provider for WasiProvider {
         let Some(instance) = instances.get(id).filter(|i| i.exit.borrow().is_none()) else {
             return Err(ProviderError::new(ProviderErrorKind::NotFound, format!("container {id} is not running")));
         };
-        Ok(instance_stats(&instance.template.1))
-    }
-
-    /// Every running instance's figures, read from memory.
-    async fn all_container_stats(&self) -> Result<Vec<(ContainerId, ContainerStats)>, ProviderError> {
-        let instances = crate::lock(&self.instances);
-        Ok(instances
-            .iter()
-            .filter(|(_, i)| i.exit.borrow().is_none())
-            .map(|(id, i)| (id.clone(), instance_stats(&i.template.1)))
-            .collect())
+        let spec = &instance.template.1;
+        let cpu = u64::try_from(spec.cpu.used().as_nanos()).unwrap_or(u64::MAX);
+        let memory = spec.memory.load(Ordering::Acquire);
+        Ok(ContainerStats {
+            cpu_usage_core_nanoseconds: Some(cpu),
+            memory_working_set_bytes: Some(memory),
+            memory_usage_bytes: Some(memory),
+            // Linear memory is all the instance's own.
+            memory_rss_bytes: Some(memory),
+            fs_used_bytes: None,
+        })
     }
 
     /// `kubectl exec`: a fresh instance of the container's module with the

@@ -22,8 +22,6 @@ pub struct ContainerUsage {
     pub started: Option<jiff::Timestamp>,
     /// What its provider measured (empty when it could not).
     pub stats: ContainerStats,
-    /// Whether the stats came in the provider's batch.
-    pub batched: bool,
 }
 
 /// One pod's figures.
@@ -60,7 +58,6 @@ pub async fn pod_usage(pods: Vec<Pod>, provider: Option<&Arc<dyn Provider>>) -> 
                 image: container.image.clone(),
                 started: running.started_at.as_ref().map(|t| t.0),
                 stats: ContainerStats::default(),
-                batched: false,
             });
         }
         usage.push(PodUsage {
@@ -73,25 +70,8 @@ pub async fn pod_usage(pods: Vec<Pod>, provider: Option<&Arc<dyn Provider>>) -> 
     }
     let mut failed = false;
     if let Some(provider) = provider {
-        // One batch call where the provider has one; the containers it did
-        // not cover are asked one by one.
-        let mut batch = std::collections::HashMap::new();
-        match tokio::time::timeout(STATS_DEADLINE, provider.all_container_stats()).await {
-            Ok(Ok(all)) => batch.extend(all.into_iter().map(|(id, stats)| (id.0, stats))),
-            Ok(Err(error)) if error.kind == kubelet_provider::ProviderErrorKind::Unsupported => {}
-            Ok(Err(error)) => tracing::debug!(%error, "no batch of container stats; asking one by one"),
-            Err(_) => tracing::debug!("the batch of container stats timed out; asking one by one"),
-        }
-        for pod in &mut usage {
-            for container in &mut pod.containers {
-                if let Some(stats) = batch.remove(&container.id) {
-                    container.stats = stats;
-                    container.batched = true;
-                }
-            }
-        }
         for (p, pod) in usage.iter().enumerate() {
-            for (c, container) in pod.containers.iter().enumerate().filter(|(_, c)| !c.batched) {
+            for (c, container) in pod.containers.iter().enumerate() {
                 let id = ContainerId(container.id.clone());
                 let provider = Arc::clone(provider);
                 reads.push(async move {
