@@ -386,16 +386,7 @@ impl ProbeMetrics {
             Some(false) => "failed",
             None => "unknown",
         };
-        self.total
-            .get_or_create(&ProbeTotal {
-                probe_type: probe.probe_type,
-                result,
-                container: probe.container.clone(),
-                pod: probe.pod.clone(),
-                namespace: probe.namespace.clone(),
-                pod_uid: probe.pod_uid.clone(),
-            })
-            .inc();
+        self.total.get_or_create(&probe.total_labels(result)).inc();
         if healthy != Some(false) {
             self.duration.get_or_create(&probe.duration_labels()).observe(took.as_secs_f64());
         }
@@ -404,20 +395,24 @@ impl ProbeMetrics {
     /// A probe worker stopped: its series go, as upstream deletes them.
     pub(crate) fn forget(&self, probe: &ProbeIdentity) {
         for result in ["successful", "failed", "unknown"] {
-            self.total.remove(&ProbeTotal {
-                probe_type: probe.probe_type,
-                result,
-                container: probe.container.clone(),
-                pod: probe.pod.clone(),
-                namespace: probe.namespace.clone(),
-                pod_uid: probe.pod_uid.clone(),
-            });
+            self.total.remove(&probe.total_labels(result));
         }
         self.duration.remove(&probe.duration_labels());
     }
 }
 
 impl ProbeIdentity {
+    fn total_labels(&self, result: &'static str) -> ProbeTotal {
+        ProbeTotal {
+            probe_type: self.probe_type,
+            result,
+            container: self.container.clone(),
+            pod: self.pod.clone(),
+            namespace: self.namespace.clone(),
+            pod_uid: self.pod_uid.clone(),
+        }
+    }
+
     fn duration_labels(&self) -> ProbeDuration {
         ProbeDuration {
             probe_type: self.probe_type,

@@ -29,6 +29,7 @@ use kubelet_provider::metrics::{TEXT_CONTENT_TYPE, TextWriter};
 use kubelet_provider::{InterfaceStats, PodStats, Provider, ProviderErrorKind};
 
 use super::ApiState;
+use super::stats::sum;
 use crate::pod::usage::{PodUsage, pod_usage};
 
 /// How long one pod's stats may take before they are left out.
@@ -82,16 +83,8 @@ async fn pods_stats(pods: &[Pod], provider: &Arc<dyn Provider>) -> Vec<Option<Po
     futures_util::future::join_all(reads).await
 }
 
-fn sum(values: impl Iterator<Item = Option<u64>>) -> Option<u64> {
-    values.fold(None, |total, v| match (total, v) {
-        (t, None) => t,
-        (None, Some(v)) => Some(v),
-        (Some(t), Some(v)) => Some(t.saturating_add(v)),
-    })
-}
-
 /// The rows of one pod and its containers.
-fn pod_rows(pod: &PodUsage, stats: Option<PodStats>, device_usage: bool, rows: &mut Vec<Row>) {
+fn pod_rows(pod: &PodUsage, stats: Option<PodStats>, rows: &mut Vec<Row>) {
     let stats = stats.unwrap_or_default();
     let pod_id = stats.cgroup.clone().unwrap_or_else(|| format!("/rustlet/pod{}", pod.uid));
     let seconds = |ns: u64| ns as f64 / 1e9;
@@ -124,7 +117,7 @@ fn pod_rows(pod: &PodUsage, stats: Option<PodStats>, device_usage: bool, rows: &
             working_set: container.stats.memory_working_set_bytes,
             usage: container.stats.memory_usage_bytes,
             rss: container.stats.memory_rss_bytes,
-            fs_usage: container.stats.fs_used_bytes.filter(|_| device_usage),
+            fs_usage: container.stats.fs_used_bytes,
             start_time: container.started.map(|t| t.as_millisecond() as f64 / 1e3),
             ..Row::default()
         });
@@ -158,23 +151,17 @@ fn machine_labels() -> [(&'static str, String); 3] {
     ]
 }
 
-fn memory_total() -> Option<u64> {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
-    line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kib| kib * 1024)
-}
-
 /// The page.
 fn page(rows: &[Row], device: &str, now_ms: i64) -> String {
     let mut out = TextWriter::new();
     let machine = machine_labels();
     let machine: Vec<(&str, &str)> = machine.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let capacity = crate::cluster::capacity::measure(0);
     out.family("machine_cpu_cores", "gauge", "Number of logical CPU cores.");
-    out.sample("machine_cpu_cores", &machine, cores as f64, None);
-    if let Some(bytes) = memory_total() {
+    out.sample("machine_cpu_cores", &machine, (capacity.cpu_milli / 1000) as f64, None);
+    if capacity.memory > 0 {
         out.family("machine_memory_bytes", "gauge", "Amount of memory installed on the machine.");
-        out.sample("machine_memory_bytes", &machine, bytes as f64, None);
+        out.sample("machine_memory_bytes", &machine, capacity.memory as f64, None);
     }
     let ts = Some(now_ms);
     let mut gauge =
@@ -191,7 +178,7 @@ fn page(rows: &[Row], device: &str, now_ms: i64) -> String {
                     labels.push(pair);
                     labels.sort_by_key(|(k, _)| *k);
                 }
-                out.sample(name, &labels, v, if name == "container_start_time_seconds" { None } else { ts });
+                out.sample(name, &labels, v, ts);
             }
         };
     gauge(
@@ -310,7 +297,7 @@ pub(super) async fn metrics(State(state): State<ApiState>) -> Response {
     let device = device_of(image_fs.as_deref().unwrap_or(&state.http.views.root_dir));
     let mut rows = vec![root_row()];
     for (pod, stats) in usage.iter().zip(stats) {
-        pod_rows(pod, stats, true, &mut rows);
+        pod_rows(pod, stats, &mut rows);
     }
     let body = page(&rows, &device, jiff::Timestamp::now().as_millisecond());
     (StatusCode::OK, [(header::CONTENT_TYPE, TEXT_CONTENT_TYPE)], body).into_response()
@@ -353,7 +340,7 @@ mod tests {
             network: vec![InterfaceStats { name: "eth0".into(), rx_bytes: 42, ..InterfaceStats::default() }],
             ..PodStats::default()
         };
-        pod_rows(&pod(), Some(stats), true, &mut rows);
+        pod_rows(&pod(), Some(stats), &mut rows);
         let text = page(&rows, "/dev/vda1", 5);
         assert!(text.contains(
             "container_cpu_usage_seconds_total{container=\"app\",cpu=\"total\",id=\"/kubepods/burstable/podu1/abc\",image=\"registry/app:1\",name=\"abc\",namespace=\"default\",pod=\"web\"} 2.5 5\n"
@@ -374,7 +361,10 @@ mod tests {
     #[test]
     fn a_pod_without_its_own_stats_is_named_by_its_uid() {
         let mut rows = Vec::new();
-        pod_rows(&pod(), None, false, &mut rows);
+        let mut wasm = pod();
+        // A WebAssembly container measures no file system use.
+        wasm.containers[0].stats.fs_used_bytes = None;
+        pod_rows(&wasm, None, &mut rows);
         assert_eq!(rows[0].id, "/rustlet/podu1");
         assert_eq!(rows[1].id, "/rustlet/podu1/abc");
         assert_eq!(rows[0].working_set, Some(1000));

@@ -11,7 +11,6 @@
 //! so the first answer has none.
 
 use std::collections::HashMap;
-use std::fmt::Write as _;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -20,6 +19,8 @@ use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
+
+use kubelet_provider::metrics::{TEXT_CONTENT_TYPE, TextWriter};
 
 use super::ApiState;
 use crate::pod::usage::{ContainerUsage, PodUsage, pod_usage};
@@ -134,7 +135,7 @@ fn memory_json(now: &str, usage: Option<u64>, working_set: Option<u64>, availabl
     memory
 }
 
-fn sum(values: impl Iterator<Item = Option<u64>>) -> Option<u64> {
+pub(super) fn sum(values: impl Iterator<Item = Option<u64>>) -> Option<u64> {
     values.fold(None, |total, v| match (total, v) {
         (None, v) => v,
         (Some(t), Some(v)) => Some(t.saturating_add(v)),
@@ -221,104 +222,86 @@ pub(super) async fn summary(State(state): State<ApiState>) -> Response {
     Json(json!({"node": node_json, "pods": pods_json})).into_response()
 }
 
-/// Escapes a Prometheus label value.
-fn label(value: &str) -> String {
-    value.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
-}
-
 /// `GET /metrics/resource`: the series metrics-server reads, in the
 /// Prometheus text format, with the kubelet's names, help and labels.
 pub(super) async fn resource_metrics(State(state): State<ApiState>) -> Response {
     let node = node_usage();
     let (pods, failed) = pod_usage(state.http.views.pods.store().list(), state.provider.as_ref()).await;
-    let ms = jiff::Timestamp::now().as_millisecond();
-    let mut out = String::new();
-    let mut family = |name: &str, kind: &str, help: &str, samples: Vec<(String, f64)>| {
-        let _ = writeln!(out, "# HELP {name} [STABLE] {help}");
-        let _ = writeln!(out, "# TYPE {name} {kind}");
+    let ms = Some(jiff::Timestamp::now().as_millisecond());
+    let mut out = TextWriter::new();
+    let mut family = |name: &str, kind: &str, help: &str, samples: Vec<(Vec<(&str, &str)>, f64)>| {
+        out.family(name, kind, &format!("[STABLE] {help}"));
         for (labels, value) in samples {
-            let _ = writeln!(out, "{name}{labels} {value} {ms}");
+            out.sample(name, &labels, value, ms);
         }
     };
-    let container_labels = |pod: &PodUsage, c: &ContainerUsage| {
-        format!(
-            "{{container=\"{}\",namespace=\"{}\",pod=\"{}\"}}",
-            label(&c.name),
-            label(&pod.namespace),
-            label(&pod.name)
-        )
-    };
-    let pod_labels =
-        |pod: &PodUsage| format!("{{namespace=\"{}\",pod=\"{}\"}}", label(&pod.namespace), label(&pod.name));
     let seconds = |ns: u64| ns as f64 / 1e9;
-    let each = |f: &dyn Fn(&PodUsage, &ContainerUsage) -> Option<f64>| -> Vec<(String, f64)> {
+    let each = |f: &dyn Fn(&ContainerUsage) -> Option<f64>| -> Vec<(Vec<(&str, &str)>, f64)> {
         pods.iter()
-            .flat_map(|p| p.containers.iter().filter_map(move |c| f(p, c).map(|v| (container_labels(p, c), v))))
+            .flat_map(|p| {
+                p.containers.iter().filter_map(move |c| {
+                    let labels = vec![("container", c.name.as_str()), ("namespace", &p.namespace), ("pod", &p.name)];
+                    f(c).map(|v| (labels, v))
+                })
+            })
+            .collect()
+    };
+    let per_pod = |f: &dyn Fn(&PodUsage) -> Option<f64>| -> Vec<(Vec<(&str, &str)>, f64)> {
+        pods.iter()
+            .filter_map(|p| f(p).map(|v| (vec![("namespace", p.namespace.as_str()), ("pod", &p.name)], v)))
             .collect()
     };
     family(
         "container_cpu_usage_seconds_total",
         "counter",
         "Cumulative cpu time consumed by the container in core-seconds",
-        each(&|_, c| c.stats.cpu_usage_core_nanoseconds.map(seconds)),
+        each(&|c| c.stats.cpu_usage_core_nanoseconds.map(seconds)),
     );
     family(
         "container_memory_working_set_bytes",
         "gauge",
         "Current working set of the container in bytes",
-        each(&|_, c| c.stats.memory_working_set_bytes.map(|b| b as f64)),
+        each(&|c| c.stats.memory_working_set_bytes.map(|b| b as f64)),
     );
     family(
         "container_start_time_seconds",
         "gauge",
         "Start time of the container since unix epoch in seconds",
-        each(&|_, c| c.started.map(|t| t.as_millisecond() as f64 / 1e3)),
+        each(&|c| c.started.map(|t| t.as_millisecond() as f64 / 1e3)),
     );
     family(
         "node_cpu_usage_seconds_total",
         "counter",
         "Cumulative cpu time consumed by the node in core-seconds",
-        node.cpu_ns.map(|ns| (String::new(), seconds(ns))).into_iter().collect(),
+        node.cpu_ns.map(|ns| (Vec::new(), seconds(ns))).into_iter().collect(),
     );
     family(
         "node_memory_working_set_bytes",
         "gauge",
         "Current working set of the node in bytes",
-        node.memory_working_set.map(|b| (String::new(), b as f64)).into_iter().collect(),
+        node.memory_working_set.map(|b| (Vec::new(), b as f64)).into_iter().collect(),
     );
     family(
         "pod_cpu_usage_seconds_total",
         "counter",
         "Cumulative cpu time consumed by the pod in core-seconds",
-        pods.iter()
-            .filter_map(|p| {
-                sum(p.containers.iter().map(|c| c.stats.cpu_usage_core_nanoseconds))
-                    .map(|ns| (pod_labels(p), seconds(ns)))
-            })
-            .collect(),
+        per_pod(&|p| sum(p.containers.iter().map(|c| c.stats.cpu_usage_core_nanoseconds)).map(seconds)),
     );
     family(
         "pod_memory_working_set_bytes",
         "gauge",
         "Current working set of the pod in bytes",
-        pods.iter()
-            .filter_map(|p| {
-                sum(p.containers.iter().map(|c| c.stats.memory_working_set_bytes)).map(|b| (pod_labels(p), b as f64))
-            })
-            .collect(),
+        per_pod(&|p| sum(p.containers.iter().map(|c| c.stats.memory_working_set_bytes)).map(|b| b as f64)),
     );
-    let _ = writeln!(
-        out,
-        "# HELP scrape_error [ALPHA] 1 if there was an error while getting container metrics, 0 otherwise"
-    );
-    let _ = writeln!(out, "# TYPE scrape_error gauge");
-    let _ = writeln!(out, "scrape_error {}", u8::from(failed));
-    (StatusCode::OK, [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], out).into_response()
+    out.family("scrape_error", "gauge", "[ALPHA] 1 if there was an error while getting container metrics, 0 otherwise");
+    out.sample("scrape_error", &[], f64::from(u8::from(failed)), None);
+    (StatusCode::OK, [(header::CONTENT_TYPE, TEXT_CONTENT_TYPE)], out.finish()).into_response()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kubelet_provider::metrics::escape_label;
 
     #[test]
     fn rates_come_from_the_previous_reading() {
@@ -342,6 +325,6 @@ mod tests {
 
     #[test]
     fn label_values_are_escaped() {
-        assert_eq!(label("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+        assert_eq!(escape_label("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
     }
 }
