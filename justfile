@@ -7,7 +7,7 @@ build:
 
 # Run the whole test suite (the README's second command; CI runs .ci/run).
 test:
-    cargo test --workspace
+    cargo xtask test
 
 # Formatting and lints, as CI checks them.
 lint:

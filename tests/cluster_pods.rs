@@ -645,7 +645,12 @@ async fn the_kubelet_api_serves_kubectl_through_the_real_api_server() {
 
     // nodes/proxy: the node's endpoints through the API server.
     if host_ip.is_none() {
-        eprintln!("SKIP nodes/proxy: this host has no address but loopback, which the API server does not proxy to");
+        rustlet_testkit::skip::skip_check(
+            "the_kubelet_api_serves_kubectl_through_the_real_api_server",
+            "nodes/proxy",
+            rustlet_testkit::skip::Need::HostAddress,
+            "the API server does not proxy to loopback",
+        );
     }
     if host_ip.is_some() {
         let raw = |path: &str| {

@@ -1153,9 +1153,9 @@ async fn kubelet_sock_that_cannot_be_rebound_is_retried_until_it_can() {
 /// its plugin.
 #[tokio::test]
 async fn register_is_taken_only_from_trusted_users() {
-    use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
-    if std::fs::metadata("/proc/self").map(|m| m.uid()).unwrap_or(1) != 0 {
-        eprintln!("skipped: running a plugin as another user needs root");
+    const TRUSTED_USERS: &str = "register_is_taken_only_from_trusted_users";
+    use std::os::unix::fs::PermissionsExt as _;
+    if !rustlet_testkit::skip::root(TRUSTED_USERS, "running a plugin as another user needs root") {
         return;
     }
     let nobody = 65534;
@@ -1186,4 +1186,14 @@ async fn register_is_taken_only_from_trusted_users() {
     let error = registered(&mut plugin).await;
     assert_eq!(error, "", "registered");
     node.wait_capacity("the allowed plugin's devices", |c| c.contains_key("example.com/nobody")).await;
+}
+
+/// The same, from a build directory no other user may enter (a checkout
+/// under a 0700 home): the plugin uid 65534 runs is a copy it reaches.
+#[test]
+fn register_from_other_users_is_checked_behind_a_directory_they_cannot_enter() {
+    rustlet_testkit::other_user::rerun_behind_a_closed_directory(
+        "register_from_other_users_is_checked_behind_a_directory_they_cannot_enter",
+        "register_is_taken_only_from_trusted_users",
+    );
 }

@@ -645,13 +645,6 @@ async fn out_of_range_settings_are_refused_at_start() {
     drop(root);
 }
 
-/// Whether the tests run as root (the owner of `/proc/self` is the
-/// process's user); the tests that run a plugin as another user need it.
-fn running_as_root() -> bool {
-    use std::os::unix::fs::MetadataExt as _;
-    std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
-}
-
 /// Beyond upstream: a plugin socket is trusted only when the process that
 /// serves it runs as root or as a user in `--plugin-allowed-uids`, owns
 /// the socket file, and no one else may write to it. A plugin run as uid
@@ -664,8 +657,10 @@ fn running_as_root() -> bool {
 async fn a_plugin_served_by_another_user_is_refused_with_the_reason() {
     use rustlet_testkit::process::PluginProcess;
     use std::os::unix::fs::PermissionsExt as _;
-    if !running_as_root() {
-        eprintln!("skipped: running a plugin as another user needs root");
+    if !rustlet_testkit::skip::root(
+        "a_plugin_served_by_another_user_is_refused_with_the_reason",
+        "running a plugin as another user needs root",
+    ) {
         return;
     }
     let nobody = 65534;
@@ -714,4 +709,14 @@ async fn a_plugin_served_by_another_user_is_refused_with_the_reason() {
     let _plugin =
         PluginProcess::spawn_as(registration_plugin_bin(), args, Some(nobody), None).await.expect("plugin as nobody");
     next_event(&mut events, "registered", registered_at(&socket)).await;
+}
+
+/// The same, from a build directory no other user may enter (a checkout
+/// under a 0700 home): the plugin uid 65534 runs is a copy it reaches.
+#[test]
+fn another_users_plugin_is_refused_behind_a_directory_it_cannot_enter() {
+    rustlet_testkit::other_user::rerun_behind_a_closed_directory(
+        "another_users_plugin_is_refused_behind_a_directory_it_cannot_enter",
+        "a_plugin_served_by_another_user_is_refused_with_the_reason",
+    );
 }

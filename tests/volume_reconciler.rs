@@ -28,7 +28,6 @@ use kubelet::pod::Allocatable;
 use kubelet::volume::mounts;
 use rustlet_sample_plugins::csi_driver::{CsiDriverConfig, RegisteredCsiDriver, VolumeCallBehaviour, VolumeCalls};
 use rustlet_sample_plugins::report::Reporter;
-use rustlet_testkit::containerd::is_root;
 use rustlet_testkit::host_provider::HostProcessProvider;
 use tokio_util::sync::CancellationToken;
 
@@ -38,11 +37,7 @@ const DRIVER: &str = "mounts.csi.example.com";
 
 /// Whether the test can run here; says why not.
 fn can_mount(test: &str) -> bool {
-    if is_root() {
-        return true;
-    }
-    eprintln!("SKIP {test}: mounting (bind mounts, tmpfs) needs root");
-    false
+    rustlet_testkit::skip::root(test, "mounting (bind mounts, tmpfs) needs root")
 }
 
 const MANIFEST: &str = "apiVersion: storage.k8s.io/v1

@@ -3,6 +3,8 @@
 
 use kubelet::provider::cgroups::CgroupFs;
 
+use crate::skip::{Need, skip};
+
 /// `/rustlet-test-<name>-<pid>` on the host's cgroup file system; removed,
 /// deepest groups first, when dropped (a group still holding a process is
 /// left, and said so).
@@ -16,18 +18,19 @@ pub struct TestCgroupRoot {
 }
 
 impl TestCgroupRoot {
-    /// A root for `test`; `None` (the test skips, saying why) without a
-    /// cgroup file system this process may write.
+    /// A root for `test`; `None` (the test [skips](crate::skip), saying
+    /// why, or fails under `RUSTLET_REQUIRE_CGROUPS=1`) without a cgroup
+    /// file system this process may write.
     pub fn new(test: &str) -> Option<TestCgroupRoot> {
         let Some(fs) = CgroupFs::detect() else {
-            eprintln!("skipping {test}: no cgroup file system at /sys/fs/cgroup");
+            skip(test, Need::Cgroups, "no cgroup file system at /sys/fs/cgroup");
             return None;
         };
         let short: String = test.chars().filter(char::is_ascii_alphanumeric).take(24).collect();
         let name = format!("/rustlet-test-{short}-{}", std::process::id());
         let root = TestCgroupRoot { name, fs };
         if let Err(error) = root.fs.ensure(&root.name, &Default::default()) {
-            eprintln!("skipping {test}: cannot make a cgroup: {error}");
+            skip(test, Need::Cgroups, format!("cannot make a cgroup: {error}"));
             return None;
         }
         Some(root)
@@ -102,16 +105,17 @@ pub struct TmpfsDir {
 }
 
 impl TmpfsDir {
-    /// `size` bytes at most; `None` (the test skips, saying why) where this
-    /// process may not mount.
+    /// `size` bytes at most; `None` (the test [skips](crate::skip), saying
+    /// why, or fails under `RUSTLET_REQUIRE_MOUNTS=1`) where this process
+    /// may not mount.
     pub fn new(test: &str, size: u64) -> Option<TmpfsDir> {
-        let dir = tempfile::Builder::new().prefix("rustlet-tmpfs-").tempdir().ok()?;
+        let dir = tempfile::Builder::new().prefix("rustlet-tmpfs-").tempdir().expect("tempdir");
         let status = std::process::Command::new("mount")
             .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
             .arg(dir.path())
             .status();
         if !status.as_ref().is_ok_and(|s| s.success()) {
-            eprintln!("skipping {test}: cannot mount a tmpfs ({status:?})");
+            skip(test, Need::Mounts, format!("cannot mount a tmpfs ({status:?})"));
             return None;
         }
         Some(TmpfsDir { path: dir.path().to_owned(), dir: Some(dir) })

@@ -23,11 +23,6 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-/// Whether a missing containerd fails the test instead of skipping it.
-pub fn containerd_required() -> bool {
-    std::env::var("RUSTLET_REQUIRE_CONTAINERD").is_ok_and(|v| v == "1")
-}
-
 /// A running containerd.
 pub struct Containerd {
     dir: PathBuf,
@@ -246,16 +241,7 @@ state = "{state}"
 /// The containerd, or `None` after saying why `test` skips (a panic when
 /// `RUSTLET_REQUIRE_CONTAINERD=1`).
 fn or_skip<T>(test: &str, started: Result<T, String>) -> Option<T> {
-    match started {
-        Ok(containerd) => Some(containerd),
-        Err(reason) if containerd_required() => {
-            panic!("{test}: RUSTLET_REQUIRE_CONTAINERD=1 but no containerd: {reason}")
-        }
-        Err(reason) => {
-            eprintln!("SKIP {test}: no containerd: {reason}");
-            None
-        }
-    }
+    crate::skip::or_skip(test, crate::skip::Need::Containerd, started)
 }
 
 /// Starts `binary --config config_path`, its output in `log`.
@@ -277,13 +263,7 @@ fn tail(text: &str) -> String {
     lines[lines.len().saturating_sub(10)..].join("\n")
 }
 
-/// Whether this process runs as root (mounts and containerd need it).
-pub fn is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("Uid:").map(|u| u.split_whitespace().nth(1) == Some("0"))))
-        .unwrap_or(false)
-}
+pub use crate::skip::is_root;
 
 /// The busybox applets the test images link.
 const APPLETS: &[&str] = &[

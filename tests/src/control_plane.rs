@@ -37,11 +37,6 @@ const NODE_POOL: usize = 256;
 /// here; a loaded CI machine is allowed much more).
 const READY_DEADLINE: Duration = Duration::from_secs(180);
 
-/// Whether the real-server tests must run (`RUSTLET_REQUIRE_KUBE=1`).
-pub fn kube_required() -> bool {
-    std::env::var("RUSTLET_REQUIRE_KUBE").is_ok_and(|v| v == "1")
-}
-
 /// A node identity of the control plane.
 #[derive(Clone, Debug)]
 pub struct NodeIdentity {
@@ -138,14 +133,7 @@ impl ControlPlane {
             .join()
             .unwrap_or_else(|_| Err("the control plane starter panicked".into()))
         });
-        match plane {
-            Ok(plane) => Some(plane),
-            Err(reason) if kube_required() => panic!("{test}: RUSTLET_REQUIRE_KUBE=1 but no control plane: {reason}"),
-            Err(reason) => {
-                eprintln!("SKIP {test}: no real kube-apiserver: {reason}");
-                None
-            }
-        }
+        crate::skip::or_skip(test, crate::skip::Need::Kube, plane.as_ref())
     }
 
     async fn start() -> Result<ControlPlane, String> {

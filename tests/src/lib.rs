@@ -18,6 +18,9 @@
 //!   token, a client certificate, or nothing.
 //! - [`registry`]: a real OCI registry (`docker-registry`) on loopback,
 //!   installed on first use, and pushes of wasm images to it.
+//! - [`skip`]: the one skip policy: a test that cannot have what it needs
+//!   says so in one line, and fails where its `RUSTLET_REQUIRE_*` is `1`.
+//! - [`other_user`]: running a binary as another user from any checkout.
 
 pub use rustlet_sample_plugins::{csi_driver, device_plugin, dra_driver, registration, report};
 
@@ -29,11 +32,13 @@ pub mod debian;
 pub mod host_provider;
 pub mod https;
 pub mod node_process;
+pub mod other_user;
 pub mod pod_state;
 pub mod process;
 pub mod prometheus;
 pub mod raw_h2;
 pub mod registry;
+pub mod skip;
 pub mod test_api;
 
 /// Waits until the file at `path` exists and its content satisfies `pred`

@@ -19,6 +19,8 @@ pub struct PluginProcess {
     /// Reports that arrived before `Listening`: a plugin binds its sockets
     /// before it says so, and the node may call it in between.
     early: std::collections::VecDeque<Report>,
+    /// The copy another user runs, kept while it runs.
+    _reachable: Option<crate::other_user::ReachableBinary>,
 }
 
 impl PluginProcess {
@@ -33,7 +35,8 @@ impl PluginProcess {
     }
 
     /// [`PluginProcess::spawn`], as user and group `uid` (where given, which
-    /// takes root) and with file mode mask `umask` (where given).
+    /// takes root) and with file mode mask `umask` (where given). Another
+    /// user runs a [copy it can reach](crate::other_user::ReachableBinary).
     pub async fn spawn_as<I, S>(
         program: impl AsRef<Path>,
         args: I,
@@ -44,7 +47,11 @@ impl PluginProcess {
         I: IntoIterator<Item = S>,
         S: AsRef<OsStr>,
     {
-        let program = program.as_ref();
+        let reachable = match uid {
+            Some(uid) if uid != 0 => Some(crate::other_user::ReachableBinary::new(program.as_ref())?),
+            _ => None,
+        };
+        let program = reachable.as_ref().map_or(program.as_ref(), |copy| copy.path());
         let mut command = match umask {
             // The shell sets the mask and becomes the program.
             Some(mask) => {
@@ -80,7 +87,7 @@ impl PluginProcess {
                 }
             }
         });
-        let mut process = PluginProcess { child, reports, early: Default::default() };
+        let mut process = PluginProcess { child, reports, early: Default::default(), _reachable: None };
         let listening = async {
             while let Some(report) = process.reports.recv().await {
                 if matches!(report, Report::Listening { .. }) {
@@ -93,6 +100,7 @@ impl PluginProcess {
         tokio::time::timeout(Duration::from_secs(30), listening)
             .await
             .map_err(|_| format!("{} did not listen within 30s", program.display()))??;
+        process._reachable = reachable;
         Ok(process)
     }
 

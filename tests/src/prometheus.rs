@@ -13,11 +13,6 @@ use std::time::Duration;
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-/// Whether the Prometheus tests must run (`RUSTLET_REQUIRE_PROMETHEUS=1`).
-pub fn prometheus_required() -> bool {
-    std::env::var("RUSTLET_REQUIRE_PROMETHEUS").is_ok_and(|v| v == "1")
-}
-
 /// A running Prometheus.
 pub struct Prometheus {
     child: tokio::process::Child,
@@ -44,14 +39,7 @@ fn binary() -> Result<PathBuf, String> {
 /// `global` and `scrape_configs` sections), or says why the test skips
 /// (and fails it when `RUSTLET_REQUIRE_PROMETHEUS=1`).
 pub async fn prometheus_or_skip(test: &str, config: &str) -> Option<Prometheus> {
-    match Prometheus::start(config).await {
-        Ok(prometheus) => Some(prometheus),
-        Err(reason) if !prometheus_required() => {
-            eprintln!("SKIP {test}: no Prometheus on this machine: {reason}");
-            None
-        }
-        Err(reason) => panic!("{test}: RUSTLET_REQUIRE_PROMETHEUS=1 but no Prometheus: {reason}"),
-    }
+    crate::skip::or_skip(test, crate::skip::Need::Prometheus, Prometheus::start(config).await)
 }
 
 /// Percent-encodes a query parameter.

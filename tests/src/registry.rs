@@ -28,11 +28,6 @@ pub fn ensure_installed() -> Result<PathBuf, String> {
     crate::debian::ensure_installed(REGISTRY_BIN, "docker-registry")
 }
 
-/// Whether a registry test may skip when no registry can be had.
-pub fn registry_required() -> bool {
-    std::env::var("RUSTLET_REQUIRE_REGISTRY").is_ok_and(|v| v == "1")
-}
-
 /// A running registry.
 pub struct Registry {
     child: Option<tokio::process::Child>,
@@ -286,12 +281,5 @@ pub async fn registry_or_skip(test: &str, credentials: Option<(&str, &str)>) -> 
         Some((user, password)) => Registry::start_with_auth(user, password).await,
         None => Registry::start().await,
     };
-    match started {
-        Ok(registry) => Some(registry),
-        Err(reason) if !registry_required() => {
-            eprintln!("SKIP {test}: no OCI registry on this machine: {reason}");
-            None
-        }
-        Err(reason) => panic!("{test}: RUSTLET_REQUIRE_REGISTRY=1 but no registry: {reason}"),
-    }
+    crate::skip::or_skip(test, crate::skip::Need::Registry, started)
 }

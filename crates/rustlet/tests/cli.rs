@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use rustlet_testkit::csi_driver::{CsiDriverConfig, RegisteredCsiDriver};
 use rustlet_testkit::node_process::{NodeProcess, SOON, http_get as get, http_get_raw, local_socket};
+use rustlet_testkit::other_user::{NOBODY, ReachableBinary};
 use rustlet_testkit::report::{Report, Reporter};
+use rustlet_testkit::skip::Need;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 use tokio::sync::mpsc;
@@ -113,9 +115,9 @@ fn own_uid() -> u32 {
 #[tokio::test]
 async fn the_local_socket_refuses_other_users_even_when_its_mode_lets_them_in() {
     use std::os::unix::fs::PermissionsExt as _;
+    const TEST: &str = "the_local_socket_refuses_other_users_even_when_its_mode_lets_them_in";
     if own_uid() != 0 {
-        eprintln!("skipped: needs root to run a client as another user");
-        return;
+        return rustlet_testkit::skip::skip(TEST, Need::Root, "running a client as another user needs root");
     }
     let root = tempfile::tempdir().expect("tempdir");
     let root_dir = root.path().to_str().expect("utf8").to_owned();
@@ -124,8 +126,10 @@ async fn the_local_socket_refuses_other_users_even_when_its_mode_lets_them_in() 
     let local = local_socket(root.path());
     std::fs::set_permissions(root.path(), std::fs::Permissions::from_mode(0o711)).expect("chmod root dir");
     std::fs::set_permissions(&local, std::fs::Permissions::from_mode(0o666)).expect("chmod socket");
-    let mut stranger = rustlet();
-    stranger.args(["get", "pods", "--root-dir", &root_dir]).uid(65534).gid(65534);
+    let binary = ReachableBinary::new(Path::new(env!("CARGO_BIN_EXE_rustlet"))).expect("a copy uid 65534 reaches");
+    let mut stranger = Command::new(binary.path());
+    stranger.args(["get", "pods", "--root-dir", &root_dir]).uid(NOBODY).gid(NOBODY);
+    stranger.env("RUSTLET_LOG", "info").env_remove("RUSTLET_ROOT_DIR").kill_on_drop(true);
     let output = tokio::time::timeout(SOON, stranger.output()).await.expect("in time").expect("run");
     assert!(!output.status.success(), "uid 65534 read the node's pods");
     let line = node.line_with("local socket: refused a connection").await;
@@ -135,6 +139,16 @@ async fn the_local_socket_refuses_other_users_even_when_its_mode_lets_them_in() 
     // Root still reads it.
     let (ok, _, stderr) = run_cli(&["get", "pods", "--root-dir", &root_dir]).await;
     assert!(ok && stderr.contains("No resources found"), "{stderr}");
+}
+
+/// The same, from a build directory no other user may enter (a checkout
+/// under a 0700 home): the client another user runs is a copy it reaches.
+#[test]
+fn the_local_socket_test_passes_behind_a_directory_other_users_cannot_enter() {
+    rustlet_testkit::other_user::rerun_behind_a_closed_directory(
+        "the_local_socket_test_passes_behind_a_directory_other_users_cannot_enter",
+        "the_local_socket_refuses_other_users_even_when_its_mode_lets_them_in",
+    );
 }
 
 /// `/healthz` names a failing component and `/healthz/<check>` answers for
@@ -975,8 +989,11 @@ impl Drop for MemoryCgroup {
 #[tokio::test]
 async fn a_pod_growing_without_end_is_oomkilled_alone_in_a_node_in_a_2_gib_cgroup() {
     let Some(cgroup) = MemoryCgroup::make(2 << 30) else {
-        eprintln!("skipped: no memory cgroup can be made here");
-        return;
+        return rustlet_testkit::skip::skip(
+            "a_pod_growing_without_end_is_oomkilled_alone_in_a_node_in_a_2_gib_cgroup",
+            Need::Cgroups,
+            "no memory cgroup can be made here",
+        );
     };
     let root = tempfile::tempdir().expect("tempdir");
     let root_dir = root.path().to_str().expect("utf8").to_owned();

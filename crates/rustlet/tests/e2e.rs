@@ -59,8 +59,10 @@ struct Env {
 
 async fn env() -> Option<Env> {
     let Ok(admin_path) = std::env::var("RUSTLET_E2E_KUBECONFIG") else {
-        eprintln!(
-            "SKIP: RUSTLET_E2E_KUBECONFIG is not set; the end-to-end suite needs a real cluster (docs/cluster.md)"
+        rustlet_testkit::skip::skip(
+            "the end-to-end scenario on the user's cluster",
+            rustlet_testkit::skip::Need::Cluster,
+            "RUSTLET_E2E_KUBECONFIG is not set (docs/cluster.md)",
         );
         return None;
     };

@@ -1,0 +1,198 @@
+//! The repository's own commands, run as `cargo xtask <command>`.
+//!
+//! - `test [ARGS]`: the whole test suite, `cargo test --workspace
+//!   --no-fail-fast [ARGS]`, ended by the skips counted by reason and one
+//!   closing line: `suite: N passed, N failed, N skipped`.
+//!
+//! A test that cannot have what it needs here (root, containerd, a real
+//! kube-apiserver, ...) skips through the test kit's skip policy, which
+//! appends a record to the file named by `RUSTLET_SKIP_LOG`; this command
+//! sets that variable, reads the records back when the suite is done, and
+//! counts a skipped test as skipped, not passed (the harness saw it pass).
+
+use std::collections::BTreeMap;
+use std::io::{BufRead as _, BufReader, Write as _};
+use std::path::PathBuf;
+use std::process::{Command, ExitCode, Stdio};
+
+fn main() -> ExitCode {
+    let mut args = std::env::args().skip(1);
+    match args.next().as_deref() {
+        Some("test") => test(args.collect()),
+        other => {
+            if let Some(other) = other {
+                eprintln!("error: unknown command {other:?}");
+            }
+            eprintln!("usage: cargo xtask test [ARGS for cargo test]");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// What the test harness said of one test binary (`test result:` lines,
+/// added up).
+#[derive(Default)]
+struct Results {
+    passed: u64,
+    failed: u64,
+    ignored: u64,
+    binaries: u64,
+}
+
+impl Results {
+    /// Adds `line` when it is a harness's closing line.
+    fn read(&mut self, line: &str) {
+        let Some(rest) = line.trim().strip_prefix("test result: ") else { return };
+        self.binaries += 1;
+        for part in rest.split(';') {
+            let mut words = part.split_whitespace().rev();
+            let (Some(what), Some(count)) = (words.next(), words.next()) else { continue };
+            let Ok(count) = count.parse::<u64>() else { continue };
+            match what {
+                "passed" => self.passed += count,
+                "failed" => self.failed += count,
+                "ignored" => self.ignored += count,
+                _ => {}
+            }
+        }
+    }
+}
+
+/// One skip record: kind (`test` or `check`), variable, what was missing,
+/// the test, the reason.
+struct Skip {
+    whole_test: bool,
+    variable: String,
+    lack: String,
+    test: String,
+    reason: String,
+}
+
+impl Skip {
+    fn parse(line: &str) -> Option<Skip> {
+        let mut fields = line.splitn(5, '\t');
+        let kind = fields.next()?;
+        Some(Skip {
+            whole_test: kind == "test",
+            variable: fields.next()?.to_owned(),
+            lack: fields.next()?.to_owned(),
+            test: fields.next()?.to_owned(),
+            reason: fields.next()?.to_owned(),
+        })
+    }
+}
+
+fn test(args: Vec<String>) -> ExitCode {
+    let workspace = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let target = std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| workspace.join("target"), PathBuf::from);
+    if let Err(error) = std::fs::create_dir_all(&target) {
+        eprintln!("error: cannot make {}: {error}", target.display());
+        return ExitCode::FAILURE;
+    }
+    let skip_log = target.join("rustlet-test-skips.tsv");
+    if let Err(error) = std::fs::write(&skip_log, "") {
+        eprintln!("error: cannot start the skip log {}: {error}", skip_log.display());
+        return ExitCode::FAILURE;
+    }
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let child = Command::new(cargo)
+        .current_dir(&workspace)
+        .args(["test", "--workspace", "--no-fail-fast"])
+        .args(&args)
+        .env("RUSTLET_SKIP_LOG", &skip_log)
+        .stdout(Stdio::piped())
+        .spawn();
+    let mut child = match child {
+        Ok(child) => child,
+        Err(error) => {
+            eprintln!("error: cannot run cargo test: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut results = Results::default();
+    if let Some(stdout) = child.stdout.take() {
+        let mut out = std::io::stdout().lock();
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            results.read(&line);
+            let _ = writeln!(out, "{line}");
+        }
+    }
+    let status = match child.wait() {
+        Ok(status) => status,
+        Err(error) => {
+            eprintln!("error: cargo test: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let skips: Vec<Skip> =
+        std::fs::read_to_string(&skip_log).unwrap_or_default().lines().filter_map(Skip::parse).collect();
+    let mut failed = results.failed;
+    if !status.success() && failed == 0 {
+        // A build error, or a test binary that died without its closing
+        // line: cargo said which above.
+        println!("cargo test failed ({status}) with no failed test counted: a build or a test binary failed (above)");
+        failed = 1;
+    }
+    report(&results, failed, &skips);
+    if status.success() { ExitCode::SUCCESS } else { ExitCode::FAILURE }
+}
+
+/// Prints each skip, the skips counted by reason, and the closing line.
+fn report(results: &Results, failed: u64, skips: &[Skip]) {
+    let skipped_tests = skips.iter().filter(|s| s.whole_test).count() as u64;
+    let skipped_checks = skips.len() as u64 - skipped_tests;
+    println!();
+    if !skips.is_empty() {
+        println!("skipped (each, with the variable that makes it a failure):");
+        for skip in skips {
+            let what = if skip.whole_test { "test " } else { "check" };
+            println!("  {what} {}: {}: {} [{}]", skip.test, skip.lack, skip.reason, skip.variable);
+        }
+    }
+    let mut by_reason: BTreeMap<(String, String), u64> = BTreeMap::new();
+    for skip in skips {
+        *by_reason.entry((skip.lack.clone(), skip.variable.clone())).or_default() += 1;
+    }
+    let mut reasons: Vec<String> =
+        by_reason.iter().map(|((lack, variable), count)| format!("{count} {lack} ({variable})")).collect();
+    if results.ignored > 0 {
+        reasons.push(format!("{} ignored by the harness", results.ignored));
+    }
+    if reasons.is_empty() {
+        println!("skips by reason: none ({} test binaries)", results.binaries);
+    } else {
+        println!(
+            "skips by reason: {} ({skipped_tests} tests, {skipped_checks} checks, {} test binaries)",
+            reasons.join(", "),
+            results.binaries
+        );
+    }
+    let passed = results.passed.saturating_sub(skipped_tests);
+    println!("suite: {passed} passed, {failed} failed, {} skipped", skipped_tests + results.ignored);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn closing_lines_of_the_harness_are_added_up() {
+        let mut results = Results::default();
+        results.read("test result: ok. 12 passed; 0 failed; 1 ignored; 0 measured; 0 filtered out; finished in 0.20s");
+        results.read("test result: FAILED. 3 passed; 2 failed; 0 ignored; 0 measured; 0 filtered out; finished in 1s");
+        results.read("running 5 tests");
+        assert_eq!((results.passed, results.failed, results.ignored, results.binaries), (15, 2, 1, 2));
+    }
+
+    #[test]
+    fn a_skip_record_is_read_back() {
+        let skip = Skip::parse("check\tRUSTLET_REQUIRE_ROOT\tnot root\tt (part)\tneeds root").expect("a record");
+        assert!(!skip.whole_test);
+        assert_eq!(
+            (skip.variable.as_str(), skip.test.as_str(), skip.reason.as_str()),
+            ("RUSTLET_REQUIRE_ROOT", "t (part)", "needs root")
+        );
+        assert!(Skip::parse("garbage").is_none());
+    }
+}
