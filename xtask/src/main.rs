@@ -95,7 +95,26 @@ fn test(args: Vec<String>) -> ExitCode {
         return ExitCode::FAILURE;
     }
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let child = Command::new(cargo)
+    let mut command = Command::new(cargo);
+    // What `cargo run` told this program of itself is not the suite's:
+    // build scripts that watch `CARGO_MANIFEST_DIR` (ring's) would rebuild,
+    // and all above them, at every switch between this and `cargo test`.
+    for (name, _) in std::env::vars_os() {
+        let name = name.to_string_lossy();
+        if name.starts_with("CARGO_PKG_")
+            || [
+                "CARGO_MANIFEST_DIR",
+                "CARGO_MANIFEST_PATH",
+                "CARGO_CRATE_NAME",
+                "CARGO_BIN_NAME",
+                "CARGO_PRIMARY_PACKAGE",
+            ]
+            .contains(&name.as_ref())
+        {
+            command.env_remove(name.as_ref());
+        }
+    }
+    let child = command
         .current_dir(&workspace)
         .args(["test", "--workspace", "--no-fail-fast"])
         .args(&args)

@@ -40,6 +40,10 @@ pub async fn relist(
                 tracing::info!(
                     "the provider does not list its running containers: no relist (kubelet_pleg_* stay empty)"
                 );
+                // Nothing to relist is not a failure: the task stays until
+                // shutdown, as the node's supervisor expects of it (a task
+                // that ended early fails `/healthz`).
+                shutdown.cancelled().await;
                 return;
             }
             Err(error) => tracing::warn!(%error, "relist: the provider could not list its running containers"),
@@ -73,4 +77,56 @@ fn running_container_ids(store: &crate::pod::PodStore) -> Vec<(String, String, S
             })
             .collect()
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use k8s_openapi::api::core::v1::{Container, Pod};
+
+    use super::*;
+    use crate::provider::{
+        ContainerExit, ContainerId, ContainerLaunch, PreparedImage, ProviderError, RunningContainer,
+    };
+
+    /// A provider that cannot list what runs (the default `list_running`).
+    struct CannotList;
+
+    #[async_trait::async_trait]
+    impl kubelet_provider::Provider for CannotList {
+        async fn prepare_image(&self, _: &Pod, _: &Container) -> Result<PreparedImage, ProviderError> {
+            unimplemented!("not used")
+        }
+        async fn start_container(&self, _: &ContainerLaunch) -> Result<ContainerId, ProviderError> {
+            unimplemented!("not used")
+        }
+        async fn wait_container(&self, _: &ContainerId) -> Result<ContainerExit, ProviderError> {
+            unimplemented!("not used")
+        }
+        async fn stop_container(&self, _: &ContainerId, _: Duration) -> Result<(), ProviderError> {
+            unimplemented!("not used")
+        }
+        async fn running_containers(&self) -> Result<Vec<RunningContainer>, ProviderError> {
+            Ok(Vec::new())
+        }
+    }
+
+    /// A provider without a list is no failure: the relist stays until
+    /// shutdown (a supervised task that ends early fails `/healthz`: the
+    /// real server's nodes/proxy test found it).
+    #[tokio::test(start_paused = true)]
+    async fn the_relist_of_a_provider_that_cannot_list_runs_until_shutdown() {
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let task = tokio::spawn(relist(
+            Arc::new(CannotList),
+            crate::pod::PodStore::default(),
+            crate::metrics::PodMetrics::default(),
+            shutdown.clone(),
+        ));
+        tokio::time::sleep(crate::metrics::RELIST_PERIOD * 3).await;
+        assert!(!task.is_finished(), "the relist ended before shutdown");
+        shutdown.cancel();
+        tokio::time::timeout(Duration::from_secs(1), task).await.expect("ended at shutdown").expect("no panic");
+    }
 }
