@@ -498,11 +498,17 @@ async fn ensure_mirror(
             Ok(MirrorOutcome::Exists)
         }
         Err(error) if is_code(&error, 409) => {
-            let Some(existing) = api.get_opt(&known.name).await? else {
+            let existing = match api.get_opt(&known.name).await {
+                Ok(Some(existing)) => Some(existing),
                 // Gone meanwhile: the next pass creates it.
-                return Err(error);
+                Ok(None) => return Err(error),
+                // The node authorizer (1.32+, `AuthorizeNodeWithSelectors`)
+                // lets a node read only the pods bound to it: one it may
+                // not read is not this node's mirror pod.
+                Err(forbidden) if is_code(&forbidden, 403) => None,
+                Err(other) => return Err(other),
             };
-            if !is_mirror(&existing) {
+            let Some(existing) = existing.filter(is_mirror) else {
                 if !mirror.blocked {
                     tracing::warn!(
                         pod = %known.name,
@@ -511,7 +517,7 @@ async fn ensure_mirror(
                     );
                 }
                 return Ok(MirrorOutcome::Blocked);
-            }
+            };
             let hash = existing.metadata.annotations.as_ref().and_then(|a| a.get(MIRROR_ANNOTATION));
             if hash == Some(&mirror.hash) && existing.metadata.deletion_timestamp.is_none() {
                 tracing::info!(pod = %known.name, "mirror pod from an earlier run adopted");

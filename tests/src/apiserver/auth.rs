@@ -4,7 +4,9 @@
 //! plugin give it:
 //! - nodes: read all; create, change and delete only its own;
 //! - leases: only its own, in `kube-node-lease`;
-//! - pods: read all; change the status of, and delete, pods bound to it;
+//! - pods: get those bound to it (the Node authorizer of 1.32+: another's,
+//!   or one that does not exist, is forbidden), list and watch all;
+//!   change the status of, and delete, pods bound to it;
 //!   create only mirror pods bound to it and owned by its Node;
 //! - its own Node's labels: none in the `kubernetes.io` and `k8s.io`
 //!   namespaces but the kubelet's own;
@@ -228,7 +230,17 @@ fn authorize_pod(identity: &Identity, request: &Request<'_>, store: &Store, node
     let deny = |why: &str| Err(forbidden(identity, request, why));
     let bound_here = |pod: &Value| pod.pointer("/spec/nodeName").and_then(Value::as_str) == Some(node);
     match (request.verb, request.subresource) {
-        ("get" | "list" | "watch", _) => Ok(()),
+        // The Node authorizer with `AuthorizeNodeWithSelectors` (on since
+        // 1.32): a node reads one pod only when it is bound to it; a pod
+        // of another node's, or none at all, has no relationship to it.
+        ("get", _) => {
+            let key = super::store::Key::new(request.resource, request.namespace, request.name.unwrap_or_default());
+            match store.get(&key) {
+                Some(pod) if bound_here(pod) => Ok(()),
+                _ => deny(&format!("no relationship found between node '{node}' and this object")),
+            }
+        }
+        ("list" | "watch", _) => Ok(()),
         ("create", None) => admit_mirror_pod(request, store, node),
         ("update" | "patch", Some("status")) | ("delete", None) => {
             let key = super::store::Key::new(request.resource, request.namespace, request.name.unwrap_or_default());
