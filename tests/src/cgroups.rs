@@ -5,7 +5,7 @@ use kubelet::provider::cgroups::CgroupFs;
 
 use crate::skip::{Need, skip};
 
-/// `/rustlet-test-<name>-<pid>` on the host's cgroup file system; removed,
+/// `/rustlet-test-<name>-<pid>-<count>` on the host's cgroup file system; removed,
 /// deepest groups first, when dropped (a group still holding a process is
 /// left, and said so).
 pub struct TestCgroupRoot {
@@ -26,8 +26,14 @@ impl TestCgroupRoot {
             skip(test, Need::Cgroups, "no cgroup file system at /sys/fs/cgroup");
             return None;
         };
+        // The name's start is for a reader; the count keeps two roots of
+        // one process apart (two tests whose names begin alike, as the
+        // Prometheus test's two halves do, shared one root, and the first
+        // to end killed the other's containers).
+        static ROOTS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = ROOTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let short: String = test.chars().filter(char::is_ascii_alphanumeric).take(24).collect();
-        let name = format!("/rustlet-test-{short}-{}", std::process::id());
+        let name = format!("/rustlet-test-{short}-{}-{n}", std::process::id());
         let root = TestCgroupRoot { name, fs };
         if let Err(error) = root.fs.ensure(&root.name, &Default::default()) {
             skip(test, Need::Cgroups, format!("cannot make a cgroup: {error}"));
