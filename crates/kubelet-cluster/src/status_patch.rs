@@ -13,7 +13,8 @@
 //!    with only the node's own conditions in it (conditions other writers
 //!    own, such as readiness-gate conditions and `DisruptionTarget`, are
 //!    never touched), `podIPs`/`hostIPs` merged by `ip`, and the pod's UID
-//!    so the patch cannot land on a newer pod of the same name.
+//!    so the patch cannot land on a newer pod of the same name. Fields
+//!    other writers own ([`OTHERS_FIELDS`]) are never named.
 
 use k8s_openapi::api::core::v1::{PodCondition, PodStatus};
 use serde_json::{Map, Value, json};
@@ -21,6 +22,12 @@ use serde_json::{Map, Value, json};
 /// The conditions the node owns (it computes them; nobody else writes them).
 pub const NODE_CONDITIONS: [&str; 5] =
     ["PodScheduled", "PodReadyToStartContainers", "Initialized", "ContainersReady", "Ready"];
+
+/// Status fields other writers own, which the node's patch never names:
+/// the resource claim controller's `resourceClaimStatuses` (NodeRestriction
+/// refuses a node's write that changes them, `null` included) and the
+/// scheduler's `nominatedNodeName`.
+pub const OTHERS_FIELDS: [&str; 2] = ["resourceClaimStatuses", "nominatedNodeName"];
 
 /// The reason of a `Ready` condition held back by a readiness gate.
 pub const READINESS_GATES_NOT_READY: &str = "ReadinessGatesNotReady";
@@ -81,6 +88,7 @@ pub fn patch(uid: &str, api: Option<&PodStatus>, desired: &PodStatus) -> Option<
     for (key, new) in &after {
         let old = before.get(key);
         match key.as_str() {
+            others if OTHERS_FIELDS.contains(&others) => {}
             "conditions" => {
                 let changed = changed_conditions(old, new);
                 if !changed.is_empty() {
@@ -98,7 +106,7 @@ pub fn patch(uid: &str, api: Option<&PodStatus>, desired: &PodStatus) -> Option<
         }
     }
     for (key, old) in &before {
-        if after.contains_key(key) || key == "conditions" {
+        if after.contains_key(key) || key == "conditions" || OTHERS_FIELDS.contains(&key.as_str()) {
             continue;
         }
         match key.as_str() {
@@ -262,5 +270,36 @@ mod tests {
         let desired = PodStatus { pod_ips: Some(vec![PodIP { ip: "10.0.0.1".into() }]), ..PodStatus::default() };
         let patch = patch("u1", Some(&api), &desired).expect("patch");
         assert_eq!(patch["status"]["podIPs"], json!([{"ip": "10.0.0.1"}, {"ip": "fd00::1", "$patch": "delete"}]));
+    }
+}
+
+#[cfg(test)]
+mod others_fields {
+    use super::*;
+
+    /// The controller's `resourceClaimStatuses` and the scheduler's
+    /// `nominatedNodeName` in the API's status, absent from the node's: the
+    /// patch names neither (a `null` for the claims was refused by
+    /// NodeRestriction: "cannot update resource claim statues").
+    #[test]
+    fn the_patch_never_names_the_fields_others_own() {
+        let api: PodStatus = serde_json::from_value(json!({
+            "phase": "Pending",
+            "nominatedNodeName": "n1",
+            "resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": "pod-gpu-x7k2p"}],
+        }))
+        .expect("status");
+        let desired: PodStatus = serde_json::from_value(json!({"phase": "Running"})).expect("status");
+        let written = patch("u1", Some(&api), &desired).expect("a patch");
+        assert_eq!(written, json!({"metadata": {"uid": "u1"}, "status": {"phase": "Running"}}));
+        // Nor when the node's status carries them (a provider copied them).
+        let carrying: PodStatus = serde_json::from_value(json!({
+            "phase": "Running",
+            "nominatedNodeName": "n2",
+            "resourceClaimStatuses": [],
+        }))
+        .expect("status");
+        let written = patch("u1", Some(&api), &carrying).expect("a patch");
+        assert_eq!(written, json!({"metadata": {"uid": "u1"}, "status": {"phase": "Running"}}));
     }
 }

@@ -503,9 +503,19 @@ async fn a_claim_is_prepared_once_across_a_kill_9_and_released_once() {
         "reservedFor": [{"resource": "pods", "name": "dra-sleeper", "uid": created.metadata.uid}],
     }});
     claims.patch_status("gpu-claim", &PatchParams::default(), &Patch::Merge(&allocation)).await.expect("allocate");
+    // The resource claim controller's part of the pod's status, which
+    // NodeRestriction keeps from the node: the node's status writes must
+    // leave it alone (a `null` for it was refused, and the pod never ran).
+    let claim_statuses = json!([{"name": "gpu", "resourceClaimName": "gpu-claim"}]);
+    let controller = json!({"status": {"resourceClaimStatuses": claim_statuses}});
+    pods.patch_status("dra-sleeper", &PatchParams::default(), &Patch::Merge(&controller))
+        .await
+        .expect("claim statuses");
     let running =
         |p: Option<&Pod>| p.is_some_and(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"));
-    api.wait_for(&pods, "dra-sleeper", "Running", SOON, running).await.expect("pod");
+    let ran = api.wait_for(&pods, "dra-sleeper", "Running", SOON, running).await.expect("pod");
+    let kept = ran.status.as_ref().and_then(|s| s.resource_claim_statuses.as_ref()).map(serde_json::to_value);
+    assert_eq!(kept.map(|v| v.expect("json")), Some(claim_statuses), "the controller's claim statuses are kept");
     let prepared = next_call(&mut calls).await;
     assert!(
         matches!(&prepared, Report::DraPrepare { claims, .. } if claims[0].0 == claim_uid && claims[0].1 == Ok(vec!["dev-1".to_owned()])),

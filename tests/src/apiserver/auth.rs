@@ -6,7 +6,8 @@
 //! - leases: only its own, in `kube-node-lease`;
 //! - pods: get those bound to it (the Node authorizer of 1.32+: another's,
 //!   or one that does not exist, is forbidden), list and watch all;
-//!   change the status of, and delete, pods bound to it;
+//!   change the status of (never `status.resourceClaimStatuses`, which
+//!   NodeRestriction keeps for the controller), and delete, pods bound to it;
 //!   create only mirror pods bound to it and owned by its Node;
 //! - its own Node's labels: none in the `kubernetes.io` and `k8s.io`
 //!   namespaces but the kubelet's own;
@@ -88,7 +89,7 @@ pub struct Request<'a> {
     /// The object's name (from the URL, the body of a create, or a
     /// `metadata.name=` field selector).
     pub name: Option<&'a str>,
-    /// The body of a create.
+    /// The body of a create, an update or a patch.
     pub body: Option<&'a Value>,
 }
 
@@ -245,6 +246,9 @@ fn authorize_pod(identity: &Identity, request: &Request<'_>, store: &Store, node
         ("update" | "patch", Some("status")) | ("delete", None) => {
             let key = super::store::Key::new(request.resource, request.namespace, request.name.unwrap_or_default());
             match store.get(&key) {
+                Some(pod) if bound_here(pod) && request.subresource == Some("status") => {
+                    admit_pod_status(request, pod, node)
+                }
                 Some(pod) if bound_here(pod) => Ok(()),
                 // Not there: let the handler answer 404.
                 None => Ok(()),
@@ -252,6 +256,42 @@ fn authorize_pod(identity: &Identity, request: &Request<'_>, store: &Store, node
             }
         }
         _ => deny("a node may not change pods' specs"),
+    }
+}
+
+/// NodeRestriction's check of a node's write of a pod's status: the
+/// resource claim controller owns `status.resourceClaimStatuses`, and a
+/// write that would change them is refused (upstream's message, its typo
+/// kept). A patch that leaves them out changes nothing; one that sets them
+/// to `null`, or a PUT without them, would.
+fn admit_pod_status(request: &Request<'_>, pod: &Value, node: &str) -> Result<(), ApiError> {
+    let Some(body) = request.body else { return Ok(()) };
+    let stored = pod.pointer("/status/resourceClaimStatuses").unwrap_or(&Value::Null);
+    let written = match (request.verb, body.get("status")) {
+        ("patch", Some(status)) => match status.get("resourceClaimStatuses") {
+            Some(written) => written,
+            None => return Ok(()),
+        },
+        ("patch", None) => return Ok(()),
+        _ => body.pointer("/status/resourceClaimStatuses").unwrap_or(&Value::Null),
+    };
+    let names = |statuses: &Value| -> Vec<(Value, Value)> {
+        statuses
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|s| {
+                (
+                    s.get("name").cloned().unwrap_or(Value::Null),
+                    s.get("resourceClaimName").cloned().unwrap_or(Value::Null),
+                )
+            })
+            .collect()
+    };
+    if names(stored) == names(written) {
+        Ok(())
+    } else {
+        Err(admission_forbidden(request, &format!("node \"{node}\" cannot update resource claim statues")))
     }
 }
 

@@ -562,7 +562,7 @@ async fn serve(
             subresource: sub,
             namespace: &namespace,
             name: name_for_auth,
-            body: (verb == "create").then_some(&body_value),
+            body: matches!(verb, "create" | "update" | "patch").then_some(&body_value),
         };
         auth::authorize(identity, &request, &store)?;
     }
