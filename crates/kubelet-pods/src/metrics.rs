@@ -526,6 +526,10 @@ impl Provider for MeteredProvider {
         self.timed("container_stats", self.inner.container_stats(id)).await
     }
 
+    async fn started_at(&self, id: &ContainerId) -> Result<jiff::Timestamp, ProviderError> {
+        self.timed("container_status", self.inner.started_at(id)).await
+    }
+
     async fn pod_stats(&self, pod: &Pod) -> Result<PodStats, ProviderError> {
         self.timed("podsandbox_stats", self.inner.pod_stats(pod)).await
     }

@@ -260,6 +260,10 @@ impl Provider for RuntimeClasses {
         self.owner(id)?.container_stats(id).await
     }
 
+    async fn started_at(&self, id: &ContainerId) -> Result<jiff::Timestamp, ProviderError> {
+        self.owner(id)?.started_at(id).await
+    }
+
     async fn pod_stats(&self, pod: &Pod) -> Result<kubelet_provider::PodStats, ProviderError> {
         self.provider_for(pod)?.pod_stats(pod).await
     }

@@ -494,6 +494,16 @@ pub trait Provider: Send + Sync + 'static {
         Err(ProviderError::new(ProviderErrorKind::Unsupported, "this provider does not list its running containers"))
     }
 
+    /// When the container `id` started, as the runtime recorded it: asked
+    /// once after a start, so that the status reports the runtime's time
+    /// (as the kubelet does) and a node that adopts the container after a
+    /// restart reports the same. By default: unsupported, and the node's
+    /// clock when the start returned is reported.
+    async fn started_at(&self, id: &ContainerId) -> Result<Timestamp, ProviderError> {
+        let _ = id;
+        Err(ProviderError::new(ProviderErrorKind::Unsupported, "this provider does not say when a container started"))
+    }
+
     /// Runs `command` in the running container `id` to its end, within
     /// `timeout` (exec probes); a command still running then is an error of
     /// kind [`ProviderErrorKind::Timeout`]. By default: unsupported.

@@ -985,6 +985,14 @@ impl Provider for CriProvider {
     }
 
     /// One `ListContainers` of the running ones.
+    async fn started_at(&self, id: &ContainerId) -> Result<Timestamp, ProviderError> {
+        let status = self.status(&id.0).await?;
+        if status.started_at <= 0 {
+            return Err(ProviderError::new(ProviderErrorKind::Other, format!("container {} has not started", id.0)));
+        }
+        Ok(timestamp(status.started_at))
+    }
+
     async fn list_running(&self) -> Result<Vec<(String, ContainerId)>, ProviderError> {
         Ok(self
             .list_running_cri()

@@ -213,7 +213,10 @@ pub(crate) async fn start(
     data.recorder.pod(&data.pod, Some(name), EventType::Normal, "Created", format!("Created container {name}"));
     data.recorder.pod(&data.pod, Some(name), EventType::Normal, "Started", format!("Started container {name}"));
     let also = own_addresses(&lifecycle, data);
-    follow(data, provider, name, id.clone(), Timestamp::now(), Instant::now(), also).await;
+    // The runtime's start time where it says it (the kubelet reports the
+    // runtime's, and a node that adopts the container reads the same).
+    let started_at = provider.started_at(&id).await.unwrap_or_else(|_| Timestamp::now());
+    follow(data, provider, name, id.clone(), started_at, Instant::now(), also).await;
     let address = lifecycle.hook_address(data);
     run_post_start(data, provider, name, &id, address).await;
     Ok(())
