@@ -5,7 +5,8 @@
 //! - nodes: read all; create, change and delete only its own;
 //! - leases: only its own, in `kube-node-lease`;
 //! - pods: get those bound to it (the Node authorizer of 1.32+: another's,
-//!   or one that does not exist, is forbidden), list and watch all;
+//!   or one that does not exist, is forbidden), list and watch those
+//!   bound to it (`spec.nodeName=<node>`);
 //!   change the status of (never `status.resourceClaimStatuses`, which
 //!   NodeRestriction keeps for the controller), and delete, pods bound to it;
 //!   create only mirror pods bound to it and owned by its Node;
@@ -91,6 +92,8 @@ pub struct Request<'a> {
     pub name: Option<&'a str>,
     /// The body of a create, an update or a patch.
     pub body: Option<&'a Value>,
+    /// The `fieldSelector` of a list or a watch ("" for none).
+    pub field_selector: &'a str,
 }
 
 fn forbidden(identity: &Identity, request: &Request<'_>, why: &str) -> ApiError {
@@ -241,7 +244,19 @@ fn authorize_pod(identity: &Identity, request: &Request<'_>, store: &Store, node
                 _ => deny(&format!("no relationship found between node '{node}' and this object")),
             }
         }
-        ("list" | "watch", _) => Ok(()),
+        // ... and lists and watches only the pods bound to it (a
+        // `spec.nodeName=<node>` field selector), or one pod bound to it.
+        ("list" | "watch", _) => {
+            let own = format!("spec.nodeName={node}");
+            if request.field_selector.split(',').any(|term| term == own) {
+                return Ok(());
+            }
+            let key = super::store::Key::new(request.resource, request.namespace, request.name.unwrap_or_default());
+            match store.get(&key) {
+                Some(pod) if request.name.is_some() && bound_here(pod) => Ok(()),
+                _ => deny("can only list/watch pods with spec.nodeName field selector"),
+            }
+        }
         ("create", None) => admit_mirror_pod(request, store, node),
         ("update" | "patch", Some("status")) | ("delete", None) => {
             let key = super::store::Key::new(request.resource, request.namespace, request.name.unwrap_or_default());

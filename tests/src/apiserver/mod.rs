@@ -563,6 +563,7 @@ async fn serve(
             namespace: &namespace,
             name: name_for_auth,
             body: matches!(verb, "create" | "update" | "patch").then_some(&body_value),
+            field_selector: query.get("fieldSelector").map(String::as_str).unwrap_or_default(),
         };
         auth::authorize(identity, &request, &store)?;
     }
