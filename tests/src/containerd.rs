@@ -54,7 +54,7 @@ impl Containerd {
     }
 
     fn start() -> Result<Containerd, String> {
-        if !is_root() {
+        if !crate::skip::is_root() {
             return Err("containerd needs root".into());
         }
         let binary = crate::debian::ensure_installed("/usr/bin/containerd", "containerd")?;
@@ -262,8 +262,6 @@ fn tail(text: &str) -> String {
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(10)..].join("\n")
 }
-
-pub use crate::skip::is_root;
 
 /// The busybox applets the test images link.
 const APPLETS: &[&str] = &[

@@ -271,11 +271,6 @@ mod tests {
         let patch = patch("u1", Some(&api), &desired).expect("patch");
         assert_eq!(patch["status"]["podIPs"], json!([{"ip": "10.0.0.1"}, {"ip": "fd00::1", "$patch": "delete"}]));
     }
-}
-
-#[cfg(test)]
-mod others_fields {
-    use super::*;
 
     /// The controller's `resourceClaimStatuses` and the scheduler's
     /// `nominatedNodeName` in the API's status, absent from the node's: the

@@ -16,7 +16,12 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 fn rustlet() -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_rustlet"));
+    rustlet_at(Path::new(env!("CARGO_BIN_EXE_rustlet")))
+}
+
+/// The binary at `program` (a copy of it), as [`rustlet`] runs it.
+fn rustlet_at(program: &Path) -> Command {
+    let mut cmd = Command::new(program);
     cmd.env("RUSTLET_LOG", "info").env_remove("RUSTLET_ROOT_DIR").kill_on_drop(true);
     cmd
 }
@@ -127,9 +132,8 @@ async fn the_local_socket_refuses_other_users_even_when_its_mode_lets_them_in() 
     std::fs::set_permissions(root.path(), std::fs::Permissions::from_mode(0o711)).expect("chmod root dir");
     std::fs::set_permissions(&local, std::fs::Permissions::from_mode(0o666)).expect("chmod socket");
     let binary = ReachableBinary::new(Path::new(env!("CARGO_BIN_EXE_rustlet"))).expect("a copy uid 65534 reaches");
-    let mut stranger = Command::new(binary.path());
+    let mut stranger = rustlet_at(binary.path());
     stranger.args(["get", "pods", "--root-dir", &root_dir]).uid(NOBODY).gid(NOBODY);
-    stranger.env("RUSTLET_LOG", "info").env_remove("RUSTLET_ROOT_DIR").kill_on_drop(true);
     let output = tokio::time::timeout(SOON, stranger.output()).await.expect("in time").expect("run");
     assert!(!output.status.success(), "uid 65534 read the node's pods");
     let line = node.line_with("local socket: refused a connection").await;

@@ -232,44 +232,35 @@ fn authorize_slice(identity: &Identity, request: &Request<'_>, store: &Store, no
 
 fn authorize_pod(identity: &Identity, request: &Request<'_>, store: &Store, node: &str) -> Result<(), ApiError> {
     let deny = |why: &str| Err(forbidden(identity, request, why));
-    let bound_here = |pod: &Value| pod.pointer("/spec/nodeName").and_then(Value::as_str) == Some(node);
+    // The pod the request names, as stored (none for a list without a
+    // name), and whether it is bound to this node.
+    let stored =
+        request.name.and_then(|name| store.get(&super::store::Key::new(request.resource, request.namespace, name)));
+    let bound_here = stored.is_some_and(|pod| pod.pointer("/spec/nodeName").and_then(Value::as_str) == Some(node));
     match (request.verb, request.subresource) {
         // The Node authorizer with `AuthorizeNodeWithSelectors` (on since
         // 1.32): a node reads one pod only when it is bound to it; a pod
         // of another node's, or none at all, has no relationship to it.
-        ("get", _) => {
-            let key = super::store::Key::new(request.resource, request.namespace, request.name.unwrap_or_default());
-            match store.get(&key) {
-                Some(pod) if bound_here(pod) => Ok(()),
-                _ => deny(&format!("no relationship found between node '{node}' and this object")),
-            }
-        }
+        ("get", _) if bound_here => Ok(()),
+        ("get", _) => deny(&format!("no relationship found between node '{node}' and this object")),
         // ... and lists and watches only the pods bound to it (a
         // `spec.nodeName=<node>` field selector), or one pod bound to it.
         ("list" | "watch", _) => {
             let own = format!("spec.nodeName={node}");
-            if request.field_selector.split(',').any(|term| term == own) {
-                return Ok(());
-            }
-            let key = super::store::Key::new(request.resource, request.namespace, request.name.unwrap_or_default());
-            match store.get(&key) {
-                Some(pod) if request.name.is_some() && bound_here(pod) => Ok(()),
-                _ => deny("can only list/watch pods with spec.nodeName field selector"),
+            if bound_here || request.field_selector.split(',').any(|term| term == own) {
+                Ok(())
+            } else {
+                deny("can only list/watch pods with spec.nodeName field selector")
             }
         }
         ("create", None) => admit_mirror_pod(request, store, node),
-        ("update" | "patch", Some("status")) | ("delete", None) => {
-            let key = super::store::Key::new(request.resource, request.namespace, request.name.unwrap_or_default());
-            match store.get(&key) {
-                Some(pod) if bound_here(pod) && request.subresource == Some("status") => {
-                    admit_pod_status(request, pod, node)
-                }
-                Some(pod) if bound_here(pod) => Ok(()),
-                // Not there: let the handler answer 404.
-                None => Ok(()),
-                Some(_) => deny(&format!("node '{node}' can only modify pods bound to it")),
-            }
-        }
+        ("update" | "patch", Some("status")) | ("delete", None) => match stored {
+            Some(pod) if bound_here && request.subresource == Some("status") => admit_pod_status(request, pod, node),
+            Some(_) if bound_here => Ok(()),
+            // Not there: let the handler answer 404.
+            None => Ok(()),
+            Some(_) => deny(&format!("node '{node}' can only modify pods bound to it")),
+        },
         _ => deny("a node may not change pods' specs"),
     }
 }
@@ -282,13 +273,10 @@ fn authorize_pod(identity: &Identity, request: &Request<'_>, store: &Store, node
 fn admit_pod_status(request: &Request<'_>, pod: &Value, node: &str) -> Result<(), ApiError> {
     let Some(body) = request.body else { return Ok(()) };
     let stored = pod.pointer("/status/resourceClaimStatuses").unwrap_or(&Value::Null);
-    let written = match (request.verb, body.get("status")) {
-        ("patch", Some(status)) => match status.get("resourceClaimStatuses") {
-            Some(written) => written,
-            None => return Ok(()),
-        },
+    let written = match (request.verb, body.pointer("/status/resourceClaimStatuses")) {
+        // A patch that leaves them out leaves them as they are.
         ("patch", None) => return Ok(()),
-        _ => body.pointer("/status/resourceClaimStatuses").unwrap_or(&Value::Null),
+        (_, written) => written.unwrap_or(&Value::Null),
     };
     let names = |statuses: &Value| -> Vec<(Value, Value)> {
         statuses

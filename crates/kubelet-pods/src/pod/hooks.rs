@@ -165,7 +165,7 @@ mod tests {
     async fn a_sleep_hook_waits_its_seconds_within_the_hooks_time() {
         let pod = Pod::default();
         let c = container(serde_json::json!({"preStop": {"sleep": {"seconds": 30}}}));
-        let provider: Arc<dyn Provider> = Arc::new(NoExec);
+        let provider: Arc<dyn Provider> = Arc::new(crate::pod::idle_provider::IdleProvider);
         let id = ContainerId("x".into());
         let address = IpAddr::from([127, 0, 0, 1]);
         let began = tokio::time::Instant::now();
@@ -200,7 +200,7 @@ mod tests {
             serde_json::from_value(serde_json::json!({"metadata": {"name": "p", "namespace": "n", "uid": "u"}}))
                 .expect("pod");
         let c = container(serde_json::json!({"postStart": {"httpGet": {"path": "/echo?msg=poststart", "port": port}}}));
-        let provider: Arc<dyn Provider> = Arc::new(NoExec);
+        let provider: Arc<dyn Provider> = Arc::new(crate::pod::idle_provider::IdleProvider);
         let id = ContainerId("x".into());
         let loopback = IpAddr::from([127, 0, 0, 1]);
         // Any answer counts, as upstream.
@@ -217,39 +217,5 @@ mod tests {
             ),
             "{error}"
         );
-    }
-
-    /// A provider that runs nothing (the HTTP test needs none).
-    struct NoExec;
-
-    #[async_trait::async_trait]
-    impl Provider for NoExec {
-        async fn prepare_image(
-            &self,
-            _: &Pod,
-            _: &Container,
-        ) -> Result<crate::provider::PreparedImage, crate::provider::ProviderError> {
-            unimplemented!("not used")
-        }
-        async fn start_container(
-            &self,
-            _: &crate::provider::ContainerLaunch,
-        ) -> Result<ContainerId, crate::provider::ProviderError> {
-            unimplemented!("not used")
-        }
-        async fn wait_container(
-            &self,
-            _: &ContainerId,
-        ) -> Result<crate::provider::ContainerExit, crate::provider::ProviderError> {
-            unimplemented!("not used")
-        }
-        async fn stop_container(&self, _: &ContainerId, _: Duration) -> Result<(), crate::provider::ProviderError> {
-            unimplemented!("not used")
-        }
-        async fn running_containers(
-            &self,
-        ) -> Result<Vec<crate::provider::RunningContainer>, crate::provider::ProviderError> {
-            Ok(Vec::new())
-        }
     }
 }

@@ -30,6 +30,8 @@ mod backoff;
 mod containers;
 mod data;
 pub mod hooks;
+#[cfg(test)]
+pub(crate) mod idle_provider;
 mod node_files;
 pub mod probe;
 pub mod relist;

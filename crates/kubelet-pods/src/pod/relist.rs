@@ -83,34 +83,7 @@ fn running_container_ids(store: &crate::pod::PodStore) -> Vec<(String, String, S
 mod tests {
     use std::time::Duration;
 
-    use k8s_openapi::api::core::v1::{Container, Pod};
-
     use super::*;
-    use crate::provider::{
-        ContainerExit, ContainerId, ContainerLaunch, PreparedImage, ProviderError, RunningContainer,
-    };
-
-    /// A provider that cannot list what runs (the default `list_running`).
-    struct CannotList;
-
-    #[async_trait::async_trait]
-    impl kubelet_provider::Provider for CannotList {
-        async fn prepare_image(&self, _: &Pod, _: &Container) -> Result<PreparedImage, ProviderError> {
-            unimplemented!("not used")
-        }
-        async fn start_container(&self, _: &ContainerLaunch) -> Result<ContainerId, ProviderError> {
-            unimplemented!("not used")
-        }
-        async fn wait_container(&self, _: &ContainerId) -> Result<ContainerExit, ProviderError> {
-            unimplemented!("not used")
-        }
-        async fn stop_container(&self, _: &ContainerId, _: Duration) -> Result<(), ProviderError> {
-            unimplemented!("not used")
-        }
-        async fn running_containers(&self) -> Result<Vec<RunningContainer>, ProviderError> {
-            Ok(Vec::new())
-        }
-    }
 
     /// A provider without a list is no failure: the relist stays until
     /// shutdown (a supervised task that ends early fails `/healthz`: the
@@ -119,7 +92,7 @@ mod tests {
     async fn the_relist_of_a_provider_that_cannot_list_runs_until_shutdown() {
         let shutdown = tokio_util::sync::CancellationToken::new();
         let task = tokio::spawn(relist(
-            Arc::new(CannotList),
+            Arc::new(crate::pod::idle_provider::IdleProvider),
             crate::pod::PodStore::default(),
             crate::metrics::PodMetrics::default(),
             shutdown.clone(),
