@@ -492,9 +492,10 @@ mod cluster {
         node.stopped().await;
     }
 
-    /// A server that does not serve `resource.k8s.io/v1` (Kubernetes 1.28)
-    /// holds no slices: the node asks discovery, deletes nothing and does
-    /// not retry (it used to retry a refused delete forever).
+    /// A server that serves no `resource.k8s.io` (Kubernetes 1.28, or a
+    /// 1.33 one without the betas on) holds no slices: the node asks
+    /// discovery of each version it knows, deletes nothing and does not
+    /// retry (it used to retry a refused delete forever).
     #[tokio::test]
     async fn no_slices_are_deleted_where_the_server_does_not_serve_them() {
         let api = TestApi::fake().await;
@@ -503,18 +504,17 @@ mod cluster {
         let stale = format!("{}-stale", api.node);
         slices.create(&PostParams::default(), &slice(&stale, &api.node, DRIVER)).await.expect("stale slice");
         // As a 1.28 server answers: no such group version.
-        server.inject(rustlet_testkit::apiserver::Fault::status(
-            Some(axum::http::Method::GET),
-            "/apis/resource.k8s.io/v1",
-            404,
-            usize::MAX,
-        ));
+        server.serve_resource_versions(&[]);
         let root = tempfile::Builder::new().prefix("rustlet-dra-").tempdir().expect("tempdir");
         let (node, shutdown) = cluster_node(&api, root.path()).await;
         let asked = server
-            .wait_requests(SOON, |r| r.iter().any(|l| l.uri == "/apis/resource.k8s.io/v1" && l.status == 404))
+            .wait_requests(SOON, |r| {
+                ["v1", "v1beta2", "v1beta1"]
+                    .iter()
+                    .all(|v| r.iter().any(|l| l.uri == format!("/apis/resource.k8s.io/{v}") && l.status == 404))
+            })
             .await;
-        assert!(asked.is_ok(), "the node asks discovery first");
+        assert!(asked.is_ok(), "the node asks discovery of each version first");
         shutdown.cancel();
         node.stopped().await;
         let deletes: Vec<String> = server
@@ -524,6 +524,107 @@ mod cluster {
             .map(|l| l.uri)
             .collect();
         assert!(deletes.is_empty(), "{deletes:?}");
+    }
+
+    /// A 1.32 server (`v1beta1` only) and a 1.33 one with the betas on
+    /// (`v1beta2`, `v1beta1`): the node finds the newest served version by
+    /// discovery, wipes its stale slices there, reads the claim there (in
+    /// that version's shape, the admin's writes too), prepares it through
+    /// the driver (which publishes its slice in that version), runs the
+    /// pod, and releases the claim with the pod; it never asks `v1`'s
+    /// objects, and its pod status writes never name the claim statuses.
+    #[tokio::test]
+    async fn claims_and_slices_work_in_whichever_beta_the_server_serves() {
+        use kube::api::{ApiResource, DynamicObject};
+        use kubelet_api::resource::{self as resource_api, ResourceVersion};
+        for served in [&[ResourceVersion::V1beta1][..], &[ResourceVersion::V1beta2, ResourceVersion::V1beta1]] {
+            let version = served[0];
+            let api = TestApi::fake().await;
+            let server = api.fake_server().expect("the in-process server");
+            server.serve_resource_versions(served);
+            let resource = |kind: &str, plural: &str| ApiResource {
+                group: "resource.k8s.io".into(),
+                version: version.as_str().into(),
+                api_version: version.api_version().into(),
+                kind: kind.into(),
+                plural: plural.into(),
+            };
+            // What the admin writes, in the served version's shape.
+            let object = |mut hub: serde_json::Value| -> DynamicObject {
+                resource_api::from_hub(&mut hub, version);
+                serde_json::from_value(hub).expect("object")
+            };
+            let slices: Api<DynamicObject> =
+                Api::all_with(api.admin.clone(), &resource("ResourceSlice", "resourceslices"));
+            let stale = format!("{}-stale", api.node);
+            let mut stale_slice = serde_json::to_value(slice(&stale, &api.node, DRIVER)).expect("json");
+            stale_slice["apiVersion"] = "resource.k8s.io/v1".into();
+            stale_slice["kind"] = "ResourceSlice".into();
+            slices.create(&PostParams::default(), &object(stale_slice)).await.expect("stale slice");
+            let root = tempfile::Builder::new().prefix("rustlet-dra-").tempdir().expect("tempdir");
+            let (node, shutdown, mut gpu, _, pods) = node_with_driver(&api, root.path()).await;
+            api.wait_for(&slices, &stale, "wiped at start", SOON, |s| s.is_none()).await;
+            let published = format!("{}-{DRIVER}", api.node);
+            let listed = api.wait_for(&slices, &published, "published", SOON, |s| s.is_some()).await.expect("slice");
+            let listed = serde_json::to_value(listed).expect("json");
+            if version == ResourceVersion::V1beta1 {
+                assert!(listed["spec"]["devices"][0]["basic"].is_object(), "a v1beta1 device: {listed}");
+            }
+
+            let claims: Api<DynamicObject> =
+                Api::namespaced_with(api.admin.clone(), "default", &resource("ResourceClaim", "resourceclaims"));
+            let mut hub = serde_json::to_value(claim("beta-gpu")).expect("json");
+            hub["apiVersion"] = "resource.k8s.io/v1".into();
+            hub["kind"] = "ResourceClaim".into();
+            let created = claims.create(&PostParams::default(), &object(hub)).await.expect("claim");
+            let written = serde_json::to_value(&created).expect("json");
+            let request = &written["spec"]["devices"]["requests"][0];
+            match version {
+                ResourceVersion::V1beta1 => assert_eq!(request["deviceClassName"], "gpu.example.com", "{written}"),
+                _ => assert_eq!(request["exactly"]["deviceClassName"], "gpu.example.com", "{written}"),
+            }
+            let claim_uid = created.metadata.uid.clone().expect("uid");
+            let first = pods.create(&PostParams::default(), &pod("beta", &api.node, "beta-gpu")).await.expect("pod");
+            let status = json!({"status": {
+                "allocation": {"devices": {"results": [{"request": "gpu", "driver": DRIVER, "pool": api.node, "device": "dev-1"}]}},
+                "reservedFor": [{"resource": "pods", "name": "beta", "uid": first.metadata.uid}],
+            }});
+            claims.patch_status("beta-gpu", &PatchParams::default(), &Patch::Merge(&status)).await.expect("allocate");
+            let running = |p: Option<&Pod>| p.is_some_and(|p| json_of(p)["status"]["phase"] == "Running");
+            api.wait_for(&pods, "beta", "Running", SOON, running).await.expect("pod");
+            gpu.wait_for(SOON, prepares_of(&claim_uid)).await.expect("prepared");
+            pods.delete("beta", &DeleteParams::default()).await.expect("delete");
+            api.wait_for(&pods, "beta", "deleted", SOON, |p| p.is_none()).await;
+            gpu.wait_for(SOON, |r| matches!(r, Report::DraUnprepare { claims, .. } if claims.contains(&claim_uid)))
+                .await
+                .expect("released");
+            shutdown.cancel();
+            node.stopped().await;
+
+            let node_user = format!("system:node:{}", api.node);
+            let by_node: Vec<_> =
+                server.requests().into_iter().filter(|l| l.user.as_deref() == Some(node_user.as_str())).collect();
+            let at = |v: &str| format!("/apis/resource.k8s.io/{v}/");
+            assert!(
+                by_node
+                    .iter()
+                    .any(|l| l.uri.starts_with(&at(version.as_str())) && l.uri.contains("resourceclaims/beta-gpu")),
+                "the claim is read at {version}"
+            );
+            let wrong: Vec<&String> = by_node.iter().map(|l| &l.uri).filter(|u| u.starts_with(&at("v1"))).collect();
+            assert!(wrong.is_empty(), "nothing asked of v1's objects: {wrong:?}");
+            // (Discovery of a version not served is a 404, and fine.)
+            let discovery = |uri: &str| uri.trim_start_matches("/apis/resource.k8s.io/").split('/').count() == 1;
+            let refused: Vec<String> = by_node
+                .iter()
+                .filter(|l| l.status >= 400 && l.uri.contains("resource.k8s.io") && !discovery(&l.uri))
+                .map(|l| format!("{} {}", l.status, l.uri))
+                .collect();
+            assert!(refused.is_empty(), "{refused:?}");
+            let named_claim_statuses =
+                by_node.iter().filter_map(|l| l.body.as_deref()).any(|b| b.contains("resourceClaimStatuses"));
+            assert!(!named_claim_statuses, "the node's pod status writes leave the claim statuses to the controller");
+        }
     }
 
     /// A pod that finishes (it stays in the API) releases its claim at

@@ -5,7 +5,9 @@
 //!   version: [`pluginregistration`], [`deviceplugin::v1beta1`], [`csi::v1`],
 //!   [`cri::v1`], [`health::v1`], [`dra::v1`], [`dra::v1beta1`],
 //!   [`podresources::v1`];
-//! - wire constants shared by both sides ([`constants`]);
+//! - wire constants shared by both sides ([`constants`]), and the
+//!   versions of `resource.k8s.io` with the conversion between them
+//!   ([`resource`]);
 //! - Unix-socket dial and serve helpers ([`uds`]), because every plugin API
 //!   runs over a Unix socket rather than TCP.
 //!
@@ -16,6 +18,7 @@
 
 pub mod authority;
 pub mod constants;
+pub mod resource;
 pub mod uds;
 
 /// Plugin registration (`pluginregistration` package): the plugin serves

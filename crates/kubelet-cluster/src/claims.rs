@@ -1,5 +1,13 @@
-//! Resource claims and ResourceSlices through the API (`resource.k8s.io/v1`).
+//! Resource claims and ResourceSlices through the API, in whichever
+//! version of `resource.k8s.io` the server serves.
 //!
+//! - [`ServedVersion`] asks the server's discovery which of `v1` (1.34+),
+//!   `v1beta2` (1.33+) and `v1beta1` (1.32+) it serves, the newest first,
+//!   once, and again after a request at the chosen version is answered
+//!   404 (the server was upgraded or reconfigured). Objects are read in
+//!   that version and turned into `v1`'s model
+//!   ([`kubelet_api::resource::to_hub`]), so the rest of the node knows
+//!   one model.
 //! - [`ApiClaims`] resolves a pod's claims: the named ResourceClaim, or the
 //!   one generated from a template and recorded in the pod's
 //!   `status.resourceClaimStatuses` (which must be owned by the pod); each
@@ -13,11 +21,13 @@
 //!   devices nobody serves.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
-use kube::api::{Api, DeleteParams, ListParams};
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, ListParams};
+use kubelet_api::resource::{self as resource_api, ResourceVersion};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -28,15 +38,93 @@ use crate::dra::{ClaimRef, ClaimSource, DraDrivers, ResolvedClaim, claim_name};
 /// deletion of its ResourceSlices.
 pub const SLICE_WIPING_DELAY: Duration = Duration::from_secs(30);
 
+/// The version of `resource.k8s.io` the API server serves, found by
+/// discovery and remembered until a request at it is answered 404.
+#[derive(Clone, Default)]
+pub struct ServedVersion {
+    /// `None`: not asked yet; `Some(None)`: the server serves none the
+    /// node knows.
+    found: Arc<Mutex<Option<Option<ResourceVersion>>>>,
+}
+
+impl ServedVersion {
+    /// The newest version that serves `resourceclaims` and
+    /// `resourceslices`; `None` when the server serves none (Kubernetes
+    /// 1.31 and older, or a 1.32–1.33 server without the beta API on).
+    pub async fn get(&self, client: &kube::Client) -> Result<Option<ResourceVersion>, kube::Error> {
+        if let Some(found) = *self.found.lock().unwrap_or_else(|p| p.into_inner()) {
+            return Ok(found);
+        }
+        let mut found = None;
+        for version in ResourceVersion::PREFERENCE {
+            match client.list_api_group_resources(version.api_version()).await {
+                Ok(list) => {
+                    let serves = |plural: &str| list.resources.iter().any(|r| r.name == plural);
+                    if serves("resourceclaims") && serves("resourceslices") {
+                        found = Some(version);
+                        break;
+                    }
+                }
+                Err(kube::Error::Api(status)) if status.code == 404 => {}
+                Err(error) => return Err(error),
+            }
+        }
+        match found {
+            Some(version) => tracing::info!(version = %version, "the API server serves structured DRA"),
+            None => tracing::info!(
+                "the API server serves no version of resource.k8s.io this node knows (v1, v1beta2, v1beta1)"
+            ),
+        }
+        *self.found.lock().unwrap_or_else(|p| p.into_inner()) = Some(found);
+        Ok(found)
+    }
+
+    /// Forgets what was found: the next [`ServedVersion::get`] asks again.
+    pub fn forget(&self) {
+        *self.found.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    }
+}
+
+/// The `kind`/`plural` of `resource.k8s.io` at `version`.
+fn api_resource(version: ResourceVersion, kind: &str, plural: &str) -> ApiResource {
+    ApiResource {
+        group: resource_api::GROUP.into(),
+        version: version.as_str().into(),
+        api_version: version.api_version().into(),
+        kind: kind.into(),
+        plural: plural.into(),
+    }
+}
+
+/// Reads the ResourceClaim `namespace/name` at `version` into `v1`'s
+/// model.
+pub async fn get_claim(
+    client: &kube::Client,
+    version: ResourceVersion,
+    namespace: &str,
+    name: &str,
+) -> Result<ResourceClaim, String> {
+    let resource = api_resource(version, "ResourceClaim", "resourceclaims");
+    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), namespace, &resource);
+    let object =
+        api.get(name).await.map_err(|e| format!("fetch ResourceClaim {name} ({version}): {}", describe(&e)))?;
+    let mut value = serde_json::to_value(object).map_err(|e| format!("ResourceClaim {name}: {e}"))?;
+    value["apiVersion"] = version.api_version().into();
+    value["kind"] = "ResourceClaim".into();
+    resource_api::to_hub(&mut value);
+    serde_json::from_value(value).map_err(|e| format!("ResourceClaim {name} ({version}) is malformed: {e}"))
+}
+
 /// Resolves claims with the client `client` holds once it holds one.
 pub struct ApiClaims {
     client: watch::Receiver<Option<kube::Client>>,
+    served: ServedVersion,
 }
 
 impl ApiClaims {
     /// Claims read with the node's client.
     pub fn new(client: watch::Receiver<Option<kube::Client>>) -> Self {
-        ApiClaims { client }
+        ApiClaims { client, served: ServedVersion::default() }
     }
 }
 
@@ -47,12 +135,31 @@ impl ClaimSource for ApiClaims {
         let namespace = pod.metadata.namespace.clone().unwrap_or_else(|| "default".into());
         let pod_name = pod.metadata.name.clone().unwrap_or_default();
         let pod_uid = pod.metadata.uid.clone().unwrap_or_default();
-        let api: Api<ResourceClaim> = Api::namespaced(client, &namespace);
         let mut resolved = Vec::new();
         let pod_claims = pod.spec.as_ref().and_then(|s| s.resource_claims.clone()).unwrap_or_default();
+        if pod_claims.is_empty() {
+            return Ok(resolved);
+        }
+        let version = self
+            .served
+            .get(&client)
+            .await
+            .map_err(|e| format!("API discovery of resource.k8s.io failed: {}", describe(&e)))?
+            .ok_or_else(|| {
+                // Asked again next time: the server may be reconfigured.
+                self.served.forget();
+                "the API server serves no version of resource.k8s.io this node knows (v1, v1beta2, v1beta1): \
+                 resource claims cannot be read"
+                    .to_owned()
+            })?;
         for pod_claim in &pod_claims {
             let Some(name) = claim_name(pod, &pod_claim.name).map_err(|e| e.to_string())? else { continue };
-            let claim = api.get(&name).await.map_err(|e| format!("fetch ResourceClaim {name}: {}", describe(&e)))?;
+            let claim = get_claim(&client, version, &namespace, &name).await.inspect_err(|error| {
+                // A 404 may be the version gone as well as the claim.
+                if error.contains(": 404 ") {
+                    self.served.forget();
+                }
+            })?;
             let claim_uid = claim.metadata.uid.clone().unwrap_or_default();
             if pod_claim.resource_claim_template_name.is_some() {
                 let owned = claim
@@ -103,32 +210,33 @@ async fn delete_slices(
     drivers: &DraDrivers,
     stop: &CancellationToken,
 ) {
-    let api: Api<ResourceSlice> = Api::all(client.clone());
+    let served = ServedVersion::default();
     let mut selector = format!("spec.nodeName={node}");
     if let Some(driver) = driver {
         selector.push_str(&format!(",spec.driver={driver}"));
     }
     let mut backoff = crate::retry::RetryBackoff::new(Duration::from_secs(1), Duration::from_secs(300));
-    let mut served = false;
     loop {
-        // What the server does not serve (resource.k8s.io/v1 is not in
-        // Kubernetes 1.28) holds no slices: asked once, not retried.
-        if !served {
-            match client.list_api_group_resources("resource.k8s.io/v1").await {
-                Ok(list) if list.resources.iter().any(|r| r.name == "resourceslices") => served = true,
-                Err(kube::Error::Api(status)) if status.code != 404 => {
-                    tracing::debug!(code = status.code, "API discovery of resource.k8s.io/v1 failed");
-                }
-                Ok(_) | Err(kube::Error::Api(_)) => {
-                    tracing::info!(
-                        node,
-                        "this API server does not serve resource.k8s.io/v1 ResourceSlices: none to delete"
-                    );
-                    return;
-                }
-                Err(error) => tracing::debug!(error = %describe(&error), "API discovery of resource.k8s.io/v1 failed"),
+        // What the server does not serve (no resource.k8s.io in Kubernetes
+        // 1.28, nor in 1.32–1.33 unless turned on) holds no slices.
+        let version = match served.get(client).await {
+            Ok(Some(version)) => version,
+            Ok(None) => {
+                tracing::info!(node, "this API server serves no ResourceSlices: none to delete");
+                return;
             }
-        }
+            Err(error) => {
+                let delay = backoff.next_delay();
+                tracing::warn!(node, error = %describe(&error), retry_in = ?delay, "API discovery of resource.k8s.io failed; retrying");
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    () = tokio::time::sleep(delay) => {}
+                }
+                continue;
+            }
+        };
+        let api: Api<DynamicObject> =
+            Api::all_with(client.clone(), &api_resource(version, "ResourceSlice", "resourceslices"));
         if driver.is_some_and(|d| drivers.usable(d)) {
             tracing::info!(
                 node,
@@ -139,10 +247,20 @@ async fn delete_slices(
         }
         match api.delete_collection(&DeleteParams::default(), &ListParams::default().fields(&selector)).await {
             Ok(_) => {
-                tracing::info!(node, driver = driver.unwrap_or("(all)"), "ResourceSlices of this node deleted");
+                tracing::info!(node, driver = driver.unwrap_or("(all)"), %version, "ResourceSlices of this node deleted");
                 return;
             }
-            Err(kube::Error::Api(status)) if status.code == 404 => return,
+            // The version went away under the node: ask again (after the
+            // backoff, should the server keep saying so).
+            Err(kube::Error::Api(status)) if status.code == 404 => {
+                served.forget();
+                let delay = backoff.next_delay();
+                tracing::info!(node, %version, retry_in = ?delay, "ResourceSlices are no longer served at this version; asking discovery again");
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    () = tokio::time::sleep(delay) => {}
+                }
+            }
             // A refusal (403, 405, 422) will not change by asking again.
             Err(kube::Error::Api(status)) if (400..500).contains(&status.code) && status.code != 429 => {
                 tracing::warn!(node, driver = driver.unwrap_or("(all)"), code = status.code, error = %status.message, "the API server refuses to delete this node's ResourceSlices; not retrying");

@@ -37,9 +37,11 @@ use crate::registration::{Behaviour, Identity, RegistrationPlugin};
 use crate::report::{Report, Reporter};
 
 use futures_util::StreamExt as _;
-use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
+use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::api::{Api, PostParams};
+use kube::api::{ApiResource, DynamicObject};
 use kube::runtime::watcher;
+use kubelet_api::resource::{self as resource_api, ResourceVersion};
 
 /// A driver instance's settings.
 #[derive(Clone, Debug)]
@@ -140,11 +142,16 @@ impl DraDriver {
     /// created when absent at the start of each watch, and again whenever
     /// it is deleted.
     async fn keep_slice(self, client: kube::Client, shutdown: CancellationToken) {
-        let api: Api<ResourceSlice> = Api::all(client);
+        let version = tokio::select! {
+            () = shutdown.cancelled() => return,
+            version = served_version(&client) => version,
+        };
+        let api: Api<DynamicObject> = Api::all_with(client, &resource(version, "ResourceSlice", "resourceslices"));
         let name = self.slice_name();
         let devices: Vec<serde_json::Value> =
             self.config.devices.iter().map(|d| serde_json::json!({"name": d})).collect();
-        let slice: ResourceSlice = match serde_json::from_value(serde_json::json!({
+        let mut slice = serde_json::json!({
+            "apiVersion": ResourceVersion::V1.api_version(), "kind": "ResourceSlice",
             "metadata": {"name": name},
             "spec": {
                 "driver": self.config.driver,
@@ -152,7 +159,9 @@ impl DraDriver {
                 "nodeName": self.config.pool,
                 "devices": devices,
             },
-        })) {
+        });
+        resource_api::from_hub(&mut slice, version);
+        let slice: DynamicObject = match serde_json::from_value(slice) {
             Ok(slice) => slice,
             Err(error) => {
                 tracing::error!(%error, "cannot build the ResourceSlice");
@@ -202,11 +211,22 @@ impl DraDriver {
 
     /// The devices of this driver and pool allocated to the claim.
     async fn allocated(&self, client: &kube::Client, claim: &v1::Claim) -> Result<Vec<String>, String> {
-        let api: Api<ResourceClaim> = Api::namespaced(client.clone(), &claim.namespace);
+        let version = served_version(client).await;
+        let api: Api<DynamicObject> = Api::namespaced_with(
+            client.clone(),
+            &claim.namespace,
+            &resource(version, "ResourceClaim", "resourceclaims"),
+        );
         let object = api
             .get(&claim.name)
             .await
-            .map_err(|e| format!("reading ResourceClaim {}/{}: {e}", claim.namespace, claim.name))?;
+            .map_err(|e| format!("reading ResourceClaim {}/{} ({version}): {e}", claim.namespace, claim.name))?;
+        let mut object = serde_json::to_value(object).map_err(|e| e.to_string())?;
+        object["apiVersion"] = version.api_version().into();
+        object["kind"] = "ResourceClaim".into();
+        resource_api::to_hub(&mut object);
+        let object: ResourceClaim = serde_json::from_value(object)
+            .map_err(|e| format!("ResourceClaim {}/{} is malformed: {e}", claim.namespace, claim.name))?;
         if object.metadata.uid.as_deref() != Some(claim.uid.as_str()) {
             return Err(format!(
                 "ResourceClaim {}/{} is not the claim with UID {}",
@@ -409,5 +429,29 @@ impl v1beta1::dra_plugin_server::DraPlugin for DraDriver {
         request: Request<v1beta1::NodeUnprepareResourcesRequest>,
     ) -> Result<Response<v1beta1::NodeUnprepareResourcesResponse>, Status> {
         self.unprepare(convert(&request.into_inner())).await.map(|a| Response::new(convert(&a)))
+    }
+}
+
+/// The newest version of `resource.k8s.io` the server serves slices at
+/// (`v1` when discovery says nothing better: the request then tells).
+async fn served_version(client: &kube::Client) -> ResourceVersion {
+    for version in ResourceVersion::PREFERENCE {
+        if let Ok(list) = client.list_api_group_resources(version.api_version()).await
+            && list.resources.iter().any(|r| r.name == "resourceslices")
+        {
+            return version;
+        }
+    }
+    ResourceVersion::V1
+}
+
+/// `kind`/`plural` of `resource.k8s.io` at `version`.
+fn resource(version: ResourceVersion, kind: &str, plural: &str) -> ApiResource {
+    ApiResource {
+        group: resource_api::GROUP.into(),
+        version: version.as_str().into(),
+        api_version: version.api_version().into(),
+        kind: kind.into(),
+        plural: plural.into(),
     }
 }

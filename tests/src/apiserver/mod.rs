@@ -42,6 +42,7 @@ use tokio::sync::{broadcast, mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 pub use auth::Identity;
+use kubelet_api::resource::{self as resource_api, ResourceVersion};
 use store::{ApiError, Change, EventType, Key, Resource, Selector, Store, rv_of};
 
 /// An injected fault: requests whose method and path match are answered
@@ -99,11 +100,22 @@ struct Shared {
     /// How many requests are in `log` (to wait on).
     logged: watch::Sender<usize>,
     token_serial: AtomicU64,
+    /// The versions of `resource.k8s.io` served (all three unless a test
+    /// says otherwise, as a 1.33 server with the betas on serves two).
+    resource_versions: Mutex<Vec<ResourceVersion>>,
 }
 
 impl Shared {
     fn store(&self) -> std::sync::MutexGuard<'_, Store> {
         self.store.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether `resource` is served (a `resource.k8s.io` version may not
+    /// be).
+    fn serves(&self, resource: &Resource) -> bool {
+        resource.group != resource_api::GROUP
+            || ResourceVersion::parse(resource.version)
+                .is_some_and(|v| self.resource_versions.lock().unwrap_or_else(|p| p.into_inner()).contains(&v))
     }
 }
 
@@ -164,6 +176,7 @@ impl ApiServer {
             log: Mutex::default(),
             logged: watch::channel(0).0,
             token_serial: AtomicU64::new(0),
+            resource_versions: Mutex::new(ResourceVersion::PREFERENCE.to_vec()),
         });
         let shutdown = CancellationToken::new();
         let app = axum::Router::new().fallback(handle).with_state(shared.clone());
@@ -231,6 +244,13 @@ impl ApiServer {
         let options = kube::config::KubeConfigOptions::default();
         let config = kube::Config::from_custom_kubeconfig(kubeconfig, &options).await.map_err(|e| e.to_string())?;
         kube::Client::try_from(config).map_err(|e| e.to_string())
+    }
+
+    /// Serves only `versions` of `resource.k8s.io` from now on (a 1.33
+    /// server with the betas turned on: `v1beta2` and `v1beta1`); the
+    /// others answer 404 and are not in discovery.
+    pub fn serve_resource_versions(&self, versions: &[ResourceVersion]) {
+        *self.shared.resource_versions.lock().unwrap_or_else(|p| p.into_inner()) = versions.to_vec();
     }
 
     /// Adds a fault.
@@ -369,7 +389,7 @@ struct Route {
 
 /// The discovery document of a group version the server serves
 /// (`/api/v1`, `/apis/<group>/<version>`): its resources.
-fn discovery(path: &str) -> Option<Value> {
+fn discovery(shared: &Shared, path: &str) -> Option<Value> {
     let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
     let (group, version) = match parts.as_slice() {
         ["api", version] => ("", *version),
@@ -378,7 +398,7 @@ fn discovery(path: &str) -> Option<Value> {
     };
     let resources: Vec<Value> = store::RESOURCES
         .iter()
-        .filter(|r| r.group == group && r.version == version)
+        .filter(|r| r.group == group && r.version == version && shared.serves(r))
         .map(|r| {
             json!({"name": r.plural, "singularName": "", "namespaced": r.namespaced, "kind": r.kind,
                    "verbs": ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"]})
@@ -520,13 +540,35 @@ async fn serve(
     body: &Bytes,
 ) -> Result<Response, ApiError> {
     if *method == Method::GET
-        && let Some(list) = discovery(uri.path())
+        && let Some(list) = discovery(shared, uri.path())
     {
         return Ok(object_response(StatusCode::OK, &list));
     }
     let route = route(uri.path())?;
+    if !shared.serves(&route.resource) {
+        return Err(ApiError::new(
+            404,
+            "NotFound",
+            format!("the server could not find the requested resource ({})", uri.path()),
+        ));
+    }
     let query = query_map(uri);
-    let resource = route.resource;
+    // Objects are kept in one version; a `resource.k8s.io` beta is
+    // converted from it on the way out and to it on the way in, as the
+    // real server's conversion does.
+    let wire = route.resource;
+    let resource = store::storage(wire);
+    let beta = ResourceVersion::parse(wire.version).filter(|_| wire.group == resource_api::GROUP && wire != resource);
+    let out = |mut object: Value| {
+        if let Some(version) = beta {
+            if object.get("apiVersion").is_none() {
+                object["apiVersion"] = resource.api_version().into();
+                object["kind"] = resource.kind.into();
+            }
+            resource_api::from_hub(&mut object, version);
+        }
+        object
+    };
     let namespace = route.namespace.clone().unwrap_or_default();
     let sub = route.subresource.as_deref();
     let fields = Selector::parse(query.get("fieldSelector").map(String::as_str).unwrap_or_default())?;
@@ -543,7 +585,10 @@ async fn serve(
         ("DELETE", false) => "deletecollection",
         _ => return Err(ApiError::new(405, "MethodNotAllowed", format!("{method} is not supported here"))),
     };
-    let body_value = parse_body(body)?;
+    let mut body_value = parse_body(body)?;
+    if beta.is_some() && *method != Method::PATCH && body_value.get("apiVersion").is_some() {
+        resource_api::to_hub(&mut body_value);
+    }
     let selected_name = query
         .get("fieldSelector")
         .and_then(|f| f.split(',').find_map(|t| t.strip_prefix("metadata.name=")))
@@ -574,7 +619,7 @@ async fn serve(
             let timeout = query.get("timeoutSeconds").and_then(|t| t.parse::<u64>().ok()).map(Duration::from_secs);
             let (fields, labels) = (fields.clone(), labels.clone());
             let filter: Filter = Box::new(move |o| fields.matches_fields(o) && labels.matches_labels(o));
-            Ok(watch_stream(shared, resource, route.namespace.clone(), since, timeout, filter))
+            Ok(watch_stream(shared, resource, beta, route.namespace.clone(), since, timeout, filter))
         }
         "list" => {
             let store = shared.store();
@@ -582,17 +627,17 @@ async fn serve(
                 store.list(resource, route.namespace.as_deref()).into_iter().filter(|o| matches(o)).collect();
             Ok(object_response(
                 StatusCode::OK,
-                &json!({
+                &out(json!({
                     "kind": format!("{}List", resource.kind), "apiVersion": resource.api_version(),
                     "metadata": {"resourceVersion": store.rv().to_string()}, "items": items,
-                }),
+                })),
             ))
         }
         "get" => {
             let key = Key::new(resource, &namespace, route.name.as_deref().unwrap_or_default());
             let store = shared.store();
             let object = store.get(&key).ok_or_else(|| ApiError::not_found(resource, &key.name))?;
-            Ok(object_response(StatusCode::OK, object))
+            Ok(object_response(StatusCode::OK, &out(object.clone())))
         }
         "create" if sub == Some("token") && resource.plural == "serviceaccounts" => {
             let name = route.name.clone().unwrap_or_default();
@@ -718,19 +763,20 @@ async fn serve(
                 admit_runtime_class(&shared.store(), &body_value)?;
             }
             let created = shared.store().create(resource, &namespace, body_value)?;
-            Ok(object_response(StatusCode::CREATED, &created))
+            Ok(object_response(StatusCode::CREATED, &out(created)))
         }
         "update" => {
             let key = Key::new(resource, &namespace, route.name.as_deref().unwrap_or_default());
             let written = shared.store().replace(resource, &key, body_value, sub == Some("status"))?;
-            Ok(object_response(StatusCode::OK, &written))
+            Ok(object_response(StatusCode::OK, &out(written)))
         }
         "patch" => {
             let key = Key::new(resource, &namespace, route.name.as_deref().unwrap_or_default());
             let content_type = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or_default();
             let mut store = shared.store();
             let current = store.get(&key).cloned().ok_or_else(|| ApiError::not_found(resource, &key.name))?;
-            let mut patched = current.clone();
+            // A patch is written against the version asked for.
+            let mut patched = out(current.clone());
             match content_type.split(';').next().unwrap_or_default().trim() {
                 "application/merge-patch+json" => store::merge_patch(&mut patched, &body_value),
                 "application/json-patch+json" => store::json_patch(&mut patched, &body_value)?,
@@ -768,8 +814,11 @@ async fn serve(
             if wanted.is_none() {
                 patched["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"].clone();
             }
+            if beta.is_some() {
+                resource_api::to_hub(&mut patched);
+            }
             let written = store.replace(resource, &key, patched, sub == Some("status"))?;
-            Ok(object_response(StatusCode::OK, &written))
+            Ok(object_response(StatusCode::OK, &out(written)))
         }
         "delete" => {
             let key = Key::new(resource, &namespace, route.name.as_deref().unwrap_or_default());
@@ -814,7 +863,7 @@ async fn serve(
             } else {
                 store.remove(resource, &key)?
             };
-            Ok(object_response(StatusCode::OK, &object))
+            Ok(object_response(StatusCode::OK, &out(object)))
         }
         "deletecollection" if resource.plural == "resourceslices" => {
             let field_selector = query.get("fieldSelector").cloned().unwrap_or_default();
@@ -824,7 +873,7 @@ async fn serve(
                     return Err(ApiError::new(
                         400,
                         "BadRequest",
-                        format!("field label not supported for resource.k8s.io/v1, Kind=ResourceSlice: {label}"),
+                        format!("field label not supported for {}, Kind=ResourceSlice: {label}", wire.api_version()),
                     ));
                 }
             }
@@ -849,10 +898,10 @@ async fn serve(
             }
             Ok(object_response(
                 StatusCode::OK,
-                &json!({
+                &out(json!({
                     "kind": "ResourceSliceList", "apiVersion": resource.api_version(),
                     "metadata": {"resourceVersion": store.rv().to_string()}, "items": removed,
-                }),
+                })),
             ))
         }
         _ => Err(ApiError::new(405, "MethodNotAllowed", format!("{verb} is not supported"))),
@@ -865,11 +914,25 @@ fn event(kind: &str, object: &Value) -> String {
     format!("{}\n", json!({"type": kind, "object": object}))
 }
 
+/// An event with its object in `version` of `resource.k8s.io` (as kept
+/// when `None`).
+fn event_in(kind: &str, object: &Value, version: Option<ResourceVersion>) -> String {
+    match version {
+        Some(version) => {
+            let mut object = object.clone();
+            resource_api::from_hub(&mut object, version);
+            event(kind, &object)
+        }
+        None => event(kind, object),
+    }
+}
+
 /// A watch: newline-separated JSON events until the client goes, the
 /// timeout passes, or the server drops its watches.
 fn watch_stream(
     shared: &Arc<Shared>,
     resource: Resource,
+    version: Option<ResourceVersion>,
     namespace: Option<String>,
     since: Option<u64>,
     timeout: Option<Duration>,
@@ -892,13 +955,13 @@ fn watch_stream(
                 .since(rv)
                 .into_iter()
                 .filter(|c| in_scope(&c.key) && filter(&c.object))
-                .map(|c| event(c.kind.wire(), &c.object))
+                .map(|c| event_in(c.kind.wire(), &c.object, version))
                 .collect()),
             None => {
                 let mut all = Vec::new();
                 for (key, object) in store_objects(&store, resource) {
                     if in_scope(&key) && filter(&object) {
-                        all.push(event("ADDED", &object));
+                        all.push(event_in("ADDED", &object, version));
                     }
                 }
                 Ok(all)
@@ -934,9 +997,9 @@ fn watch_stream(
                         let line = match (change.kind, filter(&change.object)) {
                             // Entering or leaving a selection is an addition
                             // or a deletion for that watch, as upstream.
-                            (EventType::Modified, true) if !was_in => event("ADDED", &change.object),
-                            (EventType::Modified, false) if was_in => event("DELETED", &change.object),
-                            (kind, true) => event(kind.wire(), &change.object),
+                            (EventType::Modified, true) if !was_in => event_in("ADDED", &change.object, version),
+                            (EventType::Modified, false) if was_in => event_in("DELETED", &change.object, version),
+                            (kind, true) => event_in(kind.wire(), &change.object, version),
                             (_, false) => continue,
                         };
                         if tx.send(Ok(line)).await.is_err() {

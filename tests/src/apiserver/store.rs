@@ -147,11 +147,54 @@ pub const RESOURCES: &[Resource] = &[
         namespaced: false,
         has_status: false,
     },
+    // The beta versions of the claims and slices above, stored as `v1`
+    // and converted at the edge (see `mod.rs`).
+    Resource {
+        group: "resource.k8s.io",
+        version: "v1beta2",
+        plural: "resourceclaims",
+        kind: "ResourceClaim",
+        namespaced: true,
+        has_status: true,
+    },
+    Resource {
+        group: "resource.k8s.io",
+        version: "v1beta2",
+        plural: "resourceslices",
+        kind: "ResourceSlice",
+        namespaced: false,
+        has_status: false,
+    },
+    // The beta versions of the claims and slices above, stored as `v1`
+    // and converted at the edge (see `mod.rs`).
+    Resource {
+        group: "resource.k8s.io",
+        version: "v1beta1",
+        plural: "resourceclaims",
+        kind: "ResourceClaim",
+        namespaced: true,
+        has_status: true,
+    },
+    Resource {
+        group: "resource.k8s.io",
+        version: "v1beta1",
+        plural: "resourceslices",
+        kind: "ResourceSlice",
+        namespaced: false,
+        has_status: false,
+    },
 ];
 
 /// The resource served at `group/version/plural`.
 pub fn resource(group: &str, version: &str, plural: &str) -> Option<Resource> {
     RESOURCES.iter().copied().find(|r| r.group == group && r.version == version && r.plural == plural)
+}
+
+/// Where objects of `resource` are kept: the first entry with its group
+/// and plural (the `v1` of `resource.k8s.io`'s claims and slices, whose
+/// beta versions are converted at the edge).
+pub fn storage(resource: Resource) -> Resource {
+    RESOURCES.iter().copied().find(|r| r.group == resource.group && r.plural == resource.plural).unwrap_or(resource)
 }
 
 /// The resource with this kind in the core group or `group`.
