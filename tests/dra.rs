@@ -234,6 +234,9 @@ mod cluster {
         let mut config = NodeConfig::new(root, api.node.clone());
         config.http_address = None;
         config.plugins = test_config(&root.join("plugins_registry"));
+        // The sample driver writes its CDI spec there; the host provider
+        // does not read CDI, so the node resolves the devices' edits.
+        config.pods.cdi_spec_dirs = vec![root.join("cdi")];
         let mut settings = ClusterSettings::new(ApiSource::Client(api.node_client.clone()));
         settings.slice_wiping_delay = std::time::Duration::from_millis(500);
         let shutdown = CancellationToken::new();
@@ -264,7 +267,7 @@ mod cluster {
                 "resourceClaims": [{"name": "gpu", "resourceClaimName": claim}],
                 "containers": [{
                     "name": "main", "image": "busybox",
-                    "command": ["sh", "-c", "echo \"cdi=$CDI_DEVICES\"; exec sleep 600"],
+                    "command": ["sh", "-c", "echo \"cdi=$CDI_DEVICES spec=$DRA_DEVICE_DEV_2\"; exec sleep 600"],
                     "resources": {"claims": [{"name": "gpu"}]},
                 }],
             },
@@ -369,6 +372,9 @@ mod cluster {
         let cdi = format!("{DRIVER}/device=dev-2");
         let log = wait_file(&log_of(root.path(), &first), |t| t.contains("cdi=")).await;
         assert!(log.contains(&format!("cdi={cdi}")), "{log}");
+        // The env of the device in the driver's CDI spec, which the node
+        // applied itself.
+        assert!(log.contains("spec=dev-2"), "{log}");
 
         // A second pod shares the claim: nothing is prepared again.
         let second = pods.create(&PostParams::default(), &pod("second", &api.node, "shared-gpu")).await.expect("pod");

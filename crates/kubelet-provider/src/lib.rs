@@ -139,7 +139,9 @@ pub struct ContainerRunOptions {
     pub devices: Vec<DeviceNode>,
     /// Annotations from device plugins.
     pub annotations: BTreeMap<String, String>,
-    /// Fully qualified CDI device names from device plugins.
+    /// Fully qualified CDI device names, from device plugins and resource
+    /// claims (the runtime's to apply when it reads CDI; otherwise the
+    /// node has added their edits to the fields above).
     pub cdi_devices: Vec<String>,
 }
 
@@ -581,6 +583,14 @@ pub trait Provider: Send + Sync + 'static {
     /// provider that mounts directories only (WASI preopens) says no.
     fn mounts_files(&self, pod: &Pod) -> bool {
         let _ = pod;
+        false
+    }
+
+    /// Whether the runtime applies CDI devices itself
+    /// ([`ContainerRunOptions::cdi_devices`]: a CRI runtime with CDI on).
+    /// When it does not (the default), the node reads the CDI specs and
+    /// adds their env, device nodes and mounts to the run options.
+    fn reads_cdi(&self) -> bool {
         false
     }
 

@@ -216,6 +216,12 @@ pub(crate) struct NodeArgs {
     /// (`SysctlForbidden`).
     #[arg(long, value_delimiter = ',')]
     pub(crate) allowed_unsafe_sysctls: Vec<String>,
+    /// Where CDI specs are read (comma-separated, later ones win), for
+    /// runtimes that do not apply CDI devices themselves (containerd 1.6,
+    /// WebAssembly): the node adds the env, device nodes and mounts of a
+    /// claim's or device plugin's CDI devices. Default: /etc/cdi,/var/run/cdi.
+    #[arg(long, value_delimiter = ',')]
+    pub(crate) cdi_spec_dir: Vec<std::path::PathBuf>,
     /// User IDs besides root whose processes may serve plugin sockets in
     /// `plugins_registry/` and register device plugins on `kubelet.sock`
     /// (comma-separated). A socket must also be owned by its process's

@@ -33,6 +33,9 @@ pub(crate) fn config(args: &NodeArgs) -> NodeConfig {
     config.pods.max_pods = args.max_pods;
     config.pods.cluster_domain = args.cluster_domain.clone();
     config.pods.allowed_unsafe_sysctls = args.allowed_unsafe_sysctls.clone();
+    if !args.cdi_spec_dir.is_empty() {
+        config.pods.cdi_spec_dirs = args.cdi_spec_dir.clone();
+    }
     config.max_streaming_sessions = args.max_streaming_sessions;
     let trust = kubelet::plugin_trust::PluginTrust::new(args.plugin_allowed_uids.iter().copied());
     config.plugins.trust = trust.clone();

@@ -165,10 +165,15 @@ impl CriProvider {
     /// The sandbox image of the runtime's configuration (containerd's
     /// `sandboxImage`, in `Status` verbose's `config`), if it says.
     async fn sandbox_image(&self) -> Option<String> {
+        self.runtime_config().await?.get("sandboxImage")?.as_str().map(str::to_owned)
+    }
+
+    /// The runtime's configuration, as `Status` verbose's `config` tells
+    /// it (containerd's CRI plugin config), if it does.
+    pub(crate) async fn runtime_config(&self) -> Option<serde_json::Value> {
         let mut runtime = self.runtime().await.ok()?;
         let status = self.call(runtime.status(cri::StatusRequest { verbose: true })).await.ok()?;
-        let config: serde_json::Value = serde_json::from_str(status.info.get("config")?).ok()?;
-        config.get("sandboxImage")?.as_str().map(str::to_owned)
+        serde_json::from_str(status.info.get("config")?).ok()
     }
 
     /// The image file system's capacity and available bytes.

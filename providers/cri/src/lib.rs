@@ -186,6 +186,10 @@ struct Inner {
     runtime_version: Mutex<Option<String>>,
     /// When each image was first seen and last seen used (image GC).
     images: Mutex<gc::ImageRecords>,
+    /// Whether the runtime applies CDI devices (containerd 1.7+ with
+    /// `enable_cdi`, in `Status` verbose's `config.enableCDI`); learnt
+    /// with the runtime's name.
+    reads_cdi: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for CriProvider {
@@ -229,6 +233,7 @@ impl CriProvider {
                 runtime_name: Mutex::new(None),
                 runtime_version: Mutex::new(None),
                 images: Mutex::default(),
+                reads_cdi: std::sync::atomic::AtomicBool::new(false),
             }),
         }
     }
@@ -271,6 +276,13 @@ impl CriProvider {
         if let Err(error) = self.version().await {
             tracing::debug!(%error, "Version failed; container IDs are shown bare for now");
         }
+        let reads_cdi = self.runtime_config().await.and_then(|c| c.get("enableCDI")?.as_bool()).unwrap_or(false);
+        self.inner.reads_cdi.store(reads_cdi, std::sync::atomic::Ordering::Relaxed);
+        tracing::info!(
+            reads_cdi,
+            "the container runtime {} CDI specs",
+            if reads_cdi { "applies" } else { "does not apply (the node resolves them)" }
+        );
     }
 
     /// The runtime's own word on its health (`Status`): `Ok` when its
@@ -785,6 +797,10 @@ impl Provider for CriProvider {
 
     fn mounts_files(&self, _: &Pod) -> bool {
         true
+    }
+
+    fn reads_cdi(&self) -> bool {
+        self.inner.reads_cdi.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     fn runtime_version(&self) -> String {

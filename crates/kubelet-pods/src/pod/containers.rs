@@ -159,6 +159,16 @@ pub(crate) async fn start(
             }
         }
     }
+    // The names still go to the runtime (the CRI field); one that does not
+    // read CDI specs gets their edits from the node.
+    if !run_options.cdi_devices.is_empty() && !provider.reads_cdi() {
+        let registry = super::cdi::Registry::read(&lifecycle.config.cdi_spec_dirs);
+        let names = run_options.cdi_devices.clone();
+        if let Some(unresolved) = registry.apply(&names, &mut run_options) {
+            tracing::warn!(pod = %data.id.name, namespace = %data.id.namespace, container = name, dirs = ?lifecycle.config.cdi_spec_dirs, "{unresolved}: the container starts without their edits");
+        }
+        tracing::debug!(pod = %data.id.name, namespace = %data.id.namespace, container = name, devices = ?names, "CDI devices resolved by the node");
+    }
     if let Some(record) = data.containers.get_mut(name) {
         continue_previous_run(record);
         // A restart counts when the new instance is made (upstream's count

@@ -27,6 +27,7 @@
 
 mod admission;
 mod backoff;
+pub mod cdi;
 mod containers;
 mod data;
 pub mod hooks;
@@ -107,6 +108,10 @@ pub struct PodConfig {
     /// The node's pressure: under it, pods are refused as upstream refuses
     /// them (`The node had condition: [MemoryPressure]. `).
     pub pressure: crate::pressure::Pressure,
+    /// Where CDI specs are read from when the provider does not read them
+    /// itself ([`cdi`]); upstream's `/etc/cdi` and `/var/run/cdi` by
+    /// default.
+    pub cdi_spec_dirs: Vec<PathBuf>,
 }
 
 impl PodConfig {
@@ -127,6 +132,7 @@ impl PodConfig {
             volume_refresh: std::time::Duration::from_secs(60),
             allowed_unsafe_sysctls: Vec::new(),
             pressure: crate::pressure::Pressure::default(),
+            cdi_spec_dirs: cdi::DEFAULT_SPEC_DIRS.iter().map(PathBuf::from).collect(),
         }
     }
 }

@@ -116,6 +116,9 @@ pub struct PodSettings {
     /// How often the pods' claim volumes are measured
     /// (`--volume-stats-agg-period`; upstream: a minute).
     pub volume_stats_period: Duration,
+    /// Where the node reads CDI specs for a provider that does not
+    /// (`--cdi-spec-dir`; upstream's `/etc/cdi`, `/var/run/cdi`).
+    pub cdi_spec_dirs: Vec<PathBuf>,
 }
 
 impl Default for PodSettings {
@@ -137,6 +140,7 @@ impl Default for PodSettings {
             allowed_unsafe_sysctls: Vec::new(),
             volume_refresh: Duration::from_secs(60),
             volume_stats_period: crate::volume::stats::DEFAULT_PERIOD,
+            cdi_spec_dirs: kubelet_pods::pod::cdi::DEFAULT_SPEC_DIRS.iter().map(PathBuf::from).collect(),
         }
     }
 }

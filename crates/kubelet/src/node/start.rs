@@ -193,6 +193,7 @@ fn pod_config(config: &NodeConfig, allocatable: Allocatable) -> PodConfig {
     pod_config.allowed_unsafe_sysctls = config.pods.allowed_unsafe_sysctls.clone();
     pod_config.volume_refresh = config.pods.volume_refresh;
     pod_config.pressure = config.pods.pressure.clone();
+    pod_config.cdi_spec_dirs = config.pods.cdi_spec_dirs.clone();
     pod_config
 }
 
