@@ -110,6 +110,8 @@ pub struct ControlPlane {
     controller_manager: OnceLock<Result<(), String>>,
     ca_params: rcgen::CertificateParams,
     ca_key_pem: String,
+    /// The binaries' minor version (`33` for v1.33.3).
+    minor: u32,
 }
 
 /// How long certificates kube-controller-manager signs are valid: short,
@@ -144,6 +146,7 @@ impl ControlPlane {
         if !apiserver.is_file() {
             return Err(format!("{} is missing", apiserver.display()));
         }
+        let minor = minor_version(&apiserver)?;
         let etcd = crate::debian::ensure_installed("/usr/bin/etcd", "etcd-server")?;
         let dir =
             tempfile::Builder::new().prefix("rustlet-control-plane-").tempdir().map_err(|e| e.to_string())?.keep();
@@ -227,7 +230,8 @@ impl ControlPlane {
             .arg(&kubelet_client_key)
             .args(["--kubelet-preferred-address-types", "InternalIP"])
             .arg("--cert-dir")
-            .arg(dir.join("apiserver-certs"));
+            .arg(dir.join("apiserver-certs"))
+            .args(dra_flags(minor, true));
         let apiserver_log = dir.join("kube-apiserver.log");
         processes.push(Guarded::spawn(command, &apiserver_log, None)?);
 
@@ -249,6 +253,7 @@ impl ControlPlane {
             controller_manager: OnceLock::new(),
             ca_params: pki.ca_params.clone(),
             ca_key_pem: pki.ca_key_pem.clone(),
+            minor,
         };
         plane.wait_ready(&apiserver_log).await?;
         plane.seed().await?;
@@ -375,6 +380,22 @@ impl ControlPlane {
         kubelet::cluster::from_kubeconfig(&path).await.map_err(|e| e.to_string())
     }
 
+    /// The binaries' minor version (`33` for v1.33.3).
+    pub fn minor_version(&self) -> u32 {
+        self.minor
+    }
+
+    /// Whether the control plane serves structured DRA (1.32+, turned on
+    /// where it is off by default).
+    pub fn serves_structured_dra(&self) -> bool {
+        self.minor >= 32
+    }
+
+    /// The directory of the Kubernetes binaries (`RUSTLET_KUBE_BIN_DIR`).
+    pub fn bin_dir(&self) -> &Path {
+        &self.bin_dir
+    }
+
     /// Starts `kube-scheduler` (once per test binary).
     pub fn ensure_scheduler(&self) -> Result<(), String> {
         self.scheduler
@@ -387,6 +408,7 @@ impl ControlPlane {
                     "--secure-port",
                     "0",
                 ]);
+                command.args(dra_flags(self.minor, false));
                 let process = Guarded::spawn(command, &self.dir.join("kube-scheduler.log"), None)?;
                 self.processes.lock().unwrap_or_else(|p| p.into_inner()).push(process);
                 Ok(())
@@ -415,13 +437,44 @@ impl ControlPlane {
                     .arg("--cluster-signing-key-file")
                     .arg(self.dir.join("ca.key"))
                     .arg("--use-service-account-credentials=false")
-                    .arg(format!("--cluster-signing-duration={}s", SIGNED_CERTIFICATE_LIFETIME.as_secs()));
+                    .arg(format!("--cluster-signing-duration={}s", SIGNED_CERTIFICATE_LIFETIME.as_secs()))
+                    .args(dra_flags(self.minor, false));
                 let process = Guarded::spawn(command, &self.dir.join("kube-controller-manager.log"), None)?;
                 self.processes.lock().unwrap_or_else(|p| p.into_inner()).push(process);
                 Ok(())
             })
             .clone()
     }
+}
+
+/// The minor version of a Kubernetes binary (`kube-apiserver --version`:
+/// `Kubernetes v1.33.3`).
+fn minor_version(binary: &Path) -> Result<u32, String> {
+    let output = Command::new(binary).arg("--version").output().map_err(|e| format!("{}: {e}", binary.display()))?;
+    let text = String::from_utf8_lossy(&output.stdout);
+    text.split_whitespace()
+        .find_map(|word| word.strip_prefix("v1.")?.split('.').next()?.parse().ok())
+        .ok_or_else(|| format!("{} --version said {text:?}", binary.display()))
+}
+
+/// What turns structured DRA on, as upstream's DRA e2e cluster does: on
+/// 1.32–1.33 the `DynamicResourceAllocation` gate (beta, off by default)
+/// on every component, and the API server's beta versions of
+/// `resource.k8s.io` (off by default); 1.34+ serves `v1` by default; 1.31
+/// and older have no structured DRA this node speaks.
+fn dra_flags(minor: u32, apiserver: bool) -> Vec<String> {
+    let mut flags = Vec::new();
+    if (32..34).contains(&minor) {
+        flags.push("--feature-gates=DynamicResourceAllocation=true".to_owned());
+        if apiserver {
+            let mut versions = vec!["resource.k8s.io/v1beta1=true"];
+            if minor >= 33 {
+                versions.push("resource.k8s.io/v1beta2=true");
+            }
+            flags.push(format!("--runtime-config={}", versions.join(",")));
+        }
+    }
+    flags
 }
 
 /// Writes a kubeconfig for the API at `url` (verified with `ca_pem`) and

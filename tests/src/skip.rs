@@ -39,6 +39,10 @@ pub enum Need {
     Prometheus,
     /// A real kube-apiserver (binaries in `RUSTLET_KUBE_BIN_DIR`).
     Kube,
+    /// A real control plane that serves structured DRA (1.32+) and
+    /// upstream's DRA test driver beside its binaries
+    /// (`RUSTLET_KUBE_BIN_DIR/dra-test-driver`).
+    KubeDra,
     /// A user's own cluster (`RUSTLET_E2E_KUBECONFIG`).
     Cluster,
     /// An address of this host besides loopback.
@@ -47,7 +51,7 @@ pub enum Need {
 
 impl Need {
     /// Every need, in the order the summary lists them.
-    pub const ALL: [Need; 9] = [
+    pub const ALL: [Need; 10] = [
         Need::Root,
         Need::Cgroups,
         Need::Mounts,
@@ -55,6 +59,7 @@ impl Need {
         Need::Registry,
         Need::Prometheus,
         Need::Kube,
+        Need::KubeDra,
         Need::Cluster,
         Need::HostAddress,
     ];
@@ -69,6 +74,7 @@ impl Need {
             Need::Registry => "RUSTLET_REQUIRE_REGISTRY",
             Need::Prometheus => "RUSTLET_REQUIRE_PROMETHEUS",
             Need::Kube => "RUSTLET_REQUIRE_KUBE",
+            Need::KubeDra => "RUSTLET_REQUIRE_KUBE_DRA",
             Need::Cluster => "RUSTLET_REQUIRE_E2E",
             Need::HostAddress => "RUSTLET_REQUIRE_HOST_ADDRESS",
         }
@@ -84,6 +90,7 @@ impl Need {
             Need::Registry => "no OCI registry",
             Need::Prometheus => "no Prometheus",
             Need::Kube => "no real kube-apiserver",
+            Need::KubeDra => "no real control plane with structured DRA and upstream's DRA test driver",
             Need::Cluster => "no cluster of the user's",
             Need::HostAddress => "no host address but loopback",
         }
