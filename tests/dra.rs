@@ -863,133 +863,14 @@ mod real_control_plane {
     //! where it or a control plane serving structured DRA is missing, the
     //! test skips saying so, unless `RUSTLET_REQUIRE_KUBE_DRA=1`.
 
-    use std::path::{Path, PathBuf};
-    use std::process::Stdio;
-
     use k8s_openapi::api::core::v1::Pod;
-    use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, PostParams};
-    use kubelet::cluster::claims::ServedVersion;
-    use kubelet_api::resource::{self as resource_api, ResourceVersion};
-    use rustlet_testkit::skip::{Need, skip};
+    use kube::api::{Api, DeleteParams, DynamicObject, PostParams};
+    use rustlet_testkit::dra_test_driver::{self as upstream, SCHEDULED, TEST_DRIVER, in_version, resource};
     use rustlet_testkit::test_api::{TestApi, json_of};
     use serde_json::json;
 
     use super::SOON;
     use super::cluster::cluster_node;
-
-    /// Upstream's test driver's name.
-    const TEST_DRIVER: &str = "test-driver.cdi.k8s.io";
-
-    /// How long the real control plane may take to schedule, allocate and
-    /// create claims (seconds here; a loaded machine, much more).
-    const SCHEDULED: std::time::Duration = std::time::Duration::from_secs(180);
-
-    /// Upstream's driver as a process: `kubelet-plugin` for `node`, its
-    /// sockets and CDI specs under `root`; its log in `root/driver.log`.
-    fn start_test_driver(binary: &Path, kubeconfig: &Path, node: &str, root: &Path) -> tokio::process::Child {
-        let log = std::fs::File::create(root.join("driver.log")).expect("driver log");
-        tokio::process::Command::new(binary)
-            .arg("--kubeconfig")
-            .arg(kubeconfig)
-            .args(["-v", "5", "kubelet-plugin", "--node-name", node, "--num-devices", "4"])
-            .arg("--plugin-registration-path")
-            .arg(root.join("plugins_registry"))
-            .arg("--datadir")
-            .arg(root.join("plugins"))
-            .arg("--cdi-dir")
-            .arg(root.join("cdi"))
-            .stdout(Stdio::null())
-            .stderr(log)
-            .kill_on_drop(true)
-            .spawn()
-            .expect("spawn the DRA test driver")
-    }
-
-    fn resource(version: ResourceVersion, kind: &str, plural: &str) -> ApiResource {
-        ApiResource {
-            group: resource_api::GROUP.into(),
-            version: version.as_str().into(),
-            api_version: version.api_version().into(),
-            kind: kind.into(),
-            plural: plural.into(),
-        }
-    }
-
-    /// `hub` (an object in `v1`'s shape) written in `version`.
-    fn in_version(mut hub: serde_json::Value, version: ResourceVersion) -> DynamicObject {
-        hub["apiVersion"] = ResourceVersion::V1.api_version().into();
-        resource_api::from_hub(&mut hub, version);
-        serde_json::from_value(hub).expect("object")
-    }
-
-    /// Waits (watching) until this node's ResourceSlices hold `count`
-    /// devices; their names, read through `v1`'s model.
-    async fn slice_devices(
-        slices: Api<DynamicObject>,
-        node: &str,
-        version: ResourceVersion,
-        count: usize,
-    ) -> Vec<String> {
-        use futures_util::StreamExt as _;
-        use kube::runtime::watcher;
-        let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
-        let mut events = watcher(slices, config).boxed();
-        let mut by_slice: std::collections::BTreeMap<String, Vec<String>> = Default::default();
-        let wait = async {
-            loop {
-                let (object, deleted) = match events.next().await.expect("watch").expect("watch event") {
-                    watcher::Event::Apply(o) | watcher::Event::InitApply(o) => (o, false),
-                    watcher::Event::Delete(o) => (o, true),
-                    _ => continue,
-                };
-                let name = object.metadata.name.clone().unwrap_or_default();
-                let mut value = serde_json::to_value(object).expect("json");
-                value["apiVersion"] = version.api_version().into();
-                value["kind"] = "ResourceSlice".into();
-                resource_api::to_hub(&mut value);
-                let slice: k8s_openapi::api::resource::v1::ResourceSlice =
-                    serde_json::from_value(value).expect("the v1 model");
-                if deleted {
-                    by_slice.remove(&name);
-                } else {
-                    by_slice.insert(name, slice.spec.devices.unwrap_or_default().into_iter().map(|d| d.name).collect());
-                }
-                let devices: Vec<String> = by_slice.values().flatten().cloned().collect();
-                if devices.len() == count {
-                    return devices;
-                }
-            }
-        };
-        tokio::time::timeout(SOON, wait).await.unwrap_or_else(|_| panic!("{count} devices in {by_slice:?}"))
-    }
-
-    /// Waits (inotify) until `dir` holds `count` entries.
-    async fn wait_entries(dir: &Path, count: usize) {
-        use tokio_stream::StreamExt as _;
-        std::fs::create_dir_all(dir).expect("mkdir");
-        let inotify = inotify::Inotify::init().expect("inotify");
-        let mask = inotify::WatchMask::CREATE
-            | inotify::WatchMask::DELETE
-            | inotify::WatchMask::MOVED_TO
-            | inotify::WatchMask::MOVED_FROM;
-        inotify.watches().add(dir, mask).expect("watch");
-        let mut events = inotify.into_event_stream(vec![0u8; 4096]).expect("stream");
-        let entries = || std::fs::read_dir(dir).map(|d| d.count()).unwrap_or(0);
-        let wait = async {
-            while entries() != count {
-                events.next().await.expect("inotify alive").expect("inotify event");
-            }
-        };
-        if tokio::time::timeout(SOON, wait).await.is_err() {
-            panic!("{} holds {} entries, not {count}", dir.display(), entries());
-        }
-    }
-
-    fn tail(path: &Path) -> String {
-        let text = std::fs::read_to_string(path).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(40)..].join("\n")
-    }
 
     /// A pod with a ResourceClaimTemplate, scheduled by the real scheduler
     /// to the node: the claim controller makes its claim, the scheduler
@@ -1005,43 +886,28 @@ mod real_control_plane {
     async fn upstreams_test_driver_runs_a_template_claim_pod_scheduled_by_the_real_scheduler() {
         const TEST: &str = "upstreams_test_driver_runs_a_template_claim_pod_scheduled_by_the_real_scheduler";
         let Some(api) = TestApi::real(TEST).await else { return };
-        let plane = api.control_plane().expect("real");
-        if !plane.serves_structured_dra() {
-            let why = format!("Kubernetes 1.{} predates structured DRA (1.32+)", plane.minor_version());
-            return skip(TEST, Need::KubeDra, &why);
-        }
-        let driver_binary: PathBuf = plane.bin_dir().join("dra-test-driver");
-        if !driver_binary.is_file() {
-            let why = format!("{} is missing (build test/e2e/dra/test-driver there)", driver_binary.display());
-            return skip(TEST, Need::KubeDra, &why);
-        }
-        plane.ensure_scheduler().expect("kube-scheduler");
-        plane.ensure_controller_manager().expect("kube-controller-manager");
-        let version = ServedVersion::default().get(&api.admin).await.expect("discovery").expect("structured DRA served");
+        let Some((driver_binary, version)) = upstream::setting_up(TEST, &api).await else { return };
 
         let root = tempfile::Builder::new().prefix("rustlet-dra-real-").tempdir().expect("tempdir");
         let (node, shutdown) = cluster_node(&api, root.path()).await;
-        // The helper binds its socket in `<datadir>/<driver>` and makes
-        // only that directory's parent: a deployment mounts the directory.
-        std::fs::create_dir_all(root.path().join("plugins").join(TEST_DRIVER)).expect("mkdir");
+        let plane = api.control_plane().expect("real");
         let mut driver =
-            start_test_driver(&driver_binary, plane.admin_kubeconfig(), &api.node, root.path());
+            upstream::start(&driver_binary, plane.admin_kubeconfig(), &api.node, root.path(), "driver.log");
         let drivers = node.dra_drivers();
-        let registered = drivers
-            .wait_until(SOON, |i| i.iter().any(|i| i.driver == TEST_DRIVER && i.connected))
-            .await;
-        assert!(registered, "the driver registers: {}", tail(&root.path().join("driver.log")));
+        let registered = drivers.wait_until(SOON, |i| i.iter().any(|i| i.driver == TEST_DRIVER && i.connected)).await;
+        assert!(registered, "the driver registers: {}", upstream::tail(&root.path().join("driver.log")));
         let instance = drivers.list().into_iter().find(|i| i.driver == TEST_DRIVER).expect("instance");
         assert_eq!(instance.version, kubelet::dra::DraVersion::V1beta1, "the helper's only API");
 
         // Its four devices, published by the driver for this node.
         let slices: Api<DynamicObject> =
             Api::all_with(api.admin.clone(), &resource(version, "ResourceSlice", "resourceslices"));
-        let devices = slice_devices(slices, &api.node, version, 4).await;
+        let devices = upstream::slice_devices(slices, &api.node, version, 4).await;
 
         let tag = std::process::id();
         let class = format!("rustlet-example-{tag}");
-        let classes: Api<DynamicObject> = Api::all_with(api.admin.clone(), &resource(version, "DeviceClass", "deviceclasses"));
+        let classes: Api<DynamicObject> =
+            Api::all_with(api.admin.clone(), &resource(version, "DeviceClass", "deviceclasses"));
         let device_class = json!({"kind": "DeviceClass", "metadata": {"name": class},
             "spec": {"selectors": [{"cel": {"expression": format!("device.driver == \"{TEST_DRIVER}\"")}}]}});
         classes.create(&PostParams::default(), &in_version(device_class, version)).await.expect("DeviceClass");
@@ -1052,10 +918,10 @@ mod real_control_plane {
         );
         let template = format!("rustlet-inline-{tag}");
         let claim_template = json!({"kind": "ResourceClaimTemplate", "metadata": {"name": template, "namespace": "default"},
-            "spec": {"spec": {"devices": {
-                "requests": [{"name": "my-device", "exactly": {"deviceClassName": class}}],
-                "config": [{"opaque": {"driver": TEST_DRIVER, "parameters": {"a": "b"}}}],
-            }}}});
+        "spec": {"spec": {"devices": {
+            "requests": [{"name": "my-device", "exactly": {"deviceClassName": class}}],
+            "config": [{"opaque": {"driver": TEST_DRIVER, "parameters": {"a": "b"}}}],
+        }}}});
         templates.create(&PostParams::default(), &in_version(claim_template, version)).await.expect("template");
 
         let pods: Api<Pod> = Api::namespaced(api.admin.clone(), "default");
@@ -1081,17 +947,26 @@ mod real_control_plane {
         let Some(running) = running else {
             panic!(
                 "the pod did not run; node events and the driver's log:\n{}",
-                tail(&root.path().join("driver.log"))
+                upstream::tail(&root.path().join("driver.log"))
             );
         };
         let status = json_of(&running)["status"].clone();
-        let claim_name =
-            status["resourceClaimStatuses"][0]["resourceClaimName"].as_str().expect("the controller's claim").to_owned();
+        let claim_name = status["resourceClaimStatuses"][0]["resourceClaimName"]
+            .as_str()
+            .expect("the controller's claim")
+            .to_owned();
 
         // Allocated one of the four, reserved for the pod, prepared on the node.
-        let claim = kubelet::cluster::claims::get_claim(&api.admin, version, "default", &claim_name).await.expect("claim");
+        let claim =
+            kubelet::cluster::claims::get_claim(&api.admin, version, "default", &claim_name).await.expect("claim");
         let claim_uid = claim.metadata.uid.clone().expect("uid");
-        let results = claim.status.as_ref().and_then(|s| s.allocation.as_ref()).and_then(|a| a.devices.as_ref()).and_then(|d| d.results.clone()).unwrap_or_default();
+        let results = claim
+            .status
+            .as_ref()
+            .and_then(|s| s.allocation.as_ref())
+            .and_then(|a| a.devices.as_ref())
+            .and_then(|d| d.results.clone())
+            .unwrap_or_default();
         assert_eq!(results.len(), 1, "{claim:?}");
         assert!(devices.contains(&results[0].device), "{results:?}");
         assert!(node.dra_claims().is_prepared(&claim_uid));
@@ -1106,19 +981,18 @@ mod real_control_plane {
         assert!(with.contains("user_a=b") && with.contains(&marker), "{marker} in {with}");
         let without = super::wait_file(&log_dir.join("without-resource/0.log"), |t| t.contains("PATH=")).await;
         assert!(!without.contains("user_a=b"), "{without}");
-        wait_entries(&root.path().join("cdi"), 1).await;
+        upstream::wait_entries(&root.path().join("cdi"), 1).await;
 
         // Deleted: unprepared (the driver removes its spec), and the
         // controller removes the claim.
         pods.delete(&name, &DeleteParams::default()).await.expect("delete");
         api.wait_for(&pods, &name, "deleted", SCHEDULED, |p| p.is_none()).await;
         // NodeUnprepareResources removes the driver's spec.
-        wait_entries(&root.path().join("cdi"), 0).await;
+        upstream::wait_entries(&root.path().join("cdi"), 0).await;
         assert!(!node.dra_claims().is_prepared(&claim_uid));
         let claims: Api<DynamicObject> =
             Api::namespaced_with(api.admin.clone(), "default", &resource(version, "ResourceClaim", "resourceclaims"));
-        api.wait_for(&claims, &claim_name, "removed by the claim controller", SCHEDULED, |c| c.is_none())
-            .await;
+        api.wait_for(&claims, &claim_name, "removed by the claim controller", SCHEDULED, |c| c.is_none()).await;
 
         shutdown.cancel();
         node.stopped().await;

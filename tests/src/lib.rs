@@ -29,6 +29,7 @@ pub mod cgroups;
 pub mod containerd;
 pub mod control_plane;
 pub mod debian;
+pub mod dra_test_driver;
 pub mod host_provider;
 pub mod https;
 pub mod node_process;

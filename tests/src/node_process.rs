@@ -19,6 +19,8 @@ pub struct NodeProcess {
     /// Its stderr, line by line (each line is also echoed to the test's
     /// stderr with a `rustlet:` prefix).
     pub lines: mpsc::UnboundedReceiver<String>,
+    /// Every line so far, waited for or not.
+    all: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
 }
 
 /// The hard eviction thresholds of the nodes tests start: upstream's
@@ -40,16 +42,24 @@ impl NodeProcess {
             command.stderr(Stdio::piped()).stdout(Stdio::null()).kill_on_drop(true).spawn().expect("spawn rustlet");
         let stderr = child.stderr.take().expect("stderr");
         let (tx, lines) = mpsc::unbounded_channel();
+        let all = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let record = all.clone();
         tokio::spawn(async move {
             let mut reader = BufReader::new(stderr).lines();
             while let Ok(Some(line)) = reader.next_line().await {
                 eprintln!("rustlet: {line}");
+                record.lock().unwrap_or_else(|p| p.into_inner()).push(line.clone());
                 if tx.send(line).is_err() {
                     break;
                 }
             }
         });
-        NodeProcess { child, lines }
+        NodeProcess { child, lines, all }
+    }
+
+    /// Every log line the process wrote so far (waited for or not).
+    pub fn all_lines(&self) -> Vec<String> {
+        self.all.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// Waits for a log line containing `needle`.

@@ -558,3 +558,163 @@ async fn a_claim_is_prepared_once_across_a_kill_9_and_released_once() {
     assert_eq!(reported_calls(&mut calls), [], "released once, nothing else");
     plugins.cancel();
 }
+
+/// Upstream's DRA test driver beside the binary on a real control plane
+/// (1.32+; the real scheduler and claim controller): one named
+/// ResourceClaim shared by two WebAssembly pods. It is allocated once and
+/// prepared once; each pod's init container sees the claim's env (from the
+/// driver's CDI spec, which the node resolves: the WebAssembly runtime has
+/// no CDI); `kill -9` of the node and a restart prepare nothing again; the
+/// driver is upgraded (stopped, a new process started) while the pods run;
+/// the first pod's deletion keeps the claim, the last one's releases it
+/// through the new driver (its log shows the `NodeUnprepareResources`
+/// call; the test driver keeps what it prepared in memory, so the new
+/// process has no spec to remove). The node's log holds no 403
+/// (NodeRestriction refuses nothing it writes).
+#[tokio::test]
+async fn a_shared_claim_on_the_real_control_plane_survives_a_kill_9_and_a_driver_upgrade() {
+    use k8s_openapi::api::core::v1::Node;
+    use kube::api::DynamicObject;
+    use rustlet_testkit::dra_test_driver::{self as upstream, SCHEDULED, TEST_DRIVER, in_version, resource};
+
+    const TEST: &str = "a_shared_claim_on_the_real_control_plane_survives_a_kill_9_and_a_driver_upgrade";
+    let Some(api) = TestApi::real(TEST).await else { return };
+    let Some((binary, version)) = upstream::setting_up(TEST, &api).await else { return };
+    let plane = api.control_plane().expect("real");
+    let root = tempfile::tempdir().expect("tempdir");
+    import_example(root.path(), "hello").await;
+    import_example(root.path(), "sleep").await;
+    let cdi = root.path().join("cdi");
+    let cdi_arg = cdi.display().to_string();
+    let extra = ["--cdi-spec-dir", cdi_arg.as_str()];
+    let mut node = rustlet_on(&api, root.path(), &extra);
+    node.line_with("node started").await;
+    let nodes: Api<Node> = Api::all(api.admin.clone());
+    api.wait_for(&nodes, &api.node, "registered", SOON, |n| n.is_some()).await.expect("node");
+    // The driver reads its Node (the owner of its slices) as it starts.
+    let driver = upstream::start(&binary, plane.admin_kubeconfig(), &api.node, root.path(), "old-driver.log");
+    node.line_with("DRA driver instance connected").await;
+    let slices: Api<DynamicObject> =
+        Api::all_with(api.admin.clone(), &resource(version, "ResourceSlice", "resourceslices"));
+    upstream::slice_devices(slices, &api.node, version, 4).await;
+
+    let tag = std::process::id();
+    let class = format!("rustlet-shared-{tag}");
+    let classes: Api<DynamicObject> =
+        Api::all_with(api.admin.clone(), &resource(version, "DeviceClass", "deviceclasses"));
+    let device_class = json!({"kind": "DeviceClass", "metadata": {"name": class},
+        "spec": {"selectors": [{"cel": {"expression": format!("device.driver == \"{TEST_DRIVER}\"")}}]}});
+    classes.create(&PostParams::default(), &in_version(device_class, version)).await.expect("DeviceClass");
+    let claim = format!("shared-{tag}");
+    let claims: Api<DynamicObject> =
+        Api::namespaced_with(api.admin.clone(), "default", &resource(version, "ResourceClaim", "resourceclaims"));
+    let resource_claim = json!({"kind": "ResourceClaim", "metadata": {"name": claim, "namespace": "default"},
+    "spec": {"devices": {
+        "requests": [{"name": "gpu", "exactly": {"deviceClassName": class}}],
+        "config": [{"opaque": {"driver": TEST_DRIVER, "parameters": {"a": "b"}}}],
+    }}});
+    let claim_uid = claims
+        .create(&PostParams::default(), &in_version(resource_claim, version))
+        .await
+        .expect("claim")
+        .metadata
+        .uid
+        .expect("uid");
+
+    let pods: Api<Pod> = Api::namespaced(api.admin.clone(), "default");
+    let pod = |name: &str| -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {
+                "nodeSelector": {"kubernetes.io/hostname": api.node},
+                "tolerations": [{"key": "kubernetes.io/arch", "operator": "Equal", "value": "wasm32-wasi"}],
+                "terminationGracePeriodSeconds": 2,
+                "resourceClaims": [{"name": "gpu", "resourceClaimName": claim}],
+                "initContainers": [{
+                    "name": "show", "image": "example.com/test/hello:v1", "imagePullPolicy": "Never",
+                    "volumeMounts": [{"name": "out", "mountPath": "/out"}],
+                    "resources": {"claims": [{"name": "gpu"}]},
+                }],
+                "containers": [{
+                    "name": "main", "image": "example.com/test/sleep:v1", "imagePullPolicy": "Never",
+                    "resources": {"claims": [{"name": "gpu"}]},
+                }],
+                "volumes": [{"name": "out", "emptyDir": {}}],
+            },
+        }))
+        .expect("pod")
+    };
+    let names = [format!("dra-first-{tag}"), format!("dra-second-{tag}")];
+    for name in &names {
+        pods.create(&PostParams::default(), &pod(name)).await.expect("pod");
+    }
+    let marker = format!("claim_{}_gpu=true", claim.replace(|c: char| !c.is_ascii_alphanumeric(), "_"));
+    for name in &names {
+        let running = api.wait_for(&pods, name, "Running", SCHEDULED, |p| pod_phase(p) == Some("Running")).await;
+        let running = running.unwrap_or_else(|| {
+            panic!("{name} did not run; the driver's log:\n{}", upstream::tail(&root.path().join("old-driver.log")))
+        });
+        let uid = running.metadata.uid.clone().expect("uid");
+        let log = root.path().join(format!("logs/pods/default_{name}_{uid}/show/0.log"));
+        let shown = rustlet_testkit::wait_file(&log, |t| t.contains("wrote hello.txt"), SOON).await;
+        assert!(shown.contains("env: user_a=b") && shown.contains(&format!("env: {marker}")), "{marker} in {shown}");
+    }
+    let prepares = |node: &NodeProcess| {
+        node.all_lines().iter().filter(|l| l.contains("resource claim prepared") && l.contains(&claim_uid)).count()
+    };
+    assert_eq!(prepares(&node), 1, "one prepare for both pods");
+    let mut seen = node.all_lines();
+
+    // kill -9 and a restart: both pods taken through their claims again,
+    // nothing prepared again.
+    node.child.kill().await.expect("kill -9");
+    let mut node = rustlet_on(&api, root.path(), &extra);
+    node.line_with("node started").await;
+    node.line_with("resource claims prepared").await;
+    node.line_with("resource claims prepared").await;
+    assert_eq!(prepares(&node), 0, "the checkpoint says prepared");
+
+    // The driver is upgraded while the pods run: the old process stops
+    // (SIGTERM: it removes its sockets), a new one starts.
+    let old = driver.id().expect("pid").to_string();
+    let stopped = Command::new("kill").args(["-TERM", &old]).status().await.expect("kill");
+    assert!(stopped.success());
+    node.line_with("DRA driver instance deregistered").await;
+    let _driver = upstream::start(&binary, plane.admin_kubeconfig(), &api.node, root.path(), "new-driver.log");
+    node.line_with("DRA driver instance connected").await;
+
+    // The first pod goes: the claim stays prepared for the second.
+    pods.delete(&names[0], &DeleteParams::default()).await.expect("delete");
+    api.wait_for(&pods, &names[0], "deleted", SCHEDULED, |p| p.is_none()).await;
+    assert!(!node.all_lines().iter().any(|l| l.contains("resource claim released")), "still used by the second pod");
+    assert_eq!(std::fs::read_dir(&cdi).map(|d| d.count()).unwrap_or(0), 1, "the driver's spec stays");
+    // The last goes: released once, through the new driver.
+    pods.delete(&names[1], &DeleteParams::default()).await.expect("delete");
+    api.wait_for(&pods, &names[1], "deleted", SCHEDULED, |p| p.is_none()).await;
+    let released = node.line_with("resource claim released").await;
+    assert!(released.contains(&claim_uid), "{released}");
+    // The drivers' side: one prepare by the old process, one release by
+    // the new one, nothing else.
+    let calls = |log: &str, method: &str| {
+        let text = std::fs::read_to_string(root.path().join(log)).unwrap_or_default();
+        let method = format!("DRAPlugin/{method}\"");
+        text.lines().filter(|l| l.contains("handling request succeeded") && l.contains(&method)).count()
+    };
+    let unprepared = |t: &str| {
+        t.lines().any(|l| l.contains("handling request succeeded") && l.contains("DRAPlugin/NodeUnprepareResources"))
+    };
+    rustlet_testkit::wait_file(&root.path().join("new-driver.log"), unprepared, SOON).await;
+    assert_eq!(
+        [calls("old-driver.log", "NodePrepareResources"), calls("old-driver.log", "NodeUnprepareResources")],
+        [1, 0]
+    );
+    assert_eq!(
+        [calls("new-driver.log", "NodePrepareResources"), calls("new-driver.log", "NodeUnprepareResources")],
+        [0, 1]
+    );
+
+    seen.extend(node.all_lines());
+    let refused: Vec<&String> =
+        seen.iter().filter(|l| l.contains("403 ") || l.contains("Forbidden") || l.contains("forbidden")).collect();
+    assert!(refused.is_empty(), "{refused:#?}");
+}
