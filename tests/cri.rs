@@ -1516,3 +1516,106 @@ async fn kubectl_exec_attach_and_port_forward_reach_a_container() {
         api.wait_for(&pods, name, "gone", SOON, |p| p.is_none()).await;
     }
 }
+
+/// A container on containerd with a claim, on a real control plane with
+/// upstream's DRA test driver (1.32+): the real scheduler allocates a
+/// device of the driver's ResourceSlice to the pod's template claim, the
+/// node prepares it and, containerd 1.6 ignoring the CRI's CDI field, adds
+/// the env of the driver's CDI spec to the container itself (the Go
+/// kubelet's container sees nothing of the claim on this runtime); the
+/// pod's deletion unprepares it (the driver removes its spec).
+#[tokio::test]
+async fn a_container_on_containerd_sees_its_claims_cdi_env_from_upstreams_driver() {
+    use kube::api::{Api, DeleteParams, DynamicObject, PostParams};
+    use kubelet::cluster::{ApiSource, ClusterSettings};
+    use kubelet::node::{NodeBuilder, NodeConfig};
+    use rustlet_testkit::dra_test_driver::{self as upstream, SCHEDULED, TEST_DRIVER, in_version, resource};
+    let test = "a_container_on_containerd_sees_its_claims_cdi_env_from_upstreams_driver";
+    let Some(api) = rustlet_testkit::test_api::TestApi::real(test).await else { return };
+    let Some((binary, version)) = upstream::setting_up(test, &api).await else { return };
+    let Some(containerd) = Containerd::shared(test) else { return };
+    let plane = api.control_plane().expect("real");
+    let registry = Registry::start().await.expect("registry");
+    containerd.trust_registry(&registry.host());
+    let image = push_busybox(&registry, "test/busybox", "v1", &[], &["sh"]).await.expect("push busybox");
+    let root = tempfile::Builder::new().prefix("rustlet-cri-dra-").tempdir().expect("tempdir");
+    let mut config = NodeConfig::new(root.path(), api.node.clone());
+    config.http_address = None;
+    config.pods.cdi_spec_dirs = vec![root.path().join("cdi")];
+    config.plugins = common::test_config(&root.path().join("plugins_registry"));
+    let shutdown = CancellationToken::new();
+    let _stop = shutdown.clone().drop_guard();
+    let provider = Arc::new(CriProvider::new(CriConfig::new(containerd.endpoint())));
+    let node = NodeBuilder::new(config)
+        .provider(provider)
+        .cluster(ClusterSettings::new(ApiSource::Client(api.node_client.clone())))
+        .start(shutdown.clone())
+        .await
+        .expect("node");
+    let _driver = upstream::start(&binary, plane.admin_kubeconfig(), &api.node, root.path(), "driver.log");
+    let connected = node.dra_drivers().wait_until(SOON, |i| i.iter().any(|i| i.driver == TEST_DRIVER && i.connected));
+    assert!(connected.await, "{}", upstream::tail(&root.path().join("driver.log")));
+    let slices: Api<DynamicObject> =
+        Api::all_with(api.admin.clone(), &resource(version, "ResourceSlice", "resourceslices"));
+    upstream::slice_devices(slices, &api.node, version, 4).await;
+
+    let tag = std::process::id();
+    let class = format!("rustlet-cri-{tag}");
+    let classes: Api<DynamicObject> =
+        Api::all_with(api.admin.clone(), &resource(version, "DeviceClass", "deviceclasses"));
+    let device_class = serde_json::json!({"kind": "DeviceClass", "metadata": {"name": class},
+        "spec": {"selectors": [{"cel": {"expression": format!("device.driver == \"{TEST_DRIVER}\"")}}]}});
+    classes.create(&PostParams::default(), &in_version(device_class, version)).await.expect("DeviceClass");
+    let template = format!("rustlet-cri-{tag}");
+    let templates: Api<DynamicObject> = Api::namespaced_with(
+        api.admin.clone(),
+        "default",
+        &resource(version, "ResourceClaimTemplate", "resourceclaimtemplates"),
+    );
+    let claim_template = serde_json::json!({"kind": "ResourceClaimTemplate",
+    "metadata": {"name": template, "namespace": "default"},
+    "spec": {"spec": {"devices": {
+        "requests": [{"name": "gpu", "exactly": {"deviceClassName": class}}],
+        "config": [{"opaque": {"driver": TEST_DRIVER, "parameters": {"a": "b"}}}],
+    }}}});
+    templates.create(&PostParams::default(), &in_version(claim_template, version)).await.expect("template");
+    let name = format!("cri-dra-{tag}");
+    let pod: Pod = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "nodeSelector": {"kubernetes.io/hostname": api.node},
+            "automountServiceAccountToken": false,
+            "terminationGracePeriodSeconds": 1,
+            "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": template}],
+            "containers": [{"name": "main", "image": image, "command": ["sh", "-c", "env | sort; exec sleep 600"],
+                            "resources": {"claims": [{"name": "gpu"}]}}],
+        },
+    }))
+    .expect("pod");
+    let pods: Api<Pod> = Api::namespaced(api.admin.clone(), "default");
+    pods.create(&PostParams::default(), &pod).await.expect("pod");
+    let running = api
+        .wait_for(&pods, &name, "Running", SCHEDULED, |p| {
+            p.and_then(|p| p.status.as_ref()?.phase.clone()).is_some_and(|phase| phase == "Running")
+        })
+        .await
+        .unwrap_or_else(|| {
+            panic!("not Running; the driver's log:\n{}", upstream::tail(&root.path().join("driver.log")))
+        });
+    let uid = running.metadata.uid.clone().expect("uid");
+    let claim = running
+        .status
+        .as_ref()
+        .and_then(|s| s.resource_claim_statuses.as_ref())
+        .and_then(|c| c.first()?.resource_claim_name.clone())
+        .expect("the controller's claim");
+    let marker = format!("claim_{}_gpu=true", claim.replace(|c: char| !c.is_ascii_alphanumeric(), "_"));
+    let log = root.path().join(format!("logs/pods/default_{name}_{uid}/main/0.log"));
+    let shown = rustlet_testkit::wait_file(&log, |t| t.contains("PATH="), SOON).await;
+    let shown = decode_cri_log(&shown).join("\n");
+    assert!(shown.contains("user_a=b") && shown.contains(&marker), "{marker} in {shown}");
+
+    pods.delete(&name, &DeleteParams::default()).await.expect("delete");
+    api.wait_for(&pods, &name, "deleted", SCHEDULED, |p| p.is_none()).await;
+    upstream::wait_entries(&root.path().join("cdi"), 0).await;
+}

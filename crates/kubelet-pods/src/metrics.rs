@@ -550,6 +550,10 @@ impl Provider for MeteredProvider {
         self.inner.mounts_files(pod)
     }
 
+    fn reads_cdi(&self, pod: &Pod) -> bool {
+        self.inner.reads_cdi(pod)
+    }
+
     fn runtime_version(&self) -> String {
         self.inner.runtime_version()
     }

@@ -219,6 +219,10 @@ impl Provider for RuntimeClasses {
         self.provider_for(pod).is_ok_and(|p| p.mounts_files(pod))
     }
 
+    fn reads_cdi(&self, pod: &Pod) -> bool {
+        self.provider_for(pod).is_ok_and(|p| p.reads_cdi(pod))
+    }
+
     fn runtime_version(&self) -> String {
         self.default.runtime_version()
     }

@@ -586,11 +586,13 @@ pub trait Provider: Send + Sync + 'static {
         false
     }
 
-    /// Whether the runtime applies CDI devices itself
+    /// Whether the runtime that runs `pod` applies CDI devices itself
     /// ([`ContainerRunOptions::cdi_devices`]: a CRI runtime with CDI on).
     /// When it does not (the default), the node reads the CDI specs and
-    /// adds their env, device nodes and mounts to the run options.
-    fn reads_cdi(&self) -> bool {
+    /// adds their env, device nodes and mounts to the run options. A
+    /// provider that wraps others answers for the one that runs `pod`.
+    fn reads_cdi(&self, pod: &Pod) -> bool {
+        let _ = pod;
         false
     }
 

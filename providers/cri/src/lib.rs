@@ -799,7 +799,7 @@ impl Provider for CriProvider {
         true
     }
 
-    fn reads_cdi(&self) -> bool {
+    fn reads_cdi(&self, _: &Pod) -> bool {
         self.inner.reads_cdi.load(std::sync::atomic::Ordering::Relaxed)
     }
 

@@ -161,7 +161,7 @@ pub(crate) async fn start(
     }
     // The names still go to the runtime (the CRI field); one that does not
     // read CDI specs gets their edits from the node.
-    if !run_options.cdi_devices.is_empty() && !provider.reads_cdi() {
+    if !run_options.cdi_devices.is_empty() && !provider.reads_cdi(&data.pod) {
         let registry = super::cdi::Registry::read(&lifecycle.config.cdi_spec_dirs);
         let names = run_options.cdi_devices.clone();
         if let Some(unresolved) = registry.apply(&names, &mut run_options) {
