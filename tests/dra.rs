@@ -418,6 +418,20 @@ mod cluster {
             (tonic::Code::Unknown, "pod absent in namespace default not found")
         );
 
+        // Upstream's DRA metrics: the pods' prepares (the refused one an
+        // error), each call to the driver by method and status code.
+        let mut registry = prometheus_client::registry::Registry::default();
+        node.dra_drivers().register_metrics(&mut registry);
+        let text = kubelet::provider::metrics::encode_text(&registry).expect("encode");
+        for series in [
+            "dra_operations_duration_seconds_count{operation_name=\"PrepareResources\",is_error=\"false\"} ",
+            "dra_operations_duration_seconds_count{operation_name=\"PrepareResources\",is_error=\"true\"} ",
+            "dra_grpc_operations_duration_seconds_count{driver_name=\"gpu.dra.example.com\",method_name=\"/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources\",grpc_status_code=\"OK\"} 2",
+            "dra_grpc_operations_duration_seconds_bucket{le=\"+Inf\",driver_name=\"gpu.dra.example.com\",method_name=\"/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources\",grpc_status_code=\"OK\"} 2",
+        ] {
+            assert!(text.contains(series), "missing {series} in:\n{text}");
+        }
+
         // The node restarts (its checkpoint holds the claim): the pods are
         // adopted and nothing is prepared again.
         shutdown.cancel();

@@ -246,6 +246,15 @@ impl DraClaims {
     /// only gain the pod; the others are prepared with one call per
     /// driver. Every failure is in the error, each naming its claim.
     pub async fn prepare_pod(&self, pod_uid: &str, claims: &[ResolvedClaim]) -> Result<(), ClaimError> {
+        let started = std::time::Instant::now();
+        let result = self.prepare_pod_claims(pod_uid, claims).await;
+        if !claims.is_empty() {
+            self.inner.drivers.metrics().operation(true, result.is_err(), started.elapsed());
+        }
+        result
+    }
+
+    async fn prepare_pod_claims(&self, pod_uid: &str, claims: &[ResolvedClaim]) -> Result<(), ClaimError> {
         let mut drivers: BTreeSet<String> = BTreeSet::new();
         {
             let mut state = self.state();
@@ -339,8 +348,13 @@ impl DraClaims {
         if !held {
             return Ok(());
         }
-        self.persist()?;
-        self.release(&emptied).await
+        let started = std::time::Instant::now();
+        let result = match self.persist() {
+            Ok(()) => self.release(&emptied).await,
+            Err(error) => Err(error),
+        };
+        self.inner.drivers.metrics().operation(false, result.is_err(), started.elapsed());
+        result
     }
 
     /// Drops every pod not in `live` from the claims (after a restart: pods

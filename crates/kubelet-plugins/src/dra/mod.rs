@@ -26,6 +26,7 @@
 //! reference the claim in `resources.claims`.
 
 mod claims;
+mod metrics;
 mod plugins;
 
 pub use claims::{ClaimError, ClaimSource, ContainerClaim, DRA_CHECKPOINT_FILE, DraClaims, ResolvedClaim, claim_name};

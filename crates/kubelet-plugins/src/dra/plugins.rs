@@ -200,6 +200,7 @@ struct Inner {
     sequence: AtomicU64,
     changes: watch::Sender<u64>,
     shutdown: CancellationToken,
+    metrics: super::metrics::DraMetrics,
 }
 
 /// The DRA drivers of this node. Cheap to clone; clones share one registry.
@@ -218,8 +219,20 @@ impl DraDrivers {
                 sequence: AtomicU64::new(0),
                 changes: watch::channel(0).0,
                 shutdown,
+                metrics: super::metrics::DraMetrics::default(),
             }),
         }
+    }
+
+    /// Adds DRA's metrics to `registry` (upstream's
+    /// `dra_operations_duration_seconds` and
+    /// `dra_grpc_operations_duration_seconds`).
+    pub fn register_metrics(&self, registry: &mut prometheus_client::registry::Registry) {
+        self.inner.metrics.register(registry);
+    }
+
+    pub(crate) fn metrics(&self) -> &super::metrics::DraMetrics {
+        &self.inner.metrics
     }
 
     /// The `DRAPlugin` registration handler writing this registry.
@@ -543,7 +556,19 @@ impl DraDrivers {
         future: impl std::future::Future<Output = Result<T, tonic::Status>>,
     ) -> Result<T, DraError> {
         let timeout = self.inner.config.call_timeout;
-        match tokio::time::timeout(timeout, future).await {
+        let started = std::time::Instant::now();
+        let answer = tokio::time::timeout(timeout, future).await;
+        let package = match instance.version {
+            DraVersion::V1 => "k8s.io.kubelet.pkg.apis.dra.v1",
+            DraVersion::V1beta1 => "k8s.io.kubelet.pkg.apis.dra.v1beta1",
+        };
+        let code = match &answer {
+            Ok(Ok(_)) => Some(tonic::Code::Ok),
+            Ok(Err(status)) => Some(status.code()),
+            Err(_) => None,
+        };
+        self.inner.metrics.call(&instance.driver, format!("/{package}.DRAPlugin/{call}"), code, started.elapsed());
+        match answer {
             Ok(Ok(answer)) => Ok(answer),
             Ok(Err(status)) => Err(DraError::Call {
                 driver: instance.driver.clone(),

@@ -88,6 +88,7 @@ pub(super) fn start_plugins(
     manager.add_handler(PluginType::Csi, Arc::new(csi)).map_err(plugin_error)?;
     manager.add_handler(PluginType::DevicePlugin, Arc::new(devices.plugin_handler())).map_err(plugin_error)?;
     let dra_drivers = DraDrivers::new(config.dra, (*shutdown).clone());
+    dra_drivers.register_metrics(metrics);
     manager.add_handler(PluginType::Dra, Arc::new(dra_drivers.plugin_handler())).map_err(plugin_error)?;
     for (plugin_type, handler) in handlers {
         manager.add_handler(plugin_type, handler).map_err(plugin_error)?;
