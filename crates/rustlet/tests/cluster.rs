@@ -317,10 +317,16 @@ async fn static_pods_get_mirror_pods(api: TestApi) {
     import_example(root.path(), "sleep").await;
     let manifests = root.path().join("manifests");
     std::fs::create_dir_all(&manifests).expect("mkdir");
+    // The WebAssembly node's arch taints are NoSchedule and NoExecute: a
+    // mirror pod that does not tolerate them is deleted by the
+    // controller manager's taint eviction (where one runs) as often as the
+    // node makes it.
     let manifest = |name: &str| {
         format!(
             "apiVersion: v1\nkind: Pod\nmetadata: {{name: {name}, labels: {{app: {name}}}}}\nspec:\n  \
-             terminationGracePeriodSeconds: 2\n  containers:\n  - name: main\n    \
+             terminationGracePeriodSeconds: 2\n  \
+             tolerations: [{{key: kubernetes.io/arch, operator: Equal, value: wasm32-wasi}}]\n  \
+             containers:\n  - name: main\n    \
              image: example.com/test/sleep:v1\n    imagePullPolicy: Never\n"
         )
     };
