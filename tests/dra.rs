@@ -555,25 +555,16 @@ mod cluster {
     /// objects, and its pod status writes never name the claim statuses.
     #[tokio::test]
     async fn claims_and_slices_work_in_whichever_beta_the_server_serves() {
-        use kube::api::{ApiResource, DynamicObject};
-        use kubelet_api::resource::{self as resource_api, ResourceVersion};
+        use kube::api::DynamicObject;
+        use kubelet_api::resource::ResourceVersion;
         for served in [&[ResourceVersion::V1beta1][..], &[ResourceVersion::V1beta2, ResourceVersion::V1beta1]] {
             let version = served[0];
             let api = TestApi::fake().await;
             let server = api.fake_server().expect("the in-process server");
             server.serve_resource_versions(served);
-            let resource = |kind: &str, plural: &str| ApiResource {
-                group: "resource.k8s.io".into(),
-                version: version.as_str().into(),
-                api_version: version.api_version().into(),
-                kind: kind.into(),
-                plural: plural.into(),
-            };
+            let resource = |kind: &str, plural: &str| rustlet_testkit::dra_test_driver::resource(version, kind, plural);
             // What the admin writes, in the served version's shape.
-            let object = |mut hub: serde_json::Value| -> DynamicObject {
-                resource_api::from_hub(&mut hub, version);
-                serde_json::from_value(hub).expect("object")
-            };
+            let object = |hub: serde_json::Value| rustlet_testkit::dra_test_driver::in_version(hub, version);
             let slices: Api<DynamicObject> =
                 Api::all_with(api.admin.clone(), &resource("ResourceSlice", "resourceslices"));
             let stale = format!("{}-stale", api.node);

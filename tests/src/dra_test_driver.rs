@@ -79,13 +79,7 @@ pub fn start(binary: &Path, kubeconfig: &Path, node: &str, root: &Path, log: &st
 
 /// `kind`/`plural` of `resource.k8s.io` at `version`.
 pub fn resource(version: ResourceVersion, kind: &str, plural: &str) -> ApiResource {
-    ApiResource {
-        group: resource_api::GROUP.into(),
-        version: version.as_str().into(),
-        api_version: version.api_version().into(),
-        kind: kind.into(),
-        plural: plural.into(),
-    }
+    kubelet::cluster::claims::api_resource(version, kind, plural)
 }
 
 /// `hub` (an object in `v1`'s shape, with its `kind`) written in `version`.

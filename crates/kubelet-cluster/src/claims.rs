@@ -85,8 +85,9 @@ impl ServedVersion {
     }
 }
 
-/// The `kind`/`plural` of `resource.k8s.io` at `version`.
-fn api_resource(version: ResourceVersion, kind: &str, plural: &str) -> ApiResource {
+/// The `kind`/`plural` of `resource.k8s.io` at `version` (for a dynamic
+/// `Api`).
+pub fn api_resource(version: ResourceVersion, kind: &str, plural: &str) -> ApiResource {
     ApiResource {
         group: resource_api::GROUP.into(),
         version: version.as_str().into(),
