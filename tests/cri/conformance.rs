@@ -504,3 +504,48 @@ async fn a_lowered_active_deadline_ends_the_pod() {
     assert_eq!(status.message.as_deref(), Some("Pod was active on the node longer than the specified deadline"));
     assert!(terminated(&done).is_some(), "its container was stopped: {status:?}");
 }
+
+/// `runAsNonRoot` as the kubelet checks it before creating a container
+/// (upstream's "Security Context When creating a container with
+/// runAsNonRoot"): an explicit `runAsUser: 0` and an image that runs as
+/// root (busybox has no `USER`) are refused with upstream's messages
+/// (`CreateContainerConfigError`, a `Failed` event); a non-root
+/// `runAsUser` runs.
+#[tokio::test]
+async fn run_as_non_root_refuses_root_users_and_runs_others() {
+    let Some(containerd) = Containerd::shared("run_as_non_root_refuses_root_users_and_runs_others") else { return };
+    let node = conformance_node(containerd).await;
+    let waiting_message = |pod: &Pod| {
+        container_status(pod, "main")
+            .and_then(|c| c.state.as_ref()?.waiting.clone())
+            .filter(|w| w.reason.as_deref() == Some("CreateContainerConfigError"))
+            .and_then(|w| w.message)
+    };
+    let explicit = node.run(
+        "explicit-root-uid",
+        "id -u",
+        json!({}),
+        json!({"securityContext": {"runAsNonRoot": true, "runAsUser": 0}}),
+    );
+    let refused = node.wait(&explicit, "refused", |p| waiting_message(p).is_some()).await;
+    assert_eq!(
+        waiting_message(&refused).as_deref(),
+        Some(
+            "container's runAsUser breaks non-root policy (pod: \"explicit-root-uid_default(cri-explicit-root-uid)\", container: main)"
+        )
+    );
+    let implicit =
+        node.run("implicit-root-uid", "id -u", json!({"securityContext": {"runAsNonRoot": true}}), json!({}));
+    let refused = node.wait(&implicit, "refused", |p| waiting_message(p).is_some()).await;
+    let message = waiting_message(&refused).unwrap_or_default();
+    assert!(message.starts_with("container has runAsNonRoot and image will run as root"), "{message}");
+    let allowed = node.run(
+        "non-root-uid",
+        "id -u",
+        json!({}),
+        json!({"securityContext": {"runAsNonRoot": true, "runAsUser": 1234}}),
+    );
+    let done = node.wait(&allowed, "finished", |p| terminated(p).is_some()).await;
+    assert_eq!(terminated(&done).map(|t| t.exit_code), Some(0));
+    assert_eq!(trimmed(&node.log("non-root-uid", &allowed)), ["1234"]);
+}

@@ -545,6 +545,22 @@ impl CriProvider {
         answer.status.ok_or_else(|| ProviderError::new(ProviderErrorKind::Other, "ContainerStatus without a status"))
     }
 
+    /// The user the image runs as (`ImageStatus`): its uid, else its user
+    /// name, else root, as upstream reads it.
+    async fn image_user(&self, image: &str) -> Result<security::ImageUser, ProviderError> {
+        let mut images = self.images().await?;
+        let answer = self
+            .call(images.image_status(cri::ImageStatusRequest { image: Some(image_spec(image)), verbose: false }))
+            .await
+            .map_err(|s| other(&format!("ImageStatus {image}"), &s))?;
+        let image = answer.image.unwrap_or_default();
+        Ok(match (image.uid, image.username) {
+            (Some(uid), _) => security::ImageUser::Uid(uid.value),
+            (None, name) if !name.is_empty() => security::ImageUser::Name(name),
+            _ => security::ImageUser::Uid(0),
+        })
+    }
+
     async fn image_id(&self, image: &str) -> Result<Option<String>, ProviderError> {
         let mut images = self.images().await?;
         let answer = self
@@ -809,6 +825,12 @@ impl Provider for CriProvider {
 
     async fn start_container(&self, launch: &ContainerLaunch) -> Result<ContainerId, ProviderError> {
         self.learn_runtime_name().await;
+        if security::asks_non_root(&launch.pod, &launch.container) {
+            let image = launch.container.image.as_deref().unwrap_or_default();
+            let user = self.image_user(image).await?;
+            security::verify_run_as_non_root(&launch.pod, &launch.container, &user)
+                .map_err(|message| ProviderError::new(ProviderErrorKind::Config, message))?;
+        }
         // The sandbox's log directory holds `<container>/<restart>.log`.
         let log_directory = launch.log_path.parent().and_then(Path::parent).map(|p| p.display().to_string());
         let config = self.sandbox_config(&launch.pod, log_directory.unwrap_or_default());

@@ -97,9 +97,97 @@ pub fn security_context(
     }
 }
 
+/// The user an image runs as, as the runtime's `ImageStatus` says it: a
+/// numeric uid, or a name; neither means root (upstream's reading).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ImageUser {
+    /// A numeric uid.
+    Uid(i64),
+    /// A user name the runtime did not resolve.
+    Name(String),
+}
+
+/// Whether the effective security context of `container` asks for
+/// `runAsNonRoot` (the image's user is read only then).
+pub fn asks_non_root(pod: &Pod, container: &Container) -> bool {
+    let pod_context = pod.spec.as_ref().and_then(|s| s.security_context.as_ref());
+    let context = container.security_context.as_ref();
+    context.and_then(|c| c.run_as_non_root).or(pod_context.and_then(|c| c.run_as_non_root)) == Some(true)
+}
+
+/// `runAsNonRoot`, checked as the kubelet checks it before creating a
+/// container: the effective context asks for it, and the container would
+/// run as root (its own or the pod's `runAsUser: 0`, or no `runAsUser` and
+/// an image that runs as root), or as a user name that cannot be checked.
+/// The messages are upstream's.
+pub fn verify_run_as_non_root(pod: &Pod, container: &Container, image_user: &ImageUser) -> Result<(), String> {
+    let pod_context = pod.spec.as_ref().and_then(|s| s.security_context.as_ref());
+    let context = container.security_context.as_ref();
+    let non_root = context.and_then(|c| c.run_as_non_root).or(pod_context.and_then(|c| c.run_as_non_root));
+    if non_root != Some(true) {
+        return Ok(());
+    }
+    let meta = &pod.metadata;
+    let pod_name = format!(
+        "{}_{}({})",
+        meta.name.as_deref().unwrap_or_default(),
+        meta.namespace.as_deref().unwrap_or("default"),
+        meta.uid.as_deref().unwrap_or_default()
+    );
+    let container_name = &container.name;
+    match context.and_then(|c| c.run_as_user).or(pod_context.and_then(|c| c.run_as_user)) {
+        Some(0) => Err(format!(
+            "container's runAsUser breaks non-root policy (pod: {pod_name:?}, container: {container_name})"
+        )),
+        Some(_) => Ok(()),
+        None => match image_user {
+            ImageUser::Uid(0) => Err(format!(
+                "container has runAsNonRoot and image will run as root (pod: {pod_name:?}, container: {container_name})"
+            )),
+            ImageUser::Uid(_) => Ok(()),
+            ImageUser::Name(name) => Err(format!(
+                "container has runAsNonRoot and image has non-numeric user ({name}), cannot verify user is non-root (pod: {pod_name:?}, container: {container_name})"
+            )),
+        },
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn run_as_non_root_refuses_root_as_upstream() {
+        let pod: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "p", "namespace": "ns", "uid": "u1"},
+            "spec": {"securityContext": {"runAsNonRoot": true}, "containers": [{"name": "c"}]},
+        }))
+        .expect("pod");
+        let container = |context: serde_json::Value| -> Container {
+            serde_json::from_value(serde_json::json!({"name": "c", "securityContext": context})).expect("container")
+        };
+        let explicit_root =
+            verify_run_as_non_root(&pod, &container(serde_json::json!({"runAsUser": 0})), &ImageUser::Uid(1234));
+        assert_eq!(
+            explicit_root,
+            Err("container's runAsUser breaks non-root policy (pod: \"p_ns(u1)\", container: c)".to_owned())
+        );
+        let image_root = verify_run_as_non_root(&pod, &container(serde_json::json!({})), &ImageUser::Uid(0));
+        assert_eq!(
+            image_root,
+            Err("container has runAsNonRoot and image will run as root (pod: \"p_ns(u1)\", container: c)".to_owned())
+        );
+        let named = verify_run_as_non_root(&pod, &container(serde_json::json!({})), &ImageUser::Name("app".into()));
+        assert!(named.expect_err("unverifiable").contains("image has non-numeric user (app)"));
+        assert_eq!(verify_run_as_non_root(&pod, &container(serde_json::json!({})), &ImageUser::Uid(1234)), Ok(()));
+        assert_eq!(
+            verify_run_as_non_root(&pod, &container(serde_json::json!({"runAsUser": 1000})), &ImageUser::Uid(0)),
+            Ok(())
+        );
+        // The container's own context wins over the pod's.
+        let allowed = container(serde_json::json!({"runAsNonRoot": false}));
+        assert_eq!(verify_run_as_non_root(&pod, &allowed, &ImageUser::Uid(0)), Ok(()));
+    }
 
     fn pod(spec: serde_json::Value) -> Pod {
         serde_json::from_value(serde_json::json!({"metadata": {"name": "p"}, "spec": spec})).expect("pod")
