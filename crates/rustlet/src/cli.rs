@@ -387,8 +387,10 @@ pub(crate) struct NodeArgs {
     #[arg(long, value_delimiter = ',', value_parser = parse_pair)]
     pub(crate) eviction_minimum_reclaim: Vec<(String, String)>,
     /// How long a pressure condition holds after its thresholds were last
-    /// met.
-    #[arg(long, default_value = "5m", value_parser = parse_duration)]
+    /// met. `0s` is taken, as the kubelet takes it: a condition then holds
+    /// for no time, so none is reported (evictions still happen), as the
+    /// kubelet does.
+    #[arg(long, default_value = "5m", value_parser = parse_duration_or_zero)]
     pub(crate) eviction_pressure_transition_period: Duration,
     /// The most grace, in seconds, a pod evicted for a soft threshold gets
     /// (0: its own `terminationGracePeriodSeconds`).
@@ -467,6 +469,16 @@ pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
         return Err(format!("{s:?} must be between 1ms and 24h"));
     }
     Ok(value)
+}
+
+/// [`parse_duration`], with zero allowed (`0`, `0s`): for the settings the
+/// kubelet lets be zero.
+pub(crate) fn parse_duration_or_zero(s: &str) -> Result<Duration, String> {
+    let trimmed = s.trim();
+    if trimmed == "0" || humantime::parse_duration(trimmed).is_ok_and(|d| d.is_zero()) {
+        return Ok(Duration::ZERO);
+    }
+    parse_duration(s).map_err(|e| e.replace("between 1ms and 24h", "0, or between 1ms and 24h"))
 }
 
 /// Parses `key=value` as a Node label.
@@ -561,5 +573,18 @@ mod tests {
         assert!(parse_duration("25h").expect_err("huge").contains("between 1ms and 24h"));
         assert!(parse_duration("5 parsecs").expect_err("unit").contains("not a duration"));
         assert!(parse_duration("soon").expect_err("garbage").contains("not a duration"));
+        // What the kubelet lets be zero.
+        assert_eq!(parse_duration_or_zero("0s"), Ok(Duration::ZERO));
+        assert_eq!(parse_duration_or_zero("0"), Ok(Duration::ZERO));
+        assert_eq!(parse_duration_or_zero("30s"), Ok(Duration::from_secs(30)));
+        assert!(parse_duration_or_zero("500us").expect_err("too short").contains("0, or between 1ms and 24h"));
+        let cli = <Cli as clap::Parser>::try_parse_from([
+            "rustlet",
+            "--standalone",
+            "--eviction-pressure-transition-period",
+            "0s",
+        ])
+        .expect("0s is taken");
+        assert_eq!(cli.node.eviction_pressure_transition_period, Duration::ZERO);
     }
 }
