@@ -126,6 +126,45 @@ rustlet_testkit::on_both_api_servers!(
     the_node_registers_with_its_status_and_keeps_its_lease
 );
 
+/// A whole node joining: it reports, as `kubeletVersion`, the newest
+/// Kubernetes release Rustlet conforms to that its control plane's
+/// `/version` is not older than (the in-process server says 1.32 here, so
+/// v1.28.7; the real one its own).
+async fn the_node_reports_the_newest_conformed_version_its_control_plane_takes(api: TestApi) {
+    use kubelet::cluster::{ApiSource, ClusterSettings};
+    use kubelet::node::{NodeBuilder, NodeConfig};
+    let minor = match (api.control_plane(), api.fake_server()) {
+        (Some(plane), _) => plane.minor_version(),
+        (None, Some(server)) => {
+            server.set_minor_version(32);
+            32
+        }
+        (None, None) => unreachable!("a TestApi has a server"),
+    };
+    let root = tempfile::tempdir().expect("tempdir");
+    let mut config = NodeConfig::new(root.path(), api.node.clone());
+    config.http_address = None;
+    let shutdown = CancellationToken::new();
+    let _stop = shutdown.clone().drop_guard();
+    let node = NodeBuilder::new(config)
+        .provider(std::sync::Arc::new(rustlet_testkit::host_provider::HostProcessProvider::new()))
+        .cluster(ClusterSettings::new(ApiSource::Client(api.node_client.clone())))
+        .start(shutdown.clone())
+        .await
+        .expect("node");
+    let want = kubelet::cluster::kubelet_version_for("1", &minor.to_string());
+    let expected = if minor >= 33 { "v1.33.3+rustlet." } else { "v1.28.7+rustlet." };
+    assert!(want.starts_with(expected), "{want} for 1.{minor}");
+    let registered = wait_node(&api, "registered", |n| n["status"]["nodeInfo"]["kubeletVersion"].is_string()).await;
+    assert_eq!(registered["status"]["nodeInfo"]["kubeletVersion"], want.as_str());
+    shutdown.cancel();
+    node.stopped().await;
+}
+rustlet_testkit::on_both_api_servers!(
+    the_node_reports_the_newest_conformed_version_its_control_plane_takes_on,
+    the_node_reports_the_newest_conformed_version_its_control_plane_takes
+);
+
 async fn changes_reach_the_node_coalesced_and_transition_times_hold(api: TestApi) {
     let name = api.node.clone();
     let (tx, rx) = watch::channel(desired(&name, 4));

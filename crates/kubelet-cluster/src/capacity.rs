@@ -159,6 +159,8 @@ pub(crate) struct NodeFacts<'a> {
     pub(crate) kubelet_port: Option<u16>,
     /// The container runtime's name and version (`containerd://1.6.20`).
     pub(crate) runtime_version: &'a str,
+    /// `status.nodeInfo.kubeletVersion`.
+    pub(crate) kubelet_version: &'a str,
 }
 
 /// What describes the node besides its devices and health.
@@ -190,6 +192,10 @@ pub struct NodeDescription {
     /// at every status write: a runtime that did not answer at start shows
     /// once it does).
     pub runtime_version: RuntimeVersion,
+    /// The version the Node reports (`status.nodeInfo.kubeletVersion`):
+    /// [`crate::VERSION`] until the control plane's `/version` is read, then
+    /// [`crate::kubelet_version_for`] it.
+    pub kubelet_version: String,
 }
 
 /// Where the Node's `containerRuntimeVersion` comes from.
@@ -226,6 +232,7 @@ impl NodeDescription {
             ephemeral_storage: file_system_size(&self.root_dir),
             kubelet_port: self.kubelet_port,
             runtime_version: &self.runtime_version.get(),
+            kubelet_version: &self.kubelet_version,
         })
     }
 }
@@ -333,7 +340,7 @@ pub(crate) fn node_object(facts: &NodeFacts<'_>) -> NodeObject {
                 operating_system: std::env::consts::OS.into(),
                 kernel_version: uname("osrelease").unwrap_or_default(),
                 os_image: os_image(),
-                kubelet_version: crate::VERSION.to_owned(),
+                kubelet_version: facts.kubelet_version.to_owned(),
                 kube_proxy_version: String::new(),
                 container_runtime_version: if facts.runtime_version.is_empty() {
                     format!("rustlet://{}", env!("CARGO_PKG_VERSION"))
@@ -426,6 +433,22 @@ mod tests {
     }
 
     #[test]
+    fn the_reported_version_is_the_newest_conformed_one_the_control_plane_accepts() {
+        let release = |major: &str, minor: &str| {
+            let version = crate::kubelet_version_for(major, minor);
+            version.split('+').next().unwrap_or_default().to_owned()
+        };
+        assert_eq!(release("1", "33"), "v1.33.3");
+        assert_eq!(release("1", "35"), "v1.33.3", "a newer control plane takes an older kubelet");
+        assert_eq!(release("1", "32"), "v1.28.7", "never newer than the API server");
+        assert_eq!(release("1", "28"), "v1.28.7");
+        assert_eq!(release("1", "30+"), "v1.28.7", "a provider's minor such as 30+");
+        assert_eq!(release("1", "27"), "v1.28.7", "older than all: the oldest");
+        assert_eq!(release("", ""), "v1.33.3", "unknown: the newest");
+        assert!(crate::kubelet_version_for("1", "33").ends_with(concat!("+rustlet.", env!("CARGO_PKG_VERSION"))));
+    }
+
+    #[test]
     fn the_node_object_carries_devices_and_readiness() {
         let devices =
             BTreeMap::from([("example.com/gpu".to_owned(), ResourceCapacity { capacity: 4, allocatable: 3 })]);
@@ -456,11 +479,12 @@ mod tests {
             ephemeral_storage: file_system_size(std::path::Path::new("/")),
             kubelet_port: Some(10250),
             runtime_version: "containerd://1.6.20",
+            kubelet_version: &crate::kubelet_version_for("1", "33"),
         };
         let node = node_object(&facts);
         let info = node.status.as_ref().and_then(|s| s.node_info.clone()).expect("node info");
         assert_eq!(info.container_runtime_version, "containerd://1.6.20");
-        assert!(info.kubelet_version.starts_with("v1.28.7+rustlet."), "{}", info.kubelet_version);
+        assert!(info.kubelet_version.starts_with("v1.33.3+rustlet."), "{}", info.kubelet_version);
         let labels = node.metadata.labels.clone().unwrap_or_default();
         assert_eq!(labels["kubernetes.io/arch"], "wasm32-wasi", "the provider's label wins");
         assert_eq!(labels["kubernetes.io/hostname"], "n1");

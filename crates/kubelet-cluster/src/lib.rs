@@ -66,15 +66,47 @@ use health::Healthz;
 use pod::Pods;
 use volume::CsiDriverObjects;
 
-/// The Kubernetes release whose node behaviour Rustlet implements (what
-/// the upstream node-conformance suite of that release checks).
-pub const KUBERNETES_VERSION: &str = "v1.28.7";
+/// The Kubernetes releases whose node conformance suites Rustlet passes,
+/// oldest first. The Node reports the newest of them the control plane is
+/// not older than ([`kubelet_version_for`]).
+pub const CONFORMS_TO: [&str; 2] = ["v1.28.7", "v1.33.3"];
 
-/// Rustlet's version as the Node reports it (`status.nodeInfo.kubeletVersion`)
-/// and `rustlet --version` prints it: the Kubernetes release it implements,
-/// with Rustlet's own version as semver build metadata, so that version
-/// skew checks (kubeadm's, the API server's) read the Kubernetes version.
-pub const VERSION: &str = concat!("v1.28.7+rustlet.", env!("CARGO_PKG_VERSION"));
+/// The newest Kubernetes release Rustlet conforms to.
+pub const KUBERNETES_VERSION: &str = "v1.33.3";
+
+/// Rustlet's version where no control plane says otherwise (standalone,
+/// or before `/version` answers): the newest release it conforms to, with
+/// Rustlet's own version as semver build metadata, so that version skew
+/// checks (kubeadm's, the API server's) read a Kubernetes version.
+pub const VERSION: &str = concat!("v1.33.3+rustlet.", env!("CARGO_PKG_VERSION"));
+
+/// What `rustlet --version` prints: the version, and the range of
+/// Kubernetes releases Rustlet conforms to.
+pub const LONG_VERSION: &str = concat!(
+    "v1.33.3+rustlet.",
+    env!("CARGO_PKG_VERSION"),
+    " (conforms to the node suites of Kubernetes v1.28.7 and v1.33.3; reports the newest one not newer than its control plane)"
+);
+
+/// The kubelet version a node reports to a control plane of
+/// `major.minor` (its `/version`): the newest release Rustlet conforms to
+/// whose minor is not newer than the control plane's (a kubelet may not be
+/// newer than its API server; 1.33 accepts kubelets from 1.30, 1.28 from
+/// 1.25), the oldest where the control plane is older than all of them,
+/// with `+rustlet.<version>`.
+pub fn kubelet_version_for(major: &str, minor: &str) -> String {
+    let number = |s: &str| s.chars().take_while(char::is_ascii_digit).collect::<String>().parse::<u32>().ok();
+    let minor_of = |release: &str| release.split('.').nth(1).and_then(number);
+    let chosen = match (number(major), number(minor)) {
+        (Some(1), Some(minor)) => CONFORMS_TO
+            .iter()
+            .rev()
+            .find(|release| minor_of(release).is_some_and(|m| m <= minor))
+            .unwrap_or(&CONFORMS_TO[0]),
+        _ => &KUBERNETES_VERSION,
+    };
+    format!("{chosen}+rustlet.{}", env!("CARGO_PKG_VERSION"))
+}
 
 /// Where the API client comes from.
 #[derive(Clone)]
@@ -242,8 +274,6 @@ pub fn start(settings: ClusterSettings, parts: NodeParts, shutdown: Cancellation
     description.labels.extend(settings.node_labels.clone());
     description.taints.extend(settings.taints.iter().cloned());
     let name = description.name.clone();
-    let desired =
-        follow_node(description, parts.devices, parts.healthz.clone(), parts.volumes_in_use, shutdown.clone());
     let supervision = parts.supervision.clone();
     let tasks = parts.tasks.clone();
     parts.tasks.spawn(async move {
@@ -264,6 +294,18 @@ pub fn start(settings: ClusterSettings, parts: NodeParts, shutdown: Cancellation
             });
         }
         tracing::info!(node = %name, "API client ready; joining the cluster");
+        // The version the Node reports: what this control plane accepts.
+        match client.apiserver_version().await {
+            Ok(info) => {
+                description.kubelet_version = kubelet_version_for(&info.major, &info.minor);
+                tracing::info!(control_plane = %info.git_version, kubelet_version = %description.kubelet_version, "the Node reports the newest conformed Kubernetes version the control plane accepts");
+            }
+            Err(error) => {
+                tracing::warn!(error = %describe(&error), kubelet_version = %description.kubelet_version, "cannot read the control plane's /version; the Node reports the newest conformed version");
+            }
+        }
+        let desired =
+            follow_node(description, parts.devices, parts.healthz.clone(), parts.volumes_in_use, shutdown.clone());
         let node = node_sync::start_with_heartbeat(
             client.clone(),
             clients.heartbeat.clone(),

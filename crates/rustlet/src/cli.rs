@@ -9,7 +9,7 @@ use k8s_openapi::api::core::v1::Taint;
 
 /// Rustlet: a Kubernetes node agent in Rust.
 #[derive(Parser)]
-#[command(version = kubelet::VERSION, about, args_conflicts_with_subcommands = true)]
+#[command(version = kubelet::VERSION, long_version = kubelet::cluster::LONG_VERSION, about, args_conflicts_with_subcommands = true)]
 pub(crate) struct Cli {
     #[command(subcommand)]
     pub(crate) command: Option<Command>,

@@ -103,6 +103,8 @@ struct Shared {
     /// The versions of `resource.k8s.io` served (all three unless a test
     /// says otherwise, as a 1.33 server with the betas on serves two).
     resource_versions: Mutex<Vec<ResourceVersion>>,
+    /// The minor version `/version` answers (`1.<minor>.0`).
+    minor: std::sync::atomic::AtomicU32,
 }
 
 impl Shared {
@@ -177,6 +179,7 @@ impl ApiServer {
             logged: watch::channel(0).0,
             token_serial: AtomicU64::new(0),
             resource_versions: Mutex::new(ResourceVersion::PREFERENCE.to_vec()),
+            minor: std::sync::atomic::AtomicU32::new(33),
         });
         let shutdown = CancellationToken::new();
         let app = axum::Router::new().fallback(handle).with_state(shared.clone());
@@ -244,6 +247,12 @@ impl ApiServer {
         let options = kube::config::KubeConfigOptions::default();
         let config = kube::Config::from_custom_kubeconfig(kubeconfig, &options).await.map_err(|e| e.to_string())?;
         kube::Client::try_from(config).map_err(|e| e.to_string())
+    }
+
+    /// Answers `/version` as Kubernetes `1.<minor>.0` from now on (33
+    /// unless a test says otherwise).
+    pub fn set_minor_version(&self, minor: u32) {
+        self.shared.minor.store(minor, Ordering::Relaxed);
     }
 
     /// Serves only `versions` of `resource.k8s.io` from now on (a 1.33
@@ -539,6 +548,15 @@ async fn serve(
     headers: &HeaderMap,
     body: &Bytes,
 ) -> Result<Response, ApiError> {
+    if *method == Method::GET && uri.path() == "/version" {
+        let minor = shared.minor.load(Ordering::Relaxed);
+        return Ok(object_response(
+            StatusCode::OK,
+            &json!({"major": "1", "minor": minor.to_string(), "gitVersion": format!("v1.{minor}.0"),
+                    "gitCommit": "", "gitTreeState": "clean", "buildDate": "", "goVersion": "",
+                    "compiler": "gc", "platform": "linux/amd64"}),
+        ));
+    }
     if *method == Method::GET
         && let Some(list) = discovery(shared, uri.path())
     {

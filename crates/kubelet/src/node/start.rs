@@ -443,6 +443,7 @@ fn describe(config: &NodeConfig, described: Described, kubelet_port: Option<u16>
         root_dir: config.root_dir.clone(),
         kubelet_port,
         runtime_version: capacity::RuntimeVersion(provider),
+        kubelet_version: cluster::VERSION.to_owned(),
     }
 }
 
