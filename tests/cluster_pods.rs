@@ -462,6 +462,46 @@ async fn pod_events_reach_the_api_aggregated(api: TestApi) {
     })
     .await;
     wait_events(&api, &unhealthy, SOON, |events| has(events, "Unhealthy", "Readiness probe failed: Get")).await;
+
+    // A liveness probe redirected to another host (upstream's "should
+    // *not* be restarted with a non-local redirect http liveness probe"):
+    // not followed, a success, and a `ProbeWarning` with the body.
+    let redirector = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let port = redirector.local_addr().expect("addr").port();
+    tokio::spawn(async move {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        while let Ok((mut stream, _)) = redirector.accept().await {
+            let mut request = [0u8; 1024];
+            let _ = stream.read(&mut request).await;
+            let body = "<a href=\"http://0.0.0.0/\">Found</a>.\n\n";
+            let answer = format!(
+                "HTTP/1.1 302 Found\r\nLocation: http://0.0.0.0/\r\nContent-Type: text/html\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = stream.write_all(answer.as_bytes()).await;
+        }
+    });
+    let redirected = format!("redirected-{}", api.node);
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": redirected, "namespace": "default"},
+        "spec": {"nodeName": api.node, "automountServiceAccountToken": false, "terminationGracePeriodSeconds": 1,
+                 "containers": [{"name": "main", "image": "busybox", "command": ["sleep", "600"],
+                                 "livenessProbe": {"httpGet": {"port": port, "path": "/redirect?loc=http%3A%2F%2F0.0.0.0%2F"},
+                                                   "periodSeconds": 1, "failureThreshold": 1}}]},
+    }))
+    .expect("pod");
+    pods.create(&PostParams::default(), &pod).await.expect("create");
+    let warning =
+        "Liveness probe warning: Probe terminated redirects, Response body: <a href=\"http://0.0.0.0/\">Found</a>.";
+    let events = wait_events(&api, &redirected, SOON, |events| {
+        events.iter().any(|e| reason(e) == "ProbeWarning" && count(e) >= 2)
+    })
+    .await;
+    assert!(has(&events, "ProbeWarning", warning), "{events:#?}");
+    assert!(!events.iter().any(|e| reason(e) == "Killing" || reason(e) == "Unhealthy"), "never restarted: {events:#?}");
+    let restarts =
+        pods.get(&redirected).await.expect("pod").status.and_then(|s| s.container_statuses).map(|c| c[0].restart_count);
+    assert_eq!(restarts, Some(0));
     if let Some(plane) = api.control_plane() {
         for (name, line) in [(&missing, "Failed to pull image"), (&unhealthy, "Readiness probe failed")] {
             let output = plane.kubectl().args(["describe", "pod", "-n", "default", name]).output().expect("kubectl");

@@ -207,6 +207,9 @@ fn action(probe: &Probe, container: &Container) -> Result<Action, String> {
 pub enum Outcome {
     /// Healthy.
     Success,
+    /// Healthy, with a warning the pod's events show (`ProbeWarning`): an
+    /// HTTP probe redirected to another host, not followed.
+    Warning(String),
     /// Unhealthy, and why.
     Failure(String),
     /// The probe could not run; the result does not count.
@@ -354,8 +357,11 @@ async fn http(request: &HttpRequest<'_>, path: &str) -> Outcome {
                     continue;
                 }
                 // A redirect elsewhere is not followed: upstream counts it
-                // a success (with a warning).
-                _ => return Outcome::Success,
+                // a success, with a warning carrying the body.
+                _ => {
+                    let body = body_text(response, MAX_BODY).await;
+                    return Outcome::Warning(format!("Probe terminated redirects, Response body: {body}"));
+                }
             }
         }
         return if (200..400).contains(&status.as_u16()) {
@@ -365,6 +371,28 @@ async fn http(request: &HttpRequest<'_>, path: &str) -> Outcome {
         };
     }
     Outcome::Failure("stopped after 10 redirects".into())
+}
+
+/// How much of a response body a probe reads (upstream's 10 KiB).
+const MAX_BODY: usize = 10 << 10;
+
+/// The first `limit` bytes of `response`'s body, as text.
+async fn body_text(response: http::Response<hyper::body::Incoming>, limit: usize) -> String {
+    use hyper::body::Body as _;
+    let mut body = response.into_body();
+    let mut bytes = Vec::new();
+    while bytes.len() < limit {
+        match std::future::poll_fn(|cx| std::pin::Pin::new(&mut body).poll_frame(cx)).await {
+            Some(Ok(frame)) => {
+                if let Ok(data) = frame.into_data() {
+                    bytes.extend_from_slice(&data);
+                }
+            }
+            _ => break,
+        }
+    }
+    bytes.truncate(limit);
+    String::from_utf8_lossy(&bytes).into_owned()
 }
 
 /// The path of `location` when it stays on `host` (a relative location, or
@@ -631,13 +659,19 @@ impl Worker {
                 Err(message) => Outcome::Error(message.clone()),
             };
             let healthy = match &outcome {
-                Outcome::Success => Some(true),
+                Outcome::Success | Outcome::Warning(_) => Some(true),
                 Outcome::Failure(_) => Some(false),
                 Outcome::Error(_) => None,
             };
             self.metrics.observe(&identity, healthy, began.elapsed());
             let (healthy, message) = match outcome {
                 Outcome::Success => (true, String::new()),
+                Outcome::Warning(message) => {
+                    let event = format!("{} probe warning: {message}", spec.kind.title());
+                    let warning = crate::events::EventType::Warning;
+                    self.recorder.pod(&self.pod, Some(&self.container), warning, "ProbeWarning", event);
+                    (true, String::new())
+                }
                 Outcome::Failure(message) => {
                     let event = format!("{} probe failed: {message}", spec.kind.title());
                     let warning = crate::events::EventType::Warning;
