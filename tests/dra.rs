@@ -962,8 +962,10 @@ mod real_control_plane {
             .to_owned();
 
         // Allocated one of the four, reserved for the pod, prepared on the node.
-        let claim =
-            kubelet::cluster::claims::get_claim(&api.admin, version, "default", &claim_name).await.expect("claim");
+        let claim = kubelet::cluster::claims::ServedVersion::default()
+            .get_claim(&api.admin, version, "default", &claim_name)
+            .await
+            .expect("claim");
         let claim_uid = claim.metadata.uid.clone().expect("uid");
         let results = claim
             .status

@@ -97,18 +97,32 @@ pub fn api_resource(version: ResourceVersion, kind: &str, plural: &str) -> ApiRe
     }
 }
 
-/// Reads the ResourceClaim `namespace/name` at `version` into `v1`'s
-/// model.
-pub async fn get_claim(
-    client: &kube::Client,
-    version: ResourceVersion,
-    namespace: &str,
-    name: &str,
-) -> Result<ResourceClaim, String> {
-    let resource = api_resource(version, "ResourceClaim", "resourceclaims");
-    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), namespace, &resource);
-    let object =
-        api.get(name).await.map_err(|e| format!("fetch ResourceClaim {name} ({version}): {}", describe(&e)))?;
+impl ServedVersion {
+    /// Reads the ResourceClaim `namespace/name` at `version` (what
+    /// [`ServedVersion::get`] found) into `v1`'s model. A 404 may be the
+    /// version gone as well as the claim: discovery is asked again next
+    /// time.
+    pub async fn get_claim(
+        &self,
+        client: &kube::Client,
+        version: ResourceVersion,
+        namespace: &str,
+        name: &str,
+    ) -> Result<ResourceClaim, String> {
+        let resource = api_resource(version, "ResourceClaim", "resourceclaims");
+        let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), namespace, &resource);
+        let object = api.get(name).await.map_err(|error| {
+            if matches!(&error, kube::Error::Api(status) if status.code == 404) {
+                self.forget();
+            }
+            format!("fetch ResourceClaim {name} ({version}): {}", describe(&error))
+        })?;
+        claim_in_hub(object, version, name)
+    }
+}
+
+/// A ResourceClaim read at `version`, in `v1`'s model.
+fn claim_in_hub(object: DynamicObject, version: ResourceVersion, name: &str) -> Result<ResourceClaim, String> {
     let mut value = serde_json::to_value(object).map_err(|e| format!("ResourceClaim {name}: {e}"))?;
     value["apiVersion"] = version.api_version().into();
     value["kind"] = "ResourceClaim".into();
@@ -155,12 +169,7 @@ impl ClaimSource for ApiClaims {
             })?;
         for pod_claim in &pod_claims {
             let Some(name) = claim_name(pod, &pod_claim.name).map_err(|e| e.to_string())? else { continue };
-            let claim = get_claim(&client, version, &namespace, &name).await.inspect_err(|error| {
-                // A 404 may be the version gone as well as the claim.
-                if error.contains(": 404 ") {
-                    self.served.forget();
-                }
-            })?;
+            let claim = self.served.get_claim(&client, version, &namespace, &name).await?;
             let claim_uid = claim.metadata.uid.clone().unwrap_or_default();
             if pod_claim.resource_claim_template_name.is_some() {
                 let owned = claim

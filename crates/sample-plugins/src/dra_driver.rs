@@ -115,6 +115,8 @@ pub struct DraDriver {
     lock: Arc<tokio::sync::Mutex<()>>,
     reporter: Reporter,
     client: Option<kube::Client>,
+    /// The `resource.k8s.io` version the server serves, asked once.
+    served: Arc<tokio::sync::OnceCell<ResourceVersion>>,
 }
 
 /// Claim UID → its devices.
@@ -123,7 +125,7 @@ type Prepared = BTreeMap<String, Vec<String>>;
 impl DraDriver {
     /// A driver instance with `config`, reporting to `reporter`.
     pub fn new(config: DraDriverConfig, reporter: Reporter) -> Self {
-        DraDriver { config: Arc::new(config), lock: Arc::default(), reporter, client: None }
+        DraDriver { config: Arc::new(config), lock: Arc::default(), reporter, client: None, served: Arc::default() }
     }
 
     /// Publishes the devices as a ResourceSlice and prepares what the
@@ -144,7 +146,7 @@ impl DraDriver {
     async fn keep_slice(self, client: kube::Client, shutdown: CancellationToken) {
         let version = tokio::select! {
             () = shutdown.cancelled() => return,
-            version = served_version(&client) => version,
+            version = self.served_version(&client) => version,
         };
         let api: Api<DynamicObject> = Api::all_with(client, &resource(version, "ResourceSlice", "resourceslices"));
         let name = self.slice_name();
@@ -211,7 +213,7 @@ impl DraDriver {
 
     /// The devices of this driver and pool allocated to the claim.
     async fn allocated(&self, client: &kube::Client, claim: &v1::Claim) -> Result<Vec<String>, String> {
-        let version = served_version(client).await;
+        let version = self.served_version(client).await;
         let api: Api<DynamicObject> = Api::namespaced_with(
             client.clone(),
             &claim.namespace,
@@ -432,17 +434,25 @@ impl v1beta1::dra_plugin_server::DraPlugin for DraDriver {
     }
 }
 
-/// The newest version of `resource.k8s.io` the server serves slices at
-/// (`v1` when discovery says nothing better: the request then tells).
-async fn served_version(client: &kube::Client) -> ResourceVersion {
-    for version in ResourceVersion::PREFERENCE {
-        if let Ok(list) = client.list_api_group_resources(version.api_version()).await
-            && list.resources.iter().any(|r| r.name == "resourceslices")
-        {
-            return version;
-        }
+impl DraDriver {
+    /// The newest version of `resource.k8s.io` the server serves slices
+    /// at, asked once (`v1` when discovery says nothing better: the
+    /// request then tells).
+    async fn served_version(&self, client: &kube::Client) -> ResourceVersion {
+        *self
+            .served
+            .get_or_init(|| async {
+                for version in ResourceVersion::PREFERENCE {
+                    if let Ok(list) = client.list_api_group_resources(version.api_version()).await
+                        && list.resources.iter().any(|r| r.name == "resourceslices")
+                    {
+                        return version;
+                    }
+                }
+                ResourceVersion::V1
+            })
+            .await
     }
-    ResourceVersion::V1
 }
 
 /// `kind`/`plural` of `resource.k8s.io` at `version`.
