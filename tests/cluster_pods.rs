@@ -28,6 +28,8 @@ struct ClusterNode {
     pods: Pods,
     sync: pod_sync::PodSync,
     metrics: PodSyncMetrics,
+    /// The provider, for what it was asked.
+    host: Arc<HostProcessProvider>,
     shutdown: CancellationToken,
     _root: tempfile::TempDir,
 }
@@ -54,7 +56,8 @@ async fn cluster_node() -> ClusterNode {
 async fn cluster_node_on(api: TestApi) -> ClusterNode {
     let root = tempfile::tempdir().expect("tempdir");
     let shutdown = CancellationToken::new();
-    let provider: Arc<dyn Provider> = Arc::new(HostProcessProvider::new());
+    let host = Arc::new(HostProcessProvider::new());
+    let provider: Arc<dyn Provider> = host.clone();
     let config = PodConfig::new(root.path(), Allocatable { cpu_milli: 2000, memory: 4 << 30, pods: 110 });
     let pods = Pods::start(PodLifecycle::new(config, Some(provider), None), shutdown.clone()).await;
     let sync_config = PodSyncConfig {
@@ -65,7 +68,7 @@ async fn cluster_node_on(api: TestApi) -> ClusterNode {
     let metrics = sync_config.metrics.clone();
     let sync = pod_sync::start(api.node_client.clone(), sync_config, pods.clone(), shutdown.clone());
     let admin = Api::namespaced(api.admin.clone(), "default");
-    ClusterNode { api, admin, pods, sync, metrics, shutdown, _root: root }
+    ClusterNode { api, admin, pods, sync, metrics, host, shutdown, _root: root }
 }
 
 fn pod(name: &str, node: &str, cpu: &str) -> Pod {
@@ -783,3 +786,168 @@ async fn the_kubelet_api_serves_kubectl_through_the_real_api_server() {
         api.wait_for(&pods, name, "gone", SOON, |p| p.is_none()).await;
     }
 }
+
+/// A container's resources, as the e2e resize specs write them.
+fn sized(requests: (&str, &str), limits: (&str, &str)) -> Value {
+    json!({"requests": {"cpu": requests.0, "memory": requests.1}, "limits": {"cpu": limits.0, "memory": limits.1}})
+}
+
+/// A resize of `container` through the `resize` subresource (a strategic
+/// merge patch, as `kubectl patch --subresource resize` sends).
+async fn resize(admin: &Api<Pod>, pod: &str, containers: Value) -> Result<Pod, kube::Error> {
+    use kube::api::{Patch, PatchParams};
+    let patch = json!({"spec": {"containers": containers}});
+    admin.patch_subresource("resize", pod, &PatchParams::default(), &Patch::Strategic(patch)).await
+}
+
+/// Whether every container's status reports its spec's resources, no
+/// resize condition is left and the pod is ready: upstream's test that a
+/// resize was actuated.
+fn resized(pod: &Value) -> bool {
+    let specs = pod["spec"]["containers"].as_array().cloned().unwrap_or_default();
+    let statuses = pod["status"]["containerStatuses"].as_array().cloned().unwrap_or_default();
+    let conditions = pod["status"]["conditions"].as_array().cloned().unwrap_or_default();
+    specs.len() == statuses.len()
+        && specs.iter().zip(&statuses).all(|(spec, status)| spec["resources"] == status["resources"])
+        && !conditions.iter().any(|c| c["type"].as_str().is_some_and(|t| t.starts_with("PodResize")))
+        && conditions.iter().any(|c| c["type"] == "Ready" && c["status"] == "True")
+}
+
+fn condition(pod: &Value, kind: &str) -> Value {
+    let conditions = pod["status"]["conditions"].as_array().cloned().unwrap_or_default();
+    conditions.into_iter().find(|c| c["type"] == kind).unwrap_or(Value::Null)
+}
+
+/// In-place resize through the API, as upstream's "Pod InPlace Resize
+/// Container" specs drive it: the container statuses report each
+/// container's size from the start; a resize the node can take is
+/// allocated and actuated (in place where the resize policy allows, the
+/// container restarted once where it says `RestartContainer`) and the
+/// statuses follow; a size the node could never give is `Infeasible` and
+/// one that waits for room is `Deferred`, with upstream's messages, until
+/// another pod leaves. The API's own checks (a memory limit lowered
+/// without a restart) answer as upstream's. On a control plane older than
+/// 1.33 (resize off) the subresource is refused and the pod runs on.
+async fn a_resize_is_actuated_or_held_back_with_its_reason(api: TestApi) {
+    let node = cluster_node_on(api).await;
+    let name = node.api.node.clone();
+    let resizable: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "resizable", "namespace": "default"},
+        "spec": {
+            "nodeName": name,
+            "automountServiceAccountToken": false,
+            "terminationGracePeriodSeconds": 1,
+            "containers": [
+                {"name": "c1", "image": "busybox", "command": ["sleep", "600"],
+                 "resources": sized(("100m", "64Mi"), ("200m", "128Mi")),
+                 "resizePolicy": [{"resourceName": "cpu", "restartPolicy": "NotRequired"},
+                                  {"resourceName": "memory", "restartPolicy": "NotRequired"}]},
+                {"name": "c2", "image": "busybox", "command": ["sleep", "600"],
+                 "resources": sized(("100m", "32Mi"), ("100m", "64Mi")),
+                 "resizePolicy": [{"resourceName": "cpu", "restartPolicy": "NotRequired"},
+                                  {"resourceName": "memory", "restartPolicy": "RestartContainer"}]},
+            ]
+        }
+    }))
+    .expect("pod");
+    node.admin.create(&PostParams::default(), &resizable).await.expect("create");
+    let wait = |what: &'static str, pred: Box<dyn Fn(&Value) -> bool + Send + Sync>| {
+        let (api, admin) = (&node.api, &node.admin);
+        async move {
+            let pod = api.wait_for(admin, "resizable", what, SOON, |p| p.is_some_and(|p| pred(&json_of(p)))).await;
+            json_of(&pod.expect("pod"))
+        }
+    };
+    let started = wait("running with its sizes", Box::new(resized)).await;
+    if node.api.fake_server().is_some() {
+        // (The real server keeps it only with an alpha gate on.)
+        assert_eq!(
+            started["status"]["containerStatuses"][0]["allocatedResources"],
+            json!({"cpu": "100m", "memory": "64Mi"})
+        );
+    }
+    if node.api.control_plane().is_some_and(|plane| plane.minor_version() < 33) {
+        let refused = resize(
+            &node.admin,
+            "resizable",
+            json!([{"name": "c1", "resources": sized(("200m", "64Mi"), ("200m", "128Mi"))}]),
+        )
+        .await;
+        assert!(matches!(refused, Err(kube::Error::Api(ref e)) if e.code == 404), "{refused:?}");
+        let still = json_of(&node.admin.get("resizable").await.expect("pod"));
+        assert!(running(&still), "{still}");
+        return;
+    }
+
+    // The API refuses a memory limit lowered in place.
+    let lowered =
+        resize(&node.admin, "resizable", json!([{"name": "c1", "resources": {"limits": {"memory": "100Mi"}}}])).await;
+    let message = match lowered {
+        Err(kube::Error::Api(e)) => e.message,
+        other => panic!("a lowered memory limit was taken: {other:?}"),
+    };
+    assert!(message.contains("memory limits cannot be decreased unless resizePolicy is RestartContainer"), "{message}");
+
+    // c1 more cpu in place, c2 more memory by a restart.
+    resize(
+        &node.admin,
+        "resizable",
+        json!([{"name": "c1", "resources": sized(("300m", "64Mi"), ("400m", "128Mi"))},
+               {"name": "c2", "resources": sized(("100m", "48Mi"), ("100m", "96Mi"))}]),
+    )
+    .await
+    .expect("resize");
+    let done = wait(
+        "resized",
+        Box::new(|p| resized(p) && p["status"]["containerStatuses"][0]["resources"]["limits"]["cpu"] == "400m"),
+    )
+    .await;
+    let statuses = &done["status"]["containerStatuses"];
+    assert_eq!(statuses[0]["restartCount"], 0, "c1 was resized in place: {done}");
+    assert_eq!(statuses[1]["restartCount"], 1, "c2 was restarted for its memory: {done}");
+    assert_eq!(statuses[1]["resources"]["limits"]["memory"], "96Mi");
+    let c1_id = statuses[0]["containerID"].as_str().expect("c1's id").to_owned();
+    let updates = node.host.updates.lock().expect("lock").clone();
+    assert!(
+        updates.iter().any(|(id, size)| c1_id.ends_with(&id.0)
+            && size.limits.as_ref().and_then(|l| l.get("cpu")).map(|q| q.0.as_str()) == Some("400m")),
+        "c1 was updated in place to 400m: {updates:?}"
+    );
+
+    // More cpu than the node has at all: Infeasible, until the spec changes.
+    resize(&node.admin, "resizable", json!([{"name": "c1", "resources": sized(("5", "64Mi"), ("5", "128Mi"))}]))
+        .await
+        .expect("resize");
+    let infeasible = wait("infeasible", Box::new(|p| condition(p, "PodResizePending")["reason"] == "Infeasible")).await;
+    assert_eq!(
+        condition(&infeasible, "PodResizePending")["message"],
+        "Node didn't have enough capacity: cpu, requested: 5100, capacity: 2000"
+    );
+    assert_eq!(infeasible["status"]["containerStatuses"][0]["resources"]["requests"]["cpu"], "300m");
+
+    // Room taken by another pod: Deferred until it leaves.
+    node.admin.create(&PostParams::default(), &pod("hog", &name, "1500m")).await.expect("hog");
+    node.api
+        .wait_for(&node.admin, "hog", "Running", SOON, |p| p.is_some_and(|p| running(&json_of(p))))
+        .await
+        .expect("hog");
+    resize(&node.admin, "resizable", json!([{"name": "c1", "resources": sized(("500m", "64Mi"), ("500m", "128Mi"))}]))
+        .await
+        .expect("resize");
+    let deferred = wait("deferred", Box::new(|p| condition(p, "PodResizePending")["reason"] == "Deferred")).await;
+    assert_eq!(
+        condition(&deferred, "PodResizePending")["message"],
+        "Node didn't have enough resource: cpu, requested: 600, used: 1500, capacity: 2000"
+    );
+    node.admin.delete("hog", &DeleteParams::default()).await.expect("delete hog");
+    let taken = wait(
+        "resized once the hog left",
+        Box::new(|p| resized(p) && p["status"]["containerStatuses"][0]["resources"]["requests"]["cpu"] == "500m"),
+    )
+    .await;
+    assert_eq!(taken["status"]["containerStatuses"][0]["restartCount"], 0, "{taken}");
+}
+rustlet_testkit::on_both_api_servers!(
+    a_resize_is_actuated_or_held_back_with_its_reason_on,
+    a_resize_is_actuated_or_held_back_with_its_reason
+);

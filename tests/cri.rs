@@ -1619,3 +1619,112 @@ async fn a_container_on_containerd_sees_its_claims_cdi_env_from_upstreams_driver
     api.wait_for(&pods, &name, "deleted", SCHEDULED, |p| p.is_none()).await;
     upstream::wait_entries(&root.path().join("cdi"), 0).await;
 }
+
+/// In-place resize on containerd, checked as upstream's "Pod InPlace Resize
+/// Container" specs check it: a Burstable pod in the kubelet's cgroup
+/// hierarchy is given more cpu and memory by a new spec; its container
+/// keeps running (same ID, no restart), reports the new size in its
+/// status once the resize is done (no resize condition left), and reads
+/// the new figures in its own cgroup (`cat` inside it, as the e2e specs
+/// do: cpu shares or weight, cfs quota, memory limit); the pod's group
+/// has the new limits too.
+#[tokio::test]
+async fn a_resize_reaches_the_running_containers_cgroup_on_containerd() {
+    use kubelet::provider::ContainerId;
+    use kubelet::provider::cgroups::{CgroupVersion, PodCgroups, QosCgroupSettings};
+    let test = "a_resize_reaches_the_running_containers_cgroup_on_containerd";
+    let Some(containerd) = Containerd::shared(test) else { return };
+    let Some(root) = rustlet_testkit::cgroups::TestCgroupRoot::new(test) else { return };
+    let settings = QosCgroupSettings { root: root.name.clone(), ..QosCgroupSettings::new() };
+    let cgroups = Arc::new(PodCgroups::start(root.fs.clone(), settings).expect("kubepods"));
+    let node = cri_node_configured(containerd, 0, |_| {}, |c| c.pod_cgroups = Some(cgroups.clone())).await;
+    let sized = |requests: (&str, &str), limits: (&str, &str)| {
+        serde_json::json!({
+            "resources": {
+                "requests": {"cpu": requests.0, "memory": requests.1},
+                "limits": {"cpu": limits.0, "memory": limits.1},
+            },
+            "resizePolicy": [
+                {"resourceName": "cpu", "restartPolicy": "NotRequired"},
+                {"resourceName": "memory", "restartPolicy": "NotRequired"},
+            ],
+        })
+    };
+    let extra = serde_json::json!({"restartPolicy": "Always", "terminationGracePeriodSeconds": 1});
+    let uid = node.run("resize", "exec sleep 600", extra.clone(), sized(("100m", "32Mi"), ("200m", "64Mi")));
+    let before = node.wait(&uid, "Running", running).await;
+    let status = container_status(&before, "main").expect("status").clone();
+    let id = status.container_id.clone().expect("id");
+    let quantity = |pod: &Pod, list: &str, resource: &str| {
+        let status = container_status(pod, "main").and_then(|c| c.resources.clone()).unwrap_or_default();
+        let list = if list == "requests" { status.requests } else { status.limits };
+        list.and_then(|l| l.get(resource).map(|q| q.0.clone())).unwrap_or_default()
+    };
+    assert_eq!(quantity(&before, "limits", "cpu"), "200m", "the status reports the size: {status:?}");
+    assert_eq!(quantity(&before, "requests", "memory"), "32Mi");
+    let bare = ContainerId(id.trim_start_matches("containerd://").to_owned());
+    let cat = |path: &'static str| {
+        let (provider, bare) = (node.provider.clone(), bare.clone());
+        async move {
+            let out = provider
+                .exec_sync(&bare, &["cat".into(), path.into()], Duration::from_secs(30))
+                .await
+                .unwrap_or_else(|e| panic!("cat {path}: {e}"));
+            String::from_utf8_lossy(&out.stdout).trim().to_owned()
+        }
+    };
+    let v2 = root.fs.version() == CgroupVersion::V2;
+    // Upstream's expectations: shares from the request (1024 per cpu),
+    // their v2 weight, quota over a 100 ms period, the limit in bytes.
+    let expect = |shares: u64, quota: u64, memory: u64| {
+        if v2 {
+            [
+                ("/sys/fs/cgroup/cpu.weight", (1 + (shares - 2) * 9999 / 262_142).to_string()),
+                ("/sys/fs/cgroup/cpu.max", format!("{quota} 100000")),
+                ("/sys/fs/cgroup/memory.max", memory.to_string()),
+            ]
+        } else {
+            [
+                ("/sys/fs/cgroup/cpu/cpu.shares", shares.to_string()),
+                ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", quota.to_string()),
+                ("/sys/fs/cgroup/memory/memory.limit_in_bytes", memory.to_string()),
+            ]
+        }
+    };
+    for (path, want) in expect(102, 20_000, 64 << 20) {
+        assert_eq!(cat(path).await, want, "{path} before the resize");
+    }
+
+    // The new size, as the `resize` subresource writes it into the spec.
+    node.run("resize", "exec sleep 600", extra, sized(("300m", "48Mi"), ("400m", "128Mi")));
+    let resized = node
+        .wait(&uid, "resized", |pod| {
+            let conditions = pod.status.as_ref().and_then(|s| s.conditions.clone()).unwrap_or_default();
+            quantity(pod, "limits", "memory") == "128Mi"
+                && quantity(pod, "requests", "cpu") == "300m"
+                && !conditions.iter().any(|c| c.type_.starts_with("PodResize"))
+        })
+        .await;
+    let after = container_status(&resized, "main").expect("status");
+    assert_eq!(after.container_id.as_deref(), Some(id.as_str()), "resized in place");
+    assert_eq!(after.restart_count, 0);
+    assert!(after.state.as_ref().is_some_and(|s| s.running.is_some()), "{after:?}");
+    for (path, want) in expect(307, 40_000, 128 << 20) {
+        assert_eq!(cat(path).await, want, "{path} after the resize");
+    }
+    let group = cgroups.pod_group(&resized);
+    let pod_value = |controller: &str, file: &str| {
+        let path = root.fs.dir(controller, &group).join(file);
+        std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())).trim().to_owned()
+    };
+    if v2 {
+        assert_eq!(pod_value("", "cpu.max"), "40000 100000");
+        assert_eq!(pod_value("", "memory.max"), (128_u64 << 20).to_string());
+    } else {
+        assert_eq!(pod_value("cpu", "cpu.cfs_quota_us"), "40000");
+        assert_eq!(pod_value("memory", "memory.limit_in_bytes"), (128_u64 << 20).to_string());
+    }
+    node.pods.delete(&uid);
+    let gone = node.pods.store().wait_for(SOON, |pods| pods.is_empty()).await;
+    assert!(gone.is_some(), "the pod was removed");
+}

@@ -50,6 +50,11 @@ pub struct HostProcessProvider {
     next: AtomicU64,
     /// Images whose preparation fails (`image` → message).
     pub failing_images: Mutex<HashMap<String, String>>,
+    /// In-place updates asked for (a host process has no limits to change:
+    /// they are recorded), in order: container id, its new resources.
+    pub updates: Mutex<Vec<(ContainerId, k8s_openapi::api::core::v1::ResourceRequirements)>>,
+    /// Updates fail with this message while it is set.
+    pub failing_updates: Mutex<Option<String>>,
     detached: Option<Detached>,
 }
 
@@ -301,6 +306,24 @@ impl Provider for HostProcessProvider {
             ProviderError::new(ProviderErrorKind::Other, format!("container {id}: its watcher is gone"))
         })?;
         Ok(ended.clone().expect("waited for Some"))
+    }
+
+    async fn update_container_resources(
+        &self,
+        _pod: &Pod,
+        id: &ContainerId,
+        container: &Container,
+    ) -> Result<(), ProviderError> {
+        let running = self.instance(id).is_some_and(|(_, exit)| exit.borrow().is_none());
+        if !running {
+            return Err(ProviderError::new(ProviderErrorKind::NotFound, format!("container {id} is not running")));
+        }
+        if let Some(message) = self.failing_updates.lock().expect("lock").clone() {
+            return Err(ProviderError::new(ProviderErrorKind::Other, message));
+        }
+        let resources = container.resources.clone().unwrap_or_default();
+        self.updates.lock().expect("lock").push((id.clone(), resources));
+        Ok(())
     }
 
     async fn stop_container(&self, id: &ContainerId, grace: Duration) -> Result<(), ProviderError> {

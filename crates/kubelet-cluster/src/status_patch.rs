@@ -23,6 +23,10 @@ use serde_json::{Map, Value, json};
 pub const NODE_CONDITIONS: [&str; 5] =
     ["PodScheduled", "PodReadyToStartContainers", "Initialized", "ContainersReady", "Ready"];
 
+/// The node's conditions that come and go (in-place resize): one the
+/// desired status no longer has is deleted from the API's.
+pub const TRANSIENT_CONDITIONS: [&str; 2] = ["PodResizePending", "PodResizeInProgress"];
+
 /// Status fields other writers own, which the node's patch never names:
 /// the resource claim controller's `resourceClaimStatuses` (NodeRestriction
 /// refuses a node's write that changes them, `null` included) and the
@@ -90,7 +94,8 @@ pub fn patch(uid: &str, api: Option<&PodStatus>, desired: &PodStatus) -> Option<
         match key.as_str() {
             others if OTHERS_FIELDS.contains(&others) => {}
             "conditions" => {
-                let changed = changed_conditions(old, new);
+                let mut changed = changed_conditions(old, new);
+                changed.extend(gone_conditions(old, Some(new)));
                 if !changed.is_empty() {
                     status.insert(key.clone(), Value::Array(changed));
                 }
@@ -106,6 +111,12 @@ pub fn patch(uid: &str, api: Option<&PodStatus>, desired: &PodStatus) -> Option<
         }
     }
     for (key, old) in &before {
+        if key == "conditions" && !after.contains_key(key) {
+            let gone = gone_conditions(Some(old), None);
+            if !gone.is_empty() {
+                status.insert(key.clone(), Value::Array(gone));
+            }
+        }
         if after.contains_key(key) || key == "conditions" || OTHERS_FIELDS.contains(&key.as_str()) {
             continue;
         }
@@ -152,6 +163,19 @@ fn changed_conditions(old: Option<&Value>, new: &Value) -> Vec<Value> {
     changed
 }
 
+/// A `$patch: delete` for each transient condition of `old` that `new`
+/// no longer has.
+fn gone_conditions(old: Option<&Value>, new: Option<&Value>) -> Vec<Value> {
+    let has = |kind: &Value| new.and_then(Value::as_array).into_iter().flatten().any(|c| c.get("type") == Some(kind));
+    old.and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(|c| c.get("type"))
+        .filter(|kind| kind.as_str().is_some_and(|k| TRANSIENT_CONDITIONS.contains(&k)) && !has(kind))
+        .map(|kind| json!({"type": kind, "$patch": "delete"}))
+        .collect()
+}
+
 /// A list merged by `key`: the entries of `new`, then a `$patch: delete`
 /// for each entry of `old` that `new` no longer has.
 fn merge_list_by(old: Option<&Value>, new: &Value, key: &str) -> Value {
@@ -168,6 +192,21 @@ fn merge_list_by(old: Option<&Value>, new: &Value, key: &str) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_resize_condition_that_went_is_deleted_and_no_other() {
+        let api = PodStatus {
+            conditions: Some(vec![
+                condition("Ready", "True", 1),
+                condition("PodResizePending", "True", 1),
+                condition("DisruptionTarget", "True", 1),
+            ]),
+            ..PodStatus::default()
+        };
+        let desired = PodStatus { conditions: Some(vec![condition("Ready", "True", 1)]), ..PodStatus::default() };
+        let patch = patch("u", Some(&api), &desired).expect("a patch");
+        assert_eq!(patch["status"]["conditions"], json!([{"type": "PodResizePending", "$patch": "delete"}]));
+    }
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
     fn condition(kind: &str, status: &str, at: i64) -> PodCondition {

@@ -554,6 +554,19 @@ impl Provider for MeteredProvider {
         self.inner.reads_cdi(pod)
     }
 
+    async fn update_container_resources(
+        &self,
+        pod: &Pod,
+        id: &ContainerId,
+        container: &Container,
+    ) -> Result<(), ProviderError> {
+        self.timed("update_container", self.inner.update_container_resources(pod, id, container)).await
+    }
+
+    async fn update_pod_resources(&self, pod: &Pod) -> Result<(), ProviderError> {
+        self.inner.update_pod_resources(pod).await
+    }
+
     fn runtime_version(&self) -> String {
         self.inner.runtime_version()
     }

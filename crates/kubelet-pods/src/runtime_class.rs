@@ -223,6 +223,19 @@ impl Provider for RuntimeClasses {
         self.provider_for(pod).is_ok_and(|p| p.reads_cdi(pod))
     }
 
+    async fn update_container_resources(
+        &self,
+        pod: &Pod,
+        id: &ContainerId,
+        container: &Container,
+    ) -> Result<(), ProviderError> {
+        self.provider_for(pod)?.update_container_resources(pod, id, container).await
+    }
+
+    async fn update_pod_resources(&self, pod: &Pod) -> Result<(), ProviderError> {
+        self.provider_for(pod)?.update_pod_resources(pod).await
+    }
+
     fn runtime_version(&self) -> String {
         self.default.runtime_version()
     }

@@ -555,6 +555,30 @@ pub trait Provider: Send + Sync + 'static {
         Err(ProviderError::new(ProviderErrorKind::Unsupported, "this provider has no pod-level stats"))
     }
 
+    /// In-place resize: gives the running container `id` the resources of
+    /// `container` (its new allocation) without restarting it; `pod` is the
+    /// pod with its new allocation. By default: unsupported (the resize
+    /// stays in progress with that error in the pod's status).
+    async fn update_container_resources(
+        &self,
+        pod: &Pod,
+        id: &ContainerId,
+        container: &Container,
+    ) -> Result<(), ProviderError> {
+        let _ = (pod, id, container);
+        Err(ProviderError::new(ProviderErrorKind::Unsupported, "this provider cannot resize a running container"))
+    }
+
+    /// In-place resize: sets the pod-level limits (its cgroup, a budget)
+    /// from `pod`'s containers. The node calls it before the containers
+    /// are updated with the larger of the old and new figures, and after
+    /// with the new ones, so neither level is ever below the other. By
+    /// default nothing is kept at pod level.
+    async fn update_pod_resources(&self, pod: &Pod) -> Result<(), ProviderError> {
+        let _ = pod;
+        Ok(())
+    }
+
     /// The pod's own IPs when the provider gives it a network of its own (a
     /// CRI sandbox's); empty when the pod uses the node's (then its
     /// `podIPs` are the node's).

@@ -56,7 +56,7 @@ async fn floor(rounds: usize, scratch: &Path) -> Result<Vec<Duration>, BoxError>
     for i in 0..rounds {
         let log = rustlet_wasi::logs::CriLog::open(&scratch.join(format!("floor-{i}.log")))?;
         let spec = RunSpec {
-            memory_limit: Some(16 << 20),
+            memory_limit: Some(rustlet_wasi::runtime::MemoryLimit::new(16 << 20)),
             ..RunSpec::bare(vec!["floor".into()], rustlet_wasi::runtime::Output::Log(log))
         };
         let began = Instant::now();

@@ -819,6 +819,40 @@ impl Provider for CriProvider {
         self.inner.reads_cdi.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    async fn update_container_resources(
+        &self,
+        pod: &Pod,
+        id: &ContainerId,
+        container: &Container,
+    ) -> Result<(), ProviderError> {
+        let mut runtime = self.runtime().await?;
+        let linux = cri::LinuxContainerResources {
+            oom_score_adj: self.inner.oom.adjustment(pod, container),
+            ..resources(container)
+        };
+        let request = cri::UpdateContainerResourcesRequest {
+            container_id: id.0.clone(),
+            linux: Some(linux),
+            annotations: HashMap::new(),
+        };
+        match self.call(runtime.update_container_resources(request)).await {
+            Ok(_) => Ok(()),
+            Err(s) if s.code() == tonic::Code::NotFound => Err(ProviderError::new(
+                ProviderErrorKind::NotFound,
+                format!("UpdateContainerResources: {}", describe(&s)),
+            )),
+            Err(s) => Err(other("UpdateContainerResources", &s)),
+        }
+    }
+
+    async fn update_pod_resources(&self, pod: &Pod) -> Result<(), ProviderError> {
+        let Some(cgroups) = &self.inner.config.pod_cgroups else { return Ok(()) };
+        cgroups
+            .ensure_pod(pod)
+            .map(|_| ())
+            .map_err(|e| ProviderError::new(ProviderErrorKind::Other, format!("cannot update the pod's cgroup: {e}")))
+    }
+
     fn runtime_version(&self) -> String {
         self.inner.runtime_version.lock().unwrap_or_else(|p| p.into_inner()).clone().unwrap_or_default()
     }

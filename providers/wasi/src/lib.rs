@@ -606,7 +606,7 @@ impl Provider for WasiProvider {
             env: options.env.iter().map(|v| (v.name.clone(), v.value.clone())).collect(),
             preopens,
             cwd: options.working_dir.clone(),
-            memory_limit: Some(memory_limit.unwrap_or(self.default_memory_limit)),
+            memory_limit: Some(crate::runtime::MemoryLimit::new(memory_limit.unwrap_or(self.default_memory_limit))),
             budget: Some(self.budget(&launch.pod)),
             cpu_limit_milli,
             cpu: Arc::default(),
@@ -655,6 +655,34 @@ impl Provider for WasiProvider {
             .await
             .map_err(|_| ProviderError::new(ProviderErrorKind::Other, format!("container {id}: its task is gone")))?;
         Ok(ended.clone().expect("waited for Some"))
+    }
+
+    async fn update_container_resources(
+        &self,
+        _pod: &Pod,
+        id: &ContainerId,
+        container: &Container,
+    ) -> Result<(), ProviderError> {
+        // The memory limit is what an instance may grow to: a new one holds
+        // from its next growth (what it holds already is kept). The cpu
+        // limit is read at start.
+        let bytes = limit(container, "memory", kubelet_provider::quantity::parse_units)?;
+        let instances = crate::lock(&self.instances);
+        let Some(instance) = instances.get(id).filter(|i| i.exit.borrow().is_none()) else {
+            return Err(ProviderError::new(ProviderErrorKind::NotFound, format!("container {id} is not running")));
+        };
+        if let Some(cell) = &instance.template.1.memory_limit {
+            cell.set(bytes.unwrap_or(self.default_memory_limit));
+        }
+        Ok(())
+    }
+
+    async fn update_pod_resources(&self, pod: &Pod) -> Result<(), ProviderError> {
+        let uid = pod.metadata.uid.clone().unwrap_or_default();
+        if let Some(budget) = crate::lock(&self.budgets).get(&uid) {
+            budget.set_limit(pod_memory_budget(pod, self.default_memory_limit));
+        }
+        Ok(())
     }
 
     async fn stop_container(&self, id: &ContainerId, _grace: Duration) -> Result<(), ProviderError> {

@@ -94,8 +94,9 @@ pub struct RunSpec {
     /// Initial working directory.
     pub cwd: Option<String>,
     /// The container's memory limit in bytes: all its linear memories and
-    /// tables together.
-    pub memory_limit: Option<u64>,
+    /// tables together (shared with the provider, which may change it while
+    /// the instance runs: an in-place resize).
+    pub memory_limit: Option<MemoryLimit>,
     /// The pod's budget, shared by all its instances (its containers' and
     /// exec's): what they may hold together.
     pub budget: Option<Arc<MemoryBudget>>,
@@ -132,23 +133,52 @@ impl RunSpec {
 /// type, or an extern reference, with the table's bookkeeping).
 pub const TABLE_ELEMENT_BYTES: usize = 16;
 
+/// A container's memory limit in bytes, which an in-place resize may
+/// change while its instances run (growth beyond a lowered limit is
+/// refused; what they hold already is kept).
+#[derive(Clone, Debug)]
+pub struct MemoryLimit(Arc<AtomicU64>);
+
+impl MemoryLimit {
+    /// A limit of `bytes`.
+    pub fn new(bytes: u64) -> Self {
+        MemoryLimit(Arc::new(AtomicU64::new(bytes)))
+    }
+
+    /// The limit now.
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Acquire)
+    }
+
+    /// Changes the limit.
+    pub fn set(&self, bytes: u64) {
+        self.0.store(bytes, Ordering::Release);
+    }
+}
+
 /// What all the instances of one pod may hold at once: linear memories
 /// and tables, counted as they grow.
 #[derive(Debug)]
 pub struct MemoryBudget {
-    limit: u64,
+    limit: AtomicU64,
     used: AtomicU64,
 }
 
 impl MemoryBudget {
     /// A budget of `limit` bytes.
     pub fn new(limit: u64) -> Self {
-        MemoryBudget { limit, used: AtomicU64::new(0) }
+        MemoryBudget { limit: AtomicU64::new(limit), used: AtomicU64::new(0) }
     }
 
     /// The budget's size.
     pub fn limit(&self) -> u64 {
-        self.limit
+        self.limit.load(Ordering::Acquire)
+    }
+
+    /// Resizes the budget (an in-place resize of the pod): growth beyond a
+    /// lowered budget is refused; what is held already is kept.
+    pub fn set_limit(&self, limit: u64) {
+        self.limit.store(limit, Ordering::Release);
     }
 
     /// What is counted against it now.
@@ -160,7 +190,7 @@ impl MemoryBudget {
     fn try_charge(&self, bytes: u64) -> bool {
         self.used
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
-                used.checked_add(bytes).filter(|total| *total <= self.limit)
+                used.checked_add(bytes).filter(|total| *total <= self.limit())
             })
             .is_ok()
     }
@@ -174,7 +204,7 @@ impl MemoryBudget {
 /// together) against its container's limit and its pod's budget, and in
 /// its container's meter; all given back when the store goes.
 pub struct MemLimiter {
-    max: Option<usize>,
+    max: Option<MemoryLimit>,
     budget: Option<Arc<MemoryBudget>>,
     hit: bool,
     /// The first size refused: (asked for, limit, whether at creation,
@@ -194,9 +224,9 @@ pub struct MemLimiter {
 
 impl MemLimiter {
     /// A limiter for one instance.
-    pub fn new(max: Option<u64>, budget: Option<Arc<MemoryBudget>>, meter: Arc<AtomicU64>) -> Self {
+    pub fn new(max: Option<MemoryLimit>, budget: Option<Arc<MemoryBudget>>, meter: Arc<AtomicU64>) -> Self {
         MemLimiter {
-            max: max.map(|m| usize::try_from(m).unwrap_or(usize::MAX)),
+            max,
             budget,
             hit: false,
             refused: None,
@@ -214,10 +244,11 @@ impl MemLimiter {
         let at_creation = !std::mem::replace(&mut self.created, true) && current == 0;
         self.pending = (0, table);
         let total = self.counted.saturating_add(self.tables).saturating_add(grown);
-        if let Some(max) = self.max
-            && total > max as u64
+        if let Some(max) = self.max.as_ref().map(MemoryLimit::get)
+            && total > max
         {
             self.hit = true;
+            let max = usize::try_from(max).unwrap_or(usize::MAX);
             self.refused.get_or_insert((desired, max, at_creation, "its memory limit"));
             return false;
         }

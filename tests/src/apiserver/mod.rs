@@ -24,6 +24,7 @@
 //! and server-side apply are refused with 415.
 
 pub mod auth;
+pub mod resize;
 pub mod store;
 
 use std::collections::HashMap;
@@ -785,6 +786,16 @@ async fn serve(
         }
         "update" => {
             let key = Key::new(resource, &namespace, route.name.as_deref().unwrap_or_default());
+            if resource.plural == "pods" && sub == Some("resize") {
+                let mut store = shared.store();
+                let current = store.get(&key).cloned().ok_or_else(|| ApiError::not_found(resource, &key.name))?;
+                let mut resized = resize::admit(&current, &body_value)?;
+                if let Some(rv) = body_value.pointer("/metadata/resourceVersion") {
+                    resized["metadata"]["resourceVersion"] = rv.clone();
+                }
+                let written = store.replace(resource, &key, resized, false)?;
+                return Ok(object_response(StatusCode::OK, &out(written)));
+            }
             let written = shared.store().replace(resource, &key, body_value, sub == Some("status"))?;
             Ok(object_response(StatusCode::OK, &out(written)))
         }
@@ -834,6 +845,11 @@ async fn serve(
             }
             if beta.is_some() {
                 resource_api::to_hub(&mut patched);
+            }
+            if resource.plural == "pods" && sub == Some("resize") {
+                let resource_version = patched["metadata"]["resourceVersion"].clone();
+                patched = resize::admit(&current, &patched)?;
+                patched["metadata"]["resourceVersion"] = resource_version;
             }
             let written = store.replace(resource, &key, patched, sub == Some("status"))?;
             Ok(object_response(StatusCode::OK, &out(written)))

@@ -612,8 +612,15 @@ pub fn merge_patch(target: &mut Value, patch: &Value) {
 /// The lists a strategic merge patch merges by a key (path from the
 /// object's root, the key); every other list is replaced whole. Only what
 /// the node writes is here: pod and node status conditions, pod IPs.
-const MERGE_KEYS: [(&str, &str); 3] =
-    [("status.conditions", "type"), ("status.podIPs", "ip"), ("status.hostIPs", "ip")];
+const MERGE_KEYS: [(&str, &str); 7] = [
+    ("status.conditions", "type"),
+    ("status.podIPs", "ip"),
+    ("status.hostIPs", "ip"),
+    ("spec.containers", "name"),
+    ("spec.initContainers", "name"),
+    ("spec.containers.resizePolicy", "resourceName"),
+    ("spec.initContainers.resizePolicy", "resourceName"),
+];
 
 /// A strategic merge patch, as the API server applies one to the objects
 /// the node patches this way (pod status): a merge patch, except that the

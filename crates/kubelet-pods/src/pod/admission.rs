@@ -44,9 +44,18 @@ impl Rejection {
 }
 
 /// The pods the node has admitted, with their requests.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct AdmittedPods {
     pods: Mutex<Admitted>,
+    /// Bumped whenever requests are given back (a pod leaves, a resize
+    /// shrinks one): deferred resizes are judged again.
+    released: tokio::sync::watch::Sender<u64>,
+}
+
+impl Default for AdmittedPods {
+    fn default() -> Self {
+        AdmittedPods { pods: Mutex::default(), released: tokio::sync::watch::channel(0).0 }
+    }
 }
 
 /// The admitted pods and the sums of their requests (kept as pods come and
@@ -117,6 +126,47 @@ impl AdmittedPods {
         if let Some(requests) = pods.requests.remove(uid) {
             pods.cpu_milli -= requests.cpu_milli;
             pods.memory -= requests.memory;
+            drop(pods);
+            self.released.send_modify(|n| *n += 1);
         }
+    }
+
+    /// Counts admitted pod `uid` at `pod`'s (resized) requests instead of
+    /// its current ones, if they fit beside the other pods (upstream judges
+    /// a resize as the admission of the resized pod among the others).
+    pub(crate) fn resize(
+        &self,
+        uid: &str,
+        pod: &Pod,
+        allocatable: Allocatable,
+        overhead: u128,
+    ) -> Result<(), Rejection> {
+        let mut requests = pod_requests(pod)
+            .map_err(|e| Rejection { reason: "InvalidPod".into(), message: format!("resource requests: {e}") })?;
+        requests.memory = requests.memory.saturating_add(overhead);
+        let mut pods = self.pods.lock().unwrap_or_else(|p| p.into_inner());
+        let before = pods.requests.get(uid).copied().unwrap_or_default();
+        let used_cpu = pods.cpu_milli - before.cpu_milli;
+        if requests.cpu_milli > before.cpu_milli && used_cpu.saturating_add(requests.cpu_milli) > allocatable.cpu_milli
+        {
+            return Err(Rejection::out_of("cpu", requests.cpu_milli, used_cpu, allocatable.cpu_milli));
+        }
+        let used_memory = pods.memory - before.memory;
+        if requests.memory > before.memory && used_memory.saturating_add(requests.memory) > allocatable.memory {
+            return Err(Rejection::out_of("memory", requests.memory, used_memory, allocatable.memory));
+        }
+        pods.cpu_milli = used_cpu + requests.cpu_milli;
+        pods.memory = used_memory + requests.memory;
+        pods.requests.insert(uid.to_owned(), requests);
+        drop(pods);
+        if requests.cpu_milli < before.cpu_milli || requests.memory < before.memory {
+            self.released.send_modify(|n| *n += 1);
+        }
+        Ok(())
+    }
+
+    /// Changes whenever requests are given back.
+    pub(crate) fn releases(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.released.subscribe()
     }
 }

@@ -321,6 +321,9 @@ async fn follow(
         record.phase = ContainerPhase::Running { started_at };
         record.started = Some(started);
         record.wants_start = false;
+        // Started with (or, adopted, last given) its allocation.
+        record.actuated = Some(record.spec.resources.clone().unwrap_or_default());
+        record.resize_restart = false;
     }
     // Finished waiter and probe tasks are reaped as new ones come.
     while data.waiters.try_join_next().is_some() {}
@@ -422,6 +425,8 @@ pub(crate) enum Recorded {
     /// The pod ran past its deadline: its verdict is set, its containers
     /// must stop.
     Deadline,
+    /// A resize is to be judged ([`PodData::resize_due`] is set).
+    Resize,
     /// Nothing: the event was about an instance that is gone.
     Nothing,
 }
@@ -475,6 +480,11 @@ pub(crate) fn record_event(data: &mut PodData, event: ContainerEvent) -> Recorde
             }
             if any { Recorded::StartDue } else { Recorded::Status }
         }
+        ContainerEvent::Resize => {
+            data.resize.waiting_release = false;
+            data.resize_due = true;
+            Recorded::Resize
+        }
         ContainerEvent::DeadlineExceeded => {
             if data.verdict.is_some() {
                 return Recorded::Nothing;
@@ -526,12 +536,23 @@ pub(crate) fn watch_manifest(
     // node restart they are adopted or reported as they ended).
     let mut seen: std::collections::HashSet<String> = std::collections::HashSet::new();
     let uid = data.id.uid.clone();
+    // The sizes the pod runs with: a manifest with others asks for a resize.
+    let mut sizes = super::resize::sizes(&data.pod);
     data.waiters.spawn(async move {
         let mut open = true;
         let mut deadline_sent = false;
         loop {
             let deadline = {
                 let pod = manifest.borrow_and_update();
+                let now = super::resize::sizes(&pod);
+                let resized = now.len() != sizes.len()
+                    || now.iter().zip(&sizes).any(|((a, x), (b, y))| a != b || !super::resize::same(x, y));
+                if resized {
+                    sizes = now;
+                    if sender.send(ContainerEvent::Resize).is_err() {
+                        return;
+                    }
+                }
                 let added: Vec<_> = ephemeral_of(&pod).into_iter().filter(|(c, _)| !seen.contains(&c.name)).collect();
                 if !added.is_empty() {
                     seen.extend(added.iter().map(|(c, _)| c.name.clone()));

@@ -95,6 +95,12 @@ pub struct ContainerRecord {
     /// An ephemeral container's `targetContainerName`: the container whose
     /// process namespace it joins.
     pub target: Option<String>,
+    /// The resources the running instance was started or last updated
+    /// with (in-place resize); `None` before its first start.
+    pub actuated: Option<k8s_openapi::api::core::v1::ResourceRequirements>,
+    /// It is being stopped to be started again with its new size (its
+    /// resize policy says `RestartContainer`).
+    pub resize_restart: bool,
 }
 
 /// Where a container's termination message comes from, as upstream reads
@@ -207,6 +213,8 @@ impl ContainerRecord {
             restart_pending: false,
             message_source: MessageSource::default(),
             target: None,
+            actuated: None,
+            resize_restart: false,
         }
     }
 
@@ -281,6 +289,9 @@ pub enum ContainerEvent {
     Ephemeral(Vec<(Container, Option<String>)>),
     /// The pod's `activeDeadlineSeconds` ran out.
     DeadlineExceeded,
+    /// The pod's containers may have a new size (`resize`), or resources
+    /// a deferred resize waits for were given back: judge it again.
+    Resize,
     /// The node evicts the pod.
     Evict(Eviction),
 }
@@ -384,6 +395,10 @@ pub struct PodData {
     pub seen: (std::time::Instant, bool),
     /// Where the pod's probes are counted.
     pub probe_metrics: crate::metrics::ProbeMetrics,
+    /// Where an in-place resize stands.
+    pub resize: super::resize::ResizeState,
+    /// A resize is to be judged when the pod next runs its containers.
+    pub resize_due: bool,
 }
 
 impl PodData {
@@ -428,6 +443,8 @@ impl PodData {
             waiters: JoinSet::new(),
             seen: (std::time::Instant::now(), false),
             probe_metrics: crate::metrics::ProbeMetrics::default(),
+            resize: super::resize::ResizeState::default(),
+            resize_due: false,
         }
     }
 

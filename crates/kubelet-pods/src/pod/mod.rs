@@ -36,6 +36,7 @@ pub(crate) mod idle_provider;
 mod node_files;
 pub mod probe;
 pub mod relist;
+pub mod resize;
 pub use kubelet_provider::quantity;
 mod run_options;
 mod sources;
@@ -277,7 +278,13 @@ impl Machine for PodLifecycle {
     type Error = String;
 
     fn start(&self, key: &String, manifest: &Arc<Pod>) -> (data::PodData, Box<dyn State<Self>>) {
-        let mut data = data::PodData::new(Arc::clone(manifest));
+        // A resize an earlier run of the node allocated is kept; one it had
+        // not is judged again once the containers run.
+        let pod = match resize::read_checkpoint(&self.config.root_dir, key) {
+            Some(allocation) => Arc::new(resize::with_allocation(manifest, &allocation)),
+            None => Arc::clone(manifest),
+        };
+        let mut data = data::PodData::new(pod);
         data.recorder = self.events.clone();
         data.probe_metrics = self.metrics.probes().clone();
         let mut senders = self.senders.lock().unwrap_or_else(|p| p.into_inner());

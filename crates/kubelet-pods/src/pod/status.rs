@@ -3,7 +3,7 @@
 
 use k8s_openapi::api::core::v1::{
     ContainerState, ContainerStateRunning, ContainerStateTerminated, ContainerStateWaiting, ContainerStatus, HostIP,
-    PodCondition, PodIP, PodStatus,
+    PodCondition, PodIP, PodStatus, ResourceRequirements,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
@@ -124,6 +124,13 @@ pub(crate) fn pod_status(data: &PodData, stage: Stage) -> PodStatus {
                 now,
             )
         });
+    }
+    if let Some((reason, message)) = &data.resize.pending {
+        conditions.push(condition("PodResizePending", true, Some(reason), Some(message.clone()), now));
+    }
+    if stage == Stage::Running && super::resize::in_progress(data) {
+        let error = data.resize.error.clone();
+        conditions.push(condition("PodResizeInProgress", true, error.as_ref().map(|_| "Error"), error, now));
     }
     if data.verdict.as_ref().and_then(|v| v.reason.as_deref()) == Some(crate::pod::data::EVICTED) {
         // Upstream (PodDisruptionConditions, on by default in 1.28).
@@ -251,6 +258,23 @@ fn container_status(c: &ContainerRecord, has_init_containers: bool) -> Container
         restart_count: i32::try_from(c.restart_count).unwrap_or(i32::MAX),
         state: Some(state),
         last_state: c.last_terminated.as_ref().map(|t| terminated_state(t, &c.runtime)),
+        // As upstream with in-place resize on: what a running container
+        // has now, else what is allocated to it; and its allocated requests.
+        resources: (c.kind != ContainerKind::Ephemeral).then(|| {
+            let allocated = c.spec.resources.clone().unwrap_or_default();
+            match &c.actuated {
+                Some(actuated) if c.is_running() => {
+                    ResourceRequirements { claims: allocated.claims, ..actuated.clone() }
+                }
+                _ => allocated,
+            }
+        }),
+        allocated_resources: c
+            .spec
+            .resources
+            .as_ref()
+            .and_then(|r| r.requests.clone())
+            .filter(|r| !r.is_empty() && c.kind != ContainerKind::Ephemeral),
         ..ContainerStatus::default()
     }
 }

@@ -53,7 +53,7 @@ impl State<PodLifecycle> for Claims {
             changes.mark_unchanged();
             // The latest pod: a template's claim is named in its status,
             // which may come after the pod was bound.
-            ctx.data.pod = ctx.latest_manifest();
+            ctx.data.pod = Arc::new(crate::pod::resize::allocated_pod(&ctx.latest_manifest(), &ctx.data));
             let pod = Arc::clone(&ctx.data.pod);
             let outcome = match source.resolve(&pod).await {
                 Ok(resolved) => claims.prepare_pod(&uid, &resolved).await.map_err(|e| e.to_string()),

@@ -158,11 +158,20 @@ impl State<PodLifecycle> for Starting {
     }
 }
 
-/// What to do after an exit: keep running, restart after a backoff, or end.
+/// What to do after an exit: keep running, restart after a backoff, start
+/// again at once (a resize's restart), or end.
 enum AfterExit {
     Keep,
     Restart,
+    StartNow,
     Done,
+}
+
+/// Judges a resize (and reports where it stands).
+async fn resize(ctx: &mut Context<PodLifecycle>) {
+    ctx.data.resize_due = false;
+    crate::pod::resize::apply(ctx).await;
+    ctx.report(pod_status(&ctx.data, Stage::Running));
 }
 
 /// Records one exit and applies the restart policy.
@@ -173,6 +182,20 @@ async fn handle_exit(ctx: &mut Context<PodLifecycle>, name: &str) -> AfterExit {
         ContainerPhase::Terminated(t) => t.exit_code,
         _ => return AfterExit::Keep,
     };
+    if record.resize_restart {
+        // Stopped for its new size: started again at once, whatever the
+        // restart policy, and counted as a restart.
+        if let Some(record) = ctx.data.containers.get_mut(name) {
+            record.resize_restart = false;
+            if let ContainerPhase::Terminated(t) = &record.phase {
+                record.last_terminated = Some(t.clone());
+            }
+            record.restart_pending = true;
+            record.wants_start = true;
+            record.backoff.waited();
+        }
+        return AfterExit::StartNow;
+    }
     let restarts = match record.kind {
         ContainerKind::RestartableInit => !apps_finished(ctx, policy),
         // Ephemeral containers run once.
@@ -292,17 +315,25 @@ impl State<PodLifecycle> for Running {
         if apps_finished(ctx, RestartPolicy::of(&ctx.data.pod)) {
             return finish(&*self, ctx);
         }
+        if ctx.data.resize_due || crate::pod::resize::in_progress(&ctx.data) {
+            resize(ctx).await;
+        }
         loop {
             let Some(event) = ctx.data.events.recv().await else { return std::future::pending().await };
             let name = match happened(ctx, event, Stage::Running) {
                 None => continue,
                 Some(Happened::StartDue) => return Transition::next(&*self, Starting),
                 Some(Happened::Deadline) => return past_deadline(&*self, ctx).await,
+                Some(Happened::Resize) => {
+                    resize(ctx).await;
+                    continue;
+                }
                 Some(Happened::Exit(name)) => name,
             };
             match handle_exit(ctx, &name).await {
                 AfterExit::Keep => ctx.report(pod_status(&ctx.data, Stage::Running)),
                 AfterExit::Restart => return Transition::next(&*self, CrashLoopBackOff),
+                AfterExit::StartNow => return Transition::next(&*self, Starting),
                 AfterExit::Done => return finish(&*self, ctx),
             }
         }
@@ -321,6 +352,8 @@ enum Happened {
     StartDue,
     /// The pod ran past its deadline.
     Deadline,
+    /// Its containers may have a new size.
+    Resize,
 }
 
 /// Records an event: a probe's change is reported at once (as `stage`).
@@ -340,6 +373,7 @@ fn happened(
             Some(Happened::StartDue)
         }
         Recorded::Deadline => Some(Happened::Deadline),
+        Recorded::Resize => Some(Happened::Resize),
         Recorded::Nothing => None,
     }
 }
@@ -420,10 +454,15 @@ impl State<PodLifecycle> for CrashLoopBackOff {
                         None => continue,
                         Some(Happened::StartDue) => return Transition::next(&*self, Starting),
                         Some(Happened::Deadline) => return past_deadline(&*self, ctx).await,
+                        Some(Happened::Resize) => {
+                            resize(ctx).await;
+                            continue;
+                        }
                         Some(Happened::Exit(name)) => name,
                     };
                     match handle_exit(ctx, &name).await {
                         AfterExit::Keep | AfterExit::Restart => ctx.report(pod_status(&ctx.data, Stage::Running)),
+                        AfterExit::StartNow => return Transition::next(&*self, Starting),
                         AfterExit::Done => return finish(&*self, ctx),
                     }
                 }
