@@ -332,3 +332,84 @@ rustlet_testkit::on_both_api_servers!(
     a_killed_cluster_node_keeps_its_api_pods_running_on,
     a_killed_cluster_node_keeps_its_api_pods_running
 );
+
+/// An in-place resize across a `kill -9` of the node: what the node had
+/// allocated (checkpointed in the pod's directory) is what it runs the
+/// adopted container with when it comes back, and a resize it had found
+/// infeasible is judged again, still infeasible: the spec's size is never
+/// taken on by the restart alone. On a control plane older than 1.33 the
+/// `resize` subresource is refused.
+async fn an_allocated_resize_survives_a_kill_9_and_an_infeasible_one_stays_pending(api: TestApi) {
+    use kube::api::{Patch, PatchParams};
+    let root = tempfile::Builder::new().prefix("rustlet-restart-").tempdir().expect("tempdir");
+    let _cleanup = KillContainers(root.path().join("host-provider"));
+    let mut node = start_cluster_test_node(root.path(), &api).await;
+    let pods: Api<Pod> = Api::namespaced(api.admin.clone(), "default");
+    let sized = |cpu_request: &str, cpu_limit: &str| json!({"requests": {"cpu": cpu_request, "memory": "32Mi"}, "limits": {"cpu": cpu_limit, "memory": "64Mi"}});
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "sized", "namespace": "default"},
+        "spec": {
+            "nodeName": api.node,
+            "automountServiceAccountToken": false,
+            "terminationGracePeriodSeconds": 1,
+            "containers": [{"name": "main", "image": "busybox", "command": ["sleep", "600"],
+                            "resources": sized("100m", "200m")}],
+        },
+    }))
+    .expect("pod");
+    pods.create(&PostParams::default(), &pod).await.expect("create");
+    let limit = |p: &Pod| {
+        let status = p.status.as_ref().and_then(|s| s.container_statuses.as_ref()).and_then(|c| c.first());
+        status.and_then(|c| c.resources.as_ref()?.limits.as_ref()?.get("cpu")).map(|q| q.0.clone()).unwrap_or_default()
+    };
+    let pending = |p: &Pod| {
+        let conditions = p.status.as_ref().and_then(|s| s.conditions.clone()).unwrap_or_default();
+        conditions.into_iter().find(|c| c.type_ == "PodResizePending").map(|c| (c.reason, c.message))
+    };
+    let first = api.wait_for(&pods, "sized", "Running", SOON, |p| p.is_some_and(|p| limit(p) == "200m")).await;
+    let first = first.expect("pod");
+    let resize = |cpu_request: &'static str, cpu_limit: &'static str| {
+        let pods = pods.clone();
+        async move {
+            let patch = json!({"spec": {"containers": [{"name": "main", "resources": sized(cpu_request, cpu_limit)}]}});
+            pods.patch_subresource("resize", "sized", &PatchParams::default(), &Patch::Strategic(patch)).await
+        }
+    };
+    if api.control_plane().is_some_and(|plane| plane.minor_version() < 33) {
+        let refused = resize("300m", "400m").await;
+        assert!(matches!(refused, Err(kube::Error::Api(ref e)) if e.code == 404), "{refused:?}");
+        return;
+    }
+    let uid = first.metadata.uid.clone().expect("uid");
+    resize("300m", "400m").await.expect("resize");
+    let resized = api
+        .wait_for(&pods, "sized", "resized", SOON, |p| p.is_some_and(|p| limit(p) == "400m" && pending(p).is_none()))
+        .await
+        .expect("pod");
+    let before = container_state(&resized);
+    let checkpoint = root.path().join("pods").join(&uid).join("allocated_resources.json");
+    let recorded = std::fs::read_to_string(&checkpoint).expect("the allocation is checkpointed");
+    assert!(recorded.contains("400m"), "{recorded}");
+    // More than the node has: infeasible, the allocation unchanged.
+    resize("8", "8").await.expect("resize");
+    let infeasible = |p: &Pod| pending(p).is_some_and(|(reason, _)| reason.as_deref() == Some("Infeasible"));
+    api.wait_for(&pods, "sized", "infeasible", SOON, |p| p.is_some_and(infeasible)).await.expect("pod");
+
+    node.kill().await;
+    node.wait_exit(SOON).await.expect("node gone");
+    let _node = start_cluster_test_node(root.path(), &api).await;
+    // Adopted (the same container, no restart) at its allocated size, the
+    // spec's size judged again.
+    let back = api
+        .wait_for(&pods, "sized", "adopted, still infeasible", SOON, |p| {
+            p.is_some_and(|p| container_state(p) == before && limit(p) == "400m" && infeasible(p))
+        })
+        .await
+        .expect("pod");
+    let (_, message) = pending(&back).expect("pending");
+    assert_eq!(message.as_deref(), Some("Node didn't have enough capacity: cpu, requested: 8000, capacity: 4000"));
+}
+rustlet_testkit::on_both_api_servers!(
+    an_allocated_resize_survives_a_kill_9_and_an_infeasible_one_stays_pending_on,
+    an_allocated_resize_survives_a_kill_9_and_an_infeasible_one_stays_pending
+);

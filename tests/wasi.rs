@@ -962,3 +962,43 @@ async fn a_module_growing_without_a_limit_is_oomkilled_alone() {
     let neighbour = node.pods.store().get("uid-neighbour").expect("neighbour");
     assert_eq!(phase(&neighbour), Some("Running"), "the neighbour runs on");
 }
+
+/// In-place resize on the WebAssembly provider: a new memory limit in the
+/// spec raises the running instance's limit and its pod's memory budget
+/// without a restart, and the status reports the new size once done.
+#[tokio::test]
+async fn a_resize_raises_a_running_modules_memory_limit_and_its_pods_budget() {
+    let node = wasm_node(0).await;
+    node.import_examples();
+    let sized = |memory: &str| {
+        pod(serde_json::json!({
+            "metadata": {"name": "resizable", "namespace": "default", "uid": "uid-resizable"},
+            "spec": {
+                "restartPolicy": "Always",
+                "containers": [{
+                    "name": "main",
+                    "image": "example.com/wasm/sleep:v1",
+                    "resources": {"requests": {"memory": "8Mi"}, "limits": {"memory": memory}},
+                }]
+            }
+        }))
+    };
+    node.pods.apply(sized("16Mi"));
+    node.wait_pod("uid-resizable", "Running", |p| phase(p) == Some("Running")).await;
+    assert_eq!(node.provider.memory_budget("uid-resizable").map(|b| b.1), Some(16 << 20));
+    node.pods.apply(sized("48Mi"));
+    let limit = |p: &Pod| {
+        let status = p.status.as_ref().and_then(|s| s.container_statuses.as_ref()).and_then(|s| s.first());
+        let resources = status.and_then(|s| s.resources.as_ref()).and_then(|r| r.limits.as_ref());
+        resources.and_then(|l| l.get("memory")).map(|q| q.0.clone())
+    };
+    let resized = node
+        .wait_pod("uid-resizable", "resized", |p| {
+            let conditions = p.status.as_ref().and_then(|s| s.conditions.clone()).unwrap_or_default();
+            limit(p).as_deref() == Some("48Mi") && !conditions.iter().any(|c| c.type_.starts_with("PodResize"))
+        })
+        .await;
+    let status = resized.status.as_ref().and_then(|s| s.container_statuses.as_ref()).and_then(|s| s.first()).cloned();
+    assert_eq!(status.map(|s| s.restart_count), Some(0), "resized in place");
+    assert_eq!(node.provider.memory_budget("uid-resizable").map(|b| b.1), Some(48 << 20), "the pod's budget grew");
+}
