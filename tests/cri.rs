@@ -209,12 +209,24 @@ impl CriNode {
         bytes: u128,
         kubepods: Option<(kubelet::provider::cgroups::CgroupFs, String)>,
     ) -> CancellationToken {
-        use kubelet::eviction::manager::{EvictionManager, EvictionSettings};
-        use kubelet::eviction::{Threshold, ThresholdValue, Thresholds};
-        let mut eviction = EvictionSettings::new(self.root.path());
+        use kubelet::eviction::{Threshold, ThresholdValue};
         let value = ThresholdValue::Quantity(bytes);
         let threshold = Threshold { signal, value, grace_period: Duration::ZERO, min_reclaim: None };
-        eviction.thresholds = Thresholds { hard: vec![threshold], soft: Vec::new() };
+        self.start_eviction_with(pressure, vec![threshold], kubepods)
+    }
+
+    /// Starts an eviction manager with hard `thresholds` (none: it checks
+    /// the pods' local storage limits only).
+    fn start_eviction_with(
+        &self,
+        pressure: &kubelet::eviction::pressure::Pressure,
+        thresholds: Vec<kubelet::eviction::Threshold>,
+        kubepods: Option<(kubelet::provider::cgroups::CgroupFs, String)>,
+    ) -> CancellationToken {
+        use kubelet::eviction::Thresholds;
+        use kubelet::eviction::manager::{EvictionManager, EvictionSettings};
+        let mut eviction = EvictionSettings::new(self.root.path());
+        eviction.thresholds = Thresholds { hard: thresholds, soft: Vec::new() };
         eviction.period = Duration::from_millis(200);
         eviction.pressure_transition_period = Duration::from_secs(20);
         eviction.kubepods = kubepods;
@@ -673,6 +685,78 @@ async fn a_pod_filling_the_disk_is_evicted_alone() {
     assert!(node.pods.store().get(&quiet).is_some_and(|p| running(&p)), "the quiet pod was never evicted");
     stop.cancel();
     for uid in [&quiet, &filler, &late] {
+        node.pods.delete(uid);
+    }
+    let gone = node.pods.store().wait_for(SOON, |pods| pods.is_empty()).await;
+    assert!(gone.is_some(), "the pods were removed");
+}
+
+/// Local ephemeral storage limits, as upstream's eviction manager checks
+/// them with no threshold met: a container whose writable layer passes its
+/// `ephemeral-storage` limit, a pod whose emptyDir passes its `sizeLimit`,
+/// and a pod whose volumes pass its containers' limits together are each
+/// evicted at once (`Failed`, `Evicted`, upstream's messages, no
+/// `DisruptionTarget`); a pod within its limits runs on.
+#[tokio::test]
+async fn pods_over_their_local_storage_limits_are_evicted() {
+    use kubelet::eviction::pressure::Pressure;
+    let Some(containerd) = Containerd::shared("pods_over_their_local_storage_limits_are_evicted") else { return };
+    let node = cri_node(containerd).await;
+    let pressure = Pressure::default();
+    let stop = node.start_eviction_with(&pressure, Vec::new(), None);
+    let limit = |size: &str| serde_json::json!({"resources": {"limits": {"ephemeral-storage": size}}});
+    let quiet = node.run("quiet", "exec sleep 600", serde_json::json!({}), limit("5Mi"));
+    node.wait(&quiet, "Running", running).await;
+    // Two containers: the pod's total (25Mi) holds, the writer's own limit
+    // does not (a lone container would pass the pod's total first, which
+    // upstream checks first).
+    let writer = serde_json::json!({"name": "main", "image": node.image, "command": ["sh", "-c",
+        "dd if=/dev/zero of=/file bs=1M count=10 2>/dev/null; exec sleep 600"],
+        "resources": {"limits": {"ephemeral-storage": "5Mi"}}});
+    let idle = serde_json::json!({"name": "idle", "image": node.image, "command": ["sleep", "600"],
+        "resources": {"limits": {"ephemeral-storage": "20Mi"}}});
+    let layer = node.run(
+        "layer",
+        "",
+        serde_json::json!({"terminationGracePeriodSeconds": 30, "containers": [writer, idle]}),
+        serde_json::json!({}),
+    );
+    let volume = node.run(
+        "volume",
+        "dd if=/dev/zero of=/data/file bs=1M count=2 2>/dev/null; exec sleep 600",
+        serde_json::json!({"volumes": [{"name": "data", "emptyDir": {"sizeLimit": "1Mi"}}]}),
+        serde_json::json!({"volumeMounts": [{"name": "data", "mountPath": "/data"}]}),
+    );
+    let mut within = limit("4Mi");
+    within["volumeMounts"] = serde_json::json!([{"name": "data", "mountPath": "/data"}]);
+    let total = node.run(
+        "total",
+        "dd if=/dev/zero of=/data/file bs=1M count=6 2>/dev/null; exec sleep 600",
+        serde_json::json!({"volumes": [{"name": "data", "emptyDir": {}}]}),
+        within,
+    );
+    let evicted = |p: &Pod| {
+        let status = p.status.as_ref();
+        status.and_then(|s| s.phase.as_deref()) == Some("Failed")
+            && status.and_then(|s| s.reason.as_deref()) == Some("Evicted")
+    };
+    let message = |p: Pod| p.status.and_then(|s| s.message).unwrap_or_default();
+    let uids = [quiet.clone(), layer.clone(), volume.clone(), total.clone()];
+    let layer = node.wait(&layer, "evicted", evicted).await;
+    let conditions = layer.status.as_ref().and_then(|s| s.conditions.clone()).unwrap_or_default();
+    assert!(
+        !conditions.iter().any(|c| c.type_ == "DisruptionTarget"),
+        "no DisruptionTarget for a pod's own limit, as upstream: {conditions:?}"
+    );
+    assert_eq!(message(layer), "Container main exceeded its local ephemeral storage limit \"5Mi\". ");
+    let volume = node.wait(&volume, "evicted", evicted).await;
+    assert_eq!(message(volume), "Usage of EmptyDir volume \"data\" exceeds the limit \"1Mi\". ");
+    let total = node.wait(&total, "evicted", evicted).await;
+    assert_eq!(message(total), "Pod ephemeral local storage usage exceeds the total limit of containers 4Mi. ");
+    assert!(node.pods.store().get(&quiet).is_some_and(|p| running(&p)), "the pod within its limit runs on");
+    assert!(!pressure.now().disk, "no threshold was met");
+    stop.cancel();
+    for uid in &uids {
         node.pods.delete(uid);
     }
     let gone = node.pods.store().wait_for(SOON, |pods| pods.is_empty()).await;

@@ -217,7 +217,8 @@ async fn long_names_run_and_termination_messages_are_reported() {
 /// An emptyDir is world-writable (a non-root container writes it); with
 /// an `fsGroup` it belongs to that group and is set-group-ID; `$(VAR)`
 /// references in command and args expand; a `subPathExpr` names a
-/// directory made in the volume.
+/// directory made in the volume; a memory-backed one is a tmpfs of its
+/// `sizeLimit` and a missing subPath in it gets its mode and group.
 #[tokio::test]
 async fn empty_dirs_are_writable_by_any_user_and_env_references_expand() {
     let Some(containerd) = Containerd::shared("empty_dirs_are_writable_by_any_user_and_env_references_expand") else {
@@ -228,21 +229,28 @@ async fn empty_dirs_are_writable_by_any_user_and_env_references_expand() {
         "writer",
         "",
         json!({"securityContext": {"runAsUser": 1001, "fsGroup": 2000},
-               "volumes": [{"name": "scratch", "emptyDir": {}}]}),
+               "volumes": [{"name": "scratch", "emptyDir": {}},
+                           {"name": "mem", "emptyDir": {"medium": "Memory", "sizeLimit": "10Mi"}}]}),
         json!({
             "command": ["sh", "-c", "echo $(GREETING); stat -c '%a %g' /scratch; touch /scratch/f && echo wrote; \
-                                      test -d /all/$(POD_NAME) && echo sub-exists; touch /logs/x && ls /all/writer"],
+                                      test -d /all/$(POD_NAME) && echo sub-exists; touch /logs/x && ls /all/writer; \
+                                      df -k /mem | tail -1 | awk '{print $2}'; stat -c '%A %u %g' /mem-sub"],
             "env": [{"name": "GREETING", "value": "hello"},
                     {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
             "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"},
                              {"name": "scratch", "mountPath": "/all"},
-                             {"name": "scratch", "mountPath": "/logs", "subPathExpr": "$(POD_NAME)"}],
+                             {"name": "scratch", "mountPath": "/logs", "subPathExpr": "$(POD_NAME)"},
+                             {"name": "mem", "mountPath": "/mem"},
+                             {"name": "mem", "mountPath": "/mem-sub", "subPath": "test-sub"}],
         }),
     );
     let done = node.wait(&uid, "finished", |p| terminated(p).is_some()).await;
     let lines = node.log("writer", &uid);
     assert_eq!(terminated(&done).map(|t| t.exit_code), Some(0), "{lines:?}");
-    assert_eq!(trimmed(&lines), ["hello", "2777 2000", "wrote", "sub-exists", "x"]);
+    // A memory-backed emptyDir is a tmpfs of its sizeLimit (10Mi: 10240
+    // KiB), sticky as the kernel mounts it; a subPath made in it copies its
+    // mode (set-group-ID and sticky) and belongs to the fsGroup.
+    assert_eq!(trimmed(&lines), ["hello", "2777 2000", "wrote", "sub-exists", "x", "10240", "drwxrwsrwt 0 2000"]);
 }
 
 /// A local server the tests' HTTP hooks call: the request lines it got.

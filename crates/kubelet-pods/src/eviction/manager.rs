@@ -27,8 +27,10 @@
 //!   and every unused image are removed first; a pod is evicted only if
 //!   that was not enough.
 //!
-//! Not yet: upstream's local-storage limit evictions (`emptyDir.sizeLimit`,
-//! containers' `ephemeral-storage` limits).
+//! - **Local storage limits** first (`emptyDir.sizeLimit`, the pod's and
+//!   each container's `ephemeral-storage` limit; `super::local_storage`):
+//!   every pod over one is evicted at once, and that pass evicts nothing
+//!   for the thresholds.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -372,9 +374,13 @@ impl EvictionManager {
             Some(provider) => provider.image_fs_path().await,
             None => None,
         };
+        // Containers' writable layers count against their limits only when
+        // they are on the root dir's file system.
+        let device = |path: &Path| std::fs::metadata(path).map(|m| std::os::unix::fs::MetadataExt::dev(&m)).ok();
+        let layers_count = image_fs.as_deref().is_none_or(|fs| device(fs) == device(&self.settings.root_dir));
         loop {
-            let evicted = self.pass(image_fs.as_deref()).await;
-            if let Some(uid) = evicted {
+            let evicted = self.pass(image_fs.as_deref(), layers_count).await;
+            for uid in evicted {
                 self.wait_stopped(&uid, &shutdown).await;
             }
             tokio::select! {
@@ -384,9 +390,52 @@ impl EvictionManager {
         }
     }
 
-    /// One pass: measure, set the conditions, evict at most one pod (its
-    /// UID).
-    pub async fn pass(&mut self, image_fs: Option<&Path>) -> Option<String> {
+    /// One pass: measure, set the conditions, evict the pods over their
+    /// local storage limits, or else at most one pod for a threshold (the
+    /// UIDs evicted). `layers_count`: containers' writable layers are on
+    /// the root dir's file system.
+    pub async fn pass(&mut self, image_fs: Option<&Path>, layers_count: bool) -> Vec<String> {
+        let (observed, met_now, now) = self.update_pressure(image_fs);
+        let over_limits = self.local_storage_limits(layers_count).await;
+        if !over_limits.is_empty() {
+            return over_limits;
+        }
+        self.threshold_pass(image_fs, observed, met_now, now).await.into_iter().collect()
+    }
+
+    /// Evicts every pod over a local storage limit (their UIDs).
+    async fn local_storage_limits(&mut self, layers_count: bool) -> Vec<String> {
+        let pods: Vec<Pod> = self
+            .pods
+            .store()
+            .list()
+            .into_iter()
+            .filter(|p| !matches!(p.status.as_ref().and_then(|s| s.phase.as_deref()), Some("Succeeded" | "Failed")))
+            .filter(|p| p.metadata.deletion_timestamp.is_none())
+            .filter(|p| !kubelet_provider::qos::is_critical(p))
+            .filter(super::local_storage::has_limits)
+            .collect();
+        if pods.is_empty() {
+            return Vec::new();
+        }
+        let measured =
+            super::local_storage::measure(&self.settings.root_dir, &pods, self.provider.as_ref(), layers_count).await;
+        let mut evicted = Vec::new();
+        for (pod, storage) in pods.iter().zip(measured) {
+            let Some(over) = super::local_storage::exceeded(pod, &storage) else { continue };
+            let uid = pod.metadata.uid.clone().unwrap_or_default();
+            tracing::warn!(pod.uid = %uid, pod = %pod.metadata.name.as_deref().unwrap_or_default(), signal = over.signal, message = %over.message, "evicting a pod over its local storage limit");
+            if self.pods.evict(&uid, Eviction { message: over.message, grace: Duration::ZERO, disruption: false }) {
+                self.pods.metrics().evicted(over.signal);
+                evicted.push(uid);
+            }
+        }
+        evicted
+    }
+
+    /// Measures the signals and sets the pressure conditions: what was
+    /// observed, the thresholds met, and when.
+    fn update_pressure(&mut self, image_fs: Option<&Path>) -> (Observations, Vec<usize>, Instant) {
         let observed = observe(&self.settings, image_fs);
         let now = Instant::now();
         let met_now = met(&self.thresholds, &observed, &self.previously);
@@ -405,6 +454,17 @@ impl EvictionManager {
             tracing::info!(conditions = ?state.conditions(), "node pressure changed");
         }
         self.pressure.set(state);
+        (observed, met_now, now)
+    }
+
+    /// The thresholds' part of a pass: evicts at most one pod (its UID).
+    async fn threshold_pass(
+        &mut self,
+        image_fs: Option<&Path>,
+        observed: Observations,
+        met_now: Vec<usize>,
+        now: Instant,
+    ) -> Option<String> {
         // Those whose grace period has passed; memory first.
         let mut due: Vec<usize> = met_now
             .into_iter()
@@ -444,7 +504,7 @@ impl EvictionManager {
         };
         let uid = chosen.pod.metadata.uid.clone().unwrap_or_default();
         tracing::warn!(pod.uid = %uid, pod = %chosen.pod.metadata.name.as_deref().unwrap_or_default(), signal = %threshold.signal, %message, "evicting a pod");
-        let evicted = self.pods.evict(&uid, Eviction { message, grace });
+        let evicted = self.pods.evict(&uid, Eviction { message, grace, disruption: true });
         if evicted {
             self.pods.metrics().evicted(&threshold.signal.to_string());
         }
@@ -545,7 +605,7 @@ fn pod_storage(root_dir: &Path, pod: &Pod) -> u128 {
 }
 
 /// Bytes of the files under `path` on `device`.
-fn disk_usage(path: &Path, device: Option<u64>) -> u128 {
+pub(super) fn disk_usage(path: &Path, device: Option<u64>) -> u128 {
     use std::os::unix::fs::MetadataExt as _;
     let Ok(meta) = std::fs::symlink_metadata(path) else { return 0 };
     if device.is_some_and(|d| d != meta.dev()) {

@@ -8,6 +8,7 @@
 //! ([`default_hard`]); giving any hard threshold replaces all four, as
 //! upstream does. `0%` and `100%` turn a signal off.
 
+pub mod local_storage;
 pub mod manager;
 
 /// The node's pressure (its own module: admission reads it too).

@@ -502,6 +502,7 @@ pub(crate) fn record_event(data: &mut PodData, event: ContainerEvent) -> Recorde
                 reason: Some(super::data::DEADLINE_EXCEEDED.into()),
                 message: Some(super::data::DEADLINE_MESSAGE.into()),
                 rejected: false,
+                disruption: false,
             });
             Recorded::Deadline
         }
@@ -516,6 +517,7 @@ pub(crate) fn record_event(data: &mut PodData, event: ContainerEvent) -> Recorde
                 reason: Some(super::data::EVICTED.into()),
                 message: Some(eviction.message),
                 rejected: false,
+                disruption: eviction.disruption,
             });
             data.stop_grace = Some(eviction.grace);
             Recorded::Deadline

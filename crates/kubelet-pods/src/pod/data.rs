@@ -304,6 +304,9 @@ pub struct Eviction {
     pub message: String,
     /// The grace period its containers get.
     pub grace: std::time::Duration,
+    /// For the node's pressure (a `DisruptionTarget` condition), not for
+    /// the pod's own local storage limits.
+    pub disruption: bool,
 }
 
 /// The reason of an evicted pod.
@@ -349,6 +352,9 @@ pub struct PodVerdict {
     /// Rejected at admission: the status is phase, reason and message only
     /// (no container ever existed), as upstream reports a rejected pod.
     pub rejected: bool,
+    /// Evicted for the node's pressure: the status carries upstream's
+    /// `DisruptionTarget` condition (not for a local storage limit).
+    pub disruption: bool,
 }
 
 /// What the states of one pod share.

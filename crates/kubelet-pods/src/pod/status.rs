@@ -132,8 +132,9 @@ pub(crate) fn pod_status(data: &PodData, stage: Stage) -> PodStatus {
         let error = data.resize.error.clone();
         conditions.push(condition("PodResizeInProgress", true, error.as_ref().map(|_| "Error"), error, now));
     }
-    if data.verdict.as_ref().and_then(|v| v.reason.as_deref()) == Some(crate::pod::data::EVICTED) {
-        // Upstream (PodDisruptionConditions, on by default in 1.28).
+    if data.verdict.as_ref().is_some_and(|v| v.disruption) {
+        // Upstream (PodDisruptionConditions, on by default in 1.28), for an
+        // eviction for the node's pressure.
         let message = data.verdict.as_ref().and_then(|v| v.message.clone());
         conditions.push(condition("DisruptionTarget", true, Some("TerminationByKubelet"), message, now));
     }

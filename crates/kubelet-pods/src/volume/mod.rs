@@ -356,7 +356,8 @@ impl VolumeManager {
             let dir = self.plugin_dir(uid, "kubernetes.io~empty-dir", name);
             let memory = empty.medium.as_deref() == Some("Memory");
             let limit = empty.size_limit.as_ref().map(|q| q.0.as_str());
-            let host_path = empty_dir::prepare(name, &dir, memory, limit, fs_group)?;
+            let size = memory.then(|| empty_dir::memory_size(pod, context.allocatable_memory, limit)).flatten();
+            let host_path = empty_dir::prepare(name, &dir, memory, size, fs_group)?;
             return Ok(PreparedVolume::ready(host_path, VolumeKind::EmptyDir));
         }
         if let Some(downward) = &volume.downward_api {

@@ -113,6 +113,7 @@ pub(super) fn reject(ctx: &mut Context<PodLifecycle>, reason: &str, message: Str
         reason: Some(reason.to_owned()),
         message: Some(format!("Pod was rejected: {message}")),
         rejected: true,
+        disruption: false,
     });
     ctx.report(pod_status(&ctx.data, Stage::Done));
     tracing::warn!(pod = %ctx.data.id.full_name(), pod.uid = %ctx.data.id.uid, reason, %message, "pod rejected");

@@ -98,8 +98,13 @@ impl State<PodLifecycle> for Initializing {
                     break;
                 }
                 if policy == RestartPolicy::Never {
-                    ctx.data.verdict =
-                        Some(PodVerdict { phase: "Failed", reason: None, message: None, rejected: false });
+                    ctx.data.verdict = Some(PodVerdict {
+                        phase: "Failed",
+                        reason: None,
+                        message: None,
+                        rejected: false,
+                        disruption: false,
+                    });
                     let grace = grace_period(&ctx.data.pod);
                     for failure in stop_all(ctx, grace).await {
                         tracing::warn!(pod.uid = %uid, %failure, "stopping sidecars");

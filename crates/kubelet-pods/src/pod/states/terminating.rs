@@ -136,6 +136,7 @@ impl State<PodLifecycle> for Terminating {
                     "the node's lifecycle of this pod failed ({panic}); its containers were stopped and what it held released"
                 )),
                 rejected: false,
+                disruption: false,
             });
             return Transition::next(&*self, super::Failed);
         }
