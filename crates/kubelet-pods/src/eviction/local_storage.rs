@@ -146,19 +146,11 @@ pub async fn measure(
     layers_count: bool,
 ) -> Vec<PodStorage> {
     let (usage, _) = crate::pod::usage::pod_usage(pods.to_vec(), if layers_count { provider } else { None }).await;
-    let device = std::fs::metadata(root_dir).map(|m| std::os::unix::fs::MetadataExt::dev(&m)).ok();
+    let device = super::manager::device_of(root_dir);
     pods.iter()
         .zip(usage)
         .map(|(pod, usage)| {
-            let meta = &pod.metadata;
-            let uid = meta.uid.as_deref().unwrap_or_default();
-            let logs = crate::pod::pod_log_dir(
-                root_dir,
-                meta.namespace.as_deref().unwrap_or("default"),
-                meta.name.as_deref().unwrap_or_default(),
-                uid,
-            );
-            let empty_dir_root = root_dir.join("pods").join(uid).join("volumes/kubernetes.io~empty-dir");
+            let (logs, empty_dir_root) = super::manager::storage_dirs(root_dir, pod);
             let mut empty_dirs = BTreeMap::new();
             for volume in pod.spec.iter().flat_map(|s| s.volumes.iter().flatten()) {
                 if volume.empty_dir.as_ref().is_some_and(|e| e.size_limit.is_some()) {

@@ -376,8 +376,7 @@ impl EvictionManager {
         };
         // Containers' writable layers count against their limits only when
         // they are on the root dir's file system.
-        let device = |path: &Path| std::fs::metadata(path).map(|m| std::os::unix::fs::MetadataExt::dev(&m)).ok();
-        let layers_count = image_fs.as_deref().is_none_or(|fs| device(fs) == device(&self.settings.root_dir));
+        let layers_count = image_fs.as_deref().is_none_or(|fs| device_of(fs) == device_of(&self.settings.root_dir));
         loop {
             let evicted = self.pass(image_fs.as_deref(), layers_count).await;
             for uid in evicted {
@@ -406,13 +405,8 @@ impl EvictionManager {
     /// Evicts every pod over a local storage limit (their UIDs).
     async fn local_storage_limits(&mut self, layers_count: bool) -> Vec<String> {
         let pods: Vec<Pod> = self
-            .pods
-            .store()
-            .list()
-            .into_iter()
-            .filter(|p| !matches!(p.status.as_ref().and_then(|s| s.phase.as_deref()), Some("Succeeded" | "Failed")))
+            .evictable()
             .filter(|p| p.metadata.deletion_timestamp.is_none())
-            .filter(|p| !kubelet_provider::qos::is_critical(p))
             .filter(super::local_storage::has_limits)
             .collect();
         if pods.is_empty() {
@@ -525,16 +519,19 @@ impl EvictionManager {
         !still
     }
 
-    /// The pods that may be evicted, with their figures for `signal`.
-    async fn candidates(&self, signal: Signal) -> Vec<Candidate> {
-        let pods: Vec<Pod> = self
-            .pods
+    /// The pods that may be evicted: not finished, not critical.
+    fn evictable(&self) -> impl Iterator<Item = Pod> {
+        self.pods
             .store()
             .list()
             .into_iter()
             .filter(|p| !matches!(p.status.as_ref().and_then(|s| s.phase.as_deref()), Some("Succeeded" | "Failed")))
             .filter(|p| !kubelet_provider::qos::is_critical(p))
-            .collect();
+    }
+
+    /// The pods that may be evicted, with their figures for `signal`.
+    async fn candidates(&self, signal: Signal) -> Vec<Candidate> {
+        let pods: Vec<Pod> = self.evictable().collect();
         let resource = signal.resource();
         let mut candidates = Vec::new();
         if resource == "memory" {
@@ -591,6 +588,13 @@ impl EvictionManager {
 /// Bytes `pod` keeps on the root dir's file system: its logs and its
 /// emptyDirs (not those of medium Memory).
 fn pod_storage(root_dir: &Path, pod: &Pod) -> u128 {
+    let (logs, empty_dirs) = storage_dirs(root_dir, pod);
+    let device = device_of(root_dir);
+    disk_usage(&logs, device) + disk_usage(&empty_dirs, device)
+}
+
+/// The pod's log dir and the dir of its emptyDirs.
+pub(super) fn storage_dirs(root_dir: &Path, pod: &Pod) -> (PathBuf, PathBuf) {
     let meta = &pod.metadata;
     let uid = meta.uid.as_deref().unwrap_or_default();
     let logs = crate::pod::pod_log_dir(
@@ -599,9 +603,12 @@ fn pod_storage(root_dir: &Path, pod: &Pod) -> u128 {
         meta.name.as_deref().unwrap_or_default(),
         uid,
     );
-    let empty_dirs = root_dir.join("pods").join(uid).join("volumes/kubernetes.io~empty-dir");
-    let device = std::fs::metadata(root_dir).map(|m| std::os::unix::fs::MetadataExt::dev(&m)).ok();
-    disk_usage(&logs, device) + disk_usage(&empty_dirs, device)
+    (logs, root_dir.join("pods").join(uid).join("volumes/kubernetes.io~empty-dir"))
+}
+
+/// The device `path` is on.
+pub(super) fn device_of(path: &Path) -> Option<u64> {
+    std::fs::metadata(path).map(|m| std::os::unix::fs::MetadataExt::dev(&m)).ok()
 }
 
 /// Bytes of the files under `path` on `device`.
