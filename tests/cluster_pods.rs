@@ -951,3 +951,52 @@ rustlet_testkit::on_both_api_servers!(
     a_resize_is_actuated_or_held_back_with_its_reason_on,
     a_resize_is_actuated_or_held_back_with_its_reason
 );
+
+/// Upstream's "should never report success for a pending container" and
+/// "should never report container start when an init container fails",
+/// with host processes (`pod_deletion` has the rules and the scenarios).
+async fn a_deleted_pods_statuses_never_report_success_or_revert(api: TestApi) {
+    let node = cluster_node_on(api).await;
+    let errors = rustlet_testkit::pod_deletion::run_scenarios(&node.admin, &node.api.node, "busybox", SOON).await;
+    assert!(errors.is_empty(), "{}", errors.join("\n"));
+    // A pod the node saw fail, deleted while its first status is still on
+    // the way: the deletion carries the failure, not the stale first
+    // status.
+    let name = "failed-then-deleted";
+    let spec = json!({"metadata": {"name": name}, "spec": {"nodeName": node.api.node, "restartPolicy": "Never",
+        "automountServiceAccountToken": false, "terminationGracePeriodSeconds": 1,
+        "containers": [{"name": "fail", "image": "busybox", "command": ["sh", "-c", "exit 1"]}]}});
+    let created =
+        node.admin.create(&PostParams::default(), &serde_json::from_value(spec).expect("pod")).await.expect("create");
+    let uid = created.metadata.uid.clone().expect("uid");
+    let failed = node
+        .pods
+        .store()
+        .wait_for(SOON, |pods| {
+            pods.get(&uid).is_some_and(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Failed"))
+        })
+        .await;
+    assert!(failed.is_some(), "the node saw the pod fail");
+    let deleted = rustlet_testkit::pod_deletion::delete_and_watch(&node.admin, &created, SOON).await;
+    assert_eq!(deleted["status"]["phase"], "Failed", "{}", deleted["status"]);
+    assert_eq!(
+        deleted["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"], 1,
+        "{}",
+        deleted["status"]
+    );
+}
+rustlet_testkit::on_both_api_servers!(
+    a_deleted_pods_statuses_never_report_success_or_revert_on,
+    a_deleted_pods_statuses_never_report_success_or_revert
+);
+
+/// The same scenarios with every status write slow (300 ms): a pod stopped
+/// and released while its previous status is on the way still gets its
+/// last status into the API before its deletion is finished.
+#[tokio::test]
+async fn a_deleted_pods_last_status_reaches_the_api_behind_a_slow_write() {
+    let node = cluster_node().await;
+    node.server().inject(Fault::slow(Some(http::Method::PATCH), "/status", Duration::from_millis(300), 10_000));
+    let errors = rustlet_testkit::pod_deletion::run_scenarios(&node.admin, &node.api.node, "busybox", SOON).await;
+    assert!(errors.is_empty(), "{}", errors.join("\n"));
+}

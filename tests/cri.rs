@@ -1206,6 +1206,43 @@ rustlet_testkit::on_both_api_servers!(
     a_cluster_runs_pods_on_the_runtime_of_their_class
 );
 
+/// Upstream's "Pods Extended Pod Container Status" specs on containerd
+/// ("should never report success for a pending container", "should never
+/// report container start when an init container fails"): pods whose
+/// container or init container exits 1, deleted at each point of their
+/// lives, never show a status those specs refuse (`pod_deletion`).
+async fn a_deleted_containers_pods_statuses_keep_upstreams_rules(api: rustlet_testkit::test_api::TestApi) {
+    use kube::api::Api;
+    use kubelet::cluster::{ApiSource, ClusterSettings};
+    use kubelet::node::{NodeBuilder, NodeConfig};
+
+    let Some(containerd) = Containerd::private(&format!("cluster_pod_deletion_{}", api.kind())) else { return };
+    let registry = Registry::start().await.expect("registry");
+    containerd.trust_registry(&registry.host());
+    let image = push_busybox(&registry, "test/busybox", "v1", &[], &["sh"]).await.expect("push busybox");
+    let root = tempfile::Builder::new().prefix("rustlet-cri-deletion-").tempdir().expect("tempdir");
+    let classes = containerd_and_wasm(&containerd, root.path(), "sleep");
+    let mut settings = ClusterSettings::new(ApiSource::Client(api.node_client.clone()));
+    settings.runtime_classes = Some(classes.class_handlers());
+    let mut config = NodeConfig::new(root.path(), api.node.clone());
+    config.http_address = None;
+    let shutdown = CancellationToken::new();
+    let _stop = shutdown.clone().drop_guard();
+    let _node = NodeBuilder::new(config)
+        .provider(Arc::new(classes))
+        .cluster(settings)
+        .start(shutdown.clone())
+        .await
+        .expect("node");
+    let pods: Api<Pod> = Api::namespaced(api.admin.clone(), "default");
+    let errors = rustlet_testkit::pod_deletion::run_scenarios(&pods, &api.node, &image, SOON).await;
+    assert!(errors.is_empty(), "{}", errors.join("\n"));
+}
+rustlet_testkit::on_both_api_servers!(
+    a_deleted_containers_pods_statuses_keep_upstreams_rules_on,
+    a_deleted_containers_pods_statuses_keep_upstreams_rules
+);
+
 /// The sandbox's resolv.conf follows the pod's dnsPolicy and dnsConfig:
 /// ClusterFirst gets the cluster's DNS and searches, Default the node's
 /// resolv.conf, None only its dnsConfig.

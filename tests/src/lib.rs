@@ -34,6 +34,7 @@ pub mod host_provider;
 pub mod https;
 pub mod node_process;
 pub mod other_user;
+pub mod pod_deletion;
 pub mod pod_state;
 pub mod process;
 pub mod prometheus;
