@@ -1120,27 +1120,8 @@ fn containerd_and_wasm(
 async fn a_cluster_runs_pods_on_the_runtime_of_their_class(api: rustlet_testkit::test_api::TestApi) {
     use k8s_openapi::api::node::v1::RuntimeClass;
     use kube::api::{Api, DeleteParams, PostParams};
-    use kubelet::cluster::{ApiSource, ClusterSettings};
-    use kubelet::node::{NodeBuilder, NodeConfig};
-
-    let Some(containerd) = Containerd::private(&format!("cluster_runtime_class_{}", api.kind())) else { return };
-    let registry = Registry::start().await.expect("registry");
-    containerd.trust_registry(&registry.host());
-    let image = push_busybox(&registry, "test/busybox", "v1", &[], &["sh"]).await.expect("push busybox");
-    let root = tempfile::Builder::new().prefix("rustlet-cri-cluster-").tempdir().expect("tempdir");
-    let classes = containerd_and_wasm(&containerd, root.path(), "sleep");
-    let mut settings = ClusterSettings::new(ApiSource::Client(api.node_client.clone()));
-    settings.runtime_classes = Some(classes.class_handlers());
-    let mut config = NodeConfig::new(root.path(), api.node.clone());
-    config.http_address = None;
-    let shutdown = CancellationToken::new();
-    let _stop = shutdown.clone().drop_guard();
-    let _node = NodeBuilder::new(config)
-        .provider(Arc::new(classes))
-        .cluster(settings)
-        .start(shutdown.clone())
-        .await
-        .expect("node");
+    let Some(cluster) = CriCluster::start(&api, "cluster_runtime_class").await else { return };
+    let image = cluster.image.clone();
 
     let class = format!("wasm-{}", api.node);
     let runtime_classes: Api<RuntimeClass> = Api::all(api.admin.clone());
@@ -1206,6 +1187,58 @@ rustlet_testkit::on_both_api_servers!(
     a_cluster_runs_pods_on_the_runtime_of_their_class
 );
 
+/// A cluster node on a containerd of its own (and the WebAssembly provider
+/// for class handler `wasmtime`), with a busybox image in a loopback
+/// registry; stopped when dropped.
+struct CriCluster {
+    image: String,
+    _stop: tokio_util::sync::DropGuard,
+    node: kubelet::node::Node,
+    _root: tempfile::TempDir,
+    _registry: Registry,
+    _containerd: Containerd,
+}
+
+impl CriCluster {
+    /// `None` when containerd cannot run here (the skip is recorded).
+    async fn start(api: &rustlet_testkit::test_api::TestApi, test: &str) -> Option<CriCluster> {
+        Self::start_with(api, &format!("{test}_{}", api.kind()), "sleep", |_| {}).await
+    }
+
+    /// The same with a containerd named `containerd_name`, the sample
+    /// WebAssembly module `module`, and `configure` applied to the node's
+    /// configuration.
+    async fn start_with(
+        api: &rustlet_testkit::test_api::TestApi,
+        containerd_name: &str,
+        module: &str,
+        configure: impl FnOnce(&mut kubelet::node::NodeConfig),
+    ) -> Option<CriCluster> {
+        use kubelet::cluster::{ApiSource, ClusterSettings};
+        use kubelet::node::{NodeBuilder, NodeConfig};
+        let containerd = Containerd::private(containerd_name)?;
+        let registry = Registry::start().await.expect("registry");
+        containerd.trust_registry(&registry.host());
+        let image = push_busybox(&registry, "test/busybox", "v1", &[], &["sh"]).await.expect("push busybox");
+        let root = tempfile::Builder::new().prefix("rustlet-cri-cluster-").tempdir().expect("tempdir");
+        let classes = containerd_and_wasm(&containerd, root.path(), module);
+        let mut settings = ClusterSettings::new(ApiSource::Client(api.node_client.clone()));
+        settings.runtime_classes = Some(classes.class_handlers());
+        let mut config = NodeConfig::new(root.path(), api.node.clone());
+        config.http_address = None;
+        configure(&mut config);
+        let shutdown = CancellationToken::new();
+        let stop = shutdown.clone().drop_guard();
+        let node = NodeBuilder::new(config)
+            .provider(Arc::new(classes))
+            .cluster(settings)
+            .start(shutdown.clone())
+            .await
+            .expect("node");
+        Some(CriCluster { image, _stop: stop, node, _root: root, _registry: registry, _containerd: containerd })
+    }
+}
+
 /// Upstream's "Pods Extended Pod Container Status" specs on containerd
 /// ("should never report success for a pending container", "should never
 /// report container start when an init container fails"): pods whose
@@ -1213,27 +1246,8 @@ rustlet_testkit::on_both_api_servers!(
 /// lives, never show a status those specs refuse (`pod_deletion`).
 async fn a_deleted_containers_pods_statuses_keep_upstreams_rules(api: rustlet_testkit::test_api::TestApi) {
     use kube::api::Api;
-    use kubelet::cluster::{ApiSource, ClusterSettings};
-    use kubelet::node::{NodeBuilder, NodeConfig};
-
-    let Some(containerd) = Containerd::private(&format!("cluster_pod_deletion_{}", api.kind())) else { return };
-    let registry = Registry::start().await.expect("registry");
-    containerd.trust_registry(&registry.host());
-    let image = push_busybox(&registry, "test/busybox", "v1", &[], &["sh"]).await.expect("push busybox");
-    let root = tempfile::Builder::new().prefix("rustlet-cri-deletion-").tempdir().expect("tempdir");
-    let classes = containerd_and_wasm(&containerd, root.path(), "sleep");
-    let mut settings = ClusterSettings::new(ApiSource::Client(api.node_client.clone()));
-    settings.runtime_classes = Some(classes.class_handlers());
-    let mut config = NodeConfig::new(root.path(), api.node.clone());
-    config.http_address = None;
-    let shutdown = CancellationToken::new();
-    let _stop = shutdown.clone().drop_guard();
-    let _node = NodeBuilder::new(config)
-        .provider(Arc::new(classes))
-        .cluster(settings)
-        .start(shutdown.clone())
-        .await
-        .expect("node");
+    let Some(cluster) = CriCluster::start(&api, "cluster_pod_deletion").await else { return };
+    let image = cluster.image.clone();
     let pods: Api<Pod> = Api::namespaced(api.admin.clone(), "default");
     let errors = rustlet_testkit::pod_deletion::run_scenarios(&pods, &api.node, &image, SOON).await;
     assert!(errors.is_empty(), "{}", errors.join("\n"));
@@ -1365,37 +1379,20 @@ async fn a_liveness_probe_does_not_cut_a_graceful_stop_short() {
 #[tokio::test]
 async fn kubectl_exec_attach_and_port_forward_reach_a_container() {
     use kube::api::{Api, DeleteParams, PostParams};
-    use kubelet::cluster::{ApiSource, ClusterSettings};
-    use kubelet::node::{NodeBuilder, NodeConfig};
     use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _};
     let test = "kubectl_exec_attach_and_port_forward_reach_a_container";
     let Some(api) = rustlet_testkit::test_api::TestApi::real(test).await else { return };
-    let Some(containerd) = Containerd::private(test) else { return };
     let plane = api.control_plane().expect("real");
-    let registry = Registry::start().await.expect("registry");
-    containerd.trust_registry(&registry.host());
-    let image = push_busybox(&registry, "test/busybox", "v1", &[], &["sh"]).await.expect("push busybox");
-    let root = tempfile::Builder::new().prefix("rustlet-cri-streams-").tempdir().expect("tempdir");
-    let classes = containerd_and_wasm(&containerd, root.path(), "talk");
-    let mut settings = ClusterSettings::new(ApiSource::Client(api.node_client.clone()));
-    settings.runtime_classes = Some(classes.class_handlers());
-    let mut config = NodeConfig::new(root.path(), api.node.clone());
-    config.http_address = None;
     let ip = rustlet_testkit::control_plane::host_ip().unwrap_or(std::net::IpAddr::from([127, 0, 0, 1]));
-    config.node_ips = vec![ip];
-    let mut kubelet_api = kubelet::server::KubeletApiConfig::new(root.path());
-    kubelet_api.address = std::net::SocketAddr::new(ip, 0);
-    kubelet_api.client_ca = Some(plane.ca_file());
-    config.kubelet_api = Some(kubelet_api);
-    let shutdown = CancellationToken::new();
-    let _stop = shutdown.clone().drop_guard();
-    let node = NodeBuilder::new(config)
-        .provider(Arc::new(classes))
-        .cluster(settings)
-        .start(shutdown.clone())
-        .await
-        .expect("node");
-
+    let configure = |config: &mut kubelet::node::NodeConfig| {
+        config.node_ips = vec![ip];
+        let mut kubelet_api = kubelet::server::KubeletApiConfig::new(&config.root_dir);
+        kubelet_api.address = std::net::SocketAddr::new(ip, 0);
+        kubelet_api.client_ca = Some(plane.ca_file());
+        config.kubelet_api = Some(kubelet_api);
+    };
+    let Some(cluster) = CriCluster::start_with(&api, test, "talk", configure).await else { return };
+    let (image, node) = (cluster.image.clone(), &cluster.node);
     let class = format!("wasm-{}", api.node);
     let runtime_classes: Api<k8s_openapi::api::node::v1::RuntimeClass> = Api::all(api.admin.clone());
     let object =

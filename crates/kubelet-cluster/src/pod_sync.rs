@@ -182,6 +182,9 @@ struct Known {
     mirror: Option<Mirror>,
     /// After a failed write: not before this instant, and the backoff.
     retry: Option<(Instant, RetryBackoff)>,
+    /// The lifecycle released the pod and its last status went out: what
+    /// is left is to finish its deletion.
+    last_written: bool,
 }
 
 impl Known {
@@ -193,6 +196,7 @@ impl Known {
             api: None,
             mirror,
             retry: None,
+            last_written: false,
         }
     }
 
@@ -593,6 +597,9 @@ enum Write {
     DeleteMirror,
     /// Patch the status.
     Status(Value),
+    /// Patch the status of a pod the lifecycle released: its last one,
+    /// written before its deletion is finished.
+    LastStatus(Value),
     /// Delete the pod for good (grace 0, UID precondition): the lifecycle
     /// released it after the API asked for its deletion.
     Finish,
@@ -646,17 +653,18 @@ impl Writer {
                 }
             }
         }
-        let results: Vec<(String, Result<Option<Pod>, WriteError>)> = futures_util::stream::iter(jobs)
+        let results: Vec<(String, bool, Result<Option<Pod>, WriteError>)> = futures_util::stream::iter(jobs)
             .map(|(uid, known, write)| async move {
                 self.limiter.acquire().await;
+                let last = matches!(write, Write::LastStatus(_));
                 let result = self.write(&uid, &known, write).await;
-                (uid, result)
+                (uid, last, result)
             })
             .buffer_unordered(self.config.parallel_writes.max(1))
             .collect()
             .await;
         let mut table = lock(&self.table);
-        for (uid, result) in results {
+        for (uid, last, result) in results {
             match result {
                 Ok(answer) => {
                     if let Some(known) = table.get_mut(&uid) {
@@ -664,13 +672,22 @@ impl Writer {
                         if let Some(pod) = answer {
                             known.saw(&pod);
                         }
+                        // A released pod's last status went out: its
+                        // deletion is finished in the next pass, which
+                        // nothing else would start.
+                        if last {
+                            known.last_written = true;
+                            next_retry = Some(Instant::now());
+                        }
                     }
                 }
                 Err(WriteError::Gone) => {
                     table.remove(&uid);
+                    self.pods.store().forget_last(&uid);
                 }
                 Err(WriteError::Vanished) => {
                     table.remove(&uid);
+                    self.pods.store().forget_last(&uid);
                     tracing::info!(pod.uid = %uid, "pod no longer in the API; stopping it at once");
                     self.pods.remove_now(&uid);
                 }
@@ -724,10 +741,26 @@ impl Writer {
         }
         let Some(local) = self.pods.store().get(uid) else {
             // Released by the lifecycle, or (deleted while the node was
-            // down) by the release of what an earlier run left behind.
+            // down) by the release of what an earlier run left behind. The
+            // pod's last status goes out first (the lifecycle may have
+            // released it between two passes): the deletion carries how
+            // the pod ended, never a stale "running".
+            if known.mirror.is_none()
+                && !known.last_written
+                && let Some(last) = self.pods.store().last_of(uid)
+                && let Some(Write::Status(patch)) = self.status_write(last, known)
+            {
+                return Some(Write::LastStatus(patch));
+            }
             let finish = known.deleting && known.mirror.is_none() && self.pods.released(uid);
             return finish.then_some(Write::Finish);
         };
+        self.status_write(local, known)
+    }
+
+    /// The status patch that brings the API's view of `known` to `local`'s
+    /// status, if they differ.
+    fn status_write(&self, local: Pod, known: &Known) -> Option<Write> {
         let view = known.api.as_ref()?;
         let gates: Vec<String> = local
             .spec
@@ -771,25 +804,27 @@ impl Writer {
                 }
                 Err(WriteError::Gone)
             }
-            Write::Status(patch) => match api.patch_status(&known.name, &params, &Patch::Strategic(&patch)).await {
-                Ok(pod) => {
-                    self.stats.status_patches.fetch_add(1, Ordering::Relaxed);
-                    self.config.metrics.writes.inc();
-                    Ok(Some(pod))
-                }
-                // Gone, or another pod of that name now.
-                Err(error) if is_code(&error, 404) || is_code(&error, 409) && known.mirror.is_none() => {
-                    if known.mirror.is_some() {
-                        // A static pod's mirror: the static pod runs on.
-                        Err(WriteError::Gone)
-                    } else if known.deleting || is_code(&error, 404) {
-                        Err(WriteError::Vanished)
-                    } else {
-                        Err(WriteError::Retry(error))
+            Write::Status(patch) | Write::LastStatus(patch) => {
+                match api.patch_status(&known.name, &params, &Patch::Strategic(&patch)).await {
+                    Ok(pod) => {
+                        self.stats.status_patches.fetch_add(1, Ordering::Relaxed);
+                        self.config.metrics.writes.inc();
+                        Ok(Some(pod))
                     }
+                    // Gone, or another pod of that name now.
+                    Err(error) if is_code(&error, 404) || is_code(&error, 409) && known.mirror.is_none() => {
+                        if known.mirror.is_some() {
+                            // A static pod's mirror: the static pod runs on.
+                            Err(WriteError::Gone)
+                        } else if known.deleting || is_code(&error, 404) {
+                            Err(WriteError::Vanished)
+                        } else {
+                            Err(WriteError::Retry(error))
+                        }
+                    }
+                    Err(error) => Err(WriteError::Retry(error)),
                 }
-                Err(error) => Err(WriteError::Retry(error)),
-            },
+            }
             Write::Finish => {
                 let params = DeleteParams {
                     grace_period_seconds: Some(0),

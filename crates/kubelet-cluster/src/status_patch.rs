@@ -104,7 +104,9 @@ pub fn patch(uid: &str, api: Option<&PodStatus>, desired: &PodStatus) -> Option<
                 status.insert(key.clone(), merge_list_by(old, new, "ip"));
             }
             "podIPs" | "hostIPs" => {}
-            _ if old != Some(new) => {
+            // The API server writes a container status's `lastState` even
+            // when it is empty (`{}`): the same as none.
+            _ if old.map(without_empty_objects) != Some(without_empty_objects(new)) => {
                 status.insert(key.clone(), new.clone());
             }
             _ => {}
@@ -131,6 +133,22 @@ pub fn patch(uid: &str, api: Option<&PodStatus>, desired: &PodStatus) -> Option<
         }
     }
     (!status.is_empty()).then(|| json!({"metadata": {"uid": uid}, "status": status}))
+}
+
+/// `value` with every object member whose value is `{}` left out, at any
+/// depth: how the API server's defaults (`lastState: {}`) compare with a
+/// status that leaves them out.
+fn without_empty_objects(value: &Value) -> Value {
+    match value {
+        Value::Object(map) => Value::Object(
+            map.iter()
+                .filter(|(_, v)| !matches!(v, Value::Object(inner) if inner.is_empty()))
+                .map(|(k, v)| (k.clone(), without_empty_objects(v)))
+                .collect(),
+        ),
+        Value::Array(items) => Value::Array(items.iter().map(without_empty_objects).collect()),
+        other => other.clone(),
+    }
 }
 
 fn as_object(value: Option<Result<Value, serde_json::Error>>) -> Map<String, Value> {
@@ -192,6 +210,20 @@ fn merge_list_by(old: Option<&Value>, new: &Value, key: &str) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_servers_empty_last_state_is_no_change_but_a_real_one_is() {
+        let status = |statuses: Value| -> PodStatus {
+            serde_json::from_value(json!({"phase": "Running", "containerStatuses": statuses})).expect("status")
+        };
+        let ours = json!([{"name": "c", "image": "i", "imageID": "", "ready": true, "restartCount": 0,
+                           "state": {"running": {"startedAt": "2026-11-27T00:00:00Z"}}}]);
+        let mut api = ours.clone();
+        api[0]["lastState"] = json!({});
+        assert_eq!(patch("u", Some(&status(api.clone())), &status(ours.clone())), None, "lastState {{}} is none");
+        api[0]["lastState"] = json!({"terminated": {"exitCode": 1}});
+        assert!(patch("u", Some(&status(api)), &status(ours)).is_some(), "a real lastState differs");
+    }
 
     #[test]
     fn a_resize_condition_that_went_is_deleted_and_no_other() {

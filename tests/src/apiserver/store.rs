@@ -512,6 +512,16 @@ impl Store {
         let mut object = if status {
             let mut object = old.clone();
             object["status"] = new.get("status").cloned().unwrap_or(Value::Null);
+            if resource.kind == "Pod" {
+                // The real server writes a container status's `lastState`
+                // even when empty (a struct, not a pointer, in its types).
+                for list in ["containerStatuses", "initContainerStatuses", "ephemeralContainerStatuses"] {
+                    let statuses = object.get_mut("status").and_then(|s| s.get_mut(list)).and_then(Value::as_array_mut);
+                    for entry in statuses.into_iter().flatten().filter_map(Value::as_object_mut) {
+                        entry.entry("lastState").or_insert_with(|| json!({}));
+                    }
+                }
+            }
             object
         } else {
             let mut object = new;

@@ -8,16 +8,24 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::{Pod, PodStatus};
 use tokio::sync::watch;
 
+/// How many removed pods' last states are kept ([`PodStore::last_of`]).
+const KEPT_LAST_STATES: usize = 1024;
+
 /// Pods by UID with their latest status; cheap to clone.
 #[derive(Clone, Debug)]
 pub struct PodStore {
     pods: Arc<Mutex<BTreeMap<String, Pod>>>,
     generation: Arc<watch::Sender<u64>>,
+    /// The last state of the pods removed most recently, oldest first: a
+    /// status writer that had not written it yet writes it before it
+    /// finishes the pod's deletion, as the kubelet's status manager writes
+    /// a pod's terminal status before the pod may be deleted.
+    removed: Arc<Mutex<std::collections::VecDeque<(String, Pod)>>>,
 }
 
 impl Default for PodStore {
     fn default() -> Self {
-        PodStore { pods: Arc::default(), generation: Arc::new(watch::channel(0).0) }
+        PodStore { pods: Arc::default(), generation: Arc::new(watch::channel(0).0), removed: Arc::default() }
     }
 }
 
@@ -76,10 +84,30 @@ impl PodStore {
         self.bump();
     }
 
-    /// Forgets the pod.
+    /// Forgets the pod, keeping its last state for [`PodStore::last_of`].
     pub(crate) fn remove(&self, uid: &str) {
-        self.lock().remove(uid);
+        let last = self.lock().remove(uid);
+        if let Some(pod) = last {
+            let mut removed = self.removed.lock().unwrap_or_else(|p| p.into_inner());
+            removed.retain(|(u, _)| u != uid);
+            if removed.len() == KEPT_LAST_STATES {
+                removed.pop_front();
+            }
+            removed.push_back((uid.to_owned(), pod));
+        }
         self.bump();
+    }
+
+    /// The last state of pod `uid`, removed recently (the last
+    /// [`KEPT_LAST_STATES`] removals are kept until [`PodStore::forget_last`]).
+    pub fn last_of(&self, uid: &str) -> Option<Pod> {
+        let removed = self.removed.lock().unwrap_or_else(|p| p.into_inner());
+        removed.iter().rev().find(|(u, _)| u == uid).map(|(_, pod)| pod.clone())
+    }
+
+    /// Forgets the last state of pod `uid` (its deletion is finished).
+    pub fn forget_last(&self, uid: &str) {
+        self.removed.lock().unwrap_or_else(|p| p.into_inner()).retain(|(u, _)| u != uid);
     }
 
     /// Reads the pods (by UID) in place, without copying them.

@@ -263,7 +263,7 @@ fn drain_exits_because(ctx: &mut Context<PodLifecycle>, why: &str) {
 const STOPPED_EXIT_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Waits (at most `within`) until no container runs, recording events.
-async fn await_exits(ctx: &mut Context<PodLifecycle>, within: std::time::Duration) {
+pub(super) async fn await_exits(ctx: &mut Context<PodLifecycle>, within: std::time::Duration) {
     let deadline = Instant::now() + within;
     while ctx.data.containers.values().any(|c| c.is_running()) {
         match tokio::time::timeout_at(deadline, ctx.data.events.recv()).await {

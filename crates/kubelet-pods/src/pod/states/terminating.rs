@@ -11,6 +11,7 @@ use krator::{Context, State, Transition};
 
 use crate::pod::PodLifecycle;
 use crate::pod::containers::{log_dir, stop_all};
+use crate::pod::data::{ContainerPhase, Terminated};
 use crate::pod::spec::grace_period;
 use crate::pod::status::{Stage, pod_status};
 
@@ -35,6 +36,9 @@ impl Terminating {
         Terminating { failed: Some(message.to_owned()) }
     }
 }
+
+/// How long the exits of the containers just stopped are waited for.
+const STOPPED_EXITS: Duration = Duration::from_secs(10);
 
 /// How many times the provider is asked to remove a pod before the
 /// failure is reported.
@@ -61,6 +65,24 @@ impl State<PodLifecycle> for Terminating {
         // 1. Containers, within the grace period.
         let grace = grace_period(&ctx.latest_manifest());
         failures.extend(stop_all(ctx, grace).await);
+        // How the containers ended is the pod's last status, as upstream
+        // reports a terminated pod (the API gets it before the deletion is
+        // finished): the exits of the stopped containers are recorded;
+        // one never seen is `ContainerStatusUnknown`, 137, as upstream.
+        super::containers::await_exits(ctx, STOPPED_EXITS).await;
+        for record in ctx.data.containers.values_mut() {
+            if let ContainerPhase::Running { started_at } = record.phase {
+                record.phase = ContainerPhase::Terminated(Terminated {
+                    exit_code: 137,
+                    reason: "ContainerStatusUnknown".into(),
+                    message: Some("The container could not be located when the pod was terminated".into()),
+                    started_at: Some(started_at),
+                    finished_at: k8s_openapi::jiff::Timestamp::now(),
+                    container_id: record.id.clone(),
+                });
+            }
+        }
+        ctx.report(pod_status(&ctx.data, stage_of(&ctx.data)));
         // Waited for, not only aborted: a volume refresh between its API
         // read and its write must not write after the teardown below.
         ctx.data.waiters.shutdown().await;
@@ -79,7 +101,7 @@ impl State<PodLifecycle> for Terminating {
             let reasons: Vec<String> = errors.iter().map(ToString::to_string).collect();
             tracing::warn!(pod.uid = %uid, errors = %reasons.join("; "), retry_in = ?delay, "volumes not torn down; retrying");
             ctx.data.pending_message = Some(format!("volumes not torn down yet: {}", reasons.join("; ")));
-            ctx.report(pod_status(&ctx.data, Stage::Terminating));
+            ctx.report(pod_status(&ctx.data, stage_of(&ctx.data)));
             tokio::time::sleep(delay).await;
         }
         ctx.data.pending_message = None;
@@ -144,6 +166,19 @@ impl State<PodLifecycle> for Terminating {
     }
 
     fn status(&self, ctx: &Context<PodLifecycle>) -> PodStatus {
-        pod_status(&ctx.data, Stage::Terminating)
+        pod_status(&ctx.data, stage_of(&ctx.data))
     }
+}
+
+/// A removed pod's stage: done once every app container has ended (its
+/// phase is then terminal, as upstream's for a terminated pod, and never
+/// reverts); terminating before, which is `Pending` while a container has
+/// never run.
+fn stage_of(data: &crate::pod::data::PodData) -> Stage {
+    let apps_ended = data
+        .containers
+        .values()
+        .filter(|c| c.kind == crate::provider::ContainerKind::App)
+        .all(|c| matches!(c.phase, ContainerPhase::Terminated(_)));
+    if apps_ended { Stage::Done } else { Stage::Terminating }
 }
