@@ -536,6 +536,48 @@ async fn streaming_sessions(
 
 /// Runs kubectl of the control plane; its stdout (panics on failure with
 /// stderr). Async: the node answering it runs on the test's runtime.
+/// A token of a new service account allowed `get` on `nodes/<subresource>`
+/// only (a ClusterRole and its binding), once the API says it is allowed.
+async fn token_with_node_subresource(api: &TestApi, subresource: &str) -> String {
+    use k8s_openapi::api::authentication::v1::TokenRequest;
+    use k8s_openapi::api::authorization::v1::SubjectAccessReview;
+    use k8s_openapi::api::core::v1::ServiceAccount;
+    use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+    let name = format!("node-{subresource}-reader");
+    let accounts: Api<ServiceAccount> = Api::namespaced(api.admin.clone(), "default");
+    let account = serde_json::from_value(json!({"metadata": {"name": name}})).expect("account");
+    accounts.create(&PostParams::default(), &account).await.expect("service account");
+    let role = serde_json::from_value(json!({"metadata": {"name": name},
+        "rules": [{"apiGroups": [""], "resources": [format!("nodes/{subresource}")], "verbs": ["get"]}]}))
+    .expect("role");
+    Api::<ClusterRole>::all(api.admin.clone()).create(&PostParams::default(), &role).await.expect("cluster role");
+    let binding = serde_json::from_value(json!({"metadata": {"name": name},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": "default"}]}))
+    .expect("binding");
+    Api::<ClusterRoleBinding>::all(api.admin.clone()).create(&PostParams::default(), &binding).await.expect("binding");
+    let request: TokenRequest = serde_json::from_value(json!({"spec": {"audiences": []}})).expect("token request");
+    let answer = accounts.create_token_request(&name, &PostParams::default(), &request).await.expect("token");
+    let token = answer.status.expect("status").token;
+    // RBAC's cache takes the binding in a moment: asked until it has.
+    let review: SubjectAccessReview = serde_json::from_value(json!({"spec": {
+        "user": format!("system:serviceaccount:default:{name}"),
+        "resourceAttributes": {"verb": "get", "resource": "nodes", "subresource": subresource, "name": api.node}}}))
+    .expect("review");
+    let reviews: Api<SubjectAccessReview> = Api::all(api.admin.clone());
+    let allowed = async {
+        loop {
+            let answer = reviews.create(&PostParams::default(), &review).await.expect("review");
+            if answer.status.is_some_and(|s| s.allowed) {
+                return;
+            }
+            tokio::task::yield_now().await;
+        }
+    };
+    tokio::time::timeout(SOON, allowed).await.expect("RBAC allows the account in time");
+    token
+}
+
 async fn kubectl(plane: &rustlet_testkit::control_plane::ControlPlane, args: &[&str]) -> String {
     let run = tokio::process::Command::from(plane.kubectl()).args(args).kill_on_drop(true).output();
     let output = tokio::time::timeout(SOON, run)
@@ -747,6 +789,16 @@ async fn the_kubelet_api_serves_kubectl_through_the_real_api_server() {
         body.contains(&format!("user=system:node:{}, verb=get, resource=nodes, subresource=proxy", other_node.name)),
         "{body}"
     );
+    // 1.33's fine-grained authorization: `nodes/healthz` opens /healthz,
+    // as `nodes/proxy` does; `nodes/configz` does not.
+    for (subresource, want) in [("healthz", 200), ("proxy", 200), ("configz", 403)] {
+        let token = token_with_node_subresource(&api, subresource).await;
+        let (code, body) = get(address, "/healthz", Credentials::Token(&token)).await.expect("request");
+        assert_eq!(code, want, "/healthz with nodes/{subresource}: {body}");
+        if want == 403 {
+            assert!(body.contains("subresource(s)=[healthz proxy]"), "{body}");
+        }
+    }
     let (code, body) = get(address, &logs, Credentials::Token(plane.admin_token())).await.expect("request");
     assert_eq!((code, body.as_str()), (200, "alpha\nbeta\ngamma\ndelta\n"), "the administrator's token");
     let (code, body) = get(address, "/stats/summary", admin_cert()).await.expect("request");

@@ -382,6 +382,43 @@ async fn claims_resolve_through_the_api_and_csi_driver_objects_apply(api: TestAp
     let inline = published.iter().find(|(id, _)| *id != "handle-1").map(|(_, c)| c).expect("the inline volume");
     assert_eq!(inline["csi.storage.k8s.io/ephemeral"], "true");
     assert_eq!(inline["size"], "1");
+
+    // A pod that runs to completion gives its volumes back while it stays
+    // in the API (a finished Job's pod), as upstream's SyncTerminatedPod:
+    // its inline CSI volume is unpublished and its emptyDir removed.
+    let job: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "job", "namespace": "default"},
+        "spec": {
+            "nodeName": api.node,
+            "automountServiceAccountToken": false,
+            "restartPolicy": "Never",
+            "containers": [{"name": "main", "image": "busybox", "command": ["true"]}],
+            "volumes": [
+                {"name": "scratch", "csi": {"driver": "eph.csi.example.com", "volumeAttributes": {"size": "2"}}},
+                {"name": "tmp", "emptyDir": {}},
+            ],
+        },
+    }))
+    .expect("pod");
+    let job = pods.create(&PostParams::default(), &job).await.expect("job");
+    let mut job_volume = None;
+    let unpublished = loop {
+        let report = tokio::time::timeout(SOON, calls.recv()).await.expect("calls in time").expect("driver alive");
+        let Report::VolumeCall { rpc, volume_id, volume_context, .. } = report else { continue };
+        match rpc.as_str() {
+            "NodePublishVolume" if volume_context.iter().any(|(k, v)| k == "size" && v == "2") => {
+                job_volume = Some(volume_id);
+            }
+            "NodeUnpublishVolume" if job_volume.as_ref() == Some(&volume_id) => break volume_id,
+            _ => {}
+        }
+    };
+    eprintln!("{unpublished} was unpublished once the pod finished");
+    let finished = api.wait_for(&pods, "job", "Succeeded", SOON, |p| pod_phase(p) == Some("Succeeded")).await;
+    assert!(finished.is_some(), "the finished pod stays in the API");
+    let uid = job.metadata.uid.expect("uid");
+    let empty_dir = root.path().join("pods").join(&uid).join("volumes/kubernetes.io~empty-dir/tmp");
+    assert!(!empty_dir.exists(), "the finished pod's emptyDir is gone: {}", empty_dir.display());
 }
 rustlet_testkit::on_both_api_servers!(
     claims_resolve_through_the_api_and_csi_driver_objects_apply_on,

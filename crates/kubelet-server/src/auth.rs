@@ -152,6 +152,23 @@ pub(crate) fn node_request(method: &Method, path: &str) -> NodeRequest {
     NodeRequest { verb, subresource }
 }
 
+/// The fine-grained subresource a path is checked against first (upstream
+/// 1.33's `KubeletFineGrainedAuthz`, on by default): `/pods` and
+/// `/runningpods/` are `pods`, `/healthz` `healthz`, `/configz` `configz`;
+/// where it is refused, the path's own subresource (`proxy`) decides.
+pub(crate) fn fine_grained(path: &str) -> Option<&'static str> {
+    let under = |prefix: &str| path == prefix || path.starts_with(&format!("{prefix}/"));
+    if under("/pods") || under("/runningpods") {
+        Some("pods")
+    } else if under("/healthz") {
+        Some("healthz")
+    } else if under("/configz") {
+        Some("configz")
+    } else {
+        None
+    }
+}
+
 /// An answer kept until it expires.
 struct Cached<T> {
     value: T,
@@ -455,7 +472,24 @@ pub(super) async fn check(State(auth): State<Auth>, request: Request, next: Next
         }
     };
     let attributes = node_request(request.method(), request.uri().path());
-    if let Err(refusal) = auth.authorize(&user, &attributes).await {
+    // 1.33's fine-grained authorization: `nodes/pods`, `nodes/healthz`,
+    // `nodes/configz` first, then what the path maps to (`nodes/proxy`).
+    let fine = fine_grained(request.uri().path()).map(|subresource| NodeRequest { subresource, ..attributes.clone() });
+    let decided = match fine {
+        Some(fine) => match auth.authorize(&user, &fine).await {
+            Ok(()) => Ok(()),
+            Err(Refusal::Forbidden(_)) => auth.authorize(&user, &attributes).await.map_err(|refusal| match refusal {
+                Refusal::Forbidden(_) => Refusal::Forbidden(format!(
+                    "Forbidden (user={}, verb={}, resource=nodes, subresource(s)=[{} {}])",
+                    user.name, attributes.verb, fine.subresource, attributes.subresource
+                )),
+                other => other,
+            }),
+            Err(other) => Err(other),
+        },
+        None => auth.authorize(&user, &attributes).await,
+    };
+    if let Err(refusal) = decided {
         tracing::debug!(user = %user.name, path = %request.uri().path(), ?refusal, "request not authorized");
         return refusal.into_response();
     }
@@ -489,6 +523,18 @@ mod tests {
         assert_eq!(node_request(&Method::PUT, "/x").verb, "update");
         assert_eq!(node_request(&Method::PATCH, "/x").verb, "patch");
         assert_eq!(node_request(&Method::DELETE, "/x").verb, "delete");
+    }
+
+    #[test]
+    fn pods_healthz_and_configz_have_their_own_subresources_first() {
+        assert_eq!(fine_grained("/pods"), Some("pods"));
+        assert_eq!(fine_grained("/runningpods/"), Some("pods"));
+        assert_eq!(fine_grained("/healthz"), Some("healthz"));
+        assert_eq!(fine_grained("/healthz/ping"), Some("healthz"));
+        assert_eq!(fine_grained("/configz"), Some("configz"));
+        assert_eq!(fine_grained("/podsx"), None);
+        assert_eq!(fine_grained("/containerLogs/a/b/c"), None);
+        assert_eq!(fine_grained("/stats/summary"), None);
     }
 
     #[test]

@@ -1,8 +1,8 @@
 //! Completed and Failed: the pod is done; it stays until removed, but what
 //! it held (its admission slot, cpu and memory, its devices, its resource
-//! claims) is free for
-//! other pods at once, as upstream's admission and device manager ignore
-//! terminal pods. AlreadyFinished: the API showed the pod finished when the
+//! claims, its volumes) is given back at once, as upstream's admission and
+//! device manager ignore terminal pods and its `SyncTerminatedPod`
+//! unmounts their volumes. AlreadyFinished: the API showed the pod finished when the
 //! node took it on (after a node restart): it is never run again.
 
 use k8s_openapi::api::core::v1::PodStatus;
@@ -42,28 +42,34 @@ async fn release_resources(ctx: &mut Context<PodLifecycle>) {
     }
 }
 
-/// An evicted pod's volumes are torn down at once, as upstream tears
-/// down a terminated pod's: what the pod wrote to its emptyDirs is what
-/// the node was short of. (Other finished pods keep their volumes until
-/// they are removed.) What cannot be torn down now is left for the
-/// removal, which retries.
+/// A finished pod's volumes are torn down at once, as upstream's
+/// `SyncTerminatedPod` unmounts a terminated pod's volumes while the pod
+/// object stays (a finished Job's pod): CSI volumes are unpublished (and
+/// unstaged with their last user), emptyDirs and tmpfs mounts go, and an
+/// evicted pod frees what it filled. What cannot be torn down now is left
+/// for the pod's removal, which retries until it is.
 async fn release_volumes(ctx: &mut Context<PodLifecycle>) {
     let lifecycle = std::sync::Arc::clone(&ctx.machine);
     let uid = ctx.data.id.uid.clone();
     let mut volumes = std::mem::take(&mut ctx.data.volumes);
+    if volumes.is_empty() {
+        return;
+    }
     let errors = lifecycle.volumes.teardown(&uid, &mut volumes).await;
-    if !errors.is_empty() {
+    if errors.is_empty() {
+        tracing::info!(pod.uid = %uid, "the finished pod's volumes were released");
+    } else {
         let reasons: Vec<String> = errors.iter().map(ToString::to_string).collect();
-        tracing::warn!(pod.uid = %uid, errors = %reasons.join("; "), "an evicted pod's volumes are not all torn down yet");
+        tracing::warn!(pod.uid = %uid, errors = %reasons.join("; "), "a finished pod's volumes are not all torn down yet; its removal retries");
     }
     ctx.data.volumes = volumes;
-    tracing::info!(pod.uid = %uid, "the evicted pod's volumes were released");
 }
 
 #[async_trait::async_trait]
 impl State<PodLifecycle> for Completed {
     async fn next(self: Box<Self>, ctx: &mut Context<PodLifecycle>) -> Transition<PodLifecycle> {
         release_resources(ctx).await;
+        release_volumes(ctx).await;
         std::future::pending().await
     }
 
@@ -76,9 +82,7 @@ impl State<PodLifecycle> for Completed {
 impl State<PodLifecycle> for Failed {
     async fn next(self: Box<Self>, ctx: &mut Context<PodLifecycle>) -> Transition<PodLifecycle> {
         release_resources(ctx).await;
-        if ctx.data.verdict.as_ref().and_then(|v| v.reason.as_deref()) == Some(crate::pod::data::EVICTED) {
-            release_volumes(ctx).await;
-        }
+        release_volumes(ctx).await;
         std::future::pending().await
     }
 
