@@ -23,6 +23,10 @@ use cli::{Cli, Command, LogFormat};
 
 fn main() -> ExitCode {
     let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if let Some(version) = kubelet_version_line(&args) {
+        println!("{version}");
+        return ExitCode::SUCCESS;
+    }
     let (mut cli, config_report) = match parse_command_line(&args) {
         Ok(parsed) => parsed,
         Err(exit) => return exit,
@@ -112,6 +116,28 @@ impl ConfigReport {
 
 /// The command line, with `--config`'s file under it: clap's own exit
 /// (usage errors: 2) or a configuration file that cannot be read (1).
+/// Installed as `kubelet` (a kubelet replacement), `kubelet --version`
+/// answers as the kubelet does, `Kubernetes v1.33.3+rustlet.<version>`:
+/// kubeadm's preflight parses that line and holds it to its skew policy.
+/// The release is the newest Rustlet conforms to, or the one of
+/// `RUSTLET_KUBERNETES_VERSION` (`1.28`, `v1.28.7`: the newest conformed
+/// release not newer than it) for an older control plane.
+fn kubelet_version_line(args: &[std::ffi::OsString]) -> Option<String> {
+    let invoked = args.first().map(std::path::Path::new).and_then(|p| p.file_name())?;
+    if invoked != "kubelet" || args.len() != 2 || args[1] != "--version" {
+        return None;
+    }
+    let version = match std::env::var("RUSTLET_KUBERNETES_VERSION") {
+        Ok(wanted) => {
+            let mut parts = wanted.trim().trim_start_matches('v').split('.');
+            let (major, minor) = (parts.next().unwrap_or_default(), parts.next().unwrap_or_default());
+            kubelet::cluster::kubelet_version_for(major, minor)
+        }
+        Err(_) => kubelet::VERSION.to_owned(),
+    };
+    Some(format!("Kubernetes {version}"))
+}
+
 fn parse_command_line(args: &[std::ffi::OsString]) -> Result<(Cli, Option<ConfigReport>), ExitCode> {
     use clap::{CommandFactory as _, FromArgMatches as _, parser::ValueSource};
     let matches = Cli::command().try_get_matches_from(args).unwrap_or_else(|e| e.exit());

@@ -1087,3 +1087,39 @@ async fn a_pod_growing_without_end_is_oomkilled_alone_in_a_node_in_a_2_gib_cgrou
     node.child.kill().await.expect("kill");
     let _ = node.child.wait().await;
 }
+
+/// Installed as `kubelet`, the binary answers `kubelet --version` as the
+/// kubelet does, in the form kubeadm's preflight parses (`^\s*Kubernetes
+/// v<major>.<minor>.<patch>[-\w.+]*\s*$`): the newest conformed release, or
+/// the one `RUSTLET_KUBERNETES_VERSION` names for an older control plane.
+/// Under its own name, `--version` is Rustlet's.
+#[test]
+fn installed_as_kubelet_it_answers_kubeadms_version_check() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let kubelet = dir.path().join("kubelet");
+    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_rustlet"), &kubelet).expect("symlink");
+    let version = |env: Option<&str>| {
+        let mut command = std::process::Command::new(&kubelet);
+        command.arg("--version");
+        match env {
+            Some(value) => command.env("RUSTLET_KUBERNETES_VERSION", value),
+            None => command.env_remove("RUSTLET_KUBERNETES_VERSION"),
+        };
+        let output = command.output().expect("run kubelet --version");
+        assert!(output.status.success(), "{output:?}");
+        String::from_utf8(output.stdout).expect("utf8").trim().to_owned()
+    };
+    let pkg = env!("CARGO_PKG_VERSION");
+    assert_eq!(version(None), format!("Kubernetes v1.33.3+rustlet.{pkg}"));
+    assert_eq!(version(Some("1.28")), format!("Kubernetes v1.28.7+rustlet.{pkg}"));
+    assert_eq!(version(Some("v1.31.2")), format!("Kubernetes v1.28.7+rustlet.{pkg}"), "newest not newer than 1.31");
+    // kubeadm's pattern, checked by hand: the version is semver with build
+    // metadata of word characters, dots and pluses.
+    let line = version(None);
+    let semver = line.strip_prefix("Kubernetes v").expect("the prefix");
+    let (core, rest) = semver.split_once('+').expect("build metadata");
+    assert_eq!(core.split('.').filter(|p| p.parse::<u32>().is_ok()).count(), 3, "{core}");
+    assert!(rest.chars().all(|c| c.is_alphanumeric() || matches!(c, '_' | '.' | '+' | '-')), "{rest}");
+    let own = std::process::Command::new(env!("CARGO_BIN_EXE_rustlet")).arg("--version").output().expect("run");
+    assert!(String::from_utf8_lossy(&own.stdout).starts_with("rustlet v1.33.3+rustlet."), "{own:?}");
+}
