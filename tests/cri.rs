@@ -1842,6 +1842,34 @@ async fn a_resize_reaches_the_running_containers_cgroup_on_containerd() {
         assert_eq!(pod_value("cpu", "cpu.cfs_quota_us"), "40000");
         assert_eq!(pod_value("memory", "memory.limit_in_bytes"), (128_u64 << 20).to_string());
     }
+
+    // A memory limit below what the pod uses now (40 MiB in its /dev/shm,
+    // which the kernel cannot reclaim) is not set, as upstream: the resize
+    // stays in progress with upstream's error, the limits are unchanged.
+    let fill = ["sh".to_owned(), "-c".to_owned(), "dd if=/dev/zero of=/dev/shm/fill bs=1M count=40 2>&1".to_owned()];
+    let filled = node.provider.exec_sync(&bare, &fill, Duration::from_secs(30)).await.expect("fill /dev/shm");
+    assert_eq!(filled.exit_code, 0, "{}", String::from_utf8_lossy(&filled.stdout));
+    node.run(
+        "resize",
+        "exec sleep 600",
+        serde_json::json!({"restartPolicy": "Always", "terminationGracePeriodSeconds": 1}),
+        sized(("300m", "16Mi"), ("400m", "32Mi")),
+    );
+    let refused = node
+        .wait(&uid, "the resize in progress with its error", |pod| {
+            let conditions = pod.status.as_ref().and_then(|s| s.conditions.clone()).unwrap_or_default();
+            conditions.iter().any(|c| c.type_ == "PodResizeInProgress" && c.reason.as_deref() == Some("Error"))
+        })
+        .await;
+    let conditions = refused.status.and_then(|s| s.conditions).unwrap_or_default();
+    let message = conditions.iter().find(|c| c.type_ == "PodResizeInProgress").and_then(|c| c.message.clone());
+    assert_eq!(
+        message.as_deref(),
+        Some("aborting attempt to set pod memory limit less than current memory usage for pod resize")
+    );
+    for (path, want) in expect(307, 40_000, 128 << 20) {
+        assert_eq!(cat(path).await, want, "{path} after the refused resize");
+    }
     node.pods.delete(&uid);
     let gone = node.pods.store().wait_for(SOON, |pods| pods.is_empty()).await;
     assert!(gone.is_some(), "the pod was removed");

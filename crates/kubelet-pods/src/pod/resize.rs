@@ -338,6 +338,21 @@ pub(crate) async fn actuate(ctx: &mut Context<PodLifecycle>) {
         return;
     }
     let uid = ctx.data.id.uid.clone();
+    // As upstream: a pod memory limit at or below what the pod uses now is
+    // not set (the kernel would reclaim or kill); the resize stays in
+    // progress with that error and is tried again.
+    let totals = kubelet_provider::cgroups::pod_totals(&ctx.data.pod);
+    if totals.memory_limited && totals.memory_limit > 0 {
+        let usage = provider.pod_stats(&ctx.data.pod).await.ok().and_then(|s| s.memory_usage_bytes);
+        if let Some(usage) = usage.filter(|u| u128::from(*u) >= totals.memory_limit) {
+            let name = ctx.data.pod.metadata.name.clone().unwrap_or_default();
+            let error =
+                format!("aborting attempt to set pod memory limit less than current memory usage for pod {name}");
+            tracing::warn!(pod.uid = %uid, usage, limit = %totals.memory_limit, "resize: {error}");
+            report_error(ctx, error);
+            return;
+        }
+    }
     let mut covering = (*ctx.data.pod).clone();
     for container in resizable_mut(&mut covering) {
         if let Some(record) = ctx.data.containers.get(&container.name)
@@ -378,17 +393,29 @@ pub(crate) async fn actuate(ctx: &mut Context<PodLifecycle>) {
     if let Err(error) = provider.update_pod_resources(&ctx.data.pod).await {
         errors.push(format!("pod: {error}"));
     }
-    ctx.data.resize.error = (!errors.is_empty()).then(|| errors.join("; "));
-    if let Some(error) = &ctx.data.resize.error {
-        tracing::warn!(pod.uid = %uid, %error, "resize could not be actuated");
-        ctx.data.recorder.pod(
-            &ctx.data.pod,
-            None,
-            crate::events::EventType::Warning,
-            "ResizeError",
-            format!("Pod resize failed: {error}"),
-        );
+    if errors.is_empty() {
+        ctx.data.resize.error = None;
+    } else {
+        report_error(ctx, errors.join("; "));
     }
+}
+
+/// How long after a failed actuation it is tried again (upstream retries
+/// at its pod's next sync).
+pub(crate) const RETRY_AFTER_ERROR: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Records a failed actuation: the condition's `Error` and a `ResizeError`
+/// event.
+fn report_error(ctx: &mut Context<PodLifecycle>, error: String) {
+    tracing::warn!(pod.uid = %ctx.data.id.uid, %error, "resize could not be actuated");
+    ctx.data.recorder.pod(
+        &ctx.data.pod,
+        None,
+        crate::events::EventType::Warning,
+        "ResizeError",
+        format!("Pod resize failed: {error}"),
+    );
+    ctx.data.resize.error = Some(error);
 }
 
 #[cfg(test)]

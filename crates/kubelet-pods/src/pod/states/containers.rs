@@ -324,7 +324,17 @@ impl State<PodLifecycle> for Running {
             resize(ctx).await;
         }
         loop {
-            let Some(event) = ctx.data.events.recv().await else { return std::future::pending().await };
+            // A resize that failed is tried again a while later (its error
+            // stays in the condition meanwhile).
+            let retry = ctx.data.resize.error.is_some();
+            let event = tokio::select! {
+                event = ctx.data.events.recv() => event,
+                () = tokio::time::sleep(crate::pod::resize::RETRY_AFTER_ERROR), if retry => {
+                    resize(ctx).await;
+                    continue;
+                }
+            };
+            let Some(event) = event else { return std::future::pending().await };
             let name = match happened(ctx, event, Stage::Running) {
                 None => continue,
                 Some(Happened::StartDue) => return Transition::next(&*self, Starting),
