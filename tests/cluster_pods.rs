@@ -889,6 +889,12 @@ async fn a_resize_is_actuated_or_held_back_with_its_reason(api: TestApi) {
             "nodeName": name,
             "automountServiceAccountToken": false,
             "terminationGracePeriodSeconds": 1,
+            "initContainers": [
+                {"name": "side", "image": "busybox", "command": ["sleep", "600"], "restartPolicy": "Always",
+                 "resources": sized(("50m", "16Mi"), ("100m", "32Mi")),
+                 "resizePolicy": [{"resourceName": "cpu", "restartPolicy": "NotRequired"},
+                                  {"resourceName": "memory", "restartPolicy": "NotRequired"}]},
+            ],
             "containers": [
                 {"name": "c1", "image": "busybox", "command": ["sleep", "600"],
                  "resources": sized(("100m", "64Mi"), ("200m", "128Mi")),
@@ -949,11 +955,27 @@ async fn a_resize_is_actuated_or_held_back_with_its_reason(api: TestApi) {
     )
     .await
     .expect("resize");
+    // The sidecar (a restartable init container) more cpu, in place too.
+    {
+        use kube::api::{Patch, PatchParams};
+        let patch = json!({"spec": {"initContainers": [{"name": "side", "resources": sized(("100m", "16Mi"), ("150m", "32Mi"))}]}});
+        node.admin
+            .patch_subresource("resize", "resizable", &PatchParams::default(), &Patch::Strategic(patch))
+            .await
+            .expect("resize the sidecar");
+    }
     let done = wait(
         "resized",
-        Box::new(|p| resized(p) && p["status"]["containerStatuses"][0]["resources"]["limits"]["cpu"] == "400m"),
+        Box::new(|p| {
+            resized(p)
+                && p["status"]["containerStatuses"][0]["resources"]["limits"]["cpu"] == "400m"
+                && p["status"]["initContainerStatuses"][0]["resources"]["limits"]["cpu"] == "150m"
+        }),
     )
     .await;
+    let side = &done["status"]["initContainerStatuses"][0];
+    assert_eq!(side["restartCount"], 0, "the sidecar was resized in place: {done}");
+    assert_eq!(side["resources"]["requests"]["cpu"], "100m", "{done}");
     let statuses = &done["status"]["containerStatuses"];
     assert_eq!(statuses[0]["restartCount"], 0, "c1 was resized in place: {done}");
     assert_eq!(statuses[1]["restartCount"], 1, "c2 was restarted for its memory: {done}");
@@ -973,7 +995,7 @@ async fn a_resize_is_actuated_or_held_back_with_its_reason(api: TestApi) {
     let infeasible = wait("infeasible", Box::new(|p| condition(p, "PodResizePending")["reason"] == "Infeasible")).await;
     assert_eq!(
         condition(&infeasible, "PodResizePending")["message"],
-        "Node didn't have enough capacity: cpu, requested: 5100, capacity: 2000"
+        "Node didn't have enough capacity: cpu, requested: 5200, capacity: 2000"
     );
     assert_eq!(infeasible["status"]["containerStatuses"][0]["resources"]["requests"]["cpu"], "300m");
 
@@ -989,7 +1011,7 @@ async fn a_resize_is_actuated_or_held_back_with_its_reason(api: TestApi) {
     let deferred = wait("deferred", Box::new(|p| condition(p, "PodResizePending")["reason"] == "Deferred")).await;
     assert_eq!(
         condition(&deferred, "PodResizePending")["message"],
-        "Node didn't have enough resource: cpu, requested: 600, used: 1500, capacity: 2000"
+        "Node didn't have enough resource: cpu, requested: 700, used: 1500, capacity: 2000"
     );
     node.admin.delete("hog", &DeleteParams::default()).await.expect("delete hog");
     let taken = wait(
