@@ -748,9 +748,12 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
     Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// Writes `vol_data.json` durably (a temporary file synced, then renamed,
+/// the directory synced): a node restarted after a crash rebuilds the
+/// volume from it, so it is never half written.
 fn write_json(path: &Path, value: &CsiMount) -> std::io::Result<()> {
     let bytes = serde_json::to_vec(value).map_err(std::io::Error::other)?;
-    std::fs::write(path, bytes)
+    kubelet_provider::durable::write(path, &bytes, 0o644)
 }
 
 /// Removes `<name>/` (vol_data.json and the unpublished mount dir); refuses

@@ -438,8 +438,7 @@ fn configz(config: &NodeConfig, api: &crate::server::KubeletApiConfig, address: 
 /// Writes the endpoint's address where `rustlet get`/`logs` look for it.
 fn write_endpoint_file(root_dir: &Path, address: SocketAddr) {
     let path = root_dir.join(ENDPOINT_FILE);
-    let temp = root_dir.join(format!(".{ENDPOINT_FILE}.tmp"));
-    let written = std::fs::write(&temp, format!("http://{address}\n")).and_then(|()| std::fs::rename(&temp, &path));
+    let written = crate::provider::durable::write(&path, format!("http://{address}\n").as_bytes(), 0o644);
     if let Err(error) = written {
         tracing::warn!(%error, path = %path.display(), "cannot write the endpoint file; `rustlet get` will not find this node");
     }
