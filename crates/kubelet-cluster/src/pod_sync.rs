@@ -585,6 +585,20 @@ async fn send_statuses(
     }
 }
 
+/// The status patch that brings the API's view of `known` to `local`'s
+/// status, if they differ.
+fn status_write(local: Pod, known: &Known) -> Option<Write> {
+    let view = known.api.as_ref()?;
+    let gates: Vec<String> = local
+        .spec
+        .as_ref()
+        .and_then(|s| s.readiness_gates.as_ref())
+        .map(|gates| gates.iter().map(|g| g.condition_type.clone()).collect())
+        .unwrap_or_default();
+    let desired = status_patch::desired(local.status.unwrap_or_default(), view.status.as_ref(), &gates);
+    status_patch::patch(&view.uid, view.status.as_ref(), &desired).map(Write::Status)
+}
+
 async fn writer_poked(poke: &Notify) {
     poke.notified().await;
 }
@@ -748,28 +762,14 @@ impl Writer {
             if known.mirror.is_none()
                 && !known.last_written
                 && let Some(last) = self.pods.store().last_of(uid)
-                && let Some(Write::Status(patch)) = self.status_write(last, known)
+                && let Some(Write::Status(patch)) = status_write(last, known)
             {
                 return Some(Write::LastStatus(patch));
             }
             let finish = known.deleting && known.mirror.is_none() && self.pods.released(uid);
             return finish.then_some(Write::Finish);
         };
-        self.status_write(local, known)
-    }
-
-    /// The status patch that brings the API's view of `known` to `local`'s
-    /// status, if they differ.
-    fn status_write(&self, local: Pod, known: &Known) -> Option<Write> {
-        let view = known.api.as_ref()?;
-        let gates: Vec<String> = local
-            .spec
-            .as_ref()
-            .and_then(|s| s.readiness_gates.as_ref())
-            .map(|gates| gates.iter().map(|g| g.condition_type.clone()).collect())
-            .unwrap_or_default();
-        let desired = status_patch::desired(local.status.unwrap_or_default(), view.status.as_ref(), &gates);
-        status_patch::patch(&view.uid, view.status.as_ref(), &desired).map(Write::Status)
+        status_write(local, known)
     }
 
     async fn write(&self, uid: &str, known: &Known, write: Write) -> Result<Option<Pod>, WriteError> {

@@ -419,6 +419,30 @@ impl Auth {
         }
     }
 
+    /// 1.33's fine-grained authorization: `request` as its fine-grained
+    /// subresource first (`nodes/pods`, `nodes/healthz`, `nodes/configz`),
+    /// where the path has one, then as what the path maps to
+    /// (`nodes/proxy`); a denial names both.
+    async fn authorize_path(
+        &self,
+        user: &User,
+        request: &NodeRequest,
+        fine: Option<&'static str>,
+    ) -> Result<(), Refusal> {
+        let Some(fine) = fine else { return self.authorize(user, request).await };
+        match self.authorize(user, &NodeRequest { subresource: fine, ..request.clone() }).await {
+            Err(Refusal::Forbidden(_)) => {}
+            decided => return decided,
+        }
+        match self.authorize(user, request).await {
+            Err(Refusal::Forbidden(_)) => Err(Refusal::Forbidden(format!(
+                "Forbidden (user={}, verb={}, resource=nodes, subresource(s)=[{fine} {}])",
+                user.name, request.verb, request.subresource
+            ))),
+            decided => decided,
+        }
+    }
+
     async fn review_access(&self, user: &User, request: &NodeRequest) -> Result<Decision, Refusal> {
         let review = SubjectAccessReview {
             spec: SubjectAccessReviewSpec {
@@ -472,23 +496,7 @@ pub(super) async fn check(State(auth): State<Auth>, request: Request, next: Next
         }
     };
     let attributes = node_request(request.method(), request.uri().path());
-    // 1.33's fine-grained authorization: `nodes/pods`, `nodes/healthz`,
-    // `nodes/configz` first, then what the path maps to (`nodes/proxy`).
-    let fine = fine_grained(request.uri().path()).map(|subresource| NodeRequest { subresource, ..attributes.clone() });
-    let decided = match fine {
-        Some(fine) => match auth.authorize(&user, &fine).await {
-            Ok(()) => Ok(()),
-            Err(Refusal::Forbidden(_)) => auth.authorize(&user, &attributes).await.map_err(|refusal| match refusal {
-                Refusal::Forbidden(_) => Refusal::Forbidden(format!(
-                    "Forbidden (user={}, verb={}, resource=nodes, subresource(s)=[{} {}])",
-                    user.name, attributes.verb, fine.subresource, attributes.subresource
-                )),
-                other => other,
-            }),
-            Err(other) => Err(other),
-        },
-        None => auth.authorize(&user, &attributes).await,
-    };
+    let decided = auth.authorize_path(&user, &attributes, fine_grained(request.uri().path())).await;
     if let Err(refusal) = decided {
         tracing::debug!(user = %user.name, path = %request.uri().path(), ?refusal, "request not authorized");
         return refusal.into_response();

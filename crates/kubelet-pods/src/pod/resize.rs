@@ -348,7 +348,7 @@ pub(crate) async fn actuate(ctx: &mut Context<PodLifecycle>) {
             let name = ctx.data.pod.metadata.name.clone().unwrap_or_default();
             let error =
                 format!("aborting attempt to set pod memory limit less than current memory usage for pod {name}");
-            tracing::warn!(pod.uid = %uid, usage, limit = %totals.memory_limit, "resize: {error}");
+            tracing::debug!(pod.uid = %uid, usage, limit = %totals.memory_limit, "resize: the pod uses more than its new limit");
             report_error(ctx, error);
             return;
         }

@@ -323,13 +323,20 @@ impl State<PodLifecycle> for Running {
         if ctx.data.resize_due || crate::pod::resize::in_progress(&ctx.data) {
             resize(ctx).await;
         }
+        // A resize that failed is tried again a while after the failure
+        // (its error stays in the condition meanwhile); other events do
+        // not put the retry off.
+        let mut retry_at: Option<tokio::time::Instant> = None;
         loop {
-            // A resize that failed is tried again a while later (its error
-            // stays in the condition meanwhile).
-            let retry = ctx.data.resize.error.is_some();
+            retry_at = match (&ctx.data.resize.error, retry_at) {
+                (None, _) => None,
+                (Some(_), Some(at)) => Some(at),
+                (Some(_), None) => Some(tokio::time::Instant::now() + crate::pod::resize::RETRY_AFTER_ERROR),
+            };
             let event = tokio::select! {
                 event = ctx.data.events.recv() => event,
-                () = tokio::time::sleep(crate::pod::resize::RETRY_AFTER_ERROR), if retry => {
+                () = tokio::time::sleep_until(retry_at.unwrap_or_else(tokio::time::Instant::now)), if retry_at.is_some() => {
+                    retry_at = None;
                     resize(ctx).await;
                     continue;
                 }
