@@ -2,7 +2,9 @@
 //!
 //! - `test [ARGS]`: the whole test suite, `cargo test --workspace
 //!   --no-fail-fast [ARGS]`, ended by the skips counted by reason and one
-//!   closing line: `suite: N passed, N failed, N skipped`.
+//!   closing line: `suite: N passed, N failed, N skipped`. It builds first
+//!   (`--no-run`) and says how much disk was free before and after, so that
+//!   a build that died of a full disk says so.
 //!
 //! A test that cannot have what it needs here (root, containerd, a real
 //! kube-apiserver, ...) skips through the test kit's skip policy, which
@@ -84,6 +86,7 @@ impl Skip {
 
 fn test(args: Vec<String>) -> ExitCode {
     let workspace = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let workspace = workspace.canonicalize().unwrap_or(workspace);
     let target = std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| workspace.join("target"), PathBuf::from);
     if let Err(error) = std::fs::create_dir_all(&target) {
         eprintln!("error: cannot make {}: {error}", target.display());
@@ -94,28 +97,32 @@ fn test(args: Vec<String>) -> ExitCode {
         eprintln!("error: cannot start the skip log {}: {error}", skip_log.display());
         return ExitCode::FAILURE;
     }
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let mut command = Command::new(cargo);
-    // What `cargo run` told this program of itself is not the suite's:
-    // build scripts that watch `CARGO_MANIFEST_DIR` (ring's) would rebuild,
-    // and all above them, at every switch between this and `cargo test`.
-    for (name, _) in std::env::vars_os() {
-        let name = name.to_string_lossy();
-        if name.starts_with("CARGO_PKG_")
-            || [
-                "CARGO_MANIFEST_DIR",
-                "CARGO_MANIFEST_PATH",
-                "CARGO_CRATE_NAME",
-                "CARGO_BIN_NAME",
-                "CARGO_PRIMARY_PACKAGE",
-            ]
-            .contains(&name.as_ref())
-        {
-            command.env_remove(name.as_ref());
+    let free_before = disk_free(&target);
+    println!("disk: {} free where the build goes ({})", show_bytes(free_before), target.display());
+    let mut build = cargo_command(&workspace);
+    let built = build.args(["test", "--workspace", "--no-run"]).args(&args).status();
+    let free_after = disk_free(&target);
+    match built {
+        Ok(status) if status.success() => println!("disk: {} free after the build", show_bytes(free_after)),
+        Ok(status) => {
+            println!("cargo test --no-run failed ({status}): the build failed (above)");
+            if free_after.is_some_and(|free| free < LOW_DISK) {
+                println!(
+                    "disk: only {} free: a linker killed by a bus error (signal 7) or a write that failed \
+                     with ENOSPC is what a full disk looks like; the build needs about 4 GiB",
+                    show_bytes(free_after)
+                );
+            }
+            report(&Results::default(), 1, &[]);
+            return ExitCode::FAILURE;
+        }
+        Err(error) => {
+            eprintln!("error: cannot run cargo test: {error}");
+            return ExitCode::FAILURE;
         }
     }
+    let mut command = cargo_command(&workspace);
     let child = command
-        .current_dir(&workspace)
         .args(["test", "--workspace", "--no-fail-fast"])
         .args(&args)
         .env("RUSTLET_SKIP_LOG", &skip_log)
@@ -155,6 +162,55 @@ fn test(args: Vec<String>) -> ExitCode {
     }
     report(&results, failed, &skips);
     if status.success() { ExitCode::SUCCESS } else { ExitCode::FAILURE }
+}
+
+/// Below this much free disk, a failed build is most likely the disk's.
+const LOW_DISK: u64 = 1 << 30;
+
+/// `cargo`, run in the workspace, without what `cargo run` told this
+/// program of itself: that is not the suite's, and build scripts that watch
+/// `CARGO_MANIFEST_DIR` (ring's) would rebuild, and all above them, at
+/// every switch between this and `cargo test`.
+fn cargo_command(workspace: &std::path::Path) -> Command {
+    let mut command = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    command.current_dir(workspace);
+    for (name, _) in std::env::vars_os() {
+        let name = name.to_string_lossy();
+        if name.starts_with("CARGO_PKG_")
+            || [
+                "CARGO_MANIFEST_DIR",
+                "CARGO_MANIFEST_PATH",
+                "CARGO_CRATE_NAME",
+                "CARGO_BIN_NAME",
+                "CARGO_PRIMARY_PACKAGE",
+            ]
+            .contains(&name.as_ref())
+        {
+            command.env_remove(name.as_ref());
+        }
+    }
+    command
+}
+
+/// Bytes free to an unprivileged writer on the file system holding `path`,
+/// as `df` tells it; `None` when `df` cannot say.
+fn disk_free(path: &std::path::Path) -> Option<u64> {
+    let output = Command::new("df").args(["-P", "-k"]).arg(path).stderr(Stdio::null()).output().ok()?;
+    parse_df(&String::from_utf8_lossy(&output.stdout))
+}
+
+/// The "Available" column (KiB) of `df -P -k`'s one data line, in bytes.
+fn parse_df(text: &str) -> Option<u64> {
+    let line = text.lines().nth(1)?;
+    let available: u64 = line.split_whitespace().nth(3)?.parse().ok()?;
+    Some(available * 1024)
+}
+
+fn show_bytes(bytes: Option<u64>) -> String {
+    match bytes {
+        Some(bytes) => format!("{:.1} GiB", bytes as f64 / f64::from(1u32 << 30)),
+        None => "(df could not say how much)".to_owned(),
+    }
 }
 
 /// Prints each skip, the skips counted by reason, and the closing line.
@@ -202,6 +258,15 @@ mod tests {
         results.read("test result: FAILED. 3 passed; 2 failed; 0 ignored; 0 measured; 0 filtered out; finished in 1s");
         results.read("running 5 tests");
         assert_eq!((results.passed, results.failed, results.ignored, results.binaries), (15, 2, 1, 2));
+    }
+
+    #[test]
+    fn the_free_space_is_read_from_df() {
+        let text = "Filesystem     1024-blocks      Used Available Capacity Mounted on\n\
+                    /dev/vda        263174212  12582912  83886080      13% /\n";
+        assert_eq!(parse_df(text), Some(83_886_080 * 1024));
+        assert_eq!(parse_df("Filesystem 1024-blocks Used Available Capacity Mounted on\n"), None);
+        assert_eq!(show_bytes(Some(3 << 29)), "1.5 GiB");
     }
 
     #[test]
