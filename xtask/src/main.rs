@@ -12,6 +12,9 @@
 //! sets that variable, reads the records back when the suite is done, and
 //! counts a skipped test as skipped, not passed (the harness saw it pass).
 
+#[cfg(test)]
+mod source_rules;
+
 use std::collections::BTreeMap;
 use std::io::{BufRead as _, BufReader, Write as _};
 use std::path::PathBuf;

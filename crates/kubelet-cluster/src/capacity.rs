@@ -37,6 +37,22 @@ fn mem_total() -> Option<u128> {
     Some(kib * 1024)
 }
 
+/// Why a reservation (`--system-reserved`, `--kube-reserved`) was refused.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ReservedError {
+    /// The value is not a Kubernetes quantity.
+    #[error("{name}={value}: not a quantity")]
+    NotAQuantity {
+        /// The resource.
+        name: String,
+        /// What was given for it.
+        value: String,
+    },
+    /// Only cpu, memory, ephemeral-storage and pid may be reserved.
+    #[error("cannot reserve {0:?} resource")]
+    NotReservable(String),
+}
+
 /// What one party holds back from pods (`--system-reserved`,
 /// `--kube-reserved`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -55,10 +71,10 @@ impl Reserved {
     /// Parses `cpu=200m,memory=500Mi,ephemeral-storage=1Gi,pid=1000` (or a
     /// configuration file's map of the same): only those four may be
     /// reserved, as upstream says.
-    pub fn parse(map: &BTreeMap<String, String>) -> Result<Reserved, String> {
+    pub fn parse(map: &BTreeMap<String, String>) -> Result<Reserved, ReservedError> {
         let mut reserved = Reserved::default();
         for (name, value) in map {
-            let bad = || format!("{name}={value}: not a quantity");
+            let bad = || ReservedError::NotAQuantity { name: name.clone(), value: value.clone() };
             match name.as_str() {
                 "cpu" => reserved.cpu_milli = crate::provider::quantity::parse_milli(value).map_err(|_| bad())?,
                 "memory" => reserved.memory = crate::provider::quantity::parse_units(value).map_err(|_| bad())?,
@@ -66,7 +82,7 @@ impl Reserved {
                     reserved.ephemeral_storage = crate::provider::quantity::parse_units(value).map_err(|_| bad())?
                 }
                 "pid" => reserved.pids = crate::provider::quantity::parse_units(value).map_err(|_| bad())?,
-                other => return Err(format!("cannot reserve {other:?} resource")),
+                other => return Err(ReservedError::NotReservable(other.to_owned())),
             }
         }
         Ok(reserved)
@@ -412,11 +428,13 @@ mod tests {
         let map = |pairs: &[(&str, &str)]| pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
         let system = Reserved::parse(&map(&[("cpu", "200m"), ("memory", "500Mi"), ("pid", "1000")])).expect("ok");
         assert_eq!((system.cpu_milli, system.memory, system.pids), (200, 500 << 20, 1000));
+        let refused = Reserved::parse(&map(&[("nvidia.com/gpu", "1")])).expect_err("not reservable");
+        assert_eq!(refused, ReservedError::NotReservable("nvidia.com/gpu".into()));
+        assert_eq!(refused.to_string(), "cannot reserve \"nvidia.com/gpu\" resource");
         assert_eq!(
-            Reserved::parse(&map(&[("nvidia.com/gpu", "1")])),
-            Err("cannot reserve \"nvidia.com/gpu\" resource".into())
+            Reserved::parse(&map(&[("memory", "lots")])).map_err(|e| e.to_string()),
+            Err("memory=lots: not a quantity".into())
         );
-        assert!(Reserved::parse(&map(&[("memory", "lots")])).is_err());
         let reservation = Reservation {
             system,
             eviction_memory: Some(crate::eviction::ThresholdValue::Quantity(100 << 20)),

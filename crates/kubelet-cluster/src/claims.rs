@@ -32,7 +32,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::describe;
-use crate::dra::{ClaimRef, ClaimSource, DraDrivers, ResolvedClaim, claim_name};
+use crate::dra::{ClaimError, ClaimRef, ClaimSource, DraDrivers, ResolvedClaim, claim_name};
 
 /// Upstream's delay between a driver's last instance going away and the
 /// deletion of its ResourceSlices.
@@ -108,26 +108,28 @@ impl ServedVersion {
         version: ResourceVersion,
         namespace: &str,
         name: &str,
-    ) -> Result<ResourceClaim, String> {
+    ) -> Result<ResourceClaim, ClaimError> {
         let resource = api_resource(version, "ResourceClaim", "resourceclaims");
         let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), namespace, &resource);
         let object = api.get(name).await.map_err(|error| {
             if matches!(&error, kube::Error::Api(status) if status.code == 404) {
                 self.forget();
             }
-            format!("fetch ResourceClaim {name} ({version}): {}", describe(&error))
+            ClaimError::Api { request: format!("fetch ResourceClaim {name} ({version})"), reason: describe(&error) }
         })?;
         claim_in_hub(object, version, name)
     }
 }
 
 /// A ResourceClaim read at `version`, in `v1`'s model.
-fn claim_in_hub(object: DynamicObject, version: ResourceVersion, name: &str) -> Result<ResourceClaim, String> {
-    let mut value = serde_json::to_value(object).map_err(|e| format!("ResourceClaim {name}: {e}"))?;
+fn claim_in_hub(object: DynamicObject, version: ResourceVersion, name: &str) -> Result<ResourceClaim, ClaimError> {
+    let mut value =
+        serde_json::to_value(object).map_err(|e| ClaimError::Unusable(format!("ResourceClaim {name}: {e}")))?;
     value["apiVersion"] = version.api_version().into();
     value["kind"] = "ResourceClaim".into();
     resource_api::to_hub(&mut value);
-    serde_json::from_value(value).map_err(|e| format!("ResourceClaim {name} ({version}) is malformed: {e}"))
+    serde_json::from_value(value)
+        .map_err(|e| ClaimError::Unusable(format!("ResourceClaim {name} ({version}) is malformed: {e}")))
 }
 
 /// Resolves claims with the client `client` holds once it holds one.
@@ -145,8 +147,8 @@ impl ApiClaims {
 
 #[async_trait::async_trait]
 impl ClaimSource for ApiClaims {
-    async fn resolve(&self, pod: &Pod) -> Result<Vec<ResolvedClaim>, String> {
-        let client = self.client.borrow().clone().ok_or_else(|| "not connected to the API server yet".to_owned())?;
+    async fn resolve(&self, pod: &Pod) -> Result<Vec<ResolvedClaim>, ClaimError> {
+        let client = self.client.borrow().clone().ok_or(ClaimError::NotConnected)?;
         let namespace = pod.metadata.namespace.clone().unwrap_or_else(|| "default".into());
         let pod_name = pod.metadata.name.clone().unwrap_or_default();
         let pod_uid = pod.metadata.uid.clone().unwrap_or_default();
@@ -159,16 +161,21 @@ impl ClaimSource for ApiClaims {
             .served
             .get(&client)
             .await
-            .map_err(|e| format!("API discovery of resource.k8s.io failed: {}", describe(&e)))?
+            .map_err(|e| ClaimError::Api {
+                request: "API discovery of resource.k8s.io failed".to_owned(),
+                reason: describe(&e),
+            })?
             .ok_or_else(|| {
                 // Asked again next time: the server may be reconfigured.
                 self.served.forget();
-                "the API server serves no version of resource.k8s.io this node knows (v1, v1beta2, v1beta1): \
-                 resource claims cannot be read"
-                    .to_owned()
+                ClaimError::Unusable(
+                    "the API server serves no version of resource.k8s.io this node knows (v1, v1beta2, v1beta1): \
+                     resource claims cannot be read"
+                        .to_owned(),
+                )
             })?;
         for pod_claim in &pod_claims {
-            let Some(name) = claim_name(pod, &pod_claim.name).map_err(|e| e.to_string())? else { continue };
+            let Some(name) = claim_name(pod, &pod_claim.name)? else { continue };
             let claim = self.served.get_claim(&client, version, &namespace, &name).await?;
             let claim_uid = claim.metadata.uid.clone().unwrap_or_default();
             if pod_claim.resource_claim_template_name.is_some() {
@@ -179,22 +186,22 @@ impl ClaimSource for ApiClaims {
                     .flatten()
                     .any(|o| o.controller == Some(true) && o.uid == pod_uid);
                 if !owned {
-                    return Err(format!(
+                    return Err(ClaimError::Unusable(format!(
                         "ResourceClaim {namespace}/{name} was not created for pod {namespace}/{pod_name} (pod is not owner)"
-                    ));
+                    )));
                 }
             }
             let status = claim.status.as_ref();
             let reserved =
                 status.and_then(|s| s.reserved_for.as_ref()).is_some_and(|r| r.iter().any(|c| c.uid == pod_uid));
             if !reserved {
-                return Err(format!(
+                return Err(ClaimError::Unusable(format!(
                     "pod {pod_name} ({pod_uid}) is not allowed to use ResourceClaim {name} ({claim_uid})"
-                ));
+                )));
             }
             let allocation = status
                 .and_then(|s| s.allocation.as_ref())
-                .ok_or_else(|| format!("ResourceClaim {name}: not allocated"))?;
+                .ok_or_else(|| ClaimError::Unusable(format!("ResourceClaim {name}: not allocated")))?;
             let drivers: BTreeSet<String> = allocation
                 .devices
                 .as_ref()

@@ -34,16 +34,16 @@ impl<K: Ord, V: Clone> ReadCache<K, V> {
     /// The answer for `key` read at most `max_age` ago, else `read()`'s
     /// (kept; an error is not). Slots unused for `forget_after` are
     /// dropped once there are many.
-    pub(crate) async fn get_or_read<F, Fut>(
+    pub(crate) async fn get_or_read<F, Fut, E>(
         &self,
         key: K,
         max_age: Duration,
         forget_after: Duration,
         read: F,
-    ) -> Result<V, String>
+    ) -> Result<V, E>
     where
         F: FnOnce() -> Fut,
-        Fut: std::future::Future<Output = Result<V, String>>,
+        Fut: std::future::Future<Output = Result<V, E>>,
     {
         let slot = {
             let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
@@ -80,7 +80,7 @@ mod tests {
             let reads = Arc::clone(&reads);
             move || async move {
                 tokio::time::sleep(Duration::from_millis(10)).await;
-                Ok(reads.fetch_add(1, Ordering::SeqCst) + 1)
+                Ok::<_, String>(reads.fetch_add(1, Ordering::SeqCst) + 1)
             }
         };
         let age = Duration::from_secs(1);

@@ -24,6 +24,7 @@ use super::describe;
 use super::read_cache::ReadCache;
 use crate::csi::Secrets;
 use crate::volume::{ApiObjects, ClaimedVolume, CsiDriverObjects, ObjectKind, VolumeClaims};
+use kubelet_pods::ApiError;
 
 /// Upstream's name of the VolumeAttachment of volume `handle` of `driver`
 /// on `node`.
@@ -88,8 +89,8 @@ impl ApiVolumes {
         }
     }
 
-    fn client(&self) -> Result<kube::Client, String> {
-        self.client.borrow().clone().ok_or_else(|| "not connected to the API server yet".to_owned())
+    fn client(&self) -> Result<kube::Client, ApiError> {
+        self.client.borrow().clone().ok_or(ApiError::NotConnected)
     }
 
     /// A new token for `pod`'s service account (a TokenRequest bound to it),
@@ -99,7 +100,7 @@ impl ApiVolumes {
         pod: &Pod,
         audience: Option<&str>,
         expiration_seconds: i64,
-    ) -> Result<(String, Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>), String> {
+    ) -> Result<(String, Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>), ApiError> {
         let client = self.client()?;
         let namespace = pod.metadata.namespace.clone().unwrap_or_else(|| "default".into());
         let account =
@@ -122,26 +123,26 @@ impl ApiVolumes {
         let answer = api
             .create_token_request(&account, &super::post_params(), &request)
             .await
-            .map_err(|e| format!("cannot get a token for service account {namespace}/{account}: {}", describe(&e)))?;
+            .map_err(|e| failed_request(format!("cannot get a token for service account {namespace}/{account}"), &e))?;
         answer
             .status
             .map(|s| (s.token, Some(s.expiration_timestamp)))
-            .ok_or_else(|| "the token request was answered without a token".to_owned())
+            .ok_or_else(|| ApiError::Invalid("the token request was answered without a token".to_owned()))
     }
 
     /// The data of the secret `reference` names (none: empty).
-    async fn secrets(&self, reference: Option<&SecretReference>) -> Result<Secrets, String> {
+    async fn secrets(&self, reference: Option<&SecretReference>) -> Result<Secrets, ApiError> {
         let Some(reference) = reference else { return Ok(Secrets::default()) };
         let name = reference.name.clone().unwrap_or_default();
         let namespace = reference.namespace.clone().unwrap_or_else(|| "default".into());
         let data = self
             .data(ObjectKind::Secret, &namespace, &name)
             .await?
-            .ok_or_else(|| format!("Secret {namespace}/{name} not found"))?;
+            .ok_or_else(|| ApiError::Invalid(format!("Secret {namespace}/{name} not found")))?;
         let mut values = BTreeMap::new();
         for (key, value) in data {
-            let text =
-                String::from_utf8(value).map_err(|_| format!("Secret {namespace}/{name}: key {key} is not UTF-8"))?;
+            let text = String::from_utf8(value)
+                .map_err(|_| ApiError::Invalid(format!("Secret {namespace}/{name}: key {key} is not UTF-8")))?;
             values.insert(key, text);
         }
         Ok(Secrets(values))
@@ -154,7 +155,7 @@ impl VolumeClaims for ApiVolumes {
     /// for the volume and this node (`csi-<sha256(handle + driver +
     /// node)>`), once its attacher set `status.attached`; its
     /// `attachmentMetadata` is the publish context.
-    async fn attachment(&self, driver: &str, handle: &str) -> Result<BTreeMap<String, String>, String> {
+    async fn attachment(&self, driver: &str, handle: &str) -> Result<BTreeMap<String, String>, ApiError> {
         // First the attach/detach controller's word, as the kubelet checks
         // it: the Node's `status.volumesAttached` lists the volume.
         let unique = crate::volume::csi::unique_volume_name(driver, handle);
@@ -162,13 +163,13 @@ impl VolumeClaims for ApiVolumes {
         let node = nodes
             .get(&self.node_name)
             .await
-            .map_err(|e| format!("reading Node {}: {}", self.node_name, describe(&e)))?;
+            .map_err(|e| failed_request(format!("reading Node {}", self.node_name), &e))?;
         let listed = node.status.and_then(|s| s.volumes_attached).unwrap_or_default().iter().any(|v| v.name == unique);
         if !listed {
-            return Err(format!(
+            return Err(ApiError::NotReady(format!(
                 "volume {unique} not attached according to node status (status.volumesAttached of Node {})",
                 self.node_name
-            ));
+            )));
         }
         let name = attachment_name(handle, driver, &self.node_name);
         let attachments: Api<VolumeAttachment> = Api::all(self.client()?);
@@ -177,41 +178,43 @@ impl VolumeClaims for ApiVolumes {
         let found = match attachments.get_opt(&name).await {
             Ok(found) => found,
             Err(error) if super::is_code(&error, 403) => None,
-            Err(error) => return Err(format!("reading VolumeAttachment {name}: {}", describe(&error))),
+            Err(error) => return Err(failed_request(format!("reading VolumeAttachment {name}"), &error)),
         };
         let Some(attachment) = found else {
-            return Err(format!("waiting for VolumeAttachment {name} (driver {driver}, volume {handle})"));
+            return Err(ApiError::NotReady(format!(
+                "waiting for VolumeAttachment {name} (driver {driver}, volume {handle})"
+            )));
         };
         let status = attachment.status.unwrap_or_default();
         if !status.attached {
             let error = status.attach_error.and_then(|e| e.message).map(|m| format!(": {m}")).unwrap_or_default();
-            return Err(format!("VolumeAttachment {name} is not attached yet{error}"));
+            return Err(ApiError::NotReady(format!("VolumeAttachment {name} is not attached yet{error}")));
         }
         Ok(status.attachment_metadata.unwrap_or_default())
     }
 
-    async fn resolve(&self, namespace: &str, claim: &str, read_only: bool) -> Result<ClaimedVolume, String> {
+    async fn resolve(&self, namespace: &str, claim: &str, read_only: bool) -> Result<ClaimedVolume, ApiError> {
         let client = self.client()?;
         let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), namespace);
         let found = claims
             .get_opt(claim)
             .await
-            .map_err(|e| format!("cannot read PersistentVolumeClaim {namespace}/{claim}: {}", describe(&e)))?
-            .ok_or_else(|| format!("PersistentVolumeClaim {namespace}/{claim} not found"))?;
+            .map_err(|e| failed_request(format!("cannot read PersistentVolumeClaim {namespace}/{claim}"), &e))?
+            .ok_or_else(|| ApiError::Invalid(format!("PersistentVolumeClaim {namespace}/{claim} not found")))?;
         let phase = found.status.as_ref().and_then(|s| s.phase.clone()).unwrap_or_else(|| "Pending".into());
         let volume_name = found.spec.as_ref().and_then(|s| s.volume_name.clone()).filter(|v| !v.is_empty());
         let Some(volume_name) = volume_name.filter(|_| phase == "Bound") else {
-            return Err(format!(
+            return Err(ApiError::NotReady(format!(
                 "PersistentVolumeClaim {namespace}/{claim} is not bound to a volume yet (phase {phase})"
-            ));
+            )));
         };
         let volumes: Api<PersistentVolume> = Api::all(client);
         let volume = volumes
             .get(&volume_name)
             .await
-            .map_err(|e| format!("cannot read PersistentVolume {volume_name}: {}", describe(&e)))?;
+            .map_err(|e| failed_request(format!("cannot read PersistentVolume {volume_name}"), &e))?;
         let csi = volume.spec.as_ref().and_then(|s| s.csi.clone()).ok_or_else(|| {
-            format!("PersistentVolume {volume_name} (claim {namespace}/{claim}) is not a CSI volume; only CSI volumes are supported")
+            ApiError::Invalid(format!("PersistentVolume {volume_name} (claim {namespace}/{claim}) is not a CSI volume; only CSI volumes are supported"))
         })?;
         let stage_secrets = self.secrets(csi.node_stage_secret_ref.as_ref()).await?;
         let publish_secrets = self.secrets(csi.node_publish_secret_ref.as_ref()).await?;
@@ -226,9 +229,9 @@ impl ApiObjects for ApiVolumes {
         kind: ObjectKind,
         namespace: &str,
         name: &str,
-    ) -> Result<Option<BTreeMap<String, Vec<u8>>>, String> {
+    ) -> Result<Option<BTreeMap<String, Vec<u8>>>, ApiError> {
         let client = self.client()?;
-        let failed = |e: kube::Error| format!("cannot read {} {namespace}/{name}: {}", kind.noun(), describe(&e));
+        let failed = |e: kube::Error| failed_request(format!("cannot read {} {namespace}/{name}", kind.noun()), &e);
         match kind {
             ObjectKind::ConfigMap => {
                 let api: Api<ConfigMap> = Api::namespaced(client, namespace);
@@ -257,7 +260,7 @@ impl ApiObjects for ApiVolumes {
         namespace: &str,
         name: &str,
         max_age: std::time::Duration,
-    ) -> Result<Option<BTreeMap<String, Vec<u8>>>, String> {
+    ) -> Result<Option<BTreeMap<String, Vec<u8>>>, ApiError> {
         // Objects nobody read for ten periods (their pods are gone) are forgotten.
         let key = (kind, namespace.to_owned(), name.to_owned());
         self.objects.get_or_read(key, max_age, max_age * 10, || self.data(kind, namespace, name)).await
@@ -268,7 +271,7 @@ impl ApiObjects for ApiVolumes {
         pod: &Pod,
         audience: Option<&str>,
         expiration_seconds: i64,
-    ) -> Result<String, String> {
+    ) -> Result<String, ApiError> {
         let key = (pod.metadata.uid.clone().unwrap_or_default(), audience.map(str::to_owned), expiration_seconds);
         let cached = self.tokens.lock().unwrap_or_else(|p| p.into_inner()).get(&key).cloned();
         if let Some((_, _, token)) = cached.filter(|(at, life, _)| token_fresh(at.elapsed(), *life)) {
@@ -288,18 +291,23 @@ impl ApiObjects for ApiVolumes {
         Ok(token)
     }
 
-    async fn services(&self, namespace: &str) -> Result<Vec<Service>, String> {
+    async fn services(&self, namespace: &str) -> Result<Vec<Service>, ApiError> {
         // A burst of starts waits for one listing instead of making its own.
         let list = || async {
             let api: Api<Service> = Api::namespaced(self.client()?, namespace);
             let list = api
                 .list(&kube::api::ListParams::default())
                 .await
-                .map_err(|e| format!("cannot list the services of {namespace}: {}", describe(&e)))?;
+                .map_err(|e| failed_request(format!("cannot list the services of {namespace}"), &e))?;
             Ok(list.items)
         };
         self.services.get_or_read(namespace.to_owned(), SERVICES_FRESH, SERVICES_FRESH * 60, list).await
     }
+}
+
+/// A request the server failed: `request`, and the server's answer.
+fn failed_request(request: String, error: &kube::Error) -> ApiError {
+    ApiError::Request { request, reason: describe(error) }
 }
 
 #[cfg(test)]

@@ -16,6 +16,7 @@
 //! Devices, CSI drivers and DRA claims come from `kubelet-plugins`;
 //! containers run through a `kubelet-provider` provider.
 
+mod api_error;
 pub mod events;
 pub mod eviction;
 pub mod gc;
@@ -27,6 +28,8 @@ pub mod pressure;
 pub mod runtime_class;
 pub mod static_pods;
 pub mod volume;
+
+pub use api_error::ApiError;
 
 use kubelet_plugins::{csi, device_manager, dra};
 #[cfg(test)]

@@ -60,6 +60,14 @@ pub const CONDITION_TEXTS: [(&str, bool, &str, &str); 6] = [
     ("PIDPressure", true, "KubeletHasInsufficientPID", "kubelet has insufficient PID available"),
 ];
 
+/// Why a pod was refused under pressure: the node's conditions that hold.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("The node had condition: [{}]. ", conditions.join(" "))]
+pub struct UnderPressure {
+    /// `MemoryPressure`, `DiskPressure`, `PIDPressure`: those that hold.
+    pub conditions: Vec<&'static str>,
+}
+
 impl Pressure {
     /// What holds now.
     pub fn now(&self) -> PressureState {
@@ -84,8 +92,8 @@ impl Pressure {
     /// eviction admission decides: critical pods always; under memory
     /// pressure alone, every pod but a BestEffort one that does not
     /// tolerate `node.kubernetes.io/memory-pressure`; under any other, none.
-    /// `Err` holds upstream's message.
-    pub fn admit(&self, pod: &Pod) -> Result<(), String> {
+    /// `Err` names the conditions; its text is upstream's message.
+    pub fn admit(&self, pod: &Pod) -> Result<(), UnderPressure> {
         let state = self.now();
         let conditions = state.conditions();
         if conditions.is_empty() || kubelet_provider::qos::is_critical(pod) {
@@ -97,7 +105,7 @@ impl Pressure {
                 return Ok(());
             }
         }
-        Err(format!("The node had condition: [{}]. ", conditions.join(" ")))
+        Err(UnderPressure { conditions })
     }
 }
 
@@ -128,7 +136,10 @@ mod tests {
             pod(serde_json::json!({"containers": [{"name": "c", "resources": {"requests": {"memory": "1Mi"}}}]}));
         assert_eq!(pressure.admit(&best_effort), Ok(()));
         pressure.set(PressureState { memory: true, ..PressureState::default() });
-        assert_eq!(pressure.admit(&best_effort), Err("The node had condition: [MemoryPressure]. ".into()));
+        assert_eq!(
+            pressure.admit(&best_effort).map_err(|e| e.to_string()),
+            Err("The node had condition: [MemoryPressure]. ".into())
+        );
         assert_eq!(pressure.admit(&burstable), Ok(()));
         let tolerant = pod(serde_json::json!({
             "containers": [{"name": "c"}],
@@ -136,7 +147,14 @@ mod tests {
         }));
         assert_eq!(pressure.admit(&tolerant), Ok(()));
         pressure.set(PressureState { memory: true, disk: true, pid: false });
-        assert_eq!(pressure.admit(&burstable), Err("The node had condition: [MemoryPressure DiskPressure]. ".into()));
+        assert_eq!(
+            pressure.admit(&burstable),
+            Err(UnderPressure { conditions: vec!["MemoryPressure", "DiskPressure"] })
+        );
+        assert_eq!(
+            pressure.admit(&burstable).map_err(|e| e.to_string()),
+            Err("The node had condition: [MemoryPressure DiskPressure]. ".into())
+        );
         let mut critical = burstable.clone();
         critical.spec.as_mut().expect("spec").priority = Some(2_000_000_000);
         assert_eq!(pressure.admit(&critical), Ok(()));

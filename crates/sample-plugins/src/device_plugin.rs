@@ -126,6 +126,17 @@ impl FakeDevicePlugin {
     }
 }
 
+/// Why `Register` on the node's `kubelet.sock` failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RegisterError {
+    /// The socket could not be dialled.
+    #[error(transparent)]
+    Dial(#[from] kubelet_api::uds::UdsError),
+    /// The node refused the registration: its message.
+    #[error("{0}")]
+    Refused(String),
+}
+
 /// Calls `Register` on the node's `kubelet.sock`.
 pub async fn register_with_kubelet(
     kubelet_socket: &Path,
@@ -133,8 +144,8 @@ pub async fn register_with_kubelet(
     endpoint: &str,
     resource: &str,
     options: DevicePluginOptions,
-) -> Result<(), String> {
-    let channel = kubelet_api::uds::dial(kubelet_socket, Duration::from_secs(10)).await.map_err(|e| e.to_string())?;
+) -> Result<(), RegisterError> {
+    let channel = kubelet_api::uds::dial(kubelet_socket, Duration::from_secs(10)).await?;
     RegistrationClient::new(channel)
         .register(RegisterRequest {
             version: version.to_owned(),
@@ -144,7 +155,7 @@ pub async fn register_with_kubelet(
         })
         .await
         .map(|_| ())
-        .map_err(|status| status.message().to_owned())
+        .map_err(|status| RegisterError::Refused(status.message().to_owned()))
 }
 
 /// Reports `ListAndWatchClosed` when the stream is dropped.

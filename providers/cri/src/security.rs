@@ -120,7 +120,7 @@ pub fn asks_non_root(pod: &Pod, container: &Container) -> bool {
 /// run as root (its own or the pod's `runAsUser: 0`, or no `runAsUser` and
 /// an image that runs as root), or as a user name that cannot be checked.
 /// The messages are upstream's.
-pub fn verify_run_as_non_root(pod: &Pod, container: &Container, image_user: &ImageUser) -> Result<(), String> {
+pub(crate) fn verify_run_as_non_root(pod: &Pod, container: &Container, image_user: &ImageUser) -> Result<(), String> {
     let pod_context = pod.spec.as_ref().and_then(|s| s.security_context.as_ref());
     let context = container.security_context.as_ref();
     let non_root = context.and_then(|c| c.run_as_non_root).or(pod_context.and_then(|c| c.run_as_non_root));

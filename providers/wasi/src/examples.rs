@@ -228,10 +228,26 @@ pub fn text(name: &str) -> Option<String> {
     Some(text)
 }
 
+/// Why an example could not be had.
+#[derive(Debug, thiserror::Error)]
+pub enum ExampleError {
+    /// There is no example of that name.
+    #[error("no example module {0:?}")]
+    Unknown(String),
+    /// Its text did not assemble.
+    #[error("example {name}: {reason}")]
+    Invalid {
+        /// The example.
+        name: String,
+        /// The assembler's message.
+        reason: String,
+    },
+}
+
 /// The binary of the example `name`.
-pub fn binary(name: &str) -> Result<Vec<u8>, String> {
-    let text = text(name).ok_or_else(|| format!("no example module {name:?}"))?;
-    wat::parse_str(&text).map_err(|e| format!("example {name}: {e}"))
+pub fn binary(name: &str) -> Result<Vec<u8>, ExampleError> {
+    let text = text(name).ok_or_else(|| ExampleError::Unknown(name.to_owned()))?;
+    wat::parse_str(&text).map_err(|e| ExampleError::Invalid { name: name.to_owned(), reason: e.to_string() })
 }
 
 /// Every example's name.

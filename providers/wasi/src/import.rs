@@ -22,24 +22,43 @@ const REF_NAME: &str = "org.opencontainers.image.ref.name";
 
 /// Imports the layout at `source` (directory or tar); `base_name` names
 /// images whose layout gives only a tag. Returns the imported records.
-pub fn import(store: &ImageStore, source: &Path, base_name: Option<&str>) -> Result<Vec<ImageRecord>, String> {
-    let meta = std::fs::metadata(source).map_err(|e| format!("{}: {e}", source.display()))?;
+pub fn import(store: &ImageStore, source: &Path, base_name: Option<&str>) -> Result<Vec<ImageRecord>, ImportError> {
+    let read = |path: &Path| {
+        let path = path.to_owned();
+        move |source| ImportError::Read { path, source }
+    };
+    let meta = std::fs::metadata(source).map_err(read(source))?;
     if meta.is_dir() {
-        return import_dir(store, source, base_name);
+        return import_dir(store, source, base_name).map_err(ImportError::Layout);
     }
-    let unpacked = tempfile::Builder::new()
-        .prefix("import-")
-        .tempdir_in(store.dir().join("tmp"))
-        .map_err(|e| format!("temporary dir: {e}"))?;
-    let mut file = std::fs::File::open(source).map_err(|e| format!("{}: {e}", source.display()))?;
+    let temporary = store.dir().join("tmp");
+    let unpacked = tempfile::Builder::new().prefix("import-").tempdir_in(&temporary).map_err(read(&temporary))?;
+    let mut file = std::fs::File::open(source).map_err(read(source))?;
     let mut magic = [0u8; 2];
     let gzip = file.read_exact(&mut magic).is_ok() && magic == [0x1f, 0x8b];
-    let file = std::fs::File::open(source).map_err(|e| format!("{}: {e}", source.display()))?;
+    let file = std::fs::File::open(source).map_err(read(source))?;
     let reader: Box<dyn Read> = if gzip { Box::new(flate2::read::GzDecoder::new(file)) } else { Box::new(file) };
-    tar::Archive::new(reader)
-        .unpack(unpacked.path())
-        .map_err(|e| format!("{}: not an OCI image layout directory or tar: {e}", source.display()))?;
-    import_dir(store, unpacked.path(), base_name)
+    tar::Archive::new(reader).unpack(unpacked.path()).map_err(|e| {
+        ImportError::Layout(format!("{}: not an OCI image layout directory or tar: {e}", source.display()))
+    })?;
+    import_dir(store, unpacked.path(), base_name).map_err(ImportError::Layout)
+}
+
+/// Why an import failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ImportError {
+    /// The source, or the store's temporary directory, could not be read.
+    #[error("{path}: {source}")]
+    Read {
+        /// The file or directory.
+        path: std::path::PathBuf,
+        /// The system's error.
+        source: std::io::Error,
+    },
+    /// The source is not an importable OCI image layout, or an image in it
+    /// could not be stored: what is wrong, naming the image or blob.
+    #[error("{0}")]
+    Layout(String),
 }
 
 fn read_blob(dir: &Path, digest: &str) -> Result<Vec<u8>, String> {
@@ -227,7 +246,7 @@ mod tests {
         let blob = layout.join("blobs/sha256").join(digest_of(MODULE).trim_start_matches("sha256:"));
         std::fs::write(&blob, b"\0asm\x01\0\0\0tampered")?;
         let error = import(&store, &layout, None).expect_err("corrupt");
-        assert!(error.contains("is corrupt"), "{error}");
+        assert!(matches!(&error, ImportError::Layout(m) if m.contains("is corrupt")), "{error}");
         Ok(())
     }
 
@@ -248,7 +267,7 @@ mod tests {
         builder.finish()?;
         drop(builder);
         let error = import(&store, &tar_path, None).expect_err("bare tag");
-        assert!(error.contains("--base-name"), "{error}");
+        assert!(matches!(&error, ImportError::Layout(m) if m.contains("--base-name")), "{error}");
         let imported = import(&store, &tar_path, Some("example.com/demo/hello"))?;
         assert_eq!(imported[0].name, "example.com/demo/hello:v2");
         Ok(())
@@ -259,7 +278,7 @@ mod tests {
         let root = tempfile::tempdir()?;
         let store = ImageStore::open(root.path())?;
         let error = import(&store, root.path(), None).expect_err("no layout");
-        assert!(error.contains("not an OCI image layout"), "{error}");
+        assert!(matches!(&error, ImportError::Layout(m) if m.contains("not an OCI image layout")), "{error}");
         Ok(())
     }
 }

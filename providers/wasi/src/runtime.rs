@@ -378,6 +378,29 @@ impl Drop for Runtime {
     }
 }
 
+/// Why a module could not be compiled.
+#[derive(Debug, thiserror::Error)]
+pub enum CompileError {
+    /// Its bytes could not be had (the store's message).
+    #[error("{0}")]
+    Read(String),
+    /// wasmtime refused it: what it was taken for, and why.
+    #[error("{what}: {reason}")]
+    Invalid {
+        /// `invalid module`, `cannot link`, ...
+        what: &'static str,
+        /// wasmtime's reason.
+        reason: String,
+    },
+    /// The compilation task died.
+    #[error("compilation task: {0}")]
+    Task(String),
+}
+
+fn invalid(what: &'static str, error: &wasmtime::Error) -> CompileError {
+    CompileError::Invalid { what, reason: error.to_string() }
+}
+
 /// Why the WebAssembly runtime or provider could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -482,7 +505,7 @@ impl Runtime {
         digest: &str,
         kind: ModuleKind,
         bytes: impl FnOnce() -> Result<Vec<u8>, String> + Send + 'static,
-    ) -> Result<Compiled, String> {
+    ) -> Result<Compiled, CompileError> {
         let cell = crate::lock(&self.compiled).entry(digest.to_owned()).or_default().clone();
         let compiled = cell
             .get_or_try_init(|| async {
@@ -492,28 +515,28 @@ impl Runtime {
                 self.compilations.fetch_add(1, Ordering::Relaxed);
                 let digest = digest.to_owned();
                 tokio::task::spawn_blocking(move || {
-                    let bytes = bytes()?;
+                    let bytes = bytes().map_err(CompileError::Read)?;
                     let started = std::time::Instant::now();
                     let compiled = match kind {
                         ModuleKind::Module => {
-                            let module = Module::new(&engine, &bytes).map_err(|e| format!("invalid module: {e}"))?;
-                            let pre = p1.instantiate_pre(&module).map_err(|e| format!("cannot link: {e}"))?;
+                            let module = Module::new(&engine, &bytes).map_err(|e| invalid("invalid module", &e))?;
+                            let pre = p1.instantiate_pre(&module).map_err(|e| invalid("cannot link", &e))?;
                             Compiled::Module(pre)
                         }
                         ModuleKind::Component => {
                             let component =
-                                Component::new(&engine, &bytes).map_err(|e| format!("invalid component: {e}"))?;
-                            let pre = p2.instantiate_pre(&component).map_err(|e| format!("cannot link: {e}"))?;
+                                Component::new(&engine, &bytes).map_err(|e| invalid("invalid component", &e))?;
+                            let pre = p2.instantiate_pre(&component).map_err(|e| invalid("cannot link", &e))?;
                             Compiled::Component(
-                                CommandPre::new(pre).map_err(|e| format!("not a wasi:cli command component: {e}"))?,
+                                CommandPre::new(pre).map_err(|e| invalid("not a wasi:cli command component", &e))?,
                             )
                         }
                     };
                     tracing::info!(%digest, elapsed = ?started.elapsed(), "module compiled");
-                    Ok::<_, String>(compiled)
+                    Ok::<_, CompileError>(compiled)
                 })
                 .await
-                .map_err(|e| format!("compilation task: {e}"))?
+                .map_err(|e| CompileError::Task(e.to_string()))?
             })
             .await?;
         Ok(compiled.clone())

@@ -95,7 +95,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             let result = register_with_kubelet(&kubelet, &args.version, &endpoint, &args.resource, options).await;
             Reporter::Stdout.report(Report::DeviceRegistered {
                 resource: args.resource.clone(),
-                error: result.err().unwrap_or_default(),
+                error: result.err().map(|e| e.to_string()).unwrap_or_default(),
             });
         }
         RegisterVia::Watcher => {

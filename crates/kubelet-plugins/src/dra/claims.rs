@@ -38,7 +38,7 @@ pub struct ResolvedClaim {
 #[async_trait::async_trait]
 pub trait ClaimSource: Send + Sync + 'static {
     /// The pod's claims, each allocated and reserved for it.
-    async fn resolve(&self, pod: &Pod) -> Result<Vec<ResolvedClaim>, String>;
+    async fn resolve(&self, pod: &Pod) -> Result<Vec<ResolvedClaim>, ClaimError>;
 }
 
 /// A claim a container uses, with the devices prepared for it.
@@ -141,6 +141,22 @@ pub enum ClaimError {
         /// What went wrong.
         reason: String,
     },
+    /// The node has no API client yet (a [`ClaimSource`] of cluster mode).
+    #[error("not connected to the API server yet")]
+    NotConnected,
+    /// The API server failed or refused a request: what was asked, and why.
+    #[error("{request}: {reason}")]
+    Api {
+        /// What was asked ("fetch ResourceClaim name (v1)").
+        request: String,
+        /// The server's answer, or why there was none.
+        reason: String,
+    },
+    /// The claim as the API holds it cannot serve the pod (yet): not
+    /// reserved for it, not allocated, not made for it, malformed, or of
+    /// an API version this node does not know.
+    #[error("{0}")]
+    Unusable(String),
     /// Drivers failed: one message per failed call or claim.
     #[error("{operation} dynamic resources: {}", failures.join("; "))]
     Drivers {

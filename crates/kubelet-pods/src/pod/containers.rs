@@ -119,11 +119,9 @@ pub(crate) async fn start(
     // link variables it gets, read now (as upstream does at every start).
     let (env_objects, services) = match lifecycle.volumes.objects() {
         Some(objects) => (
-            Some(
-                crate::volume::api_data::env_objects(objects.as_ref(), &data.pod, &record.spec)
-                    .await
-                    .map_err(|message| StartFailure { reason: "CreateContainerConfigError", message, retry: true })?,
-            ),
+            Some(crate::volume::api_data::env_objects(objects.as_ref(), &data.pod, &record.spec).await.map_err(
+                |e| StartFailure { reason: "CreateContainerConfigError", message: e.to_string(), retry: true },
+            )?),
             crate::volume::api_data::link_services(objects.as_ref(), &data.pod).await,
         ),
         None => (None, Vec::new()),

@@ -58,7 +58,7 @@ pub const MIN_STOP_GRACE: Duration = Duration::from_secs(2);
 /// Runs `hook` of `container` (running as `id` in `pod`, whose address is
 /// `address`) within `timeout`. `Ok` when it has no such hook or it
 /// succeeded; else upstream's message.
-pub async fn run(
+pub(crate) async fn run(
     hook: Hook,
     provider: &Arc<dyn Provider>,
     pod: &Pod,

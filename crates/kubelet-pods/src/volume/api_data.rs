@@ -29,6 +29,7 @@ use k8s_openapi::api::core::v1::{KeyToPath, Pod, VolumeProjection};
 use super::VolumeError;
 use super::atomic_writer::{FileData, Payload};
 use super::downward_api::DownwardContext;
+use crate::ApiError;
 
 /// The kinds of object a pod may reference.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -59,7 +60,7 @@ pub trait ApiObjects: Send + Sync + 'static {
         kind: ObjectKind,
         namespace: &str,
         name: &str,
-    ) -> Result<Option<BTreeMap<String, Vec<u8>>>, String>;
+    ) -> Result<Option<BTreeMap<String, Vec<u8>>>, ApiError>;
 
     /// A service-account token for `pod` (bound to it), for `audience` (the
     /// API server's when `None`), valid `expiration_seconds`.
@@ -68,7 +69,7 @@ pub trait ApiObjects: Send + Sync + 'static {
         pod: &Pod,
         audience: Option<&str>,
         expiration_seconds: i64,
-    ) -> Result<String, String>;
+    ) -> Result<String, ApiError>;
 
     /// [`ApiObjects::data`], or a copy read at most `max_age` ago: the
     /// periodic rewrite of running pods' volumes reads through it, so that
@@ -79,14 +80,14 @@ pub trait ApiObjects: Send + Sync + 'static {
         namespace: &str,
         name: &str,
         max_age: std::time::Duration,
-    ) -> Result<Option<BTreeMap<String, Vec<u8>>>, String> {
+    ) -> Result<Option<BTreeMap<String, Vec<u8>>>, ApiError> {
         let _ = max_age;
         self.data(kind, namespace, name).await
     }
 
     /// The services of `namespace`, for the link variables of a container's
     /// env; by default none.
-    async fn services(&self, namespace: &str) -> Result<Vec<k8s_openapi::api::core::v1::Service>, String> {
+    async fn services(&self, namespace: &str) -> Result<Vec<k8s_openapi::api::core::v1::Service>, ApiError> {
         let _ = namespace;
         Ok(Vec::new())
     }
@@ -101,7 +102,7 @@ pub(crate) async fn link_services(objects: &dyn ApiObjects, pod: &Pod) -> Vec<k8
     let namespace = pod.metadata.namespace.as_deref().unwrap_or("default");
     let links = pod.spec.as_ref().and_then(|s| s.enable_service_links).unwrap_or(true);
     let mut chosen: BTreeMap<String, k8s_openapi::api::core::v1::Service> = BTreeMap::new();
-    let list = |namespace: &str, services: Result<Vec<k8s_openapi::api::core::v1::Service>, String>| match services {
+    let list = |namespace: &str, services: Result<Vec<k8s_openapi::api::core::v1::Service>, ApiError>| match services {
         Ok(services) => services,
         Err(error) => {
             tracing::warn!(%namespace, %error, "cannot list services for the containers' link variables");
@@ -137,7 +138,7 @@ impl ApiObjects for CachedObjects {
         kind: ObjectKind,
         namespace: &str,
         name: &str,
-    ) -> Result<Option<BTreeMap<String, Vec<u8>>>, String> {
+    ) -> Result<Option<BTreeMap<String, Vec<u8>>>, ApiError> {
         self.objects.data_cached(kind, namespace, name, self.max_age).await
     }
 
@@ -146,7 +147,7 @@ impl ApiObjects for CachedObjects {
         pod: &Pod,
         audience: Option<&str>,
         expiration_seconds: i64,
-    ) -> Result<String, String> {
+    ) -> Result<String, ApiError> {
         self.objects.service_account_token(pod, audience, expiration_seconds).await
     }
 }
@@ -180,7 +181,7 @@ async fn object_files(
 ) -> Result<Payload, VolumeError> {
     let ObjectRef { kind, name, items, optional } = source;
     let optional = optional.unwrap_or(false);
-    let data = objects.data(kind, namespace, name).await.map_err(|e| invalid(volume, e))?;
+    let data = objects.data(kind, namespace, name).await.map_err(|e| invalid(volume, e.to_string()))?;
     let Some(data) = data else {
         if optional {
             return Ok(Payload::new());
@@ -285,7 +286,7 @@ async fn projection(
         let text = objects
             .service_account_token(pod, token.audience.as_deref(), expiration)
             .await
-            .map_err(|e| invalid(volume, e))?;
+            .map_err(|e| invalid(volume, e.to_string()))?;
         let file = FileData { content: text.into_bytes(), mode: default_mode };
         return Ok(Payload::from([(token.path.clone(), file)]));
     }
@@ -301,7 +302,7 @@ pub(crate) async fn env_objects(
     objects: &dyn ApiObjects,
     pod: &Pod,
     container: &k8s_openapi::api::core::v1::Container,
-) -> Result<EnvObjects, String> {
+) -> Result<EnvObjects, ApiError> {
     let namespace = pod.metadata.namespace.as_deref().unwrap_or("default");
     let mut wanted = Vec::new();
     for var in container.env.iter().flatten() {

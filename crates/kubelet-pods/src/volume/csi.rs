@@ -35,6 +35,7 @@ use sha2::{Digest, Sha256};
 use tokio::sync::watch;
 
 use super::{PreparedVolume, VolumeError, VolumeKind};
+use crate::ApiError;
 use crate::csi::{
     AccessMode, AccessType, CsiDriver, CsiDrivers, CsiNodeClient, CsiNodeError, CsiNodeTimeouts, NodeCapabilities,
     PublishVolume, Secrets, StageVolume, VolumeCapability,
@@ -99,14 +100,14 @@ pub struct ClaimedVolume {
 #[async_trait::async_trait]
 pub trait VolumeClaims: Send + Sync + 'static {
     /// The volume bound to claim `claim` in `namespace`, or why there is none.
-    async fn resolve(&self, namespace: &str, claim: &str, read_only: bool) -> Result<ClaimedVolume, String>;
+    async fn resolve(&self, namespace: &str, claim: &str, read_only: bool) -> Result<ClaimedVolume, ApiError>;
 
     /// For a driver that needs its volumes attached (`attachRequired`):
     /// the attachment metadata of volume `handle` of `driver` once it is
     /// attached to this node (it becomes the publish context), or why the
     /// volume is not attached yet. By default nothing is attached and
     /// volumes are published without a publish context.
-    async fn attachment(&self, driver: &str, handle: &str) -> Result<BTreeMap<String, String>, String> {
+    async fn attachment(&self, driver: &str, handle: &str) -> Result<BTreeMap<String, String>, ApiError> {
         let _ = (driver, handle);
         Ok(BTreeMap::new())
     }
@@ -132,12 +133,11 @@ impl StaticClaims {
 
 #[async_trait::async_trait]
 impl VolumeClaims for StaticClaims {
-    async fn resolve(&self, namespace: &str, claim: &str, read_only: bool) -> Result<ClaimedVolume, String> {
+    async fn resolve(&self, namespace: &str, claim: &str, read_only: bool) -> Result<ClaimedVolume, ApiError> {
         let bound = self.bound.read().unwrap_or_else(|p| p.into_inner());
-        let mut volume = bound
-            .get(&(namespace.to_owned(), claim.to_owned()))
-            .cloned()
-            .ok_or_else(|| format!("PersistentVolumeClaim {namespace}/{claim} is not bound to a volume"))?;
+        let mut volume = bound.get(&(namespace.to_owned(), claim.to_owned())).cloned().ok_or_else(|| {
+            ApiError::NotReady(format!("PersistentVolumeClaim {namespace}/{claim} is not bound to a volume"))
+        })?;
         volume.claim_read_only |= read_only;
         Ok(volume)
     }
@@ -625,8 +625,10 @@ impl CsiVolumes {
             });
         };
         let namespace = pod.metadata.namespace.as_deref().unwrap_or("default");
-        let claimed =
-            claims.resolve(namespace, &claim.claim_name, claim.read_only.unwrap_or(false)).await.map_err(invalid)?;
+        let claimed = claims
+            .resolve(namespace, &claim.claim_name, claim.read_only.unwrap_or(false))
+            .await
+            .map_err(|e| invalid(e.to_string()))?;
         let pv_name = claimed.volume.metadata.name.clone().unwrap_or_default();
         let spec = claimed.volume.spec.clone().unwrap_or_default();
         let Some(source) = spec.csi else {
@@ -661,7 +663,7 @@ impl CsiVolumes {
             claims
                 .attachment(&source.driver, &source.volume_handle)
                 .await
-                .map_err(|reason| VolumeError::NotAttached { volume: name.to_owned(), reason })?
+                .map_err(|e| VolumeError::NotAttached { volume: name.to_owned(), reason: e.to_string() })?
         } else {
             BTreeMap::new()
         };

@@ -39,8 +39,8 @@ impl State<PodLifecycle> for Registered {
             return Transition::next(&*self, Failed);
         }
         // Under pressure (upstream's eviction admission).
-        if let Err(message) = ctx.machine.config.pressure.admit(&ctx.data.pod) {
-            reject(ctx, crate::pod::EVICTED, message);
+        if let Err(refused) = ctx.machine.config.pressure.admit(&ctx.data.pod) {
+            reject(ctx, crate::pod::EVICTED, refused.to_string());
             return Transition::next(&*self, Failed);
         }
         // Ephemeral containers added and `activeDeadlineSeconds` running

@@ -56,9 +56,10 @@ impl State<PodLifecycle> for Claims {
             ctx.data.pod = Arc::new(crate::pod::resize::allocated_pod(&ctx.latest_manifest(), &ctx.data));
             let pod = Arc::clone(&ctx.data.pod);
             let outcome = match source.resolve(&pod).await {
-                Ok(resolved) => claims.prepare_pod(&uid, &resolved).await.map_err(|e| e.to_string()),
-                Err(reason) => Err(reason),
-            };
+                Ok(resolved) => claims.prepare_pod(&uid, &resolved).await,
+                Err(error) => Err(error),
+            }
+            .map_err(|e| e.to_string());
             match outcome {
                 Ok(()) => break,
                 Err(reason) => {
