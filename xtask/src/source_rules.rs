@@ -1,7 +1,15 @@
 //! Rules the library's source keeps, checked by scanning it (`cargo test
-//! -p xtask`): no public function of a library crate or provider returns a
-//! `String` error; errors there are typed (`thiserror` enums), so that a
-//! caller can tell one failure from another without reading its text.
+//! -p xtask`):
+//! - no public function of a library crate or provider returns a `String`
+//!   error; errors there are typed (`thiserror` enums), so that a caller
+//!   can tell one failure from another without reading its text;
+//! - every task spawned is supervised (its handle given to
+//!   `Supervision::watch` within the next lines, or started by the
+//!   supervisor), or says why not in a comment just above it that begins
+//!   `// Not supervised` (one connection, one pod's task, a handle
+//!   returned to a caller who watches it, ...) or `// Supervised` (watched
+//!   further down). A long-running task spawned bare, with no word on it,
+//!   fails the scan.
 
 use std::path::{Path, PathBuf};
 
@@ -34,9 +42,57 @@ fn collect_rs(dir: &Path, files: &mut Vec<PathBuf>) {
     }
 }
 
-/// The text before a file's unit tests (`#[cfg(test)] mod tests`).
+/// The text before a file's unit tests (`#[cfg(test)] mod ...`).
 fn without_tests(text: &str) -> &str {
-    text.find("#[cfg(test)]\nmod tests").map_or(text, |at| &text[..at])
+    text.find("#[cfg(test)]\nmod ").map_or(text, |at| &text[..at])
+}
+
+/// What starts a task: tokio's spawns, a thread, a `JoinSet`'s or
+/// `TaskTracker`'s or runtime's `spawn` of a future.
+const SPAWNS: &[&str] = &[
+    "tokio::spawn(",
+    "tokio::task::spawn(",
+    "std::thread::spawn(",
+    ".spawn(async",
+    ".spawn({",
+    "tasks.spawn(",
+    "threads.spawn(",
+    "waiters.spawn(",
+    "stops.spawn(",
+];
+
+/// The name a `let` binds on this line (`let task = ...` → `task`).
+fn bound_name(code: &str) -> Option<&str> {
+    let rest = code.strip_prefix("let ")?;
+    let rest = rest.strip_prefix("mut ").unwrap_or(rest);
+    let name = rest.split(|c: char| !c.is_alphanumeric() && c != '_').next()?;
+    (!name.is_empty()).then_some(name)
+}
+
+/// `(line, text)` of every spawn in `text` that is neither watched by the
+/// supervisor in the next lines nor explained by a comment above it.
+fn unsupervised_spawns(text: &str) -> Vec<(usize, String)> {
+    let lines: Vec<&str> = without_tests(text).lines().collect();
+    let mut found = Vec::new();
+    for (at, line) in lines.iter().enumerate() {
+        let code = line.trim();
+        if code.starts_with("//") || !SPAWNS.iter().any(|spawn| code.contains(spawn)) {
+            continue;
+        }
+        let watched = code.contains(".watch(\"")
+            || bound_name(code).is_some_and(|name| {
+                lines[at + 1..lines.len().min(at + 12)].iter().any(|l| {
+                    l.contains(".watch(\"") && l.split(|c: char| !c.is_alphanumeric() && c != '_').any(|w| w == name)
+                })
+            });
+        let explained = lines[at.saturating_sub(3)..at]
+            .iter()
+            .any(|l| l.trim().starts_with("// Not supervised") || l.trim().starts_with("// Supervised"));
+        if !watched && !explained {
+            found.push((at + 1, code.to_owned()));
+        }
+    }
+    found
 }
 
 /// Whether the signature `sig` (from `fn` to its body or `;`) returns a
@@ -132,6 +188,42 @@ mod tests {
             }
         }
         assert!(offenders.is_empty(), "public functions returning Result<_, String>:\n{}", offenders.join("\n"));
+    }
+
+    #[test]
+    fn every_spawned_task_is_supervised_or_says_why_not() {
+        let mut offenders = Vec::new();
+        for file in library_sources(&workspace()) {
+            if file.ends_with("supervisor.rs") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&file).expect("source file");
+            for (line, code) in unsupervised_spawns(&text) {
+                offenders.push(format!("{}:{line}: {code}", file.display()));
+            }
+        }
+        assert!(
+            offenders.is_empty(),
+            "tasks spawned outside the supervisor with no `// Not supervised: why` above them:\n{}",
+            offenders.join("\n")
+        );
+    }
+
+    #[test]
+    fn the_scan_finds_bare_spawns_where_they_are() {
+        let text = "fn a() {\n\
+                    \x20   tokio::spawn(forever());\n\
+                    \x20   // Not supervised: one connection.\n\
+                    \x20   tokio::spawn(conn);\n\
+                    \x20   let task = tokio::spawn(run());\n\
+                    \x20   supervision.watch(\"run\", task);\n\
+                    \x20   set.spawn(async move {});\n\
+                    }\n\
+                    #[cfg(test)]\nmod tests {\n    fn t() { tokio::spawn(x()); }\n}\n";
+        let lines: Vec<usize> = unsupervised_spawns(text).into_iter().map(|(line, _)| line).collect();
+        assert_eq!(lines, [2, 7]);
+        assert_eq!(bound_name("let mut run = AbortOnDrop(x);"), Some("run"));
+        assert_eq!(bound_name("tokio::spawn(x);"), None);
     }
 
     #[test]

@@ -184,6 +184,7 @@ impl<M: Machine> Inner<M> {
         let task_delete = delete.clone();
         this.tracker.spawn(
             async move {
+                // Not supervised: one object's driver, awaited by the tracked task around it.
                 let driven = tokio::spawn(
                     drive(Arc::clone(&inner.machine), task_key.clone(), receiver, task_delete, inner.shutdown.clone())
                         .in_current_span(),

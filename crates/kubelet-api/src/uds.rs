@@ -193,6 +193,7 @@ async fn dial_inner(
     // Drives the connection until every clone of the channel is dropped. A
     // connection error needs no report here: the calls on it fail with it.
     let (ended, end) = tokio::sync::oneshot::channel();
+    // Not supervised: one connection's driver; it ends with the connection.
     tokio::spawn(async move {
         let _ = connection.await;
         let _ = ended.send(());

@@ -497,7 +497,7 @@ pub(crate) async fn rotating_clients(
     node_name: &str,
     metrics: &super::api_metrics::ApiMetrics,
     limits: &[(f64, u32)],
-    shutdown: &CancellationToken,
+    supervision: &crate::Supervision,
 ) -> Result<Vec<kube::Client>, CertificateError> {
     use tower::ServiceBuilder;
     let (config, https) = connector_of(&settings.kubeconfig).await?;
@@ -536,9 +536,20 @@ pub(crate) async fn rotating_clients(
         if let Some(current) = load_current(&settings.cert_dir, "kubelet-client") {
             metrics.client_certificate(current.not_after);
         }
-        let (settings, node_name, shutdown) = (settings.clone(), node_name.to_owned(), shutdown.clone());
+        let (settings, node_name, shutdown) = (settings.clone(), node_name.to_owned(), supervision.shutdown().clone());
         let metrics = metrics.clone();
-        tokio::spawn(async move { rotate(settings, node_name, first, currents, metrics, shutdown).await });
+        // Restarted after a panic: each round reads the certificate in use
+        // from the cert dir again.
+        supervision.spawn("client-certificate-rotation", move || {
+            rotate(
+                settings.clone(),
+                node_name.clone(),
+                first.clone(),
+                currents.clone(),
+                metrics.clone(),
+                shutdown.clone(),
+            )
+        });
     }
     Ok(clients)
 }

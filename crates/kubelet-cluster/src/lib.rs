@@ -43,11 +43,10 @@ pub mod volumes;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Node, Taint};
-use tokio::sync::{Notify, watch};
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 pub use csi_info::{ApiNodeInfo, CsiInfoStats};
@@ -275,23 +274,25 @@ pub fn start(settings: ClusterSettings, parts: NodeParts, shutdown: Cancellation
     description.taints.extend(settings.taints.iter().cloned());
     let name = description.name.clone();
     let supervision = parts.supervision.clone();
-    let tasks = parts.tasks.clone();
-    parts.tasks.spawn(async move {
+    // Joining is one job: it ends once every cluster task is started.
+    parts.supervision.clone().once("cluster-join", async move {
         let clients = tokio::select! {
             () = shutdown.cancelled() => return,
-            clients = client(&settings, &name, &shutdown) => clients,
+            clients = client(&settings, &name, &supervision) => clients,
         };
         parts.review_client.send_replace(Some(clients.reviews.clone()));
         let client = clients.main.clone();
         parts.recorder.node(&name, crate::events::EventType::Normal, "Starting", "Starting kubelet.".into());
         if let Some(queue) = parts.events {
             let (events_client, node, stop) = (client.clone(), name.clone(), shutdown.clone());
-            tasks.spawn(async move {
+            // Supervised below (watched, not restarted): the queue is the task's.
+            let publisher = tokio::spawn(async move {
                 tokio::select! {
                     () = stop.cancelled() => {}
                     () = api_events::publish(events_client, &node, queue) => {}
                 }
             });
+            supervision.watch("cluster-events", publisher);
         }
         tracing::info!(node = %name, "API client ready; joining the cluster");
         // The version the Node reports: what this control plane accepts.
@@ -304,8 +305,7 @@ pub fn start(settings: ClusterSettings, parts: NodeParts, shutdown: Cancellation
                 tracing::warn!(error = %describe(&error), kubelet_version = %description.kubelet_version, "cannot read the control plane's /version; the Node reports the newest conformed version");
             }
         }
-        let desired =
-            follow_node(description, parts.devices, parts.healthz.clone(), parts.volumes_in_use, shutdown.clone());
+        let desired = follow_node(description, parts.devices, parts.healthz.clone(), parts.volumes_in_use, &supervision);
         let node = node_sync::start_with_heartbeat(
             client.clone(),
             clients.heartbeat.clone(),
@@ -318,7 +318,10 @@ pub fn start(settings: ClusterSettings, parts: NodeParts, shutdown: Cancellation
         {
             let (slices_client, node, drivers, stop) = (client.clone(), name.clone(), parts.dra, shutdown.clone());
             let delay = settings.slice_wiping_delay;
-            tasks.spawn(claims::wipe_slices(slices_client, node, drivers, delay, stop));
+            // Supervised below (watched, not restarted): a new run would first delete every
+            // slice of the node, those of the drivers still connected too.
+            let wiping = tokio::spawn(claims::wipe_slices(slices_client, node, drivers, delay, stop));
+            supervision.watch("cluster-dra-slice-wiping", wiping);
         }
         let (drivers_client, objects) = (client.clone(), parts.csi_objects);
         supervision.spawn("cluster-csidriver-watch", move || {
@@ -365,7 +368,8 @@ impl ApiClients {
 
 /// The API clients: the given one, or ones from the kubeconfig, read again
 /// with backoff until it works.
-async fn client(settings: &ClusterSettings, node_name: &str, shutdown: &CancellationToken) -> ApiClients {
+async fn client(settings: &ClusterSettings, node_name: &str, supervision: &Supervision) -> ApiClients {
+    let shutdown = supervision.shutdown();
     let path = match &settings.api {
         ApiSource::Client(client) => return ApiClients::one(client.clone()),
         ApiSource::Kubeconfig(path) => path,
@@ -382,7 +386,7 @@ async fn client(settings: &ClusterSettings, node_name: &str, shutdown: &Cancella
                         node_name,
                         &settings.metrics,
                         &[(qps, burst), (0.0, 0), (qps, burst)],
-                        shutdown,
+                        supervision,
                     )
                     .await
                     .map_err(|e| e.to_string())
@@ -471,7 +475,7 @@ fn follow_node(
     devices: DeviceManager,
     healthz: Healthz,
     mut in_use: VolumesInUse,
-    shutdown: CancellationToken,
+    supervision: &Supervision,
 ) -> watch::Receiver<Node> {
     let mut capacity = devices.capacity();
     let mut pressure = description.pressure.subscribe();
@@ -485,34 +489,31 @@ fn follow_node(
         node
     };
     let (tx, rx) = watch::channel(describe(&capacity.borrow_and_update(), &in_use.borrow_and_update()));
-    let health_changed = Arc::new(Notify::new());
-    for check in healthz.report() {
-        let Some(mut changes) = healthz.watch(&check.name) else { continue };
-        let notify = health_changed.clone();
-        let shutdown = shutdown.clone();
-        tokio::spawn(async move {
-            loop {
-                tokio::select! {
-                    () = shutdown.cancelled() => return,
-                    changed = changes.changed() => if changed.is_err() { return },
-                }
-                notify.notify_one();
-            }
-        });
-    }
-    tokio::spawn(async move {
+    // Every health check's changes, as one stream (a check whose reporter
+    // is gone drops out of it).
+    let mut health = futures_util::stream::select_all(
+        healthz
+            .report()
+            .iter()
+            .filter_map(|check| healthz.watch(&check.name))
+            .map(tokio_stream::wrappers::WatchStream::from_changes),
+    );
+    let shutdown = supervision.shutdown().clone();
+    // Supervised below (watched, not restarted): the senders are the task's.
+    let task = tokio::spawn(async move {
         loop {
             tokio::select! {
                 () = shutdown.cancelled() => return,
                 changed = capacity.changed() => if changed.is_err() { return },
                 changed = in_use.changed() => if changed.is_err() { return },
                 changed = pressure.changed() => if changed.is_err() { return },
-                () = health_changed.notified() => {}
+                Some(_) = futures_util::StreamExt::next(&mut health) => {}
             }
             let node = describe(&capacity.borrow_and_update(), &in_use.borrow_and_update());
             tx.send_replace(node);
         }
     });
+    supervision.watch("node-description", task);
     rx
 }
 

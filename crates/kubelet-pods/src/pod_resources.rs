@@ -250,6 +250,7 @@ pub fn serve(
     let lister = Lister { pods, devices, claims, limit: Arc::new(RateLimit::new(config.qps, config.burst)) };
     let socket = config.socket.clone();
     tracing::info!(socket = %socket.display(), "PodResources API listening");
+    // Not supervised here: returned to the node, which watches it (`pod-resources`).
     Ok(tokio::spawn(async move {
         let router = tonic::transport::Server::builder().add_service(PodResourcesListerServer::new(lister));
         if let Err(error) = kubelet_api::uds::serve(router, listener, shutdown.cancelled_owned()).await {

@@ -289,6 +289,7 @@ impl StaticPods {
         };
         source.rescan();
         tracing::info!(dir = %source.config.dir.display(), pods = source.state().files.values().map(|f| f.pods.len()).sum::<usize>(), "static pods read");
+        // Not supervised here: returned to the node, which watches it (`static-pods`).
         let task = tokio::spawn(source.clone().follow(events, shutdown));
         Ok((source, task))
     }

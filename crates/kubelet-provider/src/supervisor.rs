@@ -13,6 +13,9 @@
 //!   ([`Supervision::spawn`]); a task that cannot be built again
 //!   ([`Supervision::watch`]: a listener bound once, a component whose
 //!   state lives in its task) stays down with its check failing;
+//! - ends by itself without harm when it is one job, not a loop
+//!   ([`Supervision::once`]: a panic is logged, counted and fails its
+//!   check);
 //! - is awaited at shutdown through the node's task tracker.
 
 use std::future::Future;
@@ -119,6 +122,20 @@ impl Supervision {
     /// shutdown (returns, fails or panics), its check turns failing with
     /// the reason and the end is logged and counted; it is not restarted.
     pub fn watch(&self, name: &'static str, task: JoinHandle<()>) {
+        self.observe(name, task, true);
+    }
+
+    /// Runs `work`, a task that ends by itself once its job is done (cluster
+    /// mode's join, say): its end is fine, but a panic before shutdown is
+    /// logged, counted, and turns its check failing with the reason; it is
+    /// not restarted (what it did half is not known).
+    pub fn once(&self, name: &'static str, work: impl Future<Output = ()> + Send + 'static) {
+        self.observe(name, tokio::spawn(work.in_current_span()), false);
+    }
+
+    /// A check for `task` that fails when it panics or fails before
+    /// shutdown, or (`ending_fails`) ends at all.
+    fn observe(&self, name: &'static str, task: JoinHandle<()>, ending_fails: bool) {
         let reporter = HealthReporter::new();
         if let Some(healthz) = &self.healthz {
             healthz.add(name, reporter.check());
@@ -131,6 +148,9 @@ impl Supervision {
                 if let Err(error) = result {
                     tracing::error!(%error, "component failed while stopping");
                 }
+                return;
+            }
+            if result.is_ok() && !ending_fails {
                 return;
             }
             let reason = ended(name, result, &ends);
@@ -214,16 +234,34 @@ mod tests {
         tasks.wait().await;
     }
 
+    /// A supervision that counts task ends, and what it reports to.
+    struct Counted {
+        tasks: TaskTracker,
+        healthz: Healthz,
+        shutdown: CancellationToken,
+        ends: TaskEnds,
+        supervision: Supervision,
+    }
+
+    impl Counted {
+        fn new() -> Counted {
+            let (tasks, healthz, shutdown, ends) =
+                (TaskTracker::new(), Healthz::new(), CancellationToken::new(), TaskEnds::default());
+            let supervision = Supervision::new(shutdown.clone(), healthz.clone(), tasks.clone()).counting(ends.clone());
+            Counted { tasks, healthz, shutdown, ends, supervision }
+        }
+    }
+
+    fn ends_of(ends: &TaskEnds, task: &str, outcome: &str) -> u64 {
+        ends.get_or_create(&vec![("task", task.to_owned()), ("outcome", outcome.to_owned())]).get()
+    }
+
     /// A component task that panics before shutdown turns its check to
     /// failing with the panic's message and is counted; one that ends at
     /// shutdown is neither.
     #[tokio::test]
     async fn a_watched_component_that_dies_fails_its_check() {
-        let tasks = TaskTracker::new();
-        let healthz = Healthz::new();
-        let shutdown = CancellationToken::new();
-        let ends = TaskEnds::default();
-        let supervision = Supervision::new(shutdown.clone(), healthz.clone(), tasks.clone()).counting(ends.clone());
+        let Counted { tasks, healthz, shutdown, ends, supervision } = Counted::new();
         let gate = Arc::new(tokio::sync::Notify::new());
         let wait = gate.clone();
         let doomed = tokio::spawn(async move {
@@ -241,14 +279,46 @@ mod tests {
             .expect("in time")
             .expect("reporter alive");
         assert_eq!(healthz.get("doomed"), Some(ComponentHealth::Failing { reason: "panicked: boom".into() }));
-        let count = |task: &str, outcome: &str| {
-            ends.get_or_create(&vec![("task", task.to_owned()), ("outcome", outcome.to_owned())]).get()
-        };
+        let count = |task: &str, outcome: &str| ends_of(&ends, task, outcome);
         assert_eq!(count("doomed", "panicked"), 1);
         shutdown.cancel();
         tasks.close();
         tokio::time::timeout(Duration::from_secs(20), tasks.wait()).await.expect("supervisors end");
         assert_eq!(healthz.get("fine"), Some(ComponentHealth::Healthy), "ending at shutdown is not a failure");
         assert_eq!(count("fine", "stopped"), 0);
+    }
+
+    /// A one-shot task that finishes is fine; one that panics fails its
+    /// check and is counted, and is not run again.
+    #[tokio::test]
+    async fn a_one_shot_task_may_end_but_not_panic() {
+        let Counted { tasks, healthz, shutdown, ends, supervision } = Counted::new();
+        let runs = Arc::new(AtomicUsize::new(0));
+        let (done_runs, broken_runs) = (runs.clone(), runs.clone());
+        let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+        supervision.once("done", async move {
+            done_runs.fetch_add(1, Ordering::SeqCst);
+            let _ = done_tx.send(());
+        });
+        assert!(healthz.watch("broken").is_none(), "no check before it is added");
+        supervision.once("broken", async move {
+            broken_runs.fetch_add(1, Ordering::SeqCst);
+            panic!("half done");
+        });
+        let mut broken = healthz.watch("broken").expect("check exists");
+        tokio::time::timeout(Duration::from_secs(20), broken.wait_for(|h| !h.is_healthy()))
+            .await
+            .expect("in time")
+            .expect("reporter alive");
+        assert_eq!(healthz.get("broken"), Some(ComponentHealth::Failing { reason: "panicked: half done".into() }));
+        tokio::time::timeout(Duration::from_secs(20), done_rx).await.expect("in time").expect("ran");
+        let count = |task: &str, outcome: &str| ends_of(&ends, task, outcome);
+        assert_eq!(count("broken", "panicked"), 1);
+        shutdown.cancel();
+        tasks.close();
+        tokio::time::timeout(Duration::from_secs(20), tasks.wait()).await.expect("supervisors end");
+        assert_eq!(runs.load(Ordering::SeqCst), 2, "each ran once");
+        assert_eq!(healthz.get("done"), Some(ComponentHealth::Healthy), "a job that finished is healthy");
+        assert_eq!(count("done", "stopped"), 0);
     }
 }

@@ -61,6 +61,7 @@ use kubelet_plugins::{csi, device_manager, plugin_manager};
 use kubelet_pods::{pod, static_pods};
 #[cfg(test)]
 use kubelet_provider::fuzz;
+use kubelet_provider::supervisor::Supervision;
 use kubelet_provider::{self as provider, health, retry};
 use state::HttpState;
 
@@ -222,19 +223,23 @@ pub async fn bind(
 }
 
 impl BoundApi {
-    /// Serves until `shutdown`: `http` is what the handlers read,
-    /// `provider` runs exec, attach and port-forward, `configz` is what
-    /// `/configz` shows.
+    /// Serves until `supervision`'s shutdown: `http` is what the handlers
+    /// read, `provider` runs exec, attach and port-forward, `configz` is
+    /// what `/configz` shows. The serving certificate's renewal, when it
+    /// has one, is watched by `supervision`; the returned task (the
+    /// listener, bound once) is for the caller to watch.
     pub fn serve(
         self,
         http: HttpState,
         provider: Option<Arc<dyn Provider>>,
         configz: serde_json::Value,
-        shutdown: CancellationToken,
+        supervision: &Supervision,
     ) -> JoinHandle<()> {
+        let shutdown = supervision.shutdown().clone();
         let state = ApiState { http, provider, rates: Arc::default(), configz: Arc::new(configz) };
         if let Some(renewal) = self.renewal {
-            tokio::spawn(renewal.run(self.serving.clone(), shutdown.clone()));
+            let renewing = tokio::spawn(renewal.run(self.serving.clone(), shutdown.clone()));
+            supervision.watch("serving-certificate-renewal", renewing);
         }
         let failures = state.http.tls_failures.clone();
         let router = router(state, self.auth.clone());
@@ -243,6 +248,7 @@ impl BoundApi {
         let listener = self.listener;
         tracing::info!(%address, "kubelet API listening (HTTPS)");
         let span = tracing::info_span!("kubelet_api", %address);
+        // Not supervised here: the listener, returned to the node, which watches it (`kubelet-api`).
         tokio::spawn(
             async move {
                 let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
@@ -264,6 +270,7 @@ impl BoundApi {
                     let _ = stream.set_nodelay(true);
                     let (acceptor, router, shutdown) = (acceptor.clone(), router.clone(), shutdown.clone());
                     let failures = failures.clone();
+                    // Not supervised: one connection.
                     tokio::spawn(
                         async move {
                             let _slot = slot;

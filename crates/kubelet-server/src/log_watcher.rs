@@ -70,6 +70,7 @@ impl LogWatcher {
             state.watches = Some(stream.watches());
             state.instances += 1;
             let (inner, shutdown) = (std::sync::Arc::downgrade(&self.inner), self.shutdown.clone());
+            // Not supervised: one inotify instance's reader; it ends when no log is followed.
             tokio::spawn(Self::deliver(stream, inner, shutdown));
         }
         let watches = state.watches.as_mut().ok_or_else(|| std::io::Error::other("no log watcher"))?;

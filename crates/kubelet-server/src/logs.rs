@@ -268,6 +268,7 @@ const LOG_CHUNK: usize = 64 * 1024;
 /// renderer's byte limit, reading one chunk at a time.
 fn stream_log(mut file: tokio::fs::File, mut renderer: Renderer) -> Response {
     let (tx, rx) = mpsc::channel::<Result<String, std::io::Error>>(4);
+    // Not supervised: one request's log stream.
     tokio::spawn(async move {
         let mut decoder = CriLogDecoder::default();
         let mut buffer = vec![0u8; LOG_CHUNK];

@@ -84,6 +84,7 @@ pub async fn serve(
     let app = health_routes().with_state(state);
     tracing::info!(address = %bound, "http endpoint listening (/healthz, /metrics)");
     let span = tracing::info_span!("http_endpoint", address = %bound);
+    // Not supervised here: returned to the node, which watches it (`http-endpoint`).
     let task = tokio::spawn(
         async move {
             let result = axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned()).await;
@@ -116,6 +117,7 @@ pub fn serve_local(
     let listener = PeerChecked { inner: listener, own_uid: rustix::process::geteuid().as_raw(), refused };
     tracing::info!(socket = %path.display(), "local endpoint listening (/healthz, /metrics, /status, /pods, /node, /containerLogs)");
     let span = tracing::info_span!("local_endpoint", socket = %path.display());
+    // Not supervised here: returned to the node, which watches it (`local-endpoint`).
     Ok(tokio::spawn(
         async move {
             let result = axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned()).await;

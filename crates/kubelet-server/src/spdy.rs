@@ -321,6 +321,7 @@ where
 {
     let (read_half, write_half) = tokio::io::split(io);
     let (out, outgoing) = mpsc::channel::<Out>(64);
+    // Not supervised: one session's writer.
     let writer = tokio::spawn(write_frames(write_half, outgoing));
     let mut reader = Reader::new(read_half);
     let resize_expected = options.tty && matches!(protocol, "v4.channel.k8s.io" | "v3.channel.k8s.io");
@@ -498,6 +499,7 @@ impl Opened {
             let (mut ours, theirs) = tokio::io::duplex(PIPE);
             *slot = Some(theirs);
             let out = out.clone();
+            // Not supervised: one session's stream.
             forwarders.push(tokio::spawn(async move {
                 let mut buffer = vec![0u8; DATA_CHUNK];
                 loop {

@@ -177,6 +177,7 @@ impl Sessions {
     /// until it ends or the node stops.
     pub(crate) fn spawn(&self, guard: SessionGuard, work: impl std::future::Future<Output = ()> + Send + 'static) {
         let shutdown = self.shutdown.clone();
+        // Not supervised: one streaming session, tracked until it ends or the node stops.
         self.tasks.spawn(async move {
             let _guard = guard;
             tokio::select! {

@@ -368,6 +368,7 @@ async fn proxy(mut request: Request, url: &str, sessions: &Sessions) -> Response
         Ok(pair) => pair,
         Err(error) => return bad_gateway(format!("the runtime's streaming server: {error}")),
     };
+    // Not supervised: one proxied connection.
     tokio::spawn(async move {
         if let Err(error) = connection.with_upgrades().await {
             tracing::debug!(%error, "streaming server connection ended");

@@ -126,6 +126,7 @@ where
 {
     let (mut read_half, mut write_half) = tokio::io::split(io);
     let (out, mut outgoing) = mpsc::channel::<Vec<u8>>(64);
+    // Not supervised: one session's writer.
     let writer = tokio::spawn(async move {
         while let Some(bytes) = outgoing.recv().await {
             if write_half.write_all(&bytes).await.is_err() {
@@ -152,6 +153,7 @@ where
         let (mut ours, theirs) = tokio::io::duplex(PIPE);
         *slot = Some(theirs);
         let out = out.clone();
+        // Not supervised: one session's stream.
         forwarders.push(tokio::spawn(async move {
             let mut buffer = vec![0u8; DATA_CHUNK];
             loop {

@@ -196,6 +196,7 @@ impl FakeCsiDriver {
     pub fn spawn(self, shutdown: CancellationToken) -> std::io::Result<tokio::task::JoinHandle<()>> {
         let listener = kubelet_api::uds::bind(&self.endpoint).map_err(std::io::Error::other)?;
         let endpoint = self.endpoint.clone();
+        // Not supervised: a sample plugin's server, returned to its caller (a plugin process or a test).
         Ok(tokio::spawn(async move {
             let router = tonic::transport::Server::builder()
                 .add_service(IdentityServer::new(self.clone()))

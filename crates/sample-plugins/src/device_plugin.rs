@@ -119,6 +119,7 @@ impl FakeDevicePlugin {
     /// Binds `socket` now and serves until `shutdown`.
     pub fn spawn(self, socket: &Path, shutdown: CancellationToken) -> std::io::Result<tokio::task::JoinHandle<()>> {
         let listener = kubelet_api::uds::bind(socket).map_err(std::io::Error::other)?;
+        // Not supervised: a sample plugin's server, returned to its caller (a plugin process or a test).
         Ok(tokio::spawn(async move {
             let router = tonic::transport::Server::builder().add_service(DevicePluginServer::new(self));
             let _ = kubelet_api::uds::serve(router, listener, shutdown.cancelled_owned()).await;
@@ -286,6 +287,7 @@ impl DevicePlugin for FakeDevicePlugin {
 /// guard reports the stream's end when the node hangs up.
 fn device_stream(mut devices: watch::Receiver<Vec<DeviceSpec>>, guard: StreamGuard) -> DeviceStream {
     let (tx, rx) = tokio::sync::mpsc::channel(4);
+    // Not supervised: one ListAndWatch stream of a sample plugin.
     tokio::spawn(async move {
         let _guard = guard;
         loop {

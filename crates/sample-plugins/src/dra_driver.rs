@@ -275,9 +275,11 @@ impl DraDriver {
         )
         .spawn(shutdown.clone())?;
         if let Some(client) = self.client.clone() {
+            // Not supervised: a sample driver's ResourceSlice loop, until its shutdown.
             tokio::spawn(self.clone().keep_slice(client, shutdown.clone()));
         }
         let driver = self.clone();
+        // Not supervised: a sample plugin's server, returned to its caller (a plugin process or a test).
         Ok(tokio::spawn(async move {
             let router = tonic::transport::Server::builder()
                 .add_service(v1::dra_plugin_server::DraPluginServer::new(driver.clone()))

@@ -82,6 +82,7 @@ impl RegistrationPlugin {
     pub fn spawn(self, shutdown: CancellationToken) -> std::io::Result<tokio::task::JoinHandle<()>> {
         let listener = kubelet_api::uds::bind(&self.socket).map_err(std::io::Error::other)?;
         let socket = self.socket.clone();
+        // Not supervised: a sample plugin's server, returned to its caller (a plugin process or a test).
         Ok(tokio::spawn(async move {
             let router = tonic::transport::Server::builder().add_service(RegistrationServer::new(self));
             if let Err(error) = kubelet_api::uds::serve(router, listener, shutdown.cancelled_owned()).await {

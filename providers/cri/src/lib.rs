@@ -325,6 +325,7 @@ impl CriProvider {
         shutdown: tokio_util::sync::CancellationToken,
     ) -> tokio::task::JoinHandle<()> {
         let provider = self.clone();
+        // Not supervised here: returned to the embedder, which watches it (the binary: `runtime-health`).
         tokio::spawn(async move {
             let mut last: Option<Result<(), RuntimeNotReady>> = None;
             loop {
@@ -488,6 +489,7 @@ impl CriProvider {
         }
         *relisting = true;
         let provider = self.clone();
+        // Not supervised: a relist while exits are waited for; it ends when none is, and the next wait starts another.
         tokio::spawn(async move {
             loop {
                 if provider.inner.waited.lock().unwrap_or_else(|p| p.into_inner()).is_empty() {

@@ -241,6 +241,7 @@ impl StreamSession for ExecSession {
         let ExecSession { runtime, threads, compiled, mut spec } = *self;
         spec.output = Output::Session(Arc::new(Mutex::new(Some(streams))));
         // The instance ends with the session: a client that leaves stops it.
+        // Not supervised: one exec session's instance, aborted with the session.
         let mut run = AbortOnDrop(threads.spawn(async move { runtime.run(compiled, spec).await }));
         match (&mut run.0).await {
             Ok(exit) => Ok(exit.exit_code),
@@ -363,11 +364,18 @@ impl WasiProvider {
             .map_err(|source| StartError::Threads { what: "wasm threads", source })?;
         let pod_images: Arc<Mutex<HashMap<String, HashSet<String>>>> = Arc::default();
         let collector = (store.clone(), runtime.clone(), pod_images.clone());
+        // Not supervised: the provider's image collector, on its own threads; a panic in one round is caught and logged, and the next round runs.
         threads.spawn(async move {
             let (store, runtime, pod_images) = collector;
             loop {
                 tokio::time::sleep(config.image_gc_period).await;
-                collect_garbage(&store, &runtime, &pod_images, config.image_gc_min_age);
+                let round = std::panic::AssertUnwindSafe(|| {
+                    collect_garbage(&store, &runtime, &pod_images, config.image_gc_min_age);
+                });
+                if let Err(panic) = std::panic::catch_unwind(round) {
+                    let message = kubelet_provider::health::panic_message(&*panic);
+                    tracing::error!(panic = %message, "image garbage collection panicked; the next round runs as planned");
+                }
             }
         });
         // The heap keeps what removed pods freed unless told to give it
@@ -376,6 +384,7 @@ impl WasiProvider {
         // while they go on.
         let removed_since_trim = Arc::new(AtomicU64::new(0));
         let removed = removed_since_trim.clone();
+        // Not supervised: the provider's heap trimmer, on its own threads; the trim runs on a blocking thread, whose panic is only a failed trim.
         threads.spawn(async move {
             let mut seen = 0;
             loop {
@@ -533,6 +542,7 @@ impl Provider for WasiProvider {
         // On the provider's threads: a slow registry never holds the node's.
         let record = self
             .threads()
+            // Not supervised: one pull, awaited here.
             .spawn(async move { puller.ensure_with(&owned, policy, credentials).await })
             .await
             .map_err(|e| ProviderError::new(ProviderErrorKind::Other, e.to_string()))?
@@ -628,6 +638,7 @@ impl Provider for WasiProvider {
         let runtime = self.runtime.clone();
         let task_id = id.clone();
         let attach_log = log.clone();
+        // Not supervised: one container's instance, for as long as it runs.
         self.threads().spawn(async move {
             let exit = tokio::select! {
                 exit = runtime.run(compiled, spec) => exit,
@@ -721,6 +732,7 @@ impl Provider for WasiProvider {
         // The instance yields at every epoch tick: aborting ends it, at the
         // timeout or when the caller (a probe of a container that ended)
         // goes away.
+        // Not supervised: one exec's instance, aborted at its timeout or with its caller.
         let mut run = AbortOnDrop(self.threads().spawn(async move { runtime.run(compiled, spec).await }));
         let exit = match tokio::time::timeout(timeout, &mut run.0).await {
             Ok(Ok(exit)) => exit,

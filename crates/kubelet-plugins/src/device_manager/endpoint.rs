@@ -163,9 +163,11 @@ impl DeviceManager {
         watching: impl std::future::Future<Output = Option<String>> + Send + 'static,
         span: tracing::Span,
     ) {
+        // Not supervised: one plugin's ListAndWatch stream, for as long as it is connected; the task below reports its end.
         let watching = self.inner.tasks.spawn(watching.instrument(span.clone()));
         let manager = self.clone();
         let resource = resource.to_owned();
+        // Not supervised: reports the end of the stream above (a panic too) and ends.
         self.inner.tasks.spawn(
             async move {
                 let reason = match watching.await {
@@ -271,6 +273,7 @@ impl DeviceManager {
         let manager = self.clone();
         let span = tracing::info_span!("grace_timer", resource, generation);
         let resource = resource.to_owned();
+        // Not supervised: one grace timer of a plugin that left.
         self.inner.tasks.spawn(
             async move {
                 let fired = tokio::select! {

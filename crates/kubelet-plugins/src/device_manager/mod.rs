@@ -397,6 +397,7 @@ impl DeviceManager {
             })
             .map_err(|source| DeviceManagerError::Thread { source })?;
         let manager = self.clone();
+        // Not supervised: waits for shutdown to stop the checkpoint writer; nothing to restart.
         self.inner.tasks.spawn(async move {
             manager.inner.shutdown.cancelled().await;
             manager.inner.checkpoint.stop();

@@ -79,6 +79,7 @@ pub(super) fn start(manager: DeviceManager) -> Result<(), DeviceManagerError> {
     let tasks = manager.inner.tasks.clone();
     let health = manager.inner.registration_health.clone();
     let span = tracing::info_span!("device_plugin_registration", socket = %socket.display());
+    // Not supervised (unfinished): the device manager's own `kubelet.sock` loop, which rebinds the socket and reports in its registration check; the manager is not given the node's supervisor.
     tasks.spawn(
         async move {
             let _watcher = watcher;
@@ -88,6 +89,7 @@ pub(super) fn start(manager: DeviceManager) -> Result<(), DeviceManagerError> {
                 let stop = shutdown.child_token();
                 let router = tonic::transport::Server::builder()
                     .add_service(RegistrationServer::new(RegistrationService { manager: manager.clone() }));
+                // Not supervised: served until the loop around it stops it, and awaited there.
                 let server = tokio::spawn(kubelet_api::uds::serve(router, listener, stop.clone().cancelled_owned()));
                 // Wait until the socket is no longer ours, or shutdown.
                 loop {

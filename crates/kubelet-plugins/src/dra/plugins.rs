@@ -340,6 +340,7 @@ impl DraDrivers {
         tracing::info!(driver = %plugin.name, endpoint = %plugin.endpoint, %version, instances, "DRA driver instance registered");
         self.changed();
         let drivers = self.clone();
+        // Not supervised: lives as long as one driver instance's connection.
         tokio::spawn(async move { drivers.watch_connection(instance, stop).await });
         Ok(())
     }

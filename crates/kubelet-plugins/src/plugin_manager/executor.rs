@@ -162,6 +162,7 @@ impl Reconciler {
         );
         let task_path = path.to_path_buf();
         let RegisteredPlugin { uuid, info, handler } = plugin;
+        // Not supervised: one (de)registration, tracked and abortable; it ends with the operation.
         let abort = self.tasks.spawn(
             async move {
                 let started = Instant::now();
@@ -192,6 +193,7 @@ impl Reconciler {
         let trust = self.config.trust.clone();
         let span = tracing::info_span!("register_plugin", socket = %path.display());
         let task_path = path.clone();
+        // Not supervised: one (de)registration, tracked and abortable; it ends with the operation.
         let abort = self.tasks.spawn(
             async move {
                 // Closed only on shutdown, when the task is aborted anyway.

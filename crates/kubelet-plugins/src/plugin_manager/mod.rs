@@ -244,6 +244,7 @@ impl PluginManager {
         reconciler.set_watcher(watch);
         tracing::info!(dir = %dir.display(), "plugin manager watching for plugin sockets");
         let span = tracing::info_span!("plugin_manager", dir = %dir.display());
+        // Not supervised here: returned to the node, which watches it (`plugin-manager-task`).
         let task = tokio::spawn(
             async move {
                 reconciler.run(fs_rx, shutdown).await;

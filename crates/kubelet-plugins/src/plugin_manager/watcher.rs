@@ -281,6 +281,7 @@ pub(crate) fn start(root: &Path, tx: EventSender) -> Result<Watcher, WatcherErro
     let watches = stream.watches();
     let by_descriptor: WatchedDirs = Arc::default();
     let span = tracing::info_span!("plugin_watcher", dir = %root.display());
+    // Not supervised: its end closes the event channel, which ends the plugin manager's task (watched).
     let reader = tokio::spawn(tracing::Instrument::instrument(read_events(stream, by_descriptor.clone(), tx), span));
     let mut watcher = Watcher { watches, dirs: BTreeMap::new(), by_descriptor, reader };
     watcher.add(root).map_err(watch_error)?;

@@ -355,6 +355,7 @@ fn watch_exit(data: &mut PodData, provider: &Arc<dyn Provider>, name: &str, id: 
     let provider = Arc::clone(provider);
     let sender = data.event_sender.clone();
     let container = name.to_owned();
+    // Not supervised: the pod's own task (its JoinSet), aborted when its lifecycle ends.
     data.waiters.spawn(async move {
         let exit = provider.wait_container(&id).await;
         let _ = sender.send(ContainerEvent::Exit(ExitReport { container, id, exit }));
@@ -403,6 +404,7 @@ fn start_probes(
             recorder: data.recorder.clone(),
             metrics: data.probe_metrics.clone(),
         };
+        // Not supervised: the pod's own task (its JoinSet), aborted when its lifecycle ends.
         state.tasks.push(data.waiters.spawn(worker.run()));
     }
     if let Some(record) = data.containers.get_mut(name) {
@@ -538,6 +540,7 @@ pub(crate) fn watch_manifest(
     let uid = data.id.uid.clone();
     // The sizes the pod runs with: a manifest with others asks for a resize.
     let mut sizes = super::resize::sizes(&data.pod);
+    // Not supervised: the pod's own task (its JoinSet), aborted when its lifecycle ends.
     data.waiters.spawn(async move {
         let mut open = true;
         let mut deadline_sent = false;
@@ -789,6 +792,7 @@ pub(crate) async fn stop_all(ctx: &mut Context<PodLifecycle>, grace: Duration) -
                 .flatten()
                 .filter(|spec| super::hooks::Hook::PreStop.handler(spec).is_some() && !grace.is_zero());
             let (pod, recorder) = (Arc::clone(&pod), recorder.clone());
+            // Not supervised: one container's stop, joined by the pod's termination.
             stops.spawn(async move {
                 let mut grace = grace;
                 if let Some(spec) = hook {

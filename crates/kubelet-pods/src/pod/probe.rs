@@ -447,6 +447,7 @@ where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await?;
+    // Not supervised: one probe's HTTP connection.
     tokio::spawn(conn);
     sender.send_request(request).await
 }

@@ -313,6 +313,7 @@ fn wait_for_release(ctx: &mut Context<PodLifecycle>) {
     }
     let mut released = ctx.machine.admitted.releases();
     let sender = ctx.data.event_sender.clone();
+    // Not supervised: the pod's own task (its JoinSet), aborted when its lifecycle ends.
     ctx.data.waiters.spawn(async move {
         if released.changed().await.is_ok() {
             let _ = sender.send(ContainerEvent::Resize);

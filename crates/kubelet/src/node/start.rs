@@ -274,7 +274,8 @@ pub(super) async fn start_pods(
     let refresher = pods.refresh_volume_stats(config.pods.volume_stats_period, (*shutdown).clone());
     supervision.watch("volume-stats", tokio::spawn(refresher));
     // Claims their drivers did not release yet are released in the background.
-    tasks.spawn(parts.dra_claims.clone().keep_releasing(Duration::from_secs(30), (*shutdown).clone()));
+    let releasing = tokio::spawn(parts.dra_claims.clone().keep_releasing(Duration::from_secs(30), (*shutdown).clone()));
+    supervision.watch("dra-claim-release", releasing);
     if let Some(pod_resources) = &config.pod_resources {
         serve_pod_resources(pod_resources, &pods, &plugins.devices, &parts.dra_claims, supervision);
     }
@@ -302,6 +303,7 @@ pub(super) async fn start_pods(
     );
     supervision.watch("volume-reconciler", reconciler);
     let stop = (*shutdown).clone();
+    // Not supervised: one job, awaited below once every pod source is ready.
     let sources_ready = tasks.spawn(
         async move {
             tokio::select! {
@@ -407,7 +409,7 @@ pub(super) async fn start_endpoints(
         (Some(bound), Some(api)) => {
             let address = bound.address;
             let configz = super::configz(config, api, address);
-            supervision.watch("kubelet-api", bound.serve(state.clone(), provider, configz, (*shutdown).clone()));
+            supervision.watch("kubelet-api", bound.serve(state.clone(), provider, configz, supervision));
             Some(address)
         }
         _ => None,

@@ -302,6 +302,7 @@ fn spawn_volume_refresh(ctx: &mut Context<PodLifecycle>) {
             }
         }
     };
+    // Not supervised: the pod's own task (its JoinSet), aborted when its lifecycle ends.
     ctx.data.waiters.spawn(tracing::Instrument::instrument(
         task,
         tracing::info_span!("volume_refresh", pod.uid = %ctx.data.id.uid),
