@@ -99,10 +99,8 @@
 //! # }
 //! ```
 
-mod machine;
 mod runtime;
 mod state;
 
-pub use machine::{Context, Machine, Outcome};
 pub use runtime::{Applied, Deleted, Runtime};
-pub use state::{State, Transition, TransitionTo};
+pub use state::{Context, Machine, Outcome, State, Transition, TransitionTo};

@@ -27,8 +27,8 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
-use crate::machine::{Context, Machine, Outcome};
 use crate::state::Step;
+use crate::state::{Context, Machine, Outcome};
 
 /// What [`Runtime::apply`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -26,6 +26,8 @@ pub fn write_with(path: &Path, mode: u32, fill: impl FnOnce(&mut File) -> std::i
             _ => {}
         }
         let mut file = create_new(&temp, mode)?;
+        // The mode given, whatever the process's umask took from it.
+        file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(mode))?;
         fill(&mut file)?;
         file.sync_all()?;
         drop(file);
@@ -109,5 +111,15 @@ mod tests {
         assert!(failed.is_err());
         assert_eq!(std::fs::read_to_string(&key).expect("key"), "new");
         assert_eq!(std::fs::read_dir(dir.path()).expect("dir").count(), 4);
+    }
+
+    /// The mode is the one given, not what the umask leaves of it (0666 is
+    /// 0644 under the usual umask of 022).
+    #[test]
+    fn the_mode_given_is_the_files_whatever_the_umask() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let shared = dir.path().join("shared");
+        write(&shared, b"for everyone\n", 0o666).expect("written");
+        assert_eq!(std::fs::metadata(&shared).expect("meta").permissions().mode() & 0o777, 0o666);
     }
 }

@@ -53,6 +53,7 @@ use kubelet_api::cri::v1::image_service_client::ImageServiceClient;
 use kubelet_api::cri::v1::runtime_service_client::RuntimeServiceClient;
 use kubelet_api::uds::{UdsChannel, dial, socket_path_of};
 use kubelet_provider::cgroups::PodCgroups;
+use kubelet_provider::retry::RetryBackoff;
 use kubelet_provider::{
     ContainerExit, ContainerId, ContainerLaunch, ContainerStats, ExecOutput, PreparedImage, Provider, ProviderError,
     ProviderErrorKind, PullPolicy, PullSecrets, RunningContainer, StreamRequest, StreamingEndpoint,
@@ -489,6 +490,10 @@ impl CriProvider {
         }
         *relisting = true;
         let provider = self.clone();
+        // A failed listing is tried again after a jittered backoff from the
+        // relist interval up to 30 s, so that a runtime that is down is not
+        // asked at every interval.
+        let mut failures = RetryBackoff::new(provider.inner.config.relist_interval, Duration::from_secs(30));
         // Not supervised: a relist while exits are waited for; it ends when none is, and the next wait starts another.
         tokio::spawn(async move {
             loop {
@@ -499,16 +504,22 @@ impl CriProvider {
                         return;
                     }
                 }
-                match provider.running_ids().await {
+                let wait = match provider.running_ids().await {
                     Ok(running) => {
                         provider.inner.relisted.send_modify(|(generation, ids)| {
                             *generation += 1;
                             *ids = running;
                         });
+                        failures.reset();
+                        provider.inner.config.relist_interval
                     }
-                    Err(error) => tracing::warn!(%error, "listing the running containers failed; retrying"),
-                }
-                tokio::time::sleep(provider.inner.config.relist_interval).await;
+                    Err(error) => {
+                        let wait = failures.next_delay();
+                        tracing::warn!(%error, retry_in = ?wait, "listing the running containers failed; retrying");
+                        wait
+                    }
+                };
+                tokio::time::sleep(wait).await;
             }
         });
     }

@@ -24,7 +24,7 @@
 //!   it reads as zeroes next time) and reused. Wasm code cannot overflow
 //!   its stack: compiled code checks its depth against `max_wasm_stack`,
 //!   and the stack is larger by the room host calls need (see
-//!   [`crate::runtime`]). What a guard page per stack would add is a clean
+//!   the runtime module). What a guard page per stack would add is a clean
 //!   crash instead of a corrupt neighbour if the host's own code (WASI)
 //!   went deeper than that room; the slab's one guard catches it for the
 //!   lowest stack only.

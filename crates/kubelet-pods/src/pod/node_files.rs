@@ -103,11 +103,9 @@ pub(crate) fn prepare(
         let path = pod_dir.join("etc-hosts");
         let text = hosts_file(&data.pod, &downward.pod_ips, &lifecycle.config.cluster_domain);
         std::fs::create_dir_all(&pod_dir).map_err(|e| format!("{}: {e}", pod_dir.display()))?;
-        let partial = pod_dir.join("etc-hosts.partial");
-        std::fs::write(&partial, text).map_err(|e| format!("{}: {e}", partial.display()))?;
-        std::fs::set_permissions(&partial, std::fs::Permissions::from_mode(0o644))
-            .map_err(|e| format!("{}: {e}", partial.display()))?;
-        std::fs::rename(&partial, &path).map_err(|e| format!("{}: {e}", path.display()))?;
+        // Replaced whole: a container mounting it sees the old file or the new.
+        kubelet_provider::durable::write(&path, text.as_bytes(), 0o644)
+            .map_err(|e| format!("{}: {e}", path.display()))?;
         mounts.push(Mount { container_path: "/etc/hosts".into(), host_path: path, read_only: false, volume: None });
     }
     let mut termination_message = None;

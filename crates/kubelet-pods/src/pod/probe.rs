@@ -741,17 +741,17 @@ impl Worker {
             }
             grace = grace.saturating_sub(began.elapsed()).max(super::hooks::MIN_STOP_GRACE);
         }
-        let mut retry = Duration::from_millis(500);
+        let mut backoff = crate::retry::RetryBackoff::new(Duration::from_millis(500), Duration::from_secs(30));
         loop {
             tracing::info!(container = %self.container, id = %self.target.id, probe = self.spec.kind.title(), ?grace, "killing the container: its probe failed");
             match self.target.provider.stop_container(&self.target.id, grace).await {
                 Ok(()) => return,
                 Err(error) => {
+                    let retry = backoff.next_delay();
                     tracing::warn!(container = %self.container, %error, ?retry, "could not kill the container after its probe failed; trying again");
+                    tokio::time::sleep(retry).await;
                 }
             }
-            tokio::time::sleep(retry).await;
-            retry = (retry * 2).min(Duration::from_secs(30));
         }
     }
 }
