@@ -197,7 +197,7 @@ async fn a_refused_status_write_is_retried_counted_and_holds_back_no_other_pod()
     node.server().wait_object(pod_key("refused"), SOON, |p| p.is_some_and(running)).await.expect("running");
     let mut registry = prometheus_client::registry::Registry::default();
     node.metrics.register(&mut registry);
-    let text = kubelet::provider::metrics::encode_text(&registry).expect("encode");
+    let text = kubelet::metrics::encode_text(&registry).expect("encode");
     let value = |name: &str| -> u64 {
         text.lines()
             .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())

@@ -207,7 +207,7 @@ impl CriNode {
         pressure: &kubelet::eviction::pressure::Pressure,
         signal: kubelet::eviction::Signal,
         bytes: u128,
-        kubepods: Option<(kubelet::provider::cgroups::CgroupFs, String)>,
+        kubepods: Option<(kubelet::cgroups::CgroupFs, String)>,
     ) -> CancellationToken {
         use kubelet::eviction::{Threshold, ThresholdValue};
         let value = ThresholdValue::Quantity(bytes);
@@ -221,7 +221,7 @@ impl CriNode {
         &self,
         pressure: &kubelet::eviction::pressure::Pressure,
         thresholds: Vec<kubelet::eviction::Threshold>,
-        kubepods: Option<(kubelet::provider::cgroups::CgroupFs, String)>,
+        kubepods: Option<(kubelet::cgroups::CgroupFs, String)>,
     ) -> CancellationToken {
         use kubelet::eviction::Thresholds;
         use kubelet::eviction::manager::{EvictionManager, EvictionSettings};
@@ -324,7 +324,7 @@ async fn containers_run_with_the_oom_score_of_their_qos_class() {
 /// and each pod's group goes with the pod.
 #[tokio::test]
 async fn pods_run_in_the_kubelets_cgroup_hierarchy_with_their_limits() {
-    use kubelet::provider::cgroups::{CgroupResources, CgroupVersion, PodCgroups, QosCgroupSettings};
+    use kubelet::cgroups::{CgroupResources, CgroupVersion, PodCgroups, QosCgroupSettings};
     let test = "pods_run_in_the_kubelets_cgroup_hierarchy_with_their_limits";
     let Some(containerd) = Containerd::shared(test) else { return };
     let Some(root) = rustlet_testkit::cgroups::TestCgroupRoot::new(test) else { return };
@@ -405,9 +405,9 @@ async fn pods_run_in_the_kubelets_cgroup_hierarchy_with_their_limits() {
 /// transition period.
 #[tokio::test]
 async fn a_greedy_pod_is_evicted_alone_and_the_pressure_passes() {
+    use kubelet::cgroups::{CgroupResources, PodCgroups, QosCgroupSettings};
     use kubelet::eviction::Signal;
     use kubelet::eviction::pressure::Pressure;
-    use kubelet::provider::cgroups::{CgroupResources, PodCgroups, QosCgroupSettings};
     let test = "a_greedy_pod_is_evicted_alone_and_the_pressure_passes";
     let Some(containerd) = Containerd::shared(test) else { return };
     let Some(root) = rustlet_testkit::cgroups::TestCgroupRoot::new(test) else { return };
@@ -1748,8 +1748,8 @@ async fn a_container_on_containerd_sees_its_claims_cdi_env_from_upstreams_driver
 /// has the new limits too.
 #[tokio::test]
 async fn a_resize_reaches_the_running_containers_cgroup_on_containerd() {
+    use kubelet::cgroups::{CgroupVersion, PodCgroups, QosCgroupSettings};
     use kubelet::provider::ContainerId;
-    use kubelet::provider::cgroups::{CgroupVersion, PodCgroups, QosCgroupSettings};
     let test = "a_resize_reaches_the_running_containers_cgroup_on_containerd";
     let Some(containerd) = Containerd::shared(test) else { return };
     let Some(root) = rustlet_testkit::cgroups::TestCgroupRoot::new(test) else { return };

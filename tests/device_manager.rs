@@ -852,7 +852,7 @@ async fn a_thousand_concurrent_allocations_get_distinct_devices() {
 fn metrics_text(node: &Node) -> String {
     let mut registry = prometheus_client::registry::Registry::default();
     node.devices.register_metrics(&mut registry);
-    kubelet::provider::metrics::encode_text(&registry).expect("encode")
+    kubelet::metrics::encode_text(&registry).expect("encode")
 }
 
 /// Upstream's device-plugin metrics: registrations counted as they arrive

@@ -422,7 +422,7 @@ mod cluster {
         // error), each call to the driver by method and status code.
         let mut registry = prometheus_client::registry::Registry::default();
         node.dra_drivers().register_metrics(&mut registry);
-        let text = kubelet::provider::metrics::encode_text(&registry).expect("encode");
+        let text = kubelet::metrics::encode_text(&registry).expect("encode");
         for series in [
             "dra_operations_duration_seconds_count{operation_name=\"PrepareResources\",is_error=\"false\"} ",
             "dra_operations_duration_seconds_count{operation_name=\"PrepareResources\",is_error=\"true\"} ",

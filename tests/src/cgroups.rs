@@ -1,7 +1,7 @@
 //! A cgroup root of one test's, so that the node's `kubepods` hierarchy of
 //! one test neither meets another's nor outlives the test.
 
-use kubelet::provider::cgroups::CgroupFs;
+use kubelet::cgroups::CgroupFs;
 
 use crate::skip::{Need, skip};
 
@@ -11,7 +11,7 @@ use crate::skip::{Need, skip};
 pub struct TestCgroupRoot {
     /// The root's name, for `--cgroup-root` or [`QosCgroupSettings::root`].
     ///
-    /// [`QosCgroupSettings::root`]: kubelet::provider::cgroups::QosCgroupSettings::root
+    /// [`QosCgroupSettings::root`]: kubelet::cgroups::QosCgroupSettings::root
     pub name: String,
     /// The host's cgroup file system.
     pub fs: CgroupFs,

@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Instant;
 
-use kubelet_provider::metrics::ScrapeFamily;
+use kubelet_support::metrics::ScrapeFamily;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -238,7 +238,7 @@ mod tests {
         metrics.client_certificate(jiff::Timestamp::now() + jiff::SignedDuration::from_hours(2));
         let mut registry = Registry::default();
         metrics.register(&mut registry);
-        let text = kubelet_provider::metrics::encode_text(&registry).expect("encodes");
+        let text = kubelet_support::metrics::encode_text(&registry).expect("encodes");
         assert!(
             text.contains("rest_client_requests_total{code=\"200\",host=\"10.0.0.1:6443\",method=\"GET\"} 2\n"),
             "{text}"

@@ -138,14 +138,14 @@ impl Reservation {
     /// kube reservations (not the eviction thresholds: the kernel's limit
     /// stays above the point where the node evicts), cpu as shares (no
     /// quota), process IDs when some are reserved.
-    pub fn kubepods(&self, capacity: Allocatable) -> crate::provider::cgroups::CgroupResources {
+    pub fn kubepods(&self, capacity: Allocatable) -> kubelet_support::cgroups::CgroupResources {
         let reserved = self.system.plus(self.kube);
         let pids = (reserved.pids > 0)
             .then(|| crate::eviction::manager::pid_capacity().map(|max| max.saturating_sub(reserved.pids)))
             .flatten()
             .and_then(|p| u64::try_from(p).ok());
-        crate::provider::cgroups::CgroupResources {
-            cpu_shares: Some(crate::provider::cgroups::shares(capacity.cpu_milli.saturating_sub(reserved.cpu_milli))),
+        kubelet_support::cgroups::CgroupResources {
+            cpu_shares: Some(kubelet_support::cgroups::shares(capacity.cpu_milli.saturating_sub(reserved.cpu_milli))),
             cpu_quota: None,
             memory_limit: u64::try_from(capacity.memory.saturating_sub(reserved.memory)).ok(),
             pids_limit: pids,

@@ -50,14 +50,15 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 pub use csi_info::{ApiNodeInfo, CsiInfoStats};
-pub use kubelet_provider::supervisor::Supervision;
+pub use kubelet_support::supervisor::Supervision;
 pub use node_sync::{LEASE_NAMESPACE, NodeSync, NodeSyncConfig, NodeSyncStats};
 pub use pod_sync::{PodSync, PodSyncConfig, PodSyncMetrics, PodSyncStats};
 
 use kubelet_api::uds::error_chain;
 use kubelet_plugins::{csi, device_manager, dra};
 use kubelet_pods::{events, eviction, pod, runtime_class, volume};
-use kubelet_provider::{self as provider, durable, health, retry};
+use kubelet_provider as provider;
+use kubelet_support::{durable, health, retry};
 
 use capacity::NodeDescription;
 use device_manager::DeviceManager;

@@ -23,5 +23,5 @@ pub mod plugin_manager;
 pub mod plugin_trust;
 
 #[cfg(test)]
-use kubelet_provider::fuzz;
-use kubelet_provider::{durable, health, retry};
+use kubelet_support::fuzz;
+use kubelet_support::{durable, health, retry};

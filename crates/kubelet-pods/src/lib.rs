@@ -32,6 +32,7 @@ pub mod volume;
 pub use api_error::ApiError;
 
 use kubelet_plugins::{csi, device_manager, dra};
+use kubelet_provider as provider;
 #[cfg(test)]
-use kubelet_provider::fuzz;
-use kubelet_provider::{self as provider, retry};
+use kubelet_support::fuzz;
+use kubelet_support::retry;

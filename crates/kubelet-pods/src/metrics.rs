@@ -35,7 +35,7 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kubelet_provider::metrics::{DEFAULT_BUCKETS, ScrapeFamily, exponential_buckets};
+use kubelet_support::metrics::{DEFAULT_BUCKETS, ScrapeFamily, exponential_buckets};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;

@@ -1,20 +1,15 @@
 //! The contract between Rustlet's node and a provider: the [`Provider`]
-//! trait and every type it speaks, with the few tools a provider shares with
-//! the node. A provider author depends on this crate alone; the `kubelet`
-//! crate (the facade) is needed only to run a node.
+//! trait and every type it speaks. A provider author depends on this crate
+//! (and `kubelet-api` for wire types it uses); the `kubelet` crate (the
+//! facade) is needed only to run a node. What the node runs with (health
+//! checks, the supervisor, retry backoff, durable files, cgroups, the
+//! metrics text format) is in `kubelet-support`, which a provider may use
+//! but need not read.
 //!
 //! - The crate root: the [`Provider`] trait, what a container is started
 //!   with ([`ContainerLaunch`], [`ContainerRunOptions`], [`Mount`],
 //!   [`DeviceNode`]), how it ended ([`ContainerExit`]), streaming sessions,
 //!   stats, the CRI log format and [`ProviderError`].
-//! - [`health`]: how a long-running component reports its health to the
-//!   node's `/healthz`.
-//! - [`durable`]: the one durable file write (temporary file, fsync, rename,
-//!   directory fsync) every checkpoint, key and store uses.
-//! - [`retry`]: the one jittered backoff every retry uses.
-//! - [`supervisor`]: the one supervisor of long-running tasks (health
-//!   check each, ends caught and counted, restarts with backoff).
-//! - [`metrics`]: the Prometheus text format the node serves its series in.
 //! - [`quantity`], [`hostname`] and [`qos`]: Kubernetes quantities, pod
 //!   hostnames, QoS classes and OOM score adjustments as the kubelet
 //!   computes them.
@@ -39,17 +34,9 @@
 //! - `stop_container` asks the container to stop and kills it when the grace
 //!   period runs out; it returns once the container no longer runs.
 
-pub mod cgroups;
-pub mod durable;
-#[doc(hidden)]
-pub mod fuzz;
-pub mod health;
 pub mod hostname;
-pub mod metrics;
 pub mod qos;
 pub mod quantity;
-pub mod retry;
-pub mod supervisor;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -873,27 +860,5 @@ mod tests {
         assert_eq!(seen[1].1, "part-two\n");
         assert_eq!(seen.len(), 2);
         assert_eq!(decoder.finish(), ["last\n"]);
-    }
-
-    /// Fuzz target: CRI log files as the node reads them (whole, and as
-    /// they grow in chunks of any size): lines out, never a panic; the
-    /// text fed in chunks decodes as the whole does.
-    #[test]
-    fn fuzz_cri_log_lines() {
-        let ran = crate::fuzz::Fuzz::new("cri-log").run(|input| {
-            let whole = decode_cri_log(&String::from_utf8_lossy(input));
-            let cut = input.len() / 3;
-            let mut decoder = CriLogDecoder::default();
-            let mut chunked = decoder.feed(&input[..cut]);
-            chunked.extend(decoder.feed(&input[cut..]));
-            chunked.extend(decoder.finish());
-            if std::str::from_utf8(input).is_ok() {
-                assert_eq!(chunked.concat(), whole.concat(), "chunked and whole decode alike");
-            }
-            let mut entries = CriLogDecoder::default();
-            let _ = entries.feed_entries(input);
-            let _ = entries.finish_entries();
-        });
-        assert!(ran > 1);
     }
 }

@@ -25,8 +25,8 @@ use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use k8s_openapi::api::core::v1::Pod;
-use kubelet_provider::metrics::{TEXT_CONTENT_TYPE, TextWriter};
 use kubelet_provider::{InterfaceStats, PodStats, Provider, ProviderErrorKind};
+use kubelet_support::metrics::{TEXT_CONTENT_TYPE, TextWriter};
 
 use super::ApiState;
 use super::stats::sum;

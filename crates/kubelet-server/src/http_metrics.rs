@@ -12,7 +12,7 @@ use std::time::Instant;
 use axum::extract::{Request, State};
 use axum::middleware::Next;
 use axum::response::Response;
-use kubelet_provider::metrics::DEFAULT_BUCKETS;
+use kubelet_support::metrics::DEFAULT_BUCKETS;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;

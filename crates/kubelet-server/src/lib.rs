@@ -59,10 +59,11 @@ use kubelet_cluster::pki::tls;
 use kubelet_cluster::{self as cluster, pki};
 use kubelet_plugins::{csi, device_manager, plugin_manager};
 use kubelet_pods::{pod, static_pods};
+use kubelet_provider as provider;
 #[cfg(test)]
-use kubelet_provider::fuzz;
-use kubelet_provider::supervisor::Supervision;
-use kubelet_provider::{self as provider, health, retry};
+use kubelet_support::fuzz;
+use kubelet_support::supervisor::Supervision;
+use kubelet_support::{health, retry};
 use state::HttpState;
 
 /// Where the serving certificate comes from.

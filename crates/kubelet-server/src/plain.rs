@@ -227,8 +227,8 @@ pub(crate) async fn probes(State(state): State<HttpState>) -> Response {
 
 /// A registry's series in the text format the kubelet serves.
 pub(crate) fn registry_page(registry: &prometheus_client::registry::Registry) -> Response {
-    match kubelet_provider::metrics::encode_text(registry) {
-        Ok(body) => (StatusCode::OK, [(header::CONTENT_TYPE, kubelet_provider::metrics::TEXT_CONTENT_TYPE)], body)
+    match kubelet_support::metrics::encode_text(registry) {
+        Ok(body) => (StatusCode::OK, [(header::CONTENT_TYPE, kubelet_support::metrics::TEXT_CONTENT_TYPE)], body)
             .into_response(),
         Err(error) => text(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot encode metrics: {error}")),
     }

@@ -103,9 +103,9 @@ impl HttpState {
         );
         let http_metrics = crate::http_metrics::HttpMetrics::default();
         http_metrics.register(&mut metrics);
-        kubelet_provider::metrics::register_process_metrics(&mut metrics);
+        kubelet_support::metrics::register_process_metrics(&mut metrics);
         let node_name = views.node_name.clone();
-        metrics.register_collector(kubelet_provider::metrics::ScrapeFamily::gauge(
+        metrics.register_collector(kubelet_support::metrics::ScrapeFamily::gauge(
             "kubelet_node_name",
             "[ALPHA] The node's name. The count is always 1.",
             &["node"],
@@ -113,7 +113,7 @@ impl HttpState {
         ));
         let mut probes = Registry::default();
         views.pods.metrics().probes().register(&mut probes);
-        kubelet_provider::metrics::register_process_start_time(&mut probes);
+        kubelet_support::metrics::register_process_start_time(&mut probes);
         HttpState {
             views,
             metrics: Arc::new(metrics),

@@ -20,7 +20,7 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 
-use kubelet_provider::metrics::{TEXT_CONTENT_TYPE, TextWriter};
+use kubelet_support::metrics::{TEXT_CONTENT_TYPE, TextWriter};
 
 use super::ApiState;
 use crate::pod::usage::{ContainerUsage, PodUsage, pod_usage};
@@ -301,7 +301,7 @@ pub(super) async fn resource_metrics(State(state): State<ApiState>) -> Response 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kubelet_provider::metrics::escape_label;
+    use kubelet_support::metrics::escape_label;
 
     #[test]
     fn rates_come_from_the_previous_reading() {

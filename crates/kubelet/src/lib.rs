@@ -37,10 +37,10 @@ pub use kubelet_pods::{
     events, eviction, gc, log_rotation, pod, pod_resources, pressure, runtime_class, static_pods, volume,
 };
 pub use kubelet_provider as provider;
-#[doc(hidden)]
-pub use kubelet_provider::fuzz;
-pub use kubelet_provider::{durable, health, retry, supervisor};
 pub use kubelet_server as server;
+#[doc(hidden)]
+pub use kubelet_support::fuzz;
+pub use kubelet_support::{self as support, cgroups, durable, health, metrics, retry, supervisor};
 
 /// The examples in `docs/providers.md`, compiled and run as doctests.
 #[cfg(doctest)]

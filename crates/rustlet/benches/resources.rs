@@ -28,10 +28,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
+use kubelet::cgroups::{PodCgroups, QosCgroupSettings};
 use kubelet::eviction::Signal;
 use kubelet::eviction::manager::{Candidate, EvictionSettings, observe, rank};
 use kubelet::provider::Provider;
-use kubelet::provider::cgroups::{PodCgroups, QosCgroupSettings};
 use kubelet_api::cri::v1 as cri;
 use kubelet_api::cri::v1::runtime_service_client::RuntimeServiceClient;
 use rustlet_cri::{CriConfig, CriProvider};

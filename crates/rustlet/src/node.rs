@@ -14,10 +14,10 @@ use tokio_util::sync::CancellationToken;
 use kubelet::server::{AuthSettings, AuthorizationMode, KubeletApiConfig, ServingCertSource};
 
 use crate::cli::{AuthorizationModeArg, CgroupDriverArg, NodeArgs};
+use kubelet::cgroups::{CgroupDriver, CgroupFs, PodCgroups, QosCgroupSettings};
 use kubelet::eviction::Signal;
 use kubelet::eviction::manager::EvictionSettings;
 use kubelet::node::{Reservation, Reserved};
-use kubelet::provider::cgroups::{CgroupDriver, CgroupFs, PodCgroups, QosCgroupSettings};
 use std::sync::Arc;
 
 /// The node's configuration from the command line.

@@ -127,7 +127,7 @@ fn df_available(path: &Path) -> f64 {
 /// The working set of cgroup `group` (v1: `memory.usage_in_bytes` less
 /// `total_inactive_file`; v2: `memory.current` less `inactive_file`).
 fn cgroup_working_set(group: &str) -> f64 {
-    let fs = kubelet::provider::cgroups::CgroupFs::detect().expect("cgroups");
+    let fs = kubelet::cgroups::CgroupFs::detect().expect("cgroups");
     fs.memory(group).expect("the pod's cgroup").working_set as f64
 }
 
@@ -444,7 +444,7 @@ async fn run(api: TestApi, test: &str) {
     .await;
     // The pod's working set (its cgroup's series, `container=""`) within
     // 10% of what its cgroup says now.
-    let group = kubelet::provider::cgroups::pod_group(
+    let group = kubelet::cgroups::pod_group(
         &format!("{}/kubepods", cgroups.name.trim_end_matches('/')),
         &pods.get("web").await.expect("web"),
     );

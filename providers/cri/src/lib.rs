@@ -52,12 +52,12 @@ use kubelet_api::cri::v1 as cri;
 use kubelet_api::cri::v1::image_service_client::ImageServiceClient;
 use kubelet_api::cri::v1::runtime_service_client::RuntimeServiceClient;
 use kubelet_api::uds::{UdsChannel, dial, socket_path_of};
-use kubelet_provider::cgroups::PodCgroups;
-use kubelet_provider::retry::RetryBackoff;
 use kubelet_provider::{
     ContainerExit, ContainerId, ContainerLaunch, ContainerStats, ExecOutput, PreparedImage, Provider, ProviderError,
     ProviderErrorKind, PullPolicy, PullSecrets, RunningContainer, StreamRequest, StreamingEndpoint,
 };
+use kubelet_support::cgroups::PodCgroups;
+use kubelet_support::retry::RetryBackoff;
 use tokio::sync::watch;
 
 /// The label a sandbox and its containers carry with the pod's name.
@@ -321,7 +321,7 @@ impl CriProvider {
     /// Ready condition follows it); changes are logged.
     pub fn watch_health(
         &self,
-        reporter: kubelet_provider::health::HealthReporter,
+        reporter: kubelet_support::health::HealthReporter,
         period: Duration,
         shutdown: tokio_util::sync::CancellationToken,
     ) -> tokio::task::JoinHandle<()> {
@@ -1093,7 +1093,7 @@ impl Provider for CriProvider {
     async fn pod_stats(&self, pod: &Pod) -> Result<kubelet_provider::PodStats, ProviderError> {
         let mut stats = kubelet_provider::PodStats::default();
         if let Some(cgroups) = &self.inner.config.pod_cgroups
-            && cgroups.settings().driver == kubelet_provider::cgroups::CgroupDriver::Cgroupfs
+            && cgroups.settings().driver == kubelet_support::cgroups::CgroupDriver::Cgroupfs
         {
             let group = cgroups.pod_group(pod);
             let fs = cgroups.fs();

@@ -373,7 +373,7 @@ impl WasiProvider {
                     collect_garbage(&store, &runtime, &pod_images, config.image_gc_min_age);
                 });
                 if let Err(panic) = std::panic::catch_unwind(round) {
-                    let message = kubelet_provider::health::panic_message(&*panic);
+                    let message = kubelet_support::health::panic_message(&*panic);
                     tracing::error!(panic = %message, "image garbage collection panicked; the next round runs as planned");
                 }
             }

@@ -293,10 +293,10 @@ impl ImageStore {
     }
 }
 
-/// Writes `bytes` to `path` durably ([`kubelet_provider::durable`]): a reader sees
+/// Writes `bytes` to `path` durably ([`kubelet_support::durable`]): a reader sees
 /// the old or the new content, never a part, after a crash too.
 pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    kubelet_provider::durable::write(path, bytes, 0o644)
+    kubelet_support::durable::write(path, bytes, 0o644)
 }
 
 #[cfg(test)]

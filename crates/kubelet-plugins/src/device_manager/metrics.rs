@@ -32,7 +32,7 @@ impl ResourceLabels {
     /// A plugin names its resource before it is validated: escaped, so
     /// that no name breaks the page.
     fn of(resource: &str) -> ResourceLabels {
-        ResourceLabels { resource_name: kubelet_provider::metrics::escape_label(resource).into_owned() }
+        ResourceLabels { resource_name: kubelet_support::metrics::escape_label(resource).into_owned() }
     }
 }
 
@@ -96,7 +96,7 @@ mod tests {
         metrics.registration("evil\"} 1\nfake_series 9");
         let mut registry = Registry::default();
         metrics.register(&mut registry);
-        let text = kubelet_provider::metrics::encode_text(&registry).expect("encodes");
+        let text = kubelet_support::metrics::encode_text(&registry).expect("encodes");
         assert!(
             text.contains(
                 "kubelet_device_plugin_registration_total{resource_name=\"evil\\\"} 1\\nfake_series 9\"} 1\n"

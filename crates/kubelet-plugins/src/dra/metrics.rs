@@ -75,7 +75,7 @@ impl DraMetrics {
     /// One call to a driver.
     pub(crate) fn call(&self, driver: &str, method: String, code: Option<tonic::Code>, took: std::time::Duration) {
         let labels = CallLabels {
-            driver_name: kubelet_provider::metrics::escape_label(driver).into_owned(),
+            driver_name: kubelet_support::metrics::escape_label(driver).into_owned(),
             method_name: method,
             grpc_status_code: code_name(code),
         };

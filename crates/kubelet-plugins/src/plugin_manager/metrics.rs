@@ -64,7 +64,7 @@ impl Metrics {
     pub(crate) fn set(&self, world: World, socket: &Path, present: bool) {
         // A socket's name is anyone's to choose: escaped, so that no name
         // breaks the page (prometheus_client writes label values as given).
-        let socket_path = kubelet_provider::metrics::escape_label(&socket.display().to_string()).into_owned();
+        let socket_path = kubelet_support::metrics::escape_label(&socket.display().to_string()).into_owned();
         let labels = PluginLabels { socket_path, state: world.label() };
         if present {
             self.total_plugins.get_or_create(&labels).set(1);

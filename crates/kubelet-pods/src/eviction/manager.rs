@@ -39,7 +39,7 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
 use kubelet_provider::Provider;
-use kubelet_provider::cgroups::CgroupFs;
+use kubelet_support::cgroups::CgroupFs;
 use tokio_util::sync::CancellationToken;
 
 use super::{Signal, Threshold, ThresholdValue, Thresholds};
@@ -543,7 +543,7 @@ impl EvictionManager {
                     .filter_map(|c| c.stats.memory_working_set_bytes.map(|b| (c.name.clone(), u128::from(b))))
                     .collect();
                 let total = (!containers.is_empty()).then(|| containers.iter().map(|(_, b)| b).sum());
-                let request = kubelet_provider::cgroups::pod_totals(&pod).memory_request;
+                let request = kubelet_support::cgroups::pod_totals(&pod).memory_request;
                 candidates.push(Candidate { pod, usage: total, request, containers });
             }
         } else if resource == "pids" {
@@ -564,7 +564,7 @@ impl EvictionManager {
     /// The processes of `pod` (its cgroup's `pids.current`), if known.
     fn pod_processes(&self, pod: &Pod) -> Option<u128> {
         let (fs, kubepods) = self.settings.kubepods.as_ref()?;
-        let dir = fs.dir("pids", &kubelet_provider::cgroups::pod_group(kubepods, pod));
+        let dir = fs.dir("pids", &kubelet_support::cgroups::pod_group(kubepods, pod));
         std::fs::read_to_string(dir.join("pids.current")).ok()?.trim().parse().ok()
     }
 

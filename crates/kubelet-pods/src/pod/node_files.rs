@@ -104,7 +104,7 @@ pub(crate) fn prepare(
         let text = hosts_file(&data.pod, &downward.pod_ips, &lifecycle.config.cluster_domain);
         std::fs::create_dir_all(&pod_dir).map_err(|e| format!("{}: {e}", pod_dir.display()))?;
         // Replaced whole: a container mounting it sees the old file or the new.
-        kubelet_provider::durable::write(&path, text.as_bytes(), 0o644)
+        kubelet_support::durable::write(&path, text.as_bytes(), 0o644)
             .map_err(|e| format!("{}: {e}", path.display()))?;
         mounts.push(Mount { container_path: "/etc/hosts".into(), host_path: path, read_only: false, volume: None });
     }

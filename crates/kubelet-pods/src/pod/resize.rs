@@ -89,7 +89,7 @@ fn write_checkpoint(root: &Path, uid: &str, allocation: &Allocation) -> std::io:
         std::fs::create_dir_all(dir)?;
     }
     let bytes = serde_json::to_vec(allocation).map_err(std::io::Error::other)?;
-    kubelet_provider::durable::write(&path, &bytes, 0o600)
+    kubelet_support::durable::write(&path, &bytes, 0o600)
 }
 
 /// The containers a resize may change: app containers and sidecars
@@ -342,7 +342,7 @@ pub(crate) async fn actuate(ctx: &mut Context<PodLifecycle>) {
     // As upstream: a pod memory limit at or below what the pod uses now is
     // not set (the kernel would reclaim or kill); the resize stays in
     // progress with that error and is tried again.
-    let totals = kubelet_provider::cgroups::pod_totals(&ctx.data.pod);
+    let totals = kubelet_support::cgroups::pod_totals(&ctx.data.pod);
     if totals.memory_limited && totals.memory_limit > 0 {
         let usage = provider.pod_stats(&ctx.data.pod).await.ok().and_then(|s| s.memory_usage_bytes);
         if let Some(usage) = usage.filter(|u| u128::from(*u) >= totals.memory_limit) {

@@ -755,7 +755,7 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
 /// volume from it, so it is never half written.
 fn write_json(path: &Path, value: &CsiMount) -> std::io::Result<()> {
     let bytes = serde_json::to_vec(value).map_err(std::io::Error::other)?;
-    kubelet_provider::durable::write(path, &bytes, 0o644)
+    kubelet_support::durable::write(path, &bytes, 0o644)
 }
 
 /// Removes `<name>/` (vol_data.json and the unpublished mount dir); refuses

@@ -22,7 +22,7 @@ pub(crate) fn memory_size(
     size_limit: Option<&str>,
 ) -> Option<u128> {
     let mut size = (allocatable > 0).then_some(allocatable);
-    let totals = kubelet_provider::cgroups::pod_totals(pod);
+    let totals = kubelet_support::cgroups::pod_totals(pod);
     let pod_limit = (totals.memory_limited && totals.memory_limit > 0).then_some(totals.memory_limit);
     for candidate in [pod_limit, size_limit.and_then(|q| kubelet_provider::quantity::parse_units(q).ok())] {
         if let Some(bytes) = candidate.filter(|b| *b > 0)

@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
-use kubelet_provider::metrics::ScrapeFamily;
+use kubelet_support::metrics::ScrapeFamily;
 use prometheus_client::registry::Registry;
 
 use super::{CsiMount, PodVolumes};
@@ -289,13 +289,13 @@ mod tests {
         assert_eq!(usage[0].inodes, expected.f_files);
         let mut registry = Registry::default();
         stats.register(&mut registry);
-        let text = kubelet_provider::metrics::encode_text(&registry).expect("encodes");
+        let text = kubelet_support::metrics::encode_text(&registry).expect("encodes");
         assert!(
             text.contains("kubelet_volume_stats_capacity_bytes{namespace=\"shop\",persistentvolumeclaim=\"db-data\"}"),
             "{text}"
         );
         stats.unmounted("u1");
         assert!(stats.pod_usage("u1").is_empty());
-        assert!(!kubelet_provider::metrics::encode_text(&registry).expect("encodes").contains("db-data"));
+        assert!(!kubelet_support::metrics::encode_text(&registry).expect("encodes").contains("db-data"));
     }
 }

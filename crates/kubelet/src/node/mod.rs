@@ -438,7 +438,7 @@ fn configz(config: &NodeConfig, api: &crate::server::KubeletApiConfig, address: 
 /// Writes the endpoint's address where `rustlet get`/`logs` look for it.
 fn write_endpoint_file(root_dir: &Path, address: SocketAddr) {
     let path = root_dir.join(ENDPOINT_FILE);
-    let written = crate::provider::durable::write(&path, format!("http://{address}\n").as_bytes(), 0o644);
+    let written = crate::durable::write(&path, format!("http://{address}\n").as_bytes(), 0o644);
     if let Err(error) = written {
         tracing::warn!(%error, path = %path.display(), "cannot write the endpoint file; `rustlet get` will not find this node");
     }

@@ -249,4 +249,26 @@ mod tests {
         assert!(n > 10);
         assert_eq!(first[..n], second[..n]);
     }
+
+    /// Fuzz target: CRI log files as the node reads them (whole, and as
+    /// they grow in chunks of any size): lines out, never a panic; the
+    /// text fed in chunks decodes as the whole does.
+    #[test]
+    fn fuzz_cri_log_lines() {
+        let ran = Fuzz::new("cri-log").run(|input| {
+            let whole = kubelet_provider::decode_cri_log(&String::from_utf8_lossy(input));
+            let cut = input.len() / 3;
+            let mut decoder = kubelet_provider::CriLogDecoder::default();
+            let mut chunked = decoder.feed(&input[..cut]);
+            chunked.extend(decoder.feed(&input[cut..]));
+            chunked.extend(decoder.finish());
+            if std::str::from_utf8(input).is_ok() {
+                assert_eq!(chunked.concat(), whole.concat(), "chunked and whole decode alike");
+            }
+            let mut entries = kubelet_provider::CriLogDecoder::default();
+            let _ = entries.feed_entries(input);
+            let _ = entries.finish_entries();
+        });
+        assert!(ran > 1);
+    }
 }

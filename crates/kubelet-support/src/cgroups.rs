@@ -27,8 +27,8 @@ use std::sync::Mutex;
 
 use k8s_openapi::api::core::v1::{Container, Pod};
 
-use crate::qos::{QosClass, qos_class};
-use crate::quantity::{parse_milli, parse_units};
+use kubelet_provider::qos::{QosClass, qos_class};
+use kubelet_provider::quantity::{parse_milli, parse_units};
 
 /// The least cpu shares a group gets.
 pub const MIN_SHARES: u64 = 2;
