@@ -16,7 +16,12 @@ pub enum Credentials<'a> {
     /// `Authorization: Bearer <token>`.
     Token(&'a str),
     /// A client certificate and its key (PEM).
-    Certificate { cert_pem: &'a str, key_pem: &'a str },
+    Certificate {
+        /// The certificate (PEM).
+        cert_pem: &'a str,
+        /// Its key (PEM).
+        key_pem: &'a str,
+    },
 }
 
 #[derive(Debug)]

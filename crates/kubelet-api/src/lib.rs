@@ -14,7 +14,7 @@
 //! Generated types stay at the edge: the `kubelet` crate converts them into its
 //! own types in one place per API.
 
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 pub mod authority;
 pub mod constants;

@@ -20,7 +20,7 @@
 //! Library code never ends the process: a misbehaviour that a plugin
 //! process acts out by exiting is signalled to the caller, who decides.
 
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 pub mod csi_driver;
 pub mod device_plugin;

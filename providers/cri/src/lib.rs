@@ -33,7 +33,7 @@
 //! exec probes; `Exec`, `Attach` and `PortForward` answer the runtime's
 //! streaming URL, for the kubelet API to serve.
 
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 mod auth;
 pub mod dns;

@@ -33,7 +33,7 @@
 //! process: one pod growing without end is OOMKilled at its budget, and
 //! its neighbours and the node go on.
 
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 pub mod cpu;
 pub mod dense;
