@@ -22,13 +22,17 @@ async fn the_example_provider_runs_a_pod_as_a_host_process() {
     let (root, manifests) = (dir.path().join("root"), dir.path().join("manifests"));
     std::fs::create_dir_all(&manifests).expect("mkdir");
     let out = dir.path().join("out");
+    // The container's process (the shell execs `sleep`, which keeps its pid;
+    // `$$$$` is `$$` once Kubernetes has expanded the args).
+    let pid_file = dir.path().join("pid");
     std::fs::write(
         manifests.join("hello.yaml"),
         format!(
             "apiVersion: v1\nkind: Pod\nmetadata: {{name: hello}}\nspec:\n  terminationGracePeriodSeconds: 5\n  \
              containers:\n  - name: main\n    image: host\n    command: [sh, -c]\n    \
-             args: ['echo hello $GREETING; echo $GREETING > {}; exec sleep 600']\n    \
+             args: ['echo hello $GREETING; echo $$$$ > {}; echo $GREETING > {}; exec sleep 600']\n    \
              env: [{{name: GREETING, value: world}}]\n",
+            pid_file.display(),
             out.display()
         ),
     )
@@ -74,9 +78,19 @@ async fn the_example_provider_runs_a_pod_as_a_host_process() {
         assert!(tokio::time::Instant::now() < deadline, "log {}: {text:?}", log.display());
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    let pid: u32 = std::fs::read_to_string(&pid_file).expect("pid file").trim().parse().expect("a pid");
+    let proc_dir = std::path::PathBuf::from(format!("/proc/{pid}"));
+    assert!(proc_dir.exists(), "the container's process {pid} runs");
     // The manifest goes: the process is stopped (SIGTERM ends `sleep`) and
     // the pod is gone.
     std::fs::remove_file(manifests.join("hello.yaml")).expect("rm");
     let gone = store.wait_for(SOON, |pods| pods.is_empty()).await;
     assert!(gone.is_some(), "the pod is still there: {:?}", store.list());
+    // The provider returned from stop_container, so the process has ended
+    // and been reaped by now; the deadline only bounds a slow reaper.
+    let deadline = tokio::time::Instant::now() + SOON;
+    while proc_dir.exists() {
+        assert!(tokio::time::Instant::now() < deadline, "the container's process {pid} outlived its pod");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
