@@ -16,7 +16,7 @@ use super::run_options;
 use crate::device_manager::ContainerKind;
 use crate::device_manager::RunOptions;
 use crate::events::EventType;
-use crate::provider::{ContainerId, ContainerLaunch, Provider, ProviderErrorKind};
+use crate::provider::{ContainerId, ContainerLaunch, ContainerRunOptions, Provider, ProviderErrorKind};
 
 /// Why a container did not start.
 #[derive(Debug)]
@@ -44,74 +44,120 @@ pub(crate) fn log_path(lifecycle: &PodLifecycle, data: &PodData, container: &str
     log_dir(lifecycle, data).join(container).join(format!("{restart}.log"))
 }
 
-/// Starts (or adopts, after a node restart) the container `name`.
+/// Starts (or adopts, after a node restart) the container `name`: adopt
+/// it if it survived a restart, else prepare its image, its devices, the
+/// pod's sandbox, its run options and its claims' devices, count the
+/// restart, launch it, and follow it (status, probes, postStart).
 pub(crate) async fn start(
     ctx: &mut Context<PodLifecycle>,
     provider: &Arc<dyn Provider>,
     name: &str,
 ) -> Result<(), StartFailure> {
+    if adopt(ctx, provider, name).await || ephemeral_lost_in_restart(&mut ctx.data, name) {
+        return Ok(());
+    }
     let lifecycle = Arc::clone(&ctx.machine);
-    let uid = ctx.data.id.uid.clone();
-    if let Some(running) = lifecycle.take_adopted(&uid, name) {
-        tracing::info!(pod.uid = %uid, container = name, id = %running.id, "container adopted, not restarted");
-        if let Some(record) = ctx.data.containers.get_mut(name) {
-            record.restart_count = running.restart_count;
-            record.previous_run = None;
-        }
-        // Probe delays count from the container's own start.
-        let ran_for = Timestamp::now().duration_since(running.started_at);
-        let ran_for = Duration::try_from(ran_for).unwrap_or_default();
-        let started = Instant::now().checked_sub(ran_for).unwrap_or_else(Instant::now);
-        let also = own_addresses(&lifecycle, &ctx.data);
-        follow(&mut ctx.data, provider, name, running.id, running.started_at, started, also).await;
-        return Ok(());
-    }
-    // An ephemeral container that ran before the node restarted and did
-    // not survive it is not run again: its end is unknown.
-    if let Some(record) = ctx.data.containers.get_mut(name)
-        && record.kind == ContainerKind::Ephemeral
-        && let Some(previous) = record.previous_run.take()
-    {
-        record.wants_start = false;
-        record.phase = ContainerPhase::Terminated(Terminated {
-            exit_code: 137,
-            reason: "ContainerStatusUnknown".into(),
-            message: Some("the node restarted while the ephemeral container ran; its end was not seen".into()),
-            started_at: previous.started_at,
-            finished_at: Timestamp::now(),
-            container_id: previous.container_id,
-        });
-        return Ok(());
-    }
     // A container added to the running pod (an ephemeral one) has its
     // image prepared now.
     pull_if_needed(ctx, provider, name).await?;
-    // Devices first: PreStartContainer runs before every start.
-    let device_options = match &lifecycle.devices {
-        Some(devices) => devices.container_run_options(&uid, name).await.map_err(|e| StartFailure {
-            reason: "RunContainerError",
-            message: e.to_string(),
-            retry: true,
-        })?,
-        None => RunOptions::default(),
-    };
+    let devices = device_options(&lifecycle, &ctx.data.id.uid, name).await?;
     let data = &mut ctx.data;
     if !data.containers.contains_key(name) {
         return Err(no_container(name));
     }
-    // The pod's network first: its IPs are in the env (`status.podIP`) and
-    // in /etc/hosts.
-    let host_network = data.pod.spec.as_ref().and_then(|s| s.host_network).unwrap_or(false);
-    if data.pod_ips.is_empty() && !host_network {
-        let directory = log_dir(&lifecycle, data);
-        let prepared = provider.prepare_pod(&data.pod, &directory).await;
-        lifecycle.metrics.sandbox(prepared.is_ok());
-        data.pod_ips = prepared.map_err(|e| StartFailure {
-            reason: "ContainerCreating",
-            message: format!("Failed to create pod sandbox: {}", e.message),
-            retry: true,
-        })?;
+    ensure_sandbox(&lifecycle, data, provider).await?;
+    let (mut run_options, message_file) = run_options_of(&lifecycle, data, provider, name, &devices).await?;
+    add_claim_devices(&lifecycle, data, provider, name, &mut run_options)?;
+    count_restart(data, name);
+    let (launch, message_source) = launch_of(&lifecycle, data, name, run_options, message_file)?;
+    launch_and_follow(&lifecycle, data, provider, name, launch, message_source).await
+}
+
+/// Follows container `name` if it ran before a node restart and runs
+/// still (it is not started again); whether it did.
+async fn adopt(ctx: &mut Context<PodLifecycle>, provider: &Arc<dyn Provider>, name: &str) -> bool {
+    let lifecycle = Arc::clone(&ctx.machine);
+    let uid = ctx.data.id.uid.clone();
+    let Some(running) = lifecycle.take_adopted(&uid, name) else { return false };
+    tracing::info!(pod.uid = %uid, container = name, id = %running.id, "container adopted, not restarted");
+    if let Some(record) = ctx.data.containers.get_mut(name) {
+        record.restart_count = running.restart_count;
+        record.previous_run = None;
     }
+    // Probe delays count from the container's own start.
+    let ran_for = Timestamp::now().duration_since(running.started_at);
+    let ran_for = Duration::try_from(ran_for).unwrap_or_default();
+    let started = Instant::now().checked_sub(ran_for).unwrap_or_else(Instant::now);
+    let also = own_addresses(&lifecycle, &ctx.data);
+    follow(&mut ctx.data, provider, name, running.id, running.started_at, started, also).await;
+    true
+}
+
+/// An ephemeral container that ran before the node restarted and did not
+/// survive it is not run again (its end is unknown): it is recorded as
+/// ended; whether it was such a container.
+fn ephemeral_lost_in_restart(data: &mut PodData, name: &str) -> bool {
+    let Some(record) = data.containers.get_mut(name) else { return false };
+    if record.kind != ContainerKind::Ephemeral {
+        return false;
+    }
+    let Some(previous) = record.previous_run.take() else { return false };
+    record.wants_start = false;
+    record.phase = ContainerPhase::Terminated(Terminated {
+        exit_code: 137,
+        reason: "ContainerStatusUnknown".into(),
+        message: Some("the node restarted while the ephemeral container ran; its end was not seen".into()),
+        started_at: previous.started_at,
+        finished_at: Timestamp::now(),
+        container_id: previous.container_id,
+    });
+    true
+}
+
+/// What the device plugins give container `name` (PreStartContainer runs
+/// before every start).
+async fn device_options(lifecycle: &PodLifecycle, uid: &str, name: &str) -> Result<RunOptions, StartFailure> {
+    let Some(devices) = &lifecycle.devices else { return Ok(RunOptions::default()) };
+    devices.container_run_options(uid, name).await.map_err(|e| StartFailure {
+        reason: "RunContainerError",
+        message: e.to_string(),
+        retry: true,
+    })
+}
+
+/// The pod's network, made before its first container: its IPs are in the
+/// env (`status.podIP`) and in /etc/hosts.
+async fn ensure_sandbox(
+    lifecycle: &PodLifecycle,
+    data: &mut PodData,
+    provider: &Arc<dyn Provider>,
+) -> Result<(), StartFailure> {
+    let host_network = data.pod.spec.as_ref().and_then(|s| s.host_network).unwrap_or(false);
+    if !data.pod_ips.is_empty() || host_network {
+        return Ok(());
+    }
+    let directory = log_dir(lifecycle, data);
+    let prepared = provider.prepare_pod(&data.pod, &directory).await;
+    lifecycle.metrics.sandbox(prepared.is_ok());
+    data.pod_ips = prepared.map_err(|e| StartFailure {
+        reason: "ContainerCreating",
+        message: format!("Failed to create pod sandbox: {}", e.message),
+        retry: true,
+    })?;
+    Ok(())
+}
+
+/// Container `name`'s run options (env with its API objects, services and
+/// downward values, mounts, devices, the node's files) and the file its
+/// termination message is read from.
+async fn run_options_of(
+    lifecycle: &PodLifecycle,
+    data: &PodData,
+    provider: &Arc<dyn Provider>,
+    name: &str,
+    devices: &RunOptions,
+) -> Result<(ContainerRunOptions, Option<std::path::PathBuf>), StartFailure> {
+    let config_error = |message: String| StartFailure { reason: "CreateContainerConfigError", message, retry: true };
     let Some(record) = data.containers.get(name) else {
         return Err(no_container(name));
     };
@@ -119,29 +165,38 @@ pub(crate) async fn start(
     // link variables it gets, read now (as upstream does at every start).
     let (env_objects, services) = match lifecycle.volumes.objects() {
         Some(objects) => (
-            Some(crate::volume::api_data::env_objects(objects.as_ref(), &data.pod, &record.spec).await.map_err(
-                |e| StartFailure { reason: "CreateContainerConfigError", message: e.to_string(), retry: true },
-            )?),
+            Some(
+                crate::volume::api_data::env_objects(objects.as_ref(), &data.pod, &record.spec)
+                    .await
+                    .map_err(|e| config_error(e.to_string()))?,
+            ),
             crate::volume::api_data::link_services(objects.as_ref(), &data.pod).await,
         ),
         None => (None, Vec::new()),
     };
     let downward = lifecycle.downward_context(data);
     let sources = run_options::EnvSources { objects: env_objects.as_ref(), services: &services, downward: &downward };
-    let mut run_options = run_options::build(&data.pod, &record.spec, &data.volumes, &device_options, sources)
-        .map_err(|e| StartFailure { reason: "CreateContainerConfigError", message: e.to_string(), retry: true })?;
+    let mut run_options = run_options::build(&data.pod, &record.spec, &data.volumes, devices, sources)
+        .map_err(|e| config_error(e.to_string()))?;
     let mut message_file = None;
     if provider.mounts_files(&data.pod) {
-        let files = node_files::prepare(&lifecycle, data, &record.spec, &downward).map_err(|message| StartFailure {
-            reason: "CreateContainerConfigError",
-            message,
-            retry: true,
-        })?;
+        let files = node_files::prepare(lifecycle, data, &record.spec, &downward).map_err(config_error)?;
         run_options.mounts.extend(files.mounts);
         message_file = files.termination_message;
     }
-    // The CDI devices of the resource claims it uses, which must be
-    // prepared.
+    Ok((run_options, message_file))
+}
+
+/// The CDI devices of the resource claims container `name` uses, which
+/// must be prepared. The names go to the runtime (the CRI field); one
+/// that does not read CDI specs gets their edits from the node.
+fn add_claim_devices(
+    lifecycle: &PodLifecycle,
+    data: &PodData,
+    provider: &Arc<dyn Provider>,
+    name: &str,
+    run_options: &mut ContainerRunOptions,
+) -> Result<(), StartFailure> {
     if let Some((claims, _)) = &lifecycle.claims {
         let missing = claims.unprepared_claims(&data.pod, name);
         if !missing.is_empty() {
@@ -157,29 +212,42 @@ pub(crate) async fn start(
             }
         }
     }
-    // The names still go to the runtime (the CRI field); one that does not
-    // read CDI specs gets their edits from the node.
     if !run_options.cdi_devices.is_empty() && !provider.reads_cdi(&data.pod) {
         let registry = super::cdi::Registry::read(&lifecycle.config.cdi_spec_dirs);
         let names = run_options.cdi_devices.clone();
-        if let Some(unresolved) = registry.apply(&names, &mut run_options) {
+        if let Some(unresolved) = registry.apply(&names, run_options) {
             tracing::warn!(pod = %data.id.name, namespace = %data.id.namespace, container = name, dirs = ?lifecycle.config.cdi_spec_dirs, "{unresolved}: the container starts without their edits");
         }
         tracing::debug!(pod = %data.id.name, namespace = %data.id.namespace, container = name, devices = ?names, "CDI devices resolved by the node");
     }
+    Ok(())
+}
+
+/// A restart counts when the new instance is made (upstream's count of
+/// the instances that came before), not when its backoff begins.
+fn count_restart(data: &mut PodData, name: &str) {
     if let Some(record) = data.containers.get_mut(name) {
         continue_previous_run(record);
-        // A restart counts when the new instance is made (upstream's count
-        // of the instances that came before), not when its backoff begins.
         if std::mem::take(&mut record.restart_pending) {
             record.restart_count += 1;
         }
     }
+}
+
+/// What the provider is asked to start for container `name`, and where
+/// its termination message will come from.
+fn launch_of(
+    lifecycle: &PodLifecycle,
+    data: &PodData,
+    name: &str,
+    run_options: ContainerRunOptions,
+    message_file: Option<std::path::PathBuf>,
+) -> Result<(ContainerLaunch, super::data::MessageSource), StartFailure> {
     let Some(record) = data.containers.get(name) else {
         return Err(no_container(name));
     };
     let restart_count = record.restart_count;
-    let log_path = log_path(&lifecycle, data, name, restart_count);
+    let log_path = log_path(lifecycle, data, name, restart_count);
     let message_source = super::data::MessageSource {
         file: message_file,
         log: (record.spec.termination_message_policy.as_deref() == Some("FallbackToLogsOnError"))
@@ -200,10 +268,22 @@ pub(crate) async fn start(
         run_options,
         log_path,
     };
+    Ok((launch, message_source))
+}
+
+/// Starts `launch` and follows the container: its events, its status, its
+/// probes, its postStart hook.
+async fn launch_and_follow(
+    lifecycle: &PodLifecycle,
+    data: &mut PodData,
+    provider: &Arc<dyn Provider>,
+    name: &str,
+    launch: ContainerLaunch,
+    message_source: super::data::MessageSource,
+) -> Result<(), StartFailure> {
     if let Some(parent) = launch.log_path.parent() {
         let _ = std::fs::create_dir_all(parent);
     }
-    let kind = launch.kind;
     let started = provider.start_container(&launch).await.map_err(|e| StartFailure {
         reason: match e.kind {
             ProviderErrorKind::Config => "CreateContainerConfigError",
@@ -212,15 +292,15 @@ pub(crate) async fn start(
         message: e.message,
         retry: true,
     });
-    lifecycle.metrics.container_start(kind, started.as_ref().err().map(|f| f.reason));
+    lifecycle.metrics.container_start(launch.kind, started.as_ref().err().map(|f| f.reason));
     let id = started?;
-    tracing::info!(pod.uid = %uid, container = name, %id, restart = restart_count, "container started");
+    tracing::info!(pod.uid = %data.id.uid, container = name, %id, restart = launch.restart_count, "container started");
     if let Some(record) = data.containers.get_mut(name) {
         record.message_source = message_source;
     }
     data.recorder.pod(&data.pod, Some(name), EventType::Normal, "Created", format!("Created container {name}"));
     data.recorder.pod(&data.pod, Some(name), EventType::Normal, "Started", format!("Started container {name}"));
-    let also = own_addresses(&lifecycle, data);
+    let also = own_addresses(lifecycle, data);
     // The runtime's start time where it says it (the kubelet reports the
     // runtime's, and a node that adopts the container reads the same).
     let started_at = provider.started_at(&id).await.unwrap_or_else(|_| Timestamp::now());
