@@ -48,7 +48,7 @@ const MAX_SANE_FRAME: usize = 16 * 1024 * 1024;
 /// servers behind this announce (hyper's default, which tonic keeps). An
 /// encoded block larger than this decodes larger still, so the server would
 /// refuse it anyway.
-pub const MAX_HEADER_LIST_SIZE: usize = 16 * 1024;
+pub(crate) const MAX_HEADER_LIST_SIZE: usize = 16 * 1024;
 
 enum Mode {
     Preface,

@@ -68,7 +68,7 @@ impl ResourceVersion {
     }
 
     /// The version of an `apiVersion` (`resource.k8s.io/v1beta1`).
-    pub fn of_api_version(api_version: &str) -> Option<ResourceVersion> {
+    pub(crate) fn of_api_version(api_version: &str) -> Option<ResourceVersion> {
         api_version.strip_prefix("resource.k8s.io/").and_then(Self::parse)
     }
 }
@@ -123,7 +123,7 @@ pub fn convert(object: &mut Value, to: ResourceVersion) {
 
 /// Converts the fields of one object of `kind` from `from`'s shape to
 /// `to`'s (through `v1`'s).
-pub fn convert_body(object: &mut Value, kind: &str, from: ResourceVersion, to: ResourceVersion) {
+pub(crate) fn convert_body(object: &mut Value, kind: &str, from: ResourceVersion, to: ResourceVersion) {
     let flat = |v: ResourceVersion| v == ResourceVersion::V1beta1;
     if flat(from) == flat(to) {
         return;

@@ -81,7 +81,7 @@ pub fn socket_path_of(endpoint: &str) -> &Path {
 /// connect in between and be refused. Retrying briefly (a few times at once,
 /// then after 1, 2, 4 … ms) bridges that gap; a stale socket that nobody
 /// serves costs this much per attempt.
-pub const REFUSED_GRACE: Duration = Duration::from_millis(100);
+pub(crate) const REFUSED_GRACE: Duration = Duration::from_millis(100);
 
 /// A gRPC client connection to one Unix socket. Cheap to clone (clones share
 /// the connection); the connection closes when the last clone is dropped.

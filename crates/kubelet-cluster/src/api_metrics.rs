@@ -127,12 +127,12 @@ impl ApiMetrics {
     }
 
     /// The client certificate in use expires at `not_after`.
-    pub fn client_certificate(&self, not_after: jiff::Timestamp) {
+    pub(crate) fn client_certificate(&self, not_after: jiff::Timestamp) {
         *self.client_not_after.lock().unwrap_or_else(|p| p.into_inner()) = Some(not_after);
     }
 
     /// A renewal of the client certificate failed.
-    pub fn client_renewal_failed(&self) {
+    pub(crate) fn client_renewal_failed(&self) {
         self.client_renew_errors.inc();
     }
 
@@ -214,7 +214,7 @@ where
 }
 
 /// `host[:port]` of a cluster URL, as client-go labels requests.
-pub fn url_host(url: &http::Uri) -> String {
+pub(crate) fn url_host(url: &http::Uri) -> String {
     url.authority().map(|a| a.as_str().to_owned()).unwrap_or_else(|| "none".to_owned())
 }
 

@@ -37,7 +37,7 @@ use crate::pki::tls::write_private;
 use crate::pki::x509::certificate_facts;
 
 /// The signer of kubelet client certificates.
-pub const CLIENT_SIGNER: &str = "kubernetes.io/kube-apiserver-client-kubelet";
+pub(crate) const CLIENT_SIGNER: &str = "kubernetes.io/kube-apiserver-client-kubelet";
 /// The signer of kubelet serving certificates.
 pub const SERVING_SIGNER: &str = "kubernetes.io/kubelet-serving";
 
@@ -154,7 +154,7 @@ pub struct Request<'a> {
 
 /// How long a CSR is waited on before it is given up and asked again
 /// (upstream's).
-pub const CSR_DEADLINE: Duration = Duration::from_secs(15 * 60);
+pub(crate) const CSR_DEADLINE: Duration = Duration::from_secs(15 * 60);
 
 /// `request_certificate` given up after [`CSR_DEADLINE`].
 pub async fn request_certificate_within(
@@ -322,7 +322,7 @@ fn base64_decode(data: &str) -> Option<Vec<u8>> {
 /// them): `kubelet-client-current.pem` then exists, for kubeadm's
 /// `kubelet-finalize` phase to point the kubeconfig at, after which the
 /// node rotates it. `Ok(None)`: nothing to seed.
-pub fn seed_from_kubeconfig(settings: &BootstrapSettings) -> Result<Option<PathBuf>, CertificateError> {
+pub(crate) fn seed_from_kubeconfig(settings: &BootstrapSettings) -> Result<Option<PathBuf>, CertificateError> {
     if !settings.rotate || load_current(&settings.cert_dir, "kubelet-client").is_some() {
         return Ok(None);
     }

@@ -36,7 +36,7 @@ use crate::dra::{ClaimError, ClaimRef, ClaimSource, DraDrivers, ResolvedClaim, c
 
 /// Upstream's delay between a driver's last instance going away and the
 /// deletion of its ResourceSlices.
-pub const SLICE_WIPING_DELAY: Duration = Duration::from_secs(30);
+pub(crate) const SLICE_WIPING_DELAY: Duration = Duration::from_secs(30);
 
 /// The version of `resource.k8s.io` the API server serves, found by
 /// discovery and remembered until a request at it is answered 404.

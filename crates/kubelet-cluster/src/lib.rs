@@ -69,7 +69,7 @@ use volume::CsiDriverObjects;
 /// The Kubernetes releases whose node conformance suites Rustlet passes,
 /// oldest first. The Node reports the newest of them the control plane is
 /// not older than ([`kubelet_version_for`]).
-pub const CONFORMS_TO: [&str; 2] = ["v1.28.7", "v1.33.3"];
+pub(crate) const CONFORMS_TO: [&str; 2] = ["v1.28.7", "v1.33.3"];
 
 /// The newest Kubernetes release Rustlet conforms to.
 pub const KUBERNETES_VERSION: &str = "v1.33.3";

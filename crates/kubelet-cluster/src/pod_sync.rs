@@ -45,11 +45,11 @@ const BLOCKED_RECHECK: Duration = Duration::from_secs(2);
 const BLOCKED_RECHECK_MAX: Duration = Duration::from_secs(30);
 
 /// The field manager of every write the node makes.
-pub const FIELD_MANAGER: &str = "rustlet";
+pub(crate) const FIELD_MANAGER: &str = "rustlet";
 
 /// The annotation that marks a mirror pod (its value: the static pod's
 /// config hash).
-pub const MIRROR_ANNOTATION: &str = "kubernetes.io/config.mirror";
+pub(crate) const MIRROR_ANNOTATION: &str = "kubernetes.io/config.mirror";
 const CONFIG_SOURCE: &str = "kubernetes.io/config.source";
 const CONFIG_HASH: &str = "kubernetes.io/config.hash";
 

@@ -25,16 +25,16 @@ pub const NODE_CONDITIONS: [&str; 5] =
 
 /// The node's conditions that come and go (in-place resize): one the
 /// desired status no longer has is deleted from the API's.
-pub const TRANSIENT_CONDITIONS: [&str; 2] = ["PodResizePending", "PodResizeInProgress"];
+pub(crate) const TRANSIENT_CONDITIONS: [&str; 2] = ["PodResizePending", "PodResizeInProgress"];
 
 /// Status fields other writers own, which the node's patch never names:
 /// the resource claim controller's `resourceClaimStatuses` (NodeRestriction
 /// refuses a node's write that changes them, `null` included) and the
 /// scheduler's `nominatedNodeName`.
-pub const OTHERS_FIELDS: [&str; 2] = ["resourceClaimStatuses", "nominatedNodeName"];
+pub(crate) const OTHERS_FIELDS: [&str; 2] = ["resourceClaimStatuses", "nominatedNodeName"];
 
 /// The reason of a `Ready` condition held back by a readiness gate.
-pub const READINESS_GATES_NOT_READY: &str = "ReadinessGatesNotReady";
+pub(crate) const READINESS_GATES_NOT_READY: &str = "ReadinessGatesNotReady";
 
 /// The status to write: `computed` (the lifecycle's) reconciled with `api`
 /// (the status the API last returned) for a pod with readiness gates

@@ -74,7 +74,7 @@ fn token_fresh(age: std::time::Duration, life: std::time::Duration) -> bool {
 
 /// How long a namespace's listed services are reused for containers'
 /// link variables (upstream reads them from a watch cache).
-pub const SERVICES_FRESH: std::time::Duration = std::time::Duration::from_secs(1);
+pub(crate) const SERVICES_FRESH: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl ApiVolumes {
     /// Reads with the client `client` holds once it holds one, for node

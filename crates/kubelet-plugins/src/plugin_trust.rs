@@ -17,7 +17,7 @@ use kubelet_api::uds::PeerCredentials;
 
 /// Why a plugin is not trusted.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum TrustError {
+pub(crate) enum TrustError {
     /// The plugin's process runs as a user that may not offer plugins.
     #[error(
         "the plugin process (pid {pid}) runs as uid {uid}, which is neither root nor in --plugin-allowed-uids ({allowed})",
@@ -73,7 +73,7 @@ impl PluginTrust {
     }
 
     /// Whether a process of `peer`'s user may offer a plugin.
-    pub fn check_peer(&self, peer: PeerCredentials) -> Result<(), TrustError> {
+    pub(crate) fn check_peer(&self, peer: PeerCredentials) -> Result<(), TrustError> {
         if peer.uid == 0 || self.allowed_uids.contains(&peer.uid) {
             return Ok(());
         }
@@ -84,7 +84,7 @@ impl PluginTrust {
     /// trusted: the peer is allowed ([`PluginTrust::check_peer`]), the file
     /// is a socket owned by the peer's user, and neither its group nor
     /// others may write to it.
-    pub fn check_socket(&self, socket: &Path, peer: PeerCredentials) -> Result<(), TrustError> {
+    pub(crate) fn check_socket(&self, socket: &Path, peer: PeerCredentials) -> Result<(), TrustError> {
         self.check_peer(peer)?;
         let meta = std::fs::symlink_metadata(socket).map_err(|e| TrustError::Unreadable(e.to_string()))?;
         if !meta.file_type().is_socket() {

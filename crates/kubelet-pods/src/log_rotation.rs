@@ -108,7 +108,7 @@ fn running_logs(root_dir: &Path, pods: &[Pod]) -> Vec<(ContainerId, PathBuf)> {
 
 /// Why a rotation failed.
 #[derive(Debug, thiserror::Error)]
-pub enum RotationError {
+pub(crate) enum RotationError {
     /// A file operation.
     #[error("{what} {path}: {source}")]
     Io {
@@ -131,7 +131,7 @@ fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> 
 
 /// Rotates `log` of container `id` if it reached the size. `Ok(true)`: it
 /// was rotated.
-pub async fn rotate_if_due(
+pub(crate) async fn rotate_if_due(
     rotation: &LogRotation,
     id: &ContainerId,
     log: &Path,

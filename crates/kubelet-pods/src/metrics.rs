@@ -43,7 +43,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 /// How often the relist lists the runtime's containers.
-pub const RELIST_PERIOD: Duration = Duration::from_secs(10);
+pub(crate) const RELIST_PERIOD: Duration = Duration::from_secs(10);
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct OperationType {

@@ -89,7 +89,7 @@ impl ClassHandlers {
     }
 
     /// The handler of `class`, or why there is none.
-    pub fn handler_of(&self, class: &str) -> Result<String, RuntimeClassError> {
+    pub(crate) fn handler_of(&self, class: &str) -> Result<String, RuntimeClassError> {
         let table = self.read();
         match table.handlers.get(class) {
             Some(handler) => Ok(handler.clone()),
@@ -102,7 +102,7 @@ impl ClassHandlers {
 
 /// Why a pod's RuntimeClass has no handler.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum RuntimeClassError {
+pub(crate) enum RuntimeClassError {
     /// The API's RuntimeClasses are still being listed.
     #[error("RuntimeClass {0:?} not known yet: the API's are being listed")]
     NotListedYet(String),

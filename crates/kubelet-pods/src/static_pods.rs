@@ -58,7 +58,7 @@ impl StaticPodConfig {
 
 /// What one manifest document is.
 #[derive(Clone, Debug)]
-pub enum ManifestObject {
+pub(crate) enum ManifestObject {
     /// A static pod, named, UID'd and annotated for this node.
     Pod(Box<Pod>),
     /// A `CSIDriver` object.
@@ -72,7 +72,7 @@ pub enum ManifestObject {
 
 /// Why a manifest file yields no objects.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum ManifestError {
+pub(crate) enum ManifestError {
     /// The file starts like JSON and is not.
     #[error("not valid JSON: {0}")]
     Json(String),
@@ -91,7 +91,7 @@ pub enum ManifestError {
 
 /// Reads the manifest file `path` (its text `text`) for node `node_name`.
 /// Errors name the document and say what is wrong.
-pub fn parse_manifest(path: &Path, text: &str, node_name: &str) -> Result<Vec<ManifestObject>, ManifestError> {
+pub(crate) fn parse_manifest(path: &Path, text: &str, node_name: &str) -> Result<Vec<ManifestObject>, ManifestError> {
     let documents: Vec<Value> = if text.trim_start().starts_with('{') {
         vec![serde_json::from_str(text).map_err(|e| ManifestError::Json(e.to_string()))?]
     } else {

@@ -53,11 +53,11 @@ impl std::fmt::Display for QosClass {
 }
 
 /// The OOM score adjustment of Guaranteed and node-critical containers.
-pub const GUARANTEED_OOM_SCORE_ADJ: i64 = -997;
+pub(crate) const GUARANTEED_OOM_SCORE_ADJ: i64 = -997;
 /// The OOM score adjustment of BestEffort containers.
-pub const BEST_EFFORT_OOM_SCORE_ADJ: i64 = 1000;
+pub(crate) const BEST_EFFORT_OOM_SCORE_ADJ: i64 = 1000;
 /// The priority from which a pod is critical (`system-cluster-critical`'s).
-pub const SYSTEM_CRITICAL_PRIORITY: i32 = 2_000_000_000;
+pub(crate) const SYSTEM_CRITICAL_PRIORITY: i32 = 2_000_000_000;
 
 /// A quantity of `resource` (`cpu` in millicores, `memory` in bytes), if
 /// it parses and is above zero.
@@ -117,7 +117,7 @@ pub fn is_critical(pod: &Pod) -> bool {
 
 /// Whether `pod` is node-critical: critical, with the priority class
 /// `system-node-critical`.
-pub fn is_node_critical(pod: &Pod) -> bool {
+pub(crate) fn is_node_critical(pod: &Pod) -> bool {
     let class = pod.spec.as_ref().and_then(|s| s.priority_class_name.as_deref());
     is_critical(pod) && class == Some("system-node-critical")
 }

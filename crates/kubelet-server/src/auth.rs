@@ -105,7 +105,7 @@ impl Default for AuthSettings {
 /// What a request asks of the node, as the kubelet maps it for
 /// authorization: a verb on a subresource of `nodes/<node>`.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct NodeRequest {
+pub(crate) struct NodeRequest {
     /// get, create, update, patch, delete.
     pub verb: &'static str,
     /// stats, metrics, log, spec, checkpoint or proxy.
@@ -184,7 +184,7 @@ const CACHE_LIMIT: usize = 4096;
 /// Bearer tokens longer than this are refused without a TokenReview.
 const MAX_TOKEN: usize = 8 * 1024;
 /// Reviews (TokenReview and SubjectAccessReview) under way at once at most.
-pub const REVIEWS_IN_FLIGHT: usize = 16;
+pub(crate) const REVIEWS_IN_FLIGHT: usize = 16;
 /// How long a request waits for a review slot before it is answered 429.
 pub const REVIEW_QUEUE_WAIT: Duration = Duration::from_secs(5);
 /// How long one review may take before the request is answered 503.

@@ -31,13 +31,13 @@ use kubelet_provider::qos::{QosClass, qos_class};
 use kubelet_provider::quantity::{parse_milli, parse_units};
 
 /// The least cpu shares a group gets.
-pub const MIN_SHARES: u64 = 2;
+pub(crate) const MIN_SHARES: u64 = 2;
 /// The most cpu shares a group gets.
-pub const MAX_SHARES: u64 = 262_144;
+pub(crate) const MAX_SHARES: u64 = 262_144;
 /// The CFS period, in microseconds.
-pub const QUOTA_PERIOD: u64 = 100_000;
+pub(crate) const QUOTA_PERIOD: u64 = 100_000;
 /// The least CFS quota, in microseconds.
-pub const MIN_QUOTA: i64 = 1000;
+pub(crate) const MIN_QUOTA: i64 = 1000;
 
 /// Cpu shares for `milli` millicores.
 pub fn shares(milli: u128) -> u64 {
@@ -57,7 +57,7 @@ pub fn quota(milli: u128) -> Option<i64> {
 }
 
 /// cgroup v2's `cpu.weight` for `shares`.
-pub fn cpu_weight(shares: u64) -> u64 {
+pub(crate) fn cpu_weight(shares: u64) -> u64 {
     if shares >= MAX_SHARES {
         return 10_000;
     }
@@ -224,7 +224,7 @@ impl CgroupFs {
     }
 
     /// The cgroup file system mounted at `mount`.
-    pub fn detect_at(mount: impl Into<PathBuf>) -> Option<CgroupFs> {
+    pub(crate) fn detect_at(mount: impl Into<PathBuf>) -> Option<CgroupFs> {
         let mount = mount.into();
         if mount.join("cgroup.controllers").is_file() {
             Some(CgroupFs { mount, version: CgroupVersion::V2 })
@@ -473,7 +473,7 @@ impl CgroupFs {
 }
 
 /// A `key value` line's value in a `*.stat` file.
-pub fn stat_value(stat: &str, key: &str) -> Option<u64> {
+pub(crate) fn stat_value(stat: &str, key: &str) -> Option<u64> {
     stat.lines().find_map(|line| {
         let (k, v) = line.split_once(' ')?;
         if k == key { v.trim().parse().ok() } else { None }
@@ -592,7 +592,7 @@ pub struct PodCgroups {
 }
 
 /// The prefix of a pod's group name.
-pub const POD_CGROUP_PREFIX: &str = "pod";
+pub(crate) const POD_CGROUP_PREFIX: &str = "pod";
 
 impl PodCgroups {
     /// Makes (or updates) `kubepods`, `kubepods/burstable` and

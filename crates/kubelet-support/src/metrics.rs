@@ -115,7 +115,7 @@ fn openmetrics_to_text(open: &str) -> String {
 }
 
 /// A sample value as the text format writes it (`+Inf`, `-Inf`, `NaN`).
-pub fn format_value(value: f64) -> String {
+pub(crate) fn format_value(value: f64) -> String {
     if value.is_nan() {
         "NaN".to_owned()
     } else if value == f64::INFINITY {
@@ -184,10 +184,10 @@ impl TextWriter {
 }
 
 /// Label values of one sample, in the order of its family's label names.
-pub type LabelValues = Vec<String>;
+pub(crate) type LabelValues = Vec<String>;
 
 /// What a [`ScrapeFamily`] reads at each scrape: its samples.
-pub type ReadSamples = Arc<dyn Fn() -> Vec<(LabelValues, f64)> + Send + Sync>;
+pub(crate) type ReadSamples = Arc<dyn Fn() -> Vec<(LabelValues, f64)> + Send + Sync>;
 
 /// A gauge (or counter) family whose samples are read at each scrape (the
 /// number of running pods, a node's name), registered with

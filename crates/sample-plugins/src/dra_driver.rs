@@ -93,12 +93,12 @@ impl DraDriverConfig {
     }
 
     /// The CDI kind of the devices (`<driver>/device`).
-    pub fn cdi_kind(&self) -> String {
+    pub(crate) fn cdi_kind(&self) -> String {
         format!("{}/device", self.driver)
     }
 
     /// The CDI ID of `device`.
-    pub fn cdi_id(&self, device: &str) -> String {
+    pub(crate) fn cdi_id(&self, device: &str) -> String {
         format!("{}={device}", self.cdi_kind())
     }
 
@@ -136,7 +136,7 @@ impl DraDriver {
     }
 
     /// The name of the ResourceSlice this driver publishes.
-    pub fn slice_name(&self) -> String {
+    pub(crate) fn slice_name(&self) -> String {
         format!("{}-{}", self.config.pool, self.config.driver).to_lowercase()
     }
 

@@ -7,7 +7,7 @@ use kubelet_api::cri::v1 as cri;
 
 /// The registry host of `image` (`docker.io` when it names none, as
 /// upstream reads references).
-pub fn registry_of(image: &str) -> String {
+pub(crate) fn registry_of(image: &str) -> String {
     match image.split_once('/') {
         Some((first, _)) if first.contains('.') || first.contains(':') || first == "localhost" => {
             if first == "index.docker.io" || first == "registry-1.docker.io" {
@@ -29,7 +29,7 @@ fn key_host(key: &str) -> String {
 }
 
 /// The credentials for `image` among `configs` (each a docker config).
-pub fn auth_for(image: &str, configs: &[Vec<u8>]) -> Option<cri::AuthConfig> {
+pub(crate) fn auth_for(image: &str, configs: &[Vec<u8>]) -> Option<cri::AuthConfig> {
     let registry = registry_of(image);
     for config in configs {
         let Ok(config) = serde_json::from_slice::<serde_json::Value>(config) else { continue };

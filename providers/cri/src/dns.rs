@@ -85,7 +85,7 @@ fn option_name(option: &str) -> &str {
 }
 
 /// The DNS config of `pod`'s sandbox.
-pub fn dns_config(pod: &Pod, settings: &DnsSettings) -> cri::DnsConfig {
+pub(crate) fn dns_config(pod: &Pod, settings: &DnsSettings) -> cri::DnsConfig {
     let spec = pod.spec.clone().unwrap_or_default();
     let host_network = spec.host_network.unwrap_or(false);
     let host = || match &settings.resolv_conf {

@@ -61,15 +61,15 @@ use kubelet_support::retry::RetryBackoff;
 use tokio::sync::watch;
 
 /// The label a sandbox and its containers carry with the pod's name.
-pub const POD_NAME_LABEL: &str = "io.kubernetes.pod.name";
+pub(crate) const POD_NAME_LABEL: &str = "io.kubernetes.pod.name";
 /// … with the pod's namespace.
-pub const POD_NAMESPACE_LABEL: &str = "io.kubernetes.pod.namespace";
+pub(crate) const POD_NAMESPACE_LABEL: &str = "io.kubernetes.pod.namespace";
 /// … with the pod's UID.
-pub const POD_UID_LABEL: &str = "io.kubernetes.pod.uid";
+pub(crate) const POD_UID_LABEL: &str = "io.kubernetes.pod.uid";
 /// The label a container carries with its name.
-pub const CONTAINER_NAME_LABEL: &str = "io.kubernetes.container.name";
+pub(crate) const CONTAINER_NAME_LABEL: &str = "io.kubernetes.container.name";
 /// The annotation a container carries with its restart count.
-pub const RESTART_COUNT_ANNOTATION: &str = "io.kubernetes.container.restartCount";
+pub(crate) const RESTART_COUNT_ANNOTATION: &str = "io.kubernetes.container.restartCount";
 
 /// How the provider reaches the runtime.
 #[derive(Clone, Debug)]
@@ -210,7 +210,7 @@ fn describe(status: &tonic::Status) -> String {
 /// Why the container runtime is not ready, in upstream's words.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{what}: {detail}")]
-pub struct RuntimeNotReady {
+pub(crate) struct RuntimeNotReady {
     /// `container runtime is down` or `container runtime network not ready`.
     pub what: &'static str,
     /// What the runtime said (or why it could not be asked).
@@ -290,7 +290,7 @@ impl CriProvider {
     /// `RuntimeReady` and `NetworkReady` conditions hold; else why not, in
     /// upstream's words (`container runtime is down`, `container runtime
     /// network not ready`).
-    pub async fn runtime_status(&self) -> Result<(), RuntimeNotReady> {
+    pub(crate) async fn runtime_status(&self) -> Result<(), RuntimeNotReady> {
         let down = |detail: String| RuntimeNotReady { what: "container runtime is down", detail };
         let mut runtime = self.runtime().await.map_err(|e| down(e.message))?;
         let status = self

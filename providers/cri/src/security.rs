@@ -9,7 +9,7 @@ use kubelet_api::cri::v1 as cri;
 
 /// What an unprivileged container's `/proc` and `/sys` hide (upstream's
 /// list for `procMount: Default`).
-pub const DEFAULT_MASKED_PATHS: &[&str] = &[
+pub(crate) const DEFAULT_MASKED_PATHS: &[&str] = &[
     "/proc/asound",
     "/proc/acpi",
     "/proc/kcore",
@@ -23,11 +23,12 @@ pub const DEFAULT_MASKED_PATHS: &[&str] = &[
 ];
 
 /// What an unprivileged container sees read-only.
-pub const DEFAULT_READONLY_PATHS: &[&str] = &["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"];
+pub(crate) const DEFAULT_READONLY_PATHS: &[&str] =
+    &["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"];
 
 /// Whether any of the pod's containers is privileged (its sandbox must be
 /// then, or the runtime refuses the container).
-pub fn has_privileged(pod: &Pod) -> bool {
+pub(crate) fn has_privileged(pod: &Pod) -> bool {
     pod.spec
         .iter()
         .flat_map(|s| s.init_containers.iter().flatten().chain(s.containers.iter()))
@@ -100,7 +101,7 @@ pub fn security_context(
 /// The user an image runs as, as the runtime's `ImageStatus` says it: a
 /// numeric uid, or a name; neither means root (upstream's reading).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum ImageUser {
+pub(crate) enum ImageUser {
     /// A numeric uid.
     Uid(i64),
     /// A user name the runtime did not resolve.
@@ -109,7 +110,7 @@ pub enum ImageUser {
 
 /// Whether the effective security context of `container` asks for
 /// `runAsNonRoot` (the image's user is read only then).
-pub fn asks_non_root(pod: &Pod, container: &Container) -> bool {
+pub(crate) fn asks_non_root(pod: &Pod, container: &Container) -> bool {
     let pod_context = pod.spec.as_ref().and_then(|s| s.security_context.as_ref());
     let context = container.security_context.as_ref();
     context.and_then(|c| c.run_as_non_root).or(pod_context.and_then(|c| c.run_as_non_root)) == Some(true)

@@ -51,7 +51,7 @@ pub fn release_free_heap() {
 }
 
 /// Stacks per slab (one mapping).
-pub const STACKS_PER_SLAB: usize = 64;
+pub(crate) const STACKS_PER_SLAB: usize = 64;
 
 /// The host's page size (4 KiB on x86-64; 16 or 64 KiB on some arm64 and
 /// ppc64 kernels): mappings, stacks and guards are multiples of it.
@@ -81,7 +81,7 @@ fn round_up(n: usize, to: usize) -> Option<usize> {
 
 /// Creates linear memories as single growable mappings.
 #[derive(Default)]
-pub struct DenseMemories;
+pub(crate) struct DenseMemories;
 
 // SAFETY: every memory is a private, zero-filled, page-aligned mapping of
 // at least its byte size, owned by the `Linear` it is returned in. Memories
@@ -170,7 +170,7 @@ impl Drop for Linear {
 
 /// Async stacks cut from shared slabs.
 #[derive(Default)]
-pub struct SlabStacks {
+pub(crate) struct SlabStacks {
     pools: Mutex<HashMap<usize, Arc<Pool>>>,
 }
 
@@ -258,7 +258,7 @@ fn zone_intact(zone: usize) -> bool {
     "the guard zone below this instance's stack ({size} bytes at {zone:#x}) was overwritten: host code overflowed \
      the stack; the instance is ended before it can run on a damaged stack"
 )]
-pub struct StackOverflowed {
+pub(crate) struct StackOverflowed {
     /// Where the zone starts.
     pub zone: usize,
     /// Its size in bytes.
@@ -269,7 +269,7 @@ pub struct StackOverflowed {
 /// these slabs' (else there is nothing to check: the stack is wasmtime's
 /// own, with a guard page). An error says the zone was overwritten: host
 /// code overflowed the stack, and the instance running on it must end.
-pub fn check_current_stack() -> Result<(), StackOverflowed> {
+pub(crate) fn check_current_stack() -> Result<(), StackOverflowed> {
     let marker = 0u8;
     let here = std::hint::black_box(&marker) as *const u8 as usize;
     let live = LIVE_STACKS.read().unwrap_or_else(std::sync::PoisonError::into_inner);

@@ -77,7 +77,7 @@ use crate::store::ImageStore;
 
 /// The node label (and taint) value that marks a WebAssembly node, as
 /// Krustlet did.
-pub const WASM_ARCH: &str = "wasm32-wasi";
+pub(crate) const WASM_ARCH: &str = "wasm32-wasi";
 
 /// The provider's settings.
 #[derive(Clone, Debug)]
@@ -126,7 +126,7 @@ pub const RESERVED_MAPPINGS: u64 = 8192;
 pub const MAPPINGS_PER_POD: u64 = 1;
 /// Address space each pod is counted for against a finite `RLIMIT_AS`: an
 /// async stack and room for a small linear memory.
-pub const ADDRESS_SPACE_PER_POD: u64 = 4 << 20;
+pub(crate) const ADDRESS_SPACE_PER_POD: u64 = 4 << 20;
 /// Memory each running instance costs beyond its linear memory (its
 /// stack's touched pages, store, WASI context and the node's bookkeeping),
 /// added to the pod's memory request in admission. Measured: 78 KiB per
@@ -510,7 +510,7 @@ fn argv(container: &Container, launch: &ContainerLaunch, default_args: &[String]
 }
 
 /// The wasmtime release this provider is built with (the workspace pins it).
-pub const WASMTIME_VERSION: &str = "48.0.8";
+pub(crate) const WASMTIME_VERSION: &str = "48.0.8";
 
 #[async_trait]
 impl Provider for WasiProvider {

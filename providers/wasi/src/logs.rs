@@ -28,7 +28,7 @@ static OPEN_LOGS: AtomicUsize = AtomicUsize::new(0);
 
 /// How many log files stay open between writes: a quarter of the
 /// process's open-file limit, at most 4,096.
-pub fn open_log_budget() -> usize {
+pub(crate) fn open_log_budget() -> usize {
     static BUDGET: OnceLock<usize> = OnceLock::new();
     *BUDGET.get_or_init(|| {
         let soft = rlimit::getrlimit(rlimit::Resource::NOFILE).map_or(1024, |(soft, _)| soft);
@@ -89,7 +89,7 @@ impl Drop for Inner {
 
 /// Output as the module writes it, for attached clients: whether it is
 /// stderr, and the bytes.
-pub type Attached = (bool, Bytes);
+pub(crate) type Attached = (bool, Bytes);
 
 /// One container's log file.
 #[derive(Clone)]

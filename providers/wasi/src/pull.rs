@@ -29,15 +29,15 @@ use oci_client::{Client, Reference};
 use crate::store::{ImageRecord, ImageStore, ModuleKind};
 
 /// The CNCF wasm artifact's config media type.
-pub const WASM_CONFIG_V0: &str = "application/vnd.wasm.config.v0+json";
+pub(crate) const WASM_CONFIG_V0: &str = "application/vnd.wasm.config.v0+json";
 /// The CNCF wasm artifact's layer media type.
-pub const WASM_LAYER: &str = "application/wasm";
+pub(crate) const WASM_LAYER: &str = "application/wasm";
 /// wasm-to-oci's config media type.
 pub const WASM_TO_OCI_CONFIG: &str = "application/vnd.wasm.config.v1+json";
 /// wasm-to-oci's layer media type.
-pub const WASM_TO_OCI_LAYER: &str = "application/vnd.wasm.content.layer.v1+wasm";
+pub(crate) const WASM_TO_OCI_LAYER: &str = "application/vnd.wasm.content.layer.v1+wasm";
 /// The component layer media type some tools use.
-pub const WASM_COMPONENT_LAYER: &str = "application/vnd.bytecodealliance.wasm.component.layer.v0+wasm";
+pub(crate) const WASM_COMPONENT_LAYER: &str = "application/vnd.bytecodealliance.wasm.component.layer.v0+wasm";
 
 /// Why a pull failed, by what the user should look at.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -77,7 +77,7 @@ impl PullError {
 pub use kubelet_provider::PullPolicy;
 
 /// Parses an image reference (`docker.io/library/` is implied as upstream).
-pub fn parse_reference(image: &str) -> Result<Reference, PullError> {
+pub(crate) fn parse_reference(image: &str) -> Result<Reference, PullError> {
     image
         .parse::<Reference>()
         .map_err(|e| PullError::new(PullErrorKind::Other, format!("invalid image reference {image:?}: {e}")))
@@ -178,14 +178,14 @@ impl Credentials {
     }
 
     /// Adds `other`'s registries that this one does not have.
-    pub fn fill_from(&mut self, other: Credentials) {
+    pub(crate) fn fill_from(&mut self, other: Credentials) {
         for (registry, auth) in other.by_registry {
             self.by_registry.entry(registry).or_insert(auth);
         }
     }
 
     /// The credentials for `registry` (`host[:port]`).
-    pub fn for_registry(&self, registry: &str) -> RegistryAuth {
+    pub(crate) fn for_registry(&self, registry: &str) -> RegistryAuth {
         let key = if registry == "docker.io" { "index.docker.io" } else { registry };
         self.by_registry.get(key).or_else(|| self.by_registry.get(registry)).cloned().unwrap_or(RegistryAuth::Anonymous)
     }
@@ -253,7 +253,7 @@ impl Puller {
     /// [`Puller::ensure`] with `credentials` (a pod's pull secrets) before
     /// the node's own. Pulls of one image share one flight: a pull already
     /// running goes on with the credentials it started with.
-    pub async fn ensure_with(
+    pub(crate) async fn ensure_with(
         &self,
         image: &str,
         policy: PullPolicy,

@@ -33,17 +33,17 @@ use crate::store::ModuleKind;
 
 /// How often the epoch advances (each store yields, and a stop lands, at
 /// this granularity).
-pub const EPOCH_TICK: Duration = Duration::from_millis(10);
+pub(crate) const EPOCH_TICK: Duration = Duration::from_millis(10);
 
 /// The exit code of a module that trapped (as `wasmtime run` reports a
 /// trap: 128 + SIGABRT).
-pub const TRAP_EXIT_CODE: i32 = 134;
+pub(crate) const TRAP_EXIT_CODE: i32 = 134;
 /// The exit code of a module stopped by the node (128 + SIGTERM: a module
 /// cannot handle the signal, so it ends at once).
-pub const STOPPED_EXIT_CODE: i32 = 143;
+pub(crate) const STOPPED_EXIT_CODE: i32 = 143;
 /// The exit code of a module that went over its memory limit (128 +
 /// SIGKILL, as the kernel's OOM killer).
-pub const OOM_EXIT_CODE: i32 = 137;
+pub(crate) const OOM_EXIT_CODE: i32 = 137;
 
 /// How much of an interactive session's output may wait to be sent.
 const SESSION_BUDGET: usize = 64 * 1024;
@@ -131,7 +131,7 @@ impl RunSpec {
 
 /// Bytes a table element is counted for (a function reference and its
 /// type, or an extern reference, with the table's bookkeeping).
-pub const TABLE_ELEMENT_BYTES: usize = 16;
+pub(crate) const TABLE_ELEMENT_BYTES: usize = 16;
 
 /// A container's memory limit in bytes, which an in-place resize may
 /// change while its instances run (growth beyond a lowered limit is
@@ -177,7 +177,7 @@ impl MemoryBudget {
 
     /// Resizes the budget (an in-place resize of the pod): growth beyond a
     /// lowered budget is refused; what is held already is kept.
-    pub fn set_limit(&self, limit: u64) {
+    pub(crate) fn set_limit(&self, limit: u64) {
         self.limit.store(limit, Ordering::Release);
     }
 
@@ -203,7 +203,7 @@ impl MemoryBudget {
 /// Counts an instance's growth (linear memories and tables, all of them
 /// together) against its container's limit and its pod's budget, and in
 /// its container's meter; all given back when the store goes.
-pub struct MemLimiter {
+pub(crate) struct MemLimiter {
     max: Option<MemoryLimit>,
     budget: Option<Arc<MemoryBudget>>,
     hit: bool,
@@ -355,11 +355,11 @@ pub enum Layout {
 }
 
 /// Stack depth compiled wasm code may use (wasmtime's default).
-pub const MAX_WASM_STACK: usize = 512 << 10;
+pub(crate) const MAX_WASM_STACK: usize = 512 << 10;
 /// Each async stack: wasm's share plus room for host calls (WASI) made
 /// from it (wasmtime's default size). Only the pages a module touches
 /// cost memory.
-pub const ASYNC_STACK: usize = 2 << 20;
+pub(crate) const ASYNC_STACK: usize = 2 << 20;
 
 /// The engine, the linkers and the compiled-module cache.
 pub struct Runtime {
@@ -543,7 +543,7 @@ impl Runtime {
     }
 
     /// Drops compiled modules whose digest is not in `keep`.
-    pub fn forget_except(&self, keep: &std::collections::HashSet<String>) {
+    pub(crate) fn forget_except(&self, keep: &std::collections::HashSet<String>) {
         crate::lock(&self.compiled).retain(|digest, _| keep.contains(digest));
     }
 

@@ -171,7 +171,7 @@ impl ImageStore {
 
     /// Any image whose id is `id` (the same manifest under another name),
     /// whose module is present.
-    pub fn by_id(&self, id: &str) -> Result<Option<ImageRecord>, StoreError> {
+    pub(crate) fn by_id(&self, id: &str) -> Result<Option<ImageRecord>, StoreError> {
         Ok(self.read_index()?.images.into_iter().find(|r| r.id == id && self.has_blob(&r.module)))
     }
 
@@ -252,7 +252,7 @@ impl ImageStore {
     }
 
     /// Where the blob `digest` lives.
-    pub fn blob_path(&self, digest: &str) -> PathBuf {
+    pub(crate) fn blob_path(&self, digest: &str) -> PathBuf {
         self.dir.join("blobs/sha256").join(digest.trim_start_matches("sha256:"))
     }
 
@@ -262,14 +262,14 @@ impl ImageStore {
     }
 
     /// A fresh path for a download in progress.
-    pub fn temp_path(&self, hint: &str) -> PathBuf {
+    pub(crate) fn temp_path(&self, hint: &str) -> PathBuf {
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.dir.join("tmp").join(format!("{}-{}-{n}", hint.trim_start_matches("sha256:"), std::process::id()))
     }
 
     /// Stores `bytes` as a blob and returns its digest.
-    pub fn write_blob(&self, bytes: &[u8]) -> Result<String, StoreError> {
+    pub(crate) fn write_blob(&self, bytes: &[u8]) -> Result<String, StoreError> {
         let digest = digest_of(bytes);
         let path = self.blob_path(&digest);
         if !path.is_file() {
@@ -281,7 +281,7 @@ impl ImageStore {
     }
 
     /// Reads the blob `digest`, checking its digest.
-    pub fn read_blob(&self, digest: &str) -> Result<Vec<u8>, StoreError> {
+    pub(crate) fn read_blob(&self, digest: &str) -> Result<Vec<u8>, StoreError> {
         let path = self.blob_path(digest);
         let bytes = std::fs::read(&path).map_err(|e| store_error(&path, e))?;
         let actual = digest_of(&bytes);

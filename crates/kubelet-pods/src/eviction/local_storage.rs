@@ -27,11 +27,11 @@ use kubelet_provider::Provider;
 use kubelet_provider::quantity::parse_units;
 
 /// Upstream's `eviction_signal` label of each kind of limit.
-pub const EMPTY_DIR_SIGNAL: &str = "emptydirfs.limit";
+pub(crate) const EMPTY_DIR_SIGNAL: &str = "emptydirfs.limit";
 /// … of a pod's total.
-pub const POD_SIGNAL: &str = "ephemeralpodfs.limit";
+pub(crate) const POD_SIGNAL: &str = "ephemeralpodfs.limit";
 /// … of one container's.
-pub const CONTAINER_SIGNAL: &str = "ephemeralcontainerfs.limit";
+pub(crate) const CONTAINER_SIGNAL: &str = "ephemeralcontainerfs.limit";
 
 /// A pod over one of its limits: what to say and which label to count.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -67,7 +67,7 @@ fn limit_of(container: &Container) -> Option<(u128, String)> {
 /// sums it: app containers and sidecars, or the largest of what a
 /// run-to-completion init container holds beside the sidecars started
 /// before it; `None` when no container has one.
-pub fn pod_limit(pod: &Pod) -> Option<u128> {
+pub(crate) fn pod_limit(pod: &Pod) -> Option<u128> {
     let spec = pod.spec.as_ref()?;
     let value = |c: &Container| limit_of(c).map_or(0, |(b, _)| b);
     let any = spec.containers.iter().chain(spec.init_containers.iter().flatten()).any(|c| limit_of(c).is_some());
@@ -90,7 +90,7 @@ pub fn pod_limit(pod: &Pod) -> Option<u128> {
 }
 
 /// Whether `pod` has any limit this module checks.
-pub fn has_limits(pod: &Pod) -> bool {
+pub(crate) fn has_limits(pod: &Pod) -> bool {
     let Some(spec) = pod.spec.as_ref() else { return false };
     let sized = spec.volumes.iter().flatten().any(|v| {
         v.empty_dir.as_ref().and_then(|e| e.size_limit.as_ref()).is_some_and(|q| parse_units(&q.0).unwrap_or(0) > 0)

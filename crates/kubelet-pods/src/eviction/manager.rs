@@ -98,7 +98,7 @@ pub struct Observation {
 }
 
 /// The signals measured in one pass.
-pub type Observations = BTreeMap<Signal, Observation>;
+pub(crate) type Observations = BTreeMap<Signal, Observation>;
 
 /// Measures the host's signals.
 pub fn observe(settings: &EvictionSettings, image_fs: Option<&Path>) -> Observations {
@@ -216,12 +216,12 @@ pub fn met(thresholds: &[Threshold], observed: &Observations, previously: &[usiz
 }
 
 /// A Quantity in upstream's canonical binary form (`64Mi`, `1536`).
-pub fn binary_quantity(value: u128) -> String {
+pub(crate) fn binary_quantity(value: u128) -> String {
     canonical(value, 1024, &["Ki", "Mi", "Gi", "Ti", "Pi", "Ei"])
 }
 
 /// … in its decimal form (`5k`, `12345`).
-pub fn decimal_quantity(value: u128) -> String {
+pub(crate) fn decimal_quantity(value: u128) -> String {
     canonical(value, 1000, &["k", "M", "G", "T", "P", "E"])
 }
 

@@ -161,7 +161,7 @@ pub enum ThresholdError {
 
 /// Parses a value: `100Mi`, `10%`. `Ok(None)`: `0%` or `100%`, the
 /// signal turned off.
-pub fn parse_value(signal: &str, text: &str) -> Result<Option<ThresholdValue>, ThresholdError> {
+pub(crate) fn parse_value(signal: &str, text: &str) -> Result<Option<ThresholdValue>, ThresholdError> {
     let bad = || ThresholdError::Value { signal: signal.to_owned(), value: text.to_owned() };
     let text = text.trim();
     if let Some(percent) = text.strip_suffix('%') {
@@ -205,7 +205,7 @@ pub fn parse_flag(text: &str) -> Result<BTreeMap<String, String>, ThresholdError
 }
 
 /// Upstream's Linux `--eviction-hard` default.
-pub fn default_hard() -> BTreeMap<String, String> {
+pub(crate) fn default_hard() -> BTreeMap<String, String> {
     [
         ("memory.available", "100Mi"),
         ("nodefs.available", "10%"),

@@ -53,7 +53,7 @@ impl Hook {
 }
 
 /// The least of the grace period a preStop hook leaves the stop.
-pub const MIN_STOP_GRACE: Duration = Duration::from_secs(2);
+pub(crate) const MIN_STOP_GRACE: Duration = Duration::from_secs(2);
 
 /// Runs `hook` of `container` (running as `id` in `pod`, whose address is
 /// `address`) within `timeout`. `Ok` when it has no such hook or it

@@ -604,7 +604,7 @@ impl Counter {
 }
 
 /// What a probe worker needs.
-pub struct Worker {
+pub(crate) struct Worker {
     /// The probe.
     pub spec: ProbeSpec,
     /// What it probes.

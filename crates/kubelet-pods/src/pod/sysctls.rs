@@ -9,7 +9,7 @@ use k8s_openapi::api::core::v1::Pod;
 /// The sysctls upstream 1.28 allows every pod (the TCP keepalive and
 /// `tcp_fin_timeout` ones came in 1.29: allow them with
 /// `--allowed-unsafe-sysctls`).
-pub const SAFE_SYSCTLS: &[&str] = &[
+pub(crate) const SAFE_SYSCTLS: &[&str] = &[
     "kernel.shm_rmid_forced",
     "net.ipv4.ip_local_port_range",
     "net.ipv4.tcp_syncookies",
@@ -19,7 +19,7 @@ pub const SAFE_SYSCTLS: &[&str] = &[
 ];
 
 /// The reason of a pod rejected for its sysctls.
-pub const SYSCTL_FORBIDDEN: &str = "SysctlForbidden";
+pub(crate) const SYSCTL_FORBIDDEN: &str = "SysctlForbidden";
 
 /// A sysctl a pod may not set; its text is upstream's message.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

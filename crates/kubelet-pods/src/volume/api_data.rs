@@ -124,7 +124,7 @@ pub(crate) async fn link_services(objects: &dyn ApiObjects, pod: &Pod) -> Vec<k8
 
 /// Objects read through [`ApiObjects::data_cached`]: what the periodic
 /// rewrite of volumes reads.
-pub struct CachedObjects {
+pub(crate) struct CachedObjects {
     /// Where the objects come from.
     pub objects: std::sync::Arc<dyn ApiObjects>,
     /// How old a copy may be.

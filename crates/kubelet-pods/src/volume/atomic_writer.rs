@@ -35,10 +35,10 @@ pub struct FileData {
 }
 
 /// A volume's files by relative path.
-pub type Payload = BTreeMap<String, FileData>;
+pub(crate) type Payload = BTreeMap<String, FileData>;
 
 /// The link to the current version.
-pub const DATA_LINK: &str = "..data";
+pub(crate) const DATA_LINK: &str = "..data";
 const DATA_LINK_TMP: &str = "..data_tmp";
 
 /// Writes `payload` into `dir` as one version, if it differs from the

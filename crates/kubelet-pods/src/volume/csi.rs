@@ -42,7 +42,7 @@ use crate::csi::{
 };
 
 /// The pod volume plugin directory of CSI volumes.
-pub const CSI_PLUGIN_DIR: &str = "kubernetes.io~csi";
+pub(crate) const CSI_PLUGIN_DIR: &str = "kubernetes.io~csi";
 
 /// The CSIDriver objects the node knows, by driver name: whether a driver
 /// wants the pod's info on mount and which lifecycle modes it serves. Static

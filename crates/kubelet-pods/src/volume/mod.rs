@@ -154,7 +154,7 @@ pub enum VolumeKind {
 }
 
 /// A pod's prepared volumes, by volume name.
-pub type PodVolumes = BTreeMap<String, PreparedVolume>;
+pub(crate) type PodVolumes = BTreeMap<String, PreparedVolume>;
 
 /// Prepares and tears down pod volumes under a root dir.
 #[derive(Clone)]
@@ -177,7 +177,7 @@ impl std::fmt::Debug for VolumeManager {
 
 /// The oldest copy of an object a running pod's volume is rewritten from
 /// (half the rewrite period, at most this).
-pub const OBJECT_MAX_AGE: std::time::Duration = std::time::Duration::from_secs(10);
+pub(crate) const OBJECT_MAX_AGE: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Why API-backed volumes are refused in static pods.
 pub(crate) const NEEDS_API: &str = "in static pods (they need the API server; upstream refuses them too)";

@@ -40,7 +40,7 @@ use super::{PodVolumes, PreparedVolume, VolumeKind, VolumeManager};
 use crate::retry::RetryBackoff;
 
 /// How often the reconciler looks again with nothing announcing a change.
-pub const RESYNC: Duration = Duration::from_secs(30);
+pub(crate) const RESYNC: Duration = Duration::from_secs(30);
 
 /// The plugin directories of volumes the node removes itself (after
 /// unmounting a tmpfs it mounted there).

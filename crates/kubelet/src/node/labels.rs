@@ -10,10 +10,10 @@
 use std::collections::BTreeMap;
 
 /// Namespaces whose labels the kubelet may set.
-pub const KUBELET_LABEL_NAMESPACES: [&str; 2] = ["kubelet.kubernetes.io", "node.kubernetes.io"];
+pub(crate) const KUBELET_LABEL_NAMESPACES: [&str; 2] = ["kubelet.kubernetes.io", "node.kubernetes.io"];
 
 /// Labels in reserved namespaces the kubelet may set.
-pub const KUBELET_LABELS: [&str; 11] = [
+pub(crate) const KUBELET_LABELS: [&str; 11] = [
     "beta.kubernetes.io/arch",
     "beta.kubernetes.io/instance-type",
     "beta.kubernetes.io/os",

@@ -63,7 +63,7 @@ use crate::volume::{CsiDriverObjects, VolumeClaims};
 pub const DEFAULT_MAX_STREAMING_SESSIONS: usize = 1024;
 
 /// The file in the root dir that names the running node's health port.
-pub const ENDPOINT_FILE: &str = "rustlet-endpoint";
+pub(crate) const ENDPOINT_FILE: &str = "rustlet-endpoint";
 
 /// The node's local socket in its root dir: every view of the node
 /// (`/status`, `/pods`, `/node`, `/containerLogs`, with `/healthz` and
