@@ -550,102 +550,137 @@ pub(crate) async fn rotating_clients(
         if let Some(current) = load_current(&settings.cert_dir, "kubelet-client") {
             metrics.client_certificate(current.not_after);
         }
-        let (settings, node_name, shutdown) = (settings.clone(), node_name.to_owned(), supervision.shutdown().clone());
-        let metrics = metrics.clone();
+        let renewal = ClientRenewal {
+            settings: settings.clone(),
+            node_name: node_name.to_owned(),
+            client: first,
+            current_http: currents,
+            metrics: metrics.clone(),
+        };
+        let shutdown = supervision.shutdown().clone();
         // Restarted after a panic: each round reads the certificate in use
         // from the cert dir again.
-        supervision.spawn("client-certificate-rotation", move || {
-            rotate(
-                settings.clone(),
-                node_name.clone(),
-                first.clone(),
-                currents.clone(),
-                metrics.clone(),
-                shutdown.clone(),
-            )
-        });
+        supervision.spawn("client-certificate-rotation", move || keep_renewed(renewal.clone(), shutdown.clone()));
     }
     Ok(clients)
 }
 
-/// Renews the client certificate before it expires, for as long as the
-/// node runs.
-async fn rotate(
-    settings: BootstrapSettings,
-    node_name: String,
-    client: kube::Client,
-    current_http: Vec<Arc<RwLock<Http>>>,
-    metrics: super::api_metrics::ApiMetrics,
-    shutdown: CancellationToken,
-) {
+/// One certificate kept renewed: what [`keep_renewed`] asks of it.
+#[async_trait::async_trait]
+pub trait Renewal: Send {
+    /// What the logs call it (`client`, `serving`).
+    fn name(&self) -> &'static str;
+    /// The certificate in use now, if there is one (its expiry goes to the
+    /// metrics).
+    fn current(&mut self) -> Option<IssuedCertificate>;
+    /// Gets a new certificate and puts it in use; `Ok(false)` when there is
+    /// nothing more to do (shutdown, or no way to get one, said in the log).
+    async fn renew(
+        &mut self,
+        current: Option<&IssuedCertificate>,
+        shutdown: &CancellationToken,
+    ) -> Result<bool, CertificateError>;
+    /// Counts a failed renewal.
+    fn failed(&self);
+}
+
+/// The one rotation loop of both the client and the serving certificate:
+/// wait until the one in use is at 70–90% of its lifetime (at once when
+/// there is none), renew it, and after a failure try again with the one
+/// backoff (1 s doubling to 1 min, jittered), the one in use staying in use
+/// while it is valid.
+pub async fn keep_renewed(mut renewal: impl Renewal, shutdown: CancellationToken) {
     let mut backoff = crate::retry::RetryBackoff::new(Duration::from_secs(1), Duration::from_secs(60));
+    let name = renewal.name();
     loop {
-        // The current certificate, or (expired, or gone) none: then only
-        // the bootstrap identity can get a new one.
-        let current = load_current(&settings.cert_dir, "kubelet-client");
-        let renewer = match &current {
-            Some(issued) => {
-                let at = issued.renew_at();
-                let now = jiff::Timestamp::now();
-                let wait = if at > now { now.duration_until(at).unsigned_abs() } else { Duration::ZERO };
-                tracing::info!(not_after = %issued.not_after, renew_at = %at, "client certificate rotation scheduled");
-                tokio::select! {
-                    () = shutdown.cancelled() => return,
-                    () = tokio::time::sleep(wait) => {}
-                }
-                client.clone()
+        let current = renewal.current();
+        if let Some(issued) = &current {
+            let at = issued.renew_at();
+            let now = jiff::Timestamp::now();
+            let wait = if at > now { now.duration_until(at).unsigned_abs() } else { Duration::ZERO };
+            tracing::info!(certificate = name, not_after = %issued.not_after, renew_at = %at, "certificate renewal scheduled");
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = tokio::time::sleep(wait) => {}
             }
-            None => {
-                let Some(bootstrap) = &settings.bootstrap_kubeconfig else {
-                    tracing::error!(dir = %settings.cert_dir.display(), "the client certificate expired (or is gone) and no bootstrap kubeconfig is given: the node cannot reach the API until it gets a new kubeconfig");
-                    return;
-                };
-                tracing::warn!("the client certificate expired: TLS bootstrap again with the bootstrap kubeconfig");
-                match super::from_kubeconfig(bootstrap).await {
-                    Ok(client) => client,
-                    Err(error) => {
-                        let delay = backoff.next_delay();
-                        tracing::error!(%error, retry_in = ?delay, "the bootstrap kubeconfig cannot be used");
-                        tokio::select! {
-                            () = shutdown.cancelled() => return,
-                            () = tokio::time::sleep(delay) => {}
-                        }
-                        continue;
-                    }
-                }
-            }
-        };
-        let renewed = async {
-            let Some(new) = request_certificate_within(&renewer, &client_request(&node_name), &shutdown).await? else {
-                return Ok(false);
-            };
-            if new.not_after <= jiff::Timestamp::now() {
-                return Err(CertificateError::Request("the issued certificate has already expired".into()));
-            }
-            store(&settings.cert_dir, "kubelet-client", &new)?;
-            metrics.client_certificate(new.not_after);
-            let (config, https) = connector_of(&settings.kubeconfig).await?;
-            for current in &current_http {
-                *current.write().unwrap_or_else(|p| p.into_inner()) = http_client(&config, https.clone());
-            }
-            Ok::<bool, CertificateError>(true)
-        };
-        match renewed.await {
+        }
+        match renewal.renew(current.as_ref(), &shutdown).await {
             Ok(false) => return,
             Ok(true) => {
                 backoff.reset();
-                tracing::info!("client certificate rotated; new connections use it");
+                tracing::info!(certificate = name, "certificate renewed; new connections use it");
             }
             Err(error) => {
-                metrics.client_renewal_failed();
+                renewal.failed();
                 let delay = backoff.next_delay();
-                tracing::error!(%error, retry_in = ?delay, "client certificate renewal failed; the current one stays in use while it is valid");
+                tracing::error!(certificate = name, %error, retry_in = ?delay, "certificate renewal failed; the one in use stays in use while it is valid");
                 tokio::select! {
                     () = shutdown.cancelled() => return,
                     () = tokio::time::sleep(delay) => {}
                 }
             }
         }
+    }
+}
+
+/// The client certificate's renewal: through the node's client while the
+/// current certificate is valid, else (expired, or gone) through the
+/// bootstrap identity; the rotating connections take the new one.
+#[derive(Clone)]
+struct ClientRenewal {
+    settings: BootstrapSettings,
+    node_name: String,
+    client: kube::Client,
+    current_http: Vec<Arc<RwLock<Http>>>,
+    metrics: super::api_metrics::ApiMetrics,
+}
+
+#[async_trait::async_trait]
+impl Renewal for ClientRenewal {
+    fn name(&self) -> &'static str {
+        "client"
+    }
+
+    fn current(&mut self) -> Option<IssuedCertificate> {
+        load_current(&self.settings.cert_dir, "kubelet-client")
+    }
+
+    async fn renew(
+        &mut self,
+        current: Option<&IssuedCertificate>,
+        shutdown: &CancellationToken,
+    ) -> Result<bool, CertificateError> {
+        let renewer = match current {
+            Some(_) => self.client.clone(),
+            None => {
+                let Some(bootstrap) = &self.settings.bootstrap_kubeconfig else {
+                    tracing::error!(dir = %self.settings.cert_dir.display(), "the client certificate expired (or is gone) and no bootstrap kubeconfig is given: the node cannot reach the API until it gets a new kubeconfig");
+                    return Ok(false);
+                };
+                tracing::warn!("the client certificate expired: TLS bootstrap again with the bootstrap kubeconfig");
+                super::from_kubeconfig(bootstrap).await.map_err(|error| CertificateError::Kubeconfig {
+                    path: bootstrap.clone(),
+                    reason: format!("the bootstrap kubeconfig cannot be used: {error}"),
+                })?
+            }
+        };
+        let Some(new) = request_certificate_within(&renewer, &client_request(&self.node_name), shutdown).await? else {
+            return Ok(false);
+        };
+        if new.not_after <= jiff::Timestamp::now() {
+            return Err(CertificateError::Request("the issued certificate has already expired".into()));
+        }
+        store(&self.settings.cert_dir, "kubelet-client", &new)?;
+        self.metrics.client_certificate(new.not_after);
+        let (config, https) = connector_of(&self.settings.kubeconfig).await?;
+        for current in &self.current_http {
+            *current.write().unwrap_or_else(|p| p.into_inner()) = http_client(&config, https.clone());
+        }
+        Ok(true)
+    }
+
+    fn failed(&self) {
+        self.metrics.client_renewal_failed();
     }
 }
 

@@ -62,8 +62,8 @@ use kubelet_pods::{pod, static_pods};
 use kubelet_provider as provider;
 #[cfg(test)]
 use kubelet_support::fuzz;
+use kubelet_support::health;
 use kubelet_support::supervisor::Supervision;
-use kubelet_support::{health, retry};
 use state::HttpState;
 
 /// Where the serving certificate comes from.
@@ -299,70 +299,73 @@ struct ServingRenewal {
 
 impl ServingRenewal {
     /// Requests the serving certificate when there is none, and again at
-    /// 70–90% of each one's lifetime; the new one serves from the next
-    /// handshake on.
-    async fn run(mut self, serving: tls::ServingCertificate, shutdown: CancellationToken) {
-        use crate::cluster::certificates::{Request, SERVING_SIGNER, request_certificate_within, store};
+    /// 70–90% of each one's lifetime (the one rotation loop,
+    /// `certificates::keep_renewed`, once the node has an API client); the
+    /// new one serves from the next handshake on.
+    async fn run(self, serving: tls::ServingCertificate, shutdown: CancellationToken) {
+        let mut client = self.client.clone();
         let client = tokio::select! {
             () = shutdown.cancelled() => return,
-            client = self.client.wait_for(Option::is_some) => client.ok().and_then(|c| c.clone()),
+            client = client.wait_for(Option::is_some) => client.ok().and_then(|c| c.clone()),
         };
         let Some(client) = client else { return };
-        let mut backoff = crate::retry::RetryBackoff::new(Duration::from_secs(1), Duration::from_secs(60));
-        loop {
-            if let Some(current) = &self.current {
-                self.metrics.server_certificate(current.not_after);
-                let at = current.renew_at();
-                let now = jiff::Timestamp::now();
-                let wait = if at > now { now.duration_until(at).unsigned_abs() } else { Duration::ZERO };
-                tracing::info!(not_after = %current.not_after, renew_at = %at, "serving certificate renewal scheduled");
-                tokio::select! {
-                    () = shutdown.cancelled() => return,
-                    () = tokio::time::sleep(wait) => {}
-                }
-            }
-            let request = Request {
-                signer: SERVING_SIGNER,
-                node_name: &self.node_name,
-                dns_names: self.names.clone(),
-                ips: self.ips.clone(),
-                usages: &["digital signature", "server auth"],
-            };
-            let issued = match request_certificate_within(&client, &request, &shutdown).await {
-                Ok(Some(issued)) => issued,
-                Ok(None) => return,
-                Err(error) => {
-                    self.metrics.server_renewal_failed();
-                    let delay = backoff.next_delay();
-                    tracing::error!(%error, retry_in = ?delay, "serving certificate request failed");
-                    tokio::select! {
-                        () = shutdown.cancelled() => return,
-                        () = tokio::time::sleep(delay) => {}
-                    }
-                    continue;
-                }
-            };
-            backoff.reset();
-            match store(&self.cert_dir, "kubelet-server", &issued)
-                .map_err(|e| e.to_string())
-                .and_then(|_| tls::certified_from_pem(&issued.cert_pem, &issued.key_pem).map_err(|e| e.to_string()))
-            {
-                Ok(key) => {
-                    serving.replace(key);
-                    tracing::info!(not_after = %issued.not_after, "serving certificate in use");
-                    self.current = Some(issued);
-                }
-                Err(error) => {
-                    self.metrics.server_renewal_failed();
-                    let delay = backoff.next_delay();
-                    tracing::error!(%error, retry_in = ?delay, "the issued serving certificate cannot be used");
-                    tokio::select! {
-                        () = shutdown.cancelled() => return,
-                        () = tokio::time::sleep(delay) => {}
-                    }
-                }
-            }
+        let renewing = ServingRenewing { renewal: self, client, serving };
+        crate::cluster::certificates::keep_renewed(renewing, shutdown).await;
+    }
+}
+
+/// The serving certificate's renewal, with the node's API client and the
+/// certificate the listener serves.
+struct ServingRenewing {
+    renewal: ServingRenewal,
+    client: kube::Client,
+    serving: tls::ServingCertificate,
+}
+
+#[async_trait::async_trait]
+impl crate::cluster::certificates::Renewal for ServingRenewing {
+    fn name(&self) -> &'static str {
+        "serving"
+    }
+
+    fn current(&mut self) -> Option<crate::cluster::certificates::IssuedCertificate> {
+        let current = self.renewal.current.clone();
+        if let Some(current) = &current {
+            self.renewal.metrics.server_certificate(current.not_after);
         }
+        current
+    }
+
+    async fn renew(
+        &mut self,
+        _current: Option<&crate::cluster::certificates::IssuedCertificate>,
+        shutdown: &CancellationToken,
+    ) -> Result<bool, crate::cluster::certificates::CertificateError> {
+        use crate::cluster::certificates::{
+            CertificateError, Request, SERVING_SIGNER, request_certificate_within, store,
+        };
+        let renewal = &self.renewal;
+        let request = Request {
+            signer: SERVING_SIGNER,
+            node_name: &renewal.node_name,
+            dns_names: renewal.names.clone(),
+            ips: renewal.ips.clone(),
+            usages: &["digital signature", "server auth"],
+        };
+        let Some(issued) = request_certificate_within(&self.client, &request, shutdown).await? else {
+            return Ok(false);
+        };
+        store(&renewal.cert_dir, "kubelet-server", &issued)?;
+        let key = tls::certified_from_pem(&issued.cert_pem, &issued.key_pem)
+            .map_err(|e| CertificateError::Request(format!("the issued serving certificate cannot be used: {e}")))?;
+        self.serving.replace(key);
+        tracing::info!(not_after = %issued.not_after, "serving certificate in use");
+        self.renewal.current = Some(issued);
+        Ok(true)
+    }
+
+    fn failed(&self) {
+        self.renewal.metrics.server_renewal_failed();
     }
 }
 
