@@ -200,10 +200,9 @@ pub(crate) async fn request_certificate(
     let name = created.metadata.name.clone().unwrap_or_default();
     tracing::info!(csr = %name, signer = request.signer, "certificate signing request sent; waiting for approval and signing");
     let config = kube::runtime::watcher::Config::default().fields(&format!("metadata.name={name}"));
-    let mut events = kube::runtime::watcher(api, config).boxed();
-    // A failed watch request is made again after a jittered backoff, not at
-    // once (kube's watcher leaves the pace to its caller).
-    let mut backoff = crate::retry::RetryBackoff::for_watches();
+    // Quiet: the request stands while the watch resumes.
+    let mut events =
+        crate::mirror::watch_events(api, config, "certificate signing request", crate::mirror::Noise::Quiet);
     loop {
         let event = tokio::select! {
             () = shutdown.cancelled() => return Ok(None),
@@ -211,25 +210,10 @@ pub(crate) async fn request_certificate(
         };
         let object = match event {
             None => return Err(CertificateError::Request(format!("the watch of {name} ended"))),
-            Some(Err(error)) => {
-                let delay = backoff.next_delay();
-                tracing::debug!(csr = %name, %error, retry_in = ?delay, "CSR watch error; it resumes");
-                tokio::select! {
-                    () = shutdown.cancelled() => return Ok(None),
-                    () = tokio::time::sleep(delay) => {}
-                }
-                continue;
-            }
-            Some(Ok(
-                kube::runtime::watcher::Event::Apply(object) | kube::runtime::watcher::Event::InitApply(object),
-            )) => {
-                backoff.reset();
+            Some(kube::runtime::watcher::Event::Apply(object) | kube::runtime::watcher::Event::InitApply(object)) => {
                 object
             }
-            Some(Ok(_)) => {
-                backoff.reset();
-                continue;
-            }
+            Some(_) => continue,
         };
         let status = object.status.unwrap_or_default();
         for condition in status.conditions.iter().flatten() {

@@ -9,6 +9,10 @@
 //! The node mirrors RuntimeClasses ([`ClassHandlers`]) and CSIDriver
 //! objects ([`CsiDriverObjects`]).
 //!
+//! Every watch of cluster mode (this loop, the pod source, the Node's
+//! deletion, a CSR's approval) reads its events through [`watch_events`]:
+//! one place where a failing watch is logged and waited out.
+//!
 //! [`RetryBackoff::for_watches`]: crate::retry::RetryBackoff::for_watches
 
 use futures_util::StreamExt as _;
@@ -38,37 +42,94 @@ pub(crate) trait Mirror: Send + 'static {
     fn listed(&self) {}
 }
 
+/// How loudly a failed watch is logged.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Noise {
+    /// A warning: the node misses changes while it lasts.
+    Warn,
+    /// A debug line: the caller has another way to learn the news.
+    Quiet,
+}
+
+/// The one watch of cluster mode: kube-runtime's watcher (resumed from its
+/// resourceVersion, relisted after a 410) with its errors logged, naming
+/// `what`, and waited out with the one jittered backoff
+/// ([`RetryBackoff::for_watches`]), reset by the next event: only events
+/// come out, and a failing API is not asked in a tight loop.
+///
+/// [`RetryBackoff::for_watches`]: crate::retry::RetryBackoff::for_watches
+pub(crate) fn watch_events<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    what: &'static str,
+    noise: Noise,
+) -> futures_util::stream::BoxStream<'static, watcher::Event<K>>
+where
+    K: kube::Resource + Clone + DeserializeOwned + std::fmt::Debug + Send + 'static,
+{
+    let backoff = std::sync::Arc::new(std::sync::Mutex::new(crate::retry::RetryBackoff::for_watches()));
+    watcher(api, config)
+        .filter_map(move |event| {
+            let backoff = std::sync::Arc::clone(&backoff);
+            async move {
+                // The pace set before any await (the lock is not held across one).
+                let delay = {
+                    let mut pace = backoff.lock().unwrap_or_else(|p| p.into_inner());
+                    if event.is_ok() {
+                        pace.reset();
+                        None
+                    } else {
+                        Some(pace.next_delay())
+                    }
+                };
+                match (event, delay) {
+                    (Ok(event), _) => Some(event),
+                    (Err(error), delay) => {
+                        let delay = delay.unwrap_or_default();
+                        match noise {
+                            Noise::Warn => {
+                                tracing::warn!(watch = what, %error, retry_in = ?delay, "watch failed; resuming")
+                            }
+                            Noise::Quiet => {
+                                tracing::debug!(watch = what, %error, retry_in = ?delay, "watch failed; resuming")
+                            }
+                        }
+                        tokio::time::sleep(delay).await;
+                        None
+                    }
+                }
+            }
+        })
+        .boxed()
+}
+
 /// Keeps `mirror` equal to the cluster's objects of its kind until the
 /// stream ends (run it under the node's shutdown).
 pub(crate) async fn follow<M: Mirror>(client: kube::Client, mirror: M) {
     let api: Api<M::Object> = Api::all(client);
-    let mut events = watcher(api, watcher::Config::default()).boxed();
+    let mut events = watch_events(api, watcher::Config::default(), M::KIND, Noise::Warn);
     let mut listed: Vec<String> = Vec::new();
-    let mut backoff = crate::retry::RetryBackoff::for_watches();
     let name_of = |object: &M::Object| object.meta().name.clone().unwrap_or_default();
     while let Some(event) = events.next().await {
-        if event.is_ok() {
-            backoff.reset();
-        }
         match event {
-            Ok(watcher::Event::Apply(object)) => {
+            watcher::Event::Apply(object) => {
                 let name = name_of(&object);
                 tracing::info!(kind = M::KIND, %name, "cluster object seen");
                 mirror.set(&name, object);
             }
-            Ok(watcher::Event::InitApply(object)) => {
+            watcher::Event::InitApply(object) => {
                 let name = name_of(&object);
                 tracing::info!(kind = M::KIND, %name, "cluster object listed");
                 listed.push(name.clone());
                 mirror.set(&name, object);
             }
-            Ok(watcher::Event::Delete(object)) => {
+            watcher::Event::Delete(object) => {
                 let name = name_of(&object);
                 tracing::info!(kind = M::KIND, %name, "cluster object deleted");
                 mirror.remove(&name);
             }
-            Ok(watcher::Event::Init) => listed.clear(),
-            Ok(watcher::Event::InitDone) => {
+            watcher::Event::Init => listed.clear(),
+            watcher::Event::InitDone => {
                 // Objects deleted while the watch was down.
                 for name in mirror.names() {
                     if !listed.contains(&name) {
@@ -76,11 +137,6 @@ pub(crate) async fn follow<M: Mirror>(client: kube::Client, mirror: M) {
                     }
                 }
                 mirror.listed();
-            }
-            Err(error) => {
-                let delay = backoff.next_delay();
-                tracing::warn!(kind = M::KIND, %error, retry_in = ?delay, "watch failed; resuming");
-                tokio::time::sleep(delay).await;
             }
         }
     }

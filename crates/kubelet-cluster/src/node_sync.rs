@@ -427,28 +427,18 @@ async fn watch_deletion(
 ) {
     let nodes: Api<Node> = Api::all(client);
     let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
-    let mut events = watcher(nodes, config).boxed();
+    // Quiet: a missed deletion is seen again when the watch lists.
+    let mut events = crate::mirror::watch_events(nodes, config, "node deletion", crate::mirror::Noise::Quiet);
     let mut seen_in_list = false;
-    let mut backoff = crate::retry::RetryBackoff::for_watches();
     while let Some(event) = events.next().await {
-        if event.is_ok() {
-            backoff.reset();
-        }
         match event {
             // Only the object this node registered counts: before the
             // first registration, a missing node is not news.
-            Ok(watcher::Event::Delete(node)) if node.metadata.uid == *registered.borrow() => deleted.notify_one(),
-            Ok(watcher::Event::Init) => seen_in_list = false,
-            Ok(watcher::Event::InitApply(_)) => seen_in_list = true,
-            Ok(watcher::Event::InitDone) if !seen_in_list && registered.borrow().is_some() => deleted.notify_one(),
-            Ok(_) => {}
-            Err(error) => {
-                // The watcher retries by itself; a pause keeps a failing
-                // API from being asked in a tight loop.
-                let delay = backoff.next_delay();
-                tracing::debug!(%error, retry_in = ?delay, "node watch failed; resuming");
-                tokio::time::sleep(delay).await;
-            }
+            watcher::Event::Delete(node) if node.metadata.uid == *registered.borrow() => deleted.notify_one(),
+            watcher::Event::Init => seen_in_list = false,
+            watcher::Event::InitApply(_) => seen_in_list = true,
+            watcher::Event::InitDone if !seen_in_list && registered.borrow().is_some() => deleted.notify_one(),
+            _ => {}
         }
     }
 }

@@ -286,40 +286,36 @@ fn lock(table: &Table) -> std::sync::MutexGuard<'_, HashMap<String, Known>> {
 async fn follow_pods(client: kube::Client, node: String, pods: Pods, table: Table, poke: Arc<Notify>) {
     let api: Api<Pod> = Api::all(client);
     let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
-    let mut events = watcher(api, config).boxed();
+    let mut events = crate::mirror::watch_events(api, config, "pods", crate::mirror::Noise::Warn);
     let mut listed: HashSet<String> = HashSet::new();
-    let mut backoff = crate::retry::RetryBackoff::for_watches();
     while let Some(event) = events.next().await {
-        if event.is_ok() {
-            backoff.reset();
-        }
         match event {
-            Ok(watcher::Event::Apply(pod) | watcher::Event::InitApply(pod))
+            watcher::Event::Apply(pod) | watcher::Event::InitApply(pod)
                 if is_mirror(&pod) && pod.metadata.deletion_timestamp.is_some() =>
             {
                 // Someone is deleting a mirror pod: finish it, then create it again.
                 mirror_gone(&table, &pod);
                 poke.notify_one();
             }
-            Ok(watcher::Event::Apply(pod) | watcher::Event::InitApply(pod)) => {
+            watcher::Event::Apply(pod) | watcher::Event::InitApply(pod) => {
                 if let Some(uid) = pod.metadata.uid.clone() {
                     listed.insert(uid);
                 }
                 take(&pods, &table, pod);
             }
-            Ok(watcher::Event::Delete(pod)) if is_mirror(&pod) => {
+            watcher::Event::Delete(pod) if is_mirror(&pod) => {
                 // Someone deleted a mirror pod: it is created again.
                 mirror_gone(&table, &pod);
                 poke.notify_one();
             }
-            Ok(watcher::Event::Delete(pod)) => {
+            watcher::Event::Delete(pod) => {
                 gone(&pods, &table, pod.metadata.uid.as_deref().unwrap_or_default());
                 // It may have stood in the way of a mirror pod.
                 mirror_gone(&table, &pod);
                 poke.notify_one();
             }
-            Ok(watcher::Event::Init) => listed.clear(),
-            Ok(watcher::Event::InitDone) => {
+            watcher::Event::Init => listed.clear(),
+            watcher::Event::InitDone => {
                 // Every pod bound to the node is applied: the API source
                 // is ready (what unknown pods left may be cleaned up).
                 pods.sources().listed(PodSource::Api);
@@ -341,11 +337,6 @@ async fn follow_pods(client: kube::Client, node: String, pods: Pods, table: Tabl
                     }
                 }
                 poke.notify_one();
-            }
-            Err(error) => {
-                let delay = backoff.next_delay();
-                tracing::warn!(%error, retry_in = ?delay, "pod watch failed; resuming");
-                tokio::time::sleep(delay).await;
             }
         }
     }
