@@ -75,9 +75,7 @@ async fn wasm_node_config(gpus: u64, allocatable: Allocatable, tweak: impl FnOnc
     WasmNode { root, pods, devices, provider, _plugin: plugin, shutdown }
 }
 
-fn pod(value: serde_json::Value) -> Pod {
-    serde_json::from_value(value).expect("a valid Pod")
-}
+use rustlet_testkit::pod_state::pod_from as pod;
 
 fn phase(pod: &Pod) -> Option<&str> {
     pod.status.as_ref().and_then(|s| s.phase.as_deref())
@@ -110,19 +108,12 @@ fn container_state(pod: &Pod) -> ContainerState {
 }
 
 impl WasmNode {
-    async fn wait_pod(&self, uid: &str, what: &str, mut pred: impl FnMut(&Pod) -> bool) -> Pod {
-        let found = self.pods.store().wait_for(SOON, |pods| pods.get(uid).is_some_and(&mut pred)).await;
-        match found {
-            Some(pods) => pods[uid].clone(),
-            None => {
-                panic!("timed out waiting for {what}; pod now: {:#?}", self.pods.store().get(uid).map(|p| p.status))
-            }
-        }
+    async fn wait_pod(&self, uid: &str, what: &str, pred: impl FnMut(&Pod) -> bool) -> Pod {
+        rustlet_testkit::pod_state::wait_pod(self.pods.store(), uid, what, SOON, pred).await
     }
 
     async fn wait_gone(&self, uid: &str) {
-        let gone = self.pods.store().wait_for(SOON, |pods| !pods.contains_key(uid)).await;
-        assert!(gone.is_some(), "pod {uid} still present");
+        rustlet_testkit::pod_state::wait_gone(self.pods.store(), uid, SOON).await;
     }
 
     fn host_dir(&self, name: &str) -> std::path::PathBuf {

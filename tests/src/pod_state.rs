@@ -1,6 +1,36 @@
-//! What tests ask of a pod's status.
+//! What tests ask of a pod's status, and the waits for it.
+
+use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
+use kubelet::pod::PodStore;
+
+/// A Pod from a test's manifest (JSON).
+pub fn pod_from(value: serde_json::Value) -> Pod {
+    serde_json::from_value(value).expect("a valid Pod")
+}
+
+/// Waits up to `within` until pod `uid` in `store` satisfies `pred`, and
+/// returns it; else panics naming `what` and the pod's status.
+pub async fn wait_pod(
+    store: &PodStore,
+    uid: &str,
+    what: &str,
+    within: Duration,
+    mut pred: impl FnMut(&Pod) -> bool,
+) -> Pod {
+    match store.wait_for(within, |pods| pods.get(uid).is_some_and(&mut pred)).await {
+        Some(pods) => pods[uid].clone(),
+        None => panic!("timed out waiting for {what}; pod now: {:#?}", store.get(uid).map(|p| p.status)),
+    }
+}
+
+/// Waits up to `within` until pod `uid` is gone from `store`; else panics
+/// with its status.
+pub async fn wait_gone(store: &PodStore, uid: &str, within: Duration) {
+    let gone = store.wait_for(within, |pods| !pods.contains_key(uid)).await;
+    assert!(gone.is_some(), "pod {uid} still present: {:#?}", store.get(uid).map(|p| p.status));
+}
 
 /// Whether the pod's first container is running.
 pub fn first_container_running(pod: &Pod) -> bool {
