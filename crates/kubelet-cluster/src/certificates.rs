@@ -554,11 +554,12 @@ pub(crate) async fn rotating_clients(
 pub trait Renewal: Send {
     /// What the logs call it (`client`, `serving`).
     fn name(&self) -> &'static str;
-    /// The certificate in use now, if there is one (its expiry goes to the
-    /// metrics).
+    /// The certificate in use now, if there is one.
     fn current(&mut self) -> Option<IssuedCertificate>;
     /// Gets a new certificate and puts it in use; `Ok(false)` when there is
-    /// nothing more to do (shutdown, or no way to get one, said in the log).
+    /// nothing more to do (shutdown, or no way to get one, said in the log):
+    /// the loop then waits for shutdown, so that a supervisor does not run
+    /// it again.
     async fn renew(
         &mut self,
         current: Option<&IssuedCertificate>,
@@ -589,7 +590,10 @@ pub async fn keep_renewed(mut renewal: impl Renewal, shutdown: CancellationToken
             }
         }
         match renewal.renew(current.as_ref(), &shutdown).await {
-            Ok(false) => return,
+            Ok(false) => {
+                shutdown.cancelled().await;
+                return;
+            }
             Ok(true) => {
                 backoff.reset();
                 tracing::info!(certificate = name, "certificate renewed; new connections use it");

@@ -245,8 +245,6 @@ pub struct NodeParts {
     /// Gets the reviews' client once it is ready (the kubelet API's
     /// TokenReviews and SubjectAccessReviews).
     pub review_client: watch::Sender<Option<kube::Client>>,
-    /// The node's task tracker (cluster tasks are awaited at shutdown).
-    pub tasks: tokio_util::task::TaskTracker,
     /// The persistent volumes published on the node (`volumesInUse`).
     pub volumes_in_use: VolumesInUse,
     /// The pod events to write to the API.

@@ -130,7 +130,8 @@ impl Supervision {
     /// logged, counted, and turns its check failing with the reason; it is
     /// not restarted (what it did half is not known).
     pub fn once(&self, name: &'static str, work: impl Future<Output = ()> + Send + 'static) {
-        self.observe(name, tokio::spawn(work.in_current_span()), false);
+        let span = tracing::info_span!("supervised", task = name);
+        self.observe(name, tokio::spawn(work.instrument(span)), false);
     }
 
     /// A check for `task` that fails when it panics or fails before

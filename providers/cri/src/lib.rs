@@ -491,9 +491,10 @@ impl CriProvider {
         *relisting = true;
         let provider = self.clone();
         // A failed listing is tried again after a jittered backoff from the
-        // relist interval up to 30 s, so that a runtime that is down is not
-        // asked at every interval.
-        let mut failures = RetryBackoff::new(provider.inner.config.relist_interval, Duration::from_secs(30));
+        // relist interval up to 2 s (jitter may double it), so that a
+        // runtime that is down is not asked at every interval, and exits are
+        // seen within seconds of its return.
+        let mut failures = RetryBackoff::new(provider.inner.config.relist_interval, Duration::from_secs(2));
         // Not supervised: a relist while exits are waited for; it ends when none is, and the next wait starts another.
         tokio::spawn(async move {
             loop {

@@ -469,7 +469,6 @@ pub(super) fn start_cluster(
         csi_objects: parts.csi_objects,
         client: parts.api_client,
         review_client: parts.review_client,
-        tasks: wiring.tasks.clone(),
         volumes_in_use: parts.volumes_in_use,
         events: parts.event_queue,
         recorder: parts.event_recorder,
