@@ -78,10 +78,7 @@ impl Supervision {
         F: FnMut() -> Fut + Send + 'static,
         Fut: Future<Output = ()> + Send + 'static,
     {
-        let reporter = HealthReporter::new();
-        if let Some(healthz) = &self.healthz {
-            healthz.add(name, reporter.check());
-        }
+        let reporter = self.reporter(name);
         let shutdown = self.shutdown.clone();
         let ends = self.ends.clone();
         let supervisor = async move {
@@ -137,10 +134,7 @@ impl Supervision {
     /// A check for `task` that fails when it panics or fails before
     /// shutdown, or (`ending_fails`) ends at all.
     fn observe(&self, name: &'static str, task: JoinHandle<()>, ending_fails: bool) {
-        let reporter = HealthReporter::new();
-        if let Some(healthz) = &self.healthz {
-            healthz.add(name, reporter.check());
-        }
+        let reporter = self.reporter(name);
         let shutdown = self.shutdown.clone();
         let ends = self.ends.clone();
         let watcher = async move {
@@ -160,6 +154,15 @@ impl Supervision {
         }
         .instrument(tracing::info_span!("supervised", task = name));
         self.track(watcher);
+    }
+
+    /// A reporter for task `name`, its check added to the node's.
+    fn reporter(&self, name: &'static str) -> HealthReporter {
+        let reporter = HealthReporter::new();
+        if let Some(healthz) = &self.healthz {
+            healthz.add(name, reporter.check());
+        }
+        reporter
     }
 
     fn track(&self, work: impl Future<Output = ()> + Send + 'static) {
