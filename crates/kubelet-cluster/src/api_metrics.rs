@@ -148,14 +148,14 @@ impl ApiMetrics {
 
     /// A layer counting the requests of a client of the API server at `host`
     /// (`host[:port]`, as the kubeconfig names it).
-    pub fn layer(&self, host: String) -> RestClientLayer {
+    pub(crate) fn layer(&self, host: String) -> RestClientLayer {
         RestClientLayer { metrics: self.clone(), host: Arc::from(host) }
     }
 }
 
 /// Counts and times each request (`kube::client::ClientBuilder::with_layer`).
 #[derive(Clone, Debug)]
-pub struct RestClientLayer {
+pub(crate) struct RestClientLayer {
     metrics: ApiMetrics,
     host: Arc<str>,
 }
@@ -170,7 +170,7 @@ impl<S> tower::Layer<S> for RestClientLayer {
 
 /// The service [`RestClientLayer`] makes.
 #[derive(Clone, Debug)]
-pub struct RestClient<S> {
+pub(crate) struct RestClient<S> {
     inner: S,
     metrics: ApiMetrics,
     host: Arc<str>,

@@ -89,7 +89,7 @@ impl Reserved {
     }
 
     /// This and `other` together.
-    pub fn plus(self, other: Reserved) -> Reserved {
+    pub(crate) fn plus(self, other: Reserved) -> Reserved {
         Reserved {
             cpu_milli: self.cpu_milli + other.cpu_milli,
             memory: self.memory + other.memory,
@@ -127,7 +127,7 @@ impl Reservation {
     }
 
     /// What pods may use of `capacity` bytes of ephemeral storage.
-    pub fn storage(&self, capacity: u128) -> u128 {
+    pub(crate) fn storage(&self, capacity: u128) -> u128 {
         let reserved = self.system.plus(self.kube).ephemeral_storage;
         let eviction = self.eviction_nodefs.map_or(0, |t| t.amount(capacity));
         capacity.saturating_sub(reserved).saturating_sub(eviction)

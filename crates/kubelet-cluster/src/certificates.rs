@@ -113,7 +113,7 @@ impl std::fmt::Debug for IssuedCertificate {
 
 impl IssuedCertificate {
     /// When to renew it: 70–90% (random) of its lifetime after it was had.
-    pub fn renew_at(&self) -> jiff::Timestamp {
+    pub(crate) fn renew_at(&self) -> jiff::Timestamp {
         let lifetime = self.not_after.duration_since(self.issued);
         let fraction = 0.7 + 0.2 * random_unit();
         let after = jiff::SignedDuration::from_secs_f64(lifetime.as_secs_f64().max(0.0) * fraction);
@@ -390,7 +390,7 @@ fn client_request(node_name: &str) -> Request<'_> {
 /// Makes sure `settings.kubeconfig` works: bootstraps a client certificate
 /// with the bootstrap kubeconfig when it has none valid. `Ok(false)`:
 /// stopped by `shutdown`.
-pub async fn bootstrap(
+pub(crate) async fn bootstrap(
     settings: &BootstrapSettings,
     node_name: &str,
     shutdown: &CancellationToken,

@@ -80,7 +80,7 @@ impl ServedVersion {
     }
 
     /// Forgets what was found: the next [`ServedVersion::get`] asks again.
-    pub fn forget(&self) {
+    pub(crate) fn forget(&self) {
         *self.found.lock().unwrap_or_else(|p| p.into_inner()) = None;
     }
 }

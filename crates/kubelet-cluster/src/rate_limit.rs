@@ -23,7 +23,7 @@ pub const DEFAULT_BURST: u32 = 100;
 
 /// A token bucket.
 #[derive(Debug)]
-pub struct RateLimiter {
+pub(crate) struct RateLimiter {
     qps: f64,
     burst: f64,
     bucket: Mutex<(f64, Instant)>,
@@ -32,13 +32,13 @@ pub struct RateLimiter {
 impl RateLimiter {
     /// A full bucket of `burst` tokens refilled at `qps` a second (a `qps`
     /// of 0 or less: no limit).
-    pub fn new(qps: f64, burst: u32) -> RateLimiter {
+    pub(crate) fn new(qps: f64, burst: u32) -> RateLimiter {
         let burst = f64::from(burst.max(1));
         RateLimiter { qps, burst, bucket: Mutex::new((burst, Instant::now())) }
     }
 
     /// Takes a token, waiting until there is one.
-    pub async fn acquire(&self) {
+    pub(crate) async fn acquire(&self) {
         while let Err(wait) = self.try_acquire() {
             tokio::time::sleep(wait).await;
         }
@@ -65,14 +65,14 @@ impl RateLimiter {
 /// A tower layer that makes every request wait for a token of a shared
 /// [`RateLimiter`]: `kube::client::ClientBuilder::with_layer`.
 #[derive(Clone, Debug)]
-pub struct RateLimitLayer {
+pub(crate) struct RateLimitLayer {
     limiter: Arc<RateLimiter>,
 }
 
 impl RateLimitLayer {
     /// Requests at `qps` a second on average, `burst` at once (`qps` of 0
     /// or less: no limit).
-    pub fn new(qps: f64, burst: u32) -> RateLimitLayer {
+    pub(crate) fn new(qps: f64, burst: u32) -> RateLimitLayer {
         RateLimitLayer { limiter: Arc::new(RateLimiter::new(qps, burst)) }
     }
 }
@@ -88,7 +88,7 @@ impl<S> tower::Layer<S> for RateLimitLayer {
 /// A service whose requests each take a token first: it is not ready
 /// until it holds one (so a buffer in front of it queues requests in
 /// order while the bucket is empty).
-pub struct RateLimited<S> {
+pub(crate) struct RateLimited<S> {
     inner: S,
     limiter: Arc<RateLimiter>,
     token: bool,

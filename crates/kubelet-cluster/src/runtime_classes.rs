@@ -8,6 +8,6 @@ use crate::runtime_class::ClassHandlers;
 /// Keeps `classes` equal to the cluster's RuntimeClasses until the stream
 /// ends (run it under the node's shutdown): the one mirror loop
 /// (`mirror.rs`).
-pub async fn follow(client: kube::Client, classes: ClassHandlers) {
+pub(crate) async fn follow(client: kube::Client, classes: ClassHandlers) {
     crate::mirror::follow(client, classes).await;
 }

@@ -19,10 +19,6 @@
 use k8s_openapi::api::core::v1::{PodCondition, PodStatus};
 use serde_json::{Map, Value, json};
 
-/// The conditions the node owns (it computes them; nobody else writes them).
-pub const NODE_CONDITIONS: [&str; 5] =
-    ["PodScheduled", "PodReadyToStartContainers", "Initialized", "ContainersReady", "Ready"];
-
 /// The node's conditions that come and go (in-place resize): one the
 /// desired status no longer has is deleted from the API's.
 pub(crate) const TRANSIENT_CONDITIONS: [&str; 2] = ["PodResizePending", "PodResizeInProgress"];
@@ -39,7 +35,7 @@ pub(crate) const READINESS_GATES_NOT_READY: &str = "ReadinessGatesNotReady";
 /// The status to write: `computed` (the lifecycle's) reconciled with `api`
 /// (the status the API last returned) for a pod with readiness gates
 /// `gates`.
-pub fn desired(mut computed: PodStatus, api: Option<&PodStatus>, gates: &[String]) -> PodStatus {
+pub(crate) fn desired(mut computed: PodStatus, api: Option<&PodStatus>, gates: &[String]) -> PodStatus {
     let api_conditions: &[PodCondition] = api.and_then(|s| s.conditions.as_deref()).unwrap_or_default();
     if let Some(start) = api.and_then(|s| s.start_time.clone()) {
         computed.start_time = Some(start);
@@ -85,7 +81,7 @@ fn gate_ready(conditions: &mut [PodCondition], api_conditions: &[PodCondition], 
 
 /// The strategic merge patch (for `pods/<name>/status`) that turns `api`
 /// into `desired`; `None` when there is nothing to change.
-pub fn patch(uid: &str, api: Option<&PodStatus>, desired: &PodStatus) -> Option<Value> {
+pub(crate) fn patch(uid: &str, api: Option<&PodStatus>, desired: &PodStatus) -> Option<Value> {
     let before = as_object(api.map(serde_json::to_value));
     let after = as_object(Some(serde_json::to_value(desired)));
     let mut status = Map::new();

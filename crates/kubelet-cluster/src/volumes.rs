@@ -35,7 +35,7 @@ pub fn attachment_name(handle: &str, driver: &str, node: &str) -> String {
 /// Keeps `objects` equal to the cluster's CSIDriver objects until the
 /// stream ends (run it under the node's shutdown): the one mirror loop
 /// (`mirror.rs`).
-pub async fn follow_csi_drivers(client: kube::Client, objects: CsiDriverObjects) {
+pub(crate) async fn follow_csi_drivers(client: kube::Client, objects: CsiDriverObjects) {
     crate::mirror::follow(client, objects).await;
 }
 

@@ -67,11 +67,6 @@ impl PluginTrust {
         PluginTrust { allowed_uids: allowed_uids.into_iter().collect() }
     }
 
-    /// The user IDs allowed besides root.
-    pub fn allowed_uids(&self) -> &[u32] {
-        &self.allowed_uids
-    }
-
     /// Whether a process of `peer`'s user may offer a plugin.
     pub(crate) fn check_peer(&self, peer: PeerCredentials) -> Result<(), TrustError> {
         if peer.uid == 0 || self.allowed_uids.contains(&peer.uid) {

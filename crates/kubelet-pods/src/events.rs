@@ -69,7 +69,7 @@ impl EventRecorder {
     }
 
     /// Records an event about `pod` (its container `container`, if any).
-    pub fn pod(&self, pod: &Pod, container: Option<&str>, type_: EventType, reason: &str, message: String) {
+    pub(crate) fn pod(&self, pod: &Pod, container: Option<&str>, type_: EventType, reason: &str, message: String) {
         let meta = &pod.metadata;
         let field_path = container.map(|name| {
             let spec = pod.spec.as_ref();
@@ -105,7 +105,7 @@ impl EventRecorder {
     }
 
     /// Records `event`.
-    pub fn record(&self, event: Event) {
+    pub(crate) fn record(&self, event: Event) {
         let object = format!(
             "{}/{}",
             event.regarding.namespace.as_deref().unwrap_or_default(),

@@ -65,7 +65,12 @@ pub async fn run(
 }
 
 /// One container collection.
-pub async fn collect_containers(settings: &GcSettings, provider: &dyn Provider, recorder: &EventRecorder, node: &str) {
+pub(crate) async fn collect_containers(
+    settings: &GcSettings,
+    provider: &dyn Provider,
+    recorder: &EventRecorder,
+    node: &str,
+) {
     match provider.collect_containers(settings.keep_per_container).await {
         Ok(report) if !report.removed.is_empty() => {
             tracing::info!(removed = report.removed.len(), "exited containers collected");
@@ -81,7 +86,7 @@ pub async fn collect_containers(settings: &GcSettings, provider: &dyn Provider, 
 
 /// One image collection (`all_unused`: every unused image, the node being
 /// short of disk); the bytes freed.
-pub async fn collect_images(
+pub(crate) async fn collect_images(
     policy: &ImageGcPolicy,
     all_unused: bool,
     provider: &dyn Provider,

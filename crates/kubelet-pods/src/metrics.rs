@@ -287,13 +287,13 @@ impl PodMetrics {
     }
 
     /// A pod was evicted for `signal`.
-    pub fn evicted(&self, signal: &str) {
+    pub(crate) fn evicted(&self, signal: &str) {
         self.evictions.get_or_create(&EvictionSignal { eviction_signal: signal.to_owned() }).inc();
     }
 
     /// One relist began at `began` and found `running` (pod UID of each
     /// running container).
-    pub fn relisted(&self, began: Instant, running: &[String]) {
+    pub(crate) fn relisted(&self, began: Instant, running: &[String]) {
         let took = began.elapsed();
         self.relist_duration.observe(took.as_secs_f64());
         let mut last = lock(&self.last_relist);

@@ -29,7 +29,7 @@ impl PressureState {
     }
 
     /// Sets condition `name`.
-    pub fn set(&mut self, name: &str, on: bool) {
+    pub(crate) fn set(&mut self, name: &str, on: bool) {
         match name {
             "MemoryPressure" => self.memory = on,
             "DiskPressure" => self.disk = on,
@@ -63,7 +63,7 @@ pub const CONDITION_TEXTS: [(&str, bool, &str, &str); 6] = [
 /// Why a pod was refused under pressure: the node's conditions that hold.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("The node had condition: [{}]. ", conditions.join(" "))]
-pub struct UnderPressure {
+pub(crate) struct UnderPressure {
     /// `MemoryPressure`, `DiskPressure`, `PIDPressure`: those that hold.
     pub conditions: Vec<&'static str>,
 }
@@ -80,7 +80,7 @@ impl Pressure {
     }
 
     /// Sets it (watchers wake only on a change).
-    pub fn set(&self, state: PressureState) {
+    pub(crate) fn set(&self, state: PressureState) {
         self.0.send_if_modified(|now| {
             let changed = *now != state;
             *now = state;
@@ -93,7 +93,7 @@ impl Pressure {
     /// pressure alone, every pod but a BestEffort one that does not
     /// tolerate `node.kubernetes.io/memory-pressure`; under any other, none.
     /// `Err` names the conditions; its text is upstream's message.
-    pub fn admit(&self, pod: &Pod) -> Result<(), UnderPressure> {
+    pub(crate) fn admit(&self, pod: &Pod) -> Result<(), UnderPressure> {
         let state = self.now();
         let conditions = state.conditions();
         if conditions.is_empty() || kubelet_provider::qos::is_critical(pod) {

@@ -308,11 +308,6 @@ impl StaticPods {
         self.changes.subscribe()
     }
 
-    /// The UIDs of the pods taken from `file`.
-    pub fn pods_of(&self, file: &Path) -> Vec<String> {
-        self.state().files.get(file).map(|f| f.pods.iter().map(|(uid, _)| uid.clone()).collect()).unwrap_or_default()
-    }
-
     async fn follow(self, mut events: inotify::EventStream<Vec<u8>>, shutdown: CancellationToken) {
         let mut rescan = tokio::time::interval(self.config.rescan_period);
         rescan.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

@@ -186,12 +186,12 @@ const MAX_TOKEN: usize = 8 * 1024;
 /// Reviews (TokenReview and SubjectAccessReview) under way at once at most.
 pub(crate) const REVIEWS_IN_FLIGHT: usize = 16;
 /// How long a request waits for a review slot before it is answered 429.
-pub const REVIEW_QUEUE_WAIT: Duration = Duration::from_secs(5);
+pub(crate) const REVIEW_QUEUE_WAIT: Duration = Duration::from_secs(5);
 /// How long one review may take before the request is answered 503.
-pub const REVIEW_DEADLINE: Duration = Duration::from_secs(10);
+pub(crate) const REVIEW_DEADLINE: Duration = Duration::from_secs(10);
 /// How long a token the API did not authenticate is refused without
 /// asking again.
-pub const FAILED_TOKEN_TTL: Duration = Duration::from_secs(10);
+pub(crate) const FAILED_TOKEN_TTL: Duration = Duration::from_secs(10);
 
 /// A token's cache key: its SHA-256 (a cache, a heap dump or a debug print
 /// then holds no token).

@@ -49,7 +49,7 @@ pub fn shares(milli: u128) -> u64 {
 
 /// The CFS quota (µs per [`QUOTA_PERIOD`]) for a limit of `milli`
 /// millicores; `None` for no limit.
-pub fn quota(milli: u128) -> Option<i64> {
+pub(crate) fn quota(milli: u128) -> Option<i64> {
     if milli == 0 {
         return None;
     }
@@ -161,7 +161,7 @@ pub fn pod_totals(pod: &Pod) -> PodTotals {
 /// the requests (2 for BestEffort); a quota when every container has a cpu
 /// limit (and `cfs_quota` enforces limits); a memory limit when every one
 /// has a memory limit; `pids_limit` (`--pod-max-pids`) if given.
-pub fn pod_resources(pod: &Pod, cfs_quota: bool, pids_limit: Option<u64>) -> CgroupResources {
+pub(crate) fn pod_resources(pod: &Pod, cfs_quota: bool, pids_limit: Option<u64>) -> CgroupResources {
     let totals = pod_totals(pod);
     let mut resources = CgroupResources { pids_limit, ..CgroupResources::default() };
     match qos_class(pod) {
@@ -242,7 +242,7 @@ impl CgroupFs {
 
     /// The directories of group `name` (`/kubepods/burstable`): one per
     /// controller on v1 (those the host has), one on v2.
-    pub fn dirs(&self, name: &str) -> Vec<PathBuf> {
+    pub(crate) fn dirs(&self, name: &str) -> Vec<PathBuf> {
         let relative = name.trim_start_matches('/');
         match self.version {
             CgroupVersion::V2 => vec![self.mount.join(relative)],
@@ -309,7 +309,7 @@ impl CgroupFs {
     }
 
     /// Sets `resources` on existing group `name`.
-    pub fn set(&self, name: &str, resources: &CgroupResources) -> Result<(), CgroupError> {
+    pub(crate) fn set(&self, name: &str, resources: &CgroupResources) -> Result<(), CgroupError> {
         let write = |controller: &str, file: &str, value: String| {
             let path = self.dir(controller, name).join(file);
             std::fs::write(&path, value).map_err(at(&path))
@@ -390,7 +390,7 @@ impl CgroupFs {
     /// Removes group `name` and the groups under it (left empty by the
     /// runtime), deepest first, from every hierarchy. A group that still
     /// holds a process stays, and says so.
-    pub fn remove_tree(&self, name: &str) -> Result<(), CgroupError> {
+    pub(crate) fn remove_tree(&self, name: &str) -> Result<(), CgroupError> {
         fn remove(dir: &Path) -> Result<(), CgroupError> {
             if let Ok(entries) = std::fs::read_dir(dir) {
                 for entry in entries.flatten() {
@@ -411,7 +411,7 @@ impl CgroupFs {
     }
 
     /// The names of the groups directly under `name`.
-    pub fn children(&self, name: &str) -> Vec<String> {
+    pub(crate) fn children(&self, name: &str) -> Vec<String> {
         let Ok(entries) = std::fs::read_dir(self.dir("memory", name)) else { return Vec::new() };
         let mut children: Vec<String> = entries
             .flatten()

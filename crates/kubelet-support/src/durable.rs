@@ -53,7 +53,7 @@ pub fn temporary_name(path: &Path) -> std::io::Result<PathBuf> {
 
 /// Creates `path` as a new file with `mode`, refusing to follow a link at
 /// it and failing if anything is there already.
-pub fn create_new(path: &Path, mode: u32) -> std::io::Result<File> {
+pub(crate) fn create_new(path: &Path, mode: u32) -> std::io::Result<File> {
     use std::os::unix::fs::OpenOptionsExt as _;
     std::fs::OpenOptions::new()
         .write(true)

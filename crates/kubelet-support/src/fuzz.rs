@@ -107,11 +107,6 @@ impl Fuzz {
         self
     }
 
-    /// How many seeds the corpus holds.
-    pub fn seeds(&self) -> usize {
-        self.corpus.len()
-    }
-
     /// Feeds every seed, then mutated seeds, to `target`; returns how many
     /// inputs ran. Panics (naming the input) if one made `target` panic.
     pub fn run(mut self, mut target: impl FnMut(&[u8])) -> usize {

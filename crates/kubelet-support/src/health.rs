@@ -142,7 +142,8 @@ impl Healthz {
     }
 
     /// Whether every check passes.
-    pub fn is_healthy(&self) -> bool {
+    #[cfg(test)]
+    fn is_healthy(&self) -> bool {
         self.report().iter().all(|r| r.health.is_healthy())
     }
 }

@@ -219,7 +219,7 @@ impl ScrapeFamily {
 
     /// Counter `name` (a total kept elsewhere, `process_cpu_seconds_total`),
     /// valued by `read`.
-    pub fn counter(
+    pub(crate) fn counter(
         name: &'static str,
         help: &'static str,
         labels: &'static [&'static str],

@@ -343,11 +343,13 @@ pub(crate) async fn start(
     {
         eviction.image_gc = gc.images.clone();
     }
-    node_config.pods.log_rotation = Some(kubelet::log_rotation::LogRotation {
+    let rotation = kubelet::log_rotation::LogRotation {
         max_size: args.container_log_max_size,
         max_files: args.container_log_max_files as usize,
         ..Default::default()
-    });
+    };
+    rotation.validate().map_err(|e| anyhow::anyhow!("--container-log-max-files: {e}"))?;
+    node_config.pods.log_rotation = Some(rotation);
     let mut builder = NodeBuilder::new(node_config).provider(provider).health_check("signal-handler", signals);
     if let Some(cri) = &cri_provider {
         builder = builder.health_check("container-runtime", &runtime_health);

@@ -83,12 +83,12 @@ impl DraDriverConfig {
     }
 
     /// The registration socket.
-    pub fn registration_socket(&self) -> PathBuf {
+    pub(crate) fn registration_socket(&self) -> PathBuf {
         self.registry_dir.join(format!("{}-{}-reg.sock", self.driver, self.instance))
     }
 
     /// The `DRAPlugin` endpoint.
-    pub fn endpoint(&self) -> PathBuf {
+    pub(crate) fn endpoint(&self) -> PathBuf {
         self.plugins_dir.join(&self.driver).join(format!("dra-{}.sock", self.instance))
     }
 

@@ -1,6 +1,6 @@
 //! A configurable plugin-registration server (`pluginregistration.Registration`).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use kubelet_api::pluginregistration::registration_server::{Registration, RegistrationServer};
@@ -89,11 +89,6 @@ impl RegistrationPlugin {
                 tracing::warn!(socket = %socket.display(), %error, "registration plugin stopped");
             }
         }))
-    }
-
-    /// The registration socket.
-    pub fn socket(&self) -> &Path {
-        &self.socket
     }
 }
 

@@ -53,7 +53,7 @@ fn seccomp(profile: Option<&SeccompProfile>) -> cri::SecurityProfile {
 }
 
 /// The container's CRI security context in `pod`, with `namespaces`.
-pub fn security_context(
+pub(crate) fn security_context(
     pod: &Pod,
     container: &Container,
     namespaces: cri::NamespaceOption,

@@ -40,7 +40,7 @@ pub struct CpuMeter {
 
 impl CpuMeter {
     /// CPU time used so far, the current poll included when called from it.
-    pub fn used(&self) -> Duration {
+    pub(crate) fn used(&self) -> Duration {
         let mut ns = self.done_ns.load(Ordering::Acquire);
         let start = self.poll_start_ns.load(Ordering::Acquire);
         if start != 0 {

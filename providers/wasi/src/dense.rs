@@ -176,7 +176,7 @@ pub(crate) struct SlabStacks {
 
 impl SlabStacks {
     /// Mappings made so far (slabs), and stacks handed out now.
-    pub fn counts(&self) -> (usize, usize) {
+    pub(crate) fn counts(&self) -> (usize, usize) {
         let pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
         pools.values().fold((0, 0), |(slabs, used), pool| {
             let inner = pool.inner.lock().unwrap_or_else(|p| p.into_inner());

@@ -70,7 +70,7 @@ fn module(body: &str) -> String {
 }
 
 /// The WAT text of the example `name`.
-pub fn text(name: &str) -> Option<String> {
+pub(crate) fn text(name: &str) -> Option<String> {
     let text = match name {
         "hello" => module(
             r#"

@@ -430,11 +430,6 @@ impl WasiProvider {
         self.runtime.compilations()
     }
 
-    /// Removes unused pulled images now (as the periodic collector does).
-    pub fn collect_garbage(&self, min_age: Duration) {
-        collect_garbage(&self.store, &self.runtime, &self.pod_images, min_age);
-    }
-
     /// The memory budget of `pod` (made at its first container): the sum
     /// of its containers' memory limits, a container without one counted
     /// at the default; init containers (one at a time, before the others)

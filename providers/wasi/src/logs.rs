@@ -36,11 +36,6 @@ pub(crate) fn open_log_budget() -> usize {
     })
 }
 
-/// Log files held open between writes now.
-pub fn open_logs() -> usize {
-    OPEN_LOGS.load(Ordering::Relaxed)
-}
-
 struct Inner {
     path: PathBuf,
     /// Kept open while within the budget (counted in `OPEN_LOGS`).
@@ -133,7 +128,7 @@ impl CriLog {
 
     /// Writes to the log's path again, a new file if it was renamed (the
     /// node rotated it).
-    pub fn reopen(&self) -> std::io::Result<()> {
+    pub(crate) fn reopen(&self) -> std::io::Result<()> {
         let mut inner = crate::lock(&self.inner);
         if inner.file.is_some() {
             let file = std::fs::OpenOptions::new().create(true).append(true).open(&inner.path)?;
@@ -145,12 +140,12 @@ impl CriLog {
 
     /// What the module writes from now on (`kubectl attach`). A client
     /// that falls 256 writes behind misses some (it is told it lagged).
-    pub fn attach(&self) -> tokio::sync::broadcast::Receiver<Attached> {
+    pub(crate) fn attach(&self) -> tokio::sync::broadcast::Receiver<Attached> {
         self.attached.get_or_init(|| tokio::sync::broadcast::channel(256).0).subscribe()
     }
 
     /// A WASI output stream for `stream` (`stdout` or `stderr`).
-    pub fn stream(&self, stream: &'static str) -> CriStream {
+    pub(crate) fn stream(&self, stream: &'static str) -> CriStream {
         CriStream { log: self.clone(), stream }
     }
 
@@ -188,7 +183,7 @@ impl CriLog {
     /// Writes what is left of unterminated lines, and gives back the open
     /// file's place in the budget (the container ended: later writes, if
     /// any, open the file for themselves).
-    pub fn finish(&self) {
+    pub(crate) fn finish(&self) {
         let mut inner = crate::lock(&self.inner);
         let mut out = String::new();
         for (index, stream) in ["stdout", "stderr"].into_iter().enumerate() {
@@ -214,7 +209,7 @@ fn entry(stream: &str, tag: &str, line: &[u8]) -> String {
 
 /// A module's stdout or stderr.
 #[derive(Clone)]
-pub struct CriStream {
+pub(crate) struct CriStream {
     log: CriLog,
     stream: &'static str,
 }

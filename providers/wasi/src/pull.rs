@@ -32,8 +32,6 @@ use crate::store::{ImageRecord, ImageStore, ModuleKind};
 pub(crate) const WASM_CONFIG_V0: &str = "application/vnd.wasm.config.v0+json";
 /// The CNCF wasm artifact's layer media type.
 pub(crate) const WASM_LAYER: &str = "application/wasm";
-/// wasm-to-oci's config media type.
-pub const WASM_TO_OCI_CONFIG: &str = "application/vnd.wasm.config.v1+json";
 /// wasm-to-oci's layer media type.
 pub(crate) const WASM_TO_OCI_LAYER: &str = "application/vnd.wasm.content.layer.v1+wasm";
 /// The component layer media type some tools use.
@@ -41,7 +39,7 @@ pub(crate) const WASM_COMPONENT_LAYER: &str = "application/vnd.bytecodealliance.
 
 /// Why a pull failed, by what the user should look at.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PullErrorKind {
+pub(crate) enum PullErrorKind {
     /// No such repository, tag or digest.
     NotFound,
     /// The registry wants credentials (or refused the ones given).
@@ -63,7 +61,7 @@ pub enum PullErrorKind {
 #[error("{message}")]
 pub struct PullError {
     /// What kind of failure.
-    pub kind: PullErrorKind,
+    pub(crate) kind: PullErrorKind,
     /// What happened, naming the image.
     pub message: String,
 }
@@ -87,7 +85,7 @@ pub(crate) fn parse_reference(image: &str) -> Result<Reference, PullError> {
 /// (`{"auths": {"host[:port]": {"auth": base64(user:password)}}}`, or
 /// `username`/`password`, or `registrytoken` for a bearer token).
 #[derive(Clone, Debug, Default)]
-pub struct Credentials {
+pub(crate) struct Credentials {
     by_registry: HashMap<String, RegistryAuth>,
 }
 
@@ -107,7 +105,7 @@ struct DockerAuth {
 
 /// Why registry credentials could not be read.
 #[derive(Debug, thiserror::Error)]
-pub enum CredentialsError {
+pub(crate) enum CredentialsError {
     /// The file could not be read.
     #[error("{path}: {source}")]
     Read {
@@ -139,7 +137,7 @@ pub enum CredentialsError {
 
 impl Credentials {
     /// Reads `path`; a missing file means no credentials.
-    pub fn load(path: &Path) -> Result<Credentials, CredentialsError> {
+    pub(crate) fn load(path: &Path) -> Result<Credentials, CredentialsError> {
         let bytes = match std::fs::read(path) {
             Ok(bytes) => bytes,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Credentials::default()),
@@ -149,7 +147,7 @@ impl Credentials {
     }
 
     /// Parses a docker `config.json`.
-    pub fn parse(bytes: &[u8]) -> Result<Credentials, CredentialsError> {
+    pub(crate) fn parse(bytes: &[u8]) -> Result<Credentials, CredentialsError> {
         use base64::Engine as _;
         let config: DockerConfig = serde_json::from_slice(bytes).map_err(|e| CredentialsError::Json(e.to_string()))?;
         let mut by_registry = HashMap::new();
@@ -241,7 +239,7 @@ impl Puller {
     }
 
     /// How many pulls reached a registry so far.
-    pub fn pull_count(&self) -> u64 {
+    pub(crate) fn pull_count(&self) -> u64 {
         self.pulls.load(std::sync::atomic::Ordering::Relaxed)
     }
 

@@ -146,12 +146,12 @@ impl MemoryLimit {
     }
 
     /// The limit now.
-    pub fn get(&self) -> u64 {
+    pub(crate) fn get(&self) -> u64 {
         self.0.load(Ordering::Acquire)
     }
 
     /// Changes the limit.
-    pub fn set(&self, bytes: u64) {
+    pub(crate) fn set(&self, bytes: u64) {
         self.0.store(bytes, Ordering::Release);
     }
 }
@@ -166,12 +166,12 @@ pub struct MemoryBudget {
 
 impl MemoryBudget {
     /// A budget of `limit` bytes.
-    pub fn new(limit: u64) -> Self {
+    pub(crate) fn new(limit: u64) -> Self {
         MemoryBudget { limit: AtomicU64::new(limit), used: AtomicU64::new(0) }
     }
 
     /// The budget's size.
-    pub fn limit(&self) -> u64 {
+    pub(crate) fn limit(&self) -> u64 {
         self.limit.load(Ordering::Acquire)
     }
 
@@ -182,7 +182,7 @@ impl MemoryBudget {
     }
 
     /// What is counted against it now.
-    pub fn used(&self) -> u64 {
+    pub(crate) fn used(&self) -> u64 {
         self.used.load(Ordering::Acquire)
     }
 
@@ -224,7 +224,7 @@ pub(crate) struct MemLimiter {
 
 impl MemLimiter {
     /// A limiter for one instance.
-    pub fn new(max: Option<MemoryLimit>, budget: Option<Arc<MemoryBudget>>, meter: Arc<AtomicU64>) -> Self {
+    pub(crate) fn new(max: Option<MemoryLimit>, budget: Option<Arc<MemoryBudget>>, meter: Arc<AtomicU64>) -> Self {
         MemLimiter {
             max,
             budget,
@@ -494,7 +494,7 @@ impl Runtime {
 
     /// How many modules were compiled so far (a second pod of one image
     /// compiles nothing).
-    pub fn compilations(&self) -> u64 {
+    pub(crate) fn compilations(&self) -> u64 {
         self.compilations.load(Ordering::Relaxed)
     }
 

@@ -32,7 +32,7 @@ pub enum ModuleKind {
 
 impl ModuleKind {
     /// What `bytes` are, from the wasm header; `None` when they are not wasm.
-    pub fn detect(bytes: &[u8]) -> Option<ModuleKind> {
+    pub(crate) fn detect(bytes: &[u8]) -> Option<ModuleKind> {
         if bytes.get(0..4) != Some(b"\0asm") {
             return None;
         }
@@ -165,7 +165,7 @@ impl ImageStore {
     }
 
     /// The image named `name` whose module is present.
-    pub fn get(&self, name: &str) -> Result<Option<ImageRecord>, StoreError> {
+    pub(crate) fn get(&self, name: &str) -> Result<Option<ImageRecord>, StoreError> {
         Ok(self.read_index()?.images.into_iter().find(|r| r.name == name && self.has_blob(&r.module)))
     }
 
@@ -177,7 +177,7 @@ impl ImageStore {
 
     /// Adds `record`, replacing one of the same name. An imported image
     /// stays imported when the same image is pulled under its name.
-    pub fn put(&self, mut record: ImageRecord) -> Result<(), StoreError> {
+    pub(crate) fn put(&self, mut record: ImageRecord) -> Result<(), StoreError> {
         self.update(|images| {
             if let Some(old) = images.iter().position(|r| r.name == record.name) {
                 let old = images.remove(old);
@@ -189,7 +189,7 @@ impl ImageStore {
 
     /// Marks `name` as used now (at most once a minute, to keep starts
     /// cheap).
-    pub fn touch(&self, record: &ImageRecord) -> Result<(), StoreError> {
+    pub(crate) fn touch(&self, record: &ImageRecord) -> Result<(), StoreError> {
         let now = Timestamp::now();
         if now.duration_since(record.last_used).as_secs() < 60 {
             return Ok(());
@@ -222,7 +222,7 @@ impl ImageStore {
     /// Removes pulled (not imported) images that no container in `in_use`
     /// (image names) uses and that were last used before `unused_since`;
     /// then the modules no image uses. Returns what was removed.
-    pub fn collect_garbage(
+    pub(crate) fn collect_garbage(
         &self,
         in_use: &HashSet<String>,
         unused_since: Timestamp,

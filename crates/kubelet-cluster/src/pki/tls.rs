@@ -102,7 +102,7 @@ impl ServingCertificate {
     }
 
     /// The certificate served now.
-    pub fn current(&self) -> Option<Arc<CertifiedKey>> {
+    pub(crate) fn current(&self) -> Option<Arc<CertifiedKey>> {
         self.current.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 }

@@ -266,11 +266,6 @@ impl CsiNodeClient {
         Ok(CsiNodeClient { driver: driver.name.clone(), client: NodeClient::new(channel), timeouts })
     }
 
-    /// The driver's name.
-    pub fn driver(&self) -> &str {
-        &self.driver
-    }
-
     /// `NodeGetCapabilities`.
     pub async fn capabilities(&self) -> Result<NodeCapabilities, CsiNodeError> {
         let mut client = self.client.clone();

@@ -254,7 +254,7 @@ impl DraClaims {
     }
 
     /// Claims no pod uses any more that a driver has not released yet.
-    pub fn leftovers(&self) -> usize {
+    pub(crate) fn leftovers(&self) -> usize {
         self.state().values().filter(|e| e.pods.is_empty()).count()
     }
 

@@ -32,7 +32,7 @@ pub enum DraVersion {
 
 impl DraVersion {
     /// The version string of plugin registration.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             DraVersion::V1 => DRA_PLUGIN_VERSIONS[0],
             DraVersion::V1beta1 => DRA_PLUGIN_VERSIONS[1],
@@ -41,7 +41,7 @@ impl DraVersion {
 
     /// The first entry of `offered` (the plugin's order of preference) the
     /// node serves; `None` when there is none.
-    pub fn choose(offered: &[String]) -> Option<DraVersion> {
+    pub(crate) fn choose(offered: &[String]) -> Option<DraVersion> {
         offered.iter().find_map(|v| match v.as_str() {
             "v1.DRAPlugin" => Some(DraVersion::V1),
             "v1beta1.DRAPlugin" => Some(DraVersion::V1beta1),

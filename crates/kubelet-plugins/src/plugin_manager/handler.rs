@@ -29,7 +29,7 @@ pub enum PluginType {
 
 impl PluginType {
     /// The type string as it appears on the wire.
-    pub fn as_str(&self) -> &str {
+    pub(crate) fn as_str(&self) -> &str {
         match self {
             PluginType::Csi => CSI_PLUGIN_TYPE,
             PluginType::DevicePlugin => DEVICE_PLUGIN_TYPE,

@@ -127,7 +127,7 @@ impl PluginManagerConfig {
 
     /// Checks every setting is in range: durations from 1 ms to 1 day, at
     /// least one concurrent operation and one queued event.
-    pub fn validate(&self) -> Result<(), PluginManagerError> {
+    pub(crate) fn validate(&self) -> Result<(), PluginManagerError> {
         let durations = [
             ("dial_timeout", self.dial_timeout),
             ("get_info_timeout", self.get_info_timeout),

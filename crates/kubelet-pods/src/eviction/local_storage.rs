@@ -35,7 +35,7 @@ pub(crate) const CONTAINER_SIGNAL: &str = "ephemeralcontainerfs.limit";
 
 /// A pod over one of its limits: what to say and which label to count.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Exceeded {
+pub(crate) struct Exceeded {
     /// The eviction message.
     pub message: String,
     /// The metric's signal label.
@@ -44,7 +44,7 @@ pub struct Exceeded {
 
 /// What one pod holds on the node's disk, as measured now.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct PodStorage {
+pub(crate) struct PodStorage {
     /// Bytes in each emptyDir with a size limit, by volume name (any
     /// medium: a memory-backed one is measured too).
     pub empty_dirs: BTreeMap<String, u128>,
@@ -99,7 +99,7 @@ pub(crate) fn has_limits(pod: &Pod) -> bool {
 }
 
 /// The first limit `pod` exceeds with `storage`, in upstream's order.
-pub fn exceeded(pod: &Pod, storage: &PodStorage) -> Option<Exceeded> {
+pub(crate) fn exceeded(pod: &Pod, storage: &PodStorage) -> Option<Exceeded> {
     let spec = pod.spec.as_ref()?;
     for volume in spec.volumes.iter().flatten() {
         let Some(limit) = volume.empty_dir.as_ref().and_then(|e| e.size_limit.as_ref()) else { continue };
@@ -139,7 +139,7 @@ pub fn exceeded(pod: &Pod, storage: &PodStorage) -> Option<Exceeded> {
 /// Measures what each of `pods` holds under `root_dir`, the writable
 /// layers from `provider` when `layers_count` (no dedicated image file
 /// system).
-pub async fn measure(
+pub(crate) async fn measure(
     root_dir: &Path,
     pods: &[Pod],
     provider: Option<&Arc<dyn Provider>>,

@@ -197,7 +197,7 @@ fn processes() -> u128 {
 
 /// Which thresholds `observed` meets: the amount, plus the minimum reclaim
 /// for those met in the last pass (`previously`), above what is available.
-pub fn met(thresholds: &[Threshold], observed: &Observations, previously: &[usize]) -> Vec<usize> {
+pub(crate) fn met(thresholds: &[Threshold], observed: &Observations, previously: &[usize]) -> Vec<usize> {
     thresholds
         .iter()
         .enumerate()
@@ -269,7 +269,7 @@ pub fn rank(signal: Signal, candidates: &mut [Candidate]) {
 
 /// Upstream's message for evicting `candidate` for `threshold` (observed
 /// as `observation`).
-pub fn message(threshold: &Threshold, observation: Option<&Observation>, candidate: &Candidate) -> String {
+pub(crate) fn message(threshold: &Threshold, observation: Option<&Observation>, candidate: &Candidate) -> String {
     let resource = threshold.signal.resource();
     let quantity =
         |v: u128| if resource == "inodes" || resource == "pids" { decimal_quantity(v) } else { binary_quantity(v) };
@@ -393,7 +393,7 @@ impl EvictionManager {
     /// local storage limits, or else at most one pod for a threshold (the
     /// UIDs evicted). `layers_count`: containers' writable layers are on
     /// the root dir's file system.
-    pub async fn pass(&mut self, image_fs: Option<&Path>, layers_count: bool) -> Vec<String> {
+    pub(crate) async fn pass(&mut self, image_fs: Option<&Path>, layers_count: bool) -> Vec<String> {
         let (observed, met_now, now) = self.update_pressure(image_fs);
         let over_limits = self.local_storage_limits(layers_count).await;
         if !over_limits.is_empty() {

@@ -40,7 +40,7 @@ pub enum Signal {
 
 impl Signal {
     /// Every signal, in upstream's spelling order.
-    pub const ALL: [Signal; 7] = [
+    pub(crate) const ALL: [Signal; 7] = [
         Signal::MemoryAvailable,
         Signal::AllocatableMemoryAvailable,
         Signal::NodefsAvailable,
@@ -51,7 +51,7 @@ impl Signal {
     ];
 
     /// The signal's name (`memory.available`).
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Signal::MemoryAvailable => "memory.available",
             Signal::AllocatableMemoryAvailable => "allocatableMemory.available",
@@ -64,12 +64,12 @@ impl Signal {
     }
 
     /// The signal named `name`.
-    pub fn parse(name: &str) -> Option<Signal> {
+    pub(crate) fn parse(name: &str) -> Option<Signal> {
         Signal::ALL.into_iter().find(|s| s.as_str() == name)
     }
 
     /// The node condition the signal drives.
-    pub fn condition(self) -> &'static str {
+    pub(crate) fn condition(self) -> &'static str {
         match self {
             Signal::MemoryAvailable | Signal::AllocatableMemoryAvailable => "MemoryPressure",
             Signal::PidAvailable => "PIDPressure",
@@ -78,7 +78,7 @@ impl Signal {
     }
 
     /// The resource the signal measures, as eviction messages name it.
-    pub fn resource(self) -> &'static str {
+    pub(crate) fn resource(self) -> &'static str {
         match self {
             Signal::MemoryAvailable | Signal::AllocatableMemoryAvailable => "memory",
             Signal::NodefsAvailable | Signal::ImagefsAvailable => "ephemeral-storage",

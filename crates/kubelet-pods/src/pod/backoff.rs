@@ -28,7 +28,7 @@ impl Default for BackoffConfig {
 
 /// One container's (or one image's) backoff state.
 #[derive(Clone, Debug, Default)]
-pub struct Backoff {
+pub(crate) struct Backoff {
     delay: Option<Duration>,
     until: Option<Instant>,
 }
@@ -37,7 +37,7 @@ impl Backoff {
     /// Records a failure (or an exit to restart from) at `now` after the
     /// container ran for `ran` (zero if it never ran); returns the delay
     /// before the next start.
-    pub fn fail(&mut self, config: &BackoffConfig, ran: Duration, now: Instant) -> Duration {
+    pub(crate) fn fail(&mut self, config: &BackoffConfig, ran: Duration, now: Instant) -> Duration {
         let delay = match self.delay {
             Some(previous) if ran < config.reset_after => (previous * 2).min(config.max),
             _ => config.initial,
@@ -48,22 +48,17 @@ impl Backoff {
     }
 
     /// When the next start may happen, if backing off.
-    pub fn until(&self) -> Option<Instant> {
+    pub(crate) fn until(&self) -> Option<Instant> {
         self.until
     }
 
-    /// The current delay.
-    pub fn delay(&self) -> Option<Duration> {
-        self.delay
-    }
-
     /// Whether a start may happen at `now`.
-    pub fn ready(&self, now: Instant) -> bool {
+    pub(crate) fn ready(&self, now: Instant) -> bool {
         self.until.is_none_or(|until| until <= now)
     }
 
     /// Clears the pending wait (the delay is kept to double next time).
-    pub fn waited(&mut self) {
+    pub(crate) fn waited(&mut self) {
         self.until = None;
     }
 }

@@ -85,7 +85,7 @@ struct MountEdit {
 /// The spec directories' devices by fully qualified name, each with its
 /// spec's edits and its own.
 #[derive(Debug, Default)]
-pub struct Registry {
+pub(crate) struct Registry {
     devices: BTreeMap<String, (Edits, Edits, PathBuf)>,
     /// Files that could not be read or parsed, with why.
     pub problems: Vec<String>,
@@ -93,7 +93,7 @@ pub struct Registry {
 
 impl Registry {
     /// Reads every spec in `dirs` (a missing directory holds none).
-    pub fn read(dirs: &[PathBuf]) -> Registry {
+    pub(crate) fn read(dirs: &[PathBuf]) -> Registry {
         let mut registry = Registry::default();
         for dir in dirs {
             let Ok(entries) = std::fs::read_dir(dir) else { continue };
@@ -128,7 +128,7 @@ impl Registry {
     /// a variable of the same name), device nodes, mounts. Returns, in
     /// upstream's words, what no spec defines (`unresolvable CDI devices
     /// ...`, with the specs that could not be read), if any.
-    pub fn apply(&self, names: &[String], options: &mut ContainerRunOptions) -> Option<String> {
+    pub(crate) fn apply(&self, names: &[String], options: &mut ContainerRunOptions) -> Option<String> {
         // A spec's own edits once, however many of its devices are named.
         let mut applied_specs = std::collections::BTreeSet::new();
         let mut missing = Vec::new();

@@ -56,7 +56,7 @@ pub struct Terminated {
 
 /// One container of the pod.
 #[derive(Clone, Debug)]
-pub struct ContainerRecord {
+pub(crate) struct ContainerRecord {
     /// Its spec.
     pub spec: Container,
     /// Init, sidecar or app.
@@ -108,7 +108,7 @@ pub struct ContainerRecord {
 /// else, under `FallbackToLogsOnError` and a failed exit, the end of its
 /// log (the last 80 lines, at most 2 KiB).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct MessageSource {
+pub(crate) struct MessageSource {
     /// The termination-message file on the host.
     pub file: Option<std::path::PathBuf>,
     /// The instance's log, when its policy falls back to it.
@@ -124,7 +124,7 @@ pub(crate) const MAX_TERMINATION_LOG_LINES: usize = 80;
 
 impl MessageSource {
     /// The termination message of an instance that exited with `exit_code`.
-    pub fn read(&self, exit_code: i32) -> Option<String> {
+    pub(crate) fn read(&self, exit_code: i32) -> Option<String> {
         if let Some(file) = &self.file
             && let Ok(text) = read_end(file, MAX_TERMINATION_MESSAGE)
             && !text.is_empty()
@@ -164,7 +164,7 @@ fn read_end(path: &std::path::Path, most: u64) -> std::io::Result<Vec<u8>> {
 
 /// A container's run as the API status recorded it before a node restart.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PreviousRun {
+pub(crate) struct PreviousRun {
     /// Its restart count then.
     pub restart_count: u32,
     /// Whether it had started (running, or ended).
@@ -177,7 +177,7 @@ pub struct PreviousRun {
 
 impl PreviousRun {
     /// What `status` says of the run.
-    pub fn of(status: &ContainerStatus) -> PreviousRun {
+    pub(crate) fn of(status: &ContainerStatus) -> PreviousRun {
         let state = status.state.as_ref();
         let running = state.and_then(|s| s.running.as_ref());
         let terminated = state.and_then(|s| s.terminated.as_ref());
@@ -195,7 +195,7 @@ impl PreviousRun {
 
 impl ContainerRecord {
     /// A record for a container of `kind` that has not run yet.
-    pub fn new(kind: ContainerKind, spec: &Container) -> Self {
+    pub(crate) fn new(kind: ContainerKind, spec: &Container) -> Self {
         ContainerRecord {
             spec: spec.clone(),
             kind,
@@ -219,7 +219,7 @@ impl ContainerRecord {
     }
 
     /// Whether it runs now.
-    pub fn is_running(&self) -> bool {
+    pub(crate) fn is_running(&self) -> bool {
         matches!(self.phase, ContainerPhase::Running { .. })
     }
 
@@ -241,7 +241,7 @@ impl ContainerRecord {
     }
 
     /// Whether it ended with exit code 0.
-    pub fn succeeded(&self) -> bool {
+    pub(crate) fn succeeded(&self) -> bool {
         matches!(&self.phase, ContainerPhase::Terminated(t) if t.exit_code == 0)
     }
 
@@ -253,7 +253,7 @@ impl ContainerRecord {
 
 /// One container exit as a waiter task reports it.
 #[derive(Debug)]
-pub struct ExitReport {
+pub(crate) struct ExitReport {
     /// The container's name.
     pub container: String,
     /// The instance that ended.
@@ -264,7 +264,7 @@ pub struct ExitReport {
 
 /// A probe's counted result changed.
 #[derive(Debug)]
-pub struct ProbeReport {
+pub(crate) struct ProbeReport {
     /// The container's name.
     pub container: String,
     /// The instance probed.
@@ -279,7 +279,7 @@ pub struct ProbeReport {
 
 /// What the tasks watching a pod's containers tell its lifecycle.
 #[derive(Debug)]
-pub enum ContainerEvent {
+pub(crate) enum ContainerEvent {
     /// A container ended.
     Exit(ExitReport),
     /// A probe's result changed.
@@ -319,7 +319,7 @@ pub(crate) const DEADLINE_MESSAGE: &str = "Pod was active on the node longer tha
 
 /// Where a running instance's probes stand.
 #[derive(Clone, Debug, Default)]
-pub struct ProbeState {
+pub(crate) struct ProbeState {
     /// The readiness probe's counted result; `None` without one.
     pub ready: Option<bool>,
     /// Whether the startup probe passed; `None` without one.
@@ -332,7 +332,7 @@ pub struct ProbeState {
 
 impl ProbeState {
     /// Stops the probe tasks.
-    pub fn stop(&mut self) {
+    pub(crate) fn stop(&mut self) {
         for task in self.tasks.drain(..) {
             task.abort();
         }
@@ -342,7 +342,7 @@ impl ProbeState {
 /// A pod-level verdict that overrides the computed phase (admission
 /// rejections, a failed init container).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PodVerdict {
+pub(crate) struct PodVerdict {
     /// `Failed` or `Succeeded`.
     pub phase: &'static str,
     /// `OutOfcpu`, `UnexpectedAdmissionError`, …
@@ -364,13 +364,13 @@ pub struct PodData {
     /// Its identity.
     pub id: PodIdentity,
     /// Containers by name.
-    pub containers: BTreeMap<String, ContainerRecord>,
+    pub(crate) containers: BTreeMap<String, ContainerRecord>,
     /// Container names in start order (init, then app).
     pub order: Vec<String>,
     /// Devices allocated at admission, by container.
     pub devices: PodDevices,
     /// Prepared volumes.
-    pub volumes: PodVolumes,
+    pub(crate) volumes: PodVolumes,
     /// Whether admission let the pod in (its requests count against the node).
     pub admitted: bool,
     /// Whether the volumes are ready.
@@ -384,14 +384,14 @@ pub struct PodData {
     /// A pod-level waiting message (a volume that cannot be prepared yet).
     pub pending_message: Option<String>,
     /// A final verdict.
-    pub verdict: Option<PodVerdict>,
+    pub(crate) verdict: Option<PodVerdict>,
     /// The grace period the containers get when the verdict stops them
     /// (an eviction's); `None`: the pod's own.
     pub stop_grace: Option<std::time::Duration>,
     /// Container exits and probe results, from the waiter and probe tasks.
-    pub events: mpsc::UnboundedReceiver<ContainerEvent>,
+    pub(crate) events: mpsc::UnboundedReceiver<ContainerEvent>,
     /// Where those tasks send them.
-    pub event_sender: mpsc::UnboundedSender<ContainerEvent>,
+    pub(crate) event_sender: mpsc::UnboundedSender<ContainerEvent>,
     /// Where the pod's events (Kubernetes Events) go.
     pub recorder: crate::events::EventRecorder,
     /// The waiter and probe tasks (aborted when the pod's data is dropped).
@@ -402,14 +402,14 @@ pub struct PodData {
     /// Where the pod's probes are counted.
     pub probe_metrics: crate::metrics::ProbeMetrics,
     /// Where an in-place resize stands.
-    pub resize: super::resize::ResizeState,
+    pub(crate) resize: super::resize::ResizeState,
     /// A resize is to be judged when the pod next runs its containers.
     pub resize_due: bool,
 }
 
 impl PodData {
     /// Fresh data for `pod`.
-    pub fn new(pod: Arc<Pod>) -> Self {
+    pub(crate) fn new(pod: Arc<Pod>) -> Self {
         let id = PodIdentity::of(&pod);
         let mut records = BTreeMap::new();
         let mut order = Vec::new();
@@ -455,7 +455,7 @@ impl PodData {
     }
 
     /// The containers in start order.
-    pub fn ordered(&self) -> impl Iterator<Item = &ContainerRecord> {
+    pub(crate) fn ordered(&self) -> impl Iterator<Item = &ContainerRecord> {
         self.order.iter().filter_map(|name| self.containers.get(name))
     }
 

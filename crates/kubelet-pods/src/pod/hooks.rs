@@ -26,7 +26,7 @@ use crate::provider::{ContainerId, Provider};
 
 /// Which hook.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Hook {
+pub(crate) enum Hook {
     /// After the container starts.
     PostStart,
     /// Before the container is stopped.
@@ -43,7 +43,7 @@ impl Hook {
     }
 
     /// The container's handler for this hook, if it has one.
-    pub fn handler(self, container: &Container) -> Option<&LifecycleHandler> {
+    pub(crate) fn handler(self, container: &Container) -> Option<&LifecycleHandler> {
         let lifecycle = container.lifecycle.as_ref()?;
         match self {
             Hook::PostStart => lifecycle.post_start.as_ref(),

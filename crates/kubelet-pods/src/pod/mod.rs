@@ -408,7 +408,7 @@ impl Pods {
     /// Evicts pod `uid` (the eviction manager's order): its containers stop
     /// within `eviction.grace`, it ends Failed with reason `Evicted`, and a
     /// Warning event says why. `false` if the node does not run it.
-    pub fn evict(&self, uid: &str, eviction: Eviction) -> bool {
+    pub(crate) fn evict(&self, uid: &str, eviction: Eviction) -> bool {
         let senders = self.runtime.machine().senders.lock().unwrap_or_else(|p| p.into_inner());
         senders.get(uid).is_some_and(|sender| sender.send(data::ContainerEvent::Evict(eviction)).is_ok())
     }

@@ -42,7 +42,7 @@ const MAX_OUTPUT: usize = 10 * 1024;
 
 /// Which probe.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ProbeKind {
+pub(crate) enum ProbeKind {
     /// Restarts the container when it fails.
     Liveness,
     /// Drives the container's `ready`.
@@ -63,14 +63,14 @@ impl ProbeKind {
     }
 
     /// Whether a failure kills the container.
-    pub fn kills(self) -> bool {
+    pub(crate) fn kills(self) -> bool {
         self != ProbeKind::Readiness
     }
 }
 
 /// What a probe does.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Action {
+pub(crate) enum Action {
     /// Runs a command in the container; exit code 0 is success.
     Exec(Vec<String>),
     /// GETs a path; a status from 200 to 399 is success.
@@ -104,7 +104,7 @@ pub enum Action {
 
 /// One probe of a container, with upstream's defaults filled in.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ProbeSpec {
+pub(crate) struct ProbeSpec {
     /// Which probe.
     pub kind: ProbeKind,
     /// What it does, or why it cannot run.
@@ -133,7 +133,7 @@ fn count(value: Option<i32>, default: u32) -> u32 {
 
 impl ProbeSpec {
     /// The container's probe of `kind`, if it has one.
-    pub fn of(kind: ProbeKind, container: &Container) -> Option<ProbeSpec> {
+    pub(crate) fn of(kind: ProbeKind, container: &Container) -> Option<ProbeSpec> {
         let probe = match kind {
             ProbeKind::Liveness => container.liveness_probe.as_ref(),
             ProbeKind::Readiness => container.readiness_probe.as_ref(),
@@ -204,7 +204,7 @@ fn action(probe: &Probe, container: &Container) -> Result<Action, String> {
 
 /// The result of one attempt.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Outcome {
+pub(crate) enum Outcome {
     /// Healthy.
     Success,
     /// Healthy, with a warning the pod's events show (`ProbeWarning`): an
@@ -218,7 +218,7 @@ pub enum Outcome {
 
 /// What a probe talks to.
 #[derive(Clone)]
-pub struct Target {
+pub(crate) struct Target {
     /// Runs exec probes.
     pub provider: Arc<dyn Provider>,
     /// The container instance.
@@ -565,7 +565,7 @@ async fn grpc(addr: SocketAddr, service: &str, timeout: Duration) -> Outcome {
 /// Counts attempts the way upstream does: a result counts once it has
 /// repeated its threshold times in a row.
 #[derive(Debug)]
-pub struct Counter {
+pub(crate) struct Counter {
     success_threshold: u32,
     failure_threshold: u32,
     /// The last attempt's result and how many times in a row it came.
@@ -577,7 +577,7 @@ pub struct Counter {
 impl Counter {
     /// A counter with `spec`'s thresholds; `initial` is the counted result
     /// before any attempt (readiness starts unready, the others unknown).
-    pub fn new(spec: &ProbeSpec, initial: Option<bool>) -> Counter {
+    pub(crate) fn new(spec: &ProbeSpec, initial: Option<bool>) -> Counter {
         Counter {
             success_threshold: spec.success_threshold,
             failure_threshold: spec.failure_threshold,
@@ -588,7 +588,7 @@ impl Counter {
 
     /// Takes one attempt's result; returns the counted result when it
     /// changes.
-    pub fn observe(&mut self, healthy: bool) -> Option<bool> {
+    pub(crate) fn observe(&mut self, healthy: bool) -> Option<bool> {
         let run = match self.last {
             Some((last, n)) if last == healthy => n.saturating_add(1),
             _ => 1,
@@ -633,7 +633,7 @@ pub(crate) struct Worker {
 impl Worker {
     /// Probes until the container instance ends (the task is aborted then),
     /// or until a killing probe killed it, or a startup probe passed.
-    pub async fn run(mut self) {
+    pub(crate) async fn run(mut self) {
         let spec = &self.spec;
         tokio::time::sleep_until(self.started_at + spec.initial_delay).await;
         if spec.kind != ProbeKind::Startup && self.started.wait_for(|s| *s).await.is_err() {

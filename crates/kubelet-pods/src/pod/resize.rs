@@ -55,7 +55,7 @@ pub(crate) type Allocation = BTreeMap<String, ResourceRequirements>;
 
 /// Where a pod's resize stands, for its status.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct ResizeState {
+pub(crate) struct ResizeState {
     /// `PodResizePending`: its reason and message.
     pub pending: Option<(String, String)>,
     /// The last actuation failed: `PodResizeInProgress` with reason

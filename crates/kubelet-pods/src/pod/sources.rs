@@ -63,7 +63,7 @@ impl SourcesReady {
     }
 
     /// Waits until every source has listed.
-    pub async fn wait(&self) {
+    pub(crate) async fn wait(&self) {
         let mut ready = self.ready.subscribe();
         let _ = ready.wait_for(|ready| *ready).await;
     }

@@ -25,7 +25,7 @@ pub enum RestartPolicy {
 
 impl RestartPolicy {
     /// The policy of `pod` (`Always` when unset, as the API defaults it).
-    pub fn of(pod: &Pod) -> RestartPolicy {
+    pub(crate) fn of(pod: &Pod) -> RestartPolicy {
         match pod.spec.as_ref().and_then(|s| s.restart_policy.as_deref()) {
             Some("Never") => RestartPolicy::Never,
             Some("OnFailure") => RestartPolicy::OnFailure,
@@ -34,7 +34,7 @@ impl RestartPolicy {
     }
 
     /// Whether a container that ended with `exit_code` is restarted.
-    pub fn restarts(self, exit_code: i32) -> bool {
+    pub(crate) fn restarts(self, exit_code: i32) -> bool {
         match self {
             RestartPolicy::Always => true,
             RestartPolicy::OnFailure => exit_code != 0,
@@ -56,7 +56,7 @@ pub struct PodIdentity {
 
 impl PodIdentity {
     /// Reads the identity of `pod` (empty strings where unset).
-    pub fn of(pod: &Pod) -> PodIdentity {
+    pub(crate) fn of(pod: &Pod) -> PodIdentity {
         PodIdentity {
             uid: pod.metadata.uid.clone().unwrap_or_default(),
             namespace: pod.metadata.namespace.clone().unwrap_or_else(|| "default".to_owned()),

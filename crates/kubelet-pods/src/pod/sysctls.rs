@@ -24,7 +24,7 @@ pub(crate) const SYSCTL_FORBIDDEN: &str = "SysctlForbidden";
 /// A sysctl a pod may not set; its text is upstream's message.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("forbidden sysctl: \"{sysctl}\" {why}")]
-pub struct SysctlForbidden {
+pub(crate) struct SysctlForbidden {
     /// The sysctl as the pod names it.
     pub sysctl: String,
     /// Why it is refused.
@@ -33,7 +33,7 @@ pub struct SysctlForbidden {
 
 /// Why a sysctl is refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum SysctlRefusal {
+pub(crate) enum SysctlRefusal {
     /// Neither safe nor in `--allowed-unsafe-sysctls`.
     #[error("not allowlisted")]
     NotAllowlisted,
@@ -47,7 +47,7 @@ pub enum SysctlRefusal {
 
 /// Checks `pod`'s sysctls against the safe ones and `allowed_unsafe`;
 /// the first one refused is the error.
-pub fn check(pod: &Pod, allowed_unsafe: &[String]) -> Result<(), SysctlForbidden> {
+pub(crate) fn check(pod: &Pod, allowed_unsafe: &[String]) -> Result<(), SysctlForbidden> {
     let Some(spec) = pod.spec.as_ref() else { return Ok(()) };
     let sysctls = spec.security_context.as_ref().and_then(|c| c.sysctls.as_deref()).unwrap_or_default();
     for sysctl in sysctls {

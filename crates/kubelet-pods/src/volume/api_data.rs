@@ -223,7 +223,7 @@ fn mode(mode: Option<i32>) -> u32 {
 /// Prepares a `configMap`, `secret` or `projected` volume of `pod` in `dir`
 /// (or writes it again with what the objects hold now); its files belong
 /// to `fs_group` when the pod has one.
-pub async fn prepare(
+pub(crate) async fn prepare(
     objects: &dyn ApiObjects,
     pod: &Pod,
     volume: &k8s_openapi::api::core::v1::Volume,

@@ -27,7 +27,7 @@ use super::VolumeError;
 
 /// One file's content and mode.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct FileData {
+pub(crate) struct FileData {
     /// The bytes.
     pub content: Vec<u8>,
     /// Its permission bits (`0644`, …).
@@ -43,7 +43,7 @@ const DATA_LINK_TMP: &str = "..data_tmp";
 
 /// Writes `payload` into `dir` as one version, if it differs from the
 /// current one; returns whether anything changed.
-pub fn write(volume: &str, dir: &Path, payload: &Payload, fs_group: Option<u32>) -> Result<bool, VolumeError> {
+pub(crate) fn write(volume: &str, dir: &Path, payload: &Payload, fs_group: Option<u32>) -> Result<bool, VolumeError> {
     let io = |path: &Path, source: std::io::Error| VolumeError::Io {
         volume: volume.to_owned(),
         path: path.to_owned(),

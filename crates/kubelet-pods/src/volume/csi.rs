@@ -279,7 +279,7 @@ impl CsiVolumes {
 
     /// Bumped whenever the registered drivers change: a pod waiting for a
     /// driver retries then.
-    pub fn changes(&self) -> watch::Receiver<u64> {
+    pub(crate) fn changes(&self) -> watch::Receiver<u64> {
         self.drivers.changes()
     }
 

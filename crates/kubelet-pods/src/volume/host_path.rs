@@ -29,7 +29,7 @@ pub enum HostPathType {
 
 impl HostPathType {
     /// Reads a `type` value; `None` for one upstream does not know.
-    pub fn parse(value: Option<&str>) -> Option<HostPathType> {
+    pub(crate) fn parse(value: Option<&str>) -> Option<HostPathType> {
         Some(match value.unwrap_or("") {
             "" => HostPathType::Unchecked,
             "DirectoryOrCreate" => HostPathType::DirectoryOrCreate,

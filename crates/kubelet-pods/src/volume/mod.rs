@@ -38,7 +38,7 @@ pub use host_path::HostPathType;
 
 /// Why a pod volume could not be prepared or torn down.
 #[derive(Debug, thiserror::Error)]
-pub enum VolumeError {
+pub(crate) enum VolumeError {
     /// A `hostPath` is not of its declared `type` (upstream's text).
     #[error("volume {volume:?}: hostPath type check failed: {} is not a {expected}", path.display())]
     HostPathType {
@@ -119,7 +119,7 @@ pub enum VolumeError {
 /// What a volume is on the host once prepared.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "camelCase")]
-pub struct PreparedVolume {
+pub(crate) struct PreparedVolume {
     /// The host path the container mounts.
     pub host_path: PathBuf,
     /// Its type, for teardown.
@@ -140,7 +140,7 @@ impl PreparedVolume {
 
 /// The volume types this node prepares.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
-pub enum VolumeKind {
+pub(crate) enum VolumeKind {
     /// `hostPath`: nothing to tear down.
     HostPath,
     /// `emptyDir`: removed with the pod.
@@ -158,7 +158,7 @@ pub(crate) type PodVolumes = BTreeMap<String, PreparedVolume>;
 
 /// Prepares and tears down pod volumes under a root dir.
 #[derive(Clone)]
-pub struct VolumeManager {
+pub(crate) struct VolumeManager {
     root_dir: PathBuf,
     csi: Option<CsiVolumes>,
     objects: Option<Arc<dyn ApiObjects>>,
@@ -184,45 +184,45 @@ pub(crate) const NEEDS_API: &str = "in static pods (they need the API server; up
 
 impl VolumeManager {
     /// Volumes under `<root_dir>/pods`; no CSI volumes.
-    pub fn new(root_dir: impl Into<PathBuf>) -> Self {
+    pub(crate) fn new(root_dir: impl Into<PathBuf>) -> Self {
         VolumeManager { root_dir: root_dir.into(), csi: None, objects: None, stats: stats::VolumeStats::default() }
     }
 
     /// Prepares configMap, secret and projected volumes from `objects`.
-    pub fn with_objects(mut self, objects: Arc<dyn ApiObjects>) -> Self {
+    pub(crate) fn with_objects(mut self, objects: Arc<dyn ApiObjects>) -> Self {
         self.objects = Some(objects);
         self
     }
 
     /// Where API objects come from, if the node has them.
-    pub fn objects(&self) -> Option<&Arc<dyn ApiObjects>> {
+    pub(crate) fn objects(&self) -> Option<&Arc<dyn ApiObjects>> {
         self.objects.as_ref()
     }
 
     /// Publishes CSI volumes through `csi`.
-    pub fn with_csi(mut self, csi: CsiVolumes) -> Self {
+    pub(crate) fn with_csi(mut self, csi: CsiVolumes) -> Self {
         self.csi = Some(csi);
         self
     }
 
     /// The pods' claim volumes and their figures.
-    pub fn stats(&self) -> &stats::VolumeStats {
+    pub(crate) fn stats(&self) -> &stats::VolumeStats {
         &self.stats
     }
 
     /// The CSI volumes, if the node has them.
-    pub fn csi(&self) -> Option<&CsiVolumes> {
+    pub(crate) fn csi(&self) -> Option<&CsiVolumes> {
         self.csi.as_ref()
     }
 
     /// Changes that may let a failed preparation succeed (a CSI driver
     /// registering); `None` when nothing but a retry can help.
-    pub fn changes(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+    pub(crate) fn changes(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
         self.csi.as_ref().map(CsiVolumes::changes)
     }
 
     /// `<root>/pods/<uid>`.
-    pub fn pod_dir(&self, pod_uid: &str) -> PathBuf {
+    pub(crate) fn pod_dir(&self, pod_uid: &str) -> PathBuf {
         self.root_dir.join("pods").join(pod_uid)
     }
 
@@ -234,7 +234,7 @@ impl VolumeManager {
     /// in `prepared` (for [`teardown`](Self::teardown)); calling again after
     /// an error prepares the rest. `context` is what downward API items
     /// read besides the pod.
-    pub async fn prepare(
+    pub(crate) async fn prepare(
         &self,
         pod: &Pod,
         prepared: &mut PodVolumes,
@@ -297,7 +297,7 @@ impl VolumeManager {
     /// most `max_age` old will do. Returns how many volumes changed; a
     /// volume that cannot be written keeps its last contents (the error is
     /// returned after the others were tried).
-    pub async fn refresh(
+    pub(crate) async fn refresh(
         &self,
         pod: &Pod,
         prepared: &PodVolumes,
@@ -385,7 +385,7 @@ impl VolumeManager {
 
     /// Tears down every prepared volume (all of them, even when one fails)
     /// and removes the pod's directory; returns every failure.
-    pub async fn teardown(&self, pod_uid: &str, prepared: &mut PodVolumes) -> Vec<VolumeError> {
+    pub(crate) async fn teardown(&self, pod_uid: &str, prepared: &mut PodVolumes) -> Vec<VolumeError> {
         self.stats.unmounted(pod_uid);
         let mut errors = Vec::new();
         let names: Vec<String> = prepared.keys().cloned().collect();
@@ -422,7 +422,7 @@ impl VolumeManager {
 }
 
 /// The pod's `fsGroup`: the group its volumes' files belong to.
-pub fn fs_group(pod: &Pod) -> Option<u32> {
+pub(crate) fn fs_group(pod: &Pod) -> Option<u32> {
     pod.spec
         .as_ref()
         .and_then(|s| s.security_context.as_ref())

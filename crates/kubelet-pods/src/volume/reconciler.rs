@@ -98,7 +98,7 @@ pub(crate) fn pod_dirs(root_dir: &Path) -> BTreeSet<String> {
 /// [`VolumeManager::teardown`]. A CSI volume directory without its
 /// `vol_data.json` is left to the directory's removal (which refuses to
 /// cross a mount), as are plugin directories the node does not know.
-pub fn reconstruct(root_dir: &Path, uid: &str) -> PodVolumes {
+pub(crate) fn reconstruct(root_dir: &Path, uid: &str) -> PodVolumes {
     let volumes_dir = root_dir.join("pods").join(uid).join("volumes");
     let mut found = PodVolumes::new();
     let mut add = |plugin: &str, name: String, volume: PreparedVolume| {
@@ -133,7 +133,7 @@ fn entries(dir: &Path) -> Vec<(String, PathBuf)> {
 
 /// Releases what pods no source knows left on the node; see the module
 /// docs.
-pub struct Reconciler {
+pub(crate) struct Reconciler {
     volumes: VolumeManager,
     root_dir: PathBuf,
     initial: Duration,
@@ -162,7 +162,7 @@ pub struct Leftovers {
 impl Reconciler {
     /// Tears down through `volumes`, under `root_dir`; failed attempts are
     /// retried after `initial`, doubling up to `max` (with jitter).
-    pub fn new(
+    pub(crate) fn new(
         volumes: VolumeManager,
         root_dir: impl Into<PathBuf>,
         initial: Duration,
@@ -176,7 +176,7 @@ impl Reconciler {
     /// runs, read *after* the directories, so that a pod applied in
     /// between, whose directory did not exist yet, is never taken for an
     /// orphan) does not hold.
-    pub fn orphans(&self, live: impl FnOnce() -> HashSet<String>) -> BTreeSet<String> {
+    pub(crate) fn orphans(&self, live: impl FnOnce() -> HashSet<String>) -> BTreeSet<String> {
         let on_disk = pod_dirs(&self.root_dir);
         let live = live();
         on_disk.into_iter().filter(|uid| !live.contains(uid)).collect()
@@ -201,7 +201,7 @@ impl Reconciler {
     /// each time), releases those whose retry is due, and tells `pending`
     /// which are still left, with their last error (a pod leaves that set
     /// only once everything it left is released).
-    pub async fn run(
+    pub(crate) async fn run(
         self,
         live: impl Fn() -> HashSet<String> + Send,
         pending: impl Fn(&BTreeMap<String, String>) + Send,

@@ -202,7 +202,7 @@ impl VolumeStats {
 
     /// Refreshes the figures every `period` (and when a pod mounts a
     /// claim) until `shutdown`.
-    pub async fn run(
+    pub(crate) async fn run(
         self,
         csi: Option<super::CsiVolumes>,
         period: Duration,
