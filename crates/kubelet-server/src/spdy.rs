@@ -339,40 +339,58 @@ where
         }
         Err(_) => {
             tracing::warn!("timed out waiting for the client to create its streams");
-            drop(out);
-            let _ = tokio::time::timeout(DRAIN_DEADLINE, writer).await;
+            drain(out, writer).await;
             return;
         }
     }
     let (mut stdin_pipe, provider_streams, forwarders) = opened.join(&out);
     // The session runs while the connection's frames are read.
-    let mut run = Box::pin(session.run(provider_streams));
     let stdin_stream = opened.streams.get("stdin").copied();
-    let outcome = loop {
-        tokio::select! {
-            outcome = &mut run => break Some(outcome),
-            frame = tokio::time::timeout(IDLE_DEADLINE, reader.next()) => {
-                let frame = frame.unwrap_or_else(|_| Err(invalid("idle")));
-                if !client_frame(frame, stdin_stream, &mut stdin_pipe, &out).await {
-                    break None;
-                }
+    let (reader, out_ref) = (&mut reader, &out);
+    let client = async move {
+        loop {
+            let frame =
+                tokio::time::timeout(IDLE_DEADLINE, reader.next()).await.unwrap_or_else(|_| Err(invalid("idle")));
+            if !client_frame(frame, stdin_stream, &mut stdin_pipe, out_ref).await {
+                return;
             }
         }
     };
-    let Some(outcome) = outcome else {
-        // The client left: the session is dropped (a provider's instance
-        // with it).
-        tracing::debug!("the client left the streaming session");
-        drop(run);
-        drop(out);
-        let _ = tokio::time::timeout(DRAIN_DEADLINE, writer).await;
+    let Some(outcome) = run_while_connected(session.run(provider_streams), client, forwarders).await else {
+        drain(out, writer).await;
         return;
     };
-    drop(run);
-    drop(stdin_pipe);
-    // Output written before the end reaches the client before the outcome.
-    let _ = tokio::time::timeout(DRAIN_DEADLINE, futures_util::future::join_all(forwarders)).await;
     opened.close(&out, protocol, outcome.map_err(|e| e.message), &options.command).await;
+    drain(out, writer).await;
+}
+
+/// Runs a session to its end while `client` takes the client's frames
+/// (it ends when the client left, or was idle too long). `None` when the
+/// client left first. The session and `client` (the node's end of the
+/// session's stdin with it) are dropped before this returns; after a
+/// session's end, its output still in `forwarders` is sent first.
+pub(crate) async fn run_while_connected<T>(
+    run: impl Future<Output = T>,
+    client: impl Future<Output = ()>,
+    forwarders: Vec<tokio::task::JoinHandle<()>>,
+) -> Option<T> {
+    let outcome = tokio::select! {
+        outcome = run => Some(outcome),
+        () = client => None,
+    };
+    match outcome {
+        // The session was dropped (a provider's instance with it).
+        None => tracing::debug!("the client left the streaming session"),
+        Some(_) => {
+            let _ = tokio::time::timeout(DRAIN_DEADLINE, futures_util::future::join_all(forwarders)).await;
+        }
+    }
+    outcome
+}
+
+/// Drops the session's last sender `out` and lets its `writer` send what
+/// is queued, for at most the drain deadline.
+pub(crate) async fn drain<T>(out: mpsc::Sender<T>, writer: tokio::task::JoinHandle<()>) {
     drop(out);
     let _ = tokio::time::timeout(DRAIN_DEADLINE, writer).await;
 }

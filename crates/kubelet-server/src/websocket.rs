@@ -13,6 +13,7 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _};
 use tokio::sync::mpsc;
 
+use super::spdy::{drain, run_while_connected};
 use crate::provider::{SessionStreams, StreamRequest, StreamSession};
 
 /// The channel protocols served, best first.
@@ -22,7 +23,6 @@ pub(crate) const PROTOCOLS: &[&str] = &["v5.channel.k8s.io", "v4.channel.k8s.io"
 const MAX_MESSAGE: usize = 16 << 20;
 const DATA_CHUNK: usize = 32 * 1024;
 const PIPE: usize = 64 * 1024;
-const DRAIN_DEADLINE: Duration = Duration::from_secs(10);
 /// A session with no frame from the client for this long is over.
 const IDLE_DEADLINE: Duration = Duration::from_secs(4 * 3600);
 
@@ -124,7 +124,39 @@ pub(crate) async fn serve<IO>(io: IO, protocol: &'static str, options: StreamReq
 where
     IO: AsyncRead + AsyncWrite + Send + Unpin + 'static,
 {
-    let (mut read_half, mut write_half) = tokio::io::split(io);
+    let (mut read_half, write_half) = tokio::io::split(io);
+    let (out, writer) = spawn_writer(write_half);
+    let (streams, mut stdin_pipe, forwarders) = session_streams(&options, &out);
+    let mut message: Vec<u8> = Vec::new();
+    let (read_half, out_ref) = (&mut read_half, &out);
+    let client = async move {
+        while let Ok(Ok(Some(frame))) = tokio::time::timeout(IDLE_DEADLINE, read_frame(read_half)).await {
+            if !take_frame(frame, &mut message, &mut stdin_pipe, out_ref).await {
+                return;
+            }
+        }
+    };
+    let Some(outcome) = run_while_connected(session.run(streams), client, forwarders).await else {
+        drain(out, writer).await;
+        return;
+    };
+    let outcome = outcome.map_err(|e| e.message);
+    // Both channel protocols carry the outcome as SPDY v4 does.
+    if let Some(status) = super::spdy::outcome_message("v4.channel.k8s.io", &outcome, &options.command) {
+        let _ = out.send(channel_message(ERROR, &status)).await;
+    }
+    let _ = out.send(frame(0x8, &1000u16.to_be_bytes())).await;
+    drain(out, writer).await;
+    tracing::debug!(protocol, "WebSocket session ended");
+}
+
+/// The session's one writer of frames to the client: what is sent on the
+/// channel it returns goes out in order; the connection is shut down when
+/// every sender is gone.
+fn spawn_writer<W>(mut write_half: W) -> (mpsc::Sender<Vec<u8>>, tokio::task::JoinHandle<()>)
+where
+    W: AsyncWrite + Send + Unpin + 'static,
+{
     let (out, mut outgoing) = mpsc::channel::<Vec<u8>>(64);
     // Not supervised: one session's writer.
     let writer = tokio::spawn(async move {
@@ -136,6 +168,16 @@ where
         let _ = write_half.flush().await;
         let _ = write_half.shutdown().await;
     });
+    (out, writer)
+}
+
+/// The streams the session runs with (those the request asked for), the
+/// node's end of its stdin, and the tasks that forward its stdout and
+/// stderr to the client as channel messages.
+fn session_streams(
+    options: &StreamRequest,
+    out: &mpsc::Sender<Vec<u8>>,
+) -> (SessionStreams, Option<tokio::io::DuplexStream>, Vec<tokio::task::JoinHandle<()>>) {
     let mut streams = SessionStreams::default();
     let mut stdin_pipe = None;
     if options.stdin {
@@ -168,66 +210,50 @@ where
             }
         }));
     }
-    let mut run = Box::pin(session.run(streams));
-    let mut message: Vec<u8> = Vec::new();
-    let outcome = loop {
-        tokio::select! {
-            outcome = &mut run => break Some(outcome),
-            read = tokio::time::timeout(IDLE_DEADLINE, read_frame(&mut read_half)) => {
-                let Ok(Ok(Some(frame))) = read else { break None };
-                match frame.opcode {
-                    // Continuation, text, binary: one message may span frames.
-                    0x0..=0x2 => {
-                        message.extend_from_slice(&frame.payload);
-                        if message.len() > MAX_MESSAGE {
-                            break None;
-                        }
-                        if !frame.fin {
-                            continue;
-                        }
-                        let whole = std::mem::take(&mut message);
-                        match whole.split_first() {
-                            Some((&STDIN, data)) => {
-                                if let Some(pipe) = stdin_pipe.as_mut()
-                                    && !data.is_empty()
-                                    && pipe.write_all(data).await.is_err()
-                                {
-                                    stdin_pipe = None;
-                                }
-                            }
-                            // v5: the client closed a channel (stdin).
-                            Some((&CLOSE, [STDIN, ..])) => stdin_pipe = None,
-                            _ => {}
-                        }
+    (streams, stdin_pipe, forwarders)
+}
+
+/// Takes one frame from the client: data for stdin (a message may span
+/// frames), the v5 close of stdin, a ping. False when the session is over
+/// for the client (a close frame, a message too large).
+async fn take_frame(
+    frame: Frame,
+    message: &mut Vec<u8>,
+    stdin_pipe: &mut Option<tokio::io::DuplexStream>,
+    out: &mpsc::Sender<Vec<u8>>,
+) -> bool {
+    match frame.opcode {
+        // Continuation, text, binary: one message may span frames.
+        0x0..=0x2 => {
+            message.extend_from_slice(&frame.payload);
+            if message.len() > MAX_MESSAGE {
+                return false;
+            }
+            if !frame.fin {
+                return true;
+            }
+            let whole = std::mem::take(message);
+            match whole.split_first() {
+                Some((&STDIN, data)) => {
+                    if let Some(pipe) = stdin_pipe.as_mut()
+                        && !data.is_empty()
+                        && pipe.write_all(data).await.is_err()
+                    {
+                        *stdin_pipe = None;
                     }
-                    0x8 => break None,
-                    0x9 => {
-                        let _ = out.send(frame_pong(&frame.payload)).await;
-                    }
-                    _ => {}
                 }
+                // v5: the client closed a channel (stdin).
+                Some((&CLOSE, [STDIN, ..])) => *stdin_pipe = None,
+                _ => {}
             }
         }
-    };
-    let Some(outcome) = outcome else {
-        tracing::debug!("the WebSocket client left the session");
-        drop(run);
-        drop(out);
-        let _ = tokio::time::timeout(DRAIN_DEADLINE, writer).await;
-        return;
-    };
-    drop(run);
-    drop(stdin_pipe);
-    let _ = tokio::time::timeout(DRAIN_DEADLINE, futures_util::future::join_all(forwarders)).await;
-    let outcome = outcome.map_err(|e| e.message);
-    // Both channel protocols carry the outcome as SPDY v4 does.
-    if let Some(status) = super::spdy::outcome_message("v4.channel.k8s.io", &outcome, &options.command) {
-        let _ = out.send(channel_message(ERROR, &status)).await;
+        0x8 => return false,
+        0x9 => {
+            let _ = out.send(frame_pong(&frame.payload)).await;
+        }
+        _ => {}
     }
-    let _ = out.send(frame(0x8, &1000u16.to_be_bytes())).await;
-    drop(out);
-    let _ = tokio::time::timeout(DRAIN_DEADLINE, writer).await;
-    tracing::debug!(protocol, "WebSocket session ended");
+    true
 }
 
 fn frame_pong(payload: &[u8]) -> Vec<u8> {

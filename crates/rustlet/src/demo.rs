@@ -9,9 +9,11 @@
 //! keeps running until Ctrl-C so `/status` and `/metrics` can be explored.
 
 use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
+use k8s_openapi::api::core::v1::Pod;
 use kubelet::device_manager::{ContainerKind, ContainerRequest, ResourceCapacity};
 use kubelet::plugin_manager::PluginEvent;
 use kubelet_api::constants::{DEVICE_PLUGIN_VERSION, DEVICE_PLUGINS_DIR, PLUGINS_REGISTRY_DIR};
@@ -37,9 +39,40 @@ const STEP_DEADLINE: Duration = Duration::from_secs(20);
 pub(crate) async fn run(args: DemoArgs, signals: HealthReporter, shutdown: CancellationToken) -> anyhow::Result<()> {
     let root =
         tempfile::Builder::new().prefix("rustlet-demo-").tempdir().context("cannot create a temporary root dir")?;
-    // The node's flags at their defaults, as the command line gives them.
-    let root_dir = root.path().display().to_string();
-    let manifests = root.path().join("manifests").display().to_string();
+    let node = start_node(root.path(), &signals, &shutdown).await?;
+    let mut events = node.plugins().subscribe();
+    let plugins = CancellationToken::new();
+    let hostpath = demo_csi_drivers(&node, &mut events, &plugins).await?;
+    demo_unknown_plugin(&node, &mut events, &plugins).await?;
+    let control = demo_device_plugin(&node, &plugins).await?;
+    demo_dra_driver(&node, &plugins).await?;
+    demo_static_pod(&node).await?;
+    drop(control);
+    demo_csi_deregistration(&node, &mut events, hostpath).await?;
+
+    let checks: Vec<String> = node
+        .healthz()
+        .report()
+        .into_iter()
+        .map(|c| if c.health.is_healthy() { format!("{} ok", c.name) } else { format!("{} FAILING", c.name) })
+        .collect();
+    println!("\nnode health (/healthz): {}", checks.join(", "));
+    if args.once {
+        println!("\ndemo complete");
+        shutdown.cancel();
+    } else {
+        println!("\ndemo complete; the node keeps running (Ctrl-C to stop)");
+        shutdown.cancelled().await;
+    }
+    plugins.cancel();
+    node.stopped().await;
+    Ok(())
+}
+
+/// The node, standalone in `root`, with the command line's defaults.
+async fn start_node(root: &Path, signals: &HealthReporter, shutdown: &CancellationToken) -> anyhow::Result<Node> {
+    let root_dir = root.display().to_string();
+    let manifests = root.join("manifests").display().to_string();
     let flags = [
         "rustlet",
         "--standalone",
@@ -61,17 +94,24 @@ pub(crate) async fn run(args: DemoArgs, signals: HealthReporter, shutdown: Cance
         "memory.available<100Mi",
     ];
     let node_args = crate::cli::Cli::try_parse_from(flags).context("the demo's node flags")?.node;
-    let node = crate::node::start(&node_args, &signals, shutdown.clone()).await?;
-    let mut events = node.plugins().subscribe();
-    let registry = node.root_dir().join(PLUGINS_REGISTRY_DIR);
+    let node = crate::node::start(&node_args, signals, shutdown.clone()).await?;
     let http = node.http_address().context("the demo node serves no HTTP endpoint")?;
     println!("\nRustlet demo: standalone node, root dir {}", node.root_dir().display());
     println!("  status:  curl --unix-socket {} http://localhost/status", node.local_socket().display());
     println!("  metrics: http://{http}/metrics");
     println!("  healthz: http://{http}/healthz?verbose\n");
+    Ok(node)
+}
 
-    let plugins = CancellationToken::new();
-    let mut hostpath_stop = None;
+/// Two CSI drivers register through `plugins_registry/`. Returns the first
+/// one's stop and registration socket.
+async fn demo_csi_drivers(
+    node: &Node,
+    events: &mut broadcast::Receiver<PluginEvent>,
+    plugins: &CancellationToken,
+) -> anyhow::Result<(CancellationToken, PathBuf)> {
+    let registry = node.root_dir().join(PLUGINS_REGISTRY_DIR);
+    let mut hostpath = None;
     for (name, zone, max_volumes) in [("hostpath.csi.rustlet.dev", "zone-a", 8), ("nfs.csi.rustlet.dev", "zone-a", 0)] {
         let endpoint = node.root_dir().join("plugins").join(name).join("csi.sock");
         let socket = registry.join(format!("{name}-reg.sock"));
@@ -85,18 +125,24 @@ pub(crate) async fn run(args: DemoArgs, signals: HealthReporter, shutdown: Cance
         };
         RegisteredCsiDriver::new(&socket, &endpoint, config).spawn(Reporter::Discard, stop.clone())?;
         println!("started CSI driver {name} (registration socket {})", socket.display());
-        if hostpath_stop.is_none() {
-            hostpath_stop = Some((stop, socket));
-        }
+        hostpath.get_or_insert((stop, socket));
     }
     for _ in 0..2 {
-        let info = next_event(&mut events, |e| matches!(e, PluginEvent::Registered(_))).await?;
+        let info = next_event(events, |e| matches!(e, PluginEvent::Registered(_))).await?;
         if let PluginEvent::Registered(info) = info {
             println!("  -> registered {} plugin {} (endpoint {})", info.plugin_type, info.name, info.endpoint);
         }
     }
+    hostpath.context("no CSI driver started")
+}
 
-    let unknown = registry.join("gadget.sock");
+/// A plugin of a type the node has no handler for is turned down, and told.
+async fn demo_unknown_plugin(
+    node: &Node,
+    events: &mut broadcast::Receiver<PluginEvent>,
+    plugins: &CancellationToken,
+) -> anyhow::Result<()> {
+    let unknown = node.root_dir().join(PLUGINS_REGISTRY_DIR).join("gadget.sock");
     let identity = Identity {
         plugin_type: "GadgetPlugin".into(),
         name: "gadget.example.com".into(),
@@ -106,55 +152,37 @@ pub(crate) async fn run(args: DemoArgs, signals: HealthReporter, shutdown: Cance
     RegistrationPlugin::new(&unknown, identity, Behaviour::Normal, Reporter::Discard).spawn(plugins.child_token())?;
     println!("started a plugin of type GadgetPlugin, which this node has no handler for");
     if let PluginEvent::RegistrationFailed { error, .. } =
-        next_event(&mut events, |e| matches!(e, PluginEvent::RegistrationFailed { .. })).await?
+        next_event(events, |e| matches!(e, PluginEvent::RegistrationFailed { .. })).await?
     {
         println!("  -> turned down, the plugin was told: {error}");
     }
+    Ok(())
+}
 
-    let control = demo_device_plugin(&node, &plugins).await?;
-    demo_dra_driver(&node, &plugins).await?;
-    demo_static_pod(&node).await?;
-    drop(control);
-
+/// The node's CSI drivers; then the hostpath driver stops and removes its
+/// socket, and is deregistered.
+async fn demo_csi_deregistration(
+    node: &Node,
+    events: &mut broadcast::Receiver<PluginEvent>,
+    (stop, socket): (CancellationToken, PathBuf),
+) -> anyhow::Result<()> {
     println!("\nCSI drivers on this node:");
     for driver in node.csi_drivers().list() {
         println!("  {} v{} at {}", driver.name, driver.version, driver.endpoint);
     }
     println!("Node CSI info (annotation, labels, CSINode drivers):");
     println!("{}", serde_json::to_string_pretty(&node.node_info().snapshot())?);
-
-    if let Some((stop, socket)) = hostpath_stop {
-        stop.cancel();
-        std::fs::remove_file(&socket).with_context(|| format!("cannot remove {}", socket.display()))?;
-        println!("\nstopped hostpath.csi.rustlet.dev and removed its socket");
-        if let PluginEvent::Deregistered(info) =
-            next_event(&mut events, |e| matches!(e, PluginEvent::Deregistered(_))).await?
-        {
-            println!("  -> deregistered {} plugin {}", info.plugin_type, info.name);
-        }
+    stop.cancel();
+    std::fs::remove_file(&socket).with_context(|| format!("cannot remove {}", socket.display()))?;
+    println!("\nstopped hostpath.csi.rustlet.dev and removed its socket");
+    if let PluginEvent::Deregistered(info) = next_event(events, |e| matches!(e, PluginEvent::Deregistered(_))).await? {
+        println!("  -> deregistered {} plugin {}", info.plugin_type, info.name);
     }
     let left: Vec<_> = node.csi_drivers().list().into_iter().map(|d| d.name).collect();
     println!("CSI drivers now: {left:?}");
     if left != ["nfs.csi.rustlet.dev"] {
         bail!("unexpected CSI drivers after the demo: {left:?}");
     }
-
-    let checks: Vec<String> = node
-        .healthz()
-        .report()
-        .into_iter()
-        .map(|c| if c.health.is_healthy() { format!("{} ok", c.name) } else { format!("{} FAILING", c.name) })
-        .collect();
-    println!("\nnode health (/healthz): {}", checks.join(", "));
-    if args.once {
-        println!("\ndemo complete");
-        shutdown.cancel();
-    } else {
-        println!("\ndemo complete; the node keeps running (Ctrl-C to stop)");
-        shutdown.cancelled().await;
-    }
-    plugins.cancel();
-    node.stopped().await;
     Ok(())
 }
 
@@ -162,25 +190,10 @@ pub(crate) async fn run(args: DemoArgs, signals: HealthReporter, shutdown: Cance
 /// store from an OCI layout (no registry needed).
 const DEMO_IMAGE: &str = "demo.rustlet.dev/wasm/hello:v1";
 
-/// A static pod: a WebAssembly module that requests a device and mounts an
-/// inline CSI volume is admitted, gets its device and its volume, runs and
-/// prints what it sees; removing its manifest releases everything.
-async fn demo_static_pod(node: &Node) -> anyhow::Result<()> {
-    let layout = node.root_dir().join("demo-layout");
-    let module = rustlet_wasi::examples::binary("hello").map_err(anyhow::Error::msg)?;
-    rustlet_wasi::import::write_layout(&layout, &[(DEMO_IMAGE, &module)]).map_err(anyhow::Error::msg)?;
-    let store = rustlet_wasi::store::ImageStore::open(node.root_dir())?;
-    let imported = rustlet_wasi::import::import(&store, &layout, None).map_err(anyhow::Error::msg)?;
-    println!(
-        "\nimported image {DEMO_IMAGE} ({} bytes of wasm) into the node's store, as `rustlet images import` does",
-        imported.first().map_or(0, |i| i.size)
-    );
-    let manifests = node.root_dir().join("manifests");
-    let manifest = manifests.join("demo.yaml");
-    std::fs::write(
-        &manifest,
-        format!(
-            "apiVersion: storage.k8s.io/v1
+/// The static pod's manifest (and its CSI driver's object).
+fn demo_manifest() -> String {
+    format!(
+        "apiVersion: storage.k8s.io/v1
 kind: CSIDriver
 metadata: {{name: hostpath.csi.rustlet.dev}}
 spec: {{podInfoOnMount: true, volumeLifecycleModes: [Persistent, Ephemeral]}}
@@ -205,9 +218,31 @@ spec:
   - {{name: data, csi: {{driver: hostpath.csi.rustlet.dev, volumeAttributes: {{size: 1Gi}}}}}}
   - {{name: scratch, emptyDir: {{}}}}
 "
-        ),
     )
-    .with_context(|| format!("cannot write {}", manifest.display()))?;
+}
+
+/// Imports the `hello` module into the node's store from an OCI layout, as
+/// `rustlet images import` does.
+fn import_demo_image(node: &Node) -> anyhow::Result<()> {
+    let layout = node.root_dir().join("demo-layout");
+    let module = rustlet_wasi::examples::binary("hello").map_err(anyhow::Error::msg)?;
+    rustlet_wasi::import::write_layout(&layout, &[(DEMO_IMAGE, &module)]).map_err(anyhow::Error::msg)?;
+    let store = rustlet_wasi::store::ImageStore::open(node.root_dir())?;
+    let imported = rustlet_wasi::import::import(&store, &layout, None).map_err(anyhow::Error::msg)?;
+    println!(
+        "\nimported image {DEMO_IMAGE} ({} bytes of wasm) into the node's store, as `rustlet images import` does",
+        imported.first().map_or(0, |i| i.size)
+    );
+    Ok(())
+}
+
+/// A static pod: a WebAssembly module that requests a device and mounts an
+/// inline CSI volume is admitted, gets its device and its volume, runs and
+/// prints what it sees; removing its manifest releases everything.
+async fn demo_static_pod(node: &Node) -> anyhow::Result<()> {
+    import_demo_image(node)?;
+    let manifest = node.root_dir().join("manifests").join("demo.yaml");
+    std::fs::write(&manifest, demo_manifest()).with_context(|| format!("cannot write {}", manifest.display()))?;
     println!("wrote static pod manifest {}", manifest.display());
     let done = node
         .pods()
@@ -219,6 +254,26 @@ spec:
         .await
         .context("the static pod did not run to completion in time")?;
     let pod = done.values().next().context("no pod")?;
+    let uid = pod.metadata.uid.clone().unwrap_or_default();
+    let published = show_demo_pod(node, pod)?;
+    std::fs::remove_file(&manifest).context("cannot remove the manifest")?;
+    node.pods()
+        .store()
+        .wait_for(STEP_DEADLINE, |pods| pods.is_empty())
+        .await
+        .context("the static pod was not released in time")?;
+    let free = node.devices().allocated(&uid, "app").is_empty() && !published.exists();
+    println!("  -> manifest removed: volume unpublished and device freed: {free}");
+    if !free {
+        bail!("the removed pod still holds its device or volume");
+    }
+    Ok(())
+}
+
+/// What the finished demo pod got and did: its device, its CSI volume, its
+/// exit, its output and the file it wrote. Returns where its volume was
+/// published.
+fn show_demo_pod(node: &Node, pod: &Pod) -> anyhow::Result<PathBuf> {
     let uid = pod.metadata.uid.clone().unwrap_or_default();
     let name = pod.metadata.name.clone().unwrap_or_default();
     let status = pod.status.clone().unwrap_or_default();
@@ -249,18 +304,7 @@ spec:
     if exit.exit_code != 0 || !log.contains("env: FAKE_DEVICES=") {
         bail!("the demo module did not run as expected (exit {}):\n{log}", exit.exit_code);
     }
-    std::fs::remove_file(&manifest).context("cannot remove the manifest")?;
-    node.pods()
-        .store()
-        .wait_for(STEP_DEADLINE, |pods| pods.is_empty())
-        .await
-        .context("the static pod was not released in time")?;
-    let free = node.devices().allocated(&uid, "app").is_empty() && !published.exists();
-    println!("  -> manifest removed: volume unpublished and device freed: {free}");
-    if !free {
-        bail!("the removed pod still holds its device or volume");
-    }
-    Ok(())
+    Ok(published)
 }
 
 /// A device plugin registers on kubelet.sock; one device turns unhealthy.

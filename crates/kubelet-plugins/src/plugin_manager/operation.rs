@@ -60,101 +60,13 @@ pub(crate) async fn register(
     trust: &crate::plugin_trust::PluginTrust,
 ) -> Result<Registered, RegistrationError> {
     let mut steps = Steps::start();
-    let (checked_socket, checker) = (socket.to_path_buf(), trust.clone());
-    let check = move |peer| checker.check_socket(&checked_socket, peer).map_err(|e| e.to_string());
-    let channel = kubelet_api::uds::dial_checked(socket, deadlines.dial, check)
-        .instrument(tracing::debug_span!("dial"))
-        .await
-        .map_err(|source| match source {
-            kubelet_api::uds::UdsError::Untrusted { reason, .. } => {
-                RegistrationError::Untrusted { socket: socket.to_path_buf(), reason }
-            }
-            source => RegistrationError::Dial { socket: socket.to_path_buf(), source },
-        })?;
-    let mut client = RegistrationClient::new(channel);
+    let mut client = RegistrationClient::new(dial(socket, deadlines.dial, trust).await?);
     steps.dial = steps.lap();
-
-    let get_info = client.get_info(InfoRequest {}).instrument(tracing::debug_span!("get_info"));
-    let info = match tokio::time::timeout(deadlines.get_info, get_info).await {
-        Ok(Ok(response)) => response.into_inner(),
-        Ok(Err(status)) => return Err(RegistrationError::GetInfo { socket: socket.to_path_buf(), status }),
-        Err(_) => {
-            return Err(RegistrationError::GetInfoTimeout {
-                socket: socket.to_path_buf(),
-                timeout: deadlines.get_info,
-            });
-        }
-    };
-
-    let Some(handler) = handlers.get(&PluginType::from(info.r#type.as_str())).cloned() else {
-        let err = RegistrationError::UnknownType { plugin_type: info.r#type, socket: socket.to_path_buf() };
-        notify_rejection(&mut client, socket, format!("{ERROR_PREFIX}{err}"), deadlines.notify).await;
-        return Err(err);
-    };
-    let plugin = PluginInfo {
-        plugin_type: PluginType::from(info.r#type.as_str()),
-        endpoint: if info.endpoint.is_empty() { socket.display().to_string() } else { info.endpoint },
-        name: info.name,
-        supported_versions: info.supported_versions,
-        socket_path: socket.to_path_buf(),
-    };
-
-    if plugin.name.is_empty() {
-        let err = RegistrationError::EmptyName { plugin_type: plugin.plugin_type, socket: socket.to_path_buf() };
-        let reason = format!("{ERROR_PREFIX}plugin validation failed with err: plugin name is empty");
-        notify_rejection(&mut client, socket, reason, deadlines.notify).await;
-        return Err(err);
-    }
-    let timed_out = |step| RegistrationError::HandlerTimeout {
-        plugin_type: plugin.plugin_type.clone(),
-        name: plugin.name.clone(),
-        socket: socket.to_path_buf(),
-        step,
-        timeout: deadlines.handler,
-    };
+    let (plugin, handler) = identify(&mut client, socket, handlers, deadlines).await?;
     steps.get_info = steps.lap();
-    let validate = handler.validate(&plugin).instrument(tracing::debug_span!("validate"));
-    match tokio::time::timeout(deadlines.handler, validate).await {
-        Ok(Ok(())) => {}
-        Ok(Err(source)) => {
-            let reason = format!("{ERROR_PREFIX}plugin validation failed with err: {source}");
-            notify_rejection(&mut client, socket, reason, deadlines.notify).await;
-            return Err(RegistrationError::Validation {
-                plugin_type: plugin.plugin_type,
-                name: plugin.name,
-                socket: socket.to_path_buf(),
-                source,
-            });
-        }
-        Err(_) => {
-            let err = timed_out("validate");
-            notify_rejection(&mut client, socket, format!("{ERROR_PREFIX}{err}"), deadlines.notify).await;
-            return Err(err);
-        }
-    }
+    handler_step(&mut client, &plugin, handler.as_ref(), deadlines, HandlerStep::Validate).await?;
     steps.validate = steps.lap();
-    let register = handler.register(&plugin).instrument(tracing::debug_span!("register"));
-    match tokio::time::timeout(deadlines.handler, register).await {
-        Ok(Ok(())) => {}
-        Ok(Err(source)) => {
-            rollback(handler.as_ref(), &plugin, deadlines.deregister).await;
-            let reason = format!("{ERROR_PREFIX}plugin registration failed with err: {source}");
-            notify_rejection(&mut client, socket, reason, deadlines.notify).await;
-            return Err(RegistrationError::Register {
-                plugin_type: plugin.plugin_type,
-                name: plugin.name,
-                socket: socket.to_path_buf(),
-                source,
-            });
-        }
-        Err(_) => {
-            // The unfinished register was dropped; undo whatever it did.
-            rollback(handler.as_ref(), &plugin, deadlines.deregister).await;
-            let err = timed_out("register");
-            notify_rejection(&mut client, socket, format!("{ERROR_PREFIX}{err}"), deadlines.notify).await;
-            return Err(err);
-        }
-    }
+    handler_step(&mut client, &plugin, handler.as_ref(), deadlines, HandlerStep::Register).await?;
     steps.register = steps.lap();
     let notified =
         notify(&mut client, true, String::new(), deadlines.notify).instrument(tracing::debug_span!("notify"));
@@ -167,6 +79,121 @@ pub(crate) async fn register(
     steps.notify = steps.lap();
     steps.report();
     Ok(Registered { info: plugin, handler })
+}
+
+/// Dials the socket, refusing a peer the trust policy does not allow.
+async fn dial(
+    socket: &Path,
+    deadline: Duration,
+    trust: &crate::plugin_trust::PluginTrust,
+) -> Result<UdsChannel, RegistrationError> {
+    let (checked_socket, checker) = (socket.to_path_buf(), trust.clone());
+    let check = move |peer| checker.check_socket(&checked_socket, peer).map_err(|e| e.to_string());
+    kubelet_api::uds::dial_checked(socket, deadline, check).instrument(tracing::debug_span!("dial")).await.map_err(
+        |source| match source {
+            kubelet_api::uds::UdsError::Untrusted { reason, .. } => {
+                RegistrationError::Untrusted { socket: socket.to_path_buf(), reason }
+            }
+            source => RegistrationError::Dial { socket: socket.to_path_buf(), source },
+        },
+    )
+}
+
+/// `GetInfo`, then the handler of the type the plugin reports (an empty
+/// endpoint defaulted to the socket); a plugin of a type no handler takes,
+/// or with no name, is told why.
+async fn identify(
+    client: &mut RegistrationClient<UdsChannel>,
+    socket: &Path,
+    handlers: &HandlerMap,
+    deadlines: Deadlines,
+) -> Result<(PluginInfo, Arc<dyn PluginHandler>), RegistrationError> {
+    let get_info = client.get_info(InfoRequest {}).instrument(tracing::debug_span!("get_info"));
+    let info = match tokio::time::timeout(deadlines.get_info, get_info).await {
+        Ok(Ok(response)) => response.into_inner(),
+        Ok(Err(status)) => return Err(RegistrationError::GetInfo { socket: socket.to_path_buf(), status }),
+        Err(_) => {
+            let timeout = deadlines.get_info;
+            return Err(RegistrationError::GetInfoTimeout { socket: socket.to_path_buf(), timeout });
+        }
+    };
+    let Some(handler) = handlers.get(&PluginType::from(info.r#type.as_str())).cloned() else {
+        let err = RegistrationError::UnknownType { plugin_type: info.r#type, socket: socket.to_path_buf() };
+        notify_rejection(client, socket, format!("{ERROR_PREFIX}{err}"), deadlines.notify).await;
+        return Err(err);
+    };
+    let plugin = PluginInfo {
+        plugin_type: PluginType::from(info.r#type.as_str()),
+        endpoint: if info.endpoint.is_empty() { socket.display().to_string() } else { info.endpoint },
+        name: info.name,
+        supported_versions: info.supported_versions,
+        socket_path: socket.to_path_buf(),
+    };
+    if plugin.name.is_empty() {
+        let err = RegistrationError::EmptyName { plugin_type: plugin.plugin_type, socket: socket.to_path_buf() };
+        let reason = format!("{ERROR_PREFIX}plugin validation failed with err: plugin name is empty");
+        notify_rejection(client, socket, reason, deadlines.notify).await;
+        return Err(err);
+    }
+    Ok((plugin, handler))
+}
+
+/// The two handler calls of a registration.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum HandlerStep {
+    Validate,
+    Register,
+}
+
+/// The handler's `validate` or `register`, within its deadline; one that
+/// fails (or does not end in time) is told to the plugin, and a failed
+/// `register` is undone first.
+async fn handler_step(
+    client: &mut RegistrationClient<UdsChannel>,
+    plugin: &PluginInfo,
+    handler: &dyn PluginHandler,
+    deadlines: Deadlines,
+    step: HandlerStep,
+) -> Result<(), RegistrationError> {
+    let (call, name, failed) = match step {
+        HandlerStep::Validate => (handler.validate(plugin), "validate", "plugin validation failed"),
+        HandlerStep::Register => (handler.register(plugin), "register", "plugin registration failed"),
+    };
+    let (reason, err) =
+        match tokio::time::timeout(deadlines.handler, call.instrument(tracing::debug_span!("handler", step = name)))
+            .await
+        {
+            Ok(Ok(())) => return Ok(()),
+            Ok(Err(source)) => {
+                let (plugin_type, name, socket) =
+                    (plugin.plugin_type.clone(), plugin.name.clone(), plugin.socket_path.clone());
+                let reason = format!("{ERROR_PREFIX}{failed} with err: {source}");
+                (
+                    reason,
+                    match step {
+                        HandlerStep::Validate => RegistrationError::Validation { plugin_type, name, socket, source },
+                        HandlerStep::Register => RegistrationError::Register { plugin_type, name, socket, source },
+                    },
+                )
+            }
+            // An unfinished `register` was dropped; the rollback undoes
+            // whatever it did.
+            Err(_) => {
+                let err = RegistrationError::HandlerTimeout {
+                    plugin_type: plugin.plugin_type.clone(),
+                    name: plugin.name.clone(),
+                    socket: plugin.socket_path.clone(),
+                    step: name,
+                    timeout: deadlines.handler,
+                };
+                (format!("{ERROR_PREFIX}{err}"), err)
+            }
+        };
+    if step == HandlerStep::Register {
+        rollback(handler, plugin, deadlines.deregister).await;
+    }
+    notify_rejection(client, &plugin.socket_path, reason, deadlines.notify).await;
+    Err(err)
 }
 
 /// How long each step of a registration took: reported at debug level

@@ -54,37 +54,60 @@ pub(crate) fn pod_status(data: &PodData, stage: Stage) -> PodStatus {
         data.ordered().filter(|c| matches!(c.kind, ContainerKind::Init | ContainerKind::RestartableInit)).collect();
     let apps: Vec<&ContainerRecord> = data.ordered().filter(|c| c.kind == ContainerKind::App).collect();
     let ephemeral: Vec<&ContainerRecord> = data.ordered().filter(|c| c.kind == ContainerKind::Ephemeral).collect();
+    let phase = phase(data, stage, &apps);
+    let conditions = conditions(data, stage, &init, &phase);
+    let has_init_containers = !init.is_empty();
+    let mut status = PodStatus {
+        phase: Some(phase),
+        reason: data.verdict.as_ref().and_then(|v| v.reason.clone()),
+        message: data.verdict.as_ref().and_then(|v| v.message.clone()).or_else(|| data.pending_message.clone()),
+        conditions: Some(conditions),
+        init_container_statuses: (!init.is_empty())
+            .then(|| init.iter().map(|c| container_status(c, has_init_containers)).collect()),
+        container_statuses: Some(apps.iter().map(|c| container_status(c, has_init_containers)).collect()),
+        ephemeral_container_statuses: (!ephemeral.is_empty())
+            .then(|| ephemeral.iter().map(|c| container_status(c, false)).collect()),
+        start_time: Some(Time(data.start_time)),
+        qos_class: Some(kubelet_provider::qos::qos_class(&data.pod).as_str().to_owned()),
+        // The pod's own network, if its provider gave it one; else the
+        // node's IPs are filled in later.
+        pod_ip: data.pod_ips.first().map(ToString::to_string),
+        pod_ips: (!data.pod_ips.is_empty())
+            .then(|| data.pod_ips.iter().map(|ip| PodIP { ip: ip.to_string() }).collect()),
+        ..PodStatus::default()
+    };
+    limit_termination_messages(&mut status, init.len() + apps.len());
+    status
+}
+
+/// The pod's phase at `stage`, its app containers being `apps`.
+fn phase(data: &PodData, stage: Stage, apps: &[&ContainerRecord]) -> String {
     // A pod the API showed started before a node restart: its containers
     // ran, so it is Running while the node takes it on again (its phase
     // never goes back to Pending).
     let ran_before = apps.iter().any(|c| c.previous_run.as_ref().is_some_and(|p| p.started));
+    // Upstream: a container that has never run (waiting, no last
+    // termination) keeps the pod Pending.
+    let never_ran =
+        |c: &&ContainerRecord| matches!(c.phase, ContainerPhase::Waiting { .. }) && c.last_terminated.is_none();
     let phase = match (&data.verdict, stage) {
-        (Some(verdict), _) => verdict.phase.to_owned(),
-        (None, Stage::Pending) if ran_before => "Running".to_owned(),
-        (None, Stage::Pending) => "Pending".to_owned(),
-        // Upstream: a container that has never run (waiting, no last
-        // termination) keeps the pod Pending.
-        (None, Stage::Running | Stage::Terminating)
-            if !ran_before
-                && apps
-                    .iter()
-                    .any(|c| matches!(c.phase, ContainerPhase::Waiting { .. }) && c.last_terminated.is_none()) =>
-        {
-            "Pending".to_owned()
-        }
-        (None, Stage::Running | Stage::Terminating) => "Running".to_owned(),
-        (None, Stage::Done) => {
-            if apps.iter().all(|c| c.succeeded()) {
-                "Succeeded".to_owned()
-            } else {
-                "Failed".to_owned()
-            }
-        }
+        (Some(verdict), _) => verdict.phase,
+        (None, Stage::Pending) if ran_before => "Running",
+        (None, Stage::Pending) => "Pending",
+        (None, Stage::Running | Stage::Terminating) if !ran_before && apps.iter().any(never_ran) => "Pending",
+        (None, Stage::Running | Stage::Terminating) => "Running",
+        (None, Stage::Done) if apps.iter().all(|c| c.succeeded()) => "Succeeded",
+        (None, Stage::Done) => "Failed",
     };
+    phase.to_owned()
+}
+
+/// The pod's conditions at `stage` in `phase`, its init containers (and
+/// sidecars) being `init`.
+fn conditions(data: &PodData, stage: Stage, init: &[&ContainerRecord], phase: &str) -> Vec<PodCondition> {
     let now = Timestamp::now();
     let unready: Vec<&str> =
         data.ordered().filter(|c| c.counts_for_readiness() && !c.is_ready()).map(|c| c.spec.name.as_str()).collect();
-    let unready_apps_or_sidecars = !unready.is_empty();
     let uninitialized: Vec<&str> = init
         .iter()
         .filter(|c| match c.kind {
@@ -94,11 +117,9 @@ pub(crate) fn pod_status(data: &PodData, stage: Stage) -> PodStatus {
         .map(|c| c.spec.name.as_str())
         .collect();
     let succeeded_pod = phase == "Succeeded";
-    let has_init_containers = !init.is_empty();
     let mut conditions = vec![condition("PodScheduled", true, None, None, now)];
     conditions.push(condition("PodReadyToStartContainers", data.volumes_ready, None, None, now));
-    let initialized = data.initialized || succeeded_pod;
-    conditions.push(if initialized {
+    conditions.push(if data.initialized || succeeded_pod {
         condition("Initialized", true, None, None, now)
     } else {
         condition(
@@ -109,7 +130,7 @@ pub(crate) fn pod_status(data: &PodData, stage: Stage) -> PodStatus {
             now,
         )
     });
-    let ready = !unready_apps_or_sidecars && stage == Stage::Running && data.verdict.is_none();
+    let ready = unready.is_empty() && stage == Stage::Running && data.verdict.is_none();
     for kind in ["ContainersReady", "Ready"] {
         conditions.push(if ready {
             condition(kind, true, None, None, now)
@@ -138,27 +159,7 @@ pub(crate) fn pod_status(data: &PodData, stage: Stage) -> PodStatus {
         let message = data.verdict.as_ref().and_then(|v| v.message.clone());
         conditions.push(condition("DisruptionTarget", true, Some("TerminationByKubelet"), message, now));
     }
-    let mut status = PodStatus {
-        phase: Some(phase),
-        reason: data.verdict.as_ref().and_then(|v| v.reason.clone()),
-        message: data.verdict.as_ref().and_then(|v| v.message.clone()).or_else(|| data.pending_message.clone()),
-        conditions: Some(conditions),
-        init_container_statuses: (!init.is_empty())
-            .then(|| init.iter().map(|c| container_status(c, has_init_containers)).collect()),
-        container_statuses: Some(apps.iter().map(|c| container_status(c, has_init_containers)).collect()),
-        ephemeral_container_statuses: (!ephemeral.is_empty())
-            .then(|| ephemeral.iter().map(|c| container_status(c, false)).collect()),
-        start_time: Some(Time(data.start_time)),
-        qos_class: Some(kubelet_provider::qos::qos_class(&data.pod).as_str().to_owned()),
-        // The pod's own network, if its provider gave it one; else the
-        // node's IPs are filled in later.
-        pod_ip: data.pod_ips.first().map(ToString::to_string),
-        pod_ips: (!data.pod_ips.is_empty())
-            .then(|| data.pod_ips.iter().map(|ip| PodIP { ip: ip.to_string() }).collect()),
-        ..PodStatus::default()
-    };
-    limit_termination_messages(&mut status, init.len() + apps.len());
-    status
+    conditions
 }
 
 /// The most termination-message bytes a pod's statuses carry, shared
