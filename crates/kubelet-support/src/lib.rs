@@ -12,11 +12,12 @@
 //! - [`cgroups`]: cgroup v1 and v2 files, pod cgroup limits, the kubepods
 //!   hierarchy.
 //! - [`metrics`]: the Prometheus text format the node serves its series in.
-//! - [`fuzz`]: the mutation fuzzer the fuzz targets run in `cargo test`.
+//! - `fuzz` (with the `testing` feature, for the workspace's own tests):
+//!   the mutation fuzzer the fuzz targets run in `cargo test`.
 
 pub mod cgroups;
 pub mod durable;
-#[doc(hidden)]
+#[cfg(any(test, feature = "testing"))]
 pub mod fuzz;
 pub mod health;
 pub mod metrics;

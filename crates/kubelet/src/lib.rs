@@ -38,8 +38,6 @@ pub use kubelet_pods::{
 };
 pub use kubelet_provider as provider;
 pub use kubelet_server as server;
-#[doc(hidden)]
-pub use kubelet_support::fuzz;
 pub use kubelet_support::{self as support, cgroups, durable, health, metrics, retry, supervisor};
 
 /// The examples in `docs/providers.md`, compiled and run as doctests.
