@@ -29,14 +29,11 @@ fn node(name: &str) -> Node {
 }
 
 fn pod(name: &str, node: &str, secret: Option<&str>) -> Pod {
-    let mut pod = json!({
-        "metadata": {"name": name, "namespace": "default"},
-        "spec": {"nodeName": node, "containers": [{"name": "main", "image": "x"}]}
-    });
+    let mut spec = json!({"containers": [{"name": "main", "image": "x"}]});
     if let Some(secret) = secret {
-        pod["spec"]["volumes"] = json!([{"name": "s", "secret": {"secretName": secret}}]);
+        spec["volumes"] = json!([{"name": "s", "secret": {"secretName": secret}}]);
     }
-    serde_json::from_value(pod).expect("pod")
+    rustlet_testkit::pod_state::bound_pod(name, node, spec)
 }
 
 #[tokio::test]

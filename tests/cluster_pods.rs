@@ -72,17 +72,13 @@ async fn cluster_node_on(api: TestApi) -> ClusterNode {
 }
 
 fn pod(name: &str, node: &str, cpu: &str) -> Pod {
-    serde_json::from_value(json!({
-        "metadata": {"name": name, "namespace": "default"},
-        "spec": {
-            "nodeName": node,
-            "automountServiceAccountToken": false,
-            "terminationGracePeriodSeconds": 10,
-            "containers": [{"name": "main", "image": "busybox", "command": ["sleep", "600"],
-                            "resources": {"requests": {"cpu": cpu}}}]
-        }
-    }))
-    .expect("pod")
+    let spec = json!({
+        "automountServiceAccountToken": false,
+        "terminationGracePeriodSeconds": 10,
+        "containers": [{"name": "main", "image": "busybox", "command": ["sleep", "600"],
+                        "resources": {"requests": {"cpu": cpu}}}]
+    });
+    rustlet_testkit::pod_state::bound_pod(name, node, spec)
 }
 
 fn pod_key(name: &str) -> (&'static str, &'static str, &'static str, &str) {

@@ -112,17 +112,14 @@ impl ClusterNode {
 /// `sh -c`); `extra` is merged into its spec.
 fn pod(name: &str, node: &str, script: &str, extra: serde_json::Value) -> Pod {
     let mut spec = json!({
-        "nodeName": node,
         "automountServiceAccountToken": false,
         "terminationGracePeriodSeconds": 5,
         "containers": [{"name": "main", "image": "busybox", "command": ["sh", "-c", script]}],
     });
     if let (Some(spec), Some(extra)) = (spec.as_object_mut(), extra.as_object()) {
-        for (key, value) in extra {
-            spec.insert(key.clone(), value.clone());
-        }
+        spec.extend(extra.clone());
     }
-    serde_json::from_value(json!({"metadata": {"name": name, "namespace": "default"}, "spec": spec})).expect("pod")
+    rustlet_testkit::pod_state::bound_pod(name, node, spec)
 }
 
 fn with_gpus(mut pod: Pod, count: u32) -> Pod {

@@ -258,21 +258,17 @@ mod cluster {
     }
 
     fn pod(name: &str, node: &str, claim: &str) -> Pod {
-        serde_json::from_value(json!({
-            "metadata": {"name": name, "namespace": "default"},
-            "spec": {
-                "nodeName": node,
-                "automountServiceAccountToken": false,
-                "terminationGracePeriodSeconds": 1,
-                "resourceClaims": [{"name": "gpu", "resourceClaimName": claim}],
-                "containers": [{
-                    "name": "main", "image": "busybox",
-                    "command": ["sh", "-c", "echo \"cdi=$CDI_DEVICES spec=$DRA_DEVICE_DEV_2\"; exec sleep 600"],
-                    "resources": {"claims": [{"name": "gpu"}]},
-                }],
-            },
-        }))
-        .expect("pod")
+        let spec = json!({
+            "automountServiceAccountToken": false,
+            "terminationGracePeriodSeconds": 1,
+            "resourceClaims": [{"name": "gpu", "resourceClaimName": claim}],
+            "containers": [{
+                "name": "main", "image": "busybox",
+                "command": ["sh", "-c", "echo \"cdi=$CDI_DEVICES spec=$DRA_DEVICE_DEV_2\"; exec sleep 600"],
+                "resources": {"claims": [{"name": "gpu"}]},
+            }],
+        });
+        rustlet_testkit::pod_state::bound_pod(name, node, spec)
     }
 
     /// Allocates `claim` to device `device` of the driver and reserves it

@@ -10,6 +10,15 @@ pub fn pod_from(value: serde_json::Value) -> Pod {
     serde_json::from_value(value).expect("a valid Pod")
 }
 
+/// A pod in `default` named `name`, bound to `node`, with `spec`'s fields
+/// (its containers at least) beside `nodeName`: the tests' one pod builder.
+pub fn bound_pod(name: &str, node: &str, spec: serde_json::Value) -> Pod {
+    let mut full = serde_json::Map::new();
+    full.insert("nodeName".to_owned(), node.into());
+    full.extend(spec.as_object().cloned().unwrap_or_default());
+    pod_from(serde_json::json!({"metadata": {"name": name, "namespace": "default"}, "spec": full}))
+}
+
 /// Waits up to `within` until pod `uid` in `store` satisfies `pred`, and
 /// returns it; else panics naming `what` and the pod's status.
 pub async fn wait_pod(

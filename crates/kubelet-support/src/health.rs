@@ -142,8 +142,7 @@ impl Healthz {
     }
 
     /// Whether every check passes.
-    #[cfg(test)]
-    fn is_healthy(&self) -> bool {
+    pub fn is_healthy(&self) -> bool {
         self.report().iter().all(|r| r.health.is_healthy())
     }
 }

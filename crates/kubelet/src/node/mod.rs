@@ -349,11 +349,25 @@ impl NodeBuilder {
         start::start_log_rotation(&wiring, &pods, provider.clone());
         start::start_gc(&wiring, provider.clone(), &parts.event_recorder);
         start::start_relist(&wiring, &pods, provider.clone());
-        let described = start::Described { created, capacity, allocatable, provider };
-        let endpoints =
-            start::start_endpoints(&wiring, described, &plugins, &parts, &pods, static_pods.clone(), metrics).await?;
+        // The Node's description flows down from here: to the HTTP
+        // surfaces and to cluster mode, which only read it.
+        let kubelet_api = start::bind_kubelet_api(&wiring, &plugins, &parts).await?;
+        let kubelet_port = kubelet_api.as_ref().map(|api| api.address.port());
+        let described = start::Described { created, capacity, allocatable, provider: provider.clone() };
+        let description = start::describe(&config, described, kubelet_port);
+        let endpoints = start::start_endpoints(
+            &wiring,
+            kubelet_api,
+            description.clone(),
+            provider,
+            &plugins,
+            &pods,
+            static_pods.clone(),
+            metrics,
+        )
+        .await?;
         let (dra_claims, csi_objects) = (parts.dra_claims.clone(), parts.csi_objects.clone());
-        let cluster = start::start_cluster(&wiring, cluster, endpoints.description, parts, &plugins, &pods);
+        let cluster = start::start_cluster(&wiring, cluster, description, parts, &plugins, &pods);
         tracing::info!(node = %config.node_name, root_dir = %config.root_dir.display(), ?allocatable, cluster = cluster.is_some(), "node started");
         let start::PluginParts { csi_drivers, node_info, devices, dra_drivers, plugins, .. } = plugins;
         Ok(Node {

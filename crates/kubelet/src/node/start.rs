@@ -357,14 +357,14 @@ async fn start_static_pods(
     Ok(static_pods)
 }
 
-/// Where the HTTP surfaces listen, and the Node they describe.
+/// Where the HTTP surfaces listen.
 pub(super) struct Endpoints {
-    pub(super) description: NodeDescription,
     pub(super) kubelet_api: Option<SocketAddr>,
     pub(super) http: Option<SocketAddr>,
 }
 
-/// The node's description, as the HTTP surfaces and cluster mode report it.
+/// The node's facts that describe it, as the HTTP surfaces and cluster mode
+/// report them.
 pub(super) struct Described {
     pub(super) created: jiff::Timestamp,
     pub(super) capacity: Allocatable,
@@ -372,26 +372,34 @@ pub(super) struct Described {
     pub(super) provider: Option<Arc<dyn Provider>>,
 }
 
-/// Binds and serves the kubelet API (first: the Node advertises its
-/// port), the local socket and the health port.
-pub(super) async fn start_endpoints(
+/// Binds the kubelet API, when the node serves one (first: the Node
+/// advertises its port).
+pub(super) async fn bind_kubelet_api(
     wiring: &Wiring<'_>,
-    described: Described,
     plugins: &PluginParts,
     parts: &LifecycleParts,
+) -> Result<Option<crate::server::BoundApi>, NodeError> {
+    let config = wiring.config;
+    let Some(api) = &config.kubelet_api else { return Ok(None) };
+    let standalone = plugins.api_node_info.is_none();
+    let reviews = parts.review_client_rx.clone();
+    Ok(Some(crate::server::bind(api, &config.node_name, &config.node_ips, reviews, standalone).await?))
+}
+
+/// Serves the kubelet API bound before, the local socket and the health
+/// port, each showing `description`.
+#[allow(clippy::too_many_arguments)]
+pub(super) async fn start_endpoints(
+    wiring: &Wiring<'_>,
+    kubelet_api: Option<crate::server::BoundApi>,
+    description: NodeDescription,
+    provider: Option<Arc<dyn Provider>>,
+    plugins: &PluginParts,
     pods: &Pods,
     static_pods: Option<StaticPods>,
     metrics: Registry,
 ) -> Result<Endpoints, NodeError> {
     let Wiring { config, tasks, supervision, shutdown, .. } = wiring;
-    let standalone = plugins.api_node_info.is_none();
-    let reviews = parts.review_client_rx.clone();
-    let kubelet_api = match &config.kubelet_api {
-        None => None,
-        Some(api) => Some(crate::server::bind(api, &config.node_name, &config.node_ips, reviews, standalone).await?),
-    };
-    let provider = described.provider.clone();
-    let description = describe(config, described, kubelet_api.as_ref().map(|api| api.address.port()));
     let views = http::NodeViews {
         node_name: config.node_name.clone(),
         plugins: plugins.plugins.clone(),
@@ -401,7 +409,7 @@ pub(super) async fn start_endpoints(
         healthz: wiring.healthz.clone(),
         pods: pods.clone(),
         static_pods,
-        description: description.clone(),
+        description,
         root_dir: config.root_dir.clone(),
     };
     let state = http::HttpState::new(views, metrics, config.max_streaming_sessions, shutdown, tasks);
@@ -425,12 +433,12 @@ pub(super) async fn start_endpoints(
             Some(bound)
         }
     };
-    Ok(Endpoints { description, kubelet_api: kubelet_api_address, http: http_address })
+    Ok(Endpoints { kubelet_api: kubelet_api_address, http: http_address })
 }
 
 /// What describes the Node: the node's facts, the provider's labels,
 /// taints and runtime, the kubelet API's port.
-fn describe(config: &NodeConfig, described: Described, kubelet_port: Option<u16>) -> NodeDescription {
+pub(super) fn describe(config: &NodeConfig, described: Described, kubelet_port: Option<u16>) -> NodeDescription {
     let provider = described.provider;
     NodeDescription {
         name: config.node_name.clone(),
