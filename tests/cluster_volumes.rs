@@ -654,6 +654,31 @@ async fn volume_contents_follow_the_api_while_the_pod_runs(api: TestApi) {
     )
     .await;
     assert!(!text.is_empty());
+    // Three more changes, each seen by the running container.
+    for round in 3..6 {
+        let mut live = config_maps.get("live").await.expect("get");
+        live.data = Some([("data-1".to_owned(), format!("value-{round}"))].into());
+        config_maps.replace("live", &PostParams::default(), &live).await.expect("update");
+        let seen = format!("live=value-{round} ");
+        rustlet_testkit::wait_file(&log, |text| text.contains(&seen), SOON).await;
+    }
+    // The rewrites (every 300 ms here) read the objects from their watches,
+    // not the API: a GET of an object only when the pod starts (its
+    // volumes, its env), one watch per object.
+    if let rustlet_testkit::test_api::Server::Fake(server) = &api.server {
+        let node_user = format!("system:node:{}", api.node);
+        let by_node: Vec<_> =
+            server.requests().into_iter().filter(|r| r.user.as_deref() == Some(node_user.as_str())).collect();
+        let gets = by_node.iter().filter(|r| r.method == Method::GET && r.uri.ends_with("/configmaps/live")).count();
+        assert!((1..=2).contains(&gets), "GETs of the ConfigMap: {gets}: {by_node:#?}");
+        let watches = by_node
+            .iter()
+            .filter(|r| {
+                r.uri.contains("/configmaps?") && r.uri.contains("metadata.name%3Dlive") && r.uri.contains("watch=true")
+            })
+            .count();
+        assert!(watches >= 1, "no watch of the ConfigMap: {by_node:#?}");
+    }
     // The secret's file: the pod's fsGroup, group-readable (0400 → 0440).
     let file = root.path().join(format!("pods/{uid}/volumes/kubernetes.io~secret/secret/data-1"));
     let meta = std::fs::metadata(&file).expect("secret file");

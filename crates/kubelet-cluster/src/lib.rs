@@ -33,6 +33,7 @@ pub mod claims;
 pub mod csi_info;
 mod mirror;
 pub mod node_sync;
+mod object_watch;
 pub mod pki;
 pub mod pod_sync;
 pub mod rate_limit;

@@ -13,7 +13,8 @@
 //!   backoff and counted; nothing panics.
 //! - A condition keeps its `lastTransitionTime` while its status stays.
 //! - The lease is renewed every `renew_interval` (10 s, a quarter of its 40
-//!   s duration), holder = the node name, owned by the Node.
+//!   s duration) plus up to 4% at random (upstream's jitter), holder = the
+//!   node name, owned by the Node.
 //! - Deletion of the Node is seen through a watch on it (event-driven, no
 //!   poll) and answered by creating it again.
 
@@ -35,6 +36,10 @@ use tokio::sync::{Notify, watch};
 use super::{Supervision, describe, is_code};
 use crate::health::{HealthCheck, HealthReporter};
 use crate::retry::RetryBackoff;
+
+/// How much a renewal period is stretched at random (upstream's lease
+/// controller: `wait.JitterUntil(…, 0.04, …)`).
+const LEASE_JITTER: f64 = 0.04;
 
 /// The namespace of node leases.
 pub const LEASE_NAMESPACE: &str = "kube-node-lease";
@@ -486,7 +491,9 @@ impl LeaseSync {
                 Ok(()) => {
                     self.stats.lease_renewals.fetch_add(1, Ordering::Relaxed);
                     backoff.reset();
-                    self.config.renew_interval
+                    // Upstream's lease controller jitters each period by
+                    // up to 4%.
+                    crate::retry::jittered(self.config.renew_interval, LEASE_JITTER)
                 }
                 Err(error) => {
                     self.stats.failures.fetch_add(1, Ordering::Relaxed);

@@ -21,6 +21,7 @@ use kube::api::Api;
 use tokio::sync::watch;
 
 use super::describe;
+use super::object_watch::{self, ObjectWatches};
 use super::read_cache::ReadCache;
 use crate::csi::Secrets;
 use crate::volume::{ApiObjects, ClaimedVolume, CsiDriverObjects, ObjectKind, VolumeClaims};
@@ -54,8 +55,11 @@ pub struct ApiVolumes {
     /// passed (upstream's token manager renews them then).
     tokens: std::sync::Arc<std::sync::Mutex<TokenCache>>,
     /// ConfigMaps and Secrets as last read for volume rewrites, by (kind,
-    /// namespace, name) (`None`: no such object).
+    /// namespace, name) (`None`: no such object), while their watch has
+    /// not listed them.
     objects: ReadCache<ObjectKey, Option<BTreeMap<String, Vec<u8>>>>,
+    /// The watches that keep the objects volume rewrites read current.
+    watches: ObjectWatches,
 }
 
 /// An object by kind, namespace and name.
@@ -82,6 +86,7 @@ impl ApiVolumes {
     pub fn new(client: watch::Receiver<Option<kube::Client>>, node_name: &str) -> ApiVolumes {
         ApiVolumes {
             objects: ReadCache::default(),
+            watches: ObjectWatches::default(),
             client,
             node_name: node_name.to_owned(),
             services: ReadCache::default(),
@@ -235,21 +240,11 @@ impl ApiObjects for ApiVolumes {
         match kind {
             ObjectKind::ConfigMap => {
                 let api: Api<ConfigMap> = Api::namespaced(client, namespace);
-                Ok(api.get_opt(name).await.map_err(failed)?.map(|map| {
-                    let mut data: BTreeMap<String, Vec<u8>> =
-                        map.data.unwrap_or_default().into_iter().map(|(k, v)| (k, v.into_bytes())).collect();
-                    data.extend(map.binary_data.unwrap_or_default().into_iter().map(|(k, v)| (k, v.0)));
-                    data
-                }))
+                Ok(api.get_opt(name).await.map_err(failed)?.map(object_watch::configmap_data))
             }
             ObjectKind::Secret => {
                 let api: Api<Secret> = Api::namespaced(client, namespace);
-                Ok(api.get_opt(name).await.map_err(failed)?.map(|secret| {
-                    let mut data: BTreeMap<String, Vec<u8>> =
-                        secret.data.unwrap_or_default().into_iter().map(|(k, v)| (k, v.0)).collect();
-                    data.extend(secret.string_data.unwrap_or_default().into_iter().map(|(k, v)| (k, v.into_bytes())));
-                    data
-                }))
+                Ok(api.get_opt(name).await.map_err(failed)?.map(object_watch::secret_data))
             }
         }
     }
@@ -261,9 +256,15 @@ impl ApiObjects for ApiVolumes {
         name: &str,
         max_age: std::time::Duration,
     ) -> Result<Option<BTreeMap<String, Vec<u8>>>, ApiError> {
-        // Objects nobody read for ten periods (their pods are gone) are forgotten.
+        // Objects nobody read for ten periods (their pods are gone) are
+        // forgotten, and their watches stopped.
+        let forget_after = max_age * 10;
+        if let Some(data) = self.watches.read(&self.client()?, kind, namespace, name, forget_after).await {
+            return Ok(data);
+        }
+        // Its watch has not listed it (yet): read it.
         let key = (kind, namespace.to_owned(), name.to_owned());
-        self.objects.get_or_read(key, max_age, max_age * 10, || self.data(kind, namespace, name)).await
+        self.objects.get_or_read(key, max_age, forget_after, || self.data(kind, namespace, name)).await
     }
 
     async fn service_account_token(

@@ -63,6 +63,17 @@ impl RetryBackoff {
     }
 }
 
+/// `period` plus up to `factor` of it again at random, as upstream's
+/// `wait.Jitter`: periodic calls of many nodes (Lease renewals) that start
+/// together drift apart instead of arriving together.
+pub fn jittered(period: Duration, factor: f64) -> Duration {
+    use std::hash::{BuildHasher as _, Hasher as _};
+    // Each `RandomState` is keyed anew: its hash of nothing is a fresh
+    // random number.
+    let random = std::collections::hash_map::RandomState::new().build_hasher().finish();
+    period + period.mul_f64(factor.max(0.0) * (random % 1_000_000) as f64 / 1_000_000.0)
+}
+
 impl Clone for RetryBackoff {
     /// The same schedule at the same step (its random draws are new).
     fn clone(&self) -> Self {
@@ -94,6 +105,15 @@ mod tests {
         backoff.reset();
         let delay = backoff.next_delay();
         assert!(delay >= initial && delay < initial * 2, "{delay:?}");
+    }
+
+    #[test]
+    fn jittered_periods_stay_within_the_factor_and_differ() {
+        let period = Duration::from_secs(10);
+        let drawn: Vec<Duration> = (0..50).map(|_| jittered(period, 0.04)).collect();
+        assert!(drawn.iter().all(|d| *d >= period && *d < period.mul_f64(1.04)), "{drawn:?}");
+        assert!(drawn.iter().any(|d| *d != drawn[0]), "all the same: {drawn:?}");
+        assert_eq!(jittered(period, 0.0), period);
     }
 
     #[test]

@@ -1,0 +1,205 @@
+//! The ConfigMaps and Secrets that running pods' volumes show, each kept
+//! current by a watch of its own (`fieldSelector=metadata.name=<name>`),
+//! as upstream's default change-detection strategy (`Watch`) does: one
+//! watch per object, shared by every pod that reads it, started at the
+//! first read of the periodic volume rewrite and stopped once no pod has
+//! read it for a while (its pods are gone). The rewrite then reads memory,
+//! not the API: a node's cost to the API server is a watch per object
+//! instead of a GET per object per period.
+//!
+//! A watch that has not listed its object yet (the first read, or an API
+//! server that refuses the watch) is waited on for [`SYNC_DEADLINE`]; past
+//! it the caller reads the object itself. A watch that fails after its
+//! list keeps the last state it saw while it resumes (upstream's reflector
+//! store does the same).
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt as _;
+use k8s_openapi::api::core::v1::{ConfigMap, Secret};
+use kube::api::Api;
+use kube::runtime::watcher;
+use tokio::sync::watch;
+use tokio_util::sync::{CancellationToken, DropGuard};
+
+use crate::mirror::{Noise, watch_events};
+use crate::volume::ObjectKind;
+
+/// An object's data: its keys and their bytes.
+pub(crate) type Data = BTreeMap<String, Vec<u8>>;
+
+/// How long a read waits for a new watch's first list before reading the
+/// object itself.
+pub(crate) const SYNC_DEADLINE: Duration = Duration::from_secs(5);
+
+/// The object watches of one node. Dropping it (its last clone) stops them.
+#[derive(Clone, Default)]
+pub(crate) struct ObjectWatches {
+    entries: Arc<Mutex<BTreeMap<Key, Arc<Entry>>>>,
+}
+
+type Key = (ObjectKind, String, String);
+
+struct Entry {
+    /// `None` until the watch listed the object; then `Some(None)` while
+    /// there is no such object, `Some(Some(data))` while there is.
+    state: watch::Receiver<Option<Option<Data>>>,
+    started: Instant,
+    last_read: Mutex<Instant>,
+    /// Stops the watch when the entry goes.
+    _stop: DropGuard,
+}
+
+impl ObjectWatches {
+    /// The object's data as its watch last saw it (`Some(None)`: there is
+    /// no such object), starting the watch at the first read; `None` when
+    /// the watch has not listed it within [`SYNC_DEADLINE`] of its start
+    /// (the first reads wait for that, later ones do not). Watches not
+    /// read for `forget_after` are stopped.
+    pub(crate) async fn read(
+        &self,
+        client: &kube::Client,
+        kind: ObjectKind,
+        namespace: &str,
+        name: &str,
+        forget_after: Duration,
+    ) -> Option<Option<Data>> {
+        let entry = self.entry(client, (kind, namespace.to_owned(), name.to_owned()), forget_after);
+        *entry.last_read.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
+        let mut state = entry.state.clone();
+        // Only the first reads wait: a watch that has not listed its object
+        // in SYNC_DEADLINE holds no later read back.
+        let wait = SYNC_DEADLINE.saturating_sub(entry.started.elapsed());
+        let listed = tokio::time::timeout(wait, state.wait_for(Option::is_some)).await;
+        match listed {
+            Ok(Ok(state)) => state.clone(),
+            _ => None,
+        }
+    }
+
+    fn entry(&self, client: &kube::Client, key: Key, forget_after: Duration) -> Arc<Entry> {
+        let mut entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
+        entries.retain(|_, entry| entry.last_read.lock().unwrap_or_else(|p| p.into_inner()).elapsed() < forget_after);
+        let entry = entries.entry(key.clone()).or_insert_with(|| {
+            let (kind, namespace, name) = key;
+            tracing::debug!(kind = kind.noun(), %namespace, %name, "watching an object pods' volumes show");
+            let (tx, state) = watch::channel(None);
+            let stop = CancellationToken::new();
+            let task = follow(client.clone(), kind, namespace, name, tx);
+            let stopped = stop.clone();
+            // Not supervised: one object's watch, stopped with the entry
+            // (when its pods stopped reading it, or the node's volumes go).
+            tokio::spawn(async move {
+                tokio::select! {
+                    () = stopped.cancelled() => {}
+                    () = task => {}
+                }
+            });
+            let now = Instant::now();
+            Arc::new(Entry { state, started: now, last_read: Mutex::new(now), _stop: stop.drop_guard() })
+        });
+        Arc::clone(entry)
+    }
+}
+
+/// Follows one object into `state` until the watch ends.
+async fn follow(
+    client: kube::Client,
+    kind: ObjectKind,
+    namespace: String,
+    name: String,
+    state: watch::Sender<Option<Option<Data>>>,
+) {
+    let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
+    match kind {
+        ObjectKind::ConfigMap => {
+            let api: Api<ConfigMap> = Api::namespaced(client, &namespace);
+            follow_events(watch_events(api, config, "volume ConfigMap", Noise::Quiet), configmap_data, state).await;
+        }
+        ObjectKind::Secret => {
+            let api: Api<Secret> = Api::namespaced(client, &namespace);
+            follow_events(watch_events(api, config, "volume Secret", Noise::Quiet), secret_data, state).await;
+        }
+    }
+}
+
+async fn follow_events<K>(
+    mut events: futures_util::stream::BoxStream<'static, watcher::Event<K>>,
+    data: fn(K) -> Data,
+    state: watch::Sender<Option<Option<Data>>>,
+) {
+    // What a (re)list found so far: shown once it is complete.
+    let mut listing: Option<Data> = None;
+    while let Some(event) = events.next().await {
+        match event {
+            watcher::Event::Init => listing = None,
+            watcher::Event::InitApply(object) => listing = Some(data(object)),
+            watcher::Event::InitDone => {
+                state.send_replace(Some(listing.take()));
+            }
+            watcher::Event::Apply(object) => {
+                state.send_replace(Some(Some(data(object))));
+            }
+            watcher::Event::Delete(_) => {
+                state.send_replace(Some(None));
+            }
+        }
+    }
+}
+
+/// A ConfigMap's data: `data` (as UTF-8 bytes) and `binaryData`.
+pub(crate) fn configmap_data(map: ConfigMap) -> Data {
+    let mut data: Data = map.data.unwrap_or_default().into_iter().map(|(k, v)| (k, v.into_bytes())).collect();
+    data.extend(map.binary_data.unwrap_or_default().into_iter().map(|(k, v)| (k, v.0)));
+    data
+}
+
+/// A Secret's data: `data` and `stringData` (as UTF-8 bytes).
+pub(crate) fn secret_data(secret: Secret) -> Data {
+    let mut data: Data = secret.data.unwrap_or_default().into_iter().map(|(k, v)| (k, v.0)).collect();
+    data.extend(secret.string_data.unwrap_or_default().into_iter().map(|(k, v)| (k, v.into_bytes())));
+    data
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn map(value: &str) -> ConfigMap {
+        serde_json::from_value(serde_json::json!({"metadata": {"name": "m"}, "data": {"k": value}})).expect("configmap")
+    }
+
+    fn data(value: &str) -> Option<Option<Data>> {
+        Some(Some(BTreeMap::from([("k".to_owned(), value.as_bytes().to_vec())])))
+    }
+
+    /// A list shows once it is complete, changes and deletions follow, and
+    /// a relist that no longer finds the object (deleted while the watch
+    /// was down) shows it gone.
+    #[tokio::test]
+    async fn the_state_follows_lists_changes_and_deletions() {
+        let (events, stream) = tokio::sync::mpsc::unbounded_channel();
+        let stream = tokio_stream::wrappers::UnboundedReceiverStream::new(stream).boxed();
+        let (state, mut seen) = watch::channel(None);
+        let follower = tokio::spawn(follow_events(stream, configmap_data, state));
+        type Step = (Vec<watcher::Event<ConfigMap>>, Option<Option<Data>>);
+        let steps: Vec<Step> = vec![
+            (vec![watcher::Event::Init, watcher::Event::InitApply(map("1")), watcher::Event::InitDone], data("1")),
+            (vec![watcher::Event::Apply(map("2"))], data("2")),
+            (vec![watcher::Event::Delete(map("2"))], Some(None)),
+            (vec![watcher::Event::Apply(map("3"))], data("3")),
+            (vec![watcher::Event::Init, watcher::Event::InitDone], Some(None)),
+        ];
+        for (sent, want) in steps {
+            for event in sent {
+                events.send(event).expect("send");
+            }
+            let reached = tokio::time::timeout(Duration::from_secs(30), seen.wait_for(|s| *s == want)).await.is_ok();
+            assert!(reached, "wanted {want:?}, state {:?}", *seen.borrow());
+        }
+        drop(events);
+        follower.await.expect("the follower ends with its stream");
+    }
+}
