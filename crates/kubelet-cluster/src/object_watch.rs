@@ -3,7 +3,7 @@
 //! as upstream's default change-detection strategy (`Watch`) does: one
 //! watch per object, shared by every pod that reads it, started at the
 //! first read of the periodic volume rewrite and stopped once no pod has
-//! read it for a while (its pods are gone). The rewrite then reads memory,
+//! read it for [`UNREAD_KEPT`] (its pods are gone). The rewrite then reads memory,
 //! not the API: a node's cost to the API server is a watch per object
 //! instead of a GET per object per period.
 //!
@@ -15,7 +15,9 @@
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use futures_util::StreamExt as _;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
@@ -32,41 +34,44 @@ pub(crate) type Data = BTreeMap<String, Vec<u8>>;
 
 /// How long a read waits for a new watch's first list before reading the
 /// object itself.
-pub(crate) const SYNC_DEADLINE: Duration = Duration::from_secs(5);
+pub(crate) const SYNC_DEADLINE: Duration = Duration::from_secs(2);
+
+/// A watch no read asked for this long (its pods are gone: a running pod's
+/// volumes are rewritten every period, 60 s by default) is stopped.
+pub(crate) const UNREAD_KEPT: Duration = Duration::from_secs(600);
 
 /// The object watches of one node. Dropping it (its last clone) stops them.
 #[derive(Clone, Default)]
 pub(crate) struct ObjectWatches {
-    entries: Arc<Mutex<BTreeMap<Key, Arc<Entry>>>>,
+    entries: Arc<Mutex<BTreeMap<Key, Entry>>>,
 }
 
 type Key = (ObjectKind, String, String);
 
+#[derive(Clone)]
 struct Entry {
     /// `None` until the watch listed the object; then `Some(None)` while
     /// there is no such object, `Some(Some(data))` while there is.
     state: watch::Receiver<Option<Option<Data>>>,
     started: Instant,
-    last_read: Mutex<Instant>,
+    last_read: Arc<Mutex<Instant>>,
     /// Stops the watch when the entry goes.
-    _stop: DropGuard,
+    _stop: Arc<DropGuard>,
 }
 
 impl ObjectWatches {
     /// The object's data as its watch last saw it (`Some(None)`: there is
     /// no such object), starting the watch at the first read; `None` when
     /// the watch has not listed it within [`SYNC_DEADLINE`] of its start
-    /// (the first reads wait for that, later ones do not). Watches not
-    /// read for `forget_after` are stopped.
+    /// (the first reads wait for that, later ones do not).
     pub(crate) async fn read(
         &self,
         client: &kube::Client,
         kind: ObjectKind,
         namespace: &str,
         name: &str,
-        forget_after: Duration,
     ) -> Option<Option<Data>> {
-        let entry = self.entry(client, (kind, namespace.to_owned(), name.to_owned()), forget_after);
+        let entry = self.entry(client, (kind, namespace.to_owned(), name.to_owned()));
         *entry.last_read.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
         let mut state = entry.state.clone();
         // Only the first reads wait: a watch that has not listed its object
@@ -79,28 +84,57 @@ impl ObjectWatches {
         }
     }
 
-    fn entry(&self, client: &kube::Client, key: Key, forget_after: Duration) -> Arc<Entry> {
+    fn entry(&self, client: &kube::Client, key: Key) -> Entry {
         let mut entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
-        entries.retain(|_, entry| entry.last_read.lock().unwrap_or_else(|p| p.into_inner()).elapsed() < forget_after);
-        let entry = entries.entry(key.clone()).or_insert_with(|| {
-            let (kind, namespace, name) = key;
-            tracing::debug!(kind = kind.noun(), %namespace, %name, "watching an object pods' volumes show");
-            let (tx, state) = watch::channel(None);
-            let stop = CancellationToken::new();
-            let task = follow(client.clone(), kind, namespace, name, tx);
-            let stopped = stop.clone();
-            // Not supervised: one object's watch, stopped with the entry
-            // (when its pods stopped reading it, or the node's volumes go).
-            tokio::spawn(async move {
-                tokio::select! {
-                    () = stopped.cancelled() => {}
-                    () = task => {}
-                }
-            });
-            let now = Instant::now();
-            Arc::new(Entry { state, started: now, last_read: Mutex::new(now), _stop: stop.drop_guard() })
+        if let Some(entry) = entries.get(&key) {
+            return entry.clone();
+        }
+        let (kind, namespace, name) = key.clone();
+        tracing::debug!(kind = kind.noun(), %namespace, %name, "watching an object pods' volumes show");
+        let (tx, state) = watch::channel(None);
+        let stop = CancellationToken::new();
+        let now = Instant::now();
+        let entry = Entry {
+            state,
+            started: now,
+            last_read: Arc::new(Mutex::new(now)),
+            _stop: Arc::new(stop.clone().drop_guard()),
+        };
+        let follower = follow(client.clone(), kind, namespace, name, tx);
+        let unread = until_unread(Arc::downgrade(&self.entries), key.clone(), Arc::clone(&entry.last_read));
+        // Not supervised: one object's watch; it ends once no read asked
+        // for it for UNREAD_KEPT, or when the node's watches are dropped.
+        tokio::spawn(async move {
+            tokio::select! {
+                () = stop.cancelled() => {}
+                () = follower => {}
+                () = unread => {}
+            }
         });
-        Arc::clone(entry)
+        entries.insert(key, entry.clone());
+        entry
+    }
+}
+
+/// Returns once no read asked for the object of `key` for [`UNREAD_KEPT`],
+/// having taken its entry out of `entries`.
+async fn until_unread(entries: std::sync::Weak<Mutex<BTreeMap<Key, Entry>>>, key: Key, last_read: Arc<Mutex<Instant>>) {
+    loop {
+        let read_at = *last_read.lock().unwrap_or_else(|p| p.into_inner());
+        tokio::time::sleep_until(read_at + UNREAD_KEPT).await;
+        if last_read.lock().unwrap_or_else(|p| p.into_inner()).elapsed() < UNREAD_KEPT {
+            continue;
+        }
+        if let Some(entries) = entries.upgrade() {
+            let mut entries = entries.lock().unwrap_or_else(|p| p.into_inner());
+            // Ours, not one made for the key since.
+            if entries.get(&key).is_some_and(|e| Arc::ptr_eq(&e.last_read, &last_read)) {
+                entries.remove(&key);
+            }
+        }
+        let (kind, namespace, name) = key;
+        tracing::debug!(kind = kind.noun(), %namespace, %name, "stopped watching an object no pod reads");
+        return;
     }
 }
 
@@ -116,23 +150,36 @@ async fn follow(
     match kind {
         ObjectKind::ConfigMap => {
             let api: Api<ConfigMap> = Api::namespaced(client, &namespace);
-            follow_events(watch_events(api, config, "volume ConfigMap", Noise::Quiet), configmap_data, state).await;
+            follow_events(watch_events(api, config, "volume ConfigMap", Noise::Quiet), &name, configmap_data, state)
+                .await;
         }
         ObjectKind::Secret => {
             let api: Api<Secret> = Api::namespaced(client, &namespace);
-            follow_events(watch_events(api, config, "volume Secret", Noise::Quiet), secret_data, state).await;
+            follow_events(watch_events(api, config, "volume Secret", Noise::Quiet), &name, secret_data, state).await;
         }
     }
 }
 
-async fn follow_events<K>(
+async fn follow_events<K: kube::Resource>(
     mut events: futures_util::stream::BoxStream<'static, watcher::Event<K>>,
+    name: &str,
     data: fn(K) -> Data,
     state: watch::Sender<Option<Option<Data>>>,
 ) {
     // What a (re)list found so far: shown once it is complete.
     let mut listing: Option<Data> = None;
     while let Some(event) = events.next().await {
+        // Only the object named (the field selector's; a server that
+        // ignored it sends others).
+        let other = match &event {
+            watcher::Event::InitApply(o) | watcher::Event::Apply(o) | watcher::Event::Delete(o) => {
+                o.meta().name.as_deref() != Some(name)
+            }
+            watcher::Event::Init | watcher::Event::InitDone => false,
+        };
+        if other {
+            continue;
+        }
         match event {
             watcher::Event::Init => listing = None,
             watcher::Event::InitApply(object) => listing = Some(data(object)),
@@ -175,6 +222,32 @@ mod tests {
         Some(Some(BTreeMap::from([("k".to_owned(), value.as_bytes().to_vec())])))
     }
 
+    /// A watch no read asked for in UNREAD_KEPT is taken out and stopped;
+    /// a read restarts the count.
+    #[tokio::test(start_paused = true)]
+    async fn an_unread_watch_is_forgotten_and_stopped() {
+        let watches = ObjectWatches::default();
+        let key = (ObjectKind::ConfigMap, "default".to_owned(), "m".to_owned());
+        let stop = CancellationToken::new();
+        let entry = Entry {
+            state: watch::channel(None).1,
+            started: Instant::now(),
+            last_read: Arc::new(Mutex::new(Instant::now())),
+            _stop: Arc::new(stop.clone().drop_guard()),
+        };
+        let last_read = Arc::clone(&entry.last_read);
+        watches.entries.lock().expect("lock").insert(key.clone(), entry);
+        let unread = tokio::spawn(until_unread(Arc::downgrade(&watches.entries), key.clone(), Arc::clone(&last_read)));
+        tokio::time::sleep(UNREAD_KEPT / 2).await;
+        let read_again = Instant::now();
+        *last_read.lock().expect("lock") = read_again;
+        drop(last_read);
+        unread.await.expect("the expiry");
+        assert!(read_again.elapsed() >= UNREAD_KEPT, "kept {:?} after the last read", read_again.elapsed());
+        assert!(!watches.entries.lock().expect("lock").contains_key(&key), "forgotten");
+        assert!(stop.is_cancelled(), "its watch stopped");
+    }
+
     /// A list shows once it is complete, changes and deletions follow, and
     /// a relist that no longer finds the object (deleted while the watch
     /// was down) shows it gone.
@@ -183,7 +256,7 @@ mod tests {
         let (events, stream) = tokio::sync::mpsc::unbounded_channel();
         let stream = tokio_stream::wrappers::UnboundedReceiverStream::new(stream).boxed();
         let (state, mut seen) = watch::channel(None);
-        let follower = tokio::spawn(follow_events(stream, configmap_data, state));
+        let follower = tokio::spawn(async move { follow_events(stream, "m", configmap_data, state).await });
         type Step = (Vec<watcher::Event<ConfigMap>>, Option<Option<Data>>);
         let steps: Vec<Step> = vec![
             (vec![watcher::Event::Init, watcher::Event::InitApply(map("1")), watcher::Event::InitDone], data("1")),

@@ -256,15 +256,13 @@ impl ApiObjects for ApiVolumes {
         name: &str,
         max_age: std::time::Duration,
     ) -> Result<Option<BTreeMap<String, Vec<u8>>>, ApiError> {
-        // Objects nobody read for ten periods (their pods are gone) are
-        // forgotten, and their watches stopped.
-        let forget_after = max_age * 10;
-        if let Some(data) = self.watches.read(&self.client()?, kind, namespace, name, forget_after).await {
+        if let Some(data) = self.watches.read(&self.client()?, kind, namespace, name).await {
             return Ok(data);
         }
-        // Its watch has not listed it (yet): read it.
+        // Its watch has not listed it (yet): read it. Objects nobody read
+        // for ten periods (their pods are gone) are forgotten.
         let key = (kind, namespace.to_owned(), name.to_owned());
-        self.objects.get_or_read(key, max_age, forget_after, || self.data(kind, namespace, name)).await
+        self.objects.get_or_read(key, max_age, max_age * 10, || self.data(kind, namespace, name)).await
     }
 
     async fn service_account_token(

@@ -23,6 +23,5 @@ pub mod plugin_manager;
 pub mod plugin_trust;
 
 #[cfg(test)]
-#[cfg(test)]
 use kubelet_support::fuzz;
 use kubelet_support::{durable, health, retry};

@@ -34,6 +34,5 @@ pub use api_error::ApiError;
 use kubelet_plugins::{csi, device_manager, dra};
 use kubelet_provider as provider;
 #[cfg(test)]
-#[cfg(test)]
 use kubelet_support::fuzz;
 use kubelet_support::retry;

@@ -61,7 +61,6 @@ use kubelet_plugins::{csi, device_manager, plugin_manager};
 use kubelet_pods::{pod, static_pods};
 use kubelet_provider as provider;
 #[cfg(test)]
-#[cfg(test)]
 use kubelet_support::fuzz;
 use kubelet_support::health;
 use kubelet_support::supervisor::Supervision;

@@ -155,40 +155,42 @@ async fn handler_step(
     deadlines: Deadlines,
     step: HandlerStep,
 ) -> Result<(), RegistrationError> {
-    let (call, name, failed) = match step {
-        HandlerStep::Validate => (handler.validate(plugin), "validate", "plugin validation failed"),
-        HandlerStep::Register => (handler.register(plugin), "register", "plugin registration failed"),
+    // Each call in its own span, named as before the steps were one function.
+    let (call, span, name, failed) = match step {
+        HandlerStep::Validate => {
+            (handler.validate(plugin), tracing::debug_span!("validate"), "validate", "plugin validation failed")
+        }
+        HandlerStep::Register => {
+            (handler.register(plugin), tracing::debug_span!("register"), "register", "plugin registration failed")
+        }
     };
-    let (reason, err) =
-        match tokio::time::timeout(deadlines.handler, call.instrument(tracing::debug_span!("handler", step = name)))
-            .await
-        {
-            Ok(Ok(())) => return Ok(()),
-            Ok(Err(source)) => {
-                let (plugin_type, name, socket) =
-                    (plugin.plugin_type.clone(), plugin.name.clone(), plugin.socket_path.clone());
-                let reason = format!("{ERROR_PREFIX}{failed} with err: {source}");
-                (
-                    reason,
-                    match step {
-                        HandlerStep::Validate => RegistrationError::Validation { plugin_type, name, socket, source },
-                        HandlerStep::Register => RegistrationError::Register { plugin_type, name, socket, source },
-                    },
-                )
-            }
-            // An unfinished `register` was dropped; the rollback undoes
-            // whatever it did.
-            Err(_) => {
-                let err = RegistrationError::HandlerTimeout {
-                    plugin_type: plugin.plugin_type.clone(),
-                    name: plugin.name.clone(),
-                    socket: plugin.socket_path.clone(),
-                    step: name,
-                    timeout: deadlines.handler,
-                };
-                (format!("{ERROR_PREFIX}{err}"), err)
-            }
-        };
+    let (reason, err) = match tokio::time::timeout(deadlines.handler, call.instrument(span)).await {
+        Ok(Ok(())) => return Ok(()),
+        Ok(Err(source)) => {
+            let (plugin_type, name, socket) =
+                (plugin.plugin_type.clone(), plugin.name.clone(), plugin.socket_path.clone());
+            let reason = format!("{ERROR_PREFIX}{failed} with err: {source}");
+            (
+                reason,
+                match step {
+                    HandlerStep::Validate => RegistrationError::Validation { plugin_type, name, socket, source },
+                    HandlerStep::Register => RegistrationError::Register { plugin_type, name, socket, source },
+                },
+            )
+        }
+        // An unfinished `register` was dropped; the rollback undoes
+        // whatever it did.
+        Err(_) => {
+            let err = RegistrationError::HandlerTimeout {
+                plugin_type: plugin.plugin_type.clone(),
+                name: plugin.name.clone(),
+                socket: plugin.socket_path.clone(),
+                step: name,
+                timeout: deadlines.handler,
+            };
+            (format!("{ERROR_PREFIX}{err}"), err)
+        }
+    };
     if step == HandlerStep::Register {
         rollback(handler, plugin, deadlines.deregister).await;
     }
