@@ -337,12 +337,13 @@ async fn a_node_at_its_mapping_ceiling_refuses_the_next_pod_as_out_of_pods() {
 }
 
 #[tokio::test]
-async fn admission_counts_each_instances_memory_beside_the_pods_limit() {
+async fn admission_counts_requests_and_each_instances_overhead_not_the_memory_budget() {
     let overhead = rustlet_wasi::INSTANCE_OVERHEAD;
     let default = u128::from(rustlet_wasi::DEFAULT_MEMORY_LIMIT);
-    // Room for a 16 MiB pod and one more instance without a limit (so
-    // with the default one), each with its overhead.
-    let allocatable = Allocatable { cpu_milli: 4000, memory: (16 << 20) + default + 2 * overhead, pods: 500 };
+    // Room for a pod requesting 16 MiB and two pods without requests, each
+    // with its overhead: far less than one default memory budget.
+    let allocatable = Allocatable { cpu_milli: 4000, memory: (16 << 20) + 3 * overhead, pods: 500 };
+    assert!(allocatable.memory < default);
     let node = wasm_node_with(0, allocatable, None).await;
     node.import_examples();
     node.pods.apply(pod(serde_json::json!({
@@ -350,14 +351,17 @@ async fn admission_counts_each_instances_memory_beside_the_pods_limit() {
         "spec": {"containers": [{"name": "main", "image": "example.com/wasm/sleep:v1", "resources": {"limits": {"memory": "16Mi"}}}]}
     })));
     node.wait_pod("uid-sized", "Running", |p| phase(p) == Some("Running")).await;
-    node.pods.apply(simple_pod("small", "uid-small", "example.com/wasm/sleep:v1", "Always"));
-    node.wait_pod("uid-small", "Running", |p| phase(p) == Some("Running")).await;
+    for (name, uid) in [("small", "uid-small"), ("also-small", "uid-also-small")] {
+        node.pods.apply(simple_pod(name, uid, "example.com/wasm/sleep:v1", "Always"));
+        node.wait_pod(uid, "Running", |p| phase(p) == Some("Running")).await;
+    }
+    // Admitted without its budget counted, but held to it.
+    assert_eq!(node.provider.memory_budget("uid-small").map(|(_, limit)| u128::from(limit)), Some(default));
     node.pods.apply(simple_pod("one-more", "uid-one-more", "example.com/wasm/sleep:v1", "Always"));
     let refused = node.wait_pod("uid-one-more", "rejected", |p| phase(p) == Some("Failed")).await;
-    let used = (16 << 20) + default + 2 * overhead;
-    let requested = default + overhead;
+    let used = (16 << 20) + 3 * overhead;
     let expected = format!(
-        "Pod was rejected: Node didn't have enough resource: memory, requested: {requested}, used: {used}, capacity: {used}"
+        "Pod was rejected: Node didn't have enough resource: memory, requested: {overhead}, used: {used}, capacity: {used}"
     );
     assert_eq!(rejection(&refused), (Some("Failed"), Some("OutOfmemory"), Some(expected.as_str())));
 }

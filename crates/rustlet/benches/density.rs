@@ -7,7 +7,9 @@
 //! `RUSTLET_BENCH_QUICK=1`: 1,000; `RUSTLET_DENSITY_PODS=a,b` to choose):
 //! - **node**: the node as the binary runs it (`NodeBuilder`, static pods
 //!   from a manifest directory, the WebAssembly provider) with the `sleep`
-//!   example module (prints a line, then sleeps in `poll_oneoff`); all
+//!   example module (prints a line, then sleeps in `poll_oneoff`), pods as
+//!   users write them (no resources: each held to the default memory
+//!   budget) on the machine's own allocatable (`--max-pods` raised); all
 //!   manifests written at once → all Running: time, RSS, CPU, mappings,
 //!   address space; the time per pod in each tenth of the pods (does a
 //!   pod's start cost grow as the node fills?); all manifests removed →
@@ -29,7 +31,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kubelet::node::{NodeBuilder, NodeConfig};
-use kubelet::pod::Allocatable;
 use rustlet_wasi::runtime::{Layout, Output, RunSpec, Runtime};
 use rustlet_wasi::store::ModuleKind;
 use tokio_util::sync::CancellationToken;
@@ -173,7 +174,9 @@ async fn node(n: usize) -> Result<(), BoxError> {
     let mut config = NodeConfig::new(root.path(), "density");
     config.http_address = None;
     config.pods.manifest_dir = Some(manifests.clone());
-    config.pods.allocatable = Some(Allocatable { cpu_milli: 64_000, memory: 1 << 40, pods: n + 10 });
+    // The machine's own CPUs and memory (as the binary measures them), and
+    // room for the pods: a user's `--max-pods`.
+    config.pods.max_pods = n + 10;
     let node = NodeBuilder::new(config).provider(provider.clone()).start(shutdown.clone()).await?;
     let store = node.pods().store().clone();
     // Files first, in a directory the node does not watch, then renamed in
@@ -181,10 +184,7 @@ async fn node(n: usize) -> Result<(), BoxError> {
     let staging = root.path().join("staging");
     std::fs::create_dir_all(&staging)?;
     for i in 0..n {
-        std::fs::write(
-            staging.join(format!("p{i}.yaml")),
-            common::wasm_manifest(&format!("p{i}"), IMAGE, Some("{memory: 4Mi}")),
-        )?;
+        std::fs::write(staging.join(format!("p{i}.yaml")), common::wasm_manifest(&format!("p{i}"), IMAGE, None))?;
     }
     let before = footprint();
     let cpu_before = common::process_cpu();

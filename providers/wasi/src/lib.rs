@@ -27,11 +27,13 @@
 //!   `OOMKilled`); without one, [`DEFAULT_MEMORY_LIMIT`] (configurable).
 //!
 //! A pod's instances (its containers and their exec instances) also share
-//! one budget: the sum of its containers' limits (or defaults). Admission
-//! counts that budget (beyond the pods' requests) against the node's
-//! allocatable memory, so WebAssembly pods cannot overcommit the node's
-//! process: one pod growing without end is OOMKilled at its budget, and
-//! its neighbours and the node go on.
+//! one budget: the sum of its containers' limits (or defaults), enforced as
+//! a cap: one pod growing without end is OOMKilled at its budget, and its
+//! neighbours and the node go on. Admission counts what upstream's does,
+//! the containers' requests, plus a small measured overhead per running
+//! instance ([`INSTANCE_OVERHEAD`], as a RuntimeClass's declared
+//! `overhead`); the budget is not reserved, so pods without requests are
+//! admitted as upstream admits BestEffort pods.
 
 #![deny(missing_docs)]
 
@@ -191,19 +193,6 @@ fn limit(
 /// A container's memory limit, or `default`.
 fn memory_limit_or(container: &Container, default: u64) -> u64 {
     limit(container, "memory", kubelet_provider::quantity::parse_units).ok().flatten().unwrap_or(default)
-}
-
-/// A container's memory request (its limit where it sets no request, as
-/// the API server defaults it), or 0.
-fn memory_request(container: &Container) -> u64 {
-    let resources = container.resources.as_ref();
-    let quantity = resources
-        .and_then(|r| r.requests.as_ref())
-        .and_then(|r| r.get("memory"))
-        .or_else(|| resources.and_then(|r| r.limits.as_ref()).and_then(|l| l.get("memory")));
-    quantity
-        .and_then(|q| kubelet_provider::quantity::parse_units(&q.0).ok())
-        .map_or(0, |v| u64::try_from(v).unwrap_or(u64::MAX))
 }
 
 /// The pod's memory budget: its long-running containers' limits (or
@@ -864,25 +853,19 @@ impl Provider for WasiProvider {
     }
 
     fn pod_overhead(&self, pod: &Pod) -> u128 {
-        // The budget beyond what the containers request: admission then
-        // counts what the pod's instances may hold.
+        // What each instance costs the node beside its linear memory, as a
+        // RuntimeClass's declared overhead: admission counts it on top of
+        // the containers' requests, as upstream's does. The memory budget
+        // (limits, or the default) is the enforced cap, not a reservation:
+        // a pod without requests is admitted as upstream admits BestEffort
+        // pods. Init containers run one at a time, before the others.
         let spec = pod.spec.as_ref();
-        let init = spec.and_then(|s| s.init_containers.as_deref()).unwrap_or_default();
-        let requested: u64 = spec
-            .map(|s| s.containers.iter())
-            .into_iter()
-            .flatten()
-            .chain(init.iter().filter(|c| c.restart_policy.as_deref() == Some("Always")))
-            .map(memory_request)
-            .fold(0, u64::saturating_add);
-        let beyond = u128::from(pod_memory_budget(pod, self.default_memory_limit).saturating_sub(requested));
-        // Init containers run one at a time, before the others.
         let long_running = spec.map_or(0, |s| s.containers.len())
             + spec.and_then(|s| s.init_containers.as_ref()).map_or(0, |init| {
                 let sidecars = init.iter().filter(|c| c.restart_policy.as_deref() == Some("Always")).count();
                 sidecars + usize::from(sidecars < init.len())
             });
-        INSTANCE_OVERHEAD * long_running as u128 + beyond
+        INSTANCE_OVERHEAD * long_running as u128
     }
 
     fn pod_ceiling(&self) -> Option<(usize, String)> {
