@@ -663,21 +663,57 @@ async fn volume_contents_follow_the_api_while_the_pod_runs(api: TestApi) {
         rustlet_testkit::wait_file(&log, |text| text.contains(&seen), SOON).await;
     }
     // The rewrites (every 300 ms here) read the objects from their watches,
-    // not the API: a GET of an object only when the pod starts (its
-    // volumes, its env), one watch per object.
+    // not the API: one watch per object, a GET only while a new watch has
+    // not listed (the first start's reads wait 2 s for it); a container's
+    // link variables come from a watch of the services.
     if let rustlet_testkit::test_api::Server::Fake(server) = &api.server {
         let node_user = format!("system:node:{}", api.node);
-        let by_node: Vec<_> =
-            server.requests().into_iter().filter(|r| r.user.as_deref() == Some(node_user.as_str())).collect();
-        let gets = by_node.iter().filter(|r| r.method == Method::GET && r.uri.ends_with("/configmaps/live")).count();
-        assert!((1..=2).contains(&gets), "GETs of the ConfigMap: {gets}: {by_node:#?}");
-        let watches = by_node
+        let by_node = || -> Vec<_> {
+            server.requests().into_iter().filter(|r| r.user.as_deref() == Some(node_user.as_str())).collect()
+        };
+        let gets_of_live = |requests: &[rustlet_testkit::apiserver::Logged]| {
+            requests.iter().filter(|r| r.method == Method::GET && r.uri.ends_with("/configmaps/live")).count()
+        };
+        let service_lists = |requests: &[rustlet_testkit::apiserver::Logged]| {
+            requests.iter().filter(|r| r.uri.contains("/namespaces/default/services")).count()
+        };
+        let before = by_node();
+        let gets = gets_of_live(&before);
+        assert!(gets <= 2, "GETs of the ConfigMap: {gets}: {before:#?}");
+        let watches = before
             .iter()
             .filter(|r| {
                 r.uri.contains("/configmaps?") && r.uri.contains("metadata.name%3Dlive") && r.uri.contains("watch=true")
             })
             .count();
-        assert!(watches >= 1, "no watch of the ConfigMap: {by_node:#?}");
+        assert!(watches >= 1, "no watch of the ConfigMap: {before:#?}");
+        let service_watch =
+            before.iter().any(|r| r.uri.starts_with("/api/v1/services?") && r.uri.contains("watch=true"));
+        assert!(service_watch, "no watch of the services: {before:#?}");
+        // A second pod showing the same ConfigMap in a volume and its env
+        // starts from the watches alone: no GET, no listing.
+        let second: Pod = serde_json::from_value(json!({
+            "metadata": {"name": "second", "namespace": "default"},
+            "spec": {
+                "nodeName": api.node,
+                "automountServiceAccountToken": false,
+                "containers": [{
+                    "name": "main", "image": "busybox",
+                    "command": ["sh", "-c", "echo \"second env=$LIVE file=$(cat $MOUNT_LIVE/data-1) host=$FOOSERVICE_SERVICE_HOST\"; sleep 3600"],
+                    "env": [{"name": "LIVE", "valueFrom": {"configMapKeyRef": {"name": "live", "key": "data-1"}}}],
+                    "volumeMounts": [{"name": "live", "mountPath": "/live"}],
+                }],
+                "volumes": [{"name": "live", "configMap": {"name": "live"}}],
+            },
+        }))
+        .expect("pod");
+        let uid = pods.create(&PostParams::default(), &second).await.expect("pod").metadata.uid.expect("uid");
+        let log = kubelet::pod::pod_log_dir(root.path(), "default", "second", &uid).join("main").join("0.log");
+        let line = format!("second env=value-5 file=value-5 host={cluster_ip}");
+        rustlet_testkit::wait_file(&log, |text| text.contains(&line), SOON).await;
+        let after = by_node();
+        assert_eq!(gets_of_live(&after), gets, "the second pod's start read the ConfigMap from the API");
+        assert_eq!(service_lists(&after), service_lists(&before), "the second pod's start listed the services");
     }
     // The secret's file: the pod's fsGroup, group-readable (0400 → 0440).
     let file = root.path().join(format!("pods/{uid}/volumes/kubernetes.io~secret/secret/data-1"));

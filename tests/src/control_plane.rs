@@ -92,8 +92,29 @@ fn tail(log: &Path) -> String {
     lines[lines.len().saturating_sub(15)..].join("\n")
 }
 
+/// How a control plane is started beyond the tests' defaults.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// Where the API server writes its audit log: one JSON line per
+    /// request (at `Metadata` level) of every user in `system:nodes`,
+    /// nothing of other users. `None`: no audit log.
+    pub audit_log: Option<PathBuf>,
+    /// How long certificates kube-controller-manager signs are valid.
+    pub signing_duration: Duration,
+    /// kube-controller-manager's and kube-scheduler's API rate
+    /// (`--kube-api-qps`, burst twice that); `None`: their defaults.
+    pub controller_qps: Option<u32>,
+}
+
+impl Default for Options {
+    fn default() -> Options {
+        Options { audit_log: None, signing_duration: SIGNED_CERTIFICATE_LIFETIME, controller_qps: None }
+    }
+}
+
 /// A running control plane.
 pub struct ControlPlane {
+    options: Options,
     dir: PathBuf,
     bin_dir: PathBuf,
     url: String,
@@ -130,7 +151,7 @@ impl ControlPlane {
             // any runtime, and the readiness check is async.
             std::thread::spawn(|| {
                 let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build();
-                runtime.map_err(|e| e.to_string()).and_then(|rt| rt.block_on(ControlPlane::start()))
+                runtime.map_err(|e| e.to_string()).and_then(|rt| rt.block_on(ControlPlane::start(Options::default())))
             })
             .join()
             .unwrap_or_else(|_| Err("the control plane starter panicked".into()))
@@ -138,7 +159,9 @@ impl ControlPlane {
         crate::skip::or_skip(test, crate::skip::Need::Kube, plane.as_ref())
     }
 
-    async fn start() -> Result<ControlPlane, String> {
+    /// A control plane of its own (not the shared one) with `options`; its
+    /// processes stop when this process exits.
+    pub async fn start(options: Options) -> Result<ControlPlane, String> {
         let bin_dir = std::env::var_os("RUSTLET_KUBE_BIN_DIR")
             .map(PathBuf::from)
             .ok_or("RUSTLET_KUBE_BIN_DIR is not set (the directory of kube-apiserver, kube-scheduler, kube-controller-manager)")?;
@@ -232,6 +255,15 @@ impl ControlPlane {
             .arg("--cert-dir")
             .arg(dir.join("apiserver-certs"))
             .args(dra_flags(minor, true));
+        if let Some(log) = &options.audit_log {
+            let policy = write(
+                "audit-policy.yaml",
+                "apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\nrules:\n\
+                 - level: Metadata\n  userGroups: [\"system:nodes\"]\n- level: None\n",
+            )?;
+            command.arg("--audit-policy-file").arg(policy).arg("--audit-log-path").arg(log);
+            command.args(["--audit-log-maxsize", "0", "--audit-log-format", "json"]);
+        }
         let apiserver_log = dir.join("kube-apiserver.log");
         processes.push(Guarded::spawn(command, &apiserver_log, None)?);
 
@@ -239,6 +271,7 @@ impl ControlPlane {
         let ca_pem = pki.ca_pem.clone();
         write_kubeconfig(&admin_kubeconfig, &url, &ca_pem, &admin_token).map_err(|e| e.to_string())?;
         let plane = ControlPlane {
+            options,
             dir,
             bin_dir,
             url,
@@ -396,6 +429,18 @@ impl ControlPlane {
         &self.bin_dir
     }
 
+    /// The process ids of etcd and kube-apiserver.
+    pub fn server_pids(&self) -> (u32, u32) {
+        let processes = self.processes.lock().unwrap_or_else(|p| p.into_inner());
+        (processes[0].child.id(), processes[1].child.id())
+    }
+
+    fn qps_flags(&self) -> Vec<String> {
+        self.options
+            .controller_qps
+            .map_or_else(Vec::new, |qps| vec![format!("--kube-api-qps={qps}"), format!("--kube-api-burst={}", 2 * qps)])
+    }
+
     /// Starts `kube-scheduler` (once per test binary).
     pub fn ensure_scheduler(&self) -> Result<(), String> {
         self.scheduler
@@ -408,6 +453,7 @@ impl ControlPlane {
                     "--secure-port",
                     "0",
                 ]);
+                command.args(self.qps_flags());
                 command.args(dra_flags(self.minor, false));
                 let process = Guarded::spawn(command, &self.dir.join("kube-scheduler.log"), None)?;
                 self.processes.lock().unwrap_or_else(|p| p.into_inner()).push(process);
@@ -419,7 +465,8 @@ impl ControlPlane {
     /// Starts `kube-controller-manager` with its default controllers
     /// (node lifecycle, which lifts a Ready node's not-ready taint; CSR
     /// approval and signing; garbage collector, ...), once per test binary.
-    /// Certificates it signs live [`SIGNED_CERTIFICATE_LIFETIME`].
+    /// Certificates it signs live [`SIGNED_CERTIFICATE_LIFETIME`] (or as
+    /// [`Options`] say).
     pub fn ensure_controller_manager(&self) -> Result<(), String> {
         self.controller_manager
             .get_or_init(|| {
@@ -437,7 +484,8 @@ impl ControlPlane {
                     .arg("--cluster-signing-key-file")
                     .arg(self.dir.join("ca.key"))
                     .arg("--use-service-account-credentials=false")
-                    .arg(format!("--cluster-signing-duration={}s", SIGNED_CERTIFICATE_LIFETIME.as_secs()))
+                    .arg(format!("--cluster-signing-duration={}s", self.options.signing_duration.as_secs()))
+                    .args(self.qps_flags())
                     .args(dra_flags(self.minor, false));
                 let process = Guarded::spawn(command, &self.dir.join("kube-controller-manager.log"), None)?;
                 self.processes.lock().unwrap_or_else(|p| p.into_inner()).push(process);

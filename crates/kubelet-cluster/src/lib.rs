@@ -39,6 +39,7 @@ pub mod pod_sync;
 pub mod rate_limit;
 mod read_cache;
 pub mod runtime_classes;
+mod service_watch;
 pub mod status_patch;
 pub mod volumes;
 

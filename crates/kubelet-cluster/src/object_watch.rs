@@ -2,10 +2,11 @@
 //! current by a watch of its own (`fieldSelector=metadata.name=<name>`),
 //! as upstream's default change-detection strategy (`Watch`) does: one
 //! watch per object, shared by every pod that reads it, started at the
-//! first read of the periodic volume rewrite and stopped once no pod has
-//! read it for [`UNREAD_KEPT`] (its pods are gone). The rewrite then reads memory,
-//! not the API: a node's cost to the API server is a watch per object
-//! instead of a GET per object per period.
+//! first read (a pod's start: its volumes, env and image pull secrets; or
+//! the periodic volume rewrite) and stopped once no pod has read it for
+//! [`UNREAD_KEPT`] (its pods are gone). Starts and rewrites then read
+//! memory, not the API: a node's cost to the API server is a watch per
+//! object instead of a GET per object per start and per period.
 //!
 //! A watch that has not listed its object yet (the first read, or an API
 //! server that refuses the watch) is waited on for [`SYNC_DEADLINE`]; past

@@ -48,8 +48,12 @@ pub(crate) async fn follow_csi_drivers(client: kube::Client, objects: CsiDriverO
 pub struct ApiVolumes {
     client: watch::Receiver<Option<kube::Client>>,
     node_name: String,
-    /// The services of each namespace as last listed, and when: a burst
-    /// of container starts lists a namespace once (see [`SERVICES_FRESH`]).
+    /// The cluster's services, kept by a watch (started at the first
+    /// container start that reads them).
+    service_watch: crate::service_watch::ServiceWatch,
+    /// The services of each namespace as last listed, and when, while the
+    /// watch has not listed: a burst of container starts lists a namespace
+    /// once (see [`SERVICES_FRESH`]).
     services: ReadCache<String, Vec<Service>>,
     /// Tokens requested for pods, reused until 80% of their life has
     /// passed (upstream's token manager renews them then).
@@ -89,6 +93,7 @@ impl ApiVolumes {
             watches: ObjectWatches::default(),
             client,
             node_name: node_name.to_owned(),
+            service_watch: crate::service_watch::ServiceWatch::default(),
             services: ReadCache::default(),
             tokens: std::sync::Arc::default(),
         }
@@ -265,6 +270,21 @@ impl ApiObjects for ApiVolumes {
         self.objects.get_or_read(key, max_age, max_age * 10, || self.data(kind, namespace, name)).await
     }
 
+    async fn data_current(
+        &self,
+        kind: ObjectKind,
+        namespace: &str,
+        name: &str,
+    ) -> Result<Option<BTreeMap<String, Vec<u8>>>, ApiError> {
+        // The object's watch, shared with the volume rewrites; an object it
+        // does not hold (perhaps created a moment ago) is read, so that a
+        // start never misses one that exists.
+        match self.watches.read(&self.client()?, kind, namespace, name).await {
+            Some(Some(data)) => Ok(Some(data)),
+            _ => self.data(kind, namespace, name).await,
+        }
+    }
+
     async fn service_account_token(
         &self,
         pod: &Pod,
@@ -291,7 +311,11 @@ impl ApiObjects for ApiVolumes {
     }
 
     async fn services(&self, namespace: &str) -> Result<Vec<Service>, ApiError> {
-        // A burst of starts waits for one listing instead of making its own.
+        if let Some(services) = self.service_watch.read(&self.client()?, namespace).await {
+            return Ok(services);
+        }
+        // Its watch has not listed (yet): a burst of starts waits for one
+        // listing instead of making its own.
         let list = || async {
             let api: Api<Service> = Api::namespaced(self.client()?, namespace);
             let list = api

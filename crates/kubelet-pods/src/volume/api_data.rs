@@ -85,6 +85,19 @@ pub trait ApiObjects: Send + Sync + 'static {
         self.data(kind, namespace, name).await
     }
 
+    /// [`ApiObjects::data`] as a pod start reads it: a copy kept current by
+    /// a watch where the node has one (upstream's `Watch` strategy: a
+    /// start reads the watch's store), else a fresh read. By default: a
+    /// fresh read.
+    async fn data_current(
+        &self,
+        kind: ObjectKind,
+        namespace: &str,
+        name: &str,
+    ) -> Result<Option<BTreeMap<String, Vec<u8>>>, ApiError> {
+        self.data(kind, namespace, name).await
+    }
+
     /// The services of `namespace`, for the link variables of a container's
     /// env; by default none.
     async fn services(&self, namespace: &str) -> Result<Vec<k8s_openapi::api::core::v1::Service>, ApiError> {
@@ -149,6 +162,31 @@ impl ApiObjects for CachedObjects {
         expiration_seconds: i64,
     ) -> Result<String, ApiError> {
         self.objects.service_account_token(pod, audience, expiration_seconds).await
+    }
+}
+
+/// Objects read through [`ApiObjects::data_current`]: what a pod's start
+/// reads (its volumes).
+pub(crate) struct StartObjects(pub std::sync::Arc<dyn ApiObjects>);
+
+#[async_trait::async_trait]
+impl ApiObjects for StartObjects {
+    async fn data(
+        &self,
+        kind: ObjectKind,
+        namespace: &str,
+        name: &str,
+    ) -> Result<Option<BTreeMap<String, Vec<u8>>>, ApiError> {
+        self.0.data_current(kind, namespace, name).await
+    }
+
+    async fn service_account_token(
+        &self,
+        pod: &Pod,
+        audience: Option<&str>,
+        expiration_seconds: i64,
+    ) -> Result<String, ApiError> {
+        self.0.service_account_token(pod, audience, expiration_seconds).await
     }
 }
 
@@ -329,7 +367,7 @@ pub(crate) async fn env_objects(
             continue;
         }
         let data = objects
-            .data(kind, namespace, &name)
+            .data_current(kind, namespace, &name)
             .await?
             .map(|data| data.into_iter().map(|(k, v)| (k, String::from_utf8_lossy(&v).into_owned())).collect());
         found.insert((kind, name), data);
@@ -346,7 +384,7 @@ pub(crate) async fn pull_secrets(objects: &dyn ApiObjects, pod: &Pod) -> crate::
     let mut configs = Vec::new();
     for reference in pod.spec.iter().flat_map(|s| s.image_pull_secrets.iter().flatten()) {
         let name = reference.name.as_str();
-        match objects.data(ObjectKind::Secret, namespace, name).await {
+        match objects.data_current(ObjectKind::Secret, namespace, name).await {
             Ok(Some(data)) => {
                 if let Some(config) = data.get(".dockerconfigjson") {
                     configs.push(config.clone());

@@ -261,7 +261,8 @@ impl VolumeManager {
             };
             if let (Some(plugin), Some(objects)) = (plugin, &self.objects) {
                 let dir = self.plugin_dir(&uid, plugin, &volume.name);
-                let host_path = api_data::prepare(objects.as_ref(), pod, volume, &dir, context, fs_group).await?;
+                let objects = api_data::StartObjects(Arc::clone(objects));
+                let host_path = api_data::prepare(&objects, pod, volume, &dir, context, fs_group).await?;
                 prepared.insert(volume.name.clone(), PreparedVolume::ready(host_path, VolumeKind::ApiData));
                 continue;
             }
