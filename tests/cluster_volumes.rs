@@ -793,3 +793,66 @@ async fn image_pull_secrets_reach_the_provider(api: TestApi) {
     assert_eq!(pod_phase(refused.as_ref()), Some("Pending"));
 }
 rustlet_testkit::on_both_api_servers!(image_pull_secrets_reach_the_provider_on, image_pull_secrets_reach_the_provider);
+
+/// A token request for a new pod that the API server refuses because its
+/// own view of the pod lags (403 or 404 while its authorizer's informers
+/// catch up) is asked again within a second, not after the volume backoff.
+#[tokio::test]
+async fn a_new_pods_token_refused_while_the_api_server_catches_up_is_asked_again_at_once() {
+    use k8s_openapi::api::core::v1::Pod;
+
+    let api = TestApi::fake().await;
+    let server = api.fake_server().expect("the in-process server");
+    // A volume backoff far past the test's bound: only the token request's
+    // own quick retries can start the pod in time.
+    let root = tempfile::tempdir().expect("tempdir");
+    let mut config = NodeConfig::new(root.path(), api.node.clone());
+    config.http_address = None;
+    config.pods.volume_backoff =
+        kubelet::pod::BackoffConfig { initial: SOON * 10, max: SOON * 10, reset_after: Duration::MAX };
+    let shutdown = CancellationToken::new();
+    let _stop = shutdown.clone().drop_guard();
+    let _node = NodeBuilder::new(config)
+        .provider(std::sync::Arc::new(rustlet_testkit::host_provider::HostProcessProvider::new()))
+        .cluster(ClusterSettings::new(ApiSource::Client(api.node_client.clone())))
+        .start(shutdown.clone())
+        .await
+        .expect("node");
+    server.inject(Fault::status(Some(Method::POST), "/serviceaccounts/default/token", 403, 1));
+    server.inject(Fault::status(Some(Method::POST), "/serviceaccounts/default/token", 404, 1));
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "fresh", "namespace": "default"},
+        "spec": {
+            "nodeName": api.node,
+            "automountServiceAccountToken": false,
+            "restartPolicy": "Never",
+            "containers": [{
+                "name": "main", "image": "busybox",
+                "command": ["sh", "-c", "test -s \"$MOUNT_TOKEN/token\" && echo token-present"],
+                "volumeMounts": [{"name": "token", "mountPath": "/token"}],
+            }],
+            "volumes": [{"name": "token", "projected": {"sources": [
+                {"serviceAccountToken": {"path": "token", "expirationSeconds": 600}},
+            ]}}],
+        },
+    }))
+    .expect("pod");
+    let pods: Api<Pod> = Api::namespaced(api.admin.clone(), "default");
+    pods.create(&PostParams::default(), &pod).await.expect("pod");
+    let done = api
+        .wait_for(&pods, "fresh", "finished", SOON, |p| matches!(pod_phase(p), Some("Succeeded" | "Failed")))
+        .await
+        .expect("pod");
+    assert_eq!(pod_phase(Some(&done)), Some("Succeeded"));
+    let uid = done.metadata.uid.as_deref().expect("uid");
+    let log = kubelet::pod::pod_log_dir(root.path(), "default", "fresh", uid).join("main").join("0.log");
+    assert!(std::fs::read_to_string(&log).expect("log").contains("token-present"));
+    let node_user = format!("system:node:{}", api.node);
+    let tokens: Vec<_> = server
+        .requests()
+        .into_iter()
+        .filter(|r| r.user.as_deref() == Some(node_user.as_str()) && r.uri.contains("/token"))
+        .collect();
+    let statuses: Vec<u16> = tokens.iter().map(|r| r.status).collect();
+    assert_eq!(statuses, [403, 404, 201], "{tokens:#?}");
+}

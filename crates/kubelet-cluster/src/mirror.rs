@@ -51,6 +51,16 @@ pub(crate) enum Noise {
     Quiet,
 }
 
+/// How long each watch request of a watch asks to last (`timeoutSeconds`),
+/// drawn once per watch between 5 and 10 minutes as upstream's reflector
+/// draws it: a node's watches do not end together, and each costs one
+/// request per 7.5 minutes on average (kube-runtime's default, 290 s,
+/// cost one per 4.8 minutes).
+fn watch_timeout() -> u32 {
+    let drawn = crate::retry::jittered(std::time::Duration::from_secs(300), 1.0);
+    u32::try_from(drawn.as_secs()).unwrap_or(600)
+}
+
 /// The one watch of cluster mode: kube-runtime's watcher (resumed from its
 /// resourceVersion, relisted after a 410) with its errors logged, naming
 /// `what`, and waited out with the one jittered backoff
@@ -68,6 +78,10 @@ where
     K: kube::Resource + Clone + DeserializeOwned + std::fmt::Debug + Send + 'static,
 {
     let backoff = std::sync::Arc::new(std::sync::Mutex::new(crate::retry::RetryBackoff::for_watches()));
+    let config = match config.timeout {
+        Some(_) => config,
+        None => config.timeout(watch_timeout()),
+    };
     watcher(api, config)
         .filter_map(move |event| {
             let backoff = std::sync::Arc::clone(&backoff);
@@ -177,5 +191,16 @@ impl Mirror for CsiDriverObjects {
 
     fn names(&self) -> Vec<String> {
         CsiDriverObjects::names(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// Each watch asks for 5 to 10 minutes, drawn anew for each watch.
+    #[test]
+    fn watch_timeouts_are_drawn_between_five_and_ten_minutes() {
+        let drawn: Vec<u32> = (0..50).map(|_| super::watch_timeout()).collect();
+        assert!(drawn.iter().all(|t| (300..600).contains(t)), "{drawn:?}");
+        assert!(drawn.iter().any(|t| *t != drawn[0]), "all the same: {drawn:?}");
     }
 }

@@ -32,7 +32,8 @@
 //!   server's and etcd's CPU; and pod start (the benchmark's watch sees
 //!   the pod → sees every container running: upstream's SLO form) p50/p99.
 //!
-//! Run: `RUSTLET_KUBE_BIN_DIR=... cargo bench -p rustlet --bench scale`.
+//! Run: `RUSTLET_KUBE_BIN_DIR=... cargo bench -p rustlet --bench scale`
+//! (`RUSTLET_SCALE_KEEP=1` keeps each run's audit log and node logs).
 //! Without the binaries it says so and ends (fails under
 //! `RUSTLET_REQUIRE_KUBE=1`).
 
@@ -233,6 +234,8 @@ struct Requests {
     /// (verb, resource) → count.
     by_kind: BTreeMap<(String, String), u64>,
     failed: u64,
+    /// (verb, resource, code) → count, of those that failed.
+    failures: BTreeMap<(String, String, u64), u64>,
 }
 
 impl Audit {
@@ -270,8 +273,9 @@ impl Audit {
                     self.open_watches.remove(&id);
                 }
                 (_, "ResponseComplete" | "Panic") => {
-                    if event["responseStatus"]["code"].as_u64().is_some_and(|c| c >= 400) {
+                    if let Some(code) = event["responseStatus"]["code"].as_u64().filter(|c| *c >= 400) {
                         requests.failed += 1;
+                        *requests.failures.entry((verb.clone(), resource.clone(), code)).or_default() += 1;
                     }
                     *requests.by_kind.entry((verb, resource)).or_default() += 1;
                 }
@@ -486,6 +490,14 @@ impl Run<'_> {
         let kinds: Vec<String> =
             kinds.iter().map(|((verb, resource), c)| format!("{verb} {resource} {:.2}", per(**c as f64))).collect();
         println!("    by verb and resource: {}", kinds.join(", "));
+        if !requests.failures.is_empty() {
+            let failures: Vec<String> = requests
+                .failures
+                .iter()
+                .map(|((verb, resource, code), c)| format!("{verb} {resource} {code}: {c}"))
+                .collect();
+            println!("    failed (in all): {}", failures.join(", "));
+        }
         println!(
             "    node RSS avg {:.1} MiB (max {:.1}), node CPU avg {:.2}% of a core; kube-apiserver {apiserver:.1}%, etcd {etcd:.1}% of a core{extra}",
             rss.iter().sum::<f64>() / n,
@@ -493,6 +505,15 @@ impl Run<'_> {
             cpu / n / seconds * 100.0,
         );
     }
+}
+
+/// Returns once a node process has exited, saying which and how (its
+/// log's last line).
+async fn first_exit(nodes: &mut [NodeProc], dir: &Path) -> String {
+    let waits = nodes.iter_mut().enumerate().map(|(i, node)| Box::pin(async move { (i, node.child.wait().await) }));
+    let ((i, status), _, _) = futures_util::future::select_all(waits).await;
+    let log = std::fs::read_to_string(dir.join(format!("node-{i}/node.log"))).unwrap_or_default();
+    format!("node {i} exited ({status:?}): {}", log.lines().last().unwrap_or_default())
 }
 
 async fn wait_nodes_ready(client: kube::Client, n: usize) -> Result<Duration, BoxError> {
@@ -546,13 +567,32 @@ async fn part(kind: Kind, n: usize) -> Result<(), BoxError> {
     )?;
     secrets.create(&PostParams::default(), &secret).await?;
 
+    // Each node process holds a few inotify instances (two for Rustlet:
+    // the plugin and device-plugin directories); the kernel's default of
+    // 128 per user is far below a hundred nodes on one machine.
+    let instances: usize = std::fs::read_to_string("/proc/sys/fs/inotify/max_user_instances")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(usize::MAX);
+    let needed = 4 * n + 128;
+    if instances < needed {
+        return Err(format!(
+            "fs.inotify.max_user_instances is {instances}, {n} node processes need about {needed}: \
+             raise it first (`sysctl -w fs.inotify.max_user_instances={}`)",
+            needed.next_power_of_two()
+        )
+        .into());
+    }
     let began = Instant::now();
     let mut nodes = Vec::new();
     for i in 0..n {
         let identity = plane.node();
         nodes.push(start_node(kind, i, &identity.name, &identity.token, &plane, dir.path()).await?);
     }
-    let ready = wait_nodes_ready(client.clone(), n).await?;
+    let ready = tokio::select! {
+        ready = wait_nodes_ready(client.clone(), n) => ready?,
+        exited = first_exit(&mut nodes, dir.path()) => return Err(exited.into()),
+    };
     println!(
         "  {} N={n}: all started and Ready in {:.1} s (the last Ready {:.1} s after its start began)",
         kind.name(),
@@ -629,6 +669,9 @@ async fn part(kind: Kind, n: usize) -> Result<(), BoxError> {
     for mut node in nodes {
         let _ = node.child.kill().await;
     }
+    if std::env::var_os("RUSTLET_SCALE_KEEP").is_some() {
+        println!("  (kept: {}: the audit log and each node's log)", dir.keep().display());
+    }
     Ok(())
 }
 
@@ -637,7 +680,7 @@ fn orchestrate() -> Result<(), BoxError> {
     let Some(bin_dir) = bin_dir.filter(|d| d.join("kube-apiserver").is_file()) else {
         println!(
             "scale benchmark: skipped: RUSTLET_KUBE_BIN_DIR does not name a directory with kube-apiserver, \
-             kube-scheduler and kube-controller-manager (docs/benchmarks.md says how to build them)"
+             kube-scheduler and kube-controller-manager (docs/testing.md, \"Against a real kube-apiserver\")"
         );
         if std::env::var("RUSTLET_REQUIRE_KUBE").is_ok_and(|v| v == "1") {
             return Err("RUSTLET_REQUIRE_KUBE=1 and no Kubernetes binaries".into());

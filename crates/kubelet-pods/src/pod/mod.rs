@@ -123,11 +123,7 @@ impl PodConfig {
             allocatable,
             restart_backoff: BackoffConfig::default(),
             image_backoff: BackoffConfig::default(),
-            volume_backoff: BackoffConfig {
-                initial: std::time::Duration::from_millis(500),
-                max: std::time::Duration::from_secs(120),
-                reset_after: std::time::Duration::MAX,
-            },
+            volume_backoff: BackoffConfig::VOLUMES,
             host_ips: Vec::new(),
             cluster_domain: String::new(),
             volume_refresh: std::time::Duration::from_secs(60),

@@ -102,6 +102,9 @@ pub struct PodSettings {
     pub restart_backoff: BackoffConfig,
     /// Image pull backoff.
     pub image_backoff: BackoffConfig,
+    /// The backoff of a pod whose volumes cannot be prepared yet
+    /// ([`BackoffConfig::VOLUMES`]).
+    pub volume_backoff: BackoffConfig,
     /// Deadlines of the CSI volume calls.
     pub csi_timeouts: CsiNodeTimeouts,
     /// The cluster's DNS domain (`--cluster-domain`), for pods' `/etc/hosts`.
@@ -135,6 +138,7 @@ impl Default for PodSettings {
             gc: Some(crate::gc::GcSettings::default()),
             restart_backoff: BackoffConfig::default(),
             image_backoff: BackoffConfig::default(),
+            volume_backoff: BackoffConfig::VOLUMES,
             csi_timeouts: CsiNodeTimeouts::default(),
             cluster_domain: String::new(),
             allowed_unsafe_sysctls: Vec::new(),

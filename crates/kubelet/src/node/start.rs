@@ -189,6 +189,7 @@ fn pod_config(config: &NodeConfig, allocatable: Allocatable) -> PodConfig {
     let mut pod_config = PodConfig::new(&config.root_dir, allocatable);
     pod_config.restart_backoff = config.pods.restart_backoff;
     pod_config.image_backoff = config.pods.image_backoff;
+    pod_config.volume_backoff = config.pods.volume_backoff;
     pod_config.host_ips = config.node_ips.clone();
     pod_config.cluster_domain = config.pods.cluster_domain.clone();
     pod_config.allowed_unsafe_sysctls = config.pods.allowed_unsafe_sysctls.clone();
