@@ -17,7 +17,8 @@
 //!   is a file, **kubemark**'s hollow kubelet (upstream's kubelet code with a
 //!   fake runtime: upstream's own instrument for this);
 //! - three phases of `RUSTLET_SCALE_PHASE_SECS` each (default 120; quick:
-//!   30): **idle** (no pods); **churn** (a Deployment of
+//!   30; `RUSTLET_SCALE_PHASES` chooses, `RUSTLET_SCALE_IDLE_SECS` sets the
+//!   idle one's): **idle** (no pods); **churn** (a Deployment of
 //!   `RUSTLET_SCALE_PODS_PER_NODE` × N pods, default 5 per node, scaled up
 //!   to all Running and down to none, again and again, by the ReplicaSet
 //!   controller at its own rate); **volumes** (a Deployment of as many pods,
@@ -67,6 +68,23 @@ fn env_number(name: &str, default: u64) -> u64 {
 
 fn phase_length() -> Duration {
     Duration::from_secs(env_number("RUSTLET_SCALE_PHASE_SECS", if quick() { 30 } else { 120 }))
+}
+
+/// How long the idle phase lasts (`RUSTLET_SCALE_IDLE_SECS`, default the
+/// phase length): ten minutes take in what a quiet node does less often
+/// than a minute (each watch's renewal every 5–10 min, the Node status
+/// report every 5).
+fn idle_length() -> Duration {
+    std::env::var("RUSTLET_SCALE_IDLE_SECS")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .map_or_else(phase_length, Duration::from_secs)
+}
+
+/// Whether phase `name` runs (`RUSTLET_SCALE_PHASES`, default
+/// `idle,churn,volumes`).
+fn runs(name: &str) -> bool {
+    std::env::var("RUSTLET_SCALE_PHASES").map_or(true, |list| list.split(',').any(|p| p.trim() == name))
 }
 
 fn pods_per_node() -> usize {
@@ -543,6 +561,60 @@ async fn wait_nodes_ready(client: kube::Client, n: usize) -> Result<Duration, Bo
     Ok(began.elapsed())
 }
 
+/// Pod churn: the Deployment scaled up to all Running and down to none,
+/// again and again, for a phase.
+async fn churn(
+    run: &mut Run<'_>,
+    deployments: &Api<Deployment>,
+    times: &Arc<Mutex<PodTimes>>,
+    changed: &tokio::sync::Notify,
+    pods: usize,
+) -> Result<(), BoxError> {
+    let phase = phase_length();
+    deployments.create(&PostParams::default(), &deployment("churn", 0, false)?).await?;
+    let mark = run.mark();
+    let mut cycles = 0;
+    while mark.at.elapsed() < phase {
+        scale(&deployments, "churn", pods).await?;
+        wait_pods(&times, &changed, "all running", |t| count(t, "churn", true) == pods).await?;
+        scale(&deployments, "churn", 0).await?;
+        wait_pods(&times, &changed, "all gone", |t| count(t, "churn", false) == 0).await?;
+        cycles += 1;
+    }
+    let starts = percentiles(starts_since(&times, mark.at, "churn"));
+    run.report("churn", &mark, &format!("; {cycles} cycles of {pods} pods up and down; pod start {starts}"));
+
+    Ok(())
+}
+
+/// Pods with a ConfigMap, a Secret and a projected token started, then held
+/// for a phase.
+async fn volumes(
+    run: &mut Run<'_>,
+    deployments: &Api<Deployment>,
+    times: &Arc<Mutex<PodTimes>>,
+    changed: &tokio::sync::Notify,
+    pods: usize,
+) -> Result<(), BoxError> {
+    let phase = phase_length();
+    let n = run.nodes.len();
+    let kind = run.kind;
+    let before = Instant::now();
+    deployments.create(&PostParams::default(), &deployment("volumes", pods, true)?).await?;
+    wait_pods(&times, &changed, "all running", |t| count(t, "volumes", true) == pods).await?;
+    let starts = percentiles(starts_since(&times, before, "volumes"));
+    println!(
+        "  {} N={n}: {pods} pods with configMap, secret and projected token volumes all running in {:.1} s; pod start {starts}",
+        kind.name(),
+        before.elapsed().as_secs_f64()
+    );
+    let mark = run.mark();
+    tokio::time::sleep(phase).await;
+    run.report("volumes", &mark, &format!(" ({pods} pods with volumes running)"));
+
+    Ok(())
+}
+
 async fn part(kind: Kind, n: usize) -> Result<(), BoxError> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let dir = tempfile::Builder::new().prefix("rustlet-bench-scale-").tempdir()?;
@@ -628,42 +700,20 @@ async fn part(kind: Kind, n: usize) -> Result<(), BoxError> {
     let times = Arc::new(Mutex::new(PodTimes::default()));
     let changed = Arc::new(tokio::sync::Notify::new());
     watch_pods(client.clone(), times.clone(), changed.clone());
-    let phase = phase_length();
     let pods = pods_per_node() * n;
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), "default");
 
-    // Idle.
-    let mark = run.mark();
-    tokio::time::sleep(phase).await;
-    run.report("idle", &mark, "");
-
-    // Churn.
-    deployments.create(&PostParams::default(), &deployment("churn", 0, false)?).await?;
-    let mark = run.mark();
-    let mut cycles = 0;
-    while mark.at.elapsed() < phase {
-        scale(&deployments, "churn", pods).await?;
-        wait_pods(&times, &changed, "all running", |t| count(t, "churn", true) == pods).await?;
-        scale(&deployments, "churn", 0).await?;
-        wait_pods(&times, &changed, "all gone", |t| count(t, "churn", false) == 0).await?;
-        cycles += 1;
+    if runs("idle") {
+        let mark = run.mark();
+        tokio::time::sleep(idle_length()).await;
+        run.report("idle", &mark, "");
     }
-    let starts = percentiles(starts_since(&times, mark.at, "churn"));
-    run.report("churn", &mark, &format!("; {cycles} cycles of {pods} pods up and down; pod start {starts}"));
-
-    // Volumes.
-    let before = Instant::now();
-    deployments.create(&PostParams::default(), &deployment("volumes", pods, true)?).await?;
-    wait_pods(&times, &changed, "all running", |t| count(t, "volumes", true) == pods).await?;
-    let starts = percentiles(starts_since(&times, before, "volumes"));
-    println!(
-        "  {} N={n}: {pods} pods with configMap, secret and projected token volumes all running in {:.1} s; pod start {starts}",
-        kind.name(),
-        before.elapsed().as_secs_f64()
-    );
-    let mark = run.mark();
-    tokio::time::sleep(phase).await;
-    run.report("volumes", &mark, &format!(" ({pods} pods with volumes running)"));
+    if runs("churn") {
+        churn(&mut run, &deployments, &times, &changed, pods).await?;
+    }
+    if runs("volumes") {
+        volumes(&mut run, &deployments, &times, &changed, pods).await?;
+    }
 
     sampler.abort();
     for mut node in nodes {
@@ -700,9 +750,10 @@ fn orchestrate() -> Result<(), BoxError> {
         }
     }
     println!(
-        "scale benchmark: {} CPUs; phases of {} s; {} pods per node; nodes {counts:?}",
+        "scale benchmark: {} CPUs; phases of {} s (idle {} s); {} pods per node; nodes {counts:?}",
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         phase_length().as_secs(),
+        idle_length().as_secs(),
         pods_per_node()
     );
     for n in counts {
