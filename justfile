@@ -31,6 +31,11 @@ bench:
     cargo bench -p rustlet --bench dra
     cargo bench -p rustlet --bench density
 
+# The scale benchmark: N node processes against a real control plane
+# (docs/benchmarks.md#scale; needs RUSTLET_KUBE_BIN_DIR).
+bench-scale:
+    cargo bench -p rustlet --bench scale
+
 # The end-to-end scenario against an existing cluster (docs/cluster.md):
 # give an administrator's kubeconfig.
 e2e kubeconfig:
