@@ -575,13 +575,13 @@ async fn churn(
     let mark = run.mark();
     let mut cycles = 0;
     while mark.at.elapsed() < phase {
-        scale(&deployments, "churn", pods).await?;
-        wait_pods(&times, &changed, "all running", |t| count(t, "churn", true) == pods).await?;
-        scale(&deployments, "churn", 0).await?;
-        wait_pods(&times, &changed, "all gone", |t| count(t, "churn", false) == 0).await?;
+        scale(deployments, "churn", pods).await?;
+        wait_pods(times, changed, "all running", |t| count(t, "churn", true) == pods).await?;
+        scale(deployments, "churn", 0).await?;
+        wait_pods(times, changed, "all gone", |t| count(t, "churn", false) == 0).await?;
         cycles += 1;
     }
-    let starts = percentiles(starts_since(&times, mark.at, "churn"));
+    let starts = percentiles(starts_since(times, mark.at, "churn"));
     run.report("churn", &mark, &format!("; {cycles} cycles of {pods} pods up and down; pod start {starts}"));
 
     Ok(())
@@ -601,8 +601,8 @@ async fn volumes(
     let kind = run.kind;
     let before = Instant::now();
     deployments.create(&PostParams::default(), &deployment("volumes", pods, true)?).await?;
-    wait_pods(&times, &changed, "all running", |t| count(t, "volumes", true) == pods).await?;
-    let starts = percentiles(starts_since(&times, before, "volumes"));
+    wait_pods(times, changed, "all running", |t| count(t, "volumes", true) == pods).await?;
+    let starts = percentiles(starts_since(times, before, "volumes"));
     println!(
         "  {} N={n}: {pods} pods with configMap, secret and projected token volumes all running in {:.1} s; pod start {starts}",
         kind.name(),
