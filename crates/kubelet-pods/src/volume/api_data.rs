@@ -135,24 +135,36 @@ pub(crate) async fn link_services(objects: &dyn ApiObjects, pod: &Pod) -> Vec<k8
     chosen.into_values().collect()
 }
 
-/// Objects read through [`ApiObjects::data_cached`]: what the periodic
-/// rewrite of volumes reads.
-pub(crate) struct CachedObjects {
+/// How a volume's objects are read.
+#[derive(Clone, Copy)]
+pub(crate) enum Read {
+    /// A pod's start: [`ApiObjects::data_current`].
+    Start,
+    /// The periodic rewrite: [`ApiObjects::data_cached`], a copy at most
+    /// this old.
+    Rewrite(std::time::Duration),
+}
+
+/// Objects read as `read` says (tokens as always).
+pub(crate) struct ReadObjects {
     /// Where the objects come from.
     pub objects: std::sync::Arc<dyn ApiObjects>,
-    /// How old a copy may be.
-    pub max_age: std::time::Duration,
+    /// How.
+    pub read: Read,
 }
 
 #[async_trait::async_trait]
-impl ApiObjects for CachedObjects {
+impl ApiObjects for ReadObjects {
     async fn data(
         &self,
         kind: ObjectKind,
         namespace: &str,
         name: &str,
     ) -> Result<Option<BTreeMap<String, Vec<u8>>>, ApiError> {
-        self.objects.data_cached(kind, namespace, name, self.max_age).await
+        match self.read {
+            Read::Start => self.objects.data_current(kind, namespace, name).await,
+            Read::Rewrite(max_age) => self.objects.data_cached(kind, namespace, name, max_age).await,
+        }
     }
 
     async fn service_account_token(
@@ -162,31 +174,6 @@ impl ApiObjects for CachedObjects {
         expiration_seconds: i64,
     ) -> Result<String, ApiError> {
         self.objects.service_account_token(pod, audience, expiration_seconds).await
-    }
-}
-
-/// Objects read through [`ApiObjects::data_current`]: what a pod's start
-/// reads (its volumes).
-pub(crate) struct StartObjects(pub std::sync::Arc<dyn ApiObjects>);
-
-#[async_trait::async_trait]
-impl ApiObjects for StartObjects {
-    async fn data(
-        &self,
-        kind: ObjectKind,
-        namespace: &str,
-        name: &str,
-    ) -> Result<Option<BTreeMap<String, Vec<u8>>>, ApiError> {
-        self.0.data_current(kind, namespace, name).await
-    }
-
-    async fn service_account_token(
-        &self,
-        pod: &Pod,
-        audience: Option<&str>,
-        expiration_seconds: i64,
-    ) -> Result<String, ApiError> {
-        self.0.service_account_token(pod, audience, expiration_seconds).await
     }
 }
 

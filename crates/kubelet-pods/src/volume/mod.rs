@@ -261,7 +261,7 @@ impl VolumeManager {
             };
             if let (Some(plugin), Some(objects)) = (plugin, &self.objects) {
                 let dir = self.plugin_dir(&uid, plugin, &volume.name);
-                let objects = api_data::StartObjects(Arc::clone(objects));
+                let objects = api_data::ReadObjects { objects: Arc::clone(objects), read: api_data::Read::Start };
                 let host_path = api_data::prepare(&objects, pod, volume, &dir, context, fs_group).await?;
                 prepared.insert(volume.name.clone(), PreparedVolume::ready(host_path, VolumeKind::ApiData));
                 continue;
@@ -321,7 +321,8 @@ impl VolumeManager {
                     let before = std::fs::read_link(ready.host_path.join(atomic_writer::DATA_LINK)).ok();
                     // Objects many pods share are read once per `max_age`,
                     // not once per pod.
-                    let cached = api_data::CachedObjects { objects: Arc::clone(objects), max_age };
+                    let cached =
+                        api_data::ReadObjects { objects: Arc::clone(objects), read: api_data::Read::Rewrite(max_age) };
                     api_data::prepare(&cached, pod, volume, &ready.host_path, context, fs_group)
                         .await
                         .map(|_| std::fs::read_link(ready.host_path.join(atomic_writer::DATA_LINK)).ok() != before)
