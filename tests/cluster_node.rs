@@ -141,7 +141,7 @@ async fn the_node_reports_the_newest_conformed_version_its_control_plane_takes(a
         }
         (None, None) => unreachable!("a TestApi has a server"),
     };
-    let root = tempfile::tempdir().expect("tempdir");
+    let root = rustlet_testkit::node_root::tempdir("rustlet-node-");
     let mut config = NodeConfig::new(root.path(), api.node.clone());
     config.http_address = None;
     let shutdown = CancellationToken::new();

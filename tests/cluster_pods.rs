@@ -54,7 +54,7 @@ async fn cluster_node() -> ClusterNode {
 
 /// Pods (host processes) and the pod sync for `api`'s node.
 async fn cluster_node_on(api: TestApi) -> ClusterNode {
-    let root = tempfile::tempdir().expect("tempdir");
+    let root = rustlet_testkit::node_root::tempdir("rustlet-node-");
     let shutdown = CancellationToken::new();
     let host = Arc::new(HostProcessProvider::new());
     let provider: Arc<dyn Provider> = host.clone();
@@ -245,7 +245,7 @@ async fn status_writes_go_out_in_parallel_and_never_above_the_api_qps() {
     const IMAGE: &str = "example.com/test/sleep:v1";
     let server = ApiServer::start().await.expect("start");
     server.inject(Fault::slow(Some(http::Method::PATCH), "/status", Duration::from_millis(20), usize::MAX));
-    let root = tempfile::tempdir().expect("tempdir");
+    let root = rustlet_testkit::node_root::tempdir("rustlet-node-");
     let shutdown = CancellationToken::new();
     let provider = Arc::new(rustlet_wasi::WasiProvider::new(rustlet_wasi::WasiConfig::new(root.path())).expect("wasi"));
     let layout = root.path().join("layout");
@@ -378,7 +378,7 @@ async fn wait_events(
 async fn pod_events_reach_the_api_aggregated(api: TestApi) {
     use kubelet::cluster::{ApiSource, ClusterSettings};
     use kubelet::node::{NodeBuilder, NodeConfig};
-    let root = tempfile::tempdir().expect("tempdir");
+    let root = rustlet_testkit::node_root::tempdir("rustlet-node-");
     let mut config = NodeConfig::new(root.path(), api.node.clone());
     config.http_address = None;
     config.pods.restart_backoff = kubelet::pod::BackoffConfig {
@@ -603,7 +603,7 @@ async fn the_kubelet_api_serves_kubectl_through_the_real_api_server() {
         return;
     };
     let plane = api.control_plane().expect("real");
-    let root = tempfile::tempdir().expect("tempdir");
+    let root = rustlet_testkit::node_root::tempdir("rustlet-node-");
     let mut config = NodeConfig::new(root.path(), api.node.clone());
     config.http_address = None;
     // The API server proxies nodes/proxy to no loopback address: the

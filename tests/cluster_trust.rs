@@ -86,7 +86,7 @@ impl ClusterNode {
     }
 
     async fn start_with(api: &TestApi, max_pods: usize, provider: Arc<dyn Provider>) -> ClusterNode {
-        let dir = tempfile::Builder::new().prefix("rustlet-trust-").tempdir().expect("tempdir");
+        let dir = rustlet_testkit::node_root::tempdir("rustlet-trust-");
         let root = dir.path().to_owned();
         let (node, shutdown) = start_node(api, &root, max_pods, provider).await;
         ClusterNode { node, stop: shutdown.drop_guard(), root, _dir: dir, _plugins: Vec::new() }
@@ -759,7 +759,7 @@ async fn a_node_joins_by_tls_bootstrap_and_rotates_its_certificates() {
         .await
         .expect("token");
 
-    let dir = tempfile::tempdir().expect("tempdir");
+    let dir = rustlet_testkit::node_root::tempdir("rustlet-node-");
     let root = dir.path().join("root");
     let bootstrap_kubeconfig = dir.path().join("bootstrap.kubeconfig");
     plane.write_kubeconfig(&bootstrap_kubeconfig, &format!("{id}.{secret}")).expect("bootstrap kubeconfig");
@@ -956,7 +956,7 @@ async fn a_flood_of_random_tokens_never_holds_the_lease_back() {
     use rustlet_testkit::apiserver::{ApiServer, Fault};
     use rustlet_testkit::https::{Credentials, request};
     let server = ApiServer::start().await.expect("api server");
-    let dir = tempfile::tempdir().expect("tempdir");
+    let dir = rustlet_testkit::node_root::tempdir("rustlet-node-");
     let kubeconfig = dir.path().join("kubeconfig");
     server.write_kubeconfig(&kubeconfig, &server.node_token("flooded")).expect("kubeconfig");
     let root = dir.path().join("root");
@@ -1058,7 +1058,7 @@ async fn a_flood_of_random_tokens_never_holds_the_lease_back() {
 async fn refused_client_certificates_are_counted_by_reason() {
     use kubelet::server::{AuthSettings, AuthorizationMode, KubeletApiConfig};
     use rustlet_testkit::https::{Credentials, get};
-    let dir = tempfile::tempdir().expect("tempdir");
+    let dir = rustlet_testkit::node_root::tempdir("rustlet-node-");
     let ca_key = rcgen::KeyPair::generate().expect("key");
     let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
     ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);

@@ -149,7 +149,7 @@ async fn node_info_stays_exact_under_concurrent_registrations_removals_and_confl
 }
 
 async fn drivers_registering_through_the_node_reach_the_api_and_survive_node_recreation(api: TestApi) {
-    let root = tempfile::tempdir().expect("tempdir");
+    let root = rustlet_testkit::node_root::tempdir("rustlet-node-");
     let mut config = NodeConfig::new(root.path(), api.node.clone());
     config.http_address = None;
     let mut settings = ClusterSettings::new(ApiSource::Client(api.node_client.clone()));
@@ -231,7 +231,7 @@ rustlet_testkit::on_both_api_servers!(
 /// A cluster node on `api` running host processes, with its root dir and
 /// shutdown token.
 async fn host_node(api: &TestApi) -> (tempfile::TempDir, CancellationToken, kubelet::node::Node) {
-    let root = tempfile::tempdir().expect("tempdir");
+    let root = rustlet_testkit::node_root::tempdir("rustlet-node-");
     let provider = std::sync::Arc::new(rustlet_testkit::host_provider::HostProcessProvider::new());
     cluster_node(api, root, provider).await
 }
@@ -543,7 +543,7 @@ async fn volume_contents_follow_the_api_while_the_pod_runs(api: TestApi) {
     use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service};
     use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
 
-    let root = tempfile::tempdir().expect("tempdir");
+    let root = rustlet_testkit::node_root::tempdir("rustlet-node-");
     let provider = std::sync::Arc::new(rustlet_testkit::host_provider::HostProcessProvider::new());
     let mut config = NodeConfig::new(root.path(), api.node.clone());
     config.http_address = None;
@@ -750,7 +750,7 @@ async fn image_pull_secrets_reach_the_provider(api: TestApi) {
     };
     let module = rustlet_wasi::examples::binary("sleep").expect("module");
     registry.push_wasm("wasm/private", "v1", &module).await.expect("push");
-    let root = tempfile::tempdir().expect("tempdir");
+    let root = rustlet_testkit::node_root::tempdir("rustlet-node-");
     let provider = rustlet_wasi::WasiProvider::new(rustlet_wasi::WasiConfig::new(root.path())).expect("provider");
     let (_root, shutdown, _node) = cluster_node(&api, root, std::sync::Arc::new(provider)).await;
     let _stop = shutdown.clone().drop_guard();
@@ -805,7 +805,7 @@ async fn a_new_pods_token_refused_while_the_api_server_catches_up_is_asked_again
     let server = api.fake_server().expect("the in-process server");
     // A volume backoff far past the test's bound: only the token request's
     // own quick retries can start the pod in time.
-    let root = tempfile::tempdir().expect("tempdir");
+    let root = rustlet_testkit::node_root::tempdir("rustlet-node-");
     let mut config = NodeConfig::new(root.path(), api.node.clone());
     config.http_address = None;
     config.pods.volume_backoff =

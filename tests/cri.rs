@@ -8,6 +8,8 @@
 mod common;
 #[path = "cri/conformance.rs"]
 mod conformance;
+#[path = "cri/plugin_pods.rs"]
+mod plugin_pods;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -68,7 +70,7 @@ async fn cri_node_configured(
     tweak: impl FnOnce(&mut PodConfig),
     tweak_cri: impl FnOnce(&mut CriConfig),
 ) -> CriNode {
-    let root = tempfile::Builder::new().prefix("rustlet-cri-").tempdir().expect("tempdir");
+    let root = rustlet_testkit::node_root::tempdir("rustlet-cri-");
     cri_node_in(root, containerd, gpus, tweak, tweak_cri).await
 }
 
@@ -949,7 +951,7 @@ async fn a_containers_inline_csi_volume_is_published_and_read_inside() {
     let registry = Registry::start().await.expect("registry");
     containerd.trust_registry(&registry.host());
     let image = push_busybox(&registry, "test/busybox", "v1", &[], &["sh"]).await.expect("push");
-    let root = tempfile::Builder::new().prefix("rustlet-cri-csi-").tempdir().expect("tempdir");
+    let root = rustlet_testkit::node_root::tempdir("rustlet-cri-csi-");
     for dir in ["plugins_registry", "manifests"] {
         std::fs::create_dir_all(root.path().join(dir)).expect("mkdir");
     }
@@ -1151,6 +1153,22 @@ async fn a_cluster_runs_pods_on_the_runtime_of_their_class(api: rustlet_testkit:
         .await
         .expect_err("admission refuses a missing RuntimeClass");
     assert!(refused.to_string().contains("RuntimeClass \"no-such-class\" not found"), "{refused}");
+    // Validation: Bidirectional propagation only for a privileged container.
+    let mount = serde_json::json!([{"name": "h", "mountPath": "/h", "mountPropagation": "Bidirectional"}]);
+    let refused = pods
+        .create(
+            &PostParams::default(),
+            &pod("bidirectional", None, serde_json::json!({"name": "main", "image": image, "volumeMounts": mount})),
+        )
+        .await
+        .expect_err("validation refuses Bidirectional in an unprivileged container");
+    assert!(
+        refused.to_string().contains(
+            "spec.containers[0].volumeMounts[0].mountPropagation: Forbidden: Bidirectional mount propagation is \
+             available only to privileged containers"
+        ),
+        "{refused}"
+    );
 
     let (box_pod, wasm_pod) = (format!("box-{}", api.node), format!("wasm-{}", api.node));
     let container = serde_json::json!({
@@ -1220,7 +1238,7 @@ impl CriCluster {
         let registry = Registry::start().await.expect("registry");
         containerd.trust_registry(&registry.host());
         let image = push_busybox(&registry, "test/busybox", "v1", &[], &["sh"]).await.expect("push busybox");
-        let root = tempfile::Builder::new().prefix("rustlet-cri-cluster-").tempdir().expect("tempdir");
+        let root = rustlet_testkit::node_root::tempdir("rustlet-cri-cluster-");
         let classes = containerd_and_wasm(&containerd, root.path(), module);
         let mut settings = ClusterSettings::new(ApiSource::Client(api.node_client.clone()));
         settings.runtime_classes = Some(classes.class_handlers());
@@ -1656,7 +1674,7 @@ async fn a_container_on_containerd_sees_its_claims_cdi_env_from_upstreams_driver
     let registry = Registry::start().await.expect("registry");
     containerd.trust_registry(&registry.host());
     let image = push_busybox(&registry, "test/busybox", "v1", &[], &["sh"]).await.expect("push busybox");
-    let root = tempfile::Builder::new().prefix("rustlet-cri-dra-").tempdir().expect("tempdir");
+    let root = rustlet_testkit::node_root::tempdir("rustlet-cri-dra-");
     let mut config = NodeConfig::new(root.path(), api.node.clone());
     config.http_address = None;
     config.pods.cdi_spec_dirs = vec![root.path().join("cdi")];

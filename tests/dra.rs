@@ -326,7 +326,7 @@ mod cluster {
     #[tokio::test]
     async fn a_claim_is_prepared_once_shared_and_released_with_its_last_pod() {
         let api = TestApi::fake().await;
-        let root = tempfile::Builder::new().prefix("rustlet-dra-").tempdir().expect("tempdir");
+        let root = rustlet_testkit::node_root::tempdir("rustlet-dra-");
         let (node, shutdown, mut gpu, claims, pods) = node_with_driver(&api, root.path()).await;
         let created = claims.create(&PostParams::default(), &claim("shared-gpu")).await.expect("claim");
         let claim_uid = created.metadata.uid.clone().expect("uid");
@@ -481,7 +481,7 @@ mod cluster {
         let stale = format!("{}-stale", api.node);
         slices.create(&PostParams::default(), &slice(&stale, &api.node, DRIVER)).await.expect("stale slice");
         slices.create(&PostParams::default(), &slice("elsewhere", "n2", DRIVER)).await.expect("other node's slice");
-        let root = tempfile::Builder::new().prefix("rustlet-dra-").tempdir().expect("tempdir");
+        let root = rustlet_testkit::node_root::tempdir("rustlet-dra-");
         let (node, shutdown) = cluster_node(&api, root.path()).await;
         api.wait_for(&slices, &stale, "wiped at start", SOON, |s| s.is_none()).await;
 
@@ -521,7 +521,7 @@ mod cluster {
         slices.create(&PostParams::default(), &slice(&stale, &api.node, DRIVER)).await.expect("stale slice");
         // As a 1.28 server answers: no such group version.
         server.serve_resource_versions(&[]);
-        let root = tempfile::Builder::new().prefix("rustlet-dra-").tempdir().expect("tempdir");
+        let root = rustlet_testkit::node_root::tempdir("rustlet-dra-");
         let (node, shutdown) = cluster_node(&api, root.path()).await;
         let asked = server
             .wait_requests(SOON, |r| {
@@ -568,7 +568,7 @@ mod cluster {
             stale_slice["apiVersion"] = "resource.k8s.io/v1".into();
             stale_slice["kind"] = "ResourceSlice".into();
             slices.create(&PostParams::default(), &object(stale_slice)).await.expect("stale slice");
-            let root = tempfile::Builder::new().prefix("rustlet-dra-").tempdir().expect("tempdir");
+            let root = rustlet_testkit::node_root::tempdir("rustlet-dra-");
             let (node, shutdown, mut gpu, _, pods) = node_with_driver(&api, root.path()).await;
             api.wait_for(&slices, &stale, "wiped at start", SOON, |s| s.is_none()).await;
             let published = format!("{}-{DRIVER}", api.node);
@@ -640,7 +640,7 @@ mod cluster {
     #[tokio::test]
     async fn a_finished_pod_releases_its_claim() {
         let api = TestApi::fake().await;
-        let root = tempfile::Builder::new().prefix("rustlet-dra-").tempdir().expect("tempdir");
+        let root = rustlet_testkit::node_root::tempdir("rustlet-dra-");
         let (node, shutdown, mut gpu, claims, pods) = node_with_driver(&api, root.path()).await;
         let claim_uid =
             claims.create(&PostParams::default(), &claim("job-gpu")).await.expect("claim").metadata.uid.expect("uid");
@@ -672,7 +672,7 @@ mod cluster {
     /// A static pod cannot use a claim: no API server allocates one to it.
     #[tokio::test]
     async fn a_static_pod_with_a_claim_is_refused() {
-        let root = tempfile::Builder::new().prefix("rustlet-dra-").tempdir().expect("tempdir");
+        let root = rustlet_testkit::node_root::tempdir("rustlet-dra-");
         let manifests = root.path().join("manifests");
         std::fs::create_dir_all(&manifests).expect("mkdir");
         let pod = json!({
@@ -736,7 +736,7 @@ mod pod_resources {
     /// the unit test's).
     #[tokio::test]
     async fn a_monitoring_agent_reads_each_containers_devices_and_is_rate_limited() {
-        let root = tempfile::Builder::new().prefix("rustlet-podres-").tempdir().expect("tempdir");
+        let root = rustlet_testkit::node_root::tempdir("rustlet-podres-");
         let manifests = root.path().join("manifests");
         std::fs::create_dir_all(&manifests).expect("mkdir");
         let mut config = NodeConfig::new(root.path(), "res-node");
@@ -889,7 +889,7 @@ mod real_control_plane {
         let Some(api) = TestApi::real(TEST).await else { return };
         let Some((driver_binary, version)) = upstream::setting_up(TEST, &api).await else { return };
 
-        let root = tempfile::Builder::new().prefix("rustlet-dra-real-").tempdir().expect("tempdir");
+        let root = rustlet_testkit::node_root::tempdir("rustlet-dra-real-");
         let (node, shutdown) = cluster_node(&api, root.path()).await;
         let plane = api.control_plane().expect("real");
         let mut driver =

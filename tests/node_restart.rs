@@ -73,7 +73,7 @@ fn starts(out: &Path) -> usize {
 
 #[tokio::test]
 async fn a_node_killed_with_running_pods_adopts_them_when_it_comes_back() {
-    let root = tempfile::Builder::new().prefix("rustlet-restart-").tempdir().expect("tempdir");
+    let root = rustlet_testkit::node_root::tempdir("rustlet-restart-");
     let out = root.path().join("out");
     for dir in ["manifests", "plugins_registry", "device-plugins", "out"] {
         std::fs::create_dir_all(root.path().join(dir)).expect("mkdir");
@@ -221,7 +221,7 @@ fn container_state(pod: &Pod) -> (Option<String>, Option<String>, i32) {
 /// same container (adopted), its device from the checkpoint, its volume
 /// neither unpublished nor published again, its data kept.
 async fn a_killed_cluster_node_keeps_its_api_pods_running(api: TestApi) {
-    let root = tempfile::Builder::new().prefix("rustlet-restart-").tempdir().expect("tempdir");
+    let root = rustlet_testkit::node_root::tempdir("rustlet-restart-");
     for dir in ["plugins_registry", "device-plugins"] {
         std::fs::create_dir_all(root.path().join(dir)).expect("mkdir");
     }
@@ -341,7 +341,7 @@ rustlet_testkit::on_both_api_servers!(
 /// `resize` subresource is refused.
 async fn an_allocated_resize_survives_a_kill_9_and_an_infeasible_one_stays_pending(api: TestApi) {
     use kube::api::{Patch, PatchParams};
-    let root = tempfile::Builder::new().prefix("rustlet-restart-").tempdir().expect("tempdir");
+    let root = rustlet_testkit::node_root::tempdir("rustlet-restart-");
     let _cleanup = KillContainers(root.path().join("host-provider"));
     let mut node = start_cluster_test_node(root.path(), &api).await;
     let pods: Api<Pod> = Api::namespaced(api.admin.clone(), "default");

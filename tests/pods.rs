@@ -41,7 +41,7 @@ fn allocatable() -> Allocatable {
 
 /// A node with `gpus` fake devices and the host-process provider.
 async fn pod_node(gpus: u64, tweak: impl FnOnce(&mut PodConfig)) -> PodNode {
-    let root = tempfile::Builder::new().prefix("rustlet-pods-").tempdir().expect("tempdir");
+    let root = rustlet_testkit::node_root::tempdir("rustlet-pods-");
     let shutdown = CancellationToken::new();
     let device_dir = root.path().join("device-plugins");
     let mut device_config = DeviceManagerConfig::new(&device_dir);

@@ -53,7 +53,7 @@ fn test_node_config(root: &Path) -> NodeConfig {
 }
 
 fn new_root() -> TempDir {
-    let root = tempfile::Builder::new().prefix("rustlet-static-").tempdir().expect("tempdir");
+    let root = rustlet_testkit::node_root::tempdir("rustlet-static-");
     for dir in ["plugins_registry", "device-plugins", "manifests"] {
         std::fs::create_dir_all(root.path().join(dir)).expect("mkdir");
     }

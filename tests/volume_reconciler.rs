@@ -72,7 +72,7 @@ struct Fixture {
 
 impl Fixture {
     fn new() -> Fixture {
-        let root = tempfile::Builder::new().prefix("rustlet-reconcile-").tempdir().expect("tempdir");
+        let root = rustlet_testkit::node_root::tempdir("rustlet-reconcile-");
         for dir in ["plugins_registry", "device-plugins", "manifests", "backing"] {
             std::fs::create_dir_all(root.path().join(dir)).expect("mkdir");
         }

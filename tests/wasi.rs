@@ -58,7 +58,7 @@ async fn wasm_node_with(gpus: u64, allocatable: Allocatable, max_map_count: Opti
 
 /// [`wasm_node_with`], the provider's settings changed by `tweak`.
 async fn wasm_node_config(gpus: u64, allocatable: Allocatable, tweak: impl FnOnce(&mut WasiConfig)) -> WasmNode {
-    let root = tempfile::Builder::new().prefix("rustlet-wasi-").tempdir().expect("tempdir");
+    let root = rustlet_testkit::node_root::tempdir("rustlet-wasi-");
     let shutdown = CancellationToken::new();
     let device_dir = root.path().join("device-plugins");
     let devices = DeviceManager::start(DeviceManagerConfig::new(&device_dir), shutdown.clone()).expect("devices");

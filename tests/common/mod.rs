@@ -178,7 +178,7 @@ pub struct TestNode {
 /// A temp root dir whose `plugins_registry` exists, for plugins started
 /// before the node.
 pub fn root_dir() -> (TempDir, PathBuf) {
-    let root = tempfile::Builder::new().prefix("rustlet-test-").tempdir().expect("tempdir");
+    let root = rustlet_testkit::node_root::tempdir("rustlet-test-");
     let registry = root.path().join("plugins_registry");
     std::fs::create_dir_all(&registry).expect("mkdir");
     (root, registry)

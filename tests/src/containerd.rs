@@ -266,7 +266,8 @@ fn tail(text: &str) -> String {
 /// The busybox applets the test images link.
 const APPLETS: &[&str] = &[
     "sh", "sleep", "echo", "cat", "ls", "env", "true", "false", "test", "id", "hostname", "kill", "wc", "grep", "head",
-    "printf", "mkdir", "touch", "dd", "nc", "wget", "ip", "date", "httpd", "rm", "stat", "readlink", "ps",
+    "printf", "mkdir", "touch", "dd", "nc", "wget", "ip", "date", "httpd", "rm", "stat", "readlink", "ps", "mount",
+    "umount",
 ];
 
 /// An uncompressed layer tar: Debian's static busybox at `/bin/busybox`,

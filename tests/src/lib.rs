@@ -21,6 +21,8 @@
 //! - [`skip`]: the one skip policy: a test that cannot have what it needs
 //!   says so in one line, and fails where its `RUSTLET_REQUIRE_*` is `1`.
 //! - [`other_user`]: running a binary as another user from any checkout.
+//! - [`node_root`]: temp root dirs for nodes, under a shared mount that
+//!   goes when the test binary exits.
 
 pub use rustlet_sample_plugins::{csi_driver, device_plugin, dra_driver, registration, report};
 
@@ -33,6 +35,7 @@ pub mod dra_test_driver;
 pub mod host_provider;
 pub mod https;
 pub mod node_process;
+pub mod node_root;
 pub mod other_user;
 pub mod pod_deletion;
 pub mod pod_state;

@@ -163,7 +163,25 @@ fn static_pod(document: Value, path: &Path, node_name: &str) -> Result<Pod, Stri
         }
     }
     validate_names(&pod)?;
+    validate_mount_propagation(&pod)?;
     Ok(pod)
+}
+
+/// Checks every volume mount's `mountPropagation` as the API server's
+/// validation does (Bidirectional for privileged containers only).
+fn validate_mount_propagation(pod: &Pod) -> Result<(), String> {
+    let Some(spec) = pod.spec.as_ref() else { return Ok(()) };
+    let lists =
+        [("initContainers", spec.init_containers.as_deref().unwrap_or_default()), ("containers", &spec.containers)];
+    for (list, containers) in lists {
+        for (i, container) in containers.iter().enumerate() {
+            for (j, mount) in container.volume_mounts.iter().flatten().enumerate() {
+                crate::pod::run_options::propagation(container, mount.mount_propagation.as_deref())
+                    .map_err(|why| format!("spec.{list}[{i}].volumeMounts[{j}].{why}"))?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Checks, as the API server's validation would, every name of `pod` that
@@ -583,6 +601,38 @@ mod tests {
             parse_manifest(p, &pod("name: web.v1, uid: abc-123_x.y", "data-1"), "Node-1").expect("valid").len(),
             1
         );
+    }
+
+    #[test]
+    fn mount_propagation_is_checked_as_the_api_server_checks_it() {
+        let p = Path::new("/m");
+        let pod = |privileged: bool, mode: &str| {
+            format!(
+                "kind: Pod\nmetadata: {{name: x}}\nspec:\n  containers:\n  - name: c\n    image: i\n    \
+                 securityContext: {{privileged: {privileged}}}\n    volumeMounts:\n    - {{name: a, mountPath: /a}}\n    \
+                 - {{name: b, mountPath: /b, mountPropagation: {mode}}}\n  volumes:\n  - {{name: a, emptyDir: {{}}}}\n  \
+                 - {{name: b, hostPath: {{path: /mnt}}}}\n"
+            )
+        };
+        let error = parse_manifest(p, &pod(false, "Bidirectional"), "n").expect_err("unprivileged").to_string();
+        assert!(
+            error.contains(
+                "spec.containers[0].volumeMounts[1].mountPropagation: Forbidden: Bidirectional mount propagation is \
+                 available only to privileged containers"
+            ),
+            "{error}"
+        );
+        let error = parse_manifest(p, &pod(true, "Sideways"), "n").expect_err("unknown mode").to_string();
+        assert!(
+            error.contains(
+                "spec.containers[0].volumeMounts[1].mountPropagation: Unsupported value: \"Sideways\": supported \
+                 values: \"Bidirectional\", \"HostToContainer\", \"None\""
+            ),
+            "{error}"
+        );
+        for (privileged, mode) in [(true, "Bidirectional"), (false, "HostToContainer"), (false, "None")] {
+            assert_eq!(parse_manifest(p, &pod(privileged, mode), "n").expect(mode).len(), 1, "{mode}");
+        }
     }
 
     /// Fuzz target: static manifest files (YAML and JSON, several

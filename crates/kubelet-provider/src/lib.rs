@@ -104,6 +104,27 @@ pub struct Mount {
     pub read_only: bool,
     /// The pod volume it comes from; `None` for a device plugin's mount.
     pub volume: Option<String>,
+    /// Whether mounts made later beneath it cross between the host and the
+    /// container (the volume mount's `mountPropagation`).
+    pub propagation: MountPropagation,
+}
+
+/// A mount's propagation, as the kubelet sends it through CRI: which way
+/// mounts made beneath the mount point after the container starts travel.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub enum MountPropagation {
+    /// Neither way (`None`, or no `mountPropagation`; the runtime's
+    /// `rprivate`).
+    #[default]
+    Private,
+    /// From the host into the container (`HostToContainer`; `rslave`): a
+    /// volume mounted on the host later is seen inside.
+    HostToContainer,
+    /// Both ways (`Bidirectional`; `rshared`; privileged containers only): a
+    /// mount the container makes reaches the host and every other container
+    /// of the same host path. What a CSI driver's pod asks for its
+    /// `<root-dir>/pods` and `<root-dir>/plugins`.
+    Bidirectional,
 }
 
 /// Everything a container is run with, in one value: the spec's command and

@@ -16,10 +16,23 @@ use tokio_util::sync::CancellationToken;
 
 const SOON: Duration = Duration::from_secs(60);
 
+/// The node makes its root dir a shared mount (a bind on itself, as root)
+/// and leaves it, as the kubelet does; the test's goes with the test.
+struct UnmountAtEnd(std::path::PathBuf);
+
+impl Drop for UnmountAtEnd {
+    fn drop(&mut self) {
+        if kubelet::volume::mounts::is_mount_point(&self.0) {
+            let _ = rustix::mount::unmount(&self.0, rustix::mount::UnmountFlags::DETACH);
+        }
+    }
+}
+
 #[tokio::test]
 async fn the_example_provider_runs_a_pod_as_a_host_process() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (root, manifests) = (dir.path().join("root"), dir.path().join("manifests"));
+    let _unmount = UnmountAtEnd(root.clone());
     std::fs::create_dir_all(&manifests).expect("mkdir");
     let out = dir.path().join("out");
     // The container's process (the shell execs `sleep`, which keeps its pid;

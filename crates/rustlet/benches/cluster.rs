@@ -213,7 +213,7 @@ async fn run_real(count: usize) -> Result<(), BoxError> {
     let admin = plane.admin_client().await?;
     let node_client = plane.client(&identity.token).await?;
     let shutdown = CancellationToken::new();
-    let root = tempfile::Builder::new().prefix("rustlet-bench-cluster-").tempdir()?;
+    let root = rustlet_testkit::node_root::tempdir("rustlet-bench-cluster-");
     let rss_before = common::rss_mib();
     let node = start_node(root.path(), &identity.name, node_client, count, &shutdown).await?;
     ready(&admin, &identity.name).await?;
@@ -251,7 +251,7 @@ async fn run() -> Result<(), BoxError> {
     let admin = server.client(server.admin_token()).await?;
     let node_client = server.client(&server.node_token("bench")).await?;
     let shutdown = CancellationToken::new();
-    let root = tempfile::Builder::new().prefix("rustlet-bench-cluster-").tempdir()?;
+    let root = rustlet_testkit::node_root::tempdir("rustlet-bench-cluster-");
     let node = start_node(root.path(), "bench", node_client, count, &shutdown).await?;
     ready(&admin, "bench").await?;
     println!(

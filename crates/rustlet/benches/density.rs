@@ -167,7 +167,7 @@ async fn floor(n: usize, layout: Layout) -> Result<(), BoxError> {
 async fn node(n: usize) -> Result<(), BoxError> {
     allow_files(2 * n as u64 + 4096);
     let shutdown = CancellationToken::new();
-    let root = tempfile::Builder::new().prefix("rustlet-bench-density-").tempdir()?;
+    let root = rustlet_testkit::node_root::tempdir("rustlet-bench-density-");
     let manifests = root.path().join("manifests");
     std::fs::create_dir_all(&manifests)?;
     let provider = common::sleep_provider(root.path(), IMAGE)?;

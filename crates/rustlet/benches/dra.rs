@@ -166,7 +166,7 @@ async fn main() -> Result<(), BoxError> {
     let samples = if quick() { 10 } else { 40 };
     let list_pods = if quick() { 100 } else { 500 };
     let batch = 100;
-    let root = tempfile::Builder::new().prefix("rustlet-bench-dra-").tempdir()?;
+    let root = rustlet_testkit::node_root::tempdir("rustlet-bench-dra-");
     let shutdown = CancellationToken::new();
     let devices = 2 * samples + 3 * batch;
     let bench = start(root.path(), devices, list_pods + samples + batch, &shutdown).await?;

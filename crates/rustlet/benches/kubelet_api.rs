@@ -115,7 +115,7 @@ fn line(what: &str, ours: &common::Figures, floor: &common::Figures) {
 async fn main() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let n = rounds();
-    let root = tempfile::tempdir().expect("tempdir");
+    let root = rustlet_testkit::node_root::tempdir("rustlet-bench-");
     let mut config = NodeConfig::new(root.path(), "bench-node");
     config.http_address = None;
     let mut api = KubeletApiConfig::new(root.path());
@@ -214,7 +214,7 @@ async fn through_the_api_server(n: usize) {
     use rustlet_testkit::control_plane::ControlPlane;
     let Some(plane) = ControlPlane::shared("kubelet_api bench") else { return };
     let identity = plane.node();
-    let root = tempfile::tempdir().expect("tempdir");
+    let root = rustlet_testkit::node_root::tempdir("rustlet-bench-");
     let wasi = rustlet_wasi::WasiProvider::new(rustlet_wasi::WasiConfig::new(root.path())).expect("wasi");
     let layout = root.path().join("layout");
     let module = rustlet_wasi::examples::binary("talk").expect("module");

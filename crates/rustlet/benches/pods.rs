@@ -73,7 +73,7 @@ struct Bench {
 }
 
 async fn start(shutdown: &CancellationToken) -> Result<Bench, BoxError> {
-    let root = tempfile::Builder::new().prefix("rustlet-bench-pods-").tempdir()?;
+    let root = rustlet_testkit::node_root::tempdir("rustlet-bench-pods-");
     let manifests = root.path().join("manifests");
     for dir in ["manifests", "plugins_registry", "device-plugins"] {
         std::fs::create_dir_all(root.path().join(dir))?;

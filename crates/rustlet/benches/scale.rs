@@ -617,7 +617,7 @@ async fn volumes(
 
 async fn part(kind: Kind, n: usize) -> Result<(), BoxError> {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let dir = tempfile::Builder::new().prefix("rustlet-bench-scale-").tempdir()?;
+    let dir = rustlet_testkit::node_root::tempdir("rustlet-bench-scale-");
     let audit_path = dir.path().join("audit.log");
     let options = Options {
         audit_log: Some(audit_path.clone()),

@@ -104,7 +104,7 @@ async fn cold_pull(rounds: usize) -> Result<(), BoxError> {
     let url = format!("http://{}/v2/bench/big/blobs/{layer}", registry.host());
     let (mut pulls, mut curls) = (Vec::new(), Vec::new());
     for _ in 0..rounds {
-        let root = tempfile::tempdir()?;
+        let root = rustlet_testkit::node_root::tempdir("rustlet-bench-");
         let puller = Puller::new(ImageStore::open(root.path())?, root.path().join("config.json"));
         let began = Instant::now();
         puller.ensure(&reference, PullPolicy::Always).await?;
@@ -133,7 +133,7 @@ async fn run() -> Result<(), BoxError> {
     let _ = rlimit::increase_nofile_limit(u64::MAX);
     let (sequential, at_once, pull_rounds) = if quick() { (10, 20, 3) } else { (50, 100, 10) };
     let shutdown = CancellationToken::new();
-    let root = tempfile::Builder::new().prefix("rustlet-bench-wasm-").tempdir()?;
+    let root = rustlet_testkit::node_root::tempdir("rustlet-bench-wasm-");
     let manifests = root.path().join("manifests");
     std::fs::create_dir_all(&manifests)?;
     let provider = common::sleep_provider(root.path(), IMAGE)?;

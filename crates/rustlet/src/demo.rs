@@ -36,10 +36,24 @@ use crate::cli::DemoArgs;
 
 const STEP_DEADLINE: Duration = Duration::from_secs(20);
 
+/// The demo's throwaway root dir. The node makes its root dir a shared
+/// mount (a bind on itself, when run as root) and leaves it, as the
+/// kubelet does; the demo's goes with the dir.
+struct DemoRoot(tempfile::TempDir);
+
+impl Drop for DemoRoot {
+    fn drop(&mut self) {
+        if kubelet::volume::mounts::is_mount_point(self.0.path()) {
+            let _ = rustix::mount::unmount(self.0.path(), rustix::mount::UnmountFlags::DETACH);
+        }
+    }
+}
+
 pub(crate) async fn run(args: DemoArgs, signals: HealthReporter, shutdown: CancellationToken) -> anyhow::Result<()> {
-    let root =
-        tempfile::Builder::new().prefix("rustlet-demo-").tempdir().context("cannot create a temporary root dir")?;
-    let node = start_node(root.path(), &signals, &shutdown).await?;
+    let root = DemoRoot(
+        tempfile::Builder::new().prefix("rustlet-demo-").tempdir().context("cannot create a temporary root dir")?,
+    );
+    let node = start_node(root.0.path(), &signals, &shutdown).await?;
     let mut events = node.plugins().subscribe();
     let plugins = CancellationToken::new();
     let hostpath = demo_csi_drivers(&node, &mut events, &plugins).await?;

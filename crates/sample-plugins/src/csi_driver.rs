@@ -225,6 +225,11 @@ pub struct RegisteredCsiDriver {
     /// Where an exit behaviour sends its exit code (see
     /// [`RegistrationPlugin::exit_requests`]).
     pub exit_requests: Option<tokio::sync::mpsc::UnboundedSender<i32>>,
+    /// The endpoint the node is told, when it differs from where the
+    /// driver listens: a driver in a pod listens at a path inside its
+    /// container and names the node's path of the same socket (the
+    /// node-driver-registrar's `--kubelet-registration-path`).
+    pub advertised_endpoint: Option<PathBuf>,
 }
 
 impl RegisteredCsiDriver {
@@ -237,6 +242,7 @@ impl RegisteredCsiDriver {
             versions: vec!["1.0.0".into()],
             behaviour: Behaviour::Normal,
             exit_requests: None,
+            advertised_endpoint: None,
         }
     }
 
@@ -260,7 +266,7 @@ impl RegisteredCsiDriver {
         let identity = registration::Identity {
             plugin_type: kubelet_api::constants::CSI_PLUGIN_TYPE.into(),
             name: self.config.name.clone(),
-            endpoint: self.endpoint.display().to_string(),
+            endpoint: self.advertised_endpoint.as_ref().unwrap_or(&self.endpoint).display().to_string(),
             versions: self.versions,
         };
         let driver = FakeCsiDriver::new(&self.endpoint, self.config, reporter.clone());

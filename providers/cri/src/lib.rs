@@ -53,8 +53,8 @@ use kubelet_api::cri::v1::image_service_client::ImageServiceClient;
 use kubelet_api::cri::v1::runtime_service_client::RuntimeServiceClient;
 use kubelet_api::uds::{UdsChannel, dial, socket_path_of};
 use kubelet_provider::{
-    ContainerExit, ContainerId, ContainerLaunch, ContainerStats, ExecOutput, PreparedImage, Provider, ProviderError,
-    ProviderErrorKind, PullPolicy, PullSecrets, RunningContainer, StreamRequest, StreamingEndpoint,
+    ContainerExit, ContainerId, ContainerLaunch, ContainerStats, ExecOutput, MountPropagation, PreparedImage, Provider,
+    ProviderError, ProviderErrorKind, PullPolicy, PullSecrets, RunningContainer, StreamRequest, StreamingEndpoint,
 };
 use kubelet_support::cgroups::PodCgroups;
 use kubelet_support::retry::RetryBackoff;
@@ -750,7 +750,11 @@ fn container_config(launch: &ContainerLaunch, oom: &OomPolicy) -> cri::Container
                 container_path: m.container_path.clone(),
                 host_path: m.host_path.display().to_string(),
                 readonly: m.read_only,
-                propagation: cri::MountPropagation::PropagationPrivate as i32,
+                propagation: match m.propagation {
+                    MountPropagation::Private => cri::MountPropagation::PropagationPrivate,
+                    MountPropagation::HostToContainer => cri::MountPropagation::PropagationHostToContainer,
+                    MountPropagation::Bidirectional => cri::MountPropagation::PropagationBidirectional,
+                } as i32,
                 ..Default::default()
             })
             .collect(),

@@ -523,6 +523,39 @@ async fn answer(shared: &Arc<Shared>, method: &Method, uri: &Uri, headers: &Head
     }
 }
 
+/// The API server's validation of volume mounts' `mountPropagation`:
+/// `Bidirectional` for privileged containers only, and only the three
+/// modes, in the real server's words.
+fn validate_mount_propagation(pod: &Value) -> Result<(), ApiError> {
+    let name = pod.pointer("/metadata/name").and_then(Value::as_str).unwrap_or_default();
+    let mut errors = Vec::new();
+    for list in ["initContainers", "containers"] {
+        let containers = pod.pointer(&format!("/spec/{list}")).and_then(Value::as_array).cloned().unwrap_or_default();
+        for (i, container) in containers.iter().enumerate() {
+            let privileged = container.pointer("/securityContext/privileged").and_then(Value::as_bool) == Some(true);
+            let mounts = container.get("volumeMounts").and_then(Value::as_array).cloned().unwrap_or_default();
+            for (j, mount) in mounts.iter().enumerate() {
+                let field = format!("spec.{list}[{i}].volumeMounts[{j}].mountPropagation");
+                match mount.get("mountPropagation").and_then(Value::as_str) {
+                    None | Some("None" | "HostToContainer") => {}
+                    Some("Bidirectional") if privileged => {}
+                    Some("Bidirectional") => errors.push(format!(
+                        "{field}: Forbidden: Bidirectional mount propagation is available only to privileged containers"
+                    )),
+                    Some(other) => errors.push(format!(
+                        "{field}: Unsupported value: {other:?}: supported values: \"Bidirectional\", \"HostToContainer\", \"None\""
+                    )),
+                }
+            }
+        }
+    }
+    match errors.len() {
+        0 => Ok(()),
+        1 => Err(ApiError::new(422, "Invalid", format!("Pod \"{name}\" is invalid: {}", errors[0]))),
+        _ => Err(ApiError::new(422, "Invalid", format!("Pod \"{name}\" is invalid: [{}]", errors.join(", ")))),
+    }
+}
+
 /// The RuntimeClass admission plugin: a pod naming a RuntimeClass that
 /// does not exist is refused, in the real server's words.
 fn admit_runtime_class(store: &Store, pod: &Value) -> Result<(), ApiError> {
@@ -779,6 +812,7 @@ async fn serve(
                 return Err(ApiError::new(404, "NotFound", "a namespaced object is created in its namespace's path"));
             }
             if resource.plural == "pods" {
+                validate_mount_propagation(&body_value)?;
                 admit_runtime_class(&shared.store(), &body_value)?;
             }
             let created = shared.store().create(resource, &namespace, body_value)?;

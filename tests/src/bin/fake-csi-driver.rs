@@ -22,6 +22,10 @@ struct Args {
     /// CSI endpoint socket.
     #[arg(long)]
     endpoint: PathBuf,
+    /// The endpoint the node is told (the node's path of `--endpoint`,
+    /// for a driver in a container); defaults to `--endpoint`.
+    #[arg(long)]
+    kubelet_registration_path: Option<PathBuf>,
     /// Driver name.
     #[arg(long)]
     name: String,
@@ -85,7 +89,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         volume_calls: args.volume_call.into_iter().collect(),
         bind_mounts_from: args.bind_mounts_from,
     };
+    let registration_socket = args.registration_socket.clone();
     let mut driver = RegisteredCsiDriver::new(args.registration_socket, args.endpoint, config);
+    driver.advertised_endpoint = args.kubelet_registration_path;
     driver.versions = args.versions.split(',').map(str::trim).filter(|v| !v.is_empty()).map(str::to_owned).collect();
     let (exits, mut exit_requests) = tokio::sync::mpsc::unbounded_channel();
     if args.exit_on_rejection {
@@ -94,11 +100,18 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let tasks = driver.spawn(Reporter::Stdout, shutdown.clone())?;
     Reporter::Stdout.report(Report::Listening { sockets: 1 });
+    // SIGTERM too: a container is stopped with it (and as PID 1 nothing
+    // else would end the driver before the runtime's kill).
+    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
         signal = tokio::signal::ctrl_c() => signal?,
+        _ = terminate.recv() => {}
         // Told it was turned down: die on the spot, sockets left behind.
         Some(code) = exit_requests.recv() => std::process::exit(code),
     }
+    // Stopped: the registration socket goes, as the node-driver-registrar
+    // removes its own, and the node deregisters the driver.
+    let _ = std::fs::remove_file(&registration_socket);
     shutdown.cancel();
     for task in tasks {
         let _ = task.await;

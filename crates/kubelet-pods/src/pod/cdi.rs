@@ -185,6 +185,7 @@ fn apply_edits(edits: &Edits, options: &mut ContainerRunOptions, device: &str, f
                 host_path: PathBuf::from(&mount.host_path),
                 read_only: mount.options.iter().any(|o| o == "ro"),
                 volume: None,
+                propagation: Default::default(),
             });
         }
     }

@@ -38,7 +38,7 @@ pub mod probe;
 pub mod relist;
 pub mod resize;
 pub use kubelet_provider::quantity;
-mod run_options;
+pub(crate) mod run_options;
 mod sources;
 mod spec;
 mod states;

@@ -106,7 +106,13 @@ pub(crate) fn prepare(
         // Replaced whole: a container mounting it sees the old file or the new.
         kubelet_support::durable::write(&path, text.as_bytes(), 0o644)
             .map_err(|e| format!("{}: {e}", path.display()))?;
-        mounts.push(Mount { container_path: "/etc/hosts".into(), host_path: path, read_only: false, volume: None });
+        mounts.push(Mount {
+            container_path: "/etc/hosts".into(),
+            host_path: path,
+            read_only: false,
+            volume: None,
+            propagation: Default::default(),
+        });
     }
     let mut termination_message = None;
     if let Some(target) = container.termination_message_path.as_deref().filter(|p| !p.is_empty()) {
@@ -122,6 +128,7 @@ pub(crate) fn prepare(
             host_path: file.clone(),
             read_only: false,
             volume: None,
+            propagation: Default::default(),
         });
         termination_message = Some(file);
     }

@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use k8s_openapi::api::core::v1::{Container, Pod, Service};
 
 use crate::device_manager::RunOptions;
-use crate::provider::{ContainerRunOptions, EnvVar, Mount};
+use crate::provider::{ContainerRunOptions, EnvVar, Mount, MountPropagation};
 use crate::volume::{DownwardContext, EnvObjects, ObjectKind, PodVolumes, VolumeKind, field_value, resource_value};
 
 /// Why a container's configuration cannot be run
@@ -62,6 +62,7 @@ pub(crate) fn build(
             host_path: PathBuf::from(&mount.host_path),
             read_only: mount.read_only,
             volume: None,
+            propagation: Default::default(),
         });
     }
     let expand_all =
@@ -179,9 +180,29 @@ fn volume_mounts(container: &Container, volumes: &PodVolumes, env: &[EnvVar]) ->
             host_path,
             read_only: mount.read_only.unwrap_or(false),
             volume: Some(mount.name.clone()),
+            propagation: propagation(container, mount.mount_propagation.as_deref())
+                .map_err(|why| ConfigError(format!("volumeMount {:?}: {why}", mount.name)))?,
         });
     }
     Ok(mounts)
+}
+
+/// A volume mount's `mountPropagation` as the runtime is told it, checked
+/// as the API server's validation checks it (the node checks again: a
+/// static pod or an API server without that validation reaches it too).
+pub(crate) fn propagation(container: &Container, mode: Option<&str>) -> Result<MountPropagation, String> {
+    match mode {
+        None | Some("None") => Ok(MountPropagation::Private),
+        Some("HostToContainer") => Ok(MountPropagation::HostToContainer),
+        Some("Bidirectional") if crate::pod::spec::privileged(container) => Ok(MountPropagation::Bidirectional),
+        Some("Bidirectional") => Err(
+            "mountPropagation: Forbidden: Bidirectional mount propagation is available only to privileged containers"
+                .into(),
+        ),
+        Some(other) => Err(format!(
+            "mountPropagation: Unsupported value: {other:?}: supported values: \"Bidirectional\", \"HostToContainer\", \"None\""
+        )),
+    }
 }
 
 /// `sub` inside the volume at `root`, resolved without leaving it: every
@@ -418,6 +439,21 @@ mod tests {
         assert_eq!(mode & 0o777, 0o600);
         let missing = subpath_copy(&volume, "absent", "conf", "main", 3).expect("an empty dir");
         assert!(missing.is_dir());
+    }
+
+    #[test]
+    fn mount_propagation_is_translated_as_the_kubelet_sends_it() {
+        let mut container = Container { name: "c".into(), ..Default::default() };
+        assert_eq!(propagation(&container, None), Ok(MountPropagation::Private));
+        assert_eq!(propagation(&container, Some("None")), Ok(MountPropagation::Private));
+        assert_eq!(propagation(&container, Some("HostToContainer")), Ok(MountPropagation::HostToContainer));
+        let refused = propagation(&container, Some("Bidirectional")).expect_err("unprivileged");
+        assert!(refused.ends_with("Bidirectional mount propagation is available only to privileged containers"));
+        container.security_context =
+            Some(k8s_openapi::api::core::v1::SecurityContext { privileged: Some(true), ..Default::default() });
+        assert_eq!(propagation(&container, Some("Bidirectional")), Ok(MountPropagation::Bidirectional));
+        let unknown = propagation(&container, Some("rshared")).expect_err("not a mode");
+        assert!(unknown.starts_with("mountPropagation: Unsupported value: \"rshared\""), "{unknown}");
     }
 
     #[test]

@@ -85,6 +85,11 @@ pub(crate) fn containers(pod: &Pod) -> Vec<(ContainerKind, &Container)> {
     init.chain(spec.containers.iter().map(|c| (ContainerKind::App, c))).collect()
 }
 
+/// Whether `container` runs privileged (`securityContext.privileged`).
+pub(crate) fn privileged(container: &Container) -> bool {
+    container.security_context.as_ref().and_then(|s| s.privileged).unwrap_or(false)
+}
+
 /// The pod's termination grace period: the deletion's, else the spec's
 /// `terminationGracePeriodSeconds`, else upstream's default.
 pub(crate) fn grace_period(pod: &Pod) -> Duration {

@@ -86,7 +86,9 @@ pub(crate) fn prepare(volume: &str, path: &str, kind: Option<&str>) -> Result<Pa
             check(&file_type, |t| t.is_dir()).then_some(()).ok_or_else(|| mismatch("directory"))?
         }
         HostPathType::File => check(&file_type, |t| t.is_file()).then_some(()).ok_or_else(|| mismatch("file"))?,
-        HostPathType::Socket => check(&file_type, |t| t.is_socket()).then_some(()).ok_or_else(|| mismatch("socket"))?,
+        HostPathType::Socket => {
+            check(&file_type, |t| t.is_socket()).then_some(()).ok_or_else(|| mismatch("socket file"))?
+        }
         HostPathType::CharDevice => {
             check(&file_type, |t| t.is_char_device()).then_some(()).ok_or_else(|| mismatch("character device"))?
         }

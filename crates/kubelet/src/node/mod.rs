@@ -337,6 +337,7 @@ impl NodeBuilder {
             supervision: &supervision,
             shutdown: &shutdown,
         };
+        start::share_root_dir(&config.root_dir);
         let in_cluster = cluster.is_some();
         let plugins = start::start_plugins(&wiring, handlers, in_cluster, &mut metrics)?;
         let capacity = node_capacity(&config, provider.as_deref());

@@ -53,6 +53,33 @@ pub(super) fn supervision(
     Supervision::new(shutdown.clone(), healthz.clone(), tasks.clone()).counting(task_ends)
 }
 
+/// Makes the root dir a shared mount, as the kubelet's start does, so that
+/// what a plugin's pod mounts beneath a `Bidirectional` volume of it (a
+/// CSI driver's publish target under `<root>/pods`) reaches the host and
+/// the other pods. Where that cannot be done (not root), the node runs on
+/// and says what will not work; the kubelet would refuse to start.
+pub(super) fn share_root_dir(root_dir: &Path) {
+    use crate::volume::mounts::{SharedMount, make_rshared};
+    if let Err(error) = std::fs::create_dir_all(root_dir) {
+        tracing::warn!(root_dir = %root_dir.display(), %error, "cannot make the root dir");
+        return;
+    }
+    match make_rshared(root_dir) {
+        Ok(SharedMount::Made) => {
+            tracing::info!(root_dir = %root_dir.display(), "root dir bind-mounted on itself with shared propagation")
+        }
+        Ok(SharedMount::AlreadyShared) => {
+            tracing::debug!(root_dir = %root_dir.display(), "root dir is on a shared mount already")
+        }
+        Err(error) => tracing::warn!(
+            root_dir = %root_dir.display(),
+            error = %error,
+            "the root dir is not a shared mount: volumes under it with mountPropagation Bidirectional or \
+             HostToContainer will fail to start"
+        ),
+    }
+}
+
 /// The plugin system, started.
 pub(super) struct PluginParts {
     pub(super) csi_drivers: CsiDriverRegistry,

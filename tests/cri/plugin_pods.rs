@@ -1,0 +1,360 @@
+//! Plugins deployed as clusters deploy them: in pods on containerd. A CSI
+//! driver runs in a privileged container that mounts the node's
+//! `<root>/pods` with `mountPropagation: Bidirectional` and its registration
+//! and endpoint sockets through hostPath volumes; what it mounts inside its
+//! container must reach the host and, from there, the pod that uses the
+//! volume. The driver's pod is then rolled (deleted, a new one started) and
+//! the node deregisters and registers it again. hostPath volumes of every
+//! type reach a container as the deployment wrote them.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use kubelet::node::{Node, NodeBuilder, NodeConfig};
+use kubelet::pod::Allocatable;
+use kubelet::provider::decode_cri_log;
+use rustlet_cri::{CriConfig, CriProvider};
+use rustlet_testkit::containerd::{Containerd, push_busybox};
+use rustlet_testkit::registry::Registry;
+use tokio_util::sync::CancellationToken;
+
+use super::{SOON, common, terminated};
+
+const DRIVER: &str = "pod.csi.example.com";
+
+/// A root dir on a private mount (as `/tmp` is here), so that the node has
+/// to make it shared itself; its mounts go with it.
+struct PrivateRoot(tempfile::TempDir);
+
+impl Drop for PrivateRoot {
+    fn drop(&mut self) {
+        let mut points: Vec<PathBuf> = mount_points().into_iter().filter(|m| m.starts_with(self.0.path())).collect();
+        points.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+        for point in points {
+            let _ = std::process::Command::new("umount").arg("-l").arg(&point).status();
+        }
+    }
+}
+
+/// The host's mount points (this process's mount namespace).
+fn mount_points() -> Vec<PathBuf> {
+    let text = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
+    text.lines().filter_map(|l| l.split(' ').nth(4)).map(PathBuf::from).collect()
+}
+
+/// Whether `dir` is itself a mount point with shared propagation.
+fn is_shared_mount_point(dir: &Path) -> bool {
+    let text = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
+    let dir = dir.display().to_string();
+    text.lines().any(|l| {
+        let fields: Vec<&str> = l.split(' ').collect();
+        fields.get(4) == Some(&dir.as_str())
+            && fields.iter().skip(6).take_while(|f| **f != "-").any(|f| f.starts_with("shared:"))
+    })
+}
+
+/// A pod manifest's hostPath volume and the mount of it.
+struct HostVolume<'a> {
+    name: &'a str,
+    host: String,
+    kind: &'a str,
+    at: String,
+    extra: &'a str,
+}
+
+impl HostVolume<'_> {
+    fn volume(&self) -> String {
+        format!("  - {{name: {}, hostPath: {{path: '{}', type: '{}'}}}}\n", self.name, self.host, self.kind)
+    }
+
+    fn mount(&self) -> String {
+        format!("    - {{name: {}, mountPath: '{}'{}}}\n", self.name, self.at, self.extra)
+    }
+}
+
+/// The driver's pod, `name`: the test's CSI driver binary (with the host's
+/// libraries, read-only) in a privileged busybox container, as a CSI
+/// driver's DaemonSet runs: `<root>/pods` at the same path with
+/// Bidirectional propagation, the registration dir and its own socket dir
+/// from the host.
+fn driver_pod(root: &Path, image: &str, name: &str) -> String {
+    let root_str = root.display().to_string();
+    let binary = common::csi_driver_bin();
+    let volumes = [
+        HostVolume {
+            name: "lib",
+            host: "/lib".into(),
+            kind: "Directory",
+            at: "/lib".into(),
+            extra: ", readOnly: true",
+        },
+        HostVolume {
+            name: "lib64",
+            host: "/lib64".into(),
+            kind: "Directory",
+            at: "/lib64".into(),
+            extra: ", readOnly: true",
+        },
+        HostVolume { name: "driver", host: binary.into(), kind: "File", at: "/plugin/driver".into(), extra: "" },
+        HostVolume {
+            name: "pods",
+            host: format!("{root_str}/pods"),
+            kind: "DirectoryOrCreate",
+            at: format!("{root_str}/pods"),
+            extra: ", mountPropagation: Bidirectional",
+        },
+        HostVolume {
+            name: "registration",
+            host: format!("{root_str}/plugins_registry"),
+            kind: "Directory",
+            at: "/registration".into(),
+            extra: "",
+        },
+        HostVolume {
+            name: "socket-dir",
+            host: format!("{root_str}/plugins/{DRIVER}"),
+            kind: "DirectoryOrCreate",
+            at: "/csi".into(),
+            extra: "",
+        },
+        HostVolume {
+            name: "data",
+            host: format!("{root_str}/driver-data"),
+            kind: "DirectoryOrCreate",
+            at: "/data".into(),
+            extra: "",
+        },
+    ];
+    let mounts: String = volumes.iter().map(HostVolume::mount).collect();
+    let volumes: String = volumes.iter().map(HostVolume::volume).collect();
+    format!(
+        "apiVersion: v1\nkind: Pod\nmetadata: {{name: {name}}}\nspec:\n  terminationGracePeriodSeconds: 10\n  containers:\n  \
+         - name: driver\n    image: {image}\n    securityContext: {{privileged: true}}\n    \
+         command: [/plugin/driver, --name, {DRIVER}, --node-id, pod-node, --registration-socket, /registration/{DRIVER}-reg.sock, \
+         --endpoint, /csi/csi.sock, --kubelet-registration-path, '{root_str}/plugins/{DRIVER}/csi.sock', --bind-mounts-from, /data]\n    \
+         volumeMounts:\n{mounts}  volumes:\n{volumes}"
+    )
+}
+
+/// A pod reading the driver's inline volume: prints the marker the driver
+/// wrote inside its own mount, then waits.
+fn reader_pod(image: &str, name: &str) -> String {
+    format!(
+        "apiVersion: v1\nkind: Pod\nmetadata: {{name: {name}}}\nspec:\n  terminationGracePeriodSeconds: 1\n  containers:\n  \
+         - name: main\n    image: {image}\n    \
+         command: [sh, -c, 'cat /data/{marker}; echo; exec sleep 3600']\n    volumeMounts: [{{name: data, mountPath: /data}}]\n  \
+         volumes:\n  - name: data\n    csi: {{driver: {DRIVER}}}\n",
+        marker = rustlet_testkit::csi_driver::PUBLISHED_MARKER,
+    )
+}
+
+/// Waits until `pred` holds of the node's CSI drivers.
+async fn wait_drivers(node: &Node, what: &str, pred: impl Fn(Option<kubelet::csi::CsiDriver>) -> bool) {
+    let mut changes = node.csi_drivers().view().changes();
+    let deadline = Instant::now() + SOON;
+    while !pred(node.csi_drivers().get(DRIVER)) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if tokio::time::timeout(left, changes.changed()).await.is_err() {
+            panic!(
+                "{what}: not within {SOON:?}: {:?}; pods: {:#?}",
+                node.csi_drivers().list(),
+                node.pods().store().list()
+            );
+        }
+    }
+}
+
+/// The UID of the pod called `name` (static pods get the node's name).
+async fn wait_uid(node: &Node, name: &str) -> String {
+    let full = format!("{name}-pod-node");
+    let pods = node
+        .pods()
+        .store()
+        .wait_for(SOON, |pods| pods.values().any(|p| p.metadata.name.as_deref() == Some(full.as_str())))
+        .await
+        .unwrap_or_else(|| panic!("{full} never came: {:#?}", node.pods().store().list()));
+    pods.values()
+        .find(|p| p.metadata.name.as_deref() == Some(full.as_str()))
+        .and_then(|p| p.metadata.uid.clone())
+        .expect("uid")
+}
+
+/// Starts a reader, checks that it reads what the driver mounted inside its
+/// own container (the host sees the mount at the publish target), removes
+/// it, and checks that the mount is gone from the host.
+async fn read_through_the_driver(node: &Node, root: &Path, image: &str, name: &str) {
+    let manifest = root.join(format!("manifests/{name}.yaml"));
+    std::fs::write(&manifest, reader_pod(image, name)).expect("reader manifest");
+    let uid = wait_uid(node, name).await;
+    let log = root.join(format!("logs/pods/default_{name}-pod-node_{uid}/main/0.log"));
+    let text = rustlet_testkit::wait_file(&log, |t| !decode_cri_log(t).is_empty(), SOON).await;
+    let line = decode_cri_log(&text).first().map(|l| l.trim_end().to_owned()).unwrap_or_default();
+    let target = root.join(format!("pods/{uid}/volumes/kubernetes.io~csi/data/mount"));
+    assert!(line.starts_with("csi-"), "{name} read {line:?}, not the driver's volume ID");
+    assert!(
+        mount_points().contains(&target),
+        "the driver's mount in its container reached the host at {}",
+        target.display()
+    );
+    // The data is the driver's: under its source dir, not in the target.
+    assert_eq!(
+        std::fs::read_to_string(root.join(format!("driver-data/{line}/published-volume"))).ok().as_deref(),
+        Some(line.as_str())
+    );
+
+    std::fs::remove_file(&manifest).expect("rm reader");
+    node.pods()
+        .store()
+        .wait_for(SOON, |pods| !pods.contains_key(&uid))
+        .await
+        .unwrap_or_else(|| panic!("{name} never went: {:#?}", node.pods().store().get(&uid)));
+    assert!(!mount_points().contains(&target), "unpublished inside the driver's container: gone from the host too");
+    assert!(!target.exists(), "the target dir is removed with the pod");
+}
+
+#[tokio::test]
+async fn a_csi_driver_in_a_privileged_pod_mounts_volumes_other_pods_read_and_survives_a_roll() {
+    let test = "a_csi_driver_in_a_privileged_pod_mounts_volumes_other_pods_read_and_survives_a_roll";
+    let Some(containerd) = Containerd::private(test) else { return };
+    let registry = Registry::start().await.expect("registry");
+    containerd.trust_registry(&registry.host());
+    let image = push_busybox(&registry, "test/busybox", "v1", &[], &["sh"]).await.expect("push");
+    let root = PrivateRoot(tempfile::Builder::new().prefix("rustlet-plugin-pods-").tempdir().expect("tempdir"));
+    let root_path = root.0.path().to_owned();
+    for dir in ["plugins_registry", "manifests"] {
+        std::fs::create_dir_all(root_path.join(dir)).expect("mkdir");
+    }
+    let stop = CancellationToken::new();
+    let mut config = NodeConfig::new(&root_path, "pod-node");
+    config.http_address = None;
+    config.pods.manifest_dir = Some(root_path.join("manifests"));
+    config.pods.allocatable = Some(Allocatable { cpu_milli: 4000, memory: 8 << 30, pods: 110 });
+    let node = NodeBuilder::new(config)
+        .provider(Arc::new(CriProvider::new(CriConfig::new(containerd.endpoint()))))
+        .start(stop.clone())
+        .await
+        .expect("node");
+    let _stop = stop.clone().drop_guard();
+    assert!(is_shared_mount_point(&root_path), "the node made its root dir a shared mount");
+
+    let driver_object = format!(
+        "apiVersion: storage.k8s.io/v1\nkind: CSIDriver\nmetadata: {{name: {DRIVER}}}\nspec: {{volumeLifecycleModes: [Ephemeral]}}\n"
+    );
+    std::fs::write(root_path.join("manifests/csidriver.yaml"), driver_object).expect("CSIDriver");
+    std::fs::write(root_path.join("manifests/driver.yaml"), driver_pod(&root_path, &image, "csi-driver"))
+        .expect("driver");
+    wait_drivers(&node, "the driver in its pod registers", |d| d.is_some()).await;
+    let registered = node.csi_drivers().get(DRIVER).expect("driver");
+    assert_eq!(registered.endpoint, root_path.join(format!("plugins/{DRIVER}/csi.sock")).display().to_string());
+    read_through_the_driver(&node, &root_path, &image, "reader").await;
+
+    // Rolled: the old pod goes (its registration socket with it), a new one
+    // comes and registers again.
+    let socket = root_path.join(format!("plugins_registry/{DRIVER}-reg.sock"));
+    std::fs::remove_file(root_path.join("manifests/driver.yaml")).expect("rm driver");
+    wait_drivers(&node, "the deleted driver pod deregisters", |d| d.is_none()).await;
+    assert!(!socket.exists(), "the stopped driver removed its registration socket");
+    std::fs::write(root_path.join("manifests/driver-v2.yaml"), driver_pod(&root_path, &image, "csi-driver-v2"))
+        .expect("driver v2");
+    wait_drivers(&node, "the new driver pod registers", |d| d.is_some()).await;
+    read_through_the_driver(&node, &root_path, &image, "reader-2").await;
+
+    std::fs::remove_file(root_path.join("manifests/driver-v2.yaml")).expect("rm driver v2");
+    wait_drivers(&node, "the second driver pod deregisters", |d| d.is_none()).await;
+    stop.cancel();
+    node.stopped().await;
+}
+
+#[tokio::test]
+async fn host_path_volumes_of_every_type_reach_the_container() {
+    let test = "host_path_volumes_of_every_type_reach_the_container";
+    let Some(containerd) = Containerd::shared(test) else { return };
+    let node = super::cri_node(containerd).await;
+    let dir = node.root.path().join("host");
+    std::fs::create_dir_all(dir.join("existing-dir")).expect("dir");
+    std::fs::write(dir.join("existing-file"), "file contents").expect("file");
+    let socket = dir.join("plugin.sock");
+    let _listener = std::os::unix::net::UnixListener::bind(&socket).expect("socket");
+    // A block device node of the test's own (loop device numbers): a
+    // BlockDevice hostPath is checked by the node's type, not opened.
+    let block = dir.join("block");
+    let made = std::process::Command::new("mknod").arg(&block).args(["b", "7", "200"]).status().expect("mknod");
+    assert!(made.success(), "mknod");
+    let d = dir.display();
+    let pod = serde_json::json!({
+        "metadata": {"name": "hostpaths", "namespace": "default", "uid": "hostpaths-1"},
+        "spec": {
+            "restartPolicy": "Never",
+            "containers": [{
+                "name": "main", "image": node.image,
+                "command": ["sh", "-c", "ls /made-dir >/dev/null && cat /existing-file && echo && test -S /plugin.sock \
+                    && test -c /null && test -b /block && test -d /existing-dir && test -f /made-file && echo ok"],
+                "volumeMounts": [
+                    {"name": "made-dir", "mountPath": "/made-dir"},
+                    {"name": "existing-dir", "mountPath": "/existing-dir"},
+                    {"name": "made-file", "mountPath": "/made-file"},
+                    {"name": "existing-file", "mountPath": "/existing-file"},
+                    {"name": "socket", "mountPath": "/plugin.sock"},
+                    {"name": "null", "mountPath": "/null"},
+                    {"name": "block", "mountPath": "/block"},
+                ],
+            }],
+            "volumes": [
+                {"name": "made-dir", "hostPath": {"path": format!("{d}/made/dir"), "type": "DirectoryOrCreate"}},
+                {"name": "existing-dir", "hostPath": {"path": format!("{d}/existing-dir"), "type": "Directory"}},
+                {"name": "made-file", "hostPath": {"path": format!("{d}/made-file"), "type": "FileOrCreate"}},
+                {"name": "existing-file", "hostPath": {"path": format!("{d}/existing-file"), "type": "File"}},
+                {"name": "socket", "hostPath": {"path": socket.display().to_string(), "type": "Socket"}},
+                {"name": "null", "hostPath": {"path": "/dev/null", "type": "CharDevice"}},
+                {"name": "block", "hostPath": {"path": block.display().to_string(), "type": "BlockDevice"}},
+            ],
+        },
+    });
+    node.pods.apply(serde_json::from_value(pod).expect("pod"));
+    let done = node
+        .pods
+        .store()
+        .wait_for(SOON, |pods| pods.get("hostpaths-1").and_then(terminated).is_some())
+        .await
+        .unwrap_or_else(|| panic!("never finished: {:#?}", node.pods.store().get("hostpaths-1")));
+    let pod = &done["hostpaths-1"];
+    let log = node.root.path().join("logs/pods/default_hostpaths_hostpaths-1/main/0.log");
+    let lines = decode_cri_log(&std::fs::read_to_string(&log).unwrap_or_default());
+    assert_eq!(terminated(pod).map(|t| t.exit_code), Some(0), "{lines:?} {:?}", pod.status);
+    assert_eq!(lines.iter().map(|l| l.trim_end()).collect::<Vec<_>>(), ["file contents", "ok"]);
+    assert!(dir.join("made/dir").is_dir(), "DirectoryOrCreate made the dir, parents too");
+    assert!(dir.join("made-file").is_file(), "FileOrCreate made the file");
+
+    // Each type refused on the wrong kind of file, in upstream's words.
+    for (uid, kind, path, what) in [
+        ("wrong-1", "Directory", dir.join("existing-file"), "is not a directory"),
+        ("wrong-2", "File", dir.join("existing-dir"), "is not a file"),
+        ("wrong-3", "Socket", dir.join("existing-file"), "is not a socket file"),
+        ("wrong-4", "CharDevice", block.clone(), "is not a character device"),
+        ("wrong-5", "BlockDevice", PathBuf::from("/dev/null"), "is not a block device"),
+        ("wrong-6", "FileOrCreate", dir.join("existing-dir"), "is not a file"),
+        ("wrong-7", "DirectoryOrCreate", dir.join("existing-file"), "is not a directory"),
+    ] {
+        let pod = serde_json::json!({
+            "metadata": {"name": uid, "namespace": "default", "uid": uid},
+            "spec": {
+                "containers": [{"name": "main", "image": node.image, "command": ["true"],
+                                "volumeMounts": [{"name": "v", "mountPath": "/v"}]}],
+                "volumes": [{"name": "v", "hostPath": {"path": path.display().to_string(), "type": kind}}],
+            },
+        });
+        node.pods.apply(serde_json::from_value(pod).expect("pod"));
+        let expected = format!("hostPath type check failed: {} {what}", path.display());
+        let pending = node
+            .pods
+            .store()
+            .wait_for(SOON, |pods| {
+                pods.get(uid).and_then(|p| p.status.as_ref()?.message.clone()).is_some_and(|m| m.contains(&expected))
+            })
+            .await
+            .unwrap_or_else(|| panic!("{kind}: no {expected:?}: {:#?}", node.pods.store().get(uid)));
+        assert_eq!(super::phase(&pending[uid]), Some("Pending"), "{kind}");
+        node.pods.delete(uid);
+    }
+}
