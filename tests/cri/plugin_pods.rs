@@ -4,8 +4,10 @@
 //! and endpoint sockets through hostPath volumes; what it mounts inside its
 //! container must reach the host and, from there, the pod that uses the
 //! volume. The driver's pod is then rolled (deleted, a new one started) and
-//! the node deregisters and registers it again. hostPath volumes of every
-//! type reach a container as the deployment wrote them.
+//! the node deregisters and registers it again. A device plugin runs as its
+//! DaemonSet runs it, its pod replaced under a pod using its device.
+//! hostPath volumes of every type reach a container as the deployment wrote
+//! them.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -73,15 +75,10 @@ impl HostVolume<'_> {
     }
 }
 
-/// The driver's pod, `name`: the test's CSI driver binary (with the host's
-/// libraries, read-only) in a privileged busybox container, as a CSI
-/// driver's DaemonSet runs: `<root>/pods` at the same path with
-/// Bidirectional propagation, the registration dir and its own socket dir
-/// from the host.
-fn driver_pod(root: &Path, image: &str, name: &str) -> String {
-    let root_str = root.display().to_string();
-    let binary = common::csi_driver_bin();
-    let volumes = [
+/// The host's libraries, read-only, and `binary` at `/plugin/<name>`: what
+/// a test plugin binary needs to run in a busybox container.
+fn plugin_binary_volumes<'a>(binary: &str, name: &'a str) -> [HostVolume<'a>; 3] {
+    [
         HostVolume {
             name: "lib",
             host: "/lib".into(),
@@ -96,7 +93,22 @@ fn driver_pod(root: &Path, image: &str, name: &str) -> String {
             at: "/lib64".into(),
             extra: ", readOnly: true",
         },
-        HostVolume { name: "driver", host: binary.into(), kind: "File", at: "/plugin/driver".into(), extra: "" },
+        HostVolume { name, host: binary.into(), kind: "File", at: format!("/plugin/{name}"), extra: "" },
+    ]
+}
+
+/// The driver's pod, `name`: the test's CSI driver binary (with the host's
+/// libraries, read-only) in a privileged busybox container, as a CSI
+/// driver's DaemonSet runs: `<root>/pods` at the same path with
+/// Bidirectional propagation, the registration dir and its own socket dir
+/// from the host.
+fn driver_pod(root: &Path, image: &str, name: &str) -> String {
+    let root_str = root.display().to_string();
+    let [lib, lib64, binary] = plugin_binary_volumes(common::csi_driver_bin(), "driver");
+    let volumes = [
+        lib,
+        lib64,
+        binary,
         HostVolume {
             name: "pods",
             host: format!("{root_str}/pods"),
@@ -357,4 +369,97 @@ async fn host_path_volumes_of_every_type_reach_the_container() {
         assert_eq!(super::phase(&pending[uid]), Some("Pending"), "{kind}");
         node.pods.delete(uid);
     }
+}
+
+const POD_GPU: &str = "example.com/pod-gpu";
+
+/// A device plugin as its DaemonSet runs it: the test's device plugin
+/// binary in a container with `<root>/device-plugins` from the host,
+/// registering on the node's `kubelet.sock` there.
+fn device_plugin_pod(root: &Path, image: &str, name: &str) -> String {
+    let [lib, lib64, binary] = plugin_binary_volumes(common::device_plugin_bin(), "device-plugin");
+    let volumes = [
+        lib,
+        lib64,
+        binary,
+        HostVolume {
+            name: "device-plugins",
+            host: format!("{}/device-plugins", root.display()),
+            kind: "Directory",
+            at: "/var/lib/kubelet/device-plugins".into(),
+            extra: "",
+        },
+    ];
+    let mounts: String = volumes.iter().map(HostVolume::mount).collect();
+    let volumes: String = volumes.iter().map(HostVolume::volume).collect();
+    format!(
+        "apiVersion: v1\nkind: Pod\nmetadata: {{name: {name}}}\nspec:\n  terminationGracePeriodSeconds: 1\n  containers:\n  \
+         - name: plugin\n    image: {image}\n    \
+         command: [/plugin/device-plugin, --socket, /var/lib/kubelet/device-plugins/{name}.sock, --resource, {POD_GPU}, --count, '2']\n    \
+         volumeMounts:\n{mounts}  volumes:\n{volumes}"
+    )
+}
+
+/// Waits until the node advertises `allocatable` devices of [`POD_GPU`].
+async fn wait_pod_gpus(node: &Node, allocatable: u64) {
+    let mut capacity = node.devices().capacity();
+    let reached = capacity.wait_for(|c| c.get(POD_GPU).map_or(0, |c| c.allocatable) == allocatable);
+    if !matches!(tokio::time::timeout(SOON, reached).await, Ok(Ok(_))) {
+        panic!("{POD_GPU}: not {allocatable} within {SOON:?}: {:?}", *node.devices().capacity().borrow());
+    }
+}
+
+#[tokio::test]
+async fn a_device_plugin_in_a_pod_serves_pods_and_comes_back_when_its_pod_is_replaced() {
+    let test = "a_device_plugin_in_a_pod_serves_pods_and_comes_back_when_its_pod_is_replaced";
+    let Some(containerd) = Containerd::private(test) else { return };
+    let registry = Registry::start().await.expect("registry");
+    containerd.trust_registry(&registry.host());
+    let image = push_busybox(&registry, "test/busybox", "v1", &[], &["sh"]).await.expect("push");
+    let root = rustlet_testkit::node_root::tempdir("rustlet-device-pods-");
+    let root_path = root.path().to_owned();
+    std::fs::create_dir_all(root_path.join("manifests")).expect("mkdir");
+    let stop = CancellationToken::new();
+    let mut config = NodeConfig::new(&root_path, "pod-node");
+    config.http_address = None;
+    config.pods.manifest_dir = Some(root_path.join("manifests"));
+    config.pods.allocatable = Some(Allocatable { cpu_milli: 4000, memory: 8 << 30, pods: 110 });
+    let node = NodeBuilder::new(config)
+        .provider(Arc::new(CriProvider::new(CriConfig::new(containerd.endpoint()))))
+        .start(stop.clone())
+        .await
+        .expect("node");
+    let _stop = stop.clone().drop_guard();
+
+    std::fs::write(root_path.join("manifests/plugin.yaml"), device_plugin_pod(&root_path, &image, "gpu-plugin"))
+        .expect("plugin");
+    wait_pod_gpus(&node, 2).await;
+    let consumer = format!(
+        "apiVersion: v1\nkind: Pod\nmetadata: {{name: consumer}}\nspec:\n  containers:\n  - name: main\n    image: {image}\n    \
+         command: [sh, -c, 'echo started; exec sleep 3600']\n    resources: {{limits: {{{POD_GPU}: 1}}}}\n"
+    );
+    std::fs::write(root_path.join("manifests/consumer.yaml"), &consumer).expect("consumer");
+    let uid = wait_uid(&node, "consumer").await;
+    let log = root_path.join(format!("logs/pods/default_consumer-pod-node_{uid}/main/0.log"));
+    rustlet_testkit::wait_file(&log, |t| decode_cri_log(t).iter().any(|l| l.trim_end() == "started"), SOON).await;
+    assert_eq!(node.devices().allocated(&uid, "main").get(POD_GPU).map(Vec::len), Some(1), "one device allocated");
+
+    // The plugin's pod replaced: its devices go unhealthy, then the new pod
+    // registers the resource again.
+    std::fs::remove_file(root_path.join("manifests/plugin.yaml")).expect("rm plugin");
+    wait_pod_gpus(&node, 0).await;
+    std::fs::write(root_path.join("manifests/plugin-v2.yaml"), device_plugin_pod(&root_path, &image, "gpu-plugin-v2"))
+        .expect("plugin v2");
+    wait_pod_gpus(&node, 2).await;
+    assert_eq!(
+        node.devices().allocated(&uid, "main").get(POD_GPU).map(Vec::len),
+        Some(1),
+        "the running pod keeps its device across the plugin's replacement"
+    );
+    for name in ["consumer", "plugin-v2"] {
+        std::fs::remove_file(root_path.join(format!("manifests/{name}.yaml"))).expect("rm");
+    }
+    wait_pod_gpus(&node, 0).await;
+    stop.cancel();
+    node.stopped().await;
 }
