@@ -161,6 +161,37 @@ fn reader_pod(image: &str, name: &str) -> String {
     )
 }
 
+/// A standalone node on `containerd` whose static pods come from
+/// `<root>/manifests`, and the busybox image in a registry of its own.
+struct PluginNode {
+    node: Node,
+    image: String,
+    stop: CancellationToken,
+    _registry: Registry,
+}
+
+impl PluginNode {
+    async fn start(containerd: &Containerd, root: &Path) -> PluginNode {
+        let registry = Registry::start().await.expect("registry");
+        containerd.trust_registry(&registry.host());
+        let image = push_busybox(&registry, "test/busybox", "v1", &[], &["sh"]).await.expect("push");
+        for dir in ["plugins_registry", "manifests"] {
+            std::fs::create_dir_all(root.join(dir)).expect("mkdir");
+        }
+        let stop = CancellationToken::new();
+        let mut config = NodeConfig::new(root, "pod-node");
+        config.http_address = None;
+        config.pods.manifest_dir = Some(root.join("manifests"));
+        config.pods.allocatable = Some(Allocatable { cpu_milli: 4000, memory: 8 << 30, pods: 110 });
+        let node = NodeBuilder::new(config)
+            .provider(Arc::new(CriProvider::new(CriConfig::new(containerd.endpoint()))))
+            .start(stop.clone())
+            .await
+            .expect("node");
+        PluginNode { node, image, stop, _registry: registry }
+    }
+}
+
 /// Waits until `pred` holds of the node's CSI drivers.
 async fn wait_drivers(node: &Node, what: &str, pred: impl Fn(Option<kubelet::csi::CsiDriver>) -> bool) {
     let mut changes = node.csi_drivers().view().changes();
@@ -229,24 +260,9 @@ async fn read_through_the_driver(node: &Node, root: &Path, image: &str, name: &s
 async fn a_csi_driver_in_a_privileged_pod_mounts_volumes_other_pods_read_and_survives_a_roll() {
     let test = "a_csi_driver_in_a_privileged_pod_mounts_volumes_other_pods_read_and_survives_a_roll";
     let Some(containerd) = Containerd::private(test) else { return };
-    let registry = Registry::start().await.expect("registry");
-    containerd.trust_registry(&registry.host());
-    let image = push_busybox(&registry, "test/busybox", "v1", &[], &["sh"]).await.expect("push");
     let root = PrivateRoot(tempfile::Builder::new().prefix("rustlet-plugin-pods-").tempdir().expect("tempdir"));
     let root_path = root.0.path().to_owned();
-    for dir in ["plugins_registry", "manifests"] {
-        std::fs::create_dir_all(root_path.join(dir)).expect("mkdir");
-    }
-    let stop = CancellationToken::new();
-    let mut config = NodeConfig::new(&root_path, "pod-node");
-    config.http_address = None;
-    config.pods.manifest_dir = Some(root_path.join("manifests"));
-    config.pods.allocatable = Some(Allocatable { cpu_milli: 4000, memory: 8 << 30, pods: 110 });
-    let node = NodeBuilder::new(config)
-        .provider(Arc::new(CriProvider::new(CriConfig::new(containerd.endpoint()))))
-        .start(stop.clone())
-        .await
-        .expect("node");
+    let PluginNode { node, image, stop, _registry } = PluginNode::start(&containerd, &root_path).await;
     let _stop = stop.clone().drop_guard();
     assert!(is_shared_mount_point(&root_path), "the node made its root dir a shared mount");
 
@@ -413,22 +429,9 @@ async fn wait_pod_gpus(node: &Node, allocatable: u64) {
 async fn a_device_plugin_in_a_pod_serves_pods_and_comes_back_when_its_pod_is_replaced() {
     let test = "a_device_plugin_in_a_pod_serves_pods_and_comes_back_when_its_pod_is_replaced";
     let Some(containerd) = Containerd::private(test) else { return };
-    let registry = Registry::start().await.expect("registry");
-    containerd.trust_registry(&registry.host());
-    let image = push_busybox(&registry, "test/busybox", "v1", &[], &["sh"]).await.expect("push");
     let root = rustlet_testkit::node_root::tempdir("rustlet-device-pods-");
     let root_path = root.path().to_owned();
-    std::fs::create_dir_all(root_path.join("manifests")).expect("mkdir");
-    let stop = CancellationToken::new();
-    let mut config = NodeConfig::new(&root_path, "pod-node");
-    config.http_address = None;
-    config.pods.manifest_dir = Some(root_path.join("manifests"));
-    config.pods.allocatable = Some(Allocatable { cpu_milli: 4000, memory: 8 << 30, pods: 110 });
-    let node = NodeBuilder::new(config)
-        .provider(Arc::new(CriProvider::new(CriConfig::new(containerd.endpoint()))))
-        .start(stop.clone())
-        .await
-        .expect("node");
+    let PluginNode { node, image, stop, _registry } = PluginNode::start(&containerd, &root_path).await;
     let _stop = stop.clone().drop_guard();
 
     std::fs::write(root_path.join("manifests/plugin.yaml"), device_plugin_pod(&root_path, &image, "gpu-plugin"))
