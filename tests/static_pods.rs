@@ -634,3 +634,89 @@ async fn a_persistent_csi_volume_is_staged_once_published_per_pod_and_unstaged_w
 async fn next_volume_call(driver: &mut PluginProcess) -> Report {
     driver.wait_for(SOON, |r| matches!(r, Report::VolumeCall { .. })).await.expect("a volume call")
 }
+
+/// The pod's fsGroup on a published CSI volume, by the driver's
+/// `fsGroupPolicy` as the kubelet applies it, and handed to a driver with
+/// VOLUME_MOUNT_GROUP instead of applied by the node.
+#[tokio::test]
+async fn a_csi_volume_is_given_to_the_pods_fs_group_by_the_drivers_policy() {
+    use rustlet_testkit::csi_driver::{CsiDriverConfig, RegisteredCsiDriver};
+    use rustlet_testkit::report::Reporter;
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let node = start_node(|_| {}).await;
+    // Our own group: the node may give files to it without privileges.
+    let gid = std::fs::metadata(node.root.path()).expect("meta").gid();
+    let mut calls = Vec::new();
+    for (driver, delegates) in [("plain.csi.example.com", false), ("group.csi.example.com", true)] {
+        let config = CsiDriverConfig {
+            name: driver.into(),
+            node_id: "node-1".into(),
+            volume_mount_group: delegates,
+            ..CsiDriverConfig::default()
+        };
+        let (recorded, _) = RegisteredCsiDriver::new(
+            node.root.path().join(format!("plugins_registry/{driver}-reg.sock")),
+            node.root.path().join(format!("{driver}.sock")),
+            config,
+        )
+        .spawn_recorded(Reporter::Discard, node.shutdown.child_token())
+        .expect("csi driver");
+        node.node.csi_drivers().view().wait_for(driver, SOON).await.expect("registered");
+        calls.push(recorded);
+    }
+    let pod = |name: &str, driver: &str, fs_type: &str| {
+        format!(
+            "apiVersion: v1\nkind: Pod\nmetadata: {{name: {name}}}\nspec:\n  securityContext: {{fsGroup: {gid}}}\n  \
+             containers:\n  - name: main\n    image: host\n    command: [sleep, '600']\n    \
+             volumeMounts: [{{name: data, mountPath: /data}}]\n  volumes:\n  - name: data\n    \
+             csi: {{driver: {driver}, fsType: '{fs_type}'}}\n"
+        )
+    };
+    let driver_doc = |driver: &str, policy: Option<&str>| {
+        let policy = policy.map(|p| format!(", fsGroupPolicy: {p}")).unwrap_or_default();
+        format!(
+            "apiVersion: storage.k8s.io/v1\nkind: CSIDriver\nmetadata: {{name: {driver}}}\n\
+             spec: {{volumeLifecycleModes: [Ephemeral]{policy}}}\n---\n"
+        )
+    };
+    // (pod, driver, CSIDriver policy, fsType, whether the node changes the group)
+    let cases = [
+        ("file", "plain.csi.example.com", Some("File"), "", true),
+        ("rwo-typed", "plain.csi.example.com", None, "ext4", true),
+        ("rwo-untyped", "plain.csi.example.com", None, "", false),
+        ("none", "plain.csi.example.com", Some("None"), "ext4", false),
+        ("delegated", "group.csi.example.com", Some("File"), "", false),
+    ];
+    for (name, driver, policy, fs_type, changed) in cases {
+        node.write("driver.yaml", &format!("{}{}", driver_doc(driver, policy), pod(name, driver, fs_type)));
+        let running_pod = node.wait_pod(&format!("{name}-node-1"), "Running", running).await;
+        let uid = running_pod.metadata.uid.clone().expect("uid");
+        let target = node.root.path().join(format!("pods/{uid}/volumes/kubernetes.io~csi/data/mount"));
+        let meta = std::fs::metadata(&target).expect("published");
+        let setgid = meta.permissions().mode() & 0o2000 != 0;
+        assert_eq!(setgid, changed, "{name}: the published dir's setgid bit");
+        if changed {
+            assert_eq!(meta.gid(), gid, "{name}");
+            let marker = std::fs::metadata(target.join(rustlet_testkit::csi_driver::PUBLISHED_MARKER)).expect("marker");
+            assert_eq!(marker.permissions().mode() & 0o060, 0o060, "{name}: the group reads and writes the files");
+        }
+        let publish = calls
+            .iter()
+            .flat_map(|c| c.all())
+            .filter(|c| c.rpc == "NodePublishVolume" && Path::new(&c.target_path) == target)
+            .next_back()
+            .expect("published");
+        let expected = if name == "delegated" { gid.to_string() } else { String::new() };
+        assert_eq!(
+            publish.volume_mount_group, expected,
+            "{name}: the fsGroup goes to the driver only when it takes it"
+        );
+        std::fs::remove_file(node.manifests.join("driver.yaml")).expect("rm");
+        node.node
+            .pods()
+            .store()
+            .wait_for(SOON, |pods| !pods.contains_key(&uid))
+            .await
+            .unwrap_or_else(|| panic!("{name} never went"));
+    }
+}

@@ -466,3 +466,152 @@ async fn a_device_plugin_in_a_pod_serves_pods_and_comes_back_when_its_pod_is_rep
     stop.cancel();
     node.stopped().await;
 }
+
+/// A loop device over a file of the test's, detached at the end.
+struct LoopDevice(String);
+
+impl LoopDevice {
+    fn over(file: &Path) -> LoopDevice {
+        let out = std::process::Command::new("losetup").args(["-f", "--show"]).arg(file).output().expect("losetup");
+        assert!(out.status.success(), "losetup: {}", String::from_utf8_lossy(&out.stderr));
+        LoopDevice(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+    }
+}
+
+impl Drop for LoopDevice {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("losetup").arg("-d").arg(&self.0).status();
+    }
+}
+
+#[tokio::test]
+async fn a_raw_block_volume_is_staged_published_to_a_device_file_and_reaches_the_container_as_a_device() {
+    use kubelet::volume::{ClaimedVolume, StaticClaims};
+    use rustlet_testkit::csi_driver::{CsiDriverConfig, RegisteredCsiDriver};
+    use rustlet_testkit::report::Reporter;
+    let test = "a_raw_block_volume_is_staged_published_to_a_device_file_and_reaches_the_container_as_a_device";
+    let Some(containerd) = Containerd::private(test) else { return };
+    const BLOCK_DRIVER: &str = "block.csi.example.com";
+    let root = rustlet_testkit::node_root::tempdir("rustlet-block-");
+    let root_path = root.path().to_owned();
+    // The driver's devices: `<dir>/<handle>` links to a loop device over a
+    // file that starts with a known text.
+    let devices = root_path.join("driver-devices");
+    std::fs::create_dir_all(&devices).expect("mkdir");
+    let backing = root_path.join("backing.img");
+    let mut data = b"block-data".to_vec();
+    data.resize(1 << 20, 0);
+    std::fs::write(&backing, data).expect("backing file");
+    let device = LoopDevice::over(&backing);
+    std::os::unix::fs::symlink(&device.0, devices.join("vol-block")).expect("link");
+
+    let claims = StaticClaims::new();
+    let volume: k8s_openapi::api::core::v1::PersistentVolume = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "pv-block"},
+        "spec": {"accessModes": ["ReadWriteOnce"], "volumeMode": "Block",
+                 "csi": {"driver": BLOCK_DRIVER, "volumeHandle": "vol-block"}},
+    }))
+    .expect("pv");
+    let claimed = ClaimedVolume {
+        volume,
+        claim_read_only: false,
+        stage_secrets: Default::default(),
+        publish_secrets: Default::default(),
+    };
+    claims.bind("default", "block", claimed);
+    std::fs::create_dir_all(root_path.join("plugins_registry")).expect("mkdir");
+    let stop = CancellationToken::new();
+    let config = CsiDriverConfig {
+        name: BLOCK_DRIVER.into(),
+        node_id: "pod-node".into(),
+        stage_unstage: true,
+        bind_mounts_from: Some(devices.clone()),
+        ..CsiDriverConfig::default()
+    };
+    let (calls, _) = RegisteredCsiDriver::new(
+        root_path.join("plugins_registry/block-reg.sock"),
+        root_path.join("block-csi.sock"),
+        config,
+    )
+    .spawn_recorded(Reporter::Discard, stop.child_token())
+    .expect("csi driver");
+    let registry = Registry::start().await.expect("registry");
+    containerd.trust_registry(&registry.host());
+    let image = push_busybox(&registry, "test/busybox", "v1", &[], &["sh"]).await.expect("push");
+    std::fs::create_dir_all(root_path.join("manifests")).expect("mkdir");
+    let mut config = NodeConfig::new(&root_path, "pod-node");
+    config.http_address = None;
+    config.pods.manifest_dir = Some(root_path.join("manifests"));
+    config.pods.allocatable = Some(Allocatable { cpu_milli: 4000, memory: 8 << 30, pods: 110 });
+    let node = NodeBuilder::new(config)
+        .provider(Arc::new(CriProvider::new(CriConfig::new(containerd.endpoint()))))
+        .volume_claims(Arc::new(claims))
+        .start(stop.clone())
+        .await
+        .expect("node");
+    let _stop = stop.clone().drop_guard();
+    node.csi_drivers().view().wait_for(BLOCK_DRIVER, SOON).await.expect("the driver registers");
+
+    let pod = |name: &str, use_as: &str| {
+        format!(
+            "apiVersion: v1\nkind: Pod\nmetadata: {{name: {name}}}\nspec:\n  terminationGracePeriodSeconds: 1\n  containers:\n  \
+             - name: main\n    image: {image}\n    command: [sh, -c, 'test -b /dev/xvda && head -c 10 /dev/xvda; echo; exec sleep 3600']\n    \
+             {use_as}\n  volumes:\n  - name: data\n    persistentVolumeClaim: {{claimName: block}}\n"
+        )
+    };
+    std::fs::write(
+        root_path.join("manifests/reader.yaml"),
+        pod("reader", "volumeDevices: [{name: data, devicePath: /dev/xvda}]"),
+    )
+    .expect("reader");
+    let uid = wait_uid(&node, "reader").await;
+    let log = root_path.join(format!("logs/pods/default_reader-pod-node_{uid}/main/0.log"));
+    let text = rustlet_testkit::wait_file(&log, |t| !decode_cri_log(t).is_empty(), SOON).await;
+    assert_eq!(decode_cri_log(&text).first().map(|l| l.trim_end()), Some("block-data"), "the device, read inside");
+    let block_dir = root_path.join("plugins/kubernetes.io/csi/volumeDevices");
+    let target = block_dir.join(format!("publish/pv-block/{uid}"));
+    let staging = block_dir.join("staging/pv-block");
+    let published = calls.all();
+    let stage = published.iter().find(|c| c.rpc == "NodeStageVolume").expect("staged");
+    assert_eq!((stage.access_type.as_str(), Path::new(&stage.staging_target_path)), ("block", staging.as_path()));
+    let publish = published.iter().find(|c| c.rpc == "NodePublishVolume").expect("published");
+    assert_eq!(Path::new(&publish.target_path), target, "published to a file named by the pod's UID");
+    assert!(mount_points().contains(&target), "the driver's device is bind-mounted on the target file");
+    let link = root_path.join(format!("pods/{uid}/volumeDevices/kubernetes.io~csi/pv-block"));
+    assert_eq!(std::fs::read_link(&link).ok(), Some(target.clone()), "the pod's device link");
+
+    // The same block volume as a mount: refused with upstream's reason.
+    std::fs::write(
+        root_path.join("manifests/wrong.yaml"),
+        pod("wrong", "volumeMounts: [{name: data, mountPath: /data}]"),
+    )
+    .expect("wrong");
+    let wrong = wait_uid(&node, "wrong").await;
+    node.pods()
+        .store()
+        .wait_for(SOON, |pods| {
+            pods.get(&wrong)
+                .and_then(|p| rustlet_testkit::pod_state::container_status(p, "main"))
+                .and_then(|s| s.state.as_ref()?.waiting.as_ref()?.message.clone())
+                .is_some_and(|m| m.contains("volume data has volumeMode Block, but is specified in volumeMounts"))
+        })
+        .await
+        .unwrap_or_else(|| panic!("no volumeMode mismatch: {:#?}", node.pods().store().get(&wrong)));
+
+    for name in ["reader", "wrong"] {
+        std::fs::remove_file(root_path.join(format!("manifests/{name}.yaml"))).expect("rm");
+    }
+    node.pods()
+        .store()
+        .wait_for(SOON, |pods| !pods.contains_key(&uid) && !pods.contains_key(&wrong))
+        .await
+        .unwrap_or_else(|| panic!("never went: {:#?}", node.pods().store().list()));
+    assert!(!mount_points().contains(&target), "unpublished");
+    assert!(!target.exists() && std::fs::symlink_metadata(&link).is_err(), "the device file and link are gone");
+    // Stage, two publishes (the refused pod's too), two unpublishes, unstage.
+    let unstaged = calls.wait_for(6, SOON).await;
+    assert!(unstaged.iter().any(|c| c.rpc == "NodeUnstageVolume"), "{unstaged:?}");
+    assert_eq!(std::fs::read(&backing).expect("backing")[..10], *b"block-data", "the data stays");
+    stop.cancel();
+    node.stopped().await;
+}

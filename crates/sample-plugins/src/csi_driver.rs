@@ -57,6 +57,10 @@ pub struct CsiDriverConfig {
     /// bind-mounted at the target (and unmounted by NodeUnpublishVolume).
     /// Needs the privilege to mount (root); without it publishing fails.
     pub bind_mounts_from: Option<PathBuf>,
+    /// Report the `VOLUME_MOUNT_GROUP` capability: the driver applies a
+    /// pod's fsGroup itself (given as `volume_mount_group`), and the node
+    /// changes no ownership.
+    pub volume_mount_group: bool,
 }
 
 /// How one volume RPC misbehaves.
@@ -96,6 +100,9 @@ pub struct VolumeCall {
     pub volume_context: Vec<(String, String)>,
     /// `publish_context`, sorted.
     pub publish_context: Vec<(String, String)>,
+    /// A mount capability's `volume_mount_group` (the pod's fsGroup, when
+    /// the node delegates it).
+    pub volume_mount_group: String,
 }
 
 impl VolumeCall {
@@ -113,6 +120,7 @@ impl VolumeCall {
             secrets: Vec::new(),
             volume_context: Vec::new(),
             publish_context: Vec::new(),
+            volume_mount_group: String::new(),
         }
     }
 }
@@ -371,6 +379,42 @@ fn bind_mount(source: &Path, target: &Path) -> Result<(), Status> {
     run_mount(std::process::Command::new("mount").arg("--bind").arg(source).arg(target))
 }
 
+/// A mount capability's `volume_mount_group` (empty for none, or block).
+fn mount_group(capability: Option<&VolumeCapability>) -> String {
+    match capability.and_then(|c| c.access_type.as_ref()) {
+        Some(volume_capability::AccessType::Mount(mount)) => mount.volume_mount_group.clone(),
+        _ => String::new(),
+    }
+}
+
+/// Whether a request's capability asks for a raw block volume.
+fn call_is_block(capability: &Option<VolumeCapability>) -> bool {
+    matches!(capability.as_ref().and_then(|c| c.access_type.as_ref()), Some(volume_capability::AccessType::Block(_)))
+}
+
+/// Makes the empty file `path` (its parent must exist), if missing.
+fn make_file(path: &Path) -> Result<(), Status> {
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)
+        .map(drop)
+        .map_err(|e| Status::internal(format!("cannot make {}: {e}", path.display())))
+}
+
+/// Bind-mounts the file or device `source` on the file `target`
+/// (idempotent).
+fn bind_mount_file(source: &Path, target: &Path) -> Result<(), Status> {
+    if is_mounted(target) {
+        return Ok(());
+    }
+    if !source.exists() {
+        return Err(Status::not_found(format!("no device at {}", source.display())));
+    }
+    run_mount(std::process::Command::new("mount").arg("--bind").arg(source).arg(target))
+}
+
 /// Unmounts `target` if it is mounted (idempotent).
 fn unmount(target: &Path) -> Result<(), Status> {
     if !is_mounted(target) {
@@ -409,6 +453,7 @@ impl Node for FakeCsiDriver {
             secrets: sorted(&r.secrets),
             volume_context: sorted(&r.volume_context),
             publish_context: sorted(&r.publish_context),
+            volume_mount_group: mount_group(r.volume_capability.as_ref()),
             ..VolumeCall::new("NodeStageVolume", &r.volume_id)
         };
         if let Some(status) = self.misbehave(call).await {
@@ -455,6 +500,7 @@ impl Node for FakeCsiDriver {
             secrets: sorted(&r.secrets),
             volume_context: sorted(&r.volume_context),
             publish_context: sorted(&r.publish_context),
+            volume_mount_group: mount_group(r.volume_capability.as_ref()),
             ..VolumeCall::new("NodePublishVolume", &r.volume_id)
         };
         if let Some(status) = self.misbehave(call).await {
@@ -468,6 +514,16 @@ impl Node for FakeCsiDriver {
             }
         }
         let target = Path::new(required("target_path", &r.target_path)?);
+        if call_is_block(&r.volume_capability) {
+            // A raw block volume: the target is a file the driver makes,
+            // with `<dir>/<volume id>` (a device, or a link to one)
+            // bind-mounted on it.
+            make_file(target)?;
+            if let Some(from) = &self.config.bind_mounts_from {
+                bind_mount_file(&from.join(&r.volume_id), target)?;
+            }
+            return Ok(Response::new(NodePublishVolumeResponse {}));
+        }
         if let Some(from) = &self.config.bind_mounts_from {
             bind_mount(&from.join(&r.volume_id), target)?;
         }
@@ -487,6 +543,16 @@ impl Node for FakeCsiDriver {
         }
         required("volume_id", &r.volume_id)?;
         let target = Path::new(required("target_path", &r.target_path)?);
+        if target.is_file() || std::fs::metadata(target).is_ok_and(|m| !m.is_dir()) {
+            // A raw block volume's device file.
+            unmount(target)?;
+            return match std::fs::remove_file(target) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    Err(Status::internal(format!("cannot remove {}: {e}", target.display())))
+                }
+                _ => Ok(Response::new(NodeUnpublishVolumeResponse {})),
+            };
+        }
         if self.config.bind_mounts_from.is_some() {
             unmount(target)?;
             // The data stays in the source; the empty target goes.
@@ -555,7 +621,13 @@ impl Node for FakeCsiDriver {
                 r#type: node_service_capability::rpc::Type::GetVolumeStats as i32,
             })),
         };
-        Ok(Response::new(NodeGetCapabilitiesResponse { capabilities: stage.into_iter().chain([stats]).collect() }))
+        let mount_group = self.config.volume_mount_group.then(|| NodeServiceCapability {
+            r#type: Some(node_service_capability::Type::Rpc(node_service_capability::Rpc {
+                r#type: node_service_capability::rpc::Type::VolumeMountGroup as i32,
+            })),
+        });
+        let capabilities = stage.into_iter().chain([stats]).chain(mount_group).collect();
+        Ok(Response::new(NodeGetCapabilitiesResponse { capabilities }))
     }
 
     async fn node_get_info(&self, _: Request<NodeGetInfoRequest>) -> Result<Response<NodeGetInfoResponse>, Status> {

@@ -54,6 +54,9 @@ struct Args {
     /// target (needs root).
     #[arg(long, value_name = "DIR")]
     bind_mounts_from: Option<std::path::PathBuf>,
+    /// Report VOLUME_MOUNT_GROUP (the driver applies a pod's fsGroup).
+    #[arg(long)]
+    volume_mount_group: bool,
     /// A volume call's misbehaviour: `RPC=hang` or `RPC=<gRPC code number>`
     /// (repeatable), e.g. `NodePublishVolume=10` answers ABORTED.
     #[arg(long, value_parser = parse_volume_call)]
@@ -88,6 +91,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         stage_unstage: args.stage_unstage,
         volume_calls: args.volume_call.into_iter().collect(),
         bind_mounts_from: args.bind_mounts_from,
+        volume_mount_group: args.volume_mount_group,
     };
     let registration_socket = args.registration_socket.clone();
     let mut driver = RegisteredCsiDriver::new(args.registration_socket, args.endpoint, config);

@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use k8s_openapi::api::core::v1::{Container, Pod, Service};
 
 use crate::device_manager::RunOptions;
-use crate::provider::{ContainerRunOptions, EnvVar, Mount, MountPropagation};
+use crate::provider::{ContainerRunOptions, DeviceNode, EnvVar, Mount, MountPropagation};
 use crate::volume::{DownwardContext, EnvObjects, ObjectKind, PodVolumes, VolumeKind, field_value, resource_value};
 
 /// Why a container's configuration cannot be run
@@ -65,6 +65,8 @@ pub(crate) fn build(
             propagation: Default::default(),
         });
     }
+    let mut device_nodes = volume_devices(pod, container, volumes)?;
+    device_nodes.extend(devices.devices.iter().cloned());
     let expand_all =
         |list: &Option<Vec<String>>| list.iter().flatten().map(|item| expand(item, &env)).collect::<Vec<String>>();
     let (command, args) = (expand_all(&container.command), expand_all(&container.args));
@@ -74,7 +76,7 @@ pub(crate) fn build(
         working_dir: container.working_dir.clone(),
         env,
         mounts,
-        devices: devices.devices.clone(),
+        devices: device_nodes,
         annotations: devices.annotations.clone(),
         cdi_devices: devices.cdi_devices.clone(),
     })
@@ -153,6 +155,44 @@ fn env_value(
     }
 }
 
+/// The container's `volumeDevices`: each a raw block volume's published
+/// device file, read-write (`mrw`) or, for a read-only claim, `r`, as the
+/// kubelet passes them (its link to the same file under the pod's
+/// `volumeDevices/` dir; the runtime resolves either to the device).
+fn volume_devices(pod: &Pod, container: &Container, volumes: &PodVolumes) -> Result<Vec<DeviceNode>, ConfigError> {
+    let mut nodes = Vec::new();
+    for device in container.volume_devices.iter().flatten() {
+        if !device.device_path.starts_with('/') {
+            return Err(ConfigError(format!("error DevicePath `{}` must be an absolute path", device.device_path)));
+        }
+        let Some(volume) = volumes.get(&device.name) else {
+            return Err(ConfigError(format!(
+                "cannot find volume {:?} to pass into container {:?}",
+                device.name, container.name
+            )));
+        };
+        if !volume.csi.as_ref().is_some_and(|c| c.block) {
+            return Err(ConfigError(format!(
+                "volume {} has volumeMode Filesystem, but is specified in volumeDevices",
+                device.name
+            )));
+        }
+        let read_only = pod
+            .spec
+            .iter()
+            .flat_map(|s| s.volumes.iter().flatten())
+            .find(|v| v.name == device.name)
+            .and_then(|v| v.persistent_volume_claim.as_ref()?.read_only)
+            .unwrap_or(false);
+        nodes.push(DeviceNode {
+            container_path: device.device_path.clone(),
+            host_path: volume.host_path.display().to_string(),
+            permissions: if read_only { "r" } else { "mrw" }.to_owned(),
+        });
+    }
+    Ok(nodes)
+}
+
 /// The container's volume mounts as host paths (a `subPath` resolved
 /// inside its volume, or copied out of an atomically written one).
 fn volume_mounts(container: &Container, volumes: &PodVolumes, env: &[EnvVar]) -> Result<Vec<Mount>, ConfigError> {
@@ -161,6 +201,12 @@ fn volume_mounts(container: &Container, volumes: &PodVolumes, env: &[EnvVar]) ->
         let Some(volume) = volumes.get(&mount.name) else {
             return Err(ConfigError(format!("volumeMount {:?}: the pod has no such volume", mount.name)));
         };
+        if volume.csi.as_ref().is_some_and(|c| c.block) {
+            return Err(ConfigError(format!(
+                "volume {} has volumeMode Block, but is specified in volumeMounts",
+                mount.name
+            )));
+        }
         let mut host_path: PathBuf = volume.host_path.clone();
         let expanded = mount.sub_path_expr.as_deref().filter(|s| !s.is_empty()).map(|e| expand(e, env));
         if let Some(sub) = expanded.as_deref().or(mount.sub_path.as_deref()).filter(|s| !s.is_empty()) {
@@ -454,6 +500,40 @@ mod tests {
         assert_eq!(propagation(&container, Some("Bidirectional")), Ok(MountPropagation::Bidirectional));
         let unknown = propagation(&container, Some("rshared")).expect_err("not a mode");
         assert!(unknown.starts_with("mountPropagation: Unsupported value: \"rshared\""), "{unknown}");
+    }
+
+    #[test]
+    fn volume_devices_need_block_volumes_and_block_volumes_are_not_mounted() {
+        use crate::volume::{CsiMount, PreparedVolume, VolumeKind};
+        let csi = |block: bool| CsiMount {
+            driver_name: "d".into(),
+            volume_handle: "h".into(),
+            spec_vol_id: "pv".into(),
+            volume_lifecycle_mode: "Persistent".into(),
+            staging_target_path: None,
+            block,
+        };
+        let prepared = |block: bool| PreparedVolume {
+            host_path: PathBuf::from("/root/plugins/kubernetes.io/csi/volumeDevices/publish/pv/u"),
+            kind: VolumeKind::Csi,
+            ready: true,
+            csi: Some(csi(block)),
+        };
+        let pod = pod(serde_json::json!({
+            "containers": [{"name": "c", "volumeDevices": [{"name": "data", "devicePath": "/dev/xvda"}]}],
+            "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "c", "readOnly": true}}],
+        }));
+        let container = &pod.spec.as_ref().expect("spec").containers[0];
+        let block = PodVolumes::from([("data".to_owned(), prepared(true))]);
+        let nodes = volume_devices(&pod, container, &block).expect("a device");
+        assert_eq!(nodes.len(), 1);
+        assert_eq!(nodes[0].container_path, "/dev/xvda");
+        assert_eq!(nodes[0].permissions, "r", "a read-only claim");
+        let filesystem = PodVolumes::from([("data".to_owned(), prepared(false))]);
+        let error = volume_devices(&pod, container, &filesystem).expect_err("a filesystem volume");
+        assert_eq!(error.0, "volume data has volumeMode Filesystem, but is specified in volumeDevices");
+        let error = volume_devices(&pod, container, &PodVolumes::new()).expect_err("no volume");
+        assert_eq!(error.0, "cannot find volume \"data\" to pass into container \"c\"");
     }
 
     #[test]

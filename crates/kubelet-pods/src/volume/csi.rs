@@ -159,13 +159,46 @@ pub struct CsiMount {
     /// The volume's global staging path, when the driver stages it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub staging_target_path: Option<PathBuf>,
+    /// A raw block volume (`volumeMode: Block`): published to a device
+    /// file, [`block_publish_path`], that the pod's containers get as a
+    /// device (`volumeDevices`), not a mount.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub block: bool,
 }
+
+/// Where a raw block volume `spec_name` (the PV's name) is published for
+/// pod `pod_uid`, as the kubelet's CSI block mapper publishes it: a file
+/// the driver makes (its parent made by the node, 0750) at
+/// `<root>/plugins/kubernetes.io/csi/volumeDevices/publish/<pv>/<pod uid>`.
+pub(crate) fn block_publish_path(root_dir: &Path, spec_name: &str, pod_uid: &str) -> PathBuf {
+    root_dir.join(BLOCK_DIR).join("publish").join(spec_name).join(pod_uid)
+}
+
+/// Where a raw block volume is staged:
+/// `<root>/plugins/kubernetes.io/csi/volumeDevices/staging/<pv>`.
+fn block_staging_path(root_dir: &Path, spec_name: &str) -> PathBuf {
+    root_dir.join(BLOCK_DIR).join("staging").join(spec_name)
+}
+
+/// The link a pod's containers get a raw block volume through, as the
+/// kubelet's `pods/<uid>/volumeDevices/kubernetes.io~csi/<pv>` (pointing at
+/// the published device file).
+pub(crate) fn block_device_link(root_dir: &Path, pod_uid: &str, spec_name: &str) -> PathBuf {
+    root_dir.join("pods").join(pod_uid).join("volumeDevices").join(CSI_PLUGIN_DIR).join(spec_name)
+}
+
+/// The CSI plugin's raw block dir under the root dir.
+const BLOCK_DIR: &str = "plugins/kubernetes.io/csi/volumeDevices";
 
 /// Everything one NodePublishVolume (and its staging) needs.
 struct Plan {
     mount: CsiMount,
     ephemeral: bool,
     read_only: bool,
+    /// Whether the volume is written by one node (a PV with
+    /// `ReadWriteOnce` or `ReadWriteOncePod`, or an inline volume): the
+    /// default fsGroup policy gives such volumes to the pod's fsGroup.
+    single_writer: bool,
     capability: VolumeCapability,
     volume_context: BTreeMap<String, String>,
     publish_context: BTreeMap<String, String>,
@@ -287,6 +320,16 @@ impl CsiVolumes {
         self.root_dir.join("pods").join(pod_uid).join("volumes").join(CSI_PLUGIN_DIR).join(spec_name)
     }
 
+    /// Where `mount` is published for pod `pod_uid`: `<publish dir>/mount`,
+    /// or a raw block volume's device file.
+    fn target(&self, pod_uid: &str, mount: &CsiMount) -> PathBuf {
+        if mount.block {
+            block_publish_path(&self.root_dir, &mount.spec_vol_id, pod_uid)
+        } else {
+            self.publish_dir(pod_uid, &mount.spec_vol_id).join("mount")
+        }
+    }
+
     fn staging_path(&self, driver: &str, handle: &str) -> PathBuf {
         self.root_dir
             .join("plugins/kubernetes.io/csi")
@@ -311,12 +354,32 @@ impl CsiVolumes {
         let driver = self.driver(&volume.name, &plan.mount.driver_name)?;
         let connected = self.connect(&volume.name, &driver).await?;
         let dir = self.publish_dir(uid, &plan.mount.spec_vol_id);
-        let target = dir.join("mount");
+        let target = self.target(uid, &plan.mount);
         if connected.capabilities.stages() && !plan.ephemeral {
-            plan.mount.staging_target_path = Some(self.staging_path(&driver.name, &plan.mount.volume_handle));
+            plan.mount.staging_target_path = Some(if plan.mount.block {
+                block_staging_path(&self.root_dir, &plan.mount.spec_vol_id)
+            } else {
+                self.staging_path(&driver.name, &plan.mount.volume_handle)
+            });
         }
+        let fs_group = super::fs_group(pod);
+        // A driver with VOLUME_MOUNT_GROUP applies the fsGroup itself
+        // (given in NodeStageVolume and NodePublishVolume); the node then
+        // changes nothing.
+        let delegated = connected.capabilities.has(crate::csi::NodeCapability::VolumeMountGroup);
+        if let (true, Some(gid), AccessType::Mount { volume_mount_group, .. }) =
+            (delegated, fs_group, &mut plan.capability.access_type)
+        {
+            *volume_mount_group = gid.to_string();
+        }
+        let change_ownership = fs_group.filter(|_| !delegated && self.fs_group_applies(&plan));
         let io = |path: &Path, source| VolumeError::Io { volume: volume.name.clone(), path: path.to_owned(), source };
         std::fs::create_dir_all(&dir).map_err(|e| io(&dir, e))?;
+        if plan.mount.block {
+            // The driver makes the device file; the node its directory.
+            let parent = target.parent().unwrap_or(&target);
+            make_private_dir(parent).map_err(|e| io(parent, e))?;
+        }
         write_json(&dir.join("vol_data.json"), &plan.mount).map_err(|e| io(&dir, e))?;
         // Recorded before any call: a removal from here on unpublishes.
         prepared.insert(
@@ -336,7 +399,12 @@ impl CsiVolumes {
             if !state.staged {
                 let parent = staging.parent().unwrap_or(staging);
                 std::fs::create_dir_all(parent).map_err(|e| io(parent, e))?;
-                write_json(&parent.join("vol_data.json"), &plan.mount).map_err(|e| io(parent, e))?;
+                if plan.mount.block {
+                    // The block mapper makes the staging dir itself (0750).
+                    make_private_dir(staging).map_err(|e| io(staging, e))?;
+                } else {
+                    write_json(&parent.join("vol_data.json"), &plan.mount).map_err(|e| io(parent, e))?;
+                }
                 let request = StageVolume {
                     volume_id: plan.mount.volume_handle.clone(),
                     staging_target_path: staging.clone(),
@@ -371,8 +439,20 @@ impl CsiVolumes {
         // A node restarted from here on finds the volume published, and
         // whether the driver mounted it (then a restart that finds it
         // unmounted publishes it again).
+        if let Some(gid) = change_ownership {
+            let on_root_mismatch =
+                pod.spec.as_ref().and_then(|s| s.security_context.as_ref()?.fs_group_change_policy.as_deref())
+                    == Some("OnRootMismatch");
+            let changed =
+                super::ownership::apply(&target, gid, plan.read_only, on_root_mismatch).map_err(|e| io(&target, e))?;
+            tracing::debug!(pod.uid = %uid, volume = %volume.name, gid, changed, "volume given to the pod's fsGroup");
+        }
         let mounted = super::mounts::is_mount_point(&target);
         let _ = std::fs::write(dir.join(PUBLISHED_MARK), if mounted { MOUNTED.as_bytes() } else { b"" });
+        if plan.mount.block {
+            link_block_device(&block_device_link(&self.root_dir, uid, &plan.mount.spec_vol_id), &target)
+                .map_err(|e| io(&target, e))?;
+        }
         self.mark_in_use(&plan.mount, uid, true);
         if let Some(ready) = prepared.get_mut(&volume.name) {
             ready.ready = true;
@@ -424,7 +504,8 @@ impl CsiVolumes {
         if recorded.driver_name != planned.driver_name || recorded.volume_handle != planned.volume_handle {
             return false;
         }
-        if mark.trim() == MOUNTED && !super::mounts::is_mount_point(&dir.join("mount")) {
+        let target = self.target(uid, &recorded);
+        if mark.trim() == MOUNTED && !super::mounts::is_mount_point(&target) {
             // The actual state disagrees with the record: the driver's
             // mount is gone (unmounted behind the node's back, or the host
             // rebooted). NodePublishVolume is idempotent: publish again.
@@ -432,7 +513,7 @@ impl CsiVolumes {
                 pod.uid = %uid,
                 volume = %volume.name,
                 driver = %recorded.driver_name,
-                path = %dir.join("mount").display(),
+                path = %target.display(),
                 "a volume an earlier run published is no longer mounted: publishing it again"
             );
             return false;
@@ -447,7 +528,7 @@ impl CsiVolumes {
         self.mark_in_use(&recorded, uid, true);
         prepared.insert(
             volume.name.clone(),
-            PreparedVolume { host_path: dir.join("mount"), kind: VolumeKind::Csi, ready: true, csi: Some(recorded) },
+            PreparedVolume { host_path: target, kind: VolumeKind::Csi, ready: true, csi: Some(recorded) },
         );
         true
     }
@@ -470,7 +551,10 @@ impl CsiVolumes {
             connected.client.unpublish_volume(&mount.volume_handle, &prepared.host_path).await,
         )
         .map_err(csi_error)?;
-        if let Some(dir) = prepared.host_path.parent() {
+        if mount.block {
+            remove_block_files(name, &self.root_dir, pod_uid, mount, &prepared.host_path)?;
+            remove_publish_dir(name, &self.publish_dir(pod_uid, &mount.spec_vol_id))?;
+        } else if let Some(dir) = prepared.host_path.parent() {
             remove_publish_dir(name, dir)?;
         }
         self.mark_in_use(mount, pod_uid, false);
@@ -589,9 +673,11 @@ impl CsiVolumes {
                 spec_vol_id: name.to_owned(),
                 volume_lifecycle_mode: "Ephemeral".into(),
                 staging_target_path: None,
+                block: false,
             },
             ephemeral: true,
             read_only: inline.read_only.unwrap_or(false),
+            single_writer: true,
             capability: VolumeCapability {
                 access_type: AccessType::Mount {
                     fs_type: inline.fs_type.clone().unwrap_or_default(),
@@ -674,15 +760,35 @@ impl CsiVolumes {
                 spec_vol_id: pv_name,
                 volume_lifecycle_mode: "Persistent".into(),
                 staging_target_path: None,
+                block,
             },
             ephemeral: false,
             read_only: claimed.claim_read_only || source.read_only.unwrap_or(false),
+            single_writer: spec.access_modes.iter().flatten().any(|m| m == "ReadWriteOnce" || m == "ReadWriteOncePod"),
             capability: VolumeCapability { access_type, access_mode },
             volume_context,
             publish_context,
             stage_secrets: claimed.stage_secrets,
             publish_secrets: claimed.publish_secrets,
         })
+    }
+
+    /// Whether the node gives a published volume to the pod's fsGroup, by
+    /// the driver's `fsGroupPolicy` as the kubelet decides it: `None`
+    /// never, `File` always, `ReadWriteOnceWithFSType` (the default) when
+    /// the volume has an fsType and one writer; never a read-only volume
+    /// or a raw block one.
+    fn fs_group_applies(&self, plan: &Plan) -> bool {
+        let AccessType::Mount { fs_type, .. } = &plan.capability.access_type else { return false };
+        if plan.read_only {
+            return false;
+        }
+        let policy = self.objects.get(&plan.mount.driver_name).and_then(|s| s.fs_group_policy);
+        match policy.as_deref() {
+            Some("None") => false,
+            Some("File") => true,
+            _ => !fs_type.is_empty() && plan.single_writer,
+        }
     }
 
     /// Upstream's rule: without a CSIDriver object only `Persistent` volumes
@@ -756,6 +862,57 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
 fn write_json(path: &Path, value: &CsiMount) -> std::io::Result<()> {
     let bytes = serde_json::to_vec(value).map_err(std::io::Error::other)?;
     kubelet_support::durable::write(path, &bytes, 0o644)
+}
+
+/// Makes `dir` and its parents, `dir` itself 0750 (the kubelet's block
+/// mapper's mode).
+fn make_private_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new().recursive(true).mode(0o750).create(dir)
+}
+
+/// Points the pod's device link at the published device file (replacing
+/// a link an earlier run left).
+fn link_block_device(link: &Path, target: &Path) -> std::io::Result<()> {
+    if let Some(parent) = link.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    match std::fs::remove_file(link) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    std::os::unix::fs::symlink(target, link)
+}
+
+/// After a raw block volume's NodeUnpublishVolume: the pod's device link
+/// goes, and the device file if the driver left it (never while something
+/// is still mounted on it).
+fn remove_block_files(
+    volume: &str,
+    root_dir: &Path,
+    pod_uid: &str,
+    mount: &CsiMount,
+    target: &Path,
+) -> Result<(), VolumeError> {
+    let io = |path: &Path, source| VolumeError::Io { volume: volume.to_owned(), path: path.to_owned(), source };
+    if super::mounts::is_mount_point(target) {
+        return Err(VolumeError::Teardown {
+            volume: volume.to_owned(),
+            reason: format!("{} is still mounted after NodeUnpublishVolume", target.display()),
+        });
+    }
+    let link = block_device_link(root_dir, pod_uid, &mount.spec_vol_id);
+    for file in [&link, &target.to_path_buf()] {
+        match std::fs::remove_file(file) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(file, e)),
+            _ => {}
+        }
+    }
+    // The volume's publish dir goes with its last pod.
+    if let Some(dir) = target.parent() {
+        let _ = std::fs::remove_dir(dir);
+    }
+    Ok(())
 }
 
 /// Removes `<name>/` (vol_data.json and the unpublished mount dir); refuses

@@ -21,6 +21,7 @@ mod downward_api;
 mod empty_dir;
 mod host_path;
 pub mod mounts;
+mod ownership;
 pub mod reconciler;
 pub mod stats;
 

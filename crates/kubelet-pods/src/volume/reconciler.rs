@@ -108,8 +108,12 @@ pub(crate) fn reconstruct(root_dir: &Path, uid: &str) -> PodVolumes {
     for (name, dir) in entries(&volumes_dir.join(CSI_PLUGIN_DIR)) {
         let Ok(bytes) = std::fs::read(dir.join("vol_data.json")) else { continue };
         let Ok(mount) = serde_json::from_slice::<CsiMount>(&bytes) else { continue };
-        let volume =
-            PreparedVolume { host_path: dir.join("mount"), kind: VolumeKind::Csi, ready: false, csi: Some(mount) };
+        let host_path = if mount.block {
+            super::csi::block_publish_path(root_dir, &mount.spec_vol_id, uid)
+        } else {
+            dir.join("mount")
+        };
+        let volume = PreparedVolume { host_path, kind: VolumeKind::Csi, ready: false, csi: Some(mount) };
         add(CSI_PLUGIN_DIR, name, volume);
     }
     for (plugin, kind) in OWN_PLUGIN_DIRS {
@@ -305,6 +309,7 @@ mod tests {
             spec_vol_id: "data".into(),
             volume_lifecycle_mode: "Ephemeral".into(),
             staging_target_path: None,
+            block: false,
         };
         std::fs::write(csi.join("vol_data.json"), serde_json::to_vec(&mount).expect("json")).expect("write");
         // A CSI directory without its record, and an emptyDir with the
