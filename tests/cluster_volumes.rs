@@ -231,19 +231,30 @@ rustlet_testkit::on_both_api_servers!(
 /// A cluster node on `api` running host processes, with its root dir and
 /// shutdown token.
 async fn host_node(api: &TestApi) -> (tempfile::TempDir, CancellationToken, kubelet::node::Node) {
-    let root = rustlet_testkit::node_root::tempdir("rustlet-node-");
-    let provider = std::sync::Arc::new(rustlet_testkit::host_provider::HostProcessProvider::new());
-    cluster_node(api, root, provider).await
+    host_node_with(api, |_| {}).await
 }
 
-/// A cluster node on `api` in `root` running pods with `provider`.
+/// [`host_node`], its settings changed by `tweak`.
+async fn host_node_with(
+    api: &TestApi,
+    tweak: impl FnOnce(&mut NodeConfig),
+) -> (tempfile::TempDir, CancellationToken, kubelet::node::Node) {
+    let root = rustlet_testkit::node_root::tempdir("rustlet-node-");
+    let provider = std::sync::Arc::new(rustlet_testkit::host_provider::HostProcessProvider::new());
+    cluster_node(api, root, provider, tweak).await
+}
+
+/// A cluster node on `api` in `root` running pods with `provider`, its
+/// settings changed by `tweak`.
 async fn cluster_node(
     api: &TestApi,
     root: tempfile::TempDir,
     provider: std::sync::Arc<dyn kubelet::provider::Provider>,
+    tweak: impl FnOnce(&mut NodeConfig),
 ) -> (tempfile::TempDir, CancellationToken, kubelet::node::Node) {
     let mut config = NodeConfig::new(root.path(), api.node.clone());
     config.http_address = None;
+    tweak(&mut config);
     let shutdown = CancellationToken::new();
     let node = NodeBuilder::new(config)
         .provider(provider)
@@ -423,6 +434,121 @@ async fn claims_resolve_through_the_api_and_csi_driver_objects_apply(api: TestAp
 rustlet_testkit::on_both_api_servers!(
     claims_resolve_through_the_api_and_csi_driver_objects_apply_on,
     claims_resolve_through_the_api_and_csi_driver_objects_apply
+);
+
+/// An online expansion's node step: the external-resizer's controller step
+/// done by hand (the PV grown, the claim marked `NodeResizePending` with
+/// `FileSystemResizePending`), the node calls `NodeExpandVolume` for the
+/// volume its pod uses, with the new size, and writes the claim's status:
+/// the new capacity, the resize conditions and status gone.
+async fn a_claims_volume_grown_by_its_controller_is_expanded_on_the_node(api: TestApi) {
+    use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
+    use rustlet_testkit::report::Report;
+
+    let (root, shutdown, _node) =
+        host_node_with(&api, |config| config.pods.volume_refresh = Duration::from_millis(300)).await;
+    let _stop = shutdown.clone().drop_guard();
+    let (reports, mut calls) = tokio::sync::mpsc::unbounded_channel();
+    let driver = "grow.csi.example.com";
+    let driver_config =
+        CsiDriverConfig { name: driver.into(), node_id: api.node.clone(), expand: true, ..CsiDriverConfig::default() };
+    RegisteredCsiDriver::new(
+        root.path().join("plugins_registry").join(format!("{driver}.sock")),
+        root.path().join("plugins").join(driver).join("csi.sock"),
+        driver_config,
+    )
+    .spawn(Reporter::Channel(reports), shutdown.child_token())
+    .expect("driver");
+    api.csi_driver_object(driver, json!({"attachRequired": false})).await;
+
+    let admin = api.admin.clone();
+    let (pv_name, claim_name) = (format!("pv-grow-{}", api.node), format!("grow-{}", api.node));
+    let volume: PersistentVolume = serde_json::from_value(json!({
+        "metadata": {"name": pv_name},
+        "spec": {
+            "capacity": {"storage": "1Gi"},
+            "accessModes": ["ReadWriteOnce"],
+            "claimRef": {"namespace": "default", "name": claim_name},
+            "csi": {"driver": driver, "volumeHandle": "grow-1", "fsType": "ext4"},
+        },
+    }))
+    .expect("pv");
+    let volumes = Api::<PersistentVolume>::all(admin.clone());
+    volumes.create(&PostParams::default(), &volume).await.expect("pv");
+    let claim: PersistentVolumeClaim = serde_json::from_value(json!({
+        "metadata": {"name": claim_name, "namespace": "default"},
+        "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}, "volumeName": pv_name},
+    }))
+    .expect("pvc");
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(admin.clone(), "default");
+    let mut claim = claims.create(&PostParams::default(), &claim).await.expect("pvc");
+    claim.status = Some(serde_json::from_value(json!({"phase": "Bound", "capacity": {"storage": "1Gi"}})).expect("s"));
+    claims.replace_status(&claim_name, &PostParams::default(), &claim).await.expect("bound");
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": format!("grower-{}", api.node), "namespace": "default"},
+        "spec": {
+            "nodeName": api.node,
+            "automountServiceAccountToken": false,
+            "terminationGracePeriodSeconds": 1,
+            "containers": [{"name": "main", "image": "busybox", "command": ["sleep", "600"]}],
+            "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": claim_name}}],
+        },
+    }))
+    .expect("pod");
+    let pods = Api::<Pod>::namespaced(admin.clone(), "default");
+    let pod_name = pod.metadata.name.clone().expect("name");
+    pods.create(&PostParams::default(), &pod).await.expect("pod");
+    api.wait_for(&pods, &pod_name, "Running", SOON, |p| pod_phase(p) == Some("Running")).await;
+    let target = loop {
+        let report = tokio::time::timeout(SOON, calls.recv()).await.expect("calls in time").expect("driver alive");
+        if let Report::VolumeCall { rpc, target_path, .. } = report
+            && rpc == "NodePublishVolume"
+        {
+            break target_path;
+        }
+    };
+
+    // The resizer's controller step.
+    let mut grown = volumes.get(&pv_name).await.expect("pv");
+    grown.spec.as_mut().expect("spec").capacity =
+        Some([("storage".to_owned(), k8s_openapi::apimachinery::pkg::api::resource::Quantity("2Gi".into()))].into());
+    volumes.replace(&pv_name, &PostParams::default(), &grown).await.expect("grow the pv");
+    let mut pending = claims.get(&claim_name).await.expect("pvc");
+    let status = pending.status.as_mut().expect("status");
+    status.allocated_resource_statuses = Some([("storage".to_owned(), "NodeResizePending".to_owned())].into());
+    status.conditions = Some(vec![
+        serde_json::from_value(json!({"type": "FileSystemResizePending", "status": "True",
+            "message": "Waiting for user to (re-)start a pod to finish file system resize of volume on node."}))
+        .expect("condition"),
+    ]);
+    claims.replace_status(&claim_name, &PostParams::default(), &pending).await.expect("node resize pending");
+
+    let (volume_path, required_bytes) = loop {
+        let report = tokio::time::timeout(SOON, calls.recv()).await.expect("calls in time").expect("driver alive");
+        if let Report::VolumeCall { rpc, target_path, required_bytes, .. } = report
+            && rpc == "NodeExpandVolume"
+        {
+            break (target_path, required_bytes);
+        }
+    };
+    assert_eq!((volume_path, required_bytes), (target, 2 << 30), "expanded where it is published, to the PV's size");
+    let done = api
+        .wait_for(&claims, &claim_name, "the claim's new capacity", SOON, |c| {
+            c.and_then(|c| c.status.as_ref()?.capacity.as_ref()?.get("storage").cloned()).is_some_and(|q| q.0 == "2Gi")
+        })
+        .await
+        .expect("pvc");
+    let status = done.status.expect("status");
+    let conditions: Vec<String> = status.conditions.iter().flatten().map(|c| c.type_.clone()).collect();
+    assert!(conditions.is_empty(), "no resize condition left: {conditions:?}");
+    assert!(
+        !status.allocated_resource_statuses.unwrap_or_default().contains_key("storage"),
+        "the node's step is no longer pending"
+    );
+}
+rustlet_testkit::on_both_api_servers!(
+    a_claims_volume_grown_by_its_controller_is_expanded_on_the_node_on,
+    a_claims_volume_grown_by_its_controller_is_expanded_on_the_node
 );
 
 /// configMap, secret and projected (configMap, downwardAPI, token) volumes
@@ -752,7 +878,7 @@ async fn image_pull_secrets_reach_the_provider(api: TestApi) {
     registry.push_wasm("wasm/private", "v1", &module).await.expect("push");
     let root = rustlet_testkit::node_root::tempdir("rustlet-node-");
     let provider = rustlet_wasi::WasiProvider::new(rustlet_wasi::WasiConfig::new(root.path())).expect("provider");
-    let (_root, shutdown, _node) = cluster_node(&api, root, std::sync::Arc::new(provider)).await;
+    let (_root, shutdown, _node) = cluster_node(&api, root, std::sync::Arc::new(provider), |_| {}).await;
     let _stop = shutdown.clone().drop_guard();
     let admin = api.admin.clone();
     let docker_config = json!({"auths": {registry.host(): {"username": "puller", "password": "s3cret"}}}).to_string();
@@ -805,19 +931,12 @@ async fn a_new_pods_token_refused_while_the_api_server_catches_up_is_asked_again
     let server = api.fake_server().expect("the in-process server");
     // A volume backoff far past the test's bound: only the token request's
     // own quick retries can start the pod in time.
-    let root = rustlet_testkit::node_root::tempdir("rustlet-node-");
-    let mut config = NodeConfig::new(root.path(), api.node.clone());
-    config.http_address = None;
-    config.pods.volume_backoff =
-        kubelet::pod::BackoffConfig { initial: SOON * 10, max: SOON * 10, reset_after: Duration::MAX };
-    let shutdown = CancellationToken::new();
+    let (root, shutdown, _node) = host_node_with(&api, |config| {
+        config.pods.volume_backoff =
+            kubelet::pod::BackoffConfig { initial: SOON * 10, max: SOON * 10, reset_after: Duration::MAX };
+    })
+    .await;
     let _stop = shutdown.clone().drop_guard();
-    let _node = NodeBuilder::new(config)
-        .provider(std::sync::Arc::new(rustlet_testkit::host_provider::HostProcessProvider::new()))
-        .cluster(ClusterSettings::new(ApiSource::Client(api.node_client.clone())))
-        .start(shutdown.clone())
-        .await
-        .expect("node");
     server.inject(Fault::status(Some(Method::POST), "/serviceaccounts/default/token", 403, 1));
     server.inject(Fault::status(Some(Method::POST), "/serviceaccounts/default/token", 404, 1));
     let pod: Pod = serde_json::from_value(json!({

@@ -135,6 +135,8 @@ async fn stage_publish_unpublish_unstage_reach_the_driver_as_sent() {
             secrets: pairs(&[("password", "stage-secret")]),
             volume_context: pairs(&[("size", "1Gi")]),
             publish_context: pairs(&[("device", "/dev/fake0")]),
+            volume_mount_group: String::new(),
+            required_bytes: 0,
         }
     );
     let p = &calls[1];

@@ -560,6 +560,8 @@ async fn a_persistent_csi_volume_is_staged_once_published_per_pod_and_unstaged_w
             claim_read_only: false,
             stage_secrets: Default::default(),
             publish_secrets: Default::default(),
+            expand_secrets: Default::default(),
+            claim: None,
         },
     );
     let node = start_node_in(new_root(), Some(claims), |_| {}).await;
@@ -703,8 +705,7 @@ async fn a_csi_volume_is_given_to_the_pods_fs_group_by_the_drivers_policy() {
         let publish = calls
             .iter()
             .flat_map(|c| c.all())
-            .filter(|c| c.rpc == "NodePublishVolume" && Path::new(&c.target_path) == target)
-            .next_back()
+            .rfind(|c| c.rpc == "NodePublishVolume" && Path::new(&c.target_path) == target)
             .expect("published");
         let expected = if name == "delegated" { gid.to_string() } else { String::new() };
         assert_eq!(

@@ -264,7 +264,27 @@ impl VolumeClaims for ApiVolumes {
         })?;
         let stage_secrets = self.secrets(csi.node_stage_secret_ref.as_ref()).await?;
         let publish_secrets = self.secrets(csi.node_publish_secret_ref.as_ref()).await?;
-        Ok(ClaimedVolume { volume, claim_read_only: read_only, stage_secrets, publish_secrets })
+        let expand_secrets = self.secrets(csi.node_expand_secret_ref.as_ref()).await?;
+        Ok(ClaimedVolume {
+            volume,
+            claim_read_only: read_only,
+            stage_secrets,
+            publish_secrets,
+            expand_secrets,
+            claim: Some(found),
+        })
+    }
+
+    /// A strategic merge patch of the claim's `status` subresource, which
+    /// the Node authorizer lets a node write for the claims of its pods
+    /// (NodeRestriction: capacity, conditions and allocated resources only).
+    async fn patch_claim_status(&self, namespace: &str, claim: &str, patch: serde_json::Value) -> Result<(), ApiError> {
+        let claims: Api<PersistentVolumeClaim> = Api::namespaced(self.client()?, namespace);
+        claims
+            .patch_status(claim, &kube::api::PatchParams::default(), &kube::api::Patch::Strategic(patch))
+            .await
+            .map(drop)
+            .map_err(|e| failed_request(format!("cannot write PersistentVolumeClaim {namespace}/{claim}'s status"), &e))
     }
 }
 

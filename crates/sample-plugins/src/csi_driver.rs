@@ -57,6 +57,9 @@ pub struct CsiDriverConfig {
     /// bind-mounted at the target (and unmounted by NodeUnpublishVolume).
     /// Needs the privilege to mount (root); without it publishing fails.
     pub bind_mounts_from: Option<PathBuf>,
+    /// Report the `EXPAND_VOLUME` capability and serve `NodeExpandVolume`
+    /// (recorded with its `required_bytes`).
+    pub expand: bool,
     /// Report the `VOLUME_MOUNT_GROUP` capability: the driver applies a
     /// pod's fsGroup itself (given as `volume_mount_group`), and the node
     /// changes no ownership.
@@ -103,6 +106,8 @@ pub struct VolumeCall {
     /// A mount capability's `volume_mount_group` (the pod's fsGroup, when
     /// the node delegates it).
     pub volume_mount_group: String,
+    /// `NodeExpandVolume`'s `capacity_range.required_bytes`.
+    pub required_bytes: i64,
 }
 
 impl VolumeCall {
@@ -121,6 +126,7 @@ impl VolumeCall {
             volume_context: Vec::new(),
             publish_context: Vec::new(),
             volume_mount_group: String::new(),
+            required_bytes: 0,
         }
     }
 }
@@ -183,6 +189,7 @@ impl FakeCsiDriver {
             staging_target_path: call.staging_target_path.clone(),
             access_mode: call.access_mode,
             read_only: call.read_only,
+            required_bytes: call.required_bytes,
             volume_context: call.volume_context.clone(),
         });
         self.calls.record(call);
@@ -602,9 +609,33 @@ impl Node for FakeCsiDriver {
 
     async fn node_expand_volume(
         &self,
-        _: Request<NodeExpandVolumeRequest>,
+        request: Request<NodeExpandVolumeRequest>,
     ) -> Result<Response<NodeExpandVolumeResponse>, Status> {
-        unimplemented("NodeExpandVolume")
+        let r = request.into_inner();
+        let required_bytes = r.capacity_range.as_ref().map_or(0, |c| c.required_bytes);
+        let call = VolumeCall {
+            staging_target_path: r.staging_target_path.clone(),
+            target_path: r.volume_path.clone(),
+            access_type: r
+                .volume_capability
+                .as_ref()
+                .map(|c| capability(Some(c)))
+                .transpose()?
+                .map(|c| c.0)
+                .unwrap_or_default(),
+            secrets: sorted(&r.secrets),
+            required_bytes,
+            ..VolumeCall::new("NodeExpandVolume", &r.volume_id)
+        };
+        if let Some(status) = self.misbehave(call).await {
+            return Err(status);
+        }
+        if !self.config.expand {
+            return unimplemented("NodeExpandVolume");
+        }
+        required("volume_id", &r.volume_id)?;
+        required("volume_path", &r.volume_path)?;
+        Ok(Response::new(NodeExpandVolumeResponse { capacity_bytes: required_bytes }))
     }
 
     async fn node_get_capabilities(
@@ -621,12 +652,17 @@ impl Node for FakeCsiDriver {
                 r#type: node_service_capability::rpc::Type::GetVolumeStats as i32,
             })),
         };
+        let expand = self.config.expand.then(|| NodeServiceCapability {
+            r#type: Some(node_service_capability::Type::Rpc(node_service_capability::Rpc {
+                r#type: node_service_capability::rpc::Type::ExpandVolume as i32,
+            })),
+        });
         let mount_group = self.config.volume_mount_group.then(|| NodeServiceCapability {
             r#type: Some(node_service_capability::Type::Rpc(node_service_capability::Rpc {
                 r#type: node_service_capability::rpc::Type::VolumeMountGroup as i32,
             })),
         });
-        let capabilities = stage.into_iter().chain([stats]).chain(mount_group).collect();
+        let capabilities = stage.into_iter().chain([stats]).chain(expand).chain(mount_group).collect();
         Ok(Response::new(NodeGetCapabilitiesResponse { capabilities }))
     }
 

@@ -43,6 +43,9 @@ pub enum Report {
         /// `readonly` (publish).
         #[serde(default)]
         read_only: bool,
+        /// `capacity_range.required_bytes` (expand), 0 otherwise.
+        #[serde(default)]
+        required_bytes: i64,
         /// `volume_context`, sorted.
         #[serde(default)]
         volume_context: Vec<(String, String)>,

@@ -843,7 +843,9 @@ async fn serve(
             match content_type.split(';').next().unwrap_or_default().trim() {
                 "application/merge-patch+json" => store::merge_patch(&mut patched, &body_value),
                 "application/json-patch+json" => store::json_patch(&mut patched, &body_value)?,
-                "application/strategic-merge-patch+json" if matches!(resource.plural, "pods" | "nodes") => {
+                "application/strategic-merge-patch+json"
+                    if matches!(resource.plural, "pods" | "nodes" | "persistentvolumeclaims") =>
+                {
                     store::strategic_merge_patch(&mut patched, &body_value);
                 }
                 other => {
@@ -851,7 +853,7 @@ async fn serve(
                         415,
                         "UnsupportedMediaType",
                         format!(
-                            "the fake API server takes merge and JSON patches, and strategic merge patches of pods, not {other:?}"
+                            "the fake API server takes merge and JSON patches, and strategic merge patches of pods, nodes and claims, not {other:?}"
                         ),
                     ));
                 }

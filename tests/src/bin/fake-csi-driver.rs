@@ -54,6 +54,9 @@ struct Args {
     /// target (needs root).
     #[arg(long, value_name = "DIR")]
     bind_mounts_from: Option<std::path::PathBuf>,
+    /// Report EXPAND_VOLUME and serve NodeExpandVolume.
+    #[arg(long)]
+    expand: bool,
     /// Report VOLUME_MOUNT_GROUP (the driver applies a pod's fsGroup).
     #[arg(long)]
     volume_mount_group: bool,
@@ -92,6 +95,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         volume_calls: args.volume_call.into_iter().collect(),
         bind_mounts_from: args.bind_mounts_from,
         volume_mount_group: args.volume_mount_group,
+        expand: args.expand,
     };
     let registration_socket = args.registration_socket.clone();
     let mut driver = RegisteredCsiDriver::new(args.registration_socket, args.endpoint, config);

@@ -23,8 +23,8 @@ pub use client::{CsiNodeInfo, node_get_info};
 pub use error::{CsiClientError, CsiError, CsiVersionError, PublishError};
 pub use handler::{CsiHandlerConfig, CsiPluginHandler};
 pub use node_client::{
-    AccessMode, AccessType, CsiNodeClient, CsiNodeError, CsiNodeTimeouts, NodeCapabilities, NodeCapability,
-    PublishVolume, Secrets, StageVolume, VolumeCapability, VolumeUsage,
+    AccessMode, AccessType, CsiNodeClient, CsiNodeError, CsiNodeTimeouts, ExpandVolume, NodeCapabilities,
+    NodeCapability, PublishVolume, Secrets, StageVolume, VolumeCapability, VolumeUsage,
 };
 pub use node_info::{CsiNodeDriver, InMemoryNodeInfo, NodeCsiInfo, NodeInfoPublisher};
 pub use registry::{CsiDriver, CsiDriverRegistry, CsiDrivers};

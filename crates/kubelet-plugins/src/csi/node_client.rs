@@ -247,6 +247,23 @@ pub struct PublishVolume {
     pub secrets: Secrets,
 }
 
+/// `NodeExpandVolume`: a published volume grown to `required_bytes`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExpandVolume {
+    /// The volume's handle.
+    pub volume_id: String,
+    /// Where the volume is published (a raw block volume's device file).
+    pub volume_path: PathBuf,
+    /// Where it was staged, if the driver stages.
+    pub staging_target_path: Option<PathBuf>,
+    /// The size it must have now, in bytes.
+    pub required_bytes: i64,
+    /// How the volume is accessed.
+    pub capability: VolumeCapability,
+    /// Node-expand secrets.
+    pub secrets: Secrets,
+}
+
 /// A connection to one driver's Node service.
 #[derive(Clone, Debug)]
 pub struct CsiNodeClient {
@@ -322,6 +339,27 @@ impl CsiNodeClient {
         let mut client = self.client.clone();
         self.call(RPC, &request.volume_id, self.timeouts.volume, client.node_publish_volume(message)).await?;
         Ok(())
+    }
+
+    /// `NodeExpandVolume`; the capacity the driver reports, if it did.
+    pub async fn expand_volume(&self, request: &ExpandVolume) -> Result<Option<i64>, CsiNodeError> {
+        const RPC: &str = "NodeExpandVolume";
+        let staging_target_path = match &request.staging_target_path {
+            Some(path) => self.path(RPC, &request.volume_id, path)?,
+            None => String::new(),
+        };
+        let message = api::NodeExpandVolumeRequest {
+            volume_id: request.volume_id.clone(),
+            volume_path: self.path(RPC, &request.volume_id, &request.volume_path)?,
+            capacity_range: Some(api::CapacityRange { required_bytes: request.required_bytes, limit_bytes: 0 }),
+            staging_target_path,
+            volume_capability: Some(capability_to_api(&request.capability)),
+            secrets: request.secrets.0.clone().into_iter().collect(),
+        };
+        let mut client = self.client.clone();
+        let answer =
+            self.call(RPC, &request.volume_id, self.timeouts.volume, client.node_expand_volume(message)).await?;
+        Ok(Some(answer.capacity_bytes).filter(|bytes| *bytes > 0))
     }
 
     /// `NodeUnpublishVolume`.

@@ -92,6 +92,11 @@ pub struct ClaimedVolume {
     pub stage_secrets: Secrets,
     /// The node-publish secrets (`nodePublishSecretRef`).
     pub publish_secrets: Secrets,
+    /// The node-expand secrets (`nodeExpandSecretRef`).
+    pub expand_secrets: Secrets,
+    /// The claim itself, as read with the volume; the node writes its
+    /// status when it expands the volume (`None`: no expansion).
+    pub claim: Option<k8s_openapi::api::core::v1::PersistentVolumeClaim>,
 }
 
 /// Finds the volume a pod's `persistentVolumeClaim` is bound to. Cluster
@@ -110,6 +115,15 @@ pub trait VolumeClaims: Send + Sync + 'static {
     async fn attachment(&self, driver: &str, handle: &str) -> Result<BTreeMap<String, String>, ApiError> {
         let _ = (driver, handle);
         Ok(BTreeMap::new())
+    }
+
+    /// Applies `patch` (a strategic merge patch) to claim `claim`'s status
+    /// in `namespace`: the node's steps of an online expansion
+    /// (`persistentvolumeclaims/status`). By default there is no API to
+    /// write to, and no claim is expanded (see [`ClaimedVolume::claim`]).
+    async fn patch_claim_status(&self, namespace: &str, claim: &str, patch: serde_json::Value) -> Result<(), ApiError> {
+        let _ = patch;
+        Err(ApiError::NotReady(format!("no API to write PersistentVolumeClaim {namespace}/{claim}'s status to")))
     }
 }
 
@@ -458,6 +472,75 @@ impl CsiVolumes {
             ready.ready = true;
         }
         Ok(())
+    }
+
+    /// Expands `volume` (a claim's, published for `pod` as `prepared`) when
+    /// its claim asks the node to ([`super::expansion`]); returns whether
+    /// it did. A driver's refusal is written to the claim and returned; the
+    /// next round tries again.
+    pub(super) async fn expand(
+        &self,
+        pod: &Pod,
+        volume: &Volume,
+        prepared: &PreparedVolume,
+    ) -> Result<bool, VolumeError> {
+        let (Some(source), Some(mount), Some(claims)) =
+            (volume.persistent_volume_claim.as_ref(), prepared.csi.as_ref(), self.claims.as_ref())
+        else {
+            return Ok(false);
+        };
+        if !prepared.ready || mount.volume_lifecycle_mode != "Persistent" {
+            return Ok(false);
+        }
+        let invalid = |reason: String| VolumeError::InvalidSpec { volume: volume.name.clone(), reason };
+        let namespace = pod.metadata.namespace.as_deref().unwrap_or("default");
+        let name = source.claim_name.as_str();
+        let claimed = claims.resolve(namespace, name, false).await.map_err(|e| invalid(e.to_string()))?;
+        let Some(claim) = &claimed.claim else { return Ok(false) };
+        let Some(due) = super::expansion::due(claim, &claimed.volume) else { return Ok(false) };
+        let write = |patch| claims.patch_claim_status(namespace, name, patch);
+        write(super::expansion::in_progress(claim)).await.map_err(|e| invalid(e.to_string()))?;
+        let spec = claimed.volume.spec.clone().unwrap_or_default();
+        let access_type = if mount.block {
+            AccessType::Block
+        } else {
+            AccessType::Mount {
+                fs_type: spec.csi.as_ref().and_then(|c| c.fs_type.clone()).unwrap_or_default(),
+                mount_flags: spec.mount_options.clone().unwrap_or_default(),
+                volume_mount_group: String::new(),
+            }
+        };
+        let request = crate::csi::ExpandVolume {
+            volume_id: mount.volume_handle.clone(),
+            volume_path: prepared.host_path.clone(),
+            staging_target_path: mount.staging_target_path.clone(),
+            required_bytes: due.bytes,
+            capability: VolumeCapability {
+                access_type,
+                access_mode: access_mode(spec.access_modes.as_deref().unwrap_or_default()),
+            },
+            secrets: claimed.expand_secrets.clone(),
+        };
+        let driver = self.driver(&volume.name, &mount.driver_name)?;
+        let connected = self.connect(&volume.name, &driver).await?;
+        let answer = if connected.capabilities.has(crate::csi::NodeCapability::ExpandVolume) {
+            tracing::info!(pod.uid = ?pod.metadata.uid, volume = %volume.name, driver = %driver.name, size = %due.size.0, "NodeExpandVolume");
+            self.forget_on_transport_error(&driver.name, connected.client.expand_volume(&request).await)
+                .map(drop)
+                .map_err(|source| VolumeError::Csi { volume: volume.name.clone(), source })
+        } else {
+            Err(invalid(format!("NodeExpand is not supported by the CSI driver {}", driver.name)))
+        };
+        if let Err(error) = answer {
+            let now = jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%SZ").to_string();
+            if let Err(write_error) = write(super::expansion::failed(&error.to_string(), &now)).await {
+                tracing::warn!(volume = %volume.name, error = %write_error, "the claim's NodeResizeError condition was not written");
+            }
+            return Err(error);
+        }
+        write(super::expansion::finished(claim, &due.size)).await.map_err(|e| invalid(e.to_string()))?;
+        tracing::info!(volume = %volume.name, claim = %name, size = %due.size.0, "volume expanded on the node");
+        Ok(true)
     }
 
     /// What the driver of `mount` reports of the volume published at

@@ -19,6 +19,7 @@ pub mod atomic_writer;
 pub mod csi;
 mod downward_api;
 mod empty_dir;
+mod expansion;
 mod host_path;
 pub mod mounts;
 mod ownership;
@@ -289,6 +290,23 @@ impl VolumeManager {
             }),
             _ => Ok(None),
         }
+    }
+
+    /// Expands the pod's claimed CSI volumes whose claims ask the node to
+    /// (an online expansion's node step); returns how many it expanded, or
+    /// every error (after the others were tried).
+    pub(crate) async fn expand(&self, pod: &Pod, prepared: &PodVolumes) -> Result<usize, Vec<VolumeError>> {
+        let Some(csi) = &self.csi else { return Ok(0) };
+        let (mut expanded, mut errors) = (0, Vec::new());
+        for volume in pod.spec.iter().flat_map(|s| s.volumes.iter().flatten()) {
+            let Some(ready) = prepared.get(&volume.name) else { continue };
+            match csi.expand(pod, volume, ready).await {
+                Ok(true) => expanded += 1,
+                Ok(false) => {}
+                Err(error) => errors.push(error),
+            }
+        }
+        if errors.is_empty() { Ok(expanded) } else { Err(errors) }
     }
 
     /// Writes the volumes whose contents follow the API and the pod

@@ -248,15 +248,20 @@ impl State<PodLifecycle> for Volumes {
 /// Keeps the pod's configMap, secret, projected and downwardAPI volumes
 /// up to date while it runs (until its data is dropped or its removal
 /// aborts its tasks): written again every [`PodConfig::volume_refresh`],
-/// and at once when the pod's manifest changes (labels, annotations).
+/// and at once when the pod's manifest changes (labels, annotations). On
+/// the same period, its claimed CSI volumes are expanded when their claims
+/// ask the node to (an online expansion).
 ///
 /// [`PodConfig::volume_refresh`]: crate::pod::PodConfig::volume_refresh
 fn spawn_volume_refresh(ctx: &mut Context<PodLifecycle>) {
     use crate::volume::VolumeKind;
     let prepared = ctx.data.volumes.clone();
-    if !prepared.values().any(|v| matches!(v.kind, VolumeKind::ApiData | VolumeKind::DownwardApi)) {
+    let claimed =
+        |v: &crate::volume::PreparedVolume| v.csi.as_ref().is_some_and(|c| c.volume_lifecycle_mode == "Persistent");
+    if !prepared.values().any(|v| matches!(v.kind, VolumeKind::ApiData | VolumeKind::DownwardApi) || claimed(v)) {
         return;
     }
+    let expands = prepared.values().any(claimed);
     let volumes = ctx.machine.volumes.clone();
     let context = ctx.machine.downward_context(&ctx.data);
     let period = ctx.machine.config.volume_refresh;
@@ -299,6 +304,10 @@ fn spawn_volume_refresh(ctx: &mut Context<PodLifecycle>) {
             if let Err(errors) = volumes.refresh(&pod, &prepared, &context, max_age).await {
                 let reasons: Vec<String> = errors.iter().map(ToString::to_string).collect();
                 tracing::warn!(pod.uid = %uid, errors = %reasons.join("; "), "volume contents not updated; trying again later");
+            }
+            if expands && let Err(errors) = volumes.expand(&pod, &prepared).await {
+                let reasons: Vec<String> = errors.iter().map(ToString::to_string).collect();
+                tracing::warn!(pod.uid = %uid, errors = %reasons.join("; "), "volume not expanded; trying again later");
             }
         }
     };

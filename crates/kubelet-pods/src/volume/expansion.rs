@@ -1,0 +1,162 @@
+//! Online expansion of a published volume, the node's half: after the
+//! external-resizer grew the volume in its controller (the PV's
+//! `spec.capacity` is the new size) and marked the claim
+//! `status.allocatedResourceStatuses.storage: NodeResizePending`, the node
+//! calls the driver's `NodeExpandVolume` for the volume as its pod uses it
+//! and writes the claim's status, as the kubelet's node expander does:
+//!
+//! 1. `allocatedResourceStatuses.storage: NodeResizeInProgress` (with the
+//!    claim's resourceVersion, so a claim changed meanwhile is read again);
+//! 2. the driver's call;
+//! 3. done: `status.capacity.storage` the new size, the storage entry of
+//!    `allocatedResourceStatuses` gone, and the resize conditions
+//!    (`Resizing`, `FileSystemResizePending`, `ControllerResizeError`,
+//!    `NodeResizeError`) removed; failed: a `NodeResizeError` condition
+//!    `failed to expand pvc with <error>` beside the others, and the next
+//!    round tries again.
+//!
+//! This file decides and writes the patches; `csi.rs` makes the call.
+
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use serde_json::{Value, json};
+
+use crate::pod::parse_units;
+
+/// The conditions an expansion owns (upstream's `knownResizeConditions`).
+const RESIZE_CONDITIONS: [&str; 4] =
+    ["FileSystemResizePending", "Resizing", "ControllerResizeError", "NodeResizeError"];
+
+/// A node expansion that is due: the size the volume has now.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Due {
+    /// The PV's new capacity, as the API wrote it.
+    pub size: Quantity,
+    /// The same, in bytes.
+    pub bytes: i64,
+}
+
+/// Whether the node must expand `claim`'s volume now: the PV is larger
+/// than the claim's `status.capacity` and the resizer left the node's step
+/// pending (or in progress: a node that stopped in the middle goes on).
+/// A resizer that does not write `allocatedResourceStatuses` (an API
+/// server before 1.32, where that field is off) says so with the
+/// `FileSystemResizePending` condition instead.
+pub(crate) fn due(claim: &PersistentVolumeClaim, volume: &PersistentVolume) -> Option<Due> {
+    let size = volume.spec.as_ref()?.capacity.as_ref()?.get("storage")?.clone();
+    let bytes = parse_units(&size.0).ok()?;
+    let status = claim.status.as_ref()?;
+    let current = status.capacity.as_ref().and_then(|c| c.get("storage")).and_then(|q| parse_units(&q.0).ok());
+    if current.is_some_and(|current| current >= bytes) {
+        return None;
+    }
+    let step = status.allocated_resource_statuses.as_ref().and_then(|s| s.get("storage")).map(String::as_str);
+    let pending_condition =
+        status.conditions.iter().flatten().any(|c| c.type_ == "FileSystemResizePending" && c.status == "True");
+    let pending = match step {
+        Some(step) => matches!(step, "NodeResizePending" | "NodeResizeInProgress"),
+        None => pending_condition,
+    };
+    if !pending {
+        return None;
+    }
+    Some(Due { size, bytes: i64::try_from(bytes).ok()? })
+}
+
+/// Step 1: the node's step is in progress.
+pub(crate) fn in_progress(claim: &PersistentVolumeClaim) -> Value {
+    json!({
+        "metadata": {"resourceVersion": claim.metadata.resource_version},
+        "status": {"allocatedResourceStatuses": {"storage": "NodeResizeInProgress"}},
+    })
+}
+
+/// Step 3, done: the claim has the new size; nothing of the resize is left.
+pub(crate) fn finished(claim: &PersistentVolumeClaim, size: &Quantity) -> Value {
+    let deleted: Vec<Value> = resize_conditions(claim).map(|t| json!({"type": t, "$patch": "delete"})).collect();
+    let mut status = json!({
+        "capacity": {"storage": size.0},
+        "allocatedResourceStatuses": {"storage": null},
+    });
+    if !deleted.is_empty() {
+        status["conditions"] = Value::Array(deleted);
+    }
+    json!({"metadata": {"resourceVersion": claim.metadata.resource_version}, "status": status})
+}
+
+/// Step 3, failed: a `NodeResizeError` condition with the reason.
+pub(crate) fn failed(error: &str, now: &str) -> Value {
+    json!({"status": {"conditions": [{
+        "type": "NodeResizeError",
+        "status": "True",
+        "lastTransitionTime": now,
+        "message": format!("failed to expand pvc with {error}"),
+    }]}})
+}
+
+fn resize_conditions(claim: &PersistentVolumeClaim) -> impl Iterator<Item = &str> {
+    claim
+        .status
+        .iter()
+        .flat_map(|s| s.conditions.iter().flatten())
+        .map(|c| c.type_.as_str())
+        .filter(|t| RESIZE_CONDITIONS.contains(t))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn claim(capacity: &str, step: Option<&str>) -> PersistentVolumeClaim {
+        serde_json::from_value(json!({
+            "metadata": {"name": "c", "namespace": "ns", "resourceVersion": "7"},
+            "status": {
+                "capacity": {"storage": capacity},
+                "allocatedResourceStatuses": step.map(|s| json!({"storage": s})),
+                "conditions": [{"type": "FileSystemResizePending", "status": "True"}, {"type": "Other", "status": "True"}],
+            },
+        }))
+        .expect("claim")
+    }
+
+    fn volume(capacity: &str) -> PersistentVolume {
+        serde_json::from_value(json!({"metadata": {"name": "pv"}, "spec": {"capacity": {"storage": capacity}}}))
+            .expect("volume")
+    }
+
+    #[test]
+    fn an_expansion_is_due_only_when_the_volume_grew_and_the_resizer_left_the_node_its_step() {
+        let due = due(&claim("1Gi", Some("NodeResizePending")), &volume("2Gi")).expect("due");
+        assert_eq!((due.size.0.as_str(), due.bytes), ("2Gi", 2 << 30));
+        assert!(super::due(&claim("1Gi", Some("NodeResizeInProgress")), &volume("2Gi")).is_some(), "resumed");
+        assert!(super::due(&claim("1Gi", None), &volume("2Gi")).is_some(), "the legacy resizer's condition");
+        let mut unmarked = claim("1Gi", None);
+        unmarked.status.as_mut().expect("status").conditions = None;
+        assert!(super::due(&unmarked, &volume("2Gi")).is_none(), "the controller's step is not done");
+        assert!(super::due(&claim("1Gi", Some("ControllerResizeInProgress")), &volume("2Gi")).is_none());
+        assert!(super::due(&claim("2Gi", Some("NodeResizePending")), &volume("2Gi")).is_none(), "already that size");
+        assert!(super::due(&claim("1024Mi", Some("NodeResizePending")), &volume("1Gi")).is_none(), "units compared");
+    }
+
+    #[test]
+    fn the_patches_are_the_node_expanders() {
+        let claim = claim("1Gi", Some("NodeResizeInProgress"));
+        assert_eq!(
+            in_progress(&claim),
+            json!({"metadata": {"resourceVersion": "7"}, "status": {"allocatedResourceStatuses": {"storage": "NodeResizeInProgress"}}})
+        );
+        assert_eq!(
+            finished(&claim, &Quantity("2Gi".into())),
+            json!({"metadata": {"resourceVersion": "7"}, "status": {
+                "capacity": {"storage": "2Gi"},
+                "allocatedResourceStatuses": {"storage": null},
+                "conditions": [{"type": "FileSystemResizePending", "$patch": "delete"}],
+            }})
+        );
+        let failed = failed("rpc error: code = Internal", "2026-11-28T00:00:00Z");
+        assert_eq!(
+            failed["status"]["conditions"][0]["message"],
+            "failed to expand pvc with rpc error: code = Internal"
+        );
+    }
+}
