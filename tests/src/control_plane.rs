@@ -548,7 +548,22 @@ pub fn host_ip() -> Option<std::net::IpAddr> {
     socket.local_addr().ok().map(|a| a.ip()).filter(|ip| !ip.is_unspecified() && !ip.is_loopback())
 }
 
+/// A loopback port free now, for a server started a moment later: drawn
+/// below the kernel's ephemeral range (32768 and up by default), so that
+/// no outgoing connection of the busy test machine takes it in between (a
+/// port from binding port 0 is an ephemeral one, and one was taken so:
+/// "bind: address already in use"). Falls back to an ephemeral port.
 fn free_port() -> Result<u16, String> {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static DRAWN: AtomicU32 = AtomicU32::new(0);
+    let seed = uuid::Uuid::new_v4().as_u128() as u32;
+    for _ in 0..100 {
+        let n = DRAWN.fetch_add(1, Ordering::Relaxed);
+        let port = 20_000 + (seed.wrapping_add(n.wrapping_mul(7_919)) % 12_000) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return Ok(port);
+        }
+    }
     std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).map_err(|e| e.to_string())
 }
 

@@ -21,7 +21,7 @@ use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use serde_json::{Value, json};
 
-use crate::pod::parse_units;
+use kubelet_provider::quantity::parse_units;
 
 /// The conditions an expansion owns (upstream's `knownResizeConditions`).
 const RESIZE_CONDITIONS: [&str; 4] =
