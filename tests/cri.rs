@@ -1164,7 +1164,7 @@ async fn a_cluster_runs_pods_on_the_runtime_of_their_class(api: rustlet_testkit:
         .expect_err("validation refuses Bidirectional in an unprivileged container");
     assert!(
         refused.to_string().contains(
-            "spec.containers[0].volumeMounts[0].mountPropagation: Forbidden: Bidirectional mount propagation is \
+            "spec.containers[0].volumeMounts.mountPropagation: Forbidden: Bidirectional mount propagation is \
              available only to privileged containers"
         ),
         "{refused}"

@@ -175,9 +175,10 @@ fn validate_mount_propagation(pod: &Pod) -> Result<(), String> {
         [("initContainers", spec.init_containers.as_deref().unwrap_or_default()), ("containers", &spec.containers)];
     for (list, containers) in lists {
         for (i, container) in containers.iter().enumerate() {
-            for (j, mount) in container.volume_mounts.iter().flatten().enumerate() {
+            // Upstream names the list, not the entry (`volumeMounts.mountPropagation`).
+            for mount in container.volume_mounts.iter().flatten() {
                 crate::pod::run_options::propagation(container, mount.mount_propagation.as_deref())
-                    .map_err(|why| format!("spec.{list}[{i}].volumeMounts[{j}].{why}"))?;
+                    .map_err(|why| format!("spec.{list}[{i}].volumeMounts.{why}"))?;
             }
         }
     }
@@ -617,7 +618,7 @@ mod tests {
         let error = parse_manifest(p, &pod(false, "Bidirectional"), "n").expect_err("unprivileged").to_string();
         assert!(
             error.contains(
-                "spec.containers[0].volumeMounts[1].mountPropagation: Forbidden: Bidirectional mount propagation is \
+                "spec.containers[0].volumeMounts.mountPropagation: Forbidden: Bidirectional mount propagation is \
                  available only to privileged containers"
             ),
             "{error}"
@@ -625,7 +626,7 @@ mod tests {
         let error = parse_manifest(p, &pod(true, "Sideways"), "n").expect_err("unknown mode").to_string();
         assert!(
             error.contains(
-                "spec.containers[0].volumeMounts[1].mountPropagation: Unsupported value: \"Sideways\": supported \
+                "spec.containers[0].volumeMounts.mountPropagation: Unsupported value: \"Sideways\": supported \
                  values: \"Bidirectional\", \"HostToContainer\", \"None\""
             ),
             "{error}"

@@ -534,8 +534,9 @@ fn validate_mount_propagation(pod: &Value) -> Result<(), ApiError> {
         for (i, container) in containers.iter().enumerate() {
             let privileged = container.pointer("/securityContext/privileged").and_then(Value::as_bool) == Some(true);
             let mounts = container.get("volumeMounts").and_then(Value::as_array).cloned().unwrap_or_default();
-            for (j, mount) in mounts.iter().enumerate() {
-                let field = format!("spec.{list}[{i}].volumeMounts[{j}].mountPropagation");
+            for mount in &mounts {
+                // The real server names the list, not the entry.
+                let field = format!("spec.{list}[{i}].volumeMounts.mountPropagation");
                 match mount.get("mountPropagation").and_then(Value::as_str) {
                     None | Some("None" | "HostToContainer") => {}
                     Some("Bidirectional") if privileged => {}
