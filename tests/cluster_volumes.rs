@@ -545,6 +545,14 @@ async fn a_claims_volume_grown_by_its_controller_is_expanded_on_the_node(api: Te
         !status.allocated_resource_statuses.unwrap_or_default().contains_key("storage"),
         "the node's step is no longer pending"
     );
+    // NodeRestriction: the node writes nothing else of the claim's status.
+    let as_node: Api<PersistentVolumeClaim> = Api::namespaced(api.node_client.clone(), "default");
+    let refused = as_node
+        .patch_status(&claim_name, &PatchParams::default(), &Patch::Strategic(json!({"status": {"phase": "Lost"}})))
+        .await
+        .expect_err("a node may not set a claim's phase");
+    // ("status.quantity" since 1.32, "status.capacity" before.)
+    assert!(refused.to_string().contains("is not allowed to update fields other than status."), "{refused}");
 }
 rustlet_testkit::on_both_api_servers!(
     a_claims_volume_grown_by_its_controller_is_expanded_on_the_node_on,

@@ -190,6 +190,9 @@ pub fn authorize(identity: &Identity, request: &Request<'_>, store: &Store) -> R
             if !allowed_verb {
                 return deny("a node may only read this object");
             }
+            if request.resource.plural == "persistentvolumeclaims" && !reading {
+                admit_claim_status(request, node)?;
+            }
             if references(store, node).contains(&(
                 request.resource.plural,
                 request.namespace.to_owned(),
@@ -298,6 +301,38 @@ fn admit_pod_status(request: &Request<'_>, pod: &Value, node: &str) -> Result<()
     } else {
         Err(admission_forbidden(request, &format!("node \"{node}\" cannot update resource claim statues")))
     }
+}
+
+/// NodeRestriction's check of a node's write of a claim's status (an
+/// expansion's steps): only `status.capacity`, `status.conditions` and,
+/// with `RecoverVolumeExpansionFailure` (on since 1.32),
+/// `status.allocatedResourceStatuses` and `status.allocatedResources` may
+/// change (checked on what the write names; the resourceVersion aside).
+fn admit_claim_status(request: &Request<'_>, node: &str) -> Result<(), ApiError> {
+    const ALLOWED: [&str; 4] = ["capacity", "conditions", "allocatedResourceStatuses", "allocatedResources"];
+    let Some(body) = request.body else { return Ok(()) };
+    if request.verb != "patch" {
+        // A whole object: what it changes is not known here; the node
+        // writes patches.
+        return Ok(());
+    }
+    let status_fields = body.get("status").and_then(Value::as_object).into_iter().flat_map(|o| o.keys());
+    let other_status = status_fields.filter(|k| !ALLOWED.contains(&k.as_str())).count();
+    let metadata_fields = body.get("metadata").and_then(Value::as_object).into_iter().flat_map(|o| o.keys());
+    let other_metadata = metadata_fields.filter(|k| k.as_str() != "resourceVersion").count();
+    let other_top = body
+        .as_object()
+        .into_iter()
+        .flat_map(|o| o.keys())
+        .filter(|k| !matches!(k.as_str(), "status" | "metadata"))
+        .count();
+    if other_status + other_metadata + other_top == 0 {
+        return Ok(());
+    }
+    Err(admission_forbidden(
+        request,
+        &format!("node \"{node}\" is not allowed to update fields other than status.quantity and status.conditions"),
+    ))
 }
 
 /// NodeRestriction's checks of a pod a node creates (upstream's order and

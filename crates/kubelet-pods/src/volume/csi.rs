@@ -499,7 +499,9 @@ impl CsiVolumes {
         let Some(claim) = &claimed.claim else { return Ok(false) };
         let Some(due) = super::expansion::due(claim, &claimed.volume) else { return Ok(false) };
         let write = |patch| claims.patch_claim_status(namespace, name, patch);
-        write(super::expansion::in_progress(claim)).await.map_err(|e| invalid(e.to_string()))?;
+        if due.tracked {
+            write(super::expansion::in_progress(claim)).await.map_err(|e| invalid(e.to_string()))?;
+        }
         let spec = claimed.volume.spec.clone().unwrap_or_default();
         let access_type = if mount.block {
             AccessType::Block
@@ -538,7 +540,7 @@ impl CsiVolumes {
             }
             return Err(error);
         }
-        write(super::expansion::finished(claim, &due.size)).await.map_err(|e| invalid(e.to_string()))?;
+        write(super::expansion::finished(claim, &due.size, due.tracked)).await.map_err(|e| invalid(e.to_string()))?;
         tracing::info!(volume = %volume.name, claim = %name, size = %due.size.0, "volume expanded on the node");
         Ok(true)
     }

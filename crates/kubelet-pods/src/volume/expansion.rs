@@ -6,7 +6,8 @@
 //! and writes the claim's status, as the kubelet's node expander does:
 //!
 //! 1. `allocatedResourceStatuses.storage: NodeResizeInProgress` (with the
-//!    claim's resourceVersion, so a claim changed meanwhile is read again);
+//!    claim's resourceVersion, so a claim changed meanwhile is read again),
+//!    where the claim tracks its steps there (1.32 and later);
 //! 2. the driver's call;
 //! 3. done: `status.capacity.storage` the new size, the storage entry of
 //!    `allocatedResourceStatuses` gone, and the resize conditions
@@ -34,6 +35,11 @@ pub(crate) struct Due {
     pub size: Quantity,
     /// The same, in bytes.
     pub bytes: i64,
+    /// Whether the claim tracks the steps in `allocatedResourceStatuses`
+    /// (1.32 and later: `RecoverVolumeExpansionFailure`). Without it the
+    /// node writes only the capacity and the conditions, as the kubelet
+    /// does there (NodeRestriction refuses anything else).
+    pub tracked: bool,
 }
 
 /// Whether the node must expand `claim`'s volume now: the PV is larger
@@ -60,7 +66,7 @@ pub(crate) fn due(claim: &PersistentVolumeClaim, volume: &PersistentVolume) -> O
     if !pending {
         return None;
     }
-    Some(Due { size, bytes: i64::try_from(bytes).ok()? })
+    Some(Due { size, bytes: i64::try_from(bytes).ok()?, tracked: step.is_some() })
 }
 
 /// Step 1: the node's step is in progress.
@@ -71,13 +77,15 @@ pub(crate) fn in_progress(claim: &PersistentVolumeClaim) -> Value {
     })
 }
 
-/// Step 3, done: the claim has the new size; nothing of the resize is left.
-pub(crate) fn finished(claim: &PersistentVolumeClaim, size: &Quantity) -> Value {
+/// Step 3, done: the claim has the new size; nothing of the resize is left
+/// (the storage entry of `allocatedResourceStatuses` only where the claim
+/// tracks it, `tracked`).
+pub(crate) fn finished(claim: &PersistentVolumeClaim, size: &Quantity, tracked: bool) -> Value {
     let deleted: Vec<Value> = resize_conditions(claim).map(|t| json!({"type": t, "$patch": "delete"})).collect();
-    let mut status = json!({
-        "capacity": {"storage": size.0},
-        "allocatedResourceStatuses": {"storage": null},
-    });
+    let mut status = json!({"capacity": {"storage": size.0}});
+    if tracked {
+        status["allocatedResourceStatuses"] = json!({"storage": null});
+    }
     if !deleted.is_empty() {
         status["conditions"] = Value::Array(deleted);
     }
@@ -127,9 +135,10 @@ mod tests {
     #[test]
     fn an_expansion_is_due_only_when_the_volume_grew_and_the_resizer_left_the_node_its_step() {
         let due = due(&claim("1Gi", Some("NodeResizePending")), &volume("2Gi")).expect("due");
-        assert_eq!((due.size.0.as_str(), due.bytes), ("2Gi", 2 << 30));
+        assert_eq!((due.size.0.as_str(), due.bytes, due.tracked), ("2Gi", 2 << 30, true));
         assert!(super::due(&claim("1Gi", Some("NodeResizeInProgress")), &volume("2Gi")).is_some(), "resumed");
-        assert!(super::due(&claim("1Gi", None), &volume("2Gi")).is_some(), "the legacy resizer's condition");
+        let legacy = super::due(&claim("1Gi", None), &volume("2Gi")).expect("the legacy resizer's condition");
+        assert!(!legacy.tracked);
         let mut unmarked = claim("1Gi", None);
         unmarked.status.as_mut().expect("status").conditions = None;
         assert!(super::due(&unmarked, &volume("2Gi")).is_none(), "the controller's step is not done");
@@ -146,7 +155,15 @@ mod tests {
             json!({"metadata": {"resourceVersion": "7"}, "status": {"allocatedResourceStatuses": {"storage": "NodeResizeInProgress"}}})
         );
         assert_eq!(
-            finished(&claim, &Quantity("2Gi".into())),
+            finished(&claim, &Quantity("2Gi".into()), false),
+            json!({"metadata": {"resourceVersion": "7"}, "status": {
+                "capacity": {"storage": "2Gi"},
+                "conditions": [{"type": "FileSystemResizePending", "$patch": "delete"}],
+            }}),
+            "before 1.32: capacity and conditions only"
+        );
+        assert_eq!(
+            finished(&claim, &Quantity("2Gi".into()), true),
             json!({"metadata": {"resourceVersion": "7"}, "status": {
                 "capacity": {"storage": "2Gi"},
                 "allocatedResourceStatuses": {"storage": null},
