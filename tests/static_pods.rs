@@ -555,14 +555,7 @@ async fn a_persistent_csi_volume_is_staged_once_published_per_pod_and_unstaged_w
     claims.bind(
         "default",
         "data",
-        kubelet::volume::ClaimedVolume {
-            volume,
-            claim_read_only: false,
-            stage_secrets: Default::default(),
-            publish_secrets: Default::default(),
-            expand_secrets: Default::default(),
-            claim: None,
-        },
+        kubelet::volume::ClaimedVolume { volume, ..kubelet::volume::ClaimedVolume::default() },
     );
     let node = start_node_in(new_root(), Some(claims), |_| {}).await;
     let mut driver = node.start_driver(&["--stage-unstage"]).await;

@@ -512,14 +512,7 @@ async fn a_raw_block_volume_is_staged_published_to_a_device_file_and_reaches_the
                  "csi": {"driver": BLOCK_DRIVER, "volumeHandle": "vol-block"}},
     }))
     .expect("pv");
-    let claimed = ClaimedVolume {
-        volume,
-        claim_read_only: false,
-        stage_secrets: Default::default(),
-        publish_secrets: Default::default(),
-        expand_secrets: Default::default(),
-        claim: None,
-    };
+    let claimed = ClaimedVolume { volume, ..ClaimedVolume::default() };
     claims.bind("default", "block", claimed);
     std::fs::create_dir_all(root_path.join("plugins_registry")).expect("mkdir");
     let stop = CancellationToken::new();

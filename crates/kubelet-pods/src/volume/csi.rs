@@ -82,7 +82,7 @@ impl CsiDriverObjects {
 
 /// A claim resolved to its bound volume, with the secrets its CSI source
 /// names (the resolver fetches them; the node never logs them).
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct ClaimedVolume {
     /// The bound `PersistentVolume` (its `spec.csi` is what the node uses).
     pub volume: PersistentVolume,
