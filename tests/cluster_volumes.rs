@@ -277,8 +277,8 @@ fn pod_phase(pod: Option<&k8s_openapi::api::core::v1::Pod>) -> Option<&str> {
 /// A persistentVolumeClaim volume through the API: the pod waits (saying
 /// why) while its claim is unbound, then the PV's CSI source is staged and
 /// published with its attributes; the CSIDriver object from the API asks
-/// for the pod's info on mount; an inline CSI volume of the same driver is
-/// published too.
+/// for the pod's info on mount; an inline CSI volume of another driver is
+/// published too, with the service-account token its CSIDriver asks for.
 async fn claims_resolve_through_the_api_and_csi_driver_objects_apply(api: TestApi) {
     use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod, Secret};
     use rustlet_testkit::report::Report;
@@ -305,11 +305,16 @@ async fn claims_resolve_through_the_api_and_csi_driver_objects_apply(api: TestAp
     }
 
     let admin = api.admin.clone();
-    for (name, modes) in [("vol.csi.example.com", json!(["Persistent"])), ("eph.csi.example.com", json!(["Ephemeral"]))]
-    {
+    // The inline driver asks for a token of the pod's service account
+    // (`tokenRequests`), the other for none.
+    let tokens = json!([{"audience": "vault.example.com", "expirationSeconds": 600}]);
+    for (name, modes, tokens) in [
+        ("vol.csi.example.com", json!(["Persistent"]), json!(null)),
+        ("eph.csi.example.com", json!(["Ephemeral"]), tokens),
+    ] {
         api.csi_driver_object(
             name,
-            json!({"attachRequired": false, "podInfoOnMount": true, "volumeLifecycleModes": modes}),
+            json!({"attachRequired": false, "podInfoOnMount": true, "volumeLifecycleModes": modes, "tokenRequests": tokens}),
         )
         .await;
     }
@@ -344,10 +349,17 @@ async fn claims_resolve_through_the_api_and_csi_driver_objects_apply(api: TestAp
     .expect("pvc");
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(admin.clone(), "default");
     claims.create(&PostParams::default(), &claim).await.expect("pvc");
+    // The account whose token the inline driver gets.
+    let account = serde_json::from_value(json!({"metadata": {"name": "csi-user"}})).expect("account");
+    Api::<k8s_openapi::api::core::v1::ServiceAccount>::namespaced(admin.clone(), "default")
+        .create(&PostParams::default(), &account)
+        .await
+        .expect("service account");
     let pod: Pod = serde_json::from_value(json!({
         "metadata": {"name": "user", "namespace": "default"},
         "spec": {
             "nodeName": api.node,
+            "serviceAccountName": "csi-user",
             "automountServiceAccountToken": false,
             "terminationGracePeriodSeconds": 2,
             "containers": [{"name": "main", "image": "busybox", "command": ["sleep", "600"]}],
@@ -393,6 +405,20 @@ async fn claims_resolve_through_the_api_and_csi_driver_objects_apply(api: TestAp
     let inline = published.iter().find(|(id, _)| *id != "handle-1").map(|(_, c)| c).expect("the inline volume");
     assert_eq!(inline["csi.storage.k8s.io/ephemeral"], "true");
     assert_eq!(inline["size"], "1");
+    // The token its CSIDriver asked for, as the kubelet hands it: a JSON
+    // object by audience, each with the token and its expiry.
+    let handed: serde_json::Value =
+        serde_json::from_str(&inline["csi.storage.k8s.io/serviceAccount.tokens"]).expect("tokens are JSON");
+    let token = &handed["vault.example.com"];
+    assert!(token["token"].as_str().is_some_and(|t| !t.is_empty()), "a token for the audience: {handed}");
+    assert!(
+        token["expirationTimestamp"].as_str().is_some_and(|t| t.parse::<jiff::Timestamp>().is_ok()),
+        "an RFC 3339 expiry: {handed}"
+    );
+    assert!(
+        !persistent.contains_key("csi.storage.k8s.io/serviceAccount.tokens"),
+        "no token for a driver that asks for none"
+    );
 
     // A pod that runs to completion gives its volumes back while it stays
     // in the API (a finished Job's pod), as upstream's SyncTerminatedPod:

@@ -293,6 +293,14 @@ fn conditions(facts: &NodeFacts<'_>, status: &str, reason: &str, message: String
     conditions
 }
 
+/// The annotation by which a node leaves attaching and detaching its
+/// volumes to the controller-manager's attach/detach controller (which then
+/// lists them in `status.volumesAttached` once their VolumeAttachments are
+/// attached), as the kubelet sets it by default
+/// (`--enable-controller-attach-detach`); a node without it is not
+/// managed by that controller.
+pub(crate) const CONTROLLER_MANAGED_ATTACH_DETACH: &str = "volumes.kubernetes.io/controller-managed-attach-detach";
+
 /// The node as a `v1.Node`: capacity and allocatable (device resources
 /// included), a `Ready` condition from the health checks, node info.
 pub(crate) fn node_object(facts: &NodeFacts<'_>) -> NodeObject {
@@ -343,6 +351,7 @@ pub(crate) fn node_object(facts: &NodeFacts<'_>) -> NodeObject {
             name: Some(facts.name.to_owned()),
             creation_timestamp: Some(Time(facts.created)),
             labels: Some(labels),
+            annotations: Some(BTreeMap::from([(CONTROLLER_MANAGED_ATTACH_DETACH.to_owned(), "true".to_owned())])),
             ..ObjectMeta::default()
         },
         spec: (!facts.taints.is_empty())
@@ -508,6 +517,12 @@ mod tests {
         assert_eq!(labels["kubernetes.io/hostname"], "n1");
         assert_eq!(labels["beta.kubernetes.io/arch"], "wasm32-wasi");
         assert_eq!(labels["beta.kubernetes.io/os"], "linux");
+        let annotations = node.metadata.annotations.clone().unwrap_or_default();
+        assert_eq!(
+            annotations.get(CONTROLLER_MANAGED_ATTACH_DETACH).map(String::as_str),
+            Some("true"),
+            "attaching is left to the attach/detach controller, as the kubelet's default"
+        );
         let taints = node.spec.clone().and_then(|s| s.taints).unwrap_or_default();
         assert_eq!(taints.len(), 1);
         let status = node.status.expect("status");

@@ -285,9 +285,12 @@ impl StatusSync {
                 Ok(created.metadata.uid.unwrap_or_default())
             }
             Err(error) if is_code(&error, 409) => {
-                // Adopt it: our labels over its own, then the status.
+                // Adopt it: our labels and annotations over its own (the
+                // attach/detach controller's annotation included, as the
+                // kubelet reconciles it on an existing Node), then the status.
                 let labels = node.metadata.labels.clone().unwrap_or_default();
-                let patch = json!({"metadata": {"labels": labels}});
+                let annotations = node.metadata.annotations.clone().unwrap_or_default();
+                let patch = json!({"metadata": {"labels": labels, "annotations": annotations}});
                 let adopted = self.nodes.patch(name, &super::patch_params(), &Patch::Merge(&patch)).await?;
                 tracing::info!(node = %name, "node object exists; adopted it");
                 self.patch_status().await?;

@@ -286,6 +286,22 @@ impl VolumeClaims for ApiVolumes {
             .map(drop)
             .map_err(|e| failed_request(format!("cannot write PersistentVolumeClaim {namespace}/{claim}'s status"), &e))
     }
+
+    /// A fresh TokenRequest each time (as upstream's CSI mounter asks at
+    /// each publish): the driver gets the token with its expiry.
+    async fn pod_token(
+        &self,
+        pod: &Pod,
+        audience: &str,
+        expiration_seconds: i64,
+    ) -> Result<(String, String), ApiError> {
+        let audience = (!audience.is_empty()).then_some(audience);
+        let (token, expires) = self.request_token(pod, audience, expiration_seconds).await?;
+        let expires = expires
+            .map(|t| t.0)
+            .unwrap_or_else(|| jiff::Timestamp::now() + jiff::SignedDuration::from_secs(expiration_seconds));
+        Ok((token, expires.strftime("%Y-%m-%dT%H:%M:%SZ").to_string()))
+    }
 }
 
 #[async_trait::async_trait]

@@ -125,6 +125,23 @@ pub trait VolumeClaims: Send + Sync + 'static {
         let _ = patch;
         Err(ApiError::NotReady(format!("no API to write PersistentVolumeClaim {namespace}/{claim}'s status to")))
     }
+
+    /// A service-account token for `pod` bound to it, for `audience` (the
+    /// API server's own when empty), valid `expiration_seconds`, and when it
+    /// expires (RFC 3339): what a CSIDriver's `tokenRequests` hand its
+    /// driver. By default there is no API to ask.
+    async fn pod_token(
+        &self,
+        pod: &Pod,
+        audience: &str,
+        expiration_seconds: i64,
+    ) -> Result<(String, String), ApiError> {
+        let _ = (audience, expiration_seconds);
+        Err(ApiError::NotReady(format!(
+            "no API to ask for a token of pod {}'s service account",
+            pod.metadata.name.as_deref().unwrap_or_default()
+        )))
+    }
 }
 
 /// Claims bound to volumes by the embedder: `(namespace, claim)` → volume.
@@ -436,6 +453,9 @@ impl CsiVolumes {
         let mut volume_context = plan.volume_context.clone();
         if self.objects.get(&driver.name).and_then(|s| s.pod_info_on_mount).unwrap_or(false) {
             volume_context.extend(pod_info(pod, plan.ephemeral));
+        }
+        if let Some(tokens) = self.service_account_tokens(pod, &driver.name, &volume.name).await? {
+            volume_context.insert(SERVICE_ACCOUNT_TOKENS.into(), tokens);
         }
         let request = PublishVolume {
             volume_id: plan.mount.volume_handle.clone(),
@@ -915,6 +935,44 @@ fn access_mode(modes: &[String]) -> AccessMode {
 }
 
 /// The pod attributes upstream adds when the driver asks for pod info.
+/// The volume-context key of the tokens a CSIDriver's `tokenRequests`
+/// ask for (upstream's name).
+const SERVICE_ACCOUNT_TOKENS: &str = "csi.storage.k8s.io/serviceAccount.tokens";
+
+/// The token lifetime asked for when a `tokenRequests` entry names none
+/// (the API server's default for a TokenRequest).
+const DEFAULT_TOKEN_SECONDS: i64 = 3600;
+
+impl CsiVolumes {
+    /// What `csi.storage.k8s.io/serviceAccount.tokens` holds for `pod`'s
+    /// volume of `driver`, as the kubelet writes it: a JSON object, one
+    /// entry per `tokenRequests` audience, `{"token", "expirationTimestamp"}`;
+    /// `None` when the driver's CSIDriver asks for none.
+    async fn service_account_tokens(
+        &self,
+        pod: &Pod,
+        driver: &str,
+        volume: &str,
+    ) -> Result<Option<String>, VolumeError> {
+        let requests = self.objects.get(driver).and_then(|s| s.token_requests).unwrap_or_default();
+        if requests.is_empty() {
+            return Ok(None);
+        }
+        let failed = |reason: String| VolumeError::Token { volume: volume.to_owned(), reason };
+        let claims = self.claims.as_ref().ok_or_else(|| failed("this node has no API to ask".into()))?;
+        let mut tokens = serde_json::Map::new();
+        for request in &requests {
+            let seconds = request.expiration_seconds.unwrap_or(DEFAULT_TOKEN_SECONDS);
+            let (token, expires) =
+                claims.pod_token(pod, &request.audience, seconds).await.map_err(|e| failed(e.to_string()))?;
+            tokens
+                .insert(request.audience.clone(), serde_json::json!({"token": token, "expirationTimestamp": expires}));
+        }
+        tracing::debug!(pod = ?pod.metadata.name, driver, audiences = requests.len(), "service account tokens for the driver");
+        Ok(Some(serde_json::Value::Object(tokens).to_string()))
+    }
+}
+
 fn pod_info(pod: &Pod, ephemeral: bool) -> BTreeMap<String, String> {
     let meta = &pod.metadata;
     let service_account =

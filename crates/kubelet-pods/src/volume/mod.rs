@@ -99,6 +99,15 @@ pub(crate) enum VolumeError {
         /// What the attachment lacks.
         reason: String,
     },
+    /// The driver's CSIDriver asks for service-account tokens
+    /// (`tokenRequests`) and the API gave none; the pod retries.
+    #[error("volume {volume:?}: cannot get a service account token for its CSI driver: {reason}")]
+    Token {
+        /// The volume.
+        volume: String,
+        /// Why.
+        reason: String,
+    },
     /// A CSI call failed (or did not answer in time).
     #[error("volume {volume:?}: {source}")]
     Csi {
