@@ -478,49 +478,15 @@ async fn a_claims_volume_grown_by_its_controller_is_expanded_on_the_node(api: Te
     let driver = "grow.csi.example.com";
     let driver_config =
         CsiDriverConfig { name: driver.into(), node_id: api.node.clone(), expand: true, ..CsiDriverConfig::default() };
-    RegisteredCsiDriver::new(
-        root.path().join("plugins_registry").join(format!("{driver}.sock")),
-        root.path().join("plugins").join(driver).join("csi.sock"),
-        driver_config,
-    )
-    .spawn(Reporter::Channel(reports), shutdown.child_token())
-    .expect("driver");
-    api.csi_driver_object(driver, json!({"attachRequired": false})).await;
+    spawn_registered_driver(&api, &root, &shutdown, driver_config, reports).await;
 
     let admin = api.admin.clone();
     let (pv_name, claim_name) = (format!("pv-grow-{}", api.node), format!("grow-{}", api.node));
-    let volume: PersistentVolume = serde_json::from_value(json!({
-        "metadata": {"name": pv_name},
-        "spec": {
-            "capacity": {"storage": "1Gi"},
-            "accessModes": ["ReadWriteOnce"],
-            "claimRef": {"namespace": "default", "name": claim_name},
-            "csi": {"driver": driver, "volumeHandle": "grow-1", "fsType": "ext4"},
-        },
-    }))
-    .expect("pv");
+    let csi = json!({"driver": driver, "volumeHandle": "grow-1", "fsType": "ext4"});
+    bound_claim(&api, &pv_name, &claim_name, "ReadWriteOnce", csi).await;
     let volumes = Api::<PersistentVolume>::all(admin.clone());
-    volumes.create(&PostParams::default(), &volume).await.expect("pv");
-    let claim: PersistentVolumeClaim = serde_json::from_value(json!({
-        "metadata": {"name": claim_name, "namespace": "default"},
-        "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}, "volumeName": pv_name},
-    }))
-    .expect("pvc");
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(admin.clone(), "default");
-    let mut claim = claims.create(&PostParams::default(), &claim).await.expect("pvc");
-    claim.status = Some(serde_json::from_value(json!({"phase": "Bound", "capacity": {"storage": "1Gi"}})).expect("s"));
-    claims.replace_status(&claim_name, &PostParams::default(), &claim).await.expect("bound");
-    let pod: Pod = serde_json::from_value(json!({
-        "metadata": {"name": format!("grower-{}", api.node), "namespace": "default"},
-        "spec": {
-            "nodeName": api.node,
-            "automountServiceAccountToken": false,
-            "terminationGracePeriodSeconds": 1,
-            "containers": [{"name": "main", "image": "busybox", "command": ["sleep", "600"]}],
-            "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": claim_name}}],
-        },
-    }))
-    .expect("pod");
+    let pod = claim_user(&api, &format!("grower-{}", api.node), &claim_name);
     let pods = Api::<Pod>::namespaced(admin.clone(), "default");
     let pod_name = pod.metadata.name.clone().expect("name");
     pods.create(&PostParams::default(), &pod).await.expect("pod");
@@ -1008,4 +974,112 @@ async fn a_new_pods_token_refused_while_the_api_server_catches_up_is_asked_again
         .collect();
     let statuses: Vec<u16> = tokens.iter().map(|r| r.status).collect();
     assert_eq!(statuses, [403, 404, 201], "{tokens:#?}");
+}
+
+/// A volume whose only access mode is `ReadWriteOncePod` serves one pod of
+/// the node at a time: a second pod placed on the node by name (the
+/// scheduler would keep it away) waits, saying why in upstream's words,
+/// until the first is deleted, then starts.
+async fn a_read_write_once_pod_volume_serves_one_pod_at_a_time(api: TestApi) {
+    use k8s_openapi::api::core::v1::Pod;
+
+    let (root, shutdown, _node) = host_node(&api).await;
+    let _stop = shutdown.clone().drop_guard();
+    let (reports, _calls) = tokio::sync::mpsc::unbounded_channel();
+    let driver = "rwop.csi.example.com";
+    let driver_config =
+        CsiDriverConfig { name: driver.into(), node_id: api.node.clone(), ..CsiDriverConfig::default() };
+    spawn_registered_driver(&api, &root, &shutdown, driver_config, reports).await;
+
+    let admin = api.admin.clone();
+    let (pv_name, claim_name) = (format!("pv-rwop-{}", api.node), format!("rwop-{}", api.node));
+    bound_claim(&api, &pv_name, &claim_name, "ReadWriteOncePod", json!({"driver": driver, "volumeHandle": "rwop-1"}))
+        .await;
+    let pod = |name: &str| claim_user(&api, name, &claim_name);
+    let pods = Api::<Pod>::namespaced(admin.clone(), "default");
+    let (first, second) = (format!("rwop-first-{}", api.node), format!("rwop-second-{}", api.node));
+    pods.create(&PostParams::default(), &pod(&first)).await.expect("pod");
+    api.wait_for(&pods, &first, "Running", SOON, |p| pod_phase(p) == Some("Running")).await;
+
+    pods.create(&PostParams::default(), &pod(&second)).await.expect("pod");
+    let refused = "volume uses the ReadWriteOncePod access mode and is already in use by another pod";
+    let waiting = api
+        .wait_for(&pods, &second, "held back by the first pod's use", SOON, |p| {
+            pod_message(p).is_some_and(|m| m.contains(refused))
+        })
+        .await;
+    assert_eq!(pod_phase(waiting.as_ref()), Some("Pending"), "{:?}", pod_message(waiting.as_ref()));
+
+    // Once the first pod is gone the second gets the volume (a liveness
+    // bound over the volume backoff, which has doubled meanwhile).
+    pods.delete(&first, &DeleteParams::default()).await.expect("delete");
+    api.wait_for(&pods, &second, "Running once the first pod is gone", SOON * 6, |p| pod_phase(p) == Some("Running"))
+        .await;
+}
+rustlet_testkit::on_both_api_servers!(
+    a_read_write_once_pod_volume_serves_one_pod_at_a_time_on,
+    a_read_write_once_pod_volume_serves_one_pod_at_a_time
+);
+
+/// The test CSI driver `config` registered through the node's
+/// `plugins_registry` (reporting to `reports`), with a CSIDriver object
+/// saying it needs no attaching.
+async fn spawn_registered_driver(
+    api: &TestApi,
+    root: &tempfile::TempDir,
+    shutdown: &CancellationToken,
+    config: CsiDriverConfig,
+    reports: tokio::sync::mpsc::UnboundedSender<rustlet_testkit::report::Report>,
+) {
+    let driver = config.name.clone();
+    RegisteredCsiDriver::new(
+        root.path().join("plugins_registry").join(format!("{driver}.sock")),
+        root.path().join("plugins").join(&driver).join("csi.sock"),
+        config,
+    )
+    .spawn(Reporter::Channel(reports), shutdown.child_token())
+    .expect("driver");
+    api.csi_driver_object(&driver, json!({"attachRequired": false})).await;
+}
+
+/// A 1Gi PersistentVolume `pv_name` of CSI source `csi` with the one
+/// access mode `mode`, and claim `claim_name` in `default` bound to it.
+async fn bound_claim(api: &TestApi, pv_name: &str, claim_name: &str, mode: &str, csi: Value) {
+    use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
+    let volume: PersistentVolume = serde_json::from_value(json!({
+        "metadata": {"name": pv_name},
+        "spec": {
+            "capacity": {"storage": "1Gi"},
+            "accessModes": [mode],
+            "claimRef": {"namespace": "default", "name": claim_name},
+            "csi": csi,
+        },
+    }))
+    .expect("pv");
+    Api::<PersistentVolume>::all(api.admin.clone()).create(&PostParams::default(), &volume).await.expect("pv");
+    let claim: PersistentVolumeClaim = serde_json::from_value(json!({
+        "metadata": {"name": claim_name, "namespace": "default"},
+        "spec": {"accessModes": [mode], "resources": {"requests": {"storage": "1Gi"}}, "volumeName": pv_name},
+    }))
+    .expect("pvc");
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(api.admin.clone(), "default");
+    let mut claim = claims.create(&PostParams::default(), &claim).await.expect("pvc");
+    claim.status = Some(serde_json::from_value(json!({"phase": "Bound", "capacity": {"storage": "1Gi"}})).expect("s"));
+    claims.replace_status(claim_name, &PostParams::default(), &claim).await.expect("bound");
+}
+
+/// Pod `name` in `default` on the test's node, a sleeping container with
+/// claim `claim` mounted.
+fn claim_user(api: &TestApi, name: &str, claim: &str) -> k8s_openapi::api::core::v1::Pod {
+    serde_json::from_value(json!({
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "nodeName": api.node,
+            "automountServiceAccountToken": false,
+            "terminationGracePeriodSeconds": 1,
+            "containers": [{"name": "main", "image": "busybox", "command": ["sleep", "600"]}],
+            "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": claim}}],
+        },
+    }))
+    .expect("pod")
 }

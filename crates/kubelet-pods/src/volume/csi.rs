@@ -230,6 +230,10 @@ struct Plan {
     /// `ReadWriteOnce` or `ReadWriteOncePod`, or an inline volume): the
     /// default fsGroup policy gives such volumes to the pod's fsGroup.
     single_writer: bool,
+    /// Whether `ReadWriteOncePod` is the volume's only access mode: then
+    /// one pod of the node at a time may use it (with several modes the
+    /// node cannot tell which the pod means, and allows it, as upstream).
+    one_pod: bool,
     capability: VolumeCapability,
     volume_context: BTreeMap<String, String>,
     publish_context: BTreeMap<String, String>,
@@ -311,6 +315,13 @@ impl CsiVolumes {
         self.in_use.subscribe()
     }
 
+    /// Whether persistent volume `mount` is published for a pod other than
+    /// `pod_uid` on this node.
+    fn used_by_another_pod(&self, mount: &CsiMount, pod_uid: &str) -> bool {
+        let name = unique_volume_name(&mount.driver_name, &mount.volume_handle);
+        self.in_use.borrow().get(&name).is_some_and(|pods| pods.iter().any(|p| p != pod_uid))
+    }
+
     fn mark_in_use(&self, mount: &CsiMount, pod_uid: &str, used: bool) {
         if mount.volume_lifecycle_mode != "Persistent" {
             return;
@@ -381,6 +392,11 @@ impl CsiVolumes {
         let mut plan = self.plan(pod, volume).await?;
         if self.adopt_published(uid, volume, &plan.mount, prepared).await {
             return Ok(());
+        }
+        if plan.one_pod && self.used_by_another_pod(&plan.mount, uid) {
+            // The scheduler keeps such pods apart; one placed by name is
+            // held here until the other pod lets the volume go.
+            return Err(VolumeError::InUseByAnotherPod { volume: volume.name.clone() });
         }
         let driver = self.driver(&volume.name, &plan.mount.driver_name)?;
         let connected = self.connect(&volume.name, &driver).await?;
@@ -783,6 +799,7 @@ impl CsiVolumes {
             ephemeral: true,
             read_only: inline.read_only.unwrap_or(false),
             single_writer: true,
+            one_pod: false,
             capability: VolumeCapability {
                 access_type: AccessType::Mount {
                     fs_type: inline.fs_type.clone().unwrap_or_default(),
@@ -870,6 +887,7 @@ impl CsiVolumes {
             ephemeral: false,
             read_only: claimed.claim_read_only || source.read_only.unwrap_or(false),
             single_writer: spec.access_modes.iter().flatten().any(|m| m == "ReadWriteOnce" || m == "ReadWriteOncePod"),
+            one_pod: spec.access_modes.as_deref().is_some_and(|m| m == ["ReadWriteOncePod"]),
             capability: VolumeCapability { access_type, access_mode },
             volume_context,
             publish_context,

@@ -99,6 +99,13 @@ pub(crate) enum VolumeError {
         /// What the attachment lacks.
         reason: String,
     },
+    /// The volume's only access mode is `ReadWriteOncePod` and another pod
+    /// of the node uses it (upstream's text); the pod retries.
+    #[error("volume {volume:?}: volume uses the ReadWriteOncePod access mode and is already in use by another pod")]
+    InUseByAnotherPod {
+        /// The volume.
+        volume: String,
+    },
     /// The driver's CSIDriver asks for service-account tokens
     /// (`tokenRequests`) and the API gave none; the pod retries.
     #[error("volume {volume:?}: cannot get a service account token for its CSI driver: {reason}")]
