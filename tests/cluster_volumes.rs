@@ -983,13 +983,8 @@ async fn a_new_pods_token_refused_while_the_api_server_catches_up_is_asked_again
 async fn a_read_write_once_pod_volume_serves_one_pod_at_a_time(api: TestApi) {
     use k8s_openapi::api::core::v1::Pod;
 
-    let (root, shutdown, _node) = host_node(&api).await;
-    let _stop = shutdown.clone().drop_guard();
-    let (reports, _calls) = tokio::sync::mpsc::unbounded_channel();
     let driver = "rwop.csi.example.com";
-    let driver_config =
-        CsiDriverConfig { name: driver.into(), node_id: api.node.clone(), ..CsiDriverConfig::default() };
-    spawn_registered_driver(&api, &root, &shutdown, driver_config, reports).await;
+    let (_root, _stop, _node) = node_with_driver(&api, driver).await;
 
     let admin = api.admin.clone();
     let (pv_name, claim_name) = (format!("pv-rwop-{}", api.node), format!("rwop-{}", api.node));
@@ -1071,6 +1066,12 @@ async fn bound_claim(api: &TestApi, pv_name: &str, claim_name: &str, mode: &str,
 /// Pod `name` in `default` on the test's node, a sleeping container with
 /// claim `claim` mounted.
 fn claim_user(api: &TestApi, name: &str, claim: &str) -> k8s_openapi::api::core::v1::Pod {
+    volume_user(api, name, json!({"name": "data", "persistentVolumeClaim": {"claimName": claim}}))
+}
+
+/// Pod `name` in `default` on the test's node, a sleeping container with
+/// the one volume `volume`.
+fn volume_user(api: &TestApi, name: &str, volume: Value) -> k8s_openapi::api::core::v1::Pod {
     serde_json::from_value(json!({
         "metadata": {"name": name, "namespace": "default"},
         "spec": {
@@ -1078,8 +1079,70 @@ fn claim_user(api: &TestApi, name: &str, claim: &str) -> k8s_openapi::api::core:
             "automountServiceAccountToken": false,
             "terminationGracePeriodSeconds": 1,
             "containers": [{"name": "main", "image": "busybox", "command": ["sleep", "600"]}],
-            "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": claim}}],
+            "volumes": [volume],
         },
     }))
     .expect("pod")
+}
+
+/// A generic ephemeral volume (`ephemeral.volumeClaimTemplate`) is the
+/// claim `<pod>-<volume>` its controller makes (made here by hand, owned by
+/// the pod), published as any claim; a claim of that name the pod does not
+/// own is refused in upstream's words.
+async fn a_generic_ephemeral_volume_is_the_claim_made_for_its_pod(api: TestApi) {
+    use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
+
+    let driver = "gev.csi.example.com";
+    let (_root, _stop, _node) = node_with_driver(&api, driver).await;
+
+    let pods = Api::<Pod>::namespaced(api.admin.clone(), "default");
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(api.admin.clone(), "default");
+    let template = json!({"spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}});
+    for (pod_name, owned) in [(format!("gev-{}", api.node), true), (format!("gev-thief-{}", api.node), false)] {
+        let pod =
+            volume_user(&api, &pod_name, json!({"name": "scratch", "ephemeral": {"volumeClaimTemplate": template}}));
+        let pod = pods.create(&PostParams::default(), &pod).await.expect("pod");
+        // The ephemeral controller's work, done by hand.
+        let claim_name = format!("{pod_name}-scratch");
+        bound_claim(
+            &api,
+            &format!("pv-{claim_name}"),
+            &claim_name,
+            "ReadWriteOnce",
+            json!({"driver": driver, "volumeHandle": claim_name}),
+        )
+        .await;
+        if owned {
+            let owner = json!({"metadata": {"ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": pod_name,
+                "uid": pod.metadata.uid, "controller": true, "blockOwnerDeletion": true}]}});
+            claims.patch(&claim_name, &PatchParams::default(), &Patch::Merge(&owner)).await.expect("owner");
+            api.wait_for(&pods, &pod_name, "Running on its claim", SOON, |p| pod_phase(p) == Some("Running")).await;
+        } else {
+            let refused = api
+                .wait_for(&pods, &pod_name, "refused a claim it does not own", SOON, |p| {
+                    pod_message(p).is_some_and(|m| m.contains("(pod is not owner)"))
+                })
+                .await;
+            assert_eq!(pod_phase(refused.as_ref()), Some("Pending"), "{:?}", pod_message(refused.as_ref()));
+        }
+    }
+}
+rustlet_testkit::on_both_api_servers!(
+    a_generic_ephemeral_volume_is_the_claim_made_for_its_pod_on,
+    a_generic_ephemeral_volume_is_the_claim_made_for_its_pod
+);
+
+/// A host node on `api` with the test CSI driver `driver` registered (its
+/// calls unread); the node stops when the guard drops.
+async fn node_with_driver(
+    api: &TestApi,
+    driver: &str,
+) -> (tempfile::TempDir, tokio_util::sync::DropGuard, kubelet::node::Node) {
+    let (root, shutdown, node) = host_node(api).await;
+    let (reports, calls) = tokio::sync::mpsc::unbounded_channel();
+    // Nobody reads the calls: the receiver goes, and the driver's reports with it.
+    drop(calls);
+    let config = CsiDriverConfig { name: driver.into(), node_id: api.node.clone(), ..CsiDriverConfig::default() };
+    spawn_registered_driver(api, &root, &shutdown, config, reports).await;
+    (root, shutdown.drop_guard(), node)
 }

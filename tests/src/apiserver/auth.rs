@@ -445,6 +445,14 @@ fn references(store: &Store, node: &str) -> HashSet<(&'static str, String, Strin
             if let Some(claim) = volume.pointer("/persistentVolumeClaim/claimName").and_then(Value::as_str) {
                 claims.push((ns.clone(), claim.to_owned()));
             }
+            // A generic ephemeral volume's claim, `<pod>-<volume>`, as the
+            // node authorizer's graph has it.
+            if volume.get("ephemeral").is_some()
+                && let (Some(pod_name), Some(volume_name)) =
+                    (pod.pointer("/metadata/name").and_then(Value::as_str), volume.get("name").and_then(Value::as_str))
+            {
+                claims.push((ns.clone(), format!("{pod_name}-{volume_name}")));
+            }
             for source in volume.pointer("/projected/sources").and_then(Value::as_array).into_iter().flatten() {
                 add("secrets", source.pointer("/secret/name"));
                 add("configmaps", source.pointer("/configMap/name"));

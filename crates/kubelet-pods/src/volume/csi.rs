@@ -521,7 +521,7 @@ impl CsiVolumes {
         prepared: &PreparedVolume,
     ) -> Result<bool, VolumeError> {
         let (Some(source), Some(mount), Some(claims)) =
-            (volume.persistent_volume_claim.as_ref(), prepared.csi.as_ref(), self.claims.as_ref())
+            (claim_source(pod, volume), prepared.csi.as_ref(), self.claims.as_ref())
         else {
             return Ok(false);
         };
@@ -761,10 +761,10 @@ impl CsiVolumes {
         if let Some(inline) = &volume.csi {
             return self.plan_inline(pod, &volume.name, inline);
         }
-        let Some(claim) = &volume.persistent_volume_claim else {
+        let Some(claim) = claim_source(pod, volume) else {
             return Err(VolumeError::InvalidSpec { volume: volume.name.clone(), reason: "not a CSI volume".into() });
         };
-        self.plan_claimed(pod, &volume.name, claim).await
+        self.plan_claimed(pod, &volume.name, &claim, volume.ephemeral.is_some()).await
     }
 
     /// The plan of an inline (ephemeral) CSI volume: its handle is made
@@ -823,6 +823,7 @@ impl CsiVolumes {
         pod: &Pod,
         name: &str,
         claim: &k8s_openapi::api::core::v1::PersistentVolumeClaimVolumeSource,
+        ephemeral: bool,
     ) -> Result<Plan, VolumeError> {
         let invalid = |reason: String| VolumeError::InvalidSpec { volume: name.to_owned(), reason };
         let Some(claims) = &self.claims else {
@@ -837,6 +838,20 @@ impl CsiVolumes {
             .resolve(namespace, &claim.claim_name, claim.read_only.unwrap_or(false))
             .await
             .map_err(|e| invalid(e.to_string()))?;
+        // A generic ephemeral volume's claim must be the one made for this
+        // pod (its controller owner), never another's of the same name.
+        if ephemeral && let Some(found) = &claimed.claim {
+            let uid = pod.metadata.uid.as_deref().unwrap_or_default();
+            let owned =
+                found.metadata.owner_references.iter().flatten().any(|o| o.controller == Some(true) && o.uid == uid);
+            if !owned {
+                return Err(invalid(format!(
+                    "PVC {namespace}/{} was not created for pod {namespace}/{} (pod is not owner)",
+                    claim.claim_name,
+                    pod.metadata.name.as_deref().unwrap_or_default()
+                )));
+            }
+        }
         let pv_name = claimed.volume.metadata.name.clone().unwrap_or_default();
         let spec = claimed.volume.spec.clone().unwrap_or_default();
         let Some(source) = spec.csi else {
@@ -953,6 +968,23 @@ fn access_mode(modes: &[String]) -> AccessMode {
 }
 
 /// The pod attributes upstream adds when the driver asks for pod info.
+/// The claim behind `volume` of `pod`: its `persistentVolumeClaim`, or for a
+/// generic ephemeral volume the claim its controller makes,
+/// `<pod name>-<volume name>` (never read-only, as upstream).
+pub(crate) fn claim_source(
+    pod: &Pod,
+    volume: &Volume,
+) -> Option<k8s_openapi::api::core::v1::PersistentVolumeClaimVolumeSource> {
+    if let Some(claim) = &volume.persistent_volume_claim {
+        return Some(claim.clone());
+    }
+    volume.ephemeral.as_ref()?;
+    Some(k8s_openapi::api::core::v1::PersistentVolumeClaimVolumeSource {
+        claim_name: format!("{}-{}", pod.metadata.name.as_deref().unwrap_or_default(), volume.name),
+        read_only: None,
+    })
+}
+
 /// The volume-context key of the tokens a CSIDriver's `tokenRequests`
 /// ask for (upstream's name).
 const SERVICE_ACCOUNT_TOKENS: &str = "csi.storage.k8s.io/serviceAccount.tokens";

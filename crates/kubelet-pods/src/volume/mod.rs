@@ -296,7 +296,7 @@ impl VolumeManager {
     /// claim the node can resolve).
     fn csi_for(&self, volume: &Volume) -> Result<Option<&CsiVolumes>, VolumeError> {
         let is_csi = volume.csi.is_some();
-        let is_claim = volume.persistent_volume_claim.is_some();
+        let is_claim = volume.persistent_volume_claim.is_some() || volume.ephemeral.is_some();
         match &self.csi {
             Some(csi) if is_csi || (is_claim && csi.resolves_claims()) => Ok(Some(csi)),
             None if is_csi => Err(VolumeError::Unsupported {
@@ -415,6 +415,8 @@ impl VolumeManager {
             unsupported("projected", NEEDS_API)
         } else if volume.persistent_volume_claim.is_some() {
             unsupported("persistentVolumeClaim", NEEDS_API)
+        } else if volume.ephemeral.is_some() {
+            unsupported("ephemeral", NEEDS_API)
         } else {
             unsupported("this kind of", "on this node")
         })
