@@ -81,17 +81,10 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// The claim each volume of `pod` names (`persistentVolumeClaim`, or a
 /// generic ephemeral volume's `<pod>-<volume>`), by volume name.
 fn claims_of(pod: &Pod) -> BTreeMap<String, String> {
-    let pod_name = pod.metadata.name.clone().unwrap_or_default();
     pod.spec
         .iter()
         .flat_map(|s| s.volumes.iter().flatten())
-        .filter_map(|v| {
-            if let Some(claim) = &v.persistent_volume_claim {
-                Some((v.name.clone(), claim.claim_name.clone()))
-            } else {
-                v.ephemeral.as_ref().map(|_| (v.name.clone(), format!("{pod_name}-{}", v.name)))
-            }
-        })
+        .filter_map(|v| Some((v.name.clone(), super::csi::claim_source(pod, v)?.claim_name)))
         .collect()
 }
 
