@@ -119,6 +119,16 @@ fn pod(name: &str, node: &str, script: &str, extra: serde_json::Value) -> Pod {
     if let (Some(spec), Some(extra)) = (spec.as_object_mut(), extra.as_object()) {
         spec.extend(extra.clone());
     }
+    // Each volume mounted (the node sets up no volume a container does not use).
+    let mounts: Vec<serde_json::Value> = spec["volumes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|v| json!({"name": v["name"], "mountPath": format!("/mnt/{}", v["name"].as_str().unwrap_or_default())}))
+        .collect();
+    if !mounts.is_empty() && spec["containers"][0].get("volumeMounts").is_none() {
+        spec["containers"][0]["volumeMounts"] = json!(mounts);
+    }
     rustlet_testkit::pod_state::bound_pod(name, node, spec)
 }
 

@@ -362,7 +362,9 @@ async fn claims_resolve_through_the_api_and_csi_driver_objects_apply(api: TestAp
             "serviceAccountName": "csi-user",
             "automountServiceAccountToken": false,
             "terminationGracePeriodSeconds": 2,
-            "containers": [{"name": "main", "image": "busybox", "command": ["sleep", "600"]}],
+            "containers": [{"name": "main", "image": "busybox", "command": ["sleep", "600"], "volumeMounts": [
+                {"name": "data", "mountPath": "/data"}, {"name": "scratch", "mountPath": "/scratch"},
+            ]}],
             "volumes": [
                 {"name": "data", "persistentVolumeClaim": {"claimName": "data"}},
                 {"name": "scratch", "csi": {"driver": "eph.csi.example.com", "volumeAttributes": {"size": "1"}}},
@@ -429,7 +431,9 @@ async fn claims_resolve_through_the_api_and_csi_driver_objects_apply(api: TestAp
             "nodeName": api.node,
             "automountServiceAccountToken": false,
             "restartPolicy": "Never",
-            "containers": [{"name": "main", "image": "busybox", "command": ["true"]}],
+            "containers": [{"name": "main", "image": "busybox", "command": ["true"], "volumeMounts": [
+                {"name": "scratch", "mountPath": "/scratch"}, {"name": "tmp", "mountPath": "/tmp"},
+            ]}],
             "volumes": [
                 {"name": "scratch", "csi": {"driver": "eph.csi.example.com", "volumeAttributes": {"size": "2"}}},
                 {"name": "tmp", "emptyDir": {}},
@@ -549,6 +553,213 @@ async fn a_claims_volume_grown_by_its_controller_is_expanded_on_the_node(api: Te
 rustlet_testkit::on_both_api_servers!(
     a_claims_volume_grown_by_its_controller_is_expanded_on_the_node_on,
     a_claims_volume_grown_by_its_controller_is_expanded_on_the_node
+);
+
+/// A node expansion the driver refuses for good (`PermissionDenied`, a
+/// final error) leaves the claim a `NodeResizeError` condition and the
+/// step in progress; once the user asks for another size, the next failure
+/// marks the step `NodeResizeInfeasible` (the claim handed back to the
+/// resizer), and the size the resizer then gives is expanded on the node:
+/// the kubelet's recovery from a failed node expansion. Before 1.32 (the
+/// claim does not track the step) only the condition is written.
+async fn a_node_expansion_that_fails_for_good_is_handed_back_for_recovery(api: TestApi) {
+    use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
+    use k8s_openapi::api::storage::v1::StorageClass;
+    use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+    use rustlet_testkit::csi_driver::VolumeCallBehaviour;
+    use rustlet_testkit::report::Report;
+
+    let (root, shutdown, _node) =
+        host_node_with(&api, |config| config.pods.volume_refresh = Duration::from_millis(300)).await;
+    let _stop = shutdown.clone().drop_guard();
+    let (reports, mut calls) = tokio::sync::mpsc::unbounded_channel();
+    let driver = "recover.csi.example.com";
+    let mut driver_config =
+        CsiDriverConfig { name: driver.into(), node_id: api.node.clone(), expand: true, ..CsiDriverConfig::default() };
+    driver_config
+        .volume_calls
+        .insert("NodeExpandVolume".into(), VolumeCallBehaviour::FailAbove(tonic::Code::PermissionDenied, 8 << 30));
+    spawn_registered_driver(&api, &root, &shutdown, driver_config, reports).await;
+
+    // A claim of an expandable class (the API server resizes no other).
+    let admin = api.admin.clone();
+    let class = format!("expandable-{}", api.node);
+    let storage_class: StorageClass = serde_json::from_value(json!({
+        "metadata": {"name": class}, "provisioner": driver, "allowVolumeExpansion": true,
+    }))
+    .expect("class");
+    Api::<StorageClass>::all(admin.clone()).create(&PostParams::default(), &storage_class).await.expect("class");
+    let (pv_name, claim_name) = (format!("pv-recover-{}", api.node), format!("recover-{}", api.node));
+    let volume: PersistentVolume = serde_json::from_value(json!({
+        "metadata": {"name": pv_name},
+        "spec": {
+            "capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"], "storageClassName": class,
+            "claimRef": {"namespace": "default", "name": claim_name},
+            "csi": {"driver": driver, "volumeHandle": "recover-1", "fsType": "ext4"},
+        },
+    }))
+    .expect("pv");
+    let volumes = Api::<PersistentVolume>::all(admin.clone());
+    volumes.create(&PostParams::default(), &volume).await.expect("pv");
+    let claim: PersistentVolumeClaim = serde_json::from_value(json!({
+        "metadata": {"name": claim_name, "namespace": "default"},
+        "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": class,
+                 "resources": {"requests": {"storage": "1Gi"}}, "volumeName": pv_name},
+    }))
+    .expect("pvc");
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(admin.clone(), "default");
+    let mut claim = claims.create(&PostParams::default(), &claim).await.expect("pvc");
+    claim.status = Some(serde_json::from_value(json!({"phase": "Bound", "capacity": {"storage": "1Gi"}})).expect("s"));
+    claims.replace_status(&claim_name, &PostParams::default(), &claim).await.expect("bound");
+
+    let pods = Api::<Pod>::namespaced(admin.clone(), "default");
+    let pod = claim_user(&api, &format!("recoverer-{}", api.node), &claim_name);
+    let pod_name = pod.metadata.name.clone().expect("name");
+    pods.create(&PostParams::default(), &pod).await.expect("pod");
+    api.wait_for(&pods, &pod_name, "Running", SOON, |p| pod_phase(p) == Some("Running")).await;
+
+    let size = |s: &str| Some([("storage".to_owned(), Quantity(s.into()))].into());
+    // The user asks for 9Gi; the resizer grows the volume in its controller
+    // and leaves the node its step (by hand here).
+    let resize = |to: &'static str, step: &'static str| {
+        let (volumes, claims, pv_name, claim_name) =
+            (volumes.clone(), claims.clone(), pv_name.clone(), claim_name.clone());
+        async move {
+            let mut grown = volumes.get(&pv_name).await.expect("pv");
+            grown.spec.as_mut().expect("spec").capacity = size(to);
+            volumes.replace(&pv_name, &PostParams::default(), &grown).await.expect("resize the pv");
+            let mut pending = claims.get(&claim_name).await.expect("pvc");
+            let status = pending.status.as_mut().expect("status");
+            status.allocated_resources = size(to);
+            status.allocated_resource_statuses = Some([("storage".to_owned(), step.to_owned())].into());
+            status.conditions = Some(vec![
+                serde_json::from_value(json!({"type": "FileSystemResizePending", "status": "True"}))
+                    .expect("condition"),
+            ]);
+            claims.replace_status(&claim_name, &PostParams::default(), &pending).await.expect("node resize pending")
+        }
+    };
+    let mut asked = claims.get(&claim_name).await.expect("pvc");
+    asked.spec.as_mut().expect("spec").resources.as_mut().expect("resources").requests = size("9Gi");
+    claims.replace(&claim_name, &PostParams::default(), &asked).await.expect("ask for 9Gi");
+    let written = resize("9Gi", "NodeResizePending").await;
+    // Before 1.32 the API server drops the step (the gate is off there).
+    let tracked = written.status.as_ref().and_then(|s| s.allocated_resource_statuses.as_ref()).is_some();
+
+    loop {
+        let report = tokio::time::timeout(SOON, calls.recv()).await.expect("calls in time").expect("driver alive");
+        if let Report::VolumeCall { rpc, required_bytes, .. } = report
+            && rpc == "NodeExpandVolume"
+        {
+            assert_eq!(required_bytes, 9 << 30, "the PV's size");
+            break;
+        }
+    }
+    let node_resize_error = |c: &PersistentVolumeClaim| {
+        c.status.iter().flat_map(|s| s.conditions.iter().flatten()).find(|c| c.type_ == "NodeResizeError").cloned()
+    };
+    let failed = api
+        .wait_for(&claims, &claim_name, "NodeResizeError", SOON, |c| c.and_then(node_resize_error).is_some())
+        .await
+        .expect("pvc");
+    let message = node_resize_error(&failed).and_then(|c| c.message).unwrap_or_default();
+    assert!(message.starts_with("failed to expand pvc with "), "{message}");
+    assert!(message.contains("PermissionDenied"), "the driver's error: {message}");
+    let status = failed.status.clone().expect("status");
+    assert_eq!(status.capacity, size("1Gi"), "not expanded");
+    if !tracked {
+        return;
+    }
+    let step =
+        |c: &PersistentVolumeClaim| c.status.as_ref()?.allocated_resource_statuses.as_ref()?.get("storage").cloned();
+    assert_eq!(step(&failed).as_deref(), Some("NodeResizeInProgress"), "a final error is not infeasible by itself");
+
+    // The user gives up on 9Gi and asks for 5Gi: the node's next failure
+    // hands the claim back.
+    let mut smaller = claims.get(&claim_name).await.expect("pvc");
+    smaller.spec.as_mut().expect("spec").resources.as_mut().expect("resources").requests = size("5Gi");
+    claims.replace(&claim_name, &PostParams::default(), &smaller).await.expect("ask for 5Gi");
+    api.wait_for(&claims, &claim_name, "NodeResizeInfeasible", SOON, |c| {
+        c.and_then(step).as_deref() == Some("NodeResizeInfeasible")
+    })
+    .await;
+
+    // The resizer takes the size asked for now; the node expands to it.
+    resize("5Gi", "NodeResizePending").await;
+    let done = api
+        .wait_for(&claims, &claim_name, "the claim's capacity 5Gi", SOON, |c| {
+            c.and_then(|c| c.status.as_ref()?.capacity.clone()) == size("5Gi")
+        })
+        .await
+        .expect("pvc");
+    assert_eq!(step(&done), None, "the node's step is over");
+    let left: Vec<String> =
+        done.status.iter().flat_map(|s| s.conditions.iter().flatten()).map(|c| c.type_.clone()).collect();
+    assert!(left.is_empty(), "no resize condition left: {left:?}");
+}
+rustlet_testkit::on_both_api_servers!(
+    a_node_expansion_that_fails_for_good_is_handed_back_for_recovery_on,
+    a_node_expansion_that_fails_for_good_is_handed_back_for_recovery
+);
+
+/// As the kubelet: a volume no container mounts or maps is not set up at
+/// all: an unused CSI volume is never published, an unused hostPath of the
+/// wrong type is not checked, and the pod runs with the volume it uses.
+async fn a_volume_no_container_uses_is_neither_published_nor_checked(api: TestApi) {
+    use k8s_openapi::api::core::v1::Pod;
+    use rustlet_testkit::report::Report;
+
+    let (root, shutdown, _node) = host_node(&api).await;
+    let _stop = shutdown.clone().drop_guard();
+    let (reports, mut calls) = tokio::sync::mpsc::unbounded_channel();
+    let driver = "unused.csi.example.com";
+    let driver_config =
+        CsiDriverConfig { name: driver.into(), node_id: api.node.clone(), ..CsiDriverConfig::default() };
+    RegisteredCsiDriver::new(
+        root.path().join("plugins_registry").join(format!("{driver}.sock")),
+        root.path().join("plugins").join(driver).join("csi.sock"),
+        driver_config,
+    )
+    .spawn(Reporter::Channel(reports), shutdown.child_token())
+    .expect("driver");
+    api.csi_driver_object(driver, json!({"attachRequired": false, "volumeLifecycleModes": ["Ephemeral"]})).await;
+    let not_a_dir = root.path().join("not-a-dir");
+    std::fs::write(&not_a_dir, "x").expect("file");
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": format!("frugal-{}", api.node), "namespace": "default"},
+        "spec": {
+            "nodeName": api.node,
+            "automountServiceAccountToken": false,
+            "terminationGracePeriodSeconds": 1,
+            "containers": [{"name": "main", "image": "busybox", "command": ["sleep", "600"],
+                            "volumeMounts": [{"name": "used", "mountPath": "/used"}]}],
+            "volumes": [
+                {"name": "used", "csi": {"driver": driver, "volumeAttributes": {"which": "used"}}},
+                {"name": "unused", "csi": {"driver": driver, "volumeAttributes": {"which": "unused"}}},
+                {"name": "wrong", "hostPath": {"path": not_a_dir.display().to_string(), "type": "Directory"}},
+            ],
+        },
+    }))
+    .expect("pod");
+    let pods = Api::<Pod>::namespaced(api.admin.clone(), "default");
+    let name = pod.metadata.name.clone().expect("name");
+    pods.create(&PostParams::default(), &pod).await.expect("pod");
+    api.wait_for(&pods, &name, "Running", SOON, |p| pod_phase(p) == Some("Running")).await;
+    // Volumes are published before the containers start: every publish
+    // the pod will ever see has been reported by now.
+    let mut published = Vec::new();
+    while let Ok(report) = calls.try_recv() {
+        if let Report::VolumeCall { rpc, volume_context, .. } = report
+            && rpc == "NodePublishVolume"
+        {
+            published.extend(volume_context.into_iter().filter(|(k, _)| k == "which").map(|(_, v)| v));
+        }
+    }
+    assert_eq!(published, ["used"], "only the mounted volume is published");
+}
+rustlet_testkit::on_both_api_servers!(
+    a_volume_no_container_uses_is_neither_published_nor_checked_on,
+    a_volume_no_container_uses_is_neither_published_nor_checked
 );
 
 /// configMap, secret and projected (configMap, downwardAPI, token) volumes
@@ -1070,15 +1281,16 @@ fn claim_user(api: &TestApi, name: &str, claim: &str) -> k8s_openapi::api::core:
 }
 
 /// Pod `name` in `default` on the test's node, a sleeping container with
-/// the one volume `volume`.
+/// the one volume `volume` mounted at `/data`.
 fn volume_user(api: &TestApi, name: &str, volume: Value) -> k8s_openapi::api::core::v1::Pod {
+    let mount = json!({"name": volume["name"], "mountPath": "/data"});
     serde_json::from_value(json!({
         "metadata": {"name": name, "namespace": "default"},
         "spec": {
             "nodeName": api.node,
             "automountServiceAccountToken": false,
             "terminationGracePeriodSeconds": 1,
-            "containers": [{"name": "main", "image": "busybox", "command": ["sleep", "600"]}],
+            "containers": [{"name": "main", "image": "busybox", "command": ["sleep", "600"], "volumeMounts": [mount]}],
             "volumes": [volume],
         },
     }))

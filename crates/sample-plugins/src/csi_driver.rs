@@ -75,6 +75,9 @@ pub enum VolumeCallBehaviour {
     Fail(tonic::Code),
     /// Answer the first `n` calls with this gRPC code, then normally.
     FailTimes(tonic::Code, usize),
+    /// Answer with this gRPC code when the call asks for more than these
+    /// bytes (`NodeExpandVolume`'s `required_bytes`), normally otherwise.
+    FailAbove(tonic::Code, i64),
 }
 
 /// A volume request the driver received. Secrets are kept as sent: this is
@@ -192,6 +195,7 @@ impl FakeCsiDriver {
             required_bytes: call.required_bytes,
             volume_context: call.volume_context.clone(),
         });
+        let required_bytes = call.required_bytes;
         self.calls.record(call);
         match self.config.volume_calls.get(rpc) {
             None => None,
@@ -204,6 +208,8 @@ impl FakeCsiDriver {
                 (seen <= *times)
                     .then(|| Status::new(*code, format!("fake CSI driver told to fail {rpc} {times} times")))
             }
+            Some(VolumeCallBehaviour::FailAbove(code, bytes)) => (required_bytes > *bytes)
+                .then(|| Status::new(*code, format!("fake CSI driver told to fail {rpc} above {bytes} bytes"))),
         }
     }
 

@@ -98,6 +98,14 @@ pub const RESOURCES: &[Resource] = &[
         has_status: false,
     },
     Resource {
+        group: "storage.k8s.io",
+        version: "v1",
+        plural: "storageclasses",
+        kind: "StorageClass",
+        namespaced: false,
+        has_status: false,
+    },
+    Resource {
         group: "node.k8s.io",
         version: "v1",
         plural: "runtimeclasses",

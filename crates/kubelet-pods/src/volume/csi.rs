@@ -272,6 +272,9 @@ pub struct CsiVolumes {
     /// Persistent volumes published on the node, by unique name, with the
     /// pods using each (the Node's `volumesInUse`).
     in_use: Arc<watch::Sender<BTreeMap<String, BTreeSet<String>>>>,
+    /// Persistent volumes whose last `NodeExpandVolume` failed for good, by
+    /// unique name; forgotten when the volume is expanded or leaves the node.
+    expansion_failures: Arc<Mutex<HashMap<String, super::expansion::Failure>>>,
 }
 
 /// The unique name of volume `handle` of CSI driver `driver`, as the
@@ -304,6 +307,7 @@ impl CsiVolumes {
             connected: Arc::default(),
             staged: Arc::default(),
             in_use: Arc::new(watch::channel(BTreeMap::new()).0),
+            expansion_failures: Arc::default(),
         }
     }
 
@@ -335,6 +339,7 @@ impl CsiVolumes {
                 let removed = pods.remove(pod_uid);
                 if pods.is_empty() {
                     in_use.remove(&name);
+                    self.expansion_failures.lock().unwrap_or_else(|p| p.into_inner()).remove(&name);
                 }
                 removed
             }
@@ -534,6 +539,18 @@ impl CsiVolumes {
         let claimed = claims.resolve(namespace, name, false).await.map_err(|e| invalid(e.to_string()))?;
         let Some(claim) = &claimed.claim else { return Ok(false) };
         let Some(due) = super::expansion::due(claim, &claimed.volume) else { return Ok(false) };
+        let unique = unique_volume_name(&mount.driver_name, &mount.volume_handle);
+        let failed_before = self.expansion_failures.lock().unwrap_or_else(|p| p.into_inner()).get(&unique).copied();
+        if failed_before == Some(super::expansion::Failure::InUse) {
+            // The driver cannot expand it while it is in use: not asked
+            // again until the volume leaves the node (the kubelet's rule).
+            return Ok(false);
+        }
+        // The user asked for another size after a final failure: a failure
+        // now hands the claim back to the resizer (the kubelet's recovery).
+        let asked_otherwise =
+            super::expansion::requested_bytes(claim).is_some_and(|asked| i64::try_from(asked).ok() != Some(due.bytes));
+        let infeasible_on_failure = failed_before.is_some() && asked_otherwise;
         let write = |patch| claims.patch_claim_status(namespace, name, patch);
         if due.tracked {
             write(super::expansion::in_progress(claim)).await.map_err(|e| invalid(e.to_string()))?;
@@ -570,12 +587,27 @@ impl CsiVolumes {
             Err(invalid(format!("NodeExpand is not supported by the CSI driver {}", driver.name)))
         };
         if let Err(error) = answer {
+            use super::expansion::Failure;
+            let failure = match &error {
+                VolumeError::Csi { source, .. } => {
+                    Failure::of(source.code(), matches!(source, crate::csi::CsiNodeError::Timeout { .. }))
+                }
+                _ => Failure::Final,
+            };
+            if failure == Failure::Transient {
+                return Err(error);
+            }
+            self.expansion_failures.lock().unwrap_or_else(|p| p.into_inner()).insert(unique, failure);
+            let infeasible = due.tracked && (failure == Failure::Infeasible || infeasible_on_failure);
             let now = jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%SZ").to_string();
-            if let Err(write_error) = write(super::expansion::failed(&error.to_string(), &now)).await {
+            if let Err(write_error) = write(super::expansion::failed(&error.to_string(), &now, infeasible)).await {
                 tracing::warn!(volume = %volume.name, error = %write_error, "the claim's NodeResizeError condition was not written");
+            } else if infeasible {
+                tracing::warn!(volume = %volume.name, claim = %name, size = %due.size.0, "node expansion infeasible; the claim is handed back to its resizer");
             }
             return Err(error);
         }
+        self.expansion_failures.lock().unwrap_or_else(|p| p.into_inner()).remove(&unique);
         write(super::expansion::finished(claim, &due.size, due.tracked)).await.map_err(|e| invalid(e.to_string()))?;
         tracing::info!(volume = %volume.name, claim = %name, size = %due.size.0, "volume expanded on the node");
         Ok(true)

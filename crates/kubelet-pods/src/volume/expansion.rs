@@ -12,9 +12,21 @@
 //! 3. done: `status.capacity.storage` the new size, the storage entry of
 //!    `allocatedResourceStatuses` gone, and the resize conditions
 //!    (`Resizing`, `FileSystemResizePending`, `ControllerResizeError`,
-//!    `NodeResizeError`) removed; failed: a `NodeResizeError` condition
-//!    `failed to expand pvc with <error>` beside the others, and the next
-//!    round tries again.
+//!    `NodeResizeError`) removed; failed with a final error (the driver's
+//!    answer, not one of the codes that say "try again"): a
+//!    `NodeResizeError` condition `failed to expand pvc with <error>` beside
+//!    the others, and the next round tries again. A transient failure
+//!    (`Canceled`, `DeadlineExceeded`, `Unavailable`, `ResourceExhausted`,
+//!    `Aborted`, no answer in time) writes nothing and is tried again.
+//!
+//! Recovery (`RecoverVolumeExpansionFailure`, 1.32 and later), as the
+//! kubelet: a failure the driver calls infeasible (`InvalidArgument`,
+//! `OutOfRange`, `NotFound`), or a final failure after an earlier final
+//! failure once the user asked for another size than the one that failed,
+//! marks the node's step `NodeResizeInfeasible`; the resizer may then give
+//! the volume the size the user asks for now, and the node expands to that.
+//! A driver that refuses to expand a volume in use (`FailedPrecondition`)
+//! is not asked again while the volume stays published on the node.
 //!
 //! This file decides and writes the patches; `csi.rs` makes the call.
 
@@ -92,14 +104,60 @@ pub(crate) fn finished(claim: &PersistentVolumeClaim, size: &Quantity, tracked: 
     json!({"metadata": {"resourceVersion": claim.metadata.resource_version}, "status": status})
 }
 
-/// Step 3, failed: a `NodeResizeError` condition with the reason.
-pub(crate) fn failed(error: &str, now: &str) -> Value {
-    json!({"status": {"conditions": [{
+/// Step 3, failed: a `NodeResizeError` condition with the reason; with
+/// `infeasible`, the node's step `NodeResizeInfeasible` as well.
+pub(crate) fn failed(error: &str, now: &str, infeasible: bool) -> Value {
+    let mut patch = json!({"status": {"conditions": [{
         "type": "NodeResizeError",
         "status": "True",
         "lastTransitionTime": now,
         "message": format!("failed to expand pvc with {error}"),
-    }]}})
+    }]}});
+    if infeasible {
+        patch["status"]["allocatedResourceStatuses"] = json!({"storage": "NodeResizeInfeasible"});
+    }
+    patch
+}
+
+/// How a failed `NodeExpandVolume` is taken (the kubelet's reading of the
+/// driver's gRPC code).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Failure {
+    /// The call may still be under way or the driver was busy: nothing is
+    /// written, the next round tries again.
+    Transient,
+    /// The driver answered: the claim gets `NodeResizeError`.
+    Final,
+    /// The size cannot be had (`InvalidArgument`, `OutOfRange`,
+    /// `NotFound`): `NodeResizeInfeasible` as well.
+    Infeasible,
+    /// The driver cannot expand a volume in use (`FailedPrecondition`):
+    /// final, and not asked again while the volume is published.
+    InUse,
+}
+
+impl Failure {
+    /// The failure a gRPC `code` means; `None` is a failure with no answer
+    /// from the driver (a call that timed out is transient).
+    pub(crate) fn of(code: Option<tonic::Code>, timed_out: bool) -> Self {
+        use tonic::Code;
+        match code {
+            _ if timed_out => Failure::Transient,
+            Some(
+                Code::Cancelled | Code::DeadlineExceeded | Code::Unavailable | Code::ResourceExhausted | Code::Aborted,
+            ) => Failure::Transient,
+            Some(Code::InvalidArgument | Code::OutOfRange | Code::NotFound) => Failure::Infeasible,
+            Some(Code::FailedPrecondition) => Failure::InUse,
+            _ => Failure::Final,
+        }
+    }
+}
+
+/// The size the claim asks for now (`spec.resources.requests.storage`), in
+/// bytes.
+pub(crate) fn requested_bytes(claim: &PersistentVolumeClaim) -> Option<u128> {
+    let requests = claim.spec.as_ref()?.resources.as_ref()?.requests.as_ref()?;
+    parse_units(&requests.get("storage")?.0).ok()
 }
 
 fn resize_conditions(claim: &PersistentVolumeClaim) -> impl Iterator<Item = &str> {
@@ -170,10 +228,39 @@ mod tests {
                 "conditions": [{"type": "FileSystemResizePending", "$patch": "delete"}],
             }})
         );
-        let failed = failed("rpc error: code = Internal", "2026-11-28T00:00:00Z");
+        let failed = failed("rpc error: code = Internal", "2026-11-28T00:00:00Z", false);
         assert_eq!(
             failed["status"]["conditions"][0]["message"],
             "failed to expand pvc with rpc error: code = Internal"
         );
+        assert!(failed["status"].get("allocatedResourceStatuses").is_none(), "a final error leaves the step");
+        let infeasible = super::failed("out of range", "2026-11-28T00:00:00Z", true);
+        assert_eq!(infeasible["status"]["allocatedResourceStatuses"], json!({"storage": "NodeResizeInfeasible"}));
+        assert_eq!(infeasible["status"]["conditions"][0]["type"], "NodeResizeError");
+    }
+
+    #[test]
+    fn failures_are_read_from_the_drivers_code_as_the_kubelet_reads_them() {
+        use tonic::Code;
+        for code in [Code::Cancelled, Code::DeadlineExceeded, Code::Unavailable, Code::ResourceExhausted, Code::Aborted]
+        {
+            assert_eq!(Failure::of(Some(code), false), Failure::Transient, "{code:?}");
+        }
+        for code in [Code::InvalidArgument, Code::OutOfRange, Code::NotFound] {
+            assert_eq!(Failure::of(Some(code), false), Failure::Infeasible, "{code:?}");
+        }
+        assert_eq!(Failure::of(Some(Code::FailedPrecondition), false), Failure::InUse);
+        assert_eq!(Failure::of(Some(Code::PermissionDenied), false), Failure::Final);
+        assert_eq!(Failure::of(Some(Code::Internal), false), Failure::Final);
+        assert_eq!(Failure::of(None, false), Failure::Final, "no gRPC answer: the operation is over");
+        assert_eq!(Failure::of(None, true), Failure::Transient, "no answer in time: it may still be running");
+    }
+
+    #[test]
+    fn the_size_asked_for_is_the_claims_request() {
+        let claim: PersistentVolumeClaim =
+            serde_json::from_value(json!({"spec": {"resources": {"requests": {"storage": "5Gi"}}}})).expect("claim");
+        assert_eq!(requested_bytes(&claim), Some(5 << 30));
+        assert_eq!(requested_bytes(&PersistentVolumeClaim::default()), None);
     }
 }

@@ -260,8 +260,15 @@ impl VolumeManager {
     ) -> Result<(), VolumeError> {
         let uid = pod.metadata.uid.clone().unwrap_or_default();
         let fs_group = fs_group(pod);
+        let used = used_volumes(pod);
         for volume in pod.spec.iter().flat_map(|s| s.volumes.iter().flatten()) {
             if prepared.get(&volume.name).is_some_and(|v| v.ready) {
+                continue;
+            }
+            if !used.contains(volume.name.as_str()) {
+                // As the kubelet: a volume no container mounts or maps is
+                // neither checked nor set up (nor published, for CSI).
+                tracing::debug!(pod.uid = %uid, volume = %volume.name, "volume unused by every container; skipped");
                 continue;
             }
             if let Some(csi) = self.csi_for(volume)? {
@@ -458,6 +465,22 @@ impl VolumeManager {
         }
         errors
     }
+}
+
+/// The names of the volumes some container of `pod` (init, regular or
+/// ephemeral) mounts (`volumeMounts`) or maps (`volumeDevices`).
+pub(crate) fn used_volumes(pod: &Pod) -> std::collections::BTreeSet<&str> {
+    let Some(spec) = &pod.spec else { return Default::default() };
+    let mut used = std::collections::BTreeSet::new();
+    for c in spec.init_containers.iter().flatten().chain(&spec.containers) {
+        used.extend(c.volume_mounts.iter().flatten().map(|m| m.name.as_str()));
+        used.extend(c.volume_devices.iter().flatten().map(|d| d.name.as_str()));
+    }
+    for c in spec.ephemeral_containers.iter().flatten() {
+        used.extend(c.volume_mounts.iter().flatten().map(|m| m.name.as_str()));
+        used.extend(c.volume_devices.iter().flatten().map(|d| d.name.as_str()));
+    }
+    used
 }
 
 /// The pod's `fsGroup`: the group its volumes' files belong to.

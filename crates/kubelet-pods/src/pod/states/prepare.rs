@@ -254,6 +254,8 @@ impl State<PodLifecycle> for Volumes {
 ///
 /// [`PodConfig::volume_refresh`]: crate::pod::PodConfig::volume_refresh
 fn spawn_volume_refresh(ctx: &mut Context<PodLifecycle>) {
+    /// The first retry of a failed online expansion.
+    const EXPAND_RETRY: std::time::Duration = std::time::Duration::from_secs(2);
     use crate::volume::VolumeKind;
     let prepared = ctx.data.volumes.clone();
     let claimed =
@@ -277,6 +279,7 @@ fn spawn_volume_refresh(ctx: &mut Context<PodLifecycle>) {
     let task = async move {
         let mut manifest_open = true;
         let mut next = Instant::now() + period + jitter;
+        let mut retry = EXPAND_RETRY / 2;
         // What of the pod its volumes show: a change of anything else (its
         // status, written back by the node) waits for the period.
         let shown =
@@ -305,9 +308,18 @@ fn spawn_volume_refresh(ctx: &mut Context<PodLifecycle>) {
                 let reasons: Vec<String> = errors.iter().map(ToString::to_string).collect();
                 tracing::warn!(pod.uid = %uid, errors = %reasons.join("; "), "volume contents not updated; trying again later");
             }
-            if expands && let Err(errors) = volumes.expand(&pod, &prepared).await {
-                let reasons: Vec<String> = errors.iter().map(ToString::to_string).collect();
-                tracing::warn!(pod.uid = %uid, errors = %reasons.join("; "), "volume not expanded; trying again later");
+            match expands.then_some(volumes.expand(&pod, &prepared).await) {
+                Some(Err(errors)) => {
+                    // As the kubelet's operation backoff: a failed expansion
+                    // (a recovery waits on the next try) is tried again
+                    // sooner than the period, doubling up to it.
+                    retry = (retry * 2).max(EXPAND_RETRY).min(period);
+                    next = next.min(Instant::now() + retry);
+                    let reasons: Vec<String> = errors.iter().map(ToString::to_string).collect();
+                    tracing::warn!(pod.uid = %uid, errors = %reasons.join("; "), retry = ?retry, "volume not expanded; trying again later");
+                }
+                Some(Ok(_)) => retry = EXPAND_RETRY / 2,
+                None => {}
             }
         }
     };
