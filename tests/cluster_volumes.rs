@@ -762,6 +762,77 @@ rustlet_testkit::on_both_api_servers!(
     a_volume_no_container_uses_is_neither_published_nor_checked
 );
 
+/// A CSIDriver with `requiresRepublish` gets `NodePublishVolume` again
+/// while the pod runs (same volume, same target), each time with a token
+/// of the pod's service account; a driver without it is published once.
+async fn a_driver_that_requires_republish_is_published_again_while_the_pod_runs(api: TestApi) {
+    use k8s_openapi::api::core::v1::Pod;
+    use rustlet_testkit::report::Report;
+
+    let (root, shutdown, _node) =
+        host_node_with(&api, |config| config.pods.volume_refresh = Duration::from_millis(300)).await;
+    let _stop = shutdown.clone().drop_guard();
+    let (reports, mut calls) = tokio::sync::mpsc::unbounded_channel();
+    let tokens = json!([{"audience": "secrets.example.com"}]);
+    for (driver, republish) in [("again.csi.example.com", true), ("once.csi.example.com", false)] {
+        let config = CsiDriverConfig { name: driver.into(), node_id: api.node.clone(), ..CsiDriverConfig::default() };
+        RegisteredCsiDriver::new(
+            root.path().join("plugins_registry").join(format!("{driver}.sock")),
+            root.path().join("plugins").join(driver).join("csi.sock"),
+            config,
+        )
+        .spawn(Reporter::Channel(reports.clone()), shutdown.child_token())
+        .expect("driver");
+        let spec = json!({"attachRequired": false, "volumeLifecycleModes": ["Ephemeral"],
+                          "requiresRepublish": republish, "tokenRequests": tokens});
+        api.csi_driver_object(driver, spec).await;
+    }
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": format!("rotating-{}", api.node), "namespace": "default"},
+        "spec": {
+            "nodeName": api.node,
+            "automountServiceAccountToken": false,
+            "terminationGracePeriodSeconds": 1,
+            "containers": [{"name": "main", "image": "busybox", "command": ["sleep", "600"], "volumeMounts": [
+                {"name": "again", "mountPath": "/again"}, {"name": "once", "mountPath": "/once"},
+            ]}],
+            "volumes": [
+                {"name": "again", "csi": {"driver": "again.csi.example.com"}},
+                {"name": "once", "csi": {"driver": "once.csi.example.com"}},
+            ],
+        },
+    }))
+    .expect("pod");
+    let pods = Api::<Pod>::namespaced(api.admin.clone(), "default");
+    pods.create(&PostParams::default(), &pod).await.expect("pod");
+
+    // Three publishes of the volume that asks for it (the first and two
+    // more); the other volume's by then.
+    let (mut again, mut once) = (Vec::new(), Vec::new());
+    while again.len() < 3 {
+        let report = tokio::time::timeout(SOON, calls.recv()).await.expect("calls in time").expect("driver alive");
+        let Report::VolumeCall { rpc, target_path, volume_context, .. } = report else { continue };
+        if rpc != "NodePublishVolume" {
+            continue;
+        }
+        let token = volume_context.iter().any(|(k, _)| k == "csi.storage.k8s.io/serviceAccount.tokens");
+        if target_path.split('/').any(|c| c == "again") {
+            again.push((target_path, token));
+        } else {
+            once.push((target_path, token));
+        }
+    }
+    assert!(
+        again.iter().all(|(target, token)| *target == again[0].0 && *token),
+        "same target, a token each: {again:?}"
+    );
+    assert_eq!(once.len(), 1, "published once: {once:?}");
+}
+rustlet_testkit::on_both_api_servers!(
+    a_driver_that_requires_republish_is_published_again_while_the_pod_runs_on,
+    a_driver_that_requires_republish_is_published_again_while_the_pod_runs
+);
+
 /// configMap, secret and projected (configMap, downwardAPI, token) volumes
 /// and env from refs reach a container; a missing non-optional ConfigMap
 /// holds the pod with upstream's message until it is created.

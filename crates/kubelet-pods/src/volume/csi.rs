@@ -471,23 +471,7 @@ impl CsiVolumes {
                 state.staged = true;
             }
         }
-        let mut volume_context = plan.volume_context.clone();
-        if self.objects.get(&driver.name).and_then(|s| s.pod_info_on_mount).unwrap_or(false) {
-            volume_context.extend(pod_info(pod, plan.ephemeral));
-        }
-        if let Some(tokens) = self.service_account_tokens(pod, &driver.name, &volume.name).await? {
-            volume_context.insert(SERVICE_ACCOUNT_TOKENS.into(), tokens);
-        }
-        let request = PublishVolume {
-            volume_id: plan.mount.volume_handle.clone(),
-            staging_target_path: plan.mount.staging_target_path.clone(),
-            target_path: target.clone(),
-            capability: plan.capability,
-            read_only: plan.read_only,
-            publish_context: plan.publish_context,
-            volume_context,
-            secrets: plan.publish_secrets,
-        };
+        let request = self.publish_request(pod, &volume.name, &driver.name, &plan, &target).await?;
         tracing::info!(pod.uid = %uid, volume = %volume.name, driver = %driver.name, handle = %request.volume_id, "NodePublishVolume");
         self.forget_on_transport_error(&driver.name, connected.client.publish_volume(&request).await)
             .map_err(csi_error)?;
@@ -513,6 +497,72 @@ impl CsiVolumes {
             ready.ready = true;
         }
         Ok(())
+    }
+
+    /// The `NodePublishVolume` request of `plan` at `target`: the volume's
+    /// context with the pod's details where the CSIDriver asks for them
+    /// (`podInfoOnMount`) and fresh service-account tokens where it asks
+    /// for those (`tokenRequests`).
+    async fn publish_request(
+        &self,
+        pod: &Pod,
+        volume: &str,
+        driver: &str,
+        plan: &Plan,
+        target: &Path,
+    ) -> Result<PublishVolume, VolumeError> {
+        let mut volume_context = plan.volume_context.clone();
+        if self.objects.get(driver).and_then(|s| s.pod_info_on_mount).unwrap_or(false) {
+            volume_context.extend(pod_info(pod, plan.ephemeral));
+        }
+        if let Some(tokens) = self.service_account_tokens(pod, driver, volume).await? {
+            volume_context.insert(SERVICE_ACCOUNT_TOKENS.into(), tokens);
+        }
+        Ok(PublishVolume {
+            volume_id: plan.mount.volume_handle.clone(),
+            staging_target_path: plan.mount.staging_target_path.clone(),
+            target_path: target.to_owned(),
+            capability: plan.capability.clone(),
+            read_only: plan.read_only,
+            publish_context: plan.publish_context.clone(),
+            volume_context,
+            secrets: plan.publish_secrets.clone(),
+        })
+    }
+
+    /// Publishes `volume` (published for `pod` as `prepared`) again when
+    /// its driver's CSIDriver says `requiresRepublish`, as the kubelet does
+    /// on each of the pod's syncs: the driver gets fresh tokens and may
+    /// refresh what it mounted. Returns whether it did.
+    pub(super) async fn republish(
+        &self,
+        pod: &Pod,
+        volume: &Volume,
+        prepared: &PreparedVolume,
+    ) -> Result<bool, VolumeError> {
+        let Some(mount) = prepared.csi.as_ref().filter(|_| prepared.ready) else { return Ok(false) };
+        if !self.objects.get(&mount.driver_name).and_then(|s| s.requires_republish).unwrap_or(false) {
+            return Ok(false);
+        }
+        let uid = pod.metadata.uid.as_deref().unwrap_or_default();
+        let mut plan = self.plan(pod, volume).await?;
+        // What was published: the same handle, staging path and target.
+        plan.mount.staging_target_path.clone_from(&mount.staging_target_path);
+        let target = self.target(uid, mount);
+        let driver = self.driver(&volume.name, &mount.driver_name)?;
+        let connected = self.connect(&volume.name, &driver).await?;
+        if let (true, Some(gid), AccessType::Mount { volume_mount_group, .. }) = (
+            connected.capabilities.has(crate::csi::NodeCapability::VolumeMountGroup),
+            super::fs_group(pod),
+            &mut plan.capability.access_type,
+        ) {
+            *volume_mount_group = gid.to_string();
+        }
+        let request = self.publish_request(pod, &volume.name, &driver.name, &plan, &target).await?;
+        tracing::debug!(pod.uid = %uid, volume = %volume.name, driver = %driver.name, handle = %request.volume_id, "NodePublishVolume again (requiresRepublish)");
+        self.forget_on_transport_error(&driver.name, connected.client.publish_volume(&request).await)
+            .map_err(|source| VolumeError::Csi { volume: volume.name.clone(), source })?;
+        Ok(true)
     }
 
     /// Expands `volume` (a claim's, published for `pod` as `prepared`) when

@@ -332,6 +332,23 @@ impl VolumeManager {
         if errors.is_empty() { Ok(expanded) } else { Err(errors) }
     }
 
+    /// Publishes the pod's CSI volumes again whose drivers ask for it
+    /// (`requiresRepublish`); returns how many, or every error (after the
+    /// others were tried).
+    pub(crate) async fn republish(&self, pod: &Pod, prepared: &PodVolumes) -> Result<usize, Vec<VolumeError>> {
+        let Some(csi) = &self.csi else { return Ok(0) };
+        let (mut republished, mut errors) = (0, Vec::new());
+        for volume in pod.spec.iter().flat_map(|s| s.volumes.iter().flatten()) {
+            let Some(ready) = prepared.get(&volume.name).filter(|v| v.kind == VolumeKind::Csi) else { continue };
+            match csi.republish(pod, volume, ready).await {
+                Ok(true) => republished += 1,
+                Ok(false) => {}
+                Err(error) => errors.push(error),
+            }
+        }
+        if errors.is_empty() { Ok(republished) } else { Err(errors) }
+    }
+
     /// Writes the volumes whose contents follow the API and the pod
     /// (configMap, secret, projected, downwardAPI) again from what the
     /// objects and `pod` hold now: a changed object or label, or an

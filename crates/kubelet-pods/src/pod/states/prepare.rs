@@ -250,7 +250,8 @@ impl State<PodLifecycle> for Volumes {
 /// aborts its tasks): written again every [`PodConfig::volume_refresh`],
 /// and at once when the pod's manifest changes (labels, annotations). On
 /// the same period, its claimed CSI volumes are expanded when their claims
-/// ask the node to (an online expansion).
+/// ask the node to (an online expansion), and CSI volumes whose drivers
+/// say `requiresRepublish` are published again.
 ///
 /// [`PodConfig::volume_refresh`]: crate::pod::PodConfig::volume_refresh
 fn spawn_volume_refresh(ctx: &mut Context<PodLifecycle>) {
@@ -260,10 +261,11 @@ fn spawn_volume_refresh(ctx: &mut Context<PodLifecycle>) {
     let prepared = ctx.data.volumes.clone();
     let claimed =
         |v: &crate::volume::PreparedVolume| v.csi.as_ref().is_some_and(|c| c.volume_lifecycle_mode == "Persistent");
-    if !prepared.values().any(|v| matches!(v.kind, VolumeKind::ApiData | VolumeKind::DownwardApi) || claimed(v)) {
+    if !prepared.values().any(|v| matches!(v.kind, VolumeKind::ApiData | VolumeKind::DownwardApi | VolumeKind::Csi)) {
         return;
     }
     let expands = prepared.values().any(claimed);
+    let publishes = prepared.values().any(|v| v.kind == VolumeKind::Csi);
     let volumes = ctx.machine.volumes.clone();
     let context = ctx.machine.downward_context(&ctx.data);
     let period = ctx.machine.config.volume_refresh;
@@ -308,7 +310,12 @@ fn spawn_volume_refresh(ctx: &mut Context<PodLifecycle>) {
                 let reasons: Vec<String> = errors.iter().map(ToString::to_string).collect();
                 tracing::warn!(pod.uid = %uid, errors = %reasons.join("; "), "volume contents not updated; trying again later");
             }
-            match expands.then_some(volumes.expand(&pod, &prepared).await) {
+            if publishes && let Err(errors) = volumes.republish(&pod, &prepared).await {
+                let reasons: Vec<String> = errors.iter().map(ToString::to_string).collect();
+                tracing::warn!(pod.uid = %uid, errors = %reasons.join("; "), "volume not published again; trying again later");
+            }
+            let expanded = if expands { Some(volumes.expand(&pod, &prepared).await) } else { None };
+            match expanded {
                 Some(Err(errors)) => {
                     // As the kubelet's operation backoff: a failed expansion
                     // (a recovery waits on the next try) is tried again
