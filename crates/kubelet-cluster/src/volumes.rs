@@ -278,12 +278,16 @@ impl VolumeClaims for ApiVolumes {
     /// A strategic merge patch of the claim's `status` subresource, which
     /// the Node authorizer lets a node write for the claims of its pods
     /// (NodeRestriction: capacity, conditions and allocated resources only).
-    async fn patch_claim_status(&self, namespace: &str, claim: &str, patch: serde_json::Value) -> Result<(), ApiError> {
+    async fn patch_claim_status(
+        &self,
+        namespace: &str,
+        claim: &str,
+        patch: serde_json::Value,
+    ) -> Result<PersistentVolumeClaim, ApiError> {
         let claims: Api<PersistentVolumeClaim> = Api::namespaced(self.client()?, namespace);
         claims
             .patch_status(claim, &kube::api::PatchParams::default(), &kube::api::Patch::Strategic(patch))
             .await
-            .map(drop)
             .map_err(|e| failed_request(format!("cannot write PersistentVolumeClaim {namespace}/{claim}'s status"), &e))
     }
 

@@ -199,7 +199,12 @@ fn volume_mounts(container: &Container, volumes: &PodVolumes, env: &[EnvVar]) ->
     let mut mounts = Vec::new();
     for (index, mount) in container.volume_mounts.iter().flatten().enumerate() {
         let Some(volume) = volumes.get(&mount.name) else {
-            return Err(ConfigError(format!("volumeMount {:?}: the pod has no such volume", mount.name)));
+            // Volumes are set up when the pod starts, for the containers
+            // it has then: one only a later ephemeral container uses is not.
+            return Err(ConfigError(format!(
+                "volumeMount {:?}: no such volume is set up for the pod (volumes are set up at its start for the containers that use them)",
+                mount.name
+            )));
         };
         if volume.csi.as_ref().is_some_and(|c| c.block) {
             return Err(ConfigError(format!(

@@ -29,7 +29,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock};
 
-use k8s_openapi::api::core::v1::{PersistentVolume, Pod, Volume};
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod, Volume};
 use k8s_openapi::api::storage::v1::CSIDriverSpec;
 use sha2::{Digest, Sha256};
 use tokio::sync::watch;
@@ -119,9 +119,15 @@ pub trait VolumeClaims: Send + Sync + 'static {
 
     /// Applies `patch` (a strategic merge patch) to claim `claim`'s status
     /// in `namespace`: the node's steps of an online expansion
-    /// (`persistentvolumeclaims/status`). By default there is no API to
-    /// write to, and no claim is expanded (see [`ClaimedVolume::claim`]).
-    async fn patch_claim_status(&self, namespace: &str, claim: &str, patch: serde_json::Value) -> Result<(), ApiError> {
+    /// (`persistentvolumeclaims/status`); returns the claim as written. By
+    /// default there is no API to write to, and no claim is expanded (see
+    /// [`ClaimedVolume::claim`]).
+    async fn patch_claim_status(
+        &self,
+        namespace: &str,
+        claim: &str,
+        patch: serde_json::Value,
+    ) -> Result<PersistentVolumeClaim, ApiError> {
         let _ = patch;
         Err(ApiError::NotReady(format!("no API to write PersistentVolumeClaim {namespace}/{claim}'s status to")))
     }
@@ -602,9 +608,13 @@ impl CsiVolumes {
             super::expansion::requested_bytes(claim).is_some_and(|asked| i64::try_from(asked).ok() != Some(due.bytes));
         let infeasible_on_failure = failed_before.is_some() && asked_otherwise;
         let write = |patch| claims.patch_claim_status(namespace, name, patch);
-        if due.tracked {
-            write(super::expansion::in_progress(claim)).await.map_err(|e| invalid(e.to_string()))?;
-        }
+        // The finished step is checked against the claim as the in-progress
+        // step left it (its resourceVersion).
+        let claim = if due.tracked {
+            write(super::expansion::in_progress(claim)).await.map_err(|e| invalid(e.to_string()))?
+        } else {
+            claim.clone()
+        };
         let spec = claimed.volume.spec.clone().unwrap_or_default();
         let access_type = if mount.block {
             AccessType::Block
@@ -658,7 +668,7 @@ impl CsiVolumes {
             return Err(error);
         }
         self.expansion_failures.lock().unwrap_or_else(|p| p.into_inner()).remove(&unique);
-        write(super::expansion::finished(claim, &due.size, due.tracked)).await.map_err(|e| invalid(e.to_string()))?;
+        write(super::expansion::finished(&claim, &due.size, due.tracked)).await.map_err(|e| invalid(e.to_string()))?;
         tracing::info!(volume = %volume.name, claim = %name, size = %due.size.0, "volume expanded on the node");
         Ok(true)
     }
