@@ -562,7 +562,7 @@ async fn a_persistent_csi_volume_is_staged_once_published_per_pod_and_unstaged_w
     node.write("driver.yaml", CSI_DRIVER_DOC);
     let pod_with_claim = |name: &str| {
         format!(
-            "{}  volumes:\n  - name: data\n    persistentVolumeClaim: {{claimName: data, readOnly: {}}}\n",
+            "{}    volumeMounts: [{{name: data, mountPath: /data}}]\n  volumes:\n  - name: data\n    persistentVolumeClaim: {{claimName: data, readOnly: {}}}\n",
             sleeper(name, "v1"),
             name == "reader"
         )
