@@ -625,6 +625,71 @@ async fn a_persistent_csi_volume_is_staged_once_published_per_pod_and_unstaged_w
     assert!(!expected_staging.exists(), "the staging dir is removed");
 }
 
+/// A stage call that fails for good (`INVALID_ARGUMENT`) leaves nothing
+/// staged: the pod removed before it ever ran is not unstaged (the
+/// kubelet's rule; a transient failure would be). A failing unstage does
+/// not hold the pod's removal, and is tried again while no pod uses the
+/// volume.
+#[tokio::test]
+async fn a_failed_stage_is_not_unstaged_and_a_failed_unstage_holds_no_pod() {
+    let claims = StaticClaims::new();
+    let volume: k8s_openapi::api::core::v1::PersistentVolume = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "pv-data"},
+        "spec": {"accessModes": ["ReadWriteOnce"], "csi": {"driver": DRIVER, "volumeHandle": "vol-7", "fsType": "ext4"}}
+    }))
+    .expect("pv");
+    claims.bind(
+        "default",
+        "data",
+        kubelet::volume::ClaimedVolume { volume, ..kubelet::volume::ClaimedVolume::default() },
+    );
+    let node = start_node_in(new_root(), Some(claims), |_| {}).await;
+    node.write("driver.yaml", CSI_DRIVER_DOC);
+    let pod = |name: &str| {
+        format!(
+            "{}    volumeMounts: [{{name: data, mountPath: /data}}]\n  volumes:\n  - name: data\n    persistentVolumeClaim: {{claimName: data}}\n",
+            sleeper(name, "v1")
+        )
+    };
+    let is_call = |rpc: &'static str| move |r: &Report| matches!(r, Report::VolumeCall { rpc: r, .. } if r == rpc);
+
+    // 1. Staging fails for good: removed, the pod is not unstaged. The next
+    // pod's stage call comes after anything the removal sent.
+    let mut driver = node.start_driver(&["--stage-unstage", "--volume-call", "NodeStageVolume=3"]).await;
+    node.write("first.yaml", &pod("first"));
+    driver.wait_for(SOON, is_call("NodeStageVolume")).await.expect("a stage call");
+    node.remove("first.yaml");
+    node.wait_gone("first-node-1").await;
+    node.write("second.yaml", &pod("second"));
+    let mut seen = Vec::new();
+    driver
+        .wait_for(SOON, |r| {
+            if let Report::VolumeCall { rpc, volume_id, .. } = r {
+                // The removal's teardown (its unpublish) comes first; a
+                // stage call after it is the second pod's.
+                let after_removal = seen.iter().any(|c| c == "NodeUnpublishVolume");
+                seen.push(rpc.clone());
+                return rpc == "NodeStageVolume" && volume_id == "vol-7" && after_removal;
+            }
+            false
+        })
+        .await
+        .expect("the second pod's stage call");
+    assert!(!seen.iter().any(|rpc| rpc == "NodeUnstageVolume"), "never staged, never unstaged: {seen:?}");
+    node.remove("second.yaml");
+    node.wait_gone("second-node-1").await;
+    drop(driver);
+
+    // 2. Unstaging fails: the pod goes anyway, and the unstage is retried.
+    let mut driver = node.start_driver(&["--stage-unstage", "--volume-call", "NodeUnstageVolume=3"]).await;
+    node.write("third.yaml", &pod("third"));
+    node.wait_pod("third-node-1", "Running", running).await;
+    node.remove("third.yaml");
+    driver.wait_for(SOON, is_call("NodeUnstageVolume")).await.expect("an unstage call");
+    node.wait_gone("third-node-1").await;
+    driver.wait_for(SOON, is_call("NodeUnstageVolume")).await.expect("the unstage tried again");
+}
+
 /// The driver's next volume call, whichever it is.
 async fn next_volume_call(driver: &mut PluginProcess) -> Report {
     driver.wait_for(SOON, |r| matches!(r, Report::VolumeCall { .. })).await.expect("a volume call")

@@ -247,12 +247,29 @@ struct Plan {
     publish_secrets: Secrets,
 }
 
-/// One staged volume: the pods using it, and whether the stage call was made.
+/// One staged volume: the pods using it, whether the stage call was made,
+/// and whether the volume may be staged on the node (then it is unstaged
+/// when no pod uses it): after a transient stage failure (the call may
+/// still be under way in the driver) or a failed unstage, it may be, though
+/// the next pod stages it again; after a final stage failure it is not.
 #[derive(Debug, Default)]
 struct Staging {
     users: BTreeSet<String>,
     staged: bool,
+    may_be_staged: bool,
 }
+
+impl Staging {
+    fn mark_staged(&mut self) {
+        self.staged = true;
+        self.may_be_staged = true;
+    }
+}
+
+/// The first retry of a failed `NodeUnstageVolume`; doubled up to
+/// [`UNSTAGE_RETRY_MAX`].
+const UNSTAGE_RETRY: std::time::Duration = std::time::Duration::from_secs(2);
+const UNSTAGE_RETRY_MAX: std::time::Duration = std::time::Duration::from_secs(120);
 
 /// A connected driver and the capabilities it reported.
 #[derive(Clone)]
@@ -472,9 +489,18 @@ impl CsiVolumes {
                     secrets: plan.stage_secrets.clone(),
                 };
                 tracing::info!(volume = %volume.name, driver = %driver.name, handle = %plan.mount.volume_handle, "NodeStageVolume");
-                self.forget_on_transport_error(&driver.name, connected.client.stage_volume(&request).await)
-                    .map_err(csi_error)?;
-                state.staged = true;
+                let answer =
+                    self.forget_on_transport_error(&driver.name, connected.client.stage_volume(&request).await);
+                if let Err(error) = &answer
+                    && super::expansion::Failure::of(error.code(), matches!(error, CsiNodeError::Timeout { .. }))
+                        == super::expansion::Failure::Transient
+                {
+                    // The driver may still be staging it: unstaged when
+                    // unused, as the kubelet's "uncertain" device mount.
+                    state.may_be_staged = true;
+                }
+                answer.map_err(csi_error)?;
+                state.mark_staged();
             }
         }
         let request = self.publish_request(pod, &volume.name, &driver.name, &plan, &target).await?;
@@ -735,7 +761,7 @@ impl CsiVolumes {
             let entry = self.staging_entry(staging);
             let mut state = entry.lock().await;
             state.users.insert(uid.to_owned());
-            state.staged = true;
+            state.mark_staged();
         }
         tracing::info!(pod.uid = %uid, volume = %volume.name, driver = %recorded.driver_name, "published volume from an earlier run adopted");
         self.mark_in_use(&recorded, uid, true);
@@ -779,22 +805,78 @@ impl CsiVolumes {
             tracing::debug!(volume = %name, users = state.users.len(), "staged volume still in use");
             return Ok(());
         }
+        if !state.may_be_staged {
+            // Its stage call failed for good: nothing to unstage.
+            tracing::debug!(volume = %name, "volume was never staged; not unstaged");
+            drop(state);
+            self.forget_staging(staging);
+            return Ok(());
+        }
         tracing::info!(volume = %name, driver = %driver.name, handle = %mount.volume_handle, "NodeUnstageVolume");
         let unstaged = connected.client.unstage_volume(&mount.volume_handle, staging).await;
         if let Err(error) = self.forget_on_transport_error(&driver.name, unstaged) {
-            // Another pod may stage it again; this pod is done with it either way.
-            state.staged = true;
-            return Err(csi_error(error));
+            // This pod is done with the volume either way (its deletion is
+            // not held, as the kubelet's is not): the next pod stages it
+            // again, and until then the unstage is retried.
+            state.staged = false;
+            tracing::warn!(volume = %name, driver = %driver.name, %error, "NodeUnstageVolume failed; trying again while no pod uses the volume");
+            drop(state);
+            self.retry_unstage(driver.name.clone(), mount.volume_handle.clone(), staging.clone());
+            return Ok(());
         }
         state.staged = false;
+        state.may_be_staged = false;
         drop(state);
+        self.forget_staging(staging);
+        Ok(())
+    }
+
+    /// Drops the record of an unstaged volume and its staging dirs.
+    fn forget_staging(&self, staging: &Path) {
         self.staged.lock().unwrap_or_else(|p| p.into_inner()).remove(staging);
         if let Some(parent) = staging.parent() {
             let _ = std::fs::remove_file(parent.join("vol_data.json"));
             let _ = std::fs::remove_dir(staging);
             let _ = std::fs::remove_dir(parent);
         }
-        Ok(())
+    }
+
+    /// Calls `NodeUnstageVolume` again (after 2 s, doubling up to 2 min)
+    /// until it succeeds or a pod uses the volume again (that pod stages
+    /// it, and unstages it when done), as the kubelet's reconciler retries
+    /// the unmount of a device no pod wants.
+    fn retry_unstage(&self, driver_name: String, handle: String, staging: PathBuf) {
+        let this = self.clone();
+        // Not supervised: a bounded retry that ends once the volume is
+        // unstaged or used again.
+        tokio::spawn(async move {
+            let mut delay = UNSTAGE_RETRY;
+            loop {
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(UNSTAGE_RETRY_MAX);
+                let entry = this.staged.lock().unwrap_or_else(|p| p.into_inner()).get(&staging).cloned();
+                let Some(entry) = entry else { return };
+                let mut state = entry.lock().await;
+                if !state.users.is_empty() || !state.may_be_staged {
+                    return;
+                }
+                let Ok(driver) = this.driver(&handle, &driver_name) else { continue };
+                let Ok(connected) = this.connect(&handle, &driver).await else { continue };
+                tracing::info!(driver = %driver_name, %handle, "NodeUnstageVolume (again)");
+                let unstaged = connected.client.unstage_volume(&handle, &staging).await;
+                match this.forget_on_transport_error(&driver_name, unstaged) {
+                    Ok(()) => {
+                        state.may_be_staged = false;
+                        drop(state);
+                        this.forget_staging(&staging);
+                        return;
+                    }
+                    Err(error) => {
+                        tracing::warn!(driver = %driver_name, %handle, %error, retry = ?delay, "NodeUnstageVolume failed again")
+                    }
+                }
+            }
+        });
     }
 
     /// Marks the staged volume of `mount` (if the driver stages it) as used
@@ -806,7 +888,7 @@ impl CsiVolumes {
         let entry = self.staging_entry(staging);
         let mut state = entry.lock().await;
         state.users.insert(uid.to_owned());
-        state.staged = true;
+        state.mark_staged();
     }
 
     fn staging_entry(&self, path: &Path) -> Arc<tokio::sync::Mutex<Staging>> {
