@@ -55,7 +55,7 @@ pub(crate) fn build(
     for (name, value) in &devices.envs {
         set(&mut env, name, value.clone());
     }
-    let mut mounts = volume_mounts(container, volumes, &env)?;
+    let mut mounts = volume_mounts(pod, container, volumes, &env)?;
     for mount in &devices.mounts {
         mounts.push(Mount {
             container_path: mount.container_path.clone(),
@@ -195,7 +195,21 @@ fn volume_devices(pod: &Pod, container: &Container, volumes: &PodVolumes) -> Res
 
 /// The container's volume mounts as host paths (a `subPath` resolved
 /// inside its volume, or copied out of an atomically written one).
-fn volume_mounts(container: &Container, volumes: &PodVolumes, env: &[EnvVar]) -> Result<Vec<Mount>, ConfigError> {
+fn volume_mounts(
+    pod: &Pod,
+    container: &Container,
+    volumes: &PodVolumes,
+    env: &[EnvVar],
+) -> Result<Vec<Mount>, ConfigError> {
+    // A volume the pod uses read-only (a claim or an inline CSI volume with
+    // `readOnly: true`) is mounted read-only in every container, whatever
+    // the mount says (the kubelet's `mustMountRO`).
+    let read_only_volume = |name: &str| {
+        pod.spec.iter().flat_map(|s| s.volumes.iter().flatten()).find(|v| v.name == name).is_some_and(|v| {
+            v.persistent_volume_claim.as_ref().and_then(|c| c.read_only).unwrap_or(false)
+                || v.csi.as_ref().and_then(|c| c.read_only).unwrap_or(false)
+        })
+    };
     let mut mounts = Vec::new();
     for (index, mount) in container.volume_mounts.iter().flatten().enumerate() {
         let Some(volume) = volumes.get(&mount.name) else {
@@ -229,7 +243,7 @@ fn volume_mounts(container: &Container, volumes: &PodVolumes, env: &[EnvVar]) ->
         mounts.push(Mount {
             container_path: mount.mount_path.clone(),
             host_path,
-            read_only: mount.read_only.unwrap_or(false),
+            read_only: mount.read_only.unwrap_or(false) || read_only_volume(&mount.name),
             volume: Some(mount.name.clone()),
             propagation: propagation(container, mount.mount_propagation.as_deref())
                 .map_err(|why| ConfigError(format!("volumeMount {:?}: {why}", mount.name)))?,
@@ -539,6 +553,35 @@ mod tests {
         assert_eq!(error.0, "volume data has volumeMode Filesystem, but is specified in volumeDevices");
         let error = volume_devices(&pod, container, &PodVolumes::new()).expect_err("no volume");
         assert_eq!(error.0, "cannot find volume \"data\" to pass into container \"c\"");
+    }
+
+    #[test]
+    fn a_volume_the_pod_uses_read_only_is_mounted_read_only_in_every_container() {
+        use crate::volume::{PreparedVolume, VolumeKind};
+        let pod = pod(serde_json::json!({
+            "containers": [{"name": "c", "volumeMounts": [
+                {"name": "claim", "mountPath": "/claim", "subPath": "dir"},
+                {"name": "inline", "mountPath": "/inline"},
+                {"name": "scratch", "mountPath": "/scratch"},
+                {"name": "asked", "mountPath": "/asked", "readOnly": true},
+            ]}],
+            "volumes": [
+                {"name": "claim", "persistentVolumeClaim": {"claimName": "c", "readOnly": true}},
+                {"name": "inline", "csi": {"driver": "d", "readOnly": true}},
+                {"name": "scratch", "emptyDir": {}},
+                {"name": "asked", "emptyDir": {}},
+            ],
+        }));
+        let dir = tempfile::tempdir().expect("dir");
+        std::fs::create_dir(dir.path().join("dir")).expect("subdir");
+        let volumes: PodVolumes = ["claim", "inline", "scratch", "asked"]
+            .into_iter()
+            .map(|n| (n.to_owned(), PreparedVolume::ready(dir.path().to_owned(), VolumeKind::EmptyDir)))
+            .collect();
+        let container = &pod.spec.as_ref().expect("spec").containers[0];
+        let mounts = volume_mounts(&pod, container, &volumes, &[]).expect("mounts");
+        let read_only: Vec<(&str, bool)> = mounts.iter().map(|m| (m.container_path.as_str(), m.read_only)).collect();
+        assert_eq!(read_only, [("/claim", true), ("/inline", true), ("/scratch", false), ("/asked", true)]);
     }
 
     #[test]
