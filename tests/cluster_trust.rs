@@ -621,6 +621,12 @@ async fn a_volume_that_needs_attaching_waits_for_its_volume_attachment(api: Test
     let publish = calls.all().into_iter().find(|c| c.rpc == "NodePublishVolume").expect("published");
     assert_eq!(publish.volume_id, handle);
     assert_eq!(publish.publish_context, [("devicePath".to_owned(), "/dev/xvdf".to_owned())]);
+    // An attached volume in use is reported as such (the controller does
+    // not detach it under the pod).
+    api.wait_for(&nodes, &api.node, "reporting the volume in use", DEADLINE, |n| {
+        n.and_then(|n| n.status.as_ref()?.volumes_in_use.as_ref()).is_some_and(|v| v.contains(&unique))
+    })
+    .await;
     drop(node);
     stop.cancel();
 }
@@ -647,9 +653,9 @@ async fn the_nodes_status_writes_keep_others_conditions_and_report_volumes_in_us
     }]}});
     nodes.patch_status(&api.node, &PatchParams::default(), &Patch::Strategic(&network)).await.expect("condition");
 
-    // A persistent CSI volume (attach not required) in use by a pod.
-    api.csi_driver_object(IN_USE_DRIVER, json!({"attachRequired": false, "volumeLifecycleModes": ["Persistent"]}))
-        .await;
+    // A persistent CSI volume in use by a pod (attached: the kubelet
+    // reports attachable volumes only).
+    api.csi_driver_object(IN_USE_DRIVER, json!({"attachRequired": true, "volumeLifecycleModes": ["Persistent"]})).await;
     let stop = CancellationToken::new();
     let config =
         CsiDriverConfig { name: IN_USE_DRIVER.into(), node_id: api.node.clone(), ..CsiDriverConfig::default() };
@@ -673,8 +679,24 @@ async fn the_nodes_status_writes_keep_others_conditions_and_report_volumes_in_us
     user.spec.as_mut().expect("spec").containers[0].volume_mounts =
         Some(vec![serde_json::from_value(json!({"name": "data", "mountPath": "/data"})).expect("mount")]);
     pods.create(&PostParams::default(), &user).await.expect("create");
-    api.wait_for(&pods, "in-use", "Running", DEADLINE, running).await;
+    // The attach/detach controller's and the attacher's work, by hand.
     let unique = format!("kubernetes.io/csi/{IN_USE_DRIVER}^{handle}");
+    let listed = json!({"status": {"volumesAttached": [{"name": unique, "devicePath": ""}]}});
+    nodes.patch_status(&api.node, &PatchParams::default(), &Patch::Merge(&listed)).await.expect("volumesAttached");
+    let attachment_name = kubelet::cluster::volumes::attachment_name(&handle, IN_USE_DRIVER, &api.node);
+    let attachments: Api<k8s_openapi::api::storage::v1::VolumeAttachment> = Api::all(api.admin.clone());
+    let attachment = serde_json::from_value(json!({
+        "metadata": {"name": attachment_name},
+        "spec": {"attacher": IN_USE_DRIVER, "nodeName": api.node, "source": {"persistentVolumeName": pv_name}},
+    }))
+    .expect("volumeattachment");
+    attachments.create(&PostParams::default(), &attachment).await.expect("volumeattachment");
+    let attached = json!({"status": {"attached": true}});
+    attachments
+        .patch_status(&attachment_name, &PatchParams::default(), &Patch::Merge(&attached))
+        .await
+        .expect("attached");
+    api.wait_for(&pods, "in-use", "Running", DEADLINE, running).await;
     let in_use = api
         .wait_for(&nodes, &api.node, "reporting the volume in use", DEADLINE, |n| {
             n.and_then(|n| n.status.as_ref()?.volumes_in_use.as_ref()).is_some_and(|v| v.contains(&unique))

@@ -295,6 +295,12 @@ pub struct CsiVolumes {
     /// Persistent volumes published on the node, by unique name, with the
     /// pods using each (the Node's `volumesInUse`).
     in_use: Arc<watch::Sender<BTreeMap<String, BTreeSet<String>>>>,
+    /// The same, of the volumes whose drivers needed attaching when they
+    /// were published: what the Node reports as `volumesInUse` (the
+    /// kubelet reports attachable volumes only; a volume of a driver with
+    /// `attachRequired: false` is not held from the attach/detach
+    /// controller's detach).
+    attachable_in_use: Arc<watch::Sender<BTreeMap<String, BTreeSet<String>>>>,
     /// Persistent volumes whose last `NodeExpandVolume` failed for good, by
     /// unique name; forgotten when the volume is expanded or leaves the node.
     expansion_failures: Arc<Mutex<HashMap<String, super::expansion::Failure>>>,
@@ -330,6 +336,7 @@ impl CsiVolumes {
             connected: Arc::default(),
             staged: Arc::default(),
             in_use: Arc::new(watch::channel(BTreeMap::new()).0),
+            attachable_in_use: Arc::new(watch::channel(BTreeMap::new()).0),
             expansion_failures: Arc::default(),
         }
     }
@@ -339,7 +346,7 @@ impl CsiVolumes {
     /// `volumesInUse`, which the attach/detach controller reads before it
     /// detaches a volume.
     pub fn volumes_in_use(&self) -> watch::Receiver<BTreeMap<String, BTreeSet<String>>> {
-        self.in_use.subscribe()
+        self.attachable_in_use.subscribe()
     }
 
     /// Whether persistent volume `mount` is published for a pod other than
@@ -354,19 +361,28 @@ impl CsiVolumes {
             return;
         }
         let name = unique_volume_name(&mount.driver_name, &mount.volume_handle);
-        self.in_use.send_if_modified(|in_use| {
+        let attachable = self.objects.get(&mount.driver_name).is_none_or(|s| s.attach_required.unwrap_or(true));
+        let change = |in_use: &mut BTreeMap<String, BTreeSet<String>>| {
             if used {
-                in_use.entry(name).or_default().insert(pod_uid.to_owned())
+                in_use.entry(name.clone()).or_default().insert(pod_uid.to_owned())
             } else {
                 let Some(pods) = in_use.get_mut(&name) else { return false };
                 let removed = pods.remove(pod_uid);
                 if pods.is_empty() {
                     in_use.remove(&name);
-                    self.expansion_failures.lock().unwrap_or_else(|p| p.into_inner()).remove(&name);
                 }
                 removed
             }
-        });
+        };
+        self.in_use.send_if_modified(change);
+        // Only an attachable volume is reported; one that stops being used
+        // is dropped from the report whatever its driver says now.
+        if attachable || !used {
+            self.attachable_in_use.send_if_modified(change);
+        }
+        if !used && !self.in_use.borrow().contains_key(&name) {
+            self.expansion_failures.lock().unwrap_or_else(|p| p.into_inner()).remove(&name);
+        }
     }
 
     /// Resolves `persistentVolumeClaim` volumes with `claims`.
@@ -1311,6 +1327,40 @@ mod tests {
         assert_eq!(access_mode(&modes(&["ReadWriteMany"])), AccessMode::MultiNodeMultiWriter);
         assert_eq!(access_mode(&modes(&["ReadWriteOncePod"])), AccessMode::SingleNodeSingleWriter);
         assert_eq!(access_mode(&[]), AccessMode::SingleNodeWriter);
+    }
+
+    #[test]
+    fn only_volumes_of_drivers_that_attach_are_reported_in_use() {
+        let objects = CsiDriverObjects::new();
+        let no_attach: CSIDriverSpec =
+            serde_json::from_value(serde_json::json!({"attachRequired": false})).expect("spec");
+        objects.set("local.csi", no_attach);
+        let volumes = CsiVolumes::new(
+            "/nonexistent",
+            crate::csi::CsiDriverRegistry::new().view(),
+            objects,
+            CsiNodeTimeouts::default(),
+        );
+        let mount = |driver: &str| CsiMount {
+            driver_name: driver.into(),
+            volume_handle: "h".into(),
+            spec_vol_id: "pv".into(),
+            volume_lifecycle_mode: "Persistent".into(),
+            staging_target_path: None,
+            block: false,
+        };
+        // No CSIDriver object: attaching is required (the API's default).
+        for driver in ["local.csi", "remote.csi"] {
+            volumes.mark_in_use(&mount(driver), "pod-1", true);
+        }
+        let reported: Vec<String> = volumes.volumes_in_use().borrow().keys().cloned().collect();
+        assert_eq!(reported, ["kubernetes.io/csi/remote.csi^h"]);
+        assert!(volumes.used_by_another_pod(&mount("local.csi"), "pod-2"), "still known in use on the node");
+        for driver in ["local.csi", "remote.csi"] {
+            volumes.mark_in_use(&mount(driver), "pod-1", false);
+        }
+        assert!(volumes.volumes_in_use().borrow().is_empty());
+        assert!(!volumes.used_by_another_pod(&mount("local.csi"), "pod-2"));
     }
 
     #[test]
