@@ -53,7 +53,8 @@ pub(super) fn supervision(
     Supervision::new(shutdown.clone(), healthz.clone(), tasks.clone()).counting(task_ends)
 }
 
-/// Makes the root dir a shared mount, as the kubelet's start does, so that
+/// Makes the root dir (with its `pods`, `plugins` and `plugins_registry`)
+/// and makes it a shared mount, as the kubelet's start does, so that
 /// what a plugin's pod mounts beneath a `Bidirectional` volume of it (a
 /// CSI driver's publish target under `<root>/pods`) reaches the host and
 /// the other pods. Where that cannot be done (not root), the node runs on
@@ -64,6 +65,7 @@ pub(super) fn share_root_dir(root_dir: &Path) {
         tracing::warn!(root_dir = %root_dir.display(), %error, "cannot make the root dir");
         return;
     }
+    make_data_dirs(root_dir);
     match make_rshared(root_dir) {
         Ok(SharedMount::Made) => {
             tracing::info!(root_dir = %root_dir.display(), "root dir bind-mounted on itself with shared propagation")
@@ -77,6 +79,18 @@ pub(super) fn share_root_dir(root_dir: &Path) {
             "the root dir is not a shared mount: volumes under it with mountPropagation Bidirectional or \
              HostToContainer will fail to start"
         ),
+    }
+}
+
+/// The dirs the kubelet makes under its root dir at start
+/// (`setupDataDirs`): plugin pods mount them as hostPath `type: Directory`
+/// before any pod of the node has a volume.
+fn make_data_dirs(root_dir: &Path) {
+    for dir in ["pods", "plugins", "plugins_registry"] {
+        let path = root_dir.join(dir);
+        if let Err(error) = std::fs::create_dir_all(&path) {
+            tracing::warn!(dir = %path.display(), %error, "cannot make a dir of the root dir");
+        }
     }
 }
 
@@ -511,4 +525,16 @@ pub(super) fn start_cluster(
         dra: plugins.dra_drivers.clone(),
     };
     Some(cluster::start(settings, node, wiring.shutdown.clone()))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_root_dir_has_the_kubelets_data_dirs_from_the_start() {
+        let root = tempfile::tempdir().expect("root");
+        super::make_data_dirs(root.path());
+        for dir in ["pods", "plugins", "plugins_registry"] {
+            assert!(root.path().join(dir).is_dir(), "{dir}");
+        }
+    }
 }
