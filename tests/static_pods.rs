@@ -552,11 +552,7 @@ async fn a_persistent_csi_volume_is_staged_once_published_per_pod_and_unstaged_w
         }
     }))
     .expect("pv");
-    claims.bind(
-        "default",
-        "data",
-        kubelet::volume::ClaimedVolume { volume, ..kubelet::volume::ClaimedVolume::default() },
-    );
+    bind_data_claim(&claims, volume);
     let node = start_node_in(new_root(), Some(claims), |_| {}).await;
     let mut driver = node.start_driver(&["--stage-unstage"]).await;
     node.write("driver.yaml", CSI_DRIVER_DOC);
@@ -638,11 +634,7 @@ async fn a_failed_stage_is_not_unstaged_and_a_failed_unstage_holds_no_pod() {
         "spec": {"accessModes": ["ReadWriteOnce"], "csi": {"driver": DRIVER, "volumeHandle": "vol-7", "fsType": "ext4"}}
     }))
     .expect("pv");
-    claims.bind(
-        "default",
-        "data",
-        kubelet::volume::ClaimedVolume { volume, ..kubelet::volume::ClaimedVolume::default() },
-    );
+    bind_data_claim(&claims, volume);
     let node = start_node_in(new_root(), Some(claims), |_| {}).await;
     node.write("driver.yaml", CSI_DRIVER_DOC);
     let pod = |name: &str| {
@@ -688,6 +680,15 @@ async fn a_failed_stage_is_not_unstaged_and_a_failed_unstage_holds_no_pod() {
     driver.wait_for(SOON, is_call("NodeUnstageVolume")).await.expect("an unstage call");
     node.wait_gone("third-node-1").await;
     driver.wait_for(SOON, is_call("NodeUnstageVolume")).await.expect("the unstage tried again");
+}
+
+/// Binds claim `default/data` to `volume`.
+fn bind_data_claim(claims: &StaticClaims, volume: k8s_openapi::api::core::v1::PersistentVolume) {
+    claims.bind(
+        "default",
+        "data",
+        kubelet::volume::ClaimedVolume { volume, ..kubelet::volume::ClaimedVolume::default() },
+    );
 }
 
 /// The driver's next volume call, whichever it is.
