@@ -750,6 +750,13 @@ async fn the_kubelet_api_serves_kubectl_through_the_real_api_server() {
         assert!(summary["node"]["cpu"]["usageCoreNanoSeconds"].as_u64().is_some_and(|n| n > 0), "{summary}");
         assert!(summary["node"]["memory"]["workingSetBytes"].as_u64().is_some_and(|n| n > 0), "{summary}");
         assert!(summary["node"]["fs"]["capacityBytes"].as_u64().is_some_and(|n| n > 0), "{summary}");
+        // What upstream's e2e resource monitor dereferences.
+        assert!(summary["node"]["memory"]["rssBytes"].as_u64().is_some_and(|n| n > 0), "{summary}");
+        let kubelet_container = summary["node"]["systemContainers"]
+            .as_array()
+            .and_then(|c| c.iter().find(|c| c["name"] == "kubelet"))
+            .unwrap_or_else(|| panic!("the kubelet system container: {summary}"));
+        assert!(kubelet_container["memory"]["rssBytes"].as_u64().is_some_and(|n| n > 0), "{summary}");
         let pod_stats = summary["pods"].as_array().expect("pods");
         let talker_stats = pod_stats.iter().find(|p| p["podRef"]["name"] == talker.as_str()).expect("the pod's stats");
         assert_eq!(talker_stats["containers"][0]["name"], "main");

@@ -9,8 +9,8 @@ use std::collections::BTreeMap;
 use std::net::IpAddr;
 
 use k8s_openapi::api::core::v1::{
-    DaemonEndpoint, Node as NodeObject, NodeAddress, NodeCondition, NodeDaemonEndpoints, NodeSpec, NodeStatus,
-    NodeSystemInfo, Taint,
+    DaemonEndpoint, Node as NodeObject, NodeAddress, NodeCondition, NodeDaemonEndpoints, NodeFeatures, NodeSpec,
+    NodeStatus, NodeSystemInfo, Taint,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
@@ -154,6 +154,7 @@ impl Reservation {
 }
 
 /// Facts for the Node object.
+#[derive(Clone)]
 pub(crate) struct NodeFacts<'a> {
     pub(crate) name: &'a str,
     pub(crate) capacity: Allocatable,
@@ -175,6 +176,9 @@ pub(crate) struct NodeFacts<'a> {
     pub(crate) kubelet_port: Option<u16>,
     /// The container runtime's name and version (`containerd://1.6.20`).
     pub(crate) runtime_version: &'a str,
+    /// Whether the runtime honours `supplementalGroupsPolicy: Strict`
+    /// (`status.features.supplementalGroupsPolicy`).
+    pub(crate) strict_supplemental_groups: bool,
     /// `status.nodeInfo.kubeletVersion`.
     pub(crate) kubelet_version: &'a str,
 }
@@ -204,29 +208,33 @@ pub struct NodeDescription {
     pub root_dir: std::path::PathBuf,
     /// The kubelet API's port (`status.daemonEndpoints`), if it is served.
     pub kubelet_port: Option<u16>,
-    /// The container runtime's name and version, from the provider (asked
-    /// at every status write: a runtime that did not answer at start shows
-    /// once it does).
-    pub runtime_version: RuntimeVersion,
+    /// The container runtime's name, version and features, from the
+    /// provider (asked at every status write: a runtime that did not answer
+    /// at start shows once it does).
+    pub runtime: RuntimeFacts,
     /// The version the Node reports (`status.nodeInfo.kubeletVersion`):
     /// [`crate::VERSION`] until the control plane's `/version` is read, then
     /// [`crate::kubelet_version_for`] it.
     pub kubelet_version: String,
 }
 
-/// Where the Node's `containerRuntimeVersion` comes from.
+/// Where the Node's `containerRuntimeVersion` and `features` come from.
 #[derive(Clone, Default)]
-pub struct RuntimeVersion(pub Option<std::sync::Arc<dyn crate::provider::Provider>>);
+pub struct RuntimeFacts(pub Option<std::sync::Arc<dyn crate::provider::Provider>>);
 
-impl RuntimeVersion {
-    fn get(&self) -> String {
+impl RuntimeFacts {
+    fn version(&self) -> String {
         self.0.as_ref().map(|p| p.runtime_version()).unwrap_or_default()
+    }
+
+    fn strict_supplemental_groups(&self) -> bool {
+        self.0.as_ref().is_some_and(|p| p.supports_strict_supplemental_groups())
     }
 }
 
-impl std::fmt::Debug for RuntimeVersion {
+impl std::fmt::Debug for RuntimeFacts {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.get())
+        write!(f, "{} (strict supplemental groups: {})", self.version(), self.strict_supplemental_groups())
     }
 }
 
@@ -247,7 +255,8 @@ impl NodeDescription {
             addresses: &self.addresses,
             ephemeral_storage: file_system_size(&self.root_dir),
             kubelet_port: self.kubelet_port,
-            runtime_version: &self.runtime_version.get(),
+            runtime_version: &self.runtime.version(),
+            strict_supplemental_groups: self.runtime.strict_supplemental_groups(),
             kubelet_version: &self.kubelet_version,
         })
     }
@@ -381,6 +390,10 @@ pub(crate) fn node_object(facts: &NodeFacts<'_>) -> NodeObject {
                 ..NodeSystemInfo::default()
             }),
             addresses: Some(addresses(facts)),
+            // As the kubelet with `SupplementalGroupsPolicy` on (beta, the
+            // default, since 1.33): the runtime's word, false when it says
+            // nothing.
+            features: Some(NodeFeatures { supplemental_groups_policy: Some(facts.strict_supplemental_groups) }),
             daemon_endpoints: facts
                 .kubelet_port
                 .map(|port| NodeDaemonEndpoints { kubelet_endpoint: Some(DaemonEndpoint { port: i32::from(port) }) }),
@@ -506,9 +519,15 @@ mod tests {
             ephemeral_storage: file_system_size(std::path::Path::new("/")),
             kubelet_port: Some(10250),
             runtime_version: "containerd://1.6.20",
+            strict_supplemental_groups: false,
             kubelet_version: &crate::kubelet_version_for("1", "33"),
         };
         let node = node_object(&facts);
+        let features = node.status.as_ref().and_then(|s| s.features.clone()).expect("features");
+        assert_eq!(features.supplemental_groups_policy, Some(false), "a runtime that says nothing supports nothing");
+        let strict = node_object(&NodeFacts { strict_supplemental_groups: true, ..facts.clone() });
+        let features = strict.status.and_then(|s| s.features).and_then(|f| f.supplemental_groups_policy);
+        assert_eq!(features, Some(true));
         let info = node.status.as_ref().and_then(|s| s.node_info.clone()).expect("node info");
         assert_eq!(info.container_runtime_version, "containerd://1.6.20");
         assert!(info.kubelet_version.starts_with("v1.33.3+rustlet."), "{}", info.kubelet_version);

@@ -571,6 +571,10 @@ impl Provider for MeteredProvider {
         self.inner.runtime_version()
     }
 
+    fn supports_strict_supplemental_groups(&self) -> bool {
+        self.inner.supports_strict_supplemental_groups()
+    }
+
     async fn remove_pod(&self, pod_uid: &str) -> Result<(), ProviderError> {
         self.timed("remove_podsandbox", self.inner.remove_pod(pod_uid)).await
     }

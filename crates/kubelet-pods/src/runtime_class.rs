@@ -240,6 +240,10 @@ impl Provider for RuntimeClasses {
         self.default.runtime_version()
     }
 
+    fn supports_strict_supplemental_groups(&self) -> bool {
+        self.default.supports_strict_supplemental_groups()
+    }
+
     async fn start_container(&self, launch: &ContainerLaunch) -> Result<ContainerId, ProviderError> {
         let provider = self.provider_for(&launch.pod)?;
         let id = provider.start_container(launch).await?;

@@ -319,6 +319,10 @@ pub struct ContainerStats {
     pub memory_usage_bytes: Option<u64>,
     /// Anonymous memory (RSS), in bytes.
     pub memory_rss_bytes: Option<u64>,
+    /// Page faults, minor and major, since the container started.
+    pub memory_page_faults: Option<u64>,
+    /// Major page faults (those that read from disk).
+    pub memory_major_page_faults: Option<u64>,
     /// Bytes the container's writable layer takes on disk.
     pub fs_used_bytes: Option<u64>,
 }
@@ -633,6 +637,15 @@ pub trait Provider: Send + Sync + 'static {
     /// empty: Rustlet's own.
     fn runtime_version(&self) -> String {
         String::new()
+    }
+
+    /// Whether the runtime honours `supplementalGroupsPolicy: Strict`
+    /// (only the pod's groups, none from the image's `/etc/group`): the
+    /// Node's `status.features.supplementalGroupsPolicy`. A pod asking for
+    /// `Strict` is refused at admission where this is false, as the kubelet
+    /// refuses it.
+    fn supports_strict_supplemental_groups(&self) -> bool {
+        false
     }
 
     /// Forgets what the provider keeps for a removed pod (after its

@@ -68,7 +68,7 @@ impl Row {
 
 /// Each pod's own stats, read at once, each within a deadline (`None`:
 /// unsupported, failed or late).
-async fn pods_stats(pods: &[Pod], provider: &Arc<dyn Provider>) -> Vec<Option<PodStats>> {
+pub(super) async fn pods_stats(pods: &[Pod], provider: &Arc<dyn Provider>) -> Vec<Option<PodStats>> {
     let reads = pods.iter().map(|pod| async move {
         match tokio::time::timeout(POD_STATS_DEADLINE, provider.pod_stats(pod)).await {
             Ok(Ok(stats)) => Some(stats),
@@ -326,6 +326,7 @@ mod tests {
                     memory_usage_bytes: Some(1500),
                     memory_rss_bytes: Some(800),
                     fs_used_bytes: Some(4096),
+                    ..ContainerStats::default()
                 },
             }],
         }

@@ -6,9 +6,18 @@
 //! Node figures come from `/proc`: CPU time is `/proc/stat`'s busy time
 //! (everything but idle and iowait); memory usage is `MemTotal - MemFree`
 //! and the working set that minus `Inactive(file)`, the page cache the
-//! kernel can drop, as cAdvisor counts the root cgroup. Rates
+//! kernel can drop, as cAdvisor counts the root cgroup; its RSS is the
+//! anonymous memory (`AnonPages`), its page faults `/proc/vmstat`'s. Rates
 //! (`usageNanoCores`) come from the previous reading of the same thing,
 //! so the first answer has none.
+//!
+//! The summary has the fields upstream's readers dereference (the e2e
+//! framework's resource monitor reads the node's `rssBytes` and those of
+//! the `kubelet` system container): the node's memory with `rssBytes`,
+//! `pageFaults`, `majorPageFaults` and `availableBytes`, its network (every
+//! interface but loopback and the pods' veths, `eth0` as the headline),
+//! `rlimit`, `runtime.imageFs` and `containerFs`, and `systemContainers`:
+//! `kubelet` (this process) and `pods` (every pod together).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -24,6 +33,7 @@ use kubelet_support::metrics::{TEXT_CONTENT_TYPE, TextWriter};
 
 use super::ApiState;
 use crate::pod::usage::{ContainerUsage, PodUsage, pod_usage};
+use kubelet_provider::InterfaceStats;
 
 /// Previous cumulative CPU readings, for rates.
 #[derive(Default)]
@@ -60,6 +70,9 @@ pub(super) struct NodeUsage {
     pub(super) memory_usage: Option<u64>,
     pub(super) memory_working_set: Option<u64>,
     pub(super) memory_available: Option<u64>,
+    pub(super) memory_rss: Option<u64>,
+    pub(super) page_faults: Option<u64>,
+    pub(super) major_page_faults: Option<u64>,
     pub(super) boot_time: Option<jiff::Timestamp>,
 }
 
@@ -102,8 +115,105 @@ pub(super) fn node_usage() -> NodeUsage {
             usage.memory_working_set = Some(used.saturating_sub(field("Inactive(file)").unwrap_or(0)));
         }
         usage.memory_available = field("MemAvailable");
+        usage.memory_rss = field("AnonPages");
+    }
+    if let Ok(vmstat) = std::fs::read_to_string("/proc/vmstat") {
+        let counter = |name: &str| {
+            vmstat.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse::<u64>().ok())
+        };
+        usage.page_faults = counter("pgfault");
+        usage.major_page_faults = counter("pgmajfault");
     }
     usage
+}
+
+/// What one process uses, from `/proc/<pid>/stat` and `status` (the
+/// `kubelet` system container: this process).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub(super) struct ProcessUsage {
+    pub(super) cpu_ns: Option<u64>,
+    pub(super) resident: Option<u64>,
+    pub(super) anonymous: Option<u64>,
+    pub(super) page_faults: Option<u64>,
+    pub(super) major_page_faults: Option<u64>,
+    pub(super) started: Option<jiff::Timestamp>,
+}
+
+/// Reads `/proc/<pid>` (`self` for this process); `boot_time` places its
+/// start.
+pub(super) fn process_usage(pid: &str, boot_time: Option<jiff::Timestamp>) -> ProcessUsage {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    parse_process(&stat, &status, boot_time)
+}
+
+fn parse_process(stat: &str, status: &str, boot_time: Option<jiff::Timestamp>) -> ProcessUsage {
+    // The command name may hold spaces and parentheses: fields count from
+    // the last `)`; after it come field 3 (state) onwards.
+    let fields: Vec<&str> =
+        stat.rsplit_once(')').map(|(_, rest)| rest.split_whitespace().collect()).unwrap_or_default();
+    let field = |n: usize| fields.get(n - 3).and_then(|v| v.parse::<u64>().ok());
+    // USER_HZ is 100 on Linux.
+    let ticks = |t: u64| t.saturating_mul(10_000_000);
+    let kib = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+            .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+            .map(|k| k * 1024)
+    };
+    let (minor, major) = (field(10), field(12));
+    ProcessUsage {
+        cpu_ns: field(14).zip(field(15)).map(|(user, system)| ticks(user + system)),
+        resident: kib("VmRSS"),
+        anonymous: kib("RssAnon"),
+        page_faults: minor.zip(major).map(|(minor, major)| minor + major),
+        major_page_faults: major,
+        started: field(22).zip(boot_time).and_then(|(start, boot)| {
+            boot.checked_add(jiff::SignedDuration::from_millis(i64::try_from(start).ok()?.saturating_mul(10))).ok()
+        }),
+    }
+}
+
+/// The node's interfaces as cAdvisor counts the root container's: loopback
+/// and the pods' host-side veths left out.
+fn node_interfaces(table: &str) -> Vec<InterfaceStats> {
+    InterfaceStats::parse_net_dev(table)
+        .into_iter()
+        .filter(|i| !["veth", "docker", "nerdctl"].iter().any(|prefix| i.name.starts_with(prefix)))
+        .collect()
+}
+
+/// Upstream's `NetworkStats`: the default interface (`eth0`) inline, and
+/// every interface in `interfaces`.
+fn network_json(now: &str, interfaces: &[InterfaceStats]) -> Value {
+    let one = |i: &InterfaceStats| json!({"name": i.name, "rxBytes": i.rx_bytes, "rxErrors": i.rx_errors, "txBytes": i.tx_bytes, "txErrors": i.tx_errors});
+    let mut network = json!({"time": now, "interfaces": interfaces.iter().map(one).collect::<Vec<_>>()});
+    if let Some(default) = interfaces.iter().find(|i| i.name == "eth0")
+        && let (Value::Object(network), Value::Object(default)) = (&mut network, one(default))
+    {
+        network.extend(default);
+    }
+    network
+}
+
+/// `rlimit`: the kernel's `pid_max` and the tasks now running (as the
+/// kubelet's `sysinfo` count).
+fn rlimit_json(now: &str) -> Value {
+    let mut rlimit = json!({"time": now});
+    if let Some(max) =
+        std::fs::read_to_string("/proc/sys/kernel/pid_max").ok().and_then(|s| s.trim().parse::<u64>().ok())
+    {
+        rlimit["maxpid"] = json!(max);
+    }
+    // `/proc/loadavg`'s fourth field: running/total scheduling entities.
+    let total = std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(3)?.split_once('/')?.1.parse::<u64>().ok());
+    if let Some(total) = total {
+        rlimit["curproc"] = json!(total);
+    }
+    rlimit
 }
 
 fn time(t: jiff::Timestamp) -> String {
@@ -121,16 +231,30 @@ fn cpu_json(rates: &Rates, key: &str, now: &str, cpu_ns: Option<u64>) -> Value {
     cpu
 }
 
-fn memory_json(now: &str, usage: Option<u64>, working_set: Option<u64>, available: Option<u64>) -> Value {
+/// Upstream's `MemoryStats`; absent figures are left out.
+#[derive(Debug, Default, Clone, Copy)]
+struct Memory {
+    usage: Option<u64>,
+    working_set: Option<u64>,
+    available: Option<u64>,
+    rss: Option<u64>,
+    page_faults: Option<u64>,
+    major_page_faults: Option<u64>,
+}
+
+fn memory_json(now: &str, m: Memory) -> Value {
     let mut memory = json!({"time": now});
-    if let Some(bytes) = usage {
-        memory["usageBytes"] = json!(bytes);
-    }
-    if let Some(bytes) = working_set {
-        memory["workingSetBytes"] = json!(bytes);
-    }
-    if let Some(bytes) = available {
-        memory["availableBytes"] = json!(bytes);
+    for (key, value) in [
+        ("availableBytes", m.available),
+        ("usageBytes", m.usage),
+        ("workingSetBytes", m.working_set),
+        ("rssBytes", m.rss),
+        ("pageFaults", m.page_faults),
+        ("majorPageFaults", m.major_page_faults),
+    ] {
+        if let Some(value) = value {
+            memory[key] = json!(value);
+        }
     }
     memory
 }
@@ -148,9 +272,149 @@ pub(super) async fn summary(State(state): State<ApiState>) -> Response {
     let now_ts = jiff::Timestamp::now();
     let now = time(now_ts);
     let node = node_usage();
-    let (pods, _) = pod_usage(state.http.views.pods.store().list(), state.provider.as_ref()).await;
+    let listed = state.http.views.pods.store().list();
+    let (pods, _) = pod_usage(listed.clone(), state.provider.as_ref()).await;
+    let pod_stats = match &state.provider {
+        Some(provider) => super::cadvisor::pods_stats(&listed, provider).await,
+        None => vec![None; listed.len()],
+    };
+    let fs = fs_json(&now, &state.http.views.root_dir);
+    let image_fs = match &state.provider {
+        Some(provider) => provider.image_fs_path().await,
+        None => None,
+    };
+    let image_fs = image_fs.map_or_else(|| fs.clone(), |path| fs_json(&now, &path));
+    let interfaces = std::fs::read_to_string("/proc/net/dev").map(|t| node_interfaces(&t)).unwrap_or_default();
+    let mut pods_json = Vec::new();
+    let (mut all_cpu, mut all_memory) = (Vec::new(), Vec::new());
+    for (pod, stats) in pods.iter().zip(pod_stats) {
+        let stats = stats.unwrap_or_default();
+        let containers: Vec<Value> = pod
+            .containers
+            .iter()
+            .map(|c| {
+                let mut container = json!({
+                    "name": c.name,
+                    "startTime": c.started.map(time),
+                    "cpu": cpu_json(&state.rates, &format!("container/{}", c.id), &now, c.stats.cpu_usage_core_nanoseconds),
+                    "memory": memory_json(&now, Memory {
+                        usage: c.stats.memory_usage_bytes,
+                        working_set: c.stats.memory_working_set_bytes,
+                        rss: c.stats.memory_rss_bytes,
+                        page_faults: c.stats.memory_page_faults,
+                        major_page_faults: c.stats.memory_major_page_faults,
+                        ..Memory::default()
+                    }),
+                });
+                if let Some(used) = c.stats.fs_used_bytes {
+                    container["rootfs"] = json!({"time": now, "usedBytes": used});
+                }
+                container
+            })
+            .collect();
+        // The pod's own cgroup where it has one, else its containers summed.
+        let of_containers =
+            |f: fn(&kubelet_provider::ContainerStats) -> Option<u64>| sum(pod.containers.iter().map(|c| f(&c.stats)));
+        let cpu = stats.cpu_usage_core_nanoseconds.or_else(|| of_containers(|c| c.cpu_usage_core_nanoseconds));
+        let memory = Memory {
+            usage: stats.memory_usage_bytes.or_else(|| of_containers(|c| c.memory_usage_bytes)),
+            working_set: stats.memory_working_set_bytes.or_else(|| of_containers(|c| c.memory_working_set_bytes)),
+            rss: stats.memory_rss_bytes.or_else(|| of_containers(|c| c.memory_rss_bytes)),
+            page_faults: of_containers(|c| c.memory_page_faults),
+            major_page_faults: of_containers(|c| c.memory_major_page_faults),
+            ..Memory::default()
+        };
+        all_cpu.push(cpu);
+        all_memory.push(memory);
+        let volumes: Vec<Value> = state
+            .http
+            .views
+            .pods
+            .volume_stats()
+            .pod_usage(&pod.uid)
+            .into_iter()
+            .map(|u| {
+                json!({
+                    "time": time(u.time),
+                    "availableBytes": u.available,
+                    "capacityBytes": u.capacity,
+                    "usedBytes": u.used,
+                    "inodesFree": u.inodes_free,
+                    "inodes": u.inodes,
+                    "inodesUsed": u.inodes_used,
+                    "name": u.volume.volume,
+                    "pvcRef": {"name": u.volume.claim, "namespace": u.volume.namespace},
+                })
+            })
+            .collect();
+        let mut pod_json = json!({
+            "podRef": {"name": pod.name, "namespace": pod.namespace, "uid": pod.uid},
+            "startTime": pod.started.map(time),
+            "containers": containers,
+            "cpu": cpu_json(&state.rates, &format!("pod/{}", pod.uid), &now, cpu),
+            "memory": memory_json(&now, memory),
+        });
+        if !stats.network.is_empty() {
+            pod_json["network"] = network_json(&now, &stats.network);
+        }
+        if !volumes.is_empty() {
+            pod_json["volume"] = json!(volumes);
+        }
+        pods_json.push(pod_json);
+    }
+    let me = process_usage("self", node.boot_time);
+    let kubelet = json!({
+        "name": "kubelet",
+        "startTime": time(me.started.or(node.boot_time).unwrap_or(now_ts)),
+        "cpu": cpu_json(&state.rates, "system/kubelet", &now, me.cpu_ns),
+        "memory": memory_json(&now, Memory {
+            usage: me.resident,
+            working_set: me.resident,
+            rss: me.anonymous,
+            page_faults: me.page_faults,
+            major_page_faults: me.major_page_faults,
+            ..Memory::default()
+        }),
+    });
+    let all_pods = json!({
+        "name": "pods",
+        "startTime": time(me.started.or(node.boot_time).unwrap_or(now_ts)),
+        "cpu": cpu_json(&state.rates, "system/pods", &now, sum(all_cpu.into_iter())),
+        "memory": memory_json(&now, Memory {
+            usage: sum(all_memory.iter().map(|m| m.usage)),
+            working_set: sum(all_memory.iter().map(|m| m.working_set)),
+            rss: sum(all_memory.iter().map(|m| m.rss)),
+            page_faults: sum(all_memory.iter().map(|m| m.page_faults)),
+            major_page_faults: sum(all_memory.iter().map(|m| m.major_page_faults)),
+            // What pods may still take before the node's memory runs out.
+            available: node.memory_available,
+        }),
+    });
+    let node_json = json!({
+        "nodeName": state.http.views.node_name,
+        "systemContainers": [kubelet, all_pods],
+        "startTime": time(node.boot_time.unwrap_or(now_ts)),
+        "cpu": cpu_json(&state.rates, "node", &now, node.cpu_ns),
+        "memory": memory_json(&now, Memory {
+            usage: node.memory_usage,
+            working_set: node.memory_working_set,
+            available: node.memory_available,
+            rss: node.memory_rss,
+            page_faults: node.page_faults,
+            major_page_faults: node.major_page_faults,
+        }),
+        "network": network_json(&now, &interfaces),
+        "fs": fs,
+        "runtime": {"imageFs": image_fs, "containerFs": image_fs},
+        "rlimit": rlimit_json(&now),
+    });
+    Json(json!({"node": node_json, "pods": pods_json})).into_response()
+}
+
+/// Upstream's `FsStats` of the file system holding `path`.
+fn fs_json(now: &str, path: &std::path::Path) -> Value {
     let mut fs = json!({"time": now});
-    if let Ok(stats) = rustix::fs::statvfs(&state.http.views.root_dir) {
+    if let Ok(stats) = rustix::fs::statvfs(path) {
         let size = stats.f_frsize;
         fs["capacityBytes"] = json!(stats.f_blocks.saturating_mul(size));
         fs["availableBytes"] = json!(stats.f_bavail.saturating_mul(size));
@@ -159,67 +423,7 @@ pub(super) async fn summary(State(state): State<ApiState>) -> Response {
         fs["inodesFree"] = json!(stats.f_ffree);
         fs["inodesUsed"] = json!(stats.f_files.saturating_sub(stats.f_ffree));
     }
-    let node_json = json!({
-        "nodeName": state.http.views.node_name,
-        "startTime": time(node.boot_time.unwrap_or(now_ts)),
-        "cpu": cpu_json(&state.rates, "node", &now, node.cpu_ns),
-        "memory": memory_json(&now, node.memory_usage, node.memory_working_set, node.memory_available),
-        "fs": fs,
-        "runtime": {"imageFs": fs},
-    });
-    let pods_json: Vec<Value> = pods
-        .iter()
-        .map(|pod| {
-            let containers: Vec<Value> = pod
-                .containers
-                .iter()
-                .map(|c| {
-                    json!({
-                        "name": c.name,
-                        "startTime": c.started.map(time),
-                        "cpu": cpu_json(&state.rates, &format!("container/{}", c.id), &now, c.stats.cpu_usage_core_nanoseconds),
-                        "memory": memory_json(&now, c.stats.memory_usage_bytes, c.stats.memory_working_set_bytes, None),
-                    })
-                })
-                .collect();
-            let cpu = sum(pod.containers.iter().map(|c| c.stats.cpu_usage_core_nanoseconds));
-            let working_set = sum(pod.containers.iter().map(|c| c.stats.memory_working_set_bytes));
-            let used = sum(pod.containers.iter().map(|c| c.stats.memory_usage_bytes));
-            let volumes: Vec<Value> = state
-                .http
-                .views
-                .pods
-                .volume_stats()
-                .pod_usage(&pod.uid)
-                .into_iter()
-                .map(|u| {
-                    json!({
-                        "time": time(u.time),
-                        "availableBytes": u.available,
-                        "capacityBytes": u.capacity,
-                        "usedBytes": u.used,
-                        "inodesFree": u.inodes_free,
-                        "inodes": u.inodes,
-                        "inodesUsed": u.inodes_used,
-                        "name": u.volume.volume,
-                        "pvcRef": {"name": u.volume.claim, "namespace": u.volume.namespace},
-                    })
-                })
-                .collect();
-            let mut pod_json = json!({
-                "podRef": {"name": pod.name, "namespace": pod.namespace, "uid": pod.uid},
-                "startTime": pod.started.map(time),
-                "containers": containers,
-                "cpu": cpu_json(&state.rates, &format!("pod/{}", pod.uid), &now, cpu),
-                "memory": memory_json(&now, used, working_set, None),
-            });
-            if !volumes.is_empty() {
-                pod_json["volume"] = json!(volumes);
-            }
-            pod_json
-        })
-        .collect();
-    Json(json!({"node": node_json, "pods": pods_json})).into_response()
+    fs
 }
 
 /// `GET /metrics/resource`: the series metrics-server reads, in the
@@ -321,6 +525,53 @@ mod tests {
         assert!(usage.memory_working_set.is_some_and(|b| b > 0));
         assert!(usage.memory_usage >= usage.memory_working_set);
         assert!(usage.boot_time.is_some());
+    }
+
+    #[test]
+    fn a_process_is_read_from_its_stat_and_status() {
+        // A command name with a space and a parenthesis; utime 150, stime
+        // 50 ticks; 700 minor and 3 major faults; started 1,000 ticks after
+        // boot.
+        let stat = "42 (tokio (rt) x) S 1 42 42 0 -1 4194560 700 0 3 0 150 50 0 0 20 0 8 0 1000 1000 200";
+        let status = "Name:\tx\nVmRSS:\t   2048 kB\nRssAnon:\t    1024 kB\n";
+        let boot = jiff::Timestamp::from_second(1_700_000_000).expect("a time");
+        let usage = parse_process(stat, status, Some(boot));
+        assert_eq!(usage.cpu_ns, Some(2_000_000_000), "200 ticks of 10 ms");
+        assert_eq!((usage.resident, usage.anonymous), (Some(2 << 20), Some(1 << 20)));
+        assert_eq!((usage.page_faults, usage.major_page_faults), (Some(703), Some(3)));
+        assert_eq!(usage.started, Some(jiff::Timestamp::from_second(1_700_000_010).expect("a time")));
+        assert_eq!(parse_process("", "", None), ProcessUsage::default(), "nothing to read, nothing made up");
+    }
+
+    #[test]
+    fn the_nodes_network_has_eth0_inline_and_no_pod_veths() {
+        let table = "Inter-|   Receive |  Transmit
+ face |bytes packets errs drop fifo frame compressed multicast|bytes packets errs drop fifo colls carrier compressed
+    lo: 100 1 0 0 0 0 0 0 100 1 0 0 0 0 0 0
+  eth0: 5000 10 1 0 0 0 0 0 7000 12 2 0 0 0 0 0
+vethab12: 300 3 0 0 0 0 0 0 400 4 0 0 0 0 0 0
+  cni0: 10 1 0 0 0 0 0 0 20 2 0 0 0 0 0 0
+";
+        let interfaces = node_interfaces(table);
+        let names: Vec<&str> = interfaces.iter().map(|i| i.name.as_str()).collect();
+        assert_eq!(names, ["eth0", "cni0"]);
+        let network = network_json("now", &interfaces);
+        assert_eq!((network["name"].as_str(), network["rxBytes"].as_u64()), (Some("eth0"), Some(5000)));
+        assert_eq!((network["txBytes"].as_u64(), network["txErrors"].as_u64()), (Some(7000), Some(2)));
+        assert_eq!(network["interfaces"].as_array().map(Vec::len), Some(2));
+        let without = network_json("now", &interfaces[1..]);
+        assert!(without.get("name").is_none(), "no eth0, no headline: {without}");
+    }
+
+    #[test]
+    fn the_node_reads_rss_and_page_faults() {
+        let usage = node_usage();
+        assert!(usage.memory_rss.is_some_and(|b| b > 0));
+        assert!(usage.page_faults.is_some_and(|n| n > 0));
+        assert!(usage.major_page_faults.is_some());
+        let me = process_usage("self", usage.boot_time);
+        assert!(me.resident.is_some_and(|b| b > 0) && me.page_faults.is_some_and(|n| n > 0), "{me:?}");
+        assert!(me.started.is_some_and(|t| t <= jiff::Timestamp::now()), "{me:?}");
     }
 
     #[test]

@@ -164,6 +164,14 @@ spec:
   runtimeClassName: kata
   containers:
   - {{name: main, image: {image}}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {{name: strict-groups}}
+spec:
+  securityContext: {{supplementalGroupsPolicy: Strict}}
+  containers:
+  - {{name: main, image: {image}}}
 "
     );
     std::fs::write(manifests.join("pods.yaml"), manifest).expect("write");
@@ -262,6 +270,51 @@ spec:
     }
     assert!(page.contains("id=\"/rustlet/pod"), "the WebAssembly pod has no cgroup of its own: {page}");
     assert!(page.contains("/kubepods/"), "the container pod's cgroup: {page}");
+
+    // `/stats/summary` with what upstream's readers dereference: the
+    // node's RSS and page faults, the `kubelet` system container, rlimit.
+    let (code, summary) =
+        rustlet_testkit::https::get(api, "/stats/summary", rustlet_testkit::https::Credentials::Anonymous)
+            .await
+            .expect("summary");
+    assert_eq!(code, 200, "{summary}");
+    let summary: Value = serde_json::from_str(&summary).expect("json");
+    let node_stats = &summary["node"];
+    let positive = |v: &Value| v.as_u64().is_some_and(|n| n > 0);
+    for key in ["usageBytes", "workingSetBytes", "rssBytes", "pageFaults", "availableBytes"] {
+        assert!(positive(&node_stats["memory"][key]), "node memory {key}: {node_stats}");
+    }
+    assert!(node_stats["memory"]["majorPageFaults"].is_u64(), "{node_stats}");
+    assert!(positive(&node_stats["rlimit"]["maxpid"]) && positive(&node_stats["rlimit"]["curproc"]), "{node_stats}");
+    assert!(node_stats["network"]["interfaces"].is_array(), "{node_stats}");
+    assert!(positive(&node_stats["runtime"]["imageFs"]["capacityBytes"]), "{node_stats}");
+    let system = |name: &str| {
+        node_stats["systemContainers"].as_array().into_iter().flatten().find(|c| c["name"] == name).cloned()
+    };
+    let kubelet = system("kubelet").unwrap_or_else(|| panic!("the kubelet system container: {node_stats}"));
+    for key in ["usageBytes", "workingSetBytes", "rssBytes", "pageFaults"] {
+        assert!(positive(&kubelet["memory"][key]), "kubelet memory {key}: {kubelet}");
+    }
+    assert!(positive(&kubelet["cpu"]["usageCoreNanoSeconds"]), "{kubelet}");
+    let pods_container = system("pods").unwrap_or_else(|| panic!("the pods system container: {node_stats}"));
+    assert!(positive(&pods_container["memory"]["workingSetBytes"]), "{pods_container}");
+    let stats_of =
+        |pod: &str| summary["pods"].as_array().into_iter().flatten().find(|p| p["podRef"]["name"] == pod).cloned();
+    let boxed = stats_of("box-mixed").unwrap_or_else(|| panic!("box-mixed in {summary}"));
+    assert!(positive(&boxed["containers"][0]["memory"]["rssBytes"]), "containerd's RSS: {boxed}");
+    assert!(positive(&boxed["memory"]["workingSetBytes"]), "the pod's cgroup: {boxed}");
+
+    // containerd 1.6 says nothing of `supplementalGroupsPolicy: Strict`:
+    // the Node says it is not supported and the pod asking for it is
+    // refused with upstream's reason.
+    let features = &node_object["status"]["features"];
+    assert_eq!(features["supplementalGroupsPolicy"], false, "{node_object}");
+    let strict = wait_pod(&address, "strict-groups-mixed", |p| p["status"]["phase"] == "Failed").await;
+    assert_eq!(strict["status"]["reason"], "SupplementalGroupsPolicyNotSupported", "{strict}");
+    assert_eq!(
+        strict["status"]["message"], "Pod was rejected: SupplementalGroupsPolicy=Strict is not supported in this node",
+        "{strict}"
+    );
 
     // Removing the manifests removes both pods and the sandbox.
     std::fs::remove_file(manifests.join("pods.yaml")).expect("rm");

@@ -94,8 +94,17 @@ pub(crate) fn security_context(
         masked_paths,
         readonly_paths,
         seccomp: Some(seccomp(context.seccomp_profile.as_ref().or(pod_context.seccomp_profile.as_ref()))),
+        supplemental_groups_policy: supplemental_groups_policy(pod) as i32,
         ..Default::default()
     }
+}
+
+/// The pod's `supplementalGroupsPolicy` as CRI has it (`Merge` unless the
+/// pod asks for `Strict`; a node whose runtime cannot honour `Strict`
+/// refuses such a pod at admission).
+pub(crate) fn supplemental_groups_policy(pod: &Pod) -> cri::SupplementalGroupsPolicy {
+    let policy = pod.spec.as_ref().and_then(|s| s.security_context.as_ref()?.supplemental_groups_policy.as_deref());
+    if policy == Some("Strict") { cri::SupplementalGroupsPolicy::Strict } else { cri::SupplementalGroupsPolicy::Merge }
 }
 
 /// The user an image runs as, as the runtime's `ImageStatus` says it: a

@@ -761,6 +761,9 @@ impl Provider for WasiProvider {
             memory_usage_bytes: Some(memory),
             // Linear memory is all the instance's own.
             memory_rss_bytes: Some(memory),
+            // Instances share the node's process: no faults of their own.
+            memory_page_faults: None,
+            memory_major_page_faults: None,
             fs_used_bytes: None,
         })
     }

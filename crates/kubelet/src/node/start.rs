@@ -494,7 +494,7 @@ pub(super) fn describe(config: &NodeConfig, described: Described, kubelet_port: 
         addresses: config.node_ips.clone(),
         root_dir: config.root_dir.clone(),
         kubelet_port,
-        runtime_version: capacity::RuntimeVersion(provider),
+        runtime: capacity::RuntimeFacts(provider),
         kubelet_version: cluster::VERSION.to_owned(),
     }
 }

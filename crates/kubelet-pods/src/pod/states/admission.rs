@@ -34,6 +34,19 @@ impl State<PodLifecycle> for Registered {
             reject(ctx, "PodOSNotSupported", "Failed to admit pod as the OS field doesn't match node OS".into());
             return Transition::next(&*self, Failed);
         }
+        // `supplementalGroupsPolicy: Strict` where the runtime cannot honour
+        // it: the image's groups would be added behind the pod's back.
+        if asks_strict_supplemental_groups(&ctx.data.pod)
+            && !ctx.machine.provider.as_ref().is_some_and(|p| p.supports_strict_supplemental_groups())
+        {
+            tracing::info!(pod.uid = %ctx.data.id.uid, "the runtime cannot honour supplementalGroupsPolicy: Strict");
+            reject(
+                ctx,
+                SUPPLEMENTAL_GROUPS_POLICY_NOT_SUPPORTED,
+                "SupplementalGroupsPolicy=Strict is not supported in this node".into(),
+            );
+            return Transition::next(&*self, Failed);
+        }
         if let Err(refused) = crate::pod::sysctls::check(&ctx.data.pod, &ctx.machine.config.allowed_unsafe_sysctls) {
             reject(ctx, crate::pod::sysctls::SYSCTL_FORBIDDEN, refused.to_string());
             return Transition::next(&*self, Failed);
@@ -107,6 +120,16 @@ impl State<PodLifecycle> for Resources {
 /// Marks the pod rejected (upstream's phase, reason and message).
 /// The status is published before the log line, so whoever reads the line
 /// finds the pod rejected.
+/// The reason a pod asking for a `supplementalGroupsPolicy` the runtime
+/// cannot honour is refused with (upstream's).
+pub(crate) const SUPPLEMENTAL_GROUPS_POLICY_NOT_SUPPORTED: &str = "SupplementalGroupsPolicyNotSupported";
+
+/// Whether the pod asks for `supplementalGroupsPolicy: Strict`.
+fn asks_strict_supplemental_groups(pod: &k8s_openapi::api::core::v1::Pod) -> bool {
+    let policy = pod.spec.as_ref().and_then(|s| s.security_context.as_ref()?.supplemental_groups_policy.as_deref());
+    policy == Some("Strict")
+}
+
 pub(super) fn reject(ctx: &mut Context<PodLifecycle>, reason: &str, message: String) {
     ctx.data.verdict = Some(PodVerdict {
         phase: "Failed",
