@@ -5,6 +5,9 @@
 //!   closing line: `suite: N passed, N failed, N skipped`. It builds first
 //!   (`--no-run`) and says how much disk was free before and after, so that
 //!   a build that died of a full disk says so.
+//! - `deb [--binary PATH] [--out DIR]`: a Debian package that installs
+//!   Rustlet as the node's kubelet for kubeadm (see `deb.rs`); it builds the
+//!   release binary unless one is named.
 //!
 //! A test that cannot have what it needs here (root, containerd, a real
 //! kube-apiserver, ...) skips through the test kit's skip policy, which
@@ -12,6 +15,7 @@
 //! sets that variable, reads the records back when the suite is done, and
 //! counts a skipped test as skipped, not passed (the harness saw it pass).
 
+mod deb;
 #[cfg(test)]
 mod source_rules;
 
@@ -24,11 +28,21 @@ fn main() -> ExitCode {
     let mut args = std::env::args().skip(1);
     match args.next().as_deref() {
         Some("test") => test(args.collect()),
+        Some("deb") => match deb::run(&args.collect::<Vec<_>>()) {
+            Ok(path) => {
+                println!("{}", path.display());
+                ExitCode::SUCCESS
+            }
+            Err(error) => {
+                eprintln!("error: {error}");
+                ExitCode::FAILURE
+            }
+        },
         other => {
             if let Some(other) = other {
                 eprintln!("error: unknown command {other:?}");
             }
-            eprintln!("usage: cargo xtask test [ARGS for cargo test]");
+            eprintln!("usage: cargo xtask test [ARGS for cargo test] | cargo xtask deb [--binary PATH] [--out DIR]");
             ExitCode::from(2)
         }
     }

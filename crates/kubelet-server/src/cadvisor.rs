@@ -18,22 +18,15 @@
 //! Samples of measured figures carry the time of the scrape, as cAdvisor's
 //! carry the time of their stats.
 
-use std::sync::Arc;
-use std::time::Duration;
-
 use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use k8s_openapi::api::core::v1::Pod;
-use kubelet_provider::{InterfaceStats, PodStats, Provider, ProviderErrorKind};
+use kubelet_provider::{InterfaceStats, PodStats};
 use kubelet_support::metrics::{TEXT_CONTENT_TYPE, TextWriter};
 
 use super::ApiState;
-use super::stats::sum;
+use super::stats::{pods_stats, sum};
 use crate::pod::usage::{PodUsage, pod_usage};
-
-/// How long one pod's stats may take before they are left out.
-const POD_STATS_DEADLINE: Duration = Duration::from_secs(2);
 
 /// One cgroup's series.
 #[derive(Default)]
@@ -64,23 +57,6 @@ impl Row {
             ("pod", &self.pod),
         ]
     }
-}
-
-/// Each pod's own stats, read at once, each within a deadline (`None`:
-/// unsupported, failed or late).
-pub(super) async fn pods_stats(pods: &[Pod], provider: &Arc<dyn Provider>) -> Vec<Option<PodStats>> {
-    let reads = pods.iter().map(|pod| async move {
-        match tokio::time::timeout(POD_STATS_DEADLINE, provider.pod_stats(pod)).await {
-            Ok(Ok(stats)) => Some(stats),
-            Ok(Err(error)) if error.kind == ProviderErrorKind::Unsupported => None,
-            Ok(Err(error)) => {
-                tracing::debug!(%error, pod = ?pod.metadata.name, "no pod stats");
-                None
-            }
-            Err(_) => None,
-        }
-    });
-    futures_util::future::join_all(reads).await
 }
 
 /// The rows of one pod and its containers.

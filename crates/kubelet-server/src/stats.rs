@@ -275,7 +275,7 @@ pub(super) async fn summary(State(state): State<ApiState>) -> Response {
     let listed = state.http.views.pods.store().list();
     let (pods, _) = pod_usage(listed.clone(), state.provider.as_ref()).await;
     let pod_stats = match &state.provider {
-        Some(provider) => super::cadvisor::pods_stats(&listed, provider).await,
+        Some(provider) => pods_stats(&listed, provider).await,
         None => vec![None; listed.len()],
     };
     let fs = fs_json(&now, &state.http.views.root_dir);
@@ -409,6 +409,29 @@ pub(super) async fn summary(State(state): State<ApiState>) -> Response {
         "rlimit": rlimit_json(&now),
     });
     Json(json!({"node": node_json, "pods": pods_json})).into_response()
+}
+
+/// How long one pod's own stats may take before they are left out.
+const POD_STATS_DEADLINE: Duration = Duration::from_secs(2);
+
+/// Each pod's own stats, read at once, each within a deadline (`None`:
+/// unsupported, failed or late).
+pub(super) async fn pods_stats(
+    pods: &[k8s_openapi::api::core::v1::Pod],
+    provider: &std::sync::Arc<dyn kubelet_provider::Provider>,
+) -> Vec<Option<kubelet_provider::PodStats>> {
+    let reads = pods.iter().map(|pod| async move {
+        match tokio::time::timeout(POD_STATS_DEADLINE, provider.pod_stats(pod)).await {
+            Ok(Ok(stats)) => Some(stats),
+            Ok(Err(error)) if error.kind == kubelet_provider::ProviderErrorKind::Unsupported => None,
+            Ok(Err(error)) => {
+                tracing::debug!(%error, pod = ?pod.metadata.name, "no pod stats");
+                None
+            }
+            Err(_) => None,
+        }
+    });
+    futures_util::future::join_all(reads).await
 }
 
 /// Upstream's `FsStats` of the file system holding `path`.
