@@ -465,6 +465,10 @@ impl ControlPlane {
     /// Starts `kube-controller-manager` with its default controllers
     /// (node lifecycle, which lifts a Ready node's not-ready taint; CSR
     /// approval and signing; garbage collector, ...), once per test binary.
+    /// The attach/detach controller is left out: the tests that attach
+    /// volumes play its part by hand, and a controller started by another
+    /// test of the same binary would race them for the VolumeAttachment
+    /// and the Node's `volumesAttached`.
     /// Certificates it signs live [`SIGNED_CERTIFICATE_LIFETIME`] (or as
     /// [`Options`] say).
     pub fn ensure_controller_manager(&self) -> Result<(), String> {
@@ -484,6 +488,7 @@ impl ControlPlane {
                     .arg("--cluster-signing-key-file")
                     .arg(self.dir.join("ca.key"))
                     .arg("--use-service-account-credentials=false")
+                    .arg("--controllers=*,-persistentvolume-attach-detach-controller")
                     .arg(format!("--cluster-signing-duration={}s", self.options.signing_duration.as_secs()))
                     .args(self.qps_flags())
                     .args(dra_flags(self.minor, false));
