@@ -139,11 +139,10 @@ pub(super) struct ProcessUsage {
     pub(super) started: Option<jiff::Timestamp>,
 }
 
-/// Reads `/proc/<pid>` (`self` for this process); `boot_time` places its
-/// start.
-pub(super) fn process_usage(pid: &str, boot_time: Option<jiff::Timestamp>) -> ProcessUsage {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+/// Reads `/proc/self`; `boot_time` places its start.
+pub(super) fn own_usage(boot_time: Option<jiff::Timestamp>) -> ProcessUsage {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     parse_process(&stat, &status, boot_time)
 }
 
@@ -362,7 +361,7 @@ pub(super) async fn summary(State(state): State<ApiState>) -> Response {
         }
         pods_json.push(pod_json);
     }
-    let me = process_usage("self", node.boot_time);
+    let me = own_usage(node.boot_time);
     let kubelet = json!({
         "name": "kubelet",
         "startTime": time(me.started.or(node.boot_time).unwrap_or(now_ts)),
@@ -592,7 +591,7 @@ vethab12: 300 3 0 0 0 0 0 0 400 4 0 0 0 0 0 0
         assert!(usage.memory_rss.is_some_and(|b| b > 0));
         assert!(usage.page_faults.is_some_and(|n| n > 0));
         assert!(usage.major_page_faults.is_some());
-        let me = process_usage("self", usage.boot_time);
+        let me = own_usage(usage.boot_time);
         assert!(me.resident.is_some_and(|b| b > 0) && me.page_faults.is_some_and(|n| n > 0), "{me:?}");
         assert!(me.started.is_some_and(|t| t <= jiff::Timestamp::now()), "{me:?}");
     }
