@@ -590,7 +590,8 @@ async fn kubectl(plane: &rustlet_testkit::control_plane::ControlPlane, args: &[&
 /// node's HTTPS port (advertised in the Node's daemonEndpoints, the API
 /// server authenticated by its client certificate and authorized by a
 /// SubjectAccessReview); `nodes/proxy` reaches `/pods`, `/runningpods/`,
-/// `/stats/summary`, `/metrics/resource`, `/configz` and `/healthz`; direct
+/// `/stats/summary`, `/metrics/resource`, `/configz`, `/healthz` and
+/// `/logs/` (the log dir and the log query); direct
 /// clients get 401 without credentials, 403 when the API denies them,
 /// 200 with a token or certificate it allows, and 400/404 for bad requests.
 #[tokio::test]
@@ -614,6 +615,18 @@ async fn the_kubelet_api_serves_kubectl_through_the_real_api_server() {
     let mut kubelet_api = KubeletApiConfig::new(root.path());
     kubelet_api.address = std::net::SocketAddr::new(ip, 0);
     kubelet_api.client_ca = Some(plane.ca_file());
+    // The node's log dir, with the log query on (no journal: the query's
+    // file heuristics answer).
+    let log_dir = root.path().join("var-log");
+    std::fs::create_dir_all(log_dir.join("containerd")).expect("log dir");
+    std::fs::write(log_dir.join("kubelet.log"), "I0101 kubelet started\n").expect("kubelet.log");
+    std::fs::write(log_dir.join("containerd/containerd.log"), "containerd up\n").expect("containerd.log");
+    kubelet_api.system_logs = kubelet::server::SystemLogSettings {
+        handler: true,
+        query: true,
+        dir: log_dir.clone(),
+        journalctl: log_dir.join("no-journalctl"),
+    };
     config.kubelet_api = Some(kubelet_api);
     let shutdown = CancellationToken::new();
     let _stop = shutdown.clone().drop_guard();
@@ -776,6 +789,15 @@ async fn the_kubelet_api_serves_kubectl_through_the_real_api_server() {
         );
         let configz: Value = serde_json::from_str(&raw("/configz").await).expect("configz");
         assert_eq!(configz["kubeletconfig"]["authorization"]["mode"], "Webhook");
+        // The node's logs: the dir listed, a file, the log query.
+        let listing = raw("/logs/").await;
+        assert!(
+            listing.contains("<a href=\"containerd/\">containerd/</a>\n<a href=\"kubelet.log\">kubelet.log</a>"),
+            "{listing}"
+        );
+        assert_eq!(raw("/logs/containerd/containerd.log").await, "containerd up\n");
+        assert_eq!(raw("/logs/?query=kubelet").await, "I0101 kubelet started\n");
+        assert_eq!(raw("/logs/?query=containerd&query=kubelet").await, "containerd up\nI0101 kubelet started\n");
         assert_eq!(configz["kubeletconfig"]["port"], address.port());
     }
 
@@ -808,6 +830,10 @@ async fn the_kubelet_api_serves_kubectl_through_the_real_api_server() {
     assert_eq!(code, 200, "a client certificate the CA signed: {body}");
     let (code, body) = get(address, "/no/such/endpoint", admin_cert()).await.expect("request");
     assert_eq!(code, 404, "{body}");
+    let (code, body) = get(address, "/logs/?query", admin_cert()).await.expect("request");
+    assert_eq!((code, body.trim()), (400, "query: Invalid value: []string{\"\"}: query cannot be empty"));
+    let (code, body) = get(address, "/logs/?query=kubelet&boot=1", admin_cert()).await.expect("request");
+    assert_eq!((code, body.trim()), (406, "boot: Invalid value: 1: must be less than 1"));
     let (code, body) = get(address, &format!("{logs}?tailLines=x"), admin_cert()).await.expect("request");
     assert_eq!((code, body.trim()), (400, "tailLines=x is not a number"));
     let (code, body) = get(address, "/containerLogs/default/nobody/main", admin_cert()).await.expect("request");

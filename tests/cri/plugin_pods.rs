@@ -610,3 +610,111 @@ async fn a_raw_block_volume_is_staged_published_to_a_device_file_and_reaches_the
     stop.cancel();
     node.stopped().await;
 }
+
+/// A pod network as clusters install it: the runtime starts with no CNI
+/// configuration (its `NetworkReady` condition false), and a host-network
+/// pod's init container writes one into the runtime's configuration dir
+/// through a hostPath, as a network plugin's DaemonSet does. Meanwhile the
+/// node reports the runtime's reason (upstream's `container runtime network
+/// not ready: NetworkReady=false reason:NetworkPluginNotReady ...`), a pod
+/// that needs the pod network waits in `ContainerCreating` without asking
+/// the runtime for a sandbox (no restart counted), the host-network pod
+/// runs, and once the runtime reads the configuration the waiting pod
+/// starts on the new network.
+#[tokio::test]
+async fn pods_wait_for_the_pod_network_a_host_network_plugin_pod_installs() {
+    use kubelet::health::ComponentHealth;
+    let test = "pods_wait_for_the_pod_network_a_host_network_plugin_pod_installs";
+    let Some(containerd) = Containerd::private_without_network(test) else { return };
+    let node = super::cri_node(&containerd).await;
+    let reporter = kubelet::health::HealthReporter::new();
+    let mut health = reporter.check().watch();
+    let _watching =
+        node.provider.watch_health(reporter.clone(), std::time::Duration::from_millis(100), node.shutdown.clone());
+    let not_ready = tokio::time::timeout(
+        SOON,
+        health.wait_for(|h| matches!(h, ComponentHealth::Failing { reason } if reason.contains("NetworkReady=false"))),
+    )
+    .await
+    .expect("the runtime's network is reported not ready")
+    .expect("health")
+    .clone();
+    let ComponentHealth::Failing { reason } = not_ready else { unreachable!("matched above") };
+    assert!(
+        reason.starts_with("container runtime network not ready: NetworkReady=false reason:NetworkPluginNotReady"),
+        "{reason}"
+    );
+
+    // A pod on the pod network: it waits.
+    let app = serde_json::json!({
+        "metadata": {"name": "app", "namespace": "default", "uid": "app-1"},
+        "spec": {
+            "terminationGracePeriodSeconds": 1,
+            "containers": [{"name": "main", "image": node.image, "command": ["sh", "-c", "echo up; exec sleep 3600"]}],
+        },
+    });
+    node.pods.apply(serde_json::from_value(app).expect("pod"));
+    let waiting = node
+        .pods
+        .store()
+        .wait_for(SOON, |pods| {
+            pods.get("app-1")
+                .and_then(|p| p.status.as_ref()?.container_statuses.as_ref()?.first().cloned())
+                .is_some_and(|c| {
+                    c.state.and_then(|s| s.waiting).and_then(|w| w.reason).as_deref() == Some("ContainerCreating")
+                })
+        })
+        .await
+        .unwrap_or_else(|| panic!("app never waited: {:#?}", node.pods.store().get("app-1")));
+    let status = waiting["app-1"].status.clone().unwrap_or_default();
+    assert_eq!(status.phase.as_deref(), Some("Pending"));
+    assert_eq!(status.pod_ip, None);
+
+    // The network plugin: host network, privileged, an init container that
+    // writes the CNI configuration into the runtime's dir.
+    let plugin = serde_json::json!({
+        "metadata": {"name": "net-plugin", "namespace": "kube-system", "uid": "net-plugin-1"},
+        "spec": {
+            "hostNetwork": true,
+            "terminationGracePeriodSeconds": 1,
+            "initContainers": [{
+                "name": "install-cni", "image": node.image,
+                "command": ["sh", "-c", "echo \"$CONF\" > /host/cni/10-net.conflist"],
+                "env": [{"name": "CONF", "value": containerd.network_config()}],
+                "securityContext": {"privileged": true},
+                "volumeMounts": [{"name": "cni", "mountPath": "/host/cni"}],
+            }],
+            "containers": [{"name": "agent", "image": node.image, "command": ["sh", "-c", "exec sleep 3600"]}],
+            "volumes": [{"name": "cni", "hostPath": {"path": containerd.cni_dir().display().to_string(), "type": "Directory"}}],
+        },
+    });
+    node.pods.apply(serde_json::from_value(plugin).expect("pod"));
+    let running = node
+        .pods
+        .store()
+        .wait_for(SOON, |pods| {
+            pods.get("app-1").and_then(|p| p.status.as_ref()?.pod_ip.clone()).is_some()
+                && pods.get("app-1").and_then(|p| super::phase(p).map(str::to_owned)).as_deref() == Some("Running")
+        })
+        .await
+        .unwrap_or_else(|| {
+            panic!("app never ran: {:#?}; containerd: {}", node.pods.store().get("app-1"), containerd.log())
+        });
+    let app = &running["app-1"];
+    let ip: std::net::Ipv4Addr =
+        app.status.as_ref().and_then(|s| s.pod_ip.as_deref()).expect("ip").parse().expect("v4");
+    assert_eq!(ip.octets()[0], 10, "{ip}");
+    let statuses = app.status.as_ref().and_then(|s| s.container_statuses.clone()).unwrap_or_default();
+    assert_eq!(statuses.first().map(|c| c.restart_count), Some(0), "{statuses:?}");
+    assert!(std::fs::read_to_string(containerd.cni_dir().join("10-net.conflist")).is_ok_and(|t| t.contains("bridge")));
+    let plugin = node.pods.store().get("net-plugin-1").expect("the plugin's pod");
+    assert_eq!(super::phase(&plugin), Some("Running"), "{:?}", plugin.status);
+    tokio::time::timeout(SOON, health.wait_for(|h| *h == ComponentHealth::Healthy))
+        .await
+        .expect("the runtime is reported ready once its network is")
+        .expect("health");
+    // The node never asked the runtime for the waiting pod's sandbox while
+    // the network was not there (it would have failed on it).
+    let log = containerd.log();
+    assert!(!log.lines().any(|l| l.contains("RunPodSandbox") && l.contains("cni plugin not initialized")), "{log}");
+}

@@ -32,6 +32,8 @@ pub struct Containerd {
     log: PathBuf,
     process: Child,
     starts: usize,
+    /// The pod network's CNI configuration (a bridge of its own).
+    network: String,
     _lifeline: Option<ChildStdin>,
     _watcher: Option<Child>,
 }
@@ -50,10 +52,29 @@ impl Containerd {
     /// printing why `test` skips) when it cannot run here and
     /// `RUSTLET_REQUIRE_CONTAINERD` is not `1`.
     pub fn shared(test: &str) -> Option<&'static Containerd> {
-        or_skip(test, SHARED.get_or_init(Containerd::start).as_ref().map_err(Clone::clone))
+        or_skip(test, SHARED.get_or_init(|| Containerd::start(true)).as_ref().map_err(Clone::clone))
     }
 
-    fn start() -> Result<Containerd, String> {
+    /// A containerd of the caller's own whose CNI configuration dir
+    /// starts empty: its `NetworkReady` condition is false until something
+    /// writes [`Containerd::network_config`] into [`Containerd::cni_dir`]
+    /// (as a network plugin's pod does).
+    pub fn private_without_network(test: &str) -> Option<Containerd> {
+        or_skip(test, Containerd::start(false))
+    }
+
+    /// Where this containerd reads its CNI configuration.
+    pub fn cni_dir(&self) -> PathBuf {
+        self.dir.join("cni")
+    }
+
+    /// A CNI configuration list for this containerd's pod network (its own
+    /// bridge and subnet, `10.<n>.0.0/24`).
+    pub fn network_config(&self) -> &str {
+        &self.network
+    }
+
+    fn start(with_network: bool) -> Result<Containerd, String> {
         if !crate::skip::is_root() {
             return Err("containerd needs root".into());
         }
@@ -84,7 +105,9 @@ impl Containerd {
                 {"type": "portmap", "capabilities": {"portMappings": true}},
             ],
         });
-        std::fs::write(dir.join("cni/10-rustlet.conflist"), cni.to_string()).map_err(|e| e.to_string())?;
+        if with_network {
+            std::fs::write(dir.join("cni/10-rustlet.conflist"), cni.to_string()).map_err(|e| e.to_string())?;
+        }
         let config = format!(
             r#"version = 2
 root = "{root}"
@@ -139,6 +162,7 @@ state = "{state}"
             log,
             process,
             starts: 1,
+            network: cni.to_string(),
             _lifeline: lifeline,
             _watcher: watcher,
         };
@@ -151,7 +175,7 @@ state = "{state}"
     /// [`Containerd::shared`]; `None` (after printing why `test` skips)
     /// when it cannot run here and `RUSTLET_REQUIRE_CONTAINERD` is not `1`.
     pub fn private(test: &str) -> Option<Containerd> {
-        or_skip(test, Containerd::start())
+        or_skip(test, Containerd::start(true))
     }
 
     /// Stops containerd (its shims and containers go on, as when the

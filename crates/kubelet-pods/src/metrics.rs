@@ -575,6 +575,10 @@ impl Provider for MeteredProvider {
         self.inner.supports_strict_supplemental_groups()
     }
 
+    fn network_readiness(&self, pod: &Pod) -> Option<tokio::sync::watch::Receiver<Option<String>>> {
+        self.inner.network_readiness(pod)
+    }
+
     async fn remove_pod(&self, pod_uid: &str) -> Result<(), ProviderError> {
         self.timed("remove_podsandbox", self.inner.remove_pod(pod_uid)).await
     }

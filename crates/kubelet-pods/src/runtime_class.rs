@@ -244,6 +244,10 @@ impl Provider for RuntimeClasses {
         self.default.supports_strict_supplemental_groups()
     }
 
+    fn network_readiness(&self, pod: &Pod) -> Option<tokio::sync::watch::Receiver<Option<String>>> {
+        self.provider_for(pod).ok()?.network_readiness(pod)
+    }
+
     async fn start_container(&self, launch: &ContainerLaunch) -> Result<ContainerId, ProviderError> {
         let provider = self.provider_for(&launch.pod)?;
         let id = provider.start_container(launch).await?;

@@ -648,6 +648,19 @@ pub trait Provider: Send + Sync + 'static {
         false
     }
 
+    /// Whether the pod network `pod` would join is ready: a receiver whose
+    /// value is `None` while it is, and the runtime's reason while it is not
+    /// (upstream's `container runtime network not ready: NetworkReady=false
+    /// reason:... message:...`). A pod that needs the pod network waits for
+    /// `None` before its sandbox is made, as the kubelet holds such pods
+    /// while the runtime's network is not ready; host-network pods do not
+    /// wait (the network plugin's own pods are among them). `None`: the
+    /// provider has no such condition (the default).
+    fn network_readiness(&self, pod: &Pod) -> Option<tokio::sync::watch::Receiver<Option<String>>> {
+        let _ = pod;
+        None
+    }
+
     /// Forgets what the provider keeps for a removed pod (after its
     /// containers are stopped).
     async fn remove_pod(&self, pod_uid: &str) -> Result<(), ProviderError> {

@@ -15,7 +15,8 @@
 //!   `PodLogOptions` field), `/exec/...`, `/attach/...` and
 //!   `/portForward/...` (proxied to the runtime's streaming server, as the
 //!   kubelet does), `/stats/summary`, `/metrics/resource`, `/metrics`,
-//!   `/metrics/cadvisor`, `/metrics/probes`, `/healthz`, `/configz`;
+//!   `/metrics/cadvisor`, `/metrics/probes`, `/healthz`, `/configz`,
+//!   `/logs/` (the node's log dir and the log query, [`SystemLogSettings`]);
 //!   every request counted in the kubelet's `kubelet_http_*` series.
 //!
 //! Each connection is served by its own task: a TLS handshake has 10 s, a
@@ -27,6 +28,7 @@ mod http_metrics;
 pub(crate) mod log_limit;
 mod log_watcher;
 pub(crate) mod logs;
+mod node_logs;
 pub mod plain;
 mod spdy;
 mod spdy_dictionary;
@@ -53,6 +55,7 @@ use tower::ServiceExt as _;
 use tracing::Instrument as _;
 
 pub use auth::{AuthSettings, AuthorizationMode, User};
+pub use node_logs::SystemLogSettings;
 
 use crate::provider::Provider;
 use kubelet_cluster::pki::tls;
@@ -106,6 +109,8 @@ pub struct KubeletApiConfig {
     /// Where a requested serving certificate's lifetime and failed
     /// renewals are counted (`kubelet_certificate_manager_server_ttl_seconds`).
     pub metrics: crate::cluster::api_metrics::ApiMetrics,
+    /// `/logs/`: the node's log dir and the log query.
+    pub system_logs: SystemLogSettings,
 }
 
 impl KubeletApiConfig {
@@ -121,6 +126,7 @@ impl KubeletApiConfig {
             auth: AuthSettings::default(),
             host_names: Vec::new(),
             metrics: crate::cluster::api_metrics::ApiMetrics::default(),
+            system_logs: SystemLogSettings::default(),
         }
     }
 }
@@ -152,6 +158,7 @@ pub(crate) struct ApiState {
     pub(crate) provider: Option<Arc<dyn Provider>>,
     rates: Arc<stats::Rates>,
     configz: Arc<serde_json::Value>,
+    system_logs: Arc<SystemLogSettings>,
 }
 
 /// A bound, not yet serving, kubelet API.
@@ -161,6 +168,7 @@ pub struct BoundApi {
     auth: auth::Auth,
     serving: tls::ServingCertificate,
     renewal: Option<ServingRenewal>,
+    system_logs: SystemLogSettings,
     /// Where it listens.
     pub address: SocketAddr,
 }
@@ -220,7 +228,7 @@ pub async fn bind(
         .map_err(|source| KubeletApiError::Bind { address: config.address, source })?;
     let address = listener.local_addr().map_err(|source| KubeletApiError::Bind { address: config.address, source })?;
     let auth = auth::Auth::new(config.auth.clone(), node_name, client);
-    Ok(BoundApi { listener, tls, auth, address, serving, renewal })
+    Ok(BoundApi { listener, tls, auth, address, serving, renewal, system_logs: config.system_logs.clone() })
 }
 
 impl BoundApi {
@@ -237,7 +245,13 @@ impl BoundApi {
         supervision: &Supervision,
     ) -> JoinHandle<()> {
         let shutdown = supervision.shutdown().clone();
-        let state = ApiState { http, provider, rates: Arc::default(), configz: Arc::new(configz) };
+        let state = ApiState {
+            http,
+            provider,
+            rates: Arc::default(),
+            configz: Arc::new(configz),
+            system_logs: Arc::new(self.system_logs.clone()),
+        };
         if let Some(renewal) = self.renewal {
             let renewing = tokio::spawn(renewal.run(self.serving.clone(), shutdown.clone()));
             supervision.watch("serving-certificate-renewal", renewing);
@@ -480,6 +494,9 @@ fn router(state: ApiState, auth: auth::Auth) -> axum::Router {
     axum::Router::new()
         .route("/runningpods/", get(streaming::running_pods))
         .route("/configz", get(configz))
+        .route("/logs", get(system_logs))
+        .route("/logs/", get(system_logs))
+        .route("/logs/{*path}", get(system_logs))
         .route("/stats/summary", get(stats::summary))
         .route("/metrics/resource", get(stats::resource_metrics))
         .route("/metrics/cadvisor", get(cadvisor::metrics))
@@ -493,6 +510,10 @@ fn router(state: ApiState, auth: auth::Auth) -> axum::Router {
         .merge(http_routes)
         .layer(axum::middleware::from_fn_with_state(auth, auth::check))
         .layer(axum::middleware::from_fn_with_state(metrics, http_metrics::record))
+}
+
+async fn system_logs(State(state): State<ApiState>, uri: http::Uri, headers: http::HeaderMap) -> Response {
+    node_logs::serve(&state.system_logs, &uri, &headers).await
 }
 
 async fn configz(State(state): State<ApiState>) -> Response {

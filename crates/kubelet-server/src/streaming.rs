@@ -112,7 +112,7 @@ fn stream_request(query: Option<&str>, exec: bool) -> Result<StreamRequest, Stri
 }
 
 /// Decodes `%XX` and `+` in a query value.
-fn percent_decode(value: &str) -> Option<String> {
+pub(crate) fn percent_decode(value: &str) -> Option<String> {
     let bytes = value.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;

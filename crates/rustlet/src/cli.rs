@@ -359,6 +359,19 @@ pub(crate) struct NodeArgs {
     /// Enforce containers' and pods' cpu limits with CFS quotas.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
     pub(crate) cpu_cfs_quota: bool,
+    /// Serve the node's log dir (`/var/log`) at the kubelet API's `/logs/`
+    /// (`enableSystemLogHandler`).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub(crate) enable_system_log_handler: bool,
+    /// Answer the node log query, `/logs/?query=<service>|/<file>`
+    /// (`enableSystemLogQuery`; needs `--feature-gates=NodeLogQuery=true`,
+    /// as the kubelet's).
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub(crate) enable_system_log_query: bool,
+    /// Feature gates, `Name=true,Name=false`. Rustlet reads `NodeLogQuery`;
+    /// the others are accepted and logged once (their behaviour is fixed).
+    #[arg(long, value_delimiter = ',', value_parser = parse_gate)]
+    pub(crate) feature_gates: Vec<(String, bool)>,
     /// Resources held back for the system, `cpu=200m,memory=500Mi,
     /// ephemeral-storage=1Gi,pid=1000`: allocatable is capacity less these,
     /// `--kube-reserved` and the hard eviction thresholds.
@@ -500,6 +513,18 @@ pub(crate) fn parse_pair(s: &str) -> Result<(String, String), String> {
     Ok((key.trim().to_owned(), value.trim().to_owned()))
 }
 
+/// Parses `Name=true|false` (a feature gate).
+pub(crate) fn parse_gate(s: &str) -> Result<(String, bool), String> {
+    let (name, value) = parse_pair(s)?;
+    match value.to_ascii_lowercase().as_str() {
+        "true" => Ok((name, true)),
+        "false" => Ok((name, false)),
+        _ => {
+            Err(format!("invalid value of {name}: {value}, err: strconv.ParseBool: parsing {value:?}: invalid syntax"))
+        }
+    }
+}
+
 /// Parses `key[=value]:Effect` as a taint (the kubelet's
 /// `--register-with-taints` syntax).
 pub(crate) fn parse_taint(s: &str) -> Result<Taint, String> {
@@ -559,6 +584,21 @@ mod tests {
         );
         assert!(parse_taint("k=v").expect_err("no effect").contains("key[=value]:Effect"));
         assert!(parse_taint(":NoSchedule").expect_err("no key").contains("key is empty"));
+    }
+
+    #[test]
+    fn feature_gates_parse_as_the_kubelets() {
+        assert_eq!(parse_gate("NodeLogQuery=true"), Ok(("NodeLogQuery".into(), true)));
+        assert_eq!(parse_gate("A=False"), Ok(("A".into(), false)));
+        assert!(parse_gate("A=yes").expect_err("not a bool").contains("invalid value of A: yes"));
+        let cli = <Cli as clap::Parser>::try_parse_from([
+            "rustlet",
+            "--standalone",
+            "--feature-gates=A=true,NodeLogQuery=false",
+        ])
+        .expect("flags");
+        assert_eq!(cli.node.feature_gates, [("A".into(), true), ("NodeLogQuery".into(), false)]);
+        assert!(cli.node.enable_system_log_handler && !cli.node.enable_system_log_query);
     }
 
     #[test]

@@ -36,6 +36,8 @@ enum Form {
     Pairs,
     /// A threshold map, `signal<value,…`.
     Thresholds,
+    /// A map of booleans (feature gates), `Name=true,…`.
+    Gates,
     /// A list of taints, `key=value:Effect,…`.
     Taints,
 }
@@ -87,6 +89,9 @@ const FIELDS: &[(&str, &str, Form)] = &[
     ("evictionPressureTransitionPeriod", "eviction-pressure-transition-period", Form::Duration),
     ("evictionMaxPodGracePeriod", "eviction-max-pod-grace-period", Form::Number),
     ("enforceNodeAllocatable", "enforce-node-allocatable", Form::List),
+    ("enableSystemLogHandler", "enable-system-log-handler", Form::Bool),
+    ("enableSystemLogQuery", "enable-system-log-query", Form::Bool),
+    ("featureGates", "feature-gates", Form::Gates),
 ];
 
 /// What a configuration file says.
@@ -152,6 +157,12 @@ pub(crate) fn parse(text: &str) -> Result<FileSettings, String> {
                 let pairs: Option<Vec<String>> =
                     map.iter().map(|(k, v)| v.as_str().map(|v| format!("{k}{separator}{v}"))).collect();
                 pairs.ok_or_else(|| bad("a map of strings"))?.join(",")
+            }
+            Form::Gates => {
+                let map = value.as_object().ok_or_else(|| bad("a map"))?;
+                let pairs: Option<Vec<String>> =
+                    map.iter().map(|(k, v)| v.as_bool().map(|v| format!("{k}={v}"))).collect();
+                pairs.ok_or_else(|| bad("a map of booleans"))?.join(",")
             }
             Form::Taints => {
                 let items = value.as_array().ok_or_else(|| bad("a list of taints"))?;
@@ -268,6 +279,7 @@ mod tests {
                     clusterDNS: [10.96.0.10, 10.96.0.11]\nsystemReserved: {memory: 1Gi, cpu: 500m}\n\
                     evictionHard: {memory.available: 200Mi}\nauthentication: {webhook: {enabled: true, cacheTTL: 0s}}\n\
                     registerWithTaints: [{key: dedicated, value: gpu, effect: NoSchedule}]\n\
+                    featureGates: {NodeLogQuery: true, Other: false}\nenableSystemLogQuery: true\n\
                     logging: {verbosity: 0}\nshutdownGracePeriod: 30s\n";
         let settings = parse(text).expect("parsed");
         let flags: Vec<&str> = settings.flags.iter().map(|(_, f)| f.as_str()).collect();
@@ -280,6 +292,8 @@ mod tests {
                 "--register-with-taints=dedicated=gpu:NoSchedule",
                 "--system-reserved=cpu=500m,memory=1Gi",
                 "--eviction-hard=memory.available<200Mi",
+                "--enable-system-log-query=true",
+                "--feature-gates=NodeLogQuery=true,Other=false",
             ]
         );
         assert_eq!(settings.flags[2].0, "max_pods");

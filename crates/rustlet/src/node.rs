@@ -103,6 +103,28 @@ fn eviction(args: &NodeArgs, pod_cgroups: Option<&PodCgroups>) -> anyhow::Result
     Ok(settings)
 }
 
+/// The feature gates Rustlet reads.
+const READ_GATES: &[&str] = &["NodeLogQuery"];
+
+/// `/logs/`: the handler and the query, the query only with the
+/// `NodeLogQuery` gate (upstream's check and words).
+fn system_logs(args: &NodeArgs) -> anyhow::Result<kubelet::server::SystemLogSettings> {
+    let gate = |name: &str| args.feature_gates.iter().rev().find(|(n, _)| n == name).is_some_and(|(_, on)| *on);
+    let others: Vec<&str> =
+        args.feature_gates.iter().map(|(n, _)| n.as_str()).filter(|n| !READ_GATES.contains(n)).collect();
+    if !others.is_empty() {
+        tracing::info!(gates = ?others, "--feature-gates: Rustlet does not read these gates (its behaviour is fixed)");
+    }
+    if args.enable_system_log_query && !gate("NodeLogQuery") {
+        bail!("invalid configuration: NodeLogQuery feature gate is required for enableSystemLogHandler");
+    }
+    Ok(kubelet::server::SystemLogSettings {
+        handler: args.enable_system_log_handler,
+        query: args.enable_system_log_query,
+        ..Default::default()
+    })
+}
+
 /// Garbage collection: upstream's periods, the image thresholds and ages
 /// of the command line, the pause image pinned.
 fn gc_settings(args: &NodeArgs) -> anyhow::Result<kubelet::gc::GcSettings> {
@@ -222,6 +244,13 @@ fn configz(args: &NodeArgs) -> serde_json::Map<String, serde_json::Value> {
     map.insert("kubeAPIBurst".into(), args.kube_api_burst.into());
     map.insert("runtimeRequestTimeout".into(), "2m0s".into());
     map.insert("rotateCertificates".into(), args.rotate_certificates.into());
+    map.insert("enableSystemLogHandler".into(), args.enable_system_log_handler.into());
+    map.insert("enableSystemLogQuery".into(), args.enable_system_log_query.into());
+    let gates: serde_json::Map<String, serde_json::Value> =
+        args.feature_gates.iter().map(|(name, on)| (name.clone(), (*on).into())).collect();
+    if !gates.is_empty() {
+        map.insert("featureGates".into(), gates.into());
+    }
     if let Some(endpoint) = &args.container_runtime_endpoint {
         map.insert("containerRuntimeEndpoint".into(), endpoint.clone().into());
     }
@@ -283,6 +312,7 @@ pub(crate) async fn start(
     // Every setting checked before anything is made (cgroups, sockets).
     let reservation = reservation(args)?;
     let gc = gc_settings(args)?;
+    let system_logs = system_logs(args)?;
     if let Some(image) = &args.pod_infra_container_image {
         tracing::info!(
             %image,
@@ -337,6 +367,9 @@ pub(crate) async fn start(
     node_config.pods.reservation = reservation;
     node_config.pods.eviction = Some(eviction(args, node_cgroups.as_deref())?);
     node_config.pods.gc = Some(gc);
+    if let Some(api) = node_config.kubelet_api.as_mut() {
+        api.system_logs = system_logs;
+    }
     node_config.pods.volume_stats_period = args.volume_stats_agg_period;
     if let Some(eviction) = node_config.pods.eviction.as_mut()
         && let Some(gc) = &node_config.pods.gc
@@ -384,4 +417,34 @@ fn host_name() -> String {
         .ok()
         .filter(|s| !s.is_empty())
         .unwrap_or_else(|| "rustlet".to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(flags: &[&str]) -> NodeArgs {
+        let all = ["rustlet", "--standalone"].iter().chain(flags);
+        <crate::cli::Cli as clap::Parser>::try_parse_from(all).expect("flags").node
+    }
+
+    /// The log query needs its gate, in upstream's words; the handler is on
+    /// by default and can be switched off.
+    #[test]
+    fn the_log_query_needs_the_node_log_query_gate() {
+        let refused = system_logs(&args(&["--enable-system-log-query"])).expect_err("no gate");
+        assert_eq!(
+            refused.to_string(),
+            "invalid configuration: NodeLogQuery feature gate is required for enableSystemLogHandler"
+        );
+        let off = system_logs(&args(&["--enable-system-log-query", "--feature-gates=NodeLogQuery=false"]));
+        assert!(off.is_err());
+        let on =
+            system_logs(&args(&["--enable-system-log-query", "--feature-gates=NodeLogQuery=true"])).expect("gated");
+        assert!(on.handler && on.query);
+        assert_eq!(on.dir, std::path::Path::new("/var/log"));
+        let defaults = system_logs(&args(&[])).expect("defaults");
+        assert!(defaults.handler && !defaults.query);
+        assert!(!system_logs(&args(&["--enable-system-log-handler=false"])).expect("off").handler);
+    }
 }

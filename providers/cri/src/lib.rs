@@ -195,6 +195,9 @@ struct Inner {
     /// (`Status`'s `features`, CRI 1.31+; containerd 2.0 says so, 1.6 and
     /// 1.7 say nothing); learnt at each status check.
     strict_supplemental_groups: std::sync::atomic::AtomicBool,
+    /// The runtime's `NetworkReady` condition as last read: `None` while it
+    /// holds (or before it was first read), else why not.
+    network: watch::Sender<Option<String>>,
 }
 
 impl std::fmt::Debug for CriProvider {
@@ -240,6 +243,7 @@ impl CriProvider {
                 images: Mutex::default(),
                 reads_cdi: std::sync::atomic::AtomicBool::new(false),
                 strict_supplemental_groups: std::sync::atomic::AtomicBool::new(false),
+                network: watch::channel(None).0,
             }),
         }
     }
@@ -309,6 +313,25 @@ impl CriProvider {
         }
         let conditions = status.status.map(|s| s.conditions).unwrap_or_default();
         let condition = |kind: &str| conditions.iter().find(|c| c.r#type == kind);
+        let network = match condition("NetworkReady") {
+            Some(c) if c.status => None,
+            Some(c) => Some(format!(
+                "container runtime network not ready: NetworkReady=false reason:{} message:{}",
+                c.reason, c.message
+            )),
+            None => Some("container runtime network not ready: the runtime reports no NetworkReady condition".into()),
+        };
+        self.inner.network.send_if_modified(|now| {
+            if *now == network {
+                return false;
+            }
+            match &network {
+                None => tracing::info!("the pod network is ready: pods waiting for it go on"),
+                Some(why) => tracing::warn!(%why, "the pod network is not ready: pods that need it wait"),
+            }
+            *now = network;
+            true
+        });
         for (kind, what) in
             [("RuntimeReady", "container runtime is down"), ("NetworkReady", "container runtime network not ready")]
         {
@@ -888,6 +911,10 @@ impl Provider for CriProvider {
 
     fn supports_strict_supplemental_groups(&self) -> bool {
         self.inner.strict_supplemental_groups.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn network_readiness(&self, _: &Pod) -> Option<watch::Receiver<Option<String>>> {
+        Some(self.inner.network.subscribe())
     }
 
     async fn start_container(&self, launch: &ContainerLaunch) -> Result<ContainerId, ProviderError> {

@@ -136,6 +136,7 @@ async fn ensure_sandbox(
     if !data.pod_ips.is_empty() || host_network {
         return Ok(());
     }
+    wait_for_the_network(data, provider).await?;
     let directory = log_dir(lifecycle, data);
     let prepared = provider.prepare_pod(&data.pod, &directory).await;
     lifecycle.metrics.sandbox(prepared.is_ok());
@@ -145,6 +146,40 @@ async fn ensure_sandbox(
         retry: true,
     })?;
     Ok(())
+}
+
+/// Holds a pod that needs the pod network while the runtime says it is not
+/// ready, as the kubelet does: a `NetworkNotReady` Warning with upstream's
+/// `network is not ready: <the runtime's reason>`, the containers waiting
+/// in `ContainerCreating`, no backoff and no restart counted; it goes on as
+/// soon as the network is ready. A deadline or an eviction meanwhile ends
+/// the wait (the verdict is recorded for the caller).
+async fn wait_for_the_network(data: &mut PodData, provider: &Arc<dyn Provider>) -> Result<(), StartFailure> {
+    let Some(mut network) = provider.network_readiness(&data.pod) else { return Ok(()) };
+    let Some(why) = network.borrow_and_update().clone() else { return Ok(()) };
+    let message = format!("network is not ready: {why}");
+    tracing::info!(pod.uid = %data.id.uid, %why, "the pod waits for the pod network");
+    data.recorder.pod(&data.pod, None, EventType::Warning, "NetworkNotReady", message.clone());
+    data.set_waiting("ContainerCreating", None);
+    tokio::select! {
+        ready = network.wait_for(Option::is_none) => {
+            // The provider gone: the sandbox call says what is wrong.
+            let _ = ready;
+            tracing::info!(pod.uid = %data.id.uid, "the pod network is ready: the pod goes on");
+            Ok(())
+        }
+        () = until_deadline(data) => Err(StartFailure { reason: "ContainerCreating", message, retry: false }),
+    }
+}
+
+/// Records the pod's events until one is a deadline or an eviction.
+async fn until_deadline(data: &mut PodData) {
+    loop {
+        let Some(event) = data.events.recv().await else { return std::future::pending().await };
+        if record_event(data, event) == Recorded::Deadline {
+            return;
+        }
+    }
 }
 
 /// Container `name`'s run options (env with its API objects, services and

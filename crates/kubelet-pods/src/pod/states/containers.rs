@@ -45,6 +45,9 @@ impl State<PodLifecycle> for Initializing {
                 }
                 if let Err(failure) = start(ctx, &provider, &name).await {
                     record_start_failure(ctx, &name, &failure);
+                    if ctx.data.verdict.is_some() {
+                        return past_deadline(&*self, ctx).await;
+                    }
                     ctx.report(pod_status(&ctx.data, Stage::Pending));
                     continue;
                 }
@@ -146,6 +149,9 @@ impl State<PodLifecycle> for Starting {
             }
             if let Err(failure) = start(ctx, &provider, &name).await {
                 record_start_failure(ctx, &name, &failure);
+                if ctx.data.verdict.is_some() {
+                    return past_deadline(&*self, ctx).await;
+                }
             }
             ctx.report(pod_status(&ctx.data, Stage::Running));
         }

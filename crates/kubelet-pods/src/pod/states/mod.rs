@@ -37,6 +37,7 @@ impl TransitionTo<Starting> for Initializing {}
 impl TransitionTo<Failed> for Initializing {}
 impl TransitionTo<Running> for Starting {}
 impl TransitionTo<CrashLoopBackOff> for Starting {}
+impl TransitionTo<Failed> for Starting {}
 impl TransitionTo<CrashLoopBackOff> for Running {}
 impl TransitionTo<Starting> for Running {}
 impl TransitionTo<Completed> for Running {}
