@@ -618,4 +618,8 @@ impl Provider for MeteredProvider {
     async fn image_fs_path(&self) -> Option<std::path::PathBuf> {
         self.inner.image_fs_path().await
     }
+
+    async fn runtime_process(&self) -> Option<u32> {
+        self.inner.runtime_process().await
+    }
 }

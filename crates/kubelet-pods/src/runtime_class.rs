@@ -407,6 +407,10 @@ impl Provider for RuntimeClasses {
         self.default.image_fs_path().await
     }
 
+    async fn runtime_process(&self) -> Option<u32> {
+        self.default.runtime_process().await
+    }
+
     fn pod_ceiling(&self) -> Option<(usize, String)> {
         // All providers share the node's process: the lowest ceiling holds.
         std::iter::once(&self.default).chain(self.handlers.values()).filter_map(|p| p.pod_ceiling()).min_by_key(|c| c.0)

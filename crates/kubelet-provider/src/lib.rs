@@ -735,6 +735,12 @@ pub trait Provider: Send + Sync + 'static {
     async fn image_fs_path(&self) -> Option<std::path::PathBuf> {
         None
     }
+
+    /// The process of the container runtime the provider talks to, if it
+    /// is one (the Summary API's `runtime` system container).
+    async fn runtime_process(&self) -> Option<u32> {
+        None
+    }
 }
 
 /// What a container garbage collection removed.

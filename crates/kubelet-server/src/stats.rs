@@ -141,9 +141,38 @@ pub(super) struct ProcessUsage {
 
 /// Reads `/proc/self`; `boot_time` places its start.
 pub(super) fn own_usage(boot_time: Option<jiff::Timestamp>) -> ProcessUsage {
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    parse_process(&stat, &status, boot_time)
+    process_usage("self", boot_time).unwrap_or_default()
+}
+
+/// What process `pid` (`self` for this one) uses, from its `/proc` files;
+/// `None` if it is gone.
+fn process_usage(pid: &str, boot_time: Option<jiff::Timestamp>) -> Option<ProcessUsage> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    Some(parse_process(&stat, &status, boot_time))
+}
+
+/// A process as a system container of the summary (`kubelet`, `runtime`).
+fn system_container(
+    rates: &Rates,
+    name: &str,
+    usage: &ProcessUsage,
+    fallback_start: jiff::Timestamp,
+    now: &str,
+) -> serde_json::Value {
+    json!({
+        "name": name,
+        "startTime": time(usage.started.unwrap_or(fallback_start)),
+        "cpu": cpu_json(rates, &format!("system/{name}"), now, usage.cpu_ns),
+        "memory": memory_json(now, Memory {
+            usage: usage.resident,
+            working_set: usage.resident,
+            rss: usage.anonymous,
+            page_faults: usage.page_faults,
+            major_page_faults: usage.major_page_faults,
+            ..Memory::default()
+        }),
+    })
 }
 
 fn parse_process(stat: &str, status: &str, boot_time: Option<jiff::Timestamp>) -> ProcessUsage {
@@ -362,20 +391,16 @@ pub(super) async fn summary(State(state): State<ApiState>) -> Response {
         pods_json.push(pod_json);
     }
     let me = own_usage(node.boot_time);
-    let kubelet = json!({
-        "name": "kubelet",
-        "startTime": time(me.started.or(node.boot_time).unwrap_or(now_ts)),
-        "cpu": cpu_json(&state.rates, "system/kubelet", &now, me.cpu_ns),
-        "memory": memory_json(&now, Memory {
-            usage: me.resident,
-            working_set: me.resident,
-            rss: me.anonymous,
-            page_faults: me.page_faults,
-            major_page_faults: me.major_page_faults,
-            ..Memory::default()
-        }),
-    });
-    let all_pods = json!({
+    let booted = node.boot_time.unwrap_or(now_ts);
+    let mut system_containers = vec![system_container(&state.rates, "kubelet", &me, booted, &now)];
+    let runtime = match &state.provider {
+        Some(provider) => provider.runtime_process().await,
+        None => None,
+    };
+    if let Some(usage) = runtime.and_then(|pid| process_usage(&pid.to_string(), node.boot_time)) {
+        system_containers.push(system_container(&state.rates, "runtime", &usage, booted, &now));
+    }
+    system_containers.push(json!({
         "name": "pods",
         "startTime": time(me.started.or(node.boot_time).unwrap_or(now_ts)),
         "cpu": cpu_json(&state.rates, "system/pods", &now, sum(all_cpu.into_iter())),
@@ -388,10 +413,10 @@ pub(super) async fn summary(State(state): State<ApiState>) -> Response {
             // What pods may still take before the node's memory runs out.
             available: node.memory_available,
         }),
-    });
+    }));
     let node_json = json!({
         "nodeName": state.http.views.node_name,
-        "systemContainers": [kubelet, all_pods],
+        "systemContainers": system_containers,
         "startTime": time(node.boot_time.unwrap_or(now_ts)),
         "cpu": cpu_json(&state.rates, "node", &now, node.cpu_ns),
         "memory": memory_json(&now, Memory {

@@ -272,7 +272,8 @@ spec:
     assert!(page.contains("/kubepods/"), "the container pod's cgroup: {page}");
 
     // `/stats/summary` with what upstream's readers dereference: the
-    // node's RSS and page faults, the `kubelet` system container, rlimit.
+    // node's RSS and page faults, the `kubelet`, `runtime` and `pods` system
+    // containers, rlimit.
     let (code, summary) =
         rustlet_testkit::https::get(api, "/stats/summary", rustlet_testkit::https::Credentials::Anonymous)
             .await
@@ -296,6 +297,10 @@ spec:
         assert!(positive(&kubelet["memory"][key]), "kubelet memory {key}: {kubelet}");
     }
     assert!(positive(&kubelet["cpu"]["usageCoreNanoSeconds"]), "{kubelet}");
+    // The runtime: containerd, the process at the other end of its socket.
+    let runtime = system("runtime").unwrap_or_else(|| panic!("the runtime system container: {node_stats}"));
+    assert!(positive(&runtime["memory"]["rssBytes"]) && positive(&runtime["cpu"]["usageCoreNanoSeconds"]), "{runtime}");
+    assert_ne!(runtime["memory"]["rssBytes"], kubelet["memory"]["rssBytes"], "another process than the node's");
     let pods_container = system("pods").unwrap_or_else(|| panic!("the pods system container: {node_stats}"));
     assert!(positive(&pods_container["memory"]["workingSetBytes"]), "{pods_container}");
     let stats_of =

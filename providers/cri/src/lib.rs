@@ -1243,6 +1243,14 @@ impl Provider for CriProvider {
         Ok(())
     }
 
+    async fn runtime_process(&self) -> Option<u32> {
+        // The process at the other end of the runtime's socket.
+        let path = socket_path_of(&self.inner.config.endpoint);
+        let stream =
+            tokio::time::timeout(Duration::from_secs(2), tokio::net::UnixStream::connect(path)).await.ok()?.ok()?;
+        stream.peer_cred().ok()?.pid().and_then(|pid| u32::try_from(pid).ok()).filter(|pid| *pid > 0)
+    }
+
     async fn image_fs_path(&self) -> Option<std::path::PathBuf> {
         // The runtime's image file system (`ImageFsInfo`), by its mount point.
         let mut images = self.images().await.ok()?;
