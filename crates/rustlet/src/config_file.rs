@@ -178,7 +178,10 @@ pub(crate) fn parse(text: &str) -> Result<FileSettings, String> {
                 taints.join(",")
             }
         };
-        if text.is_empty() {
+        // An empty threshold map is a setting of its own: upstream's
+        // defaulting fills only a missing one, so `evictionHard: {}` means no
+        // hard thresholds (the flag given empty), not the defaults.
+        if text.is_empty() && !matches!(form, Form::Thresholds) {
             continue;
         }
         settings.flags.push((flag.replace('-', "_"), format!("--{flag}={text}")));
@@ -301,6 +304,16 @@ mod tests {
         // The same as JSON.
         let json = r#"{"apiVersion": "kubelet.config.k8s.io/v1beta1", "kind": "KubeletConfiguration", "maxPods": 9}"#;
         assert_eq!(parse(json).expect("json").flags, [("max_pods".to_owned(), "--max-pods=9".to_owned())]);
+    }
+
+    #[test]
+    fn an_empty_threshold_map_means_none_and_a_missing_one_the_defaults() {
+        let text = "apiVersion: kubelet.config.k8s.io/v1beta1\nkind: KubeletConfiguration\nevictionHard: {}\n\
+                    imageGCHighThresholdPercent: 100\n";
+        let flags: Vec<String> = parse(text).expect("parsed").flags.into_iter().map(|(_, f)| f).collect();
+        assert_eq!(flags, ["--image-gc-high-threshold=100", "--eviction-hard="]);
+        let text = "apiVersion: kubelet.config.k8s.io/v1beta1\nkind: KubeletConfiguration\nmaxPods: 5\n";
+        assert_eq!(parse(text).expect("parsed").flags, [("max_pods".to_owned(), "--max-pods=5".to_owned())]);
     }
 
     #[test]
